@@ -1,0 +1,36 @@
+"""megarl: Megatron-native RL post-training for LLMs."""
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6",
+    "megatron-core>=0.16.1",
+    "ray>=2.40",
+    "transformers>=4.45",
+    "tokenizers>=0.20",
+    "safetensors>=0.4",
+    "pyarrow>=15",
+    "numpy",
+    "tensorboard>=2.15",
+    "pyyaml>=6",
+    "psutil>=5.9",
+    "tqdm>=4.66",
+    "rich>=13",
+]
+
+# GPU-only: never imported on CPU code paths (imports are lazy).
+GPU = ["sglang", "transformer-engine[pytorch]"]
+
+TEST = ["pytest>=8", "pytest-timeout>=2.3"]
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-native RL post-training (PPO, GRPO family, SFT, DPO) with SGLang rollout",
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require={"gpu": GPU, "test": TEST},
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)

@@ -1,0 +1,3 @@
+"""megarl: Megatron-native RL post-training for LLMs."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,56 @@
+"""The `megarl` command. Each subcommand hands off to the package that owns the work."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarl.config import load_and_validate, load_config, to_yaml
+from megarl.config.args import add_experiment_args, entry_point
+
+
+def _config_show(args) -> int:
+    config = load_config(args.config, args.overrides)
+    if not args.no_validate:
+        config = load_and_validate(args.config, args.overrides)
+    sys.stdout.write(to_yaml(config))
+    return 0
+
+
+def _train(args) -> int:
+    from megarl.trainer import main_ppo
+
+    argv = (["--config", args.config] if args.config else []) + (["--dry-run"] if args.dry_run else [])
+    return main_ppo.main(argv + args.overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description="Megatron-native RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    config = sub.add_parser("config", help="inspect experiment configs")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config as YAML (after validation)")
+    add_experiment_args(show)
+    show.add_argument("--no-validate", action="store_true", help="print even if the config does not validate")
+    show.set_defaults(func=_config_show)
+
+    train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")
+    add_experiment_args(train)
+    train.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    train.set_defaults(func=_train)
+    return parser
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + extra  # overrides given after an option
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

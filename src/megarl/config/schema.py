@@ -1,0 +1,298 @@
+"""The experiment schema: verl's config groups as typed dataclasses.
+
+Units are stated where a number could mean two things. Batch sizes named `*_batch_size` count
+**prompts**; a prompt yields `actor_rollout_ref.rollout.n` responses. Micro-batch sizes named
+`*_per_gpu` count **responses** (sequences) on one data-parallel rank.
+
+Fields typed `dict[str, Any]` are free-form: `+a.b.new_key=value` may add keys below them. Every
+other key is fixed by this schema, and an unknown one is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "remax",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+# --------------------------------------------------------------------------------------------
+# algorithm.*
+# --------------------------------------------------------------------------------------------
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000  # adaptive: steps over which the coefficient moves toward target_kl
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose `metric` is equal for every response."""
+
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 0  # 0: no cap on extra generation rounds
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal[KL_TYPES] = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# data.*
+# --------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # default: the model's own tokenizer
+    train_files: list[str] = field(default_factory=list)  # parquet; a single path is accepted
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512  # tokens
+    max_response_length: int = 512  # tokens
+    train_batch_size: int = 1024  # prompts per RL step
+    val_batch_size: Optional[int] = None  # prompts; None: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = True
+    truncation: Literal["error", "left", "right"] = "error"  # when not filtering overlong prompts
+    return_raw_chat: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron parallelism and optimizer, shared by actor, reference, critic, reward model.
+# --------------------------------------------------------------------------------------------
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 42
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.0
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: Literal["constant", "cosine", "linear"] = "constant"
+    total_training_steps: int = -1  # -1: filled in from the trainer's step count
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    clip_grad: float = 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# actor_rollout_ref.*
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF checkpoint directory (or hub id on machines that can download)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    tokenizer_path: Optional[str] = None
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)  # free-form HF config overrides
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"  # gspo: sequence-level importance ratios
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["megatron"] = "megatron"
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384  # tokens per micro-batch when use_dynamic_bsz
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None: clip_ratio
+    clip_ratio_high: Optional[float] = None  # None: clip_ratio (DAPO clip-higher sets e.g. 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal[KL_TYPES] = "low_var_kl"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses; None: actor's
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class ValSamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["sglang", "cpu"] = "sglang"  # cpu: megarl's CPU engine speaking SGLang's protocol
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    do_sample: bool = True
+    prompt_length: Optional[int] = None  # None: data.max_prompt_length
+    response_length: Optional[int] = None  # None: data.max_response_length
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    tensor_model_parallel_size: int = 1  # GPUs per rollout server
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory SGLang may take
+    free_cache_engine: bool = True  # release KV cache while training (colocated)
+    max_concurrent_requests: int = 256  # in-flight /generate requests per client
+    request_timeout_s: float = 600.0
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
+    update_weights_bucket_megabytes: int = 512
+    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# critic.*, reward_model.*, custom_reward_function.*
+# --------------------------------------------------------------------------------------------
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # None: actor_rollout_ref.model.path
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: on exactly when algorithm.adv_estimator is gae
+    strategy: Literal["megatron"] = "megatron"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: Optional[int] = None  # prompts; None: actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # None: actor's
+    cliprange_value: float = 0.5
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RewardModelSubConfig:
+    path: Optional[str] = None
+    input_tokenizer: Optional[str] = None  # None: the model's own
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    strategy: Literal["megatron"] = "megatron"
+    model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # responses
+    max_length: Optional[int] = None  # tokens
+    reward_manager: Literal["naive", "dapo"] = "naive"
+    overlong_buffer_len: int = 0  # DAPO soft overlong penalty window (tokens); 0: off
+    overlong_penalty_factor: float = 1.0
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # a Python file
+    name: str = "compute_score"  # fn(data_source, solution_str, ground_truth, extra_info)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# trainer.*, placement.*
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    project_name: str = "megarl"
+    experiment_name: str = "default"
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # logical GPUs on machines without one
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # None: epochs x batches per epoch
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    log_val_generations: int = 0
+    val_before_train: bool = True
+    test_freq: int = -1  # steps; -1: never
+    save_freq: int = -1  # steps; -1: never
+    critic_warmup: int = 0  # steps that update only the critic
+    balance_batch: bool = True
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: Optional[str] = None
+    default_local_dir: str = "checkpoints"  # checkpoints go to <dir>/<project>/<experiment>/
+    max_actor_ckpt_to_keep: Optional[int] = None  # None: keep all
+    max_critic_ckpt_to_keep: Optional[int] = None
+    seed: int = 1
+
+
+@dataclass
+class PlacementConfig:
+    """How the trainer.nnodes x trainer.n_gpus_per_node GPUs are shared out.
+
+    colocate: every role time-shares all GPUs. split: rollout servers get `rollout_gpus` GPUs
+    and the training roles (actor, critic, reference, reward model) share the rest.
+    """
+
+    mode: Literal["colocate", "split"] = "colocate"
+    rollout_gpus: int = 0  # split only
+
+
+@dataclass
+class ExperimentConfig:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)

@@ -1,0 +1,49 @@
+"""Checks of the machine against a validated config, before any worker starts.
+
+Static checks live in megarl.config.validate (they pass on any machine, so a config can be
+validated on a laptop); these look at files and devices, and name the key to fix.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from megarl.config import ConfigError, ExperimentConfig
+
+
+def _is_local_hf_checkpoint(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def check_environment(config: ExperimentConfig) -> None:
+    """Raise ConfigError listing every missing file or device the run would need."""
+    problems = []
+    for key, files in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
+        for f in files:
+            if not Path(f).is_file():
+                problems.append(f"{key}: file not found: {f}")
+    model = config.actor_rollout_ref.model.path
+    if model and not _is_local_hf_checkpoint(model):
+        problems.append(
+            f"actor_rollout_ref.model.path={model!r}: not a local HF checkpoint directory (no config.json there). "
+            "Download it first (e.g. huggingface-cli download <id> --local-dir DIR) and pass the directory"
+        )
+    reward_fn = config.custom_reward_function.path
+    if reward_fn and not Path(reward_fn).is_file():
+        problems.append(f"custom_reward_function.path: file not found: {reward_fn}")
+
+    wants_gpu = config.trainer.device == "cuda" or config.actor_rollout_ref.rollout.name == "sglang"
+    if wants_gpu:
+        import torch  # deferred: the config layer must stay torch-free
+
+        if not torch.cuda.is_available():
+            problems.append(
+                "this machine has no CUDA GPU, but the config needs one "
+                f"(trainer.device={config.trainer.device}, actor_rollout_ref.rollout.name="
+                f"{config.actor_rollout_ref.rollout.name}); on CPU use trainer.device=cpu "
+                "actor_rollout_ref.rollout.name=cpu"
+            )
+        elif config.actor_rollout_ref.rollout.name == "sglang" and importlib.util.find_spec("sglang") is None:
+            problems.append("actor_rollout_ref.rollout.name=sglang: sglang is not installed (pip install -e .[gpu])")
+    if problems:
+        raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))

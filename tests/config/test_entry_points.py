@@ -1,0 +1,94 @@
+"""The commands users type: the seed command line, `megarl config show`, exit codes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+SEED = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=/data/train.parquet",
+    "data.val_files=/data/val.parquet",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct",
+    "actor_rollout_ref.rollout.name=sglang",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+]
+
+
+def run(*args, cwd=REPO):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_seed_command_line_validates_with_dry_run(tmp_path):
+    r = run("-m", "megarl.trainer.main_ppo", *SEED, "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "config OK" in r.stdout
+    assert "1 node(s) x 8 = 8" in r.stdout
+    assert "1024 prompts x n=1 = 1024 responses" in r.stdout
+
+
+def test_seed_command_line_real_run_fails_clearly_without_model_or_gpu(tmp_path):
+    r = run("-m", "megarl.trainer.main_ppo", *SEED, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "data.train_files: file not found: /data/train.parquet" in r.stderr
+    assert "actor_rollout_ref.model.path='Qwen/Qwen2.5-7B-Instruct': not a local HF checkpoint directory" in r.stderr
+    assert "no CUDA GPU" in r.stderr
+
+
+def test_config_show_prints_nested_resolved_yaml(tmp_path):
+    r = run("-m", "megarl.cli", "config", "show", *SEED, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert tree["algorithm"]["adv_estimator"] == "grpo"
+    assert tree["trainer"]["n_gpus_per_node"] == 8
+    assert tree["actor_rollout_ref"]["actor"]["clip_ratio_low"] == 0.2  # resolved from clip_ratio
+
+
+def test_config_show_with_file_and_overrides_after_options():
+    r = run("-m", "megarl.cli", "config", "show", "trainer.nnodes=1", "--config", "configs/quickstart.yaml",
+            "trainer.total_training_steps=7")
+    assert r.returncode == 0, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert tree["trainer"]["total_training_steps"] == 7
+    assert tree["trainer"]["project_name"] == "megarl"  # from configs/base.yaml via defaults:
+    assert tree["algorithm"]["adv_estimator"] == "grpo"
+
+
+def test_config_mistake_exits_2_with_one_message_and_no_traceback():
+    r = run("-m", "megarl.cli", "config", "show", *SEED, "trainer.n_gpu_per_node=8")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "did you mean 'trainer.n_gpus_per_node'?" in r.stderr
+    r = run("-m", "megarl.trainer.main_ppo", *SEED, "data.train_batch_size=1000", "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "ppo_mini_batch_size=256 prompts must divide data.train_batch_size=1000 prompts" in r.stderr
+
+
+def test_megarl_console_script_installed():
+    exe = Path(sys.executable).parent / "megarl"
+    r = subprocess.run([str(exe), "config", "show", "--config", str(REPO / "configs/quickstart.yaml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "adv_estimator: grpo" in r.stdout
+
+
+def test_config_package_imports_no_heavy_frameworks():
+    code = "import sys, megarl.config, megarl.cli; print(sorted(m for m in ('torch','ray','megatron') if m in sys.modules))"
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_every_shipped_config_validates():
+    configs = sorted((REPO / "configs").rglob("*.yaml"))
+    experiments = [c for c in configs if c.name != "base.yaml"]
+    assert experiments
+    for path in experiments:
+        r = run("-m", "megarl.trainer.main_ppo", "--config", str(path), "--dry-run")
+        assert r.returncode == 0, f"{path}: {r.stderr}"

@@ -1,0 +1,145 @@
+"""Validation: impossible values, placement and the batch-size arithmetic in stated units."""
+import logging
+
+import pytest
+
+from megarl.config import ConfigError, batch_plan, load_and_validate
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+
+
+def ok(*overrides):
+    return load_and_validate(None, REQUIRED + list(overrides))
+
+
+def fails(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        ok(*overrides)
+    return str(info.value)
+
+
+def test_required_keys():
+    with pytest.raises(ConfigError) as info:
+        load_and_validate(None, [])
+    msg = str(info.value)
+    assert "actor_rollout_ref.model.path: required" in msg
+    assert "data.train_files: required" in msg
+
+
+def test_resolve_fills_derived_defaults():
+    c = ok("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_prompt_length=100")
+    actor = c.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.28)
+    assert c.actor_rollout_ref.rollout.prompt_length == 100
+    assert c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert c.critic.enable is True  # default estimator is gae
+    assert c.critic.model.path == "/models/m"
+    assert ok("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2").critic.enable is False
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["data.train_batch_size=0"], "data.train_batch_size=0: must be a positive integer"),
+        (["actor_rollout_ref.rollout.n=-1"], "actor_rollout_ref.rollout.n=-1: must be a positive integer"),
+        (["trainer.save_freq=0"], "trainer.save_freq=0: must be a positive integer or -1 (never)"),
+        (["algorithm.gamma=1.5"], "algorithm.gamma=1.5: must be in [0.0, 1.0]"),
+        (["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p=0.0: must be in (0.0, 1.0]"),
+        (["actor_rollout_ref.rollout.temperature=-0.1"], "temperature=-0.1: must be >= 0"),
+        (["actor_rollout_ref.rollout.top_k=0"], "top_k=0: must be a positive integer or -1"),
+        (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "dual-clip bound must be > 1"),
+        (["trainer.logger=[console,tensorbord]"], "trainer.logger: unknown logger 'tensorbord'"),
+        (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
+        (["algorithm.adv_estimator=gae", "critic.enable=false"], "algorithm.adv_estimator=gae needs a critic"),
+        (["trainer.device=cpu"], "rollout.name=sglang needs GPUs"),
+        (["reward_model.enable=true"], "reward_model.enable=true needs reward_model.model.path"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
+         "ppo_max_token_len_per_gpu=100 tokens is less than one full sequence"),
+        (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+         "needs actor_rollout_ref.actor.megatron.pipeline_model_parallel_size > 1"),
+    ],
+)
+def test_impossible_values(overrides, expected):
+    assert expected in fails(*overrides)
+
+
+def test_grpo_with_one_response_warns_but_validates(caplog):
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        ok("algorithm.adv_estimator=grpo")
+    assert "every advantage will be 0" in caplog.text
+
+
+# ---------------------------------------------------------------- batch-size arithmetic
+def test_batch_plan_good():
+    c = ok("algorithm.adv_estimator=grpo", "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.nnodes=2", "trainer.n_gpus_per_node=8")
+    plan = batch_plan(c)
+    assert plan.total_gpus == 16 and plan.train_gpus == 16
+    assert plan.actor_dp == 8  # 16 GPUs / TP 2
+    assert plan.responses_per_step == 512
+    assert plan.actor_mini_batches_per_epoch == 4  # 64 / 16 prompts
+    assert plan.actor_responses_per_mini_batch_per_rank == 16  # 16 x 8 / 8
+
+
+def test_mini_batch_must_divide_train_batch():
+    msg = fails("data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1")
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=4 prompts must divide data.train_batch_size=10 prompts" in msg
+    msg = fails("data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1")
+    assert "ppo_mini_batch_size=8 prompts is larger than data.train_batch_size=4 prompts" in msg
+
+
+def test_responses_must_split_over_data_parallel_ranks():
+    # 6 prompts x n=1 = 6 responses over DP 4: impossible; n=2 gives 12: fine for the step, but
+    # the mini-batch of 3 prompts x 2 = 6 responses still does not split over 4 ranks.
+    msg = fails("data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3", "trainer.n_gpus_per_node=4")
+    assert "data.train_batch_size=6 prompts x actor_rollout_ref.rollout.n=1 = 6 responses cannot be split evenly over the actor data-parallel size 4" in msg
+    msg = fails("data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.rollout.n=2",
+                "trainer.n_gpus_per_node=4")
+    assert "ppo_mini_batch_size=3 prompts x actor_rollout_ref.rollout.n=2 = 6 responses per mini-batch cannot be split evenly over the actor data-parallel size 4" in msg
+    ok("data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.rollout.n=4",
+       "trainer.n_gpus_per_node=4")
+
+
+def test_micro_batch_must_divide_per_rank_mini_batch():
+    msg = fails("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=3",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5", "trainer.n_gpus_per_node=2")
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5 responses must divide the 12 responses each actor data-parallel rank gets per mini-batch (8 prompts x 3 / DP 2)" in msg
+    # dynamic batch sizes use token budgets instead of a count: no divisibility needed
+    ok("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=3",
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5", "trainer.n_gpus_per_node=2",
+       "actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true")
+
+
+def test_critic_batches_checked_only_when_critic_on():
+    bad_critic = ["critic.ppo_micro_batch_size_per_gpu=5", "trainer.n_gpus_per_node=8"]
+    assert "critic.ppo_micro_batch_size_per_gpu=5 responses must divide" in fails("algorithm.adv_estimator=gae", *bad_critic)
+    ok("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", *bad_critic)
+
+
+def test_parallel_sizes_against_gpus():
+    msg = fails("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3")
+    assert "tensor_model_parallel_size=3: a TP group must stay inside one node, so it must divide trainer.n_gpus_per_node=8 (try 2)" in msg
+    msg = fails("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3")
+    assert "TP x PP x CP = 2 x 3 x 1 = 6 GPUs per model replica does not divide the 8 training GPUs" in msg
+    msg = fails("actor_rollout_ref.rollout.tensor_model_parallel_size=16", "trainer.nnodes=2")
+    assert "a rollout server stays inside one node" in msg
+    c = ok("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+           "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "trainer.nnodes=4")
+    assert batch_plan(c).actor_dp == 8
+
+
+def test_split_placement():
+    c = ok("placement.mode=split", "placement.rollout_gpus=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+           "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "data.train_batch_size=96",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=24")
+    plan = batch_plan(c)
+    assert (plan.train_gpus, plan.rollout_gpus, plan.rollout_servers, plan.actor_dp) == (12, 4, 2, 12)
+    assert "placement.rollout_gpus=0: with placement.mode=split it must leave GPUs for both pools (1 .. 7 of the 8 GPUs)" in fails("placement.mode=split")
+    assert "placement.rollout_gpus=8" in fails("placement.mode=split", "placement.rollout_gpus=8")
+    assert "placement.rollout_gpus=2 is used only with placement.mode=split" in fails("placement.rollout_gpus=2")
+    # split leaves 5 training GPUs: the default mini-batch (256 prompts) cannot split over DP 5
+    assert "actor data-parallel size 5" in fails("placement.mode=split", "placement.rollout_gpus=3")
