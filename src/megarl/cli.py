@@ -16,6 +16,27 @@ def _config_show(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from megarl.placement import format_gpu_map, plan_from_config
+    from megarl.placement.memory import ModelDims, estimate, format_estimate
+
+    config = load_and_validate(args.config, args.overrides)
+    plan = plan_from_config(config)
+    print(format_gpu_map(plan))
+    for role in plan.roles.values():
+        shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
+                 else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
+        print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
+    dims = ModelDims.from_checkpoint_dir(config.actor_rollout_ref.model.path)
+    if dims is None:
+        print(f"memory estimate skipped: no config.json under actor_rollout_ref.model.path="
+              f"{config.actor_rollout_ref.model.path!r}")
+        return 0
+    est = estimate(plan, config, dims)
+    print(format_estimate(est, plan, dims))
+    return 0 if est.fits else 1
+
+
 def _train(args) -> int:
     from megarl.trainer import main_ppo
 
@@ -33,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_args(show)
     show.add_argument("--no-validate", action="store_true", help="print even if the config does not validate")
     show.set_defaults(func=_config_show)
+
+    plan = sub.add_parser("plan", help="print the GPU map and a per-GPU memory estimate; non-zero if impossible")
+    add_experiment_args(plan)
+    plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")
     add_experiment_args(train)

@@ -284,6 +284,7 @@ class PlacementConfig:
 
     mode: Literal["colocate", "split"] = "colocate"
     rollout_gpus: int = 0  # split only
+    gpu_memory_gib: float = 80.0  # per GPU, for `megarl plan`'s memory estimate
 
 
 @dataclass

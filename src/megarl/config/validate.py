@@ -232,6 +232,8 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
             errors.append(f"actor_rollout_ref.actor.{key}={getattr(actor, key)}: must be > 0")
     if actor.clip_ratio_c <= 1:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c}: the dual-clip bound must be > 1")
+    if p.gpu_memory_gib <= 0:
+        errors.append(f"placement.gpu_memory_gib={p.gpu_memory_gib}: must be > 0")
     if actor.optim.lr <= 0:
         errors.append(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr}: must be > 0")
     if a.kl_ctrl.kl_coef < 0:

@@ -1,0 +1,43 @@
+"""Turn a validated experiment config into the planner's inputs, and plan."""
+from __future__ import annotations
+
+from megarl.config import ExperimentConfig
+from megarl.config.schema import MegatronConfig
+from megarl.placement.planner import ClusterSpec, Plan, RoleSpec, plan_placement
+
+TRAIN_POOL, ROLLOUT_POOL, SHARED_POOL = "train", "rollout", "shared"
+
+
+def _train_role(name: str, pool: str, m: MegatronConfig, prefix: str) -> RoleSpec:
+    return RoleSpec(name, pool, "train", tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                    cp=m.context_parallel_size, tp_key=f"{prefix}.megatron.tensor_model_parallel_size",
+                    pp_key=f"{prefix}.megatron.pipeline_model_parallel_size")
+
+
+def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[RoleSpec]]:
+    """(pool sizes in GPUs, role specs) for the experiment. The reference model exists when a KL
+    term needs it; the critic when enabled (GAE); the reward model when enabled."""
+    t, p, arr = config.trainer, config.placement, config.actor_rollout_ref
+    total = t.nnodes * t.n_gpus_per_node
+    if p.mode == "split":
+        pools = {TRAIN_POOL: total - p.rollout_gpus, ROLLOUT_POOL: p.rollout_gpus}
+        train_pool, rollout_pool = TRAIN_POOL, ROLLOUT_POOL
+    else:
+        pools = {SHARED_POOL: total}
+        train_pool = rollout_pool = SHARED_POOL
+    roles = [_train_role("actor", train_pool, arr.actor.megatron, "actor_rollout_ref.actor")]
+    if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        roles.append(_train_role("ref", train_pool, arr.ref.megatron, "actor_rollout_ref.ref"))
+    if config.critic.enable:
+        roles.append(_train_role("critic", train_pool, config.critic.megatron, "critic"))
+    if config.reward_model.enable:
+        roles.append(_train_role("reward_model", train_pool, config.reward_model.megatron, "reward_model"))
+    roles.append(RoleSpec("rollout", rollout_pool, "rollout", tp=arr.rollout.tensor_model_parallel_size,
+                          tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size"))
+    return pools, roles
+
+
+def plan_from_config(config: ExperimentConfig, node_names: tuple[str, ...] = ()) -> Plan:
+    pools, roles = roles_from_config(config)
+    cluster = ClusterSpec(config.trainer.nnodes, config.trainer.n_gpus_per_node, tuple(node_names))
+    return plan_placement(cluster, pools, roles)

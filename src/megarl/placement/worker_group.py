@@ -1,0 +1,137 @@
+"""Worker groups: the Ray actors of one role, one per rank (training) or per server (rollout),
+pinned to the bundles the plan gives them, with calls on all ranks that never wait forever.
+
+A role's actor class subclasses `RankedWorker`; the controller does
+
+    group = WorkerGroup(ActorWorker, plan.roles["actor"], pools)
+    group.init_process_group(backend="gloo")
+    losses = group.call("update_policy", batch, timeout_s=600)
+
+A rank that does not answer within the timeout, dies, or raises is reported by rank and node.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megarl.placement.planner import RolePlacement
+from megarl.placement.ray_pools import RealisedPools
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerGroupError(RuntimeError):
+    pass
+
+
+class RankedWorker:
+    """Base of every role's Ray actor class: knows its rank and sets up torch.distributed."""
+
+    def __init__(self, rank: int, world_size: int, role: str):
+        self.rank, self.world_size, self.role = rank, world_size, role
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+
+    def node_info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "pid": os.getpid(),
+        }
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return True
+
+
+class WorkerGroup:
+    """The actors of one role. Rank r of a training role sits on bundle r of its pool; rollout
+    server s on bundle s x TP (its first GPU)."""
+
+    def __init__(self, worker_cls: type, role: RolePlacement, pools: RealisedPools, *args,
+                 env: dict[str, str] | None = None, **kwargs):
+        self.role = role
+        group = pools.groups[role.pool]
+        node_names = [n.name for n in pools.nodes]
+        if role.kind == "rollout":
+            bundles = [server * role.tp for server in range(role.dp)]
+        else:
+            bundles = list(range(role.world_size))
+        self.locations = [node_names[role.devices[b].node] for b in bundles]
+        remote_cls = ray.remote(worker_cls)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=0,
+                num_gpus=role.gpu_fraction,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
+                runtime_env={"env_vars": dict(env or {})},
+            ).remote(rank, len(bundles), role.name, *args, **kwargs)
+            for rank, b in enumerate(bundles)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _where(self, rank: int) -> str:
+        return f"{self.role.name} rank {rank} on {self.locations[rank]}"
+
+    def _gather(self, refs: list, what: str, timeout_s: float) -> list:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            names = ", ".join(self._where(refs.index(r)) for r in pending)
+            raise WorkerGroupError(f"{what}: no answer within {timeout_s:g} s from {names}")
+        results, failures = [], []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except RayActorError as exc:
+                failures.append(f"{self._where(rank)} died: {str(exc).splitlines()[0]}")
+            except RayTaskError as exc:  # the method raised: its own type, message and traceback
+                cause = exc.cause
+                remote = _ANSI.sub("", str(exc)).strip().replace("\n", "\n      ")
+                failures.append(f"{self._where(rank)} raised {type(cause).__name__}: {cause}\n      {remote}")
+        if failures:
+            raise WorkerGroupError(f"{what} failed:\n" + "\n".join(f"  - {f}" for f in failures))
+        return results
+
+    def call(self, method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
+        """Call `method` with the same arguments on every rank; results in rank order."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return self._gather(refs, f"{self.role.name}.{method}", timeout_s)
+
+    def call_each(self, method: str, per_rank_args: list[tuple], timeout_s: float = 600.0) -> list:
+        """Call `method` on rank r with per_rank_args[r]; results in rank order."""
+        if len(per_rank_args) != len(self.actors):
+            raise ValueError(f"{len(per_rank_args)} argument tuples for {len(self.actors)} ranks")
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        return self._gather(refs, f"{self.role.name}.{method}", timeout_s)
+
+    def init_process_group(self, backend: str = "gloo", timeout_s: float = 120.0) -> tuple[str, int]:
+        """Form one torch.distributed group over the ranks, hosted by rank 0."""
+        addr, port = self._gather([self.actors[0].master_address.remote()], "master_address", timeout_s)[0]
+        self.call("init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s)
+        return addr, port
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

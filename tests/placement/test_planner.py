@@ -1,0 +1,163 @@
+"""The pure planner: split and colocated layouts, node sizes, multi-node shapes, every error."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megarl.config import load_and_validate
+from megarl.placement import ClusterSpec, Device, PlanError, RoleSpec, format_gpu_map, plan_from_config, plan_placement
+from megarl.placement.memory import ModelDims, estimate
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+
+
+def cfg(*overrides):
+    return load_and_validate(None, REQUIRED + list(overrides))
+
+
+def train(name, pool, tp=1, pp=1, cp=1):
+    return RoleSpec(name, pool, "train", tp=tp, pp=pp, cp=cp, tp_key=f"{name}.tp", pp_key=f"{name}.pp")
+
+
+def rollout(pool, tp=1):
+    return RoleSpec("rollout", pool, "rollout", tp=tp, tp_key="rollout.tp")
+
+
+def test_colocated_roles_share_every_gpu_with_fractions():
+    plan = plan_placement(ClusterSpec(2, 4), {"shared": 8},
+                          [train("actor", "shared", tp=2), train("ref", "shared"), rollout("shared", tp=2)])
+    actor, ref, roll = plan.roles["actor"], plan.roles["ref"], plan.roles["rollout"]
+    assert actor.devices == ref.devices == roll.devices
+    assert actor.devices[0] == Device(0, 0) and actor.devices[7] == Device(1, 3)
+    assert (actor.dp, ref.dp, roll.dp) == (4, 8, 4)
+    assert actor.gpu_fraction == pytest.approx(1 / 3)
+    assert roll.server_devices(1) == [Device(0, 2), Device(0, 3)]
+    assert plan.occupants()[Device(1, 1)] == [("actor", 5), ("ref", 5), ("rollout", 5)]
+
+
+def test_split_pools_are_disjoint_contiguous_and_node_aligned():
+    plan = plan_placement(ClusterSpec(4, 8), {"train": 16, "rollout": 16},
+                          [train("actor", "train", tp=4, pp=2), train("critic", "train", tp=2), rollout("rollout", tp=8)])
+    train_devs = set(plan.pools["train"].devices)
+    roll_devs = set(plan.pools["rollout"].devices)
+    assert not train_devs & roll_devs
+    assert plan.pools["train"].nodes == [0, 1] and plan.pools["rollout"].nodes == [2, 3]
+    assert plan.roles["actor"].dp == 2 and plan.roles["critic"].dp == 8 and plan.roles["rollout"].dp == 2
+    assert plan.roles["actor"].gpu_fraction == 0.5  # actor and critic share the train pool
+    assert plan.roles["rollout"].gpu_fraction == 1.0
+    # megatron rank order: TP fastest, so ranks 0-3 are one TP group on node 0
+    assert {d.node for d in plan.roles["actor"].devices[0:4]} == {0}
+
+
+@pytest.mark.parametrize("gpus_per_node, tp, ok", [(4, 4, True), (4, 8, False), (8, 8, True), (8, 4, True), (6, 4, False)])
+def test_tp_group_never_spans_nodes(gpus_per_node, tp, ok):
+    cluster = ClusterSpec(2, gpus_per_node)
+    size = 2 * gpus_per_node
+    if ok:
+        plan = plan_placement(cluster, {"p": size}, [train("actor", "p", tp=tp)])
+        for start in range(0, size, tp):
+            assert len({d.node for d in plan.roles["actor"].devices[start:start + tp]}) == 1
+    else:
+        with pytest.raises(PlanError, match="would span nodes|does not divide"):
+            plan_placement(cluster, {"p": size}, [train("actor", "p", tp=tp)])
+
+
+def test_rollout_server_starting_mid_node_cannot_span_nodes():
+    # train pool of 6 GPUs leaves the rollout pool starting at gpu 6 of node 0: a TP-4 server would
+    # take gpus 6,7 of node0 and 0,1 of node1.
+    with pytest.raises(PlanError) as info:
+        plan_placement(ClusterSpec(2, 8), {"train": 6, "rollout": 8}, [train("actor", "train"), rollout("rollout", tp=4)])
+    msg = str(info.value)
+    assert "rollout server" in msg and "would span nodes node0, node1" in msg and "rollout.tp=4" in msg
+
+
+def test_plan_errors_name_keys():
+    with pytest.raises(PlanError, match=r"the pools need 20 GPUs \(train=12, rollout=8\) but trainer.nnodes x trainer.n_gpus_per_node = 2 x 8 = 16"):
+        plan_placement(ClusterSpec(2, 8), {"train": 12, "rollout": 8}, [])
+    with pytest.raises(PlanError, match=r"one model replica needs TP x CP x PP = 4 x 1 x 4 = 16 GPUs but pool 'p' has 8; lower actor.tp / actor.pp"):
+        plan_placement(ClusterSpec(1, 8), {"p": 8}, [train("actor", "p", tp=4, pp=4)])
+    with pytest.raises(PlanError, match="TP x CP x PP = 3 GPUs per replica does not divide the 8 GPUs"):
+        plan_placement(ClusterSpec(1, 8), {"p": 8}, [train("actor", "p", pp=3)])
+    with pytest.raises(PlanError, match="rollout.tp=3 GPUs per server does not divide the 8 GPUs of pool 'p'; try rollout.tp=2"):
+        plan_placement(ClusterSpec(1, 8), {"p": 8}, [rollout("p", tp=3)])
+    with pytest.raises(PlanError, match="names pool 'nope'"):
+        plan_placement(ClusterSpec(1, 8), {"p": 8}, [train("actor", "nope")])
+    with pytest.raises(PlanError, match="every pool needs at least one"):
+        plan_placement(ClusterSpec(1, 8), {"p": 8, "q": 0}, [])
+    with pytest.raises(PlanError, match="3 node names given for trainer.nnodes=2"):
+        plan_placement(ClusterSpec(2, 8, ("a", "b", "c")), {"p": 8}, [])
+
+
+def test_plan_from_config_roles_follow_the_algorithm():
+    grpo = plan_from_config(cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"))
+    assert sorted(grpo.roles) == ["actor", "rollout"]
+    kl = plan_from_config(cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                              "actor_rollout_ref.actor.use_kl_loss=true"))
+    assert sorted(kl.roles) == ["actor", "ref", "rollout"]
+    ppo = plan_from_config(cfg("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true"))
+    assert sorted(ppo.roles) == ["actor", "critic", "ref", "rollout"]
+    assert ppo.roles["actor"].gpu_fraction == 0.25
+
+
+def test_split_from_config_and_gpu_map_text():
+    plan = plan_from_config(cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "placement.mode=split",
+                                "placement.rollout_gpus=4", "trainer.n_gpus_per_node=4", "trainer.nnodes=2",
+                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
+    text = format_gpu_map(plan)
+    assert "node0:\n  gpu0: [train] actor rank 0" in text
+    assert "node1:\n  gpu0: [rollout] rollout server 0" in text
+    assert "  gpu3: [rollout] rollout server 1" in text
+
+
+def test_plans_1024_nodes_in_well_under_a_second():
+    t0 = time.perf_counter()
+    plan = plan_placement(ClusterSpec(1024, 8), {"train": 4096, "rollout": 4096},
+                          [train("actor", "train", tp=8, pp=4), train("ref", "train", tp=4), rollout("rollout", tp=4)])
+    elapsed = time.perf_counter() - t0
+    assert plan.roles["actor"].dp == 128 and plan.roles["rollout"].dp == 1024
+    assert elapsed < 0.5, elapsed
+
+
+QWEN7B = {"vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944,
+          "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False}
+
+
+def test_memory_estimate_by_hand():
+    dims = ModelDims.from_hf_config(QWEN7B)
+    assert round(dims.total_params / 1e9, 2) == 7.62  # Qwen2.5-7B without biases: 7.6 B
+    c = cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "placement.mode=split",
+            "placement.rollout_gpus=4", "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4", "data.max_prompt_length=100",
+            "data.max_response_length=100", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    plan = plan_from_config(c)
+    est = estimate(plan, c, dims)
+    actor = est.roles[0]
+    params = dims.stage_params(1) / 4
+    assert actor.states == int(params * 2 + params * 4 + params * 12 / 1)  # DP 1: optimizer not sharded further
+    assert actor.activations == int(200 * 1 * 3584 * 34 / 4 * 28 + 200 * 152064 / 4 * 4)
+    assert est.rollout_reserved == int(0.5 * 80 * 1024**3)
+    assert est.peak == max(actor.states + actor.activations, est.rollout_reserved)
+    assert est.fits
+
+
+def test_megarl_plan_command(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN7B))
+    base = [sys.executable, "-m", "megarl.cli", "plan", "data.train_files=/x", f"actor_rollout_ref.model.path={model}",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "gpu7: [shared] actor rank 7, rollout server 7" in r.stdout
+    assert "actor: TP 2 x CP 1 x PP 1 x DP 4" in r.stdout
+    assert ": fits" in r.stdout
+    r = subprocess.run(base + ["placement.gpu_memory_gib=24"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
+    r = subprocess.run(base + ["placement.mode=split", "placement.rollout_gpus=2", "trainer.n_gpus_per_node=4",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "data.train_batch_size=8",
+                               "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=4" in r.stderr
