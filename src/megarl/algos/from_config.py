@@ -1,0 +1,40 @@
+"""Map sections of the experiment config to the keyword arguments of the algos functions.
+
+The algos functions take plain arguments; these helpers read a config section by attribute
+(`megarl.config.schema`) so the loop can write `actor_loss(..., **actor_loss_kwargs(cfg.actor))`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.algos.kl import KLController, make_kl_controller
+
+
+def advantage_kwargs(algorithm: Any) -> dict[str, Any]:
+    """algorithm.* -> compute_advantages keywords (besides the tensors and uids)."""
+    return {"gamma": algorithm.gamma, "lam": algorithm.lam, "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo}
+
+
+def actor_loss_kwargs(actor: Any) -> dict[str, Any]:
+    """actor_rollout_ref.actor.* -> actor_loss keywords; an unset clip_ratio_low/high means clip_ratio."""
+    return {
+        "clip_ratio_low": actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+        "clip_ratio_high": actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+        "clip_ratio_c": actor.clip_ratio_c,
+        "loss_agg_mode": actor.loss_agg_mode,
+        "loss_mode": actor.policy_loss.loss_mode,
+        "entropy_coeff": actor.entropy_coeff,
+        "use_kl_loss": actor.use_kl_loss,
+        "kl_loss_coef": actor.kl_loss_coef,
+        "kl_loss_type": actor.kl_loss_type,
+    }
+
+
+def value_loss_kwargs(critic: Any) -> dict[str, Any]:
+    """critic.* -> value_loss keywords."""
+    return {"cliprange_value": critic.cliprange_value, "loss_agg_mode": critic.loss_agg_mode}
+
+
+def kl_controller(kl_ctrl: Any) -> KLController:
+    """algorithm.kl_ctrl -> the fixed or adaptive controller of the in-reward KL coefficient."""
+    return make_kl_controller(kl_ctrl.type, kl_ctrl.kl_coef, target_kl=kl_ctrl.target_kl, horizon=kl_ctrl.horizon)

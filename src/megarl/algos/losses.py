@@ -1,0 +1,230 @@
+"""Policy, value and actor losses with verl's loss aggregation modes.
+
+Inputs are per-token `[batch, response_len]` tensors with `response_mask` (1 = real response
+token). Log-probabilities are of the sampled tokens, in nats. Every loss returns
+`(loss, metrics)`: `loss` a 0-dim tensor carrying gradients, `metrics` a dict of detached 0-dim
+tensors (call `.item()` when logging).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.algos.kl import kl_penalty
+from megarl.algos.masked import masked_count, masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSS_MODES = ("vanilla", "gspo")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss `[batch, response_len]` to a scalar. With m the mask, L the loss:
+
+    token-mean               sum_{i,t} m L / N_tok
+    seq-mean-token-sum       sum_i (sum_t m L) / N_seq
+    seq-mean-token-mean      sum_i (sum_t m L / sum_t m) / N_seq
+    seq-mean-token-sum-norm  sum_i (sum_t m L) / (N_seq * T)        (Dr.GRPO: a constant length T)
+
+    N_tok = `num_tokens`, default the valid tokens here; N_seq = `num_seqs`, default the rows here
+    with at least one valid token (a row without one contributes 0); T = `norm_length`, default
+    `response_len` (pass `data.max_response_length` when micro-batches are padded to different
+    lengths). When a mini-batch is cut into micro-batches whose losses are summed, pass the
+    mini-batch's N_tok and N_seq so the sum equals the mini-batch loss. Denominators below 1 are
+    taken as 1, so an empty batch gives 0, never NaN.
+    """
+    if loss_agg_mode == "token-mean":
+        denominator = masked_count(loss_mask, dtype=loss_mat.dtype) if num_tokens is None else num_tokens
+        return masked_sum(loss_mat, loss_mask) / _at_least_one(denominator, loss_mat)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose from {list(LOSS_AGG_MODES)}")
+    token_sum = masked_sum(loss_mat, loss_mask, dim=-1)
+    tokens = masked_count(loss_mask, dim=-1, dtype=loss_mat.dtype)
+    seqs = (tokens > 0).sum().to(loss_mat.dtype) if num_seqs is None else num_seqs
+    seqs = _at_least_one(seqs, loss_mat)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return token_sum.sum() / seqs
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (token_sum / tokens.clamp(min=1)).sum() / seqs
+    length = loss_mat.shape[-1] if norm_length is None else norm_length
+    return token_sum.sum() / (seqs * length)
+
+
+def _at_least_one(value, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_mean(flags.to(torch.float32), mask)
+
+
+def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """KL of the update from the per-token log-ratio; statistics of the ratio used in the loss."""
+    valid = mask.bool()
+    any_valid = valid.any()  # without a valid token, max and min report 1
+    return {
+        "ppo_kl": masked_mean(-log_ratio, mask),  # k1 estimate of KL(old || new)
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3 estimate, >= 0
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 1.0),
+        "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 1.0),
+    }
+
+
+def policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate, aggregated by `agg_loss`.
+
+    vanilla: r_t = exp(log_prob - old_log_prob) (log-ratio clamped to [-20, 20]);
+        L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); for A < 0 the
+        dual clip (Ye et al. 2019) further bounds L_t <= -A * clip_ratio_c. Separate low/high
+        bounds give DAPO's clip-higher.
+    gspo: one ratio per response, s_i = exp(mean_t(log_prob - old_log_prob)) (Zheng et al. 2025),
+        used at every token as sg[s_i] * pi / sg[pi] so the gradient is s_i * mean_t grad log pi;
+        L_t = max(-A s, -A clip(s, 1 - low, 1 + high)); no dual clip. The paper's objective is
+        `loss_agg_mode="seq-mean-token-mean"`.
+
+    Metrics: pg_loss; pg_clipfrac (share of valid tokens where clipping is active),
+    pg_clipfrac_high (clipped with A > 0: ratio above 1 + high), pg_clipfrac_low (clipped with
+    A < 0: ratio below 1 - low), pg_clipfrac_dual (dual clip active); ppo_kl (mean of
+    old_log_prob - log_prob), approx_kl (k3, >= 0); ratio_mean/max/min.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1")
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    if loss_mode == "vanilla":
+        ratio = torch.exp(log_ratio)
+    elif loss_mode == "gspo":
+        seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)
+        ratio = torch.exp(torch.clamp(seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach(), max=10.0))
+    else:
+        raise ValueError(f"unknown policy loss_mode {loss_mode!r}; choose from {list(POLICY_LOSS_MODES)}")
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    ppo = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if loss_mode == "vanilla":
+        dual_bound = -advantages * clip_ratio_c
+        dual_active = (advantages < 0) & (ppo > dual_bound)
+        loss_mat = torch.where(advantages < 0, torch.minimum(ppo, dual_bound), ppo)
+    else:
+        dual_active = torch.zeros_like(clip_active)
+        loss_mat = ppo
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode,
+                    num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": loss.detach(),
+            "pg_clipfrac": _fraction(clip_active, response_mask),
+            "pg_clipfrac_high": _fraction(clip_active & (advantages > 0), response_mask),
+            "pg_clipfrac_low": _fraction(clip_active & (advantages < 0), response_mask),
+            "pg_clipfrac_dual": _fraction(dual_active, response_mask),
+        }
+        metrics.update(_ratio_metrics(ratio.detach(), log_ratio.detach(), response_mask))
+    return loss, metrics
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: 0.5 * agg(max((v - R)^2, (v_clip - R)^2)) with
+    v_clip = old_v + clip(v - old_v, -cliprange_value, cliprange_value).
+
+    Metrics: vf_loss, vf_clipfrac (share of valid tokens where the clipped term is larger),
+    vpred_mean.
+    """
+    vpred_clipped = old_values + torch.clamp(vpreds - old_values, -cliprange_value, cliprange_value)
+    unclipped = (vpreds - returns) ** 2
+    clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode,
+                          num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    with torch.no_grad():
+        metrics = {
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": _fraction(clipped > unclipped, response_mask),
+            "vpred_mean": masked_mean(vpreds.detach(), response_mask),
+        }
+    return loss, metrics
+
+
+def actor_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    entropy: Optional[torch.Tensor] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "low_var_kl",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's loss: policy_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl).
+
+    `entropy` is the per-token entropy `[batch, response_len]` (see `megarl.algos.entropy`),
+    needed when entropy_coeff != 0 and reported whenever given. With `use_kl_loss` the KL to the
+    reference (`ref_log_prob`, estimator `kl_loss_type`) is added, aggregated like the policy loss.
+    Metrics: those of `policy_loss`, plus entropy, kl_loss, kl_coef where used, and actor_loss.
+    """
+    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    loss, metrics = policy_loss(
+        old_log_prob, log_prob, advantages, response_mask,
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, **agg,
+    )
+    if entropy_coeff != 0 and entropy is None:
+        raise ValueError(f"entropy_coeff={entropy_coeff} needs the per-token entropy")
+    if entropy is not None:
+        entropy_agg = agg_loss(entropy, response_mask, loss_agg_mode, **agg)
+        loss = loss - entropy_coeff * entropy_agg
+        metrics["entropy"] = entropy_agg.detach()
+    if use_kl_loss:
+        if ref_log_prob is None:
+            raise ValueError("use_kl_loss=True needs ref_log_prob (the reference model's log-probs)")
+        kl = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode, **agg)
+        loss = loss + kl_loss_coef * kl
+        metrics["kl_loss"] = kl.detach()
+        metrics["kl_coef"] = loss.new_tensor(float(kl_loss_coef))
+    metrics["actor_loss"] = loss.detach()
+    return loss, metrics

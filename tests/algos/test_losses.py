@@ -1,0 +1,209 @@
+"""Loss aggregation, PPO/GSPO policy loss, value loss, actor loss: by hand, properties, loop cross-check."""
+import math
+import typing
+
+import pytest
+import torch
+
+from megarl.algos.kl import kl_penalty
+from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSS_MODES, actor_loss, agg_loss, policy_loss, value_loss
+from megarl.config import schema
+
+NAN = float("nan")
+
+
+def test_names_are_the_config_names():
+    assert LOSS_AGG_MODES == schema.LOSS_AGG_MODES
+    hints = typing.get_type_hints(schema.PolicyLossConfig)
+    assert POLICY_LOSS_MODES == typing.get_args(hints["loss_mode"])
+
+
+# -------------------------------------------------------------------------- aggregation
+LOSS = torch.tensor([[1.0, 2.0, NAN], [4.0, NAN, NAN], [NAN, NAN, NAN]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 3 has no valid token
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 4) / 3),
+        ("seq-mean-token-sum", (3 + 4) / 2),
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", (3 + 4) / (2 * 3)),
+    ],
+)
+def test_agg_loss_by_hand(mode, expected):
+    assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
+
+
+def test_agg_loss_norm_length_and_overrides():
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(7 / 20)
+    assert agg_loss(LOSS, MASK, "token-mean", num_tokens=14).item() == pytest.approx(0.5)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=7).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_of_nothing_is_zero(mode):
+    assert agg_loss(LOSS, torch.zeros_like(MASK), mode).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_with_global_counts_sum_to_the_mini_batch_loss(mode):
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(8, 6, generator=gen) < 0.6).long()
+    mask[:, 0] = 1
+    full = agg_loss(loss, mask, mode)
+    counts = dict(num_tokens=mask.sum().item(), num_seqs=8, norm_length=6)
+    parts = [agg_loss(loss[rows], mask[rows], mode, **counts) for rows in (slice(0, 3), slice(3, 8))]
+    assert sum(parts).item() == pytest.approx(full.item(), rel=1e-12)
+
+
+# -------------------------------------------------------------------------- PPO by hand
+def ppo_case():
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 9.0]])
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5, 5.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    old = torch.full((1, 6), -1.0)
+    log_prob = (old + ratios.log()).requires_grad_()
+    return old, log_prob, advantages, mask
+
+
+def test_ppo_loss_clip_higher_and_dual_clip_by_hand():
+    old, log_prob, adv, mask = ppo_case()
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    # t0: A=1, r=1.5 -> clipped at 1.28: -1.28    t1: A=1, r=.5 -> -0.5 (no clip below for A>0)
+    # t2: A=-1, r=.5 -> clipped at .8: 0.8        t3: A=-1, r=1.5 -> 1.5 (no clip above for A<0)
+    # t4: A=-1, r=5 -> 5, dual clip bounds it at 3
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.5 + 3.0) / 5)
+    assert m["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    assert m["pg_clipfrac_high"].item() == pytest.approx(1 / 5)
+    assert m["pg_clipfrac_low"].item() == pytest.approx(1 / 5)
+    assert m["pg_clipfrac_dual"].item() == pytest.approx(1 / 5)
+    assert m["ratio_max"].item() == pytest.approx(5.0) and m["ratio_min"].item() == pytest.approx(0.5)
+    assert m["ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 0.5 + 1.5 + 5) / 5)
+    assert m["ppo_kl"].item() == pytest.approx(-sum(math.log(r) for r in (1.5, 0.5, 0.5, 1.5, 5)) / 5)
+    loss.backward()
+    # gradient flows only through unclipped tokens: d(-A r)/d log_prob = -A r, over 5 tokens
+    assert log_prob.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 5, 0.0, 1.5 / 5, 0.0, 0.0])
+
+
+def test_ppo_equals_vanilla_policy_gradient_at_ratio_one():
+    gen = torch.Generator().manual_seed(0)
+    for mode in LOSS_AGG_MODES:
+        log_prob = torch.randn(4, 7, generator=gen, dtype=torch.float64).requires_grad_()
+        adv = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+        mask = (torch.rand(4, 7, generator=gen) < 0.7).long()
+        loss, m = policy_loss(log_prob.detach(), log_prob, adv, mask, loss_agg_mode=mode)
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        reinforce = agg_loss(-adv * log_prob, mask, mode)
+        (expected_grad,) = torch.autograd.grad(reinforce, log_prob)
+        assert loss.item() == pytest.approx(agg_loss(-adv, mask, mode).item(), rel=1e-12)
+        assert torch.allclose(grad, expected_grad, atol=1e-14)
+        assert m["pg_clipfrac"].item() == 0 and m["ppo_kl"].item() == 0 and m["approx_kl"].item() == 0
+
+
+def loop_ppo(old, new, adv, mask, low, high, c):
+    """Token-mean clipped PPO with dual clip, written out with scalars."""
+    total, count = 0.0, 0
+    for o_row, n_row, a_row, m_row in zip(old, new, adv, mask):
+        for o, n, a, m in zip(o_row, n_row, a_row, m_row):
+            if not m:
+                continue
+            r = math.exp(n - o)
+            term = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+            if a < 0:
+                term = min(term, -a * c)
+            total += term
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ppo_matches_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(6, 9, generator=gen, dtype=torch.float64) - 2
+    new = old + 0.6 * torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    adv = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(6, 9, generator=gen) < 0.8).long()
+    loss, m = policy_loss(old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    expected = loop_ppo(old.tolist(), new.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 3.0)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert 0 < m["pg_clipfrac"].item() < 1 and m["approx_kl"].item() > 0
+
+
+def test_padding_never_reaches_the_policy_loss():
+    old, log_prob, adv, mask = ppo_case()
+    clean, _ = policy_loss(old, log_prob, adv, mask)
+    dirty_adv = adv.masked_fill(~mask.bool(), NAN)
+    dirty_old = old.masked_fill(~mask.bool(), -1e30)
+    dirty, metrics = policy_loss(dirty_old, log_prob, dirty_adv, mask)
+    assert dirty.item() == clean.item()
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_gspo_uses_one_ratio_per_response():
+    old = torch.zeros(2, 3)
+    log_prob = torch.log(torch.tensor([[1.1, 1.1, 7.0], [0.8, 1.0, 7.0]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.05, clip_ratio_high=0.05,
+                          loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
+    # s0 = 1.1 (geometric mean) clipped to 1.05 -> -1.05; s1 = sqrt(.8) = .894 clipped to .95 -> .95
+    assert loss.item() == pytest.approx((-1.05 + 0.95) / 2)
+    assert m["pg_clipfrac_high"].item() == pytest.approx(0.5) and m["pg_clipfrac_low"].item() == pytest.approx(0.5)
+    assert m["ratio_min"].item() == pytest.approx(math.sqrt(0.8))
+
+    log_prob = torch.log(torch.tensor([[1.01, 1.03, 1.0]])).requires_grad_()
+    loss, _ = policy_loss(torch.zeros(1, 3), log_prob, torch.ones(1, 3), torch.tensor([[1, 1, 0]]),
+                          loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
+    s = math.sqrt(1.01 * 1.03)
+    assert loss.item() == pytest.approx(-s)
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([-s / 2, -s / 2, 0.0])  # d s / d log pi_t = s / |y|
+
+
+def test_policy_loss_rejects_bad_arguments():
+    old, log_prob, adv, mask = ppo_case()
+    with pytest.raises(ValueError, match="dual-clip bound must be > 1"):
+        policy_loss(old, log_prob, adv, mask, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="unknown policy loss_mode 'cispo'"):
+        policy_loss(old, log_prob, adv, mask, loss_mode="cispo")
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
+        policy_loss(old, log_prob, adv, mask, loss_agg_mode="mean")
+
+
+# -------------------------------------------------------------------------- value and actor losses
+def test_value_loss_by_hand():
+    vpreds = torch.tensor([[1.0, 2.0, NAN]])
+    old = torch.tensor([[0.5, 0.5, 0.0]])
+    returns = torch.tensor([[1.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = value_loss(vpreds, returns, old, mask, cliprange_value=0.2)
+    # t0: (1 - 1.5)^2 = .25 vs clipped (0.7 - 1.5)^2 = .64 -> .64;  t1: (2 - 0)^2 = 4 vs (.7)^2 -> 4
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 4.0) / 2)
+    assert m["vf_clipfrac"].item() == pytest.approx(0.5)
+    assert m["vpred_mean"].item() == pytest.approx(1.5)
+
+
+def test_actor_loss_combines_policy_entropy_and_kl():
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(3, 5, generator=gen) - 1
+    log_prob = (old + 0.1 * torch.randn(3, 5, generator=gen)).requires_grad_()
+    ref = old + 0.2 * torch.randn(3, 5, generator=gen)
+    adv = torch.randn(3, 5, generator=gen)
+    entropy = torch.rand(3, 5, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    mode = "seq-mean-token-mean"
+    loss, m = actor_loss(log_prob, old, adv, mask, entropy=entropy, ref_log_prob=ref, loss_agg_mode=mode,
+                         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3")
+    pg, _ = policy_loss(old, log_prob, adv, mask, loss_agg_mode=mode)
+    ent = agg_loss(entropy, mask, mode)
+    kl = agg_loss(kl_penalty(log_prob, ref, "k3"), mask, mode)
+    assert loss.item() == pytest.approx((pg - 0.01 * ent + 0.05 * kl).item(), rel=1e-6)
+    assert m["entropy"].item() == pytest.approx(ent.item()) and m["kl_loss"].item() == pytest.approx(kl.item())
+    assert m["actor_loss"].item() == pytest.approx(loss.item())
+    with pytest.raises(ValueError, match="needs ref_log_prob"):
+        actor_loss(log_prob, old, adv, mask, use_kl_loss=True)
+    with pytest.raises(ValueError, match="entropy_coeff=0.01 needs the per-token entropy"):
+        actor_loss(log_prob, old, adv, mask, entropy_coeff=0.01)
