@@ -5,7 +5,7 @@ CORE = [
     "torch>=2.6",
     "megatron-core>=0.16.1",
     "ray>=2.40",
-    "transformers>=4.45",
+    "transformers>=5.0",  # the tiny tokenizers are saved in the 5.x format
     "tokenizers>=0.20",
     "safetensors>=0.4",
     "pyarrow>=15",
@@ -20,7 +20,7 @@ CORE = [
 # GPU-only: never imported on CPU code paths (imports are lazy).
 GPU = ["sglang", "transformer-engine[pytorch]"]
 
-TEST = ["pytest>=8", "pytest-timeout>=2.3"]
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2"]
 
 setup(
     name="megarl",

@@ -15,12 +15,7 @@ from typing import Any, Callable, Optional, Union
 from megarl.rewards.code_reward import compute_code_score
 from megarl.rewards.math_reward import compute_gsm8k_score, compute_math_score
 
-try:
-    from megarl.rewards.synthetic import SYNTHETIC_SCORERS
-except ModuleNotFoundError as missing:  # written by another issue; absent until it lands
-    if missing.name != "megarl.rewards.synthetic":
-        raise
-    SYNTHETIC_SCORERS = {}
+from megarl.rewards.synthetic import SYNTHETIC_SCORERS
 
 Score = Union[float, dict[str, Any]]
 Scorer = Callable[[str, Any], Score]  # (solution_str, ground_truth) -> score

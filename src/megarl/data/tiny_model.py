@@ -1,0 +1,126 @@
+"""Tiny real HuggingFace checkpoints with random weights, made offline (tests, CPU quickstart).
+
+    make_tiny_model("qwen2", "outputs/quickstart/model")   # the quickstart's model
+    AutoModelForCausalLM.from_pretrained("outputs/quickstart/model")
+
+The defaults are the calibration of ../shared/reference/tiny-rl-on-cpu.md: a 2-layer Qwen2
+(hidden 128, 4 heads, 2 KV heads, tied embeddings, ~302k parameters) with a character-level
+tokenizer of 47 tokens. The chat template only puts <bos> before the prompt text, so "23+45="
+is 7 tokens, and ends an assistant turn with <eos>.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
+CHARACTERS = "0123456789+-=>:?," + "abcdefghijklmnopqrstuvwxyz"  # one token each, ids 4..46
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, {"use_sliding_window": False}),  # q/k/v projections with bias
+    "llama": (LlamaConfig, {}),
+    "qwen3": (Qwen3Config, {"use_sliding_window": False}),  # per-head q/k RMSNorm
+    "mistral": (MistralConfig, {"sliding_window": None}),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(max_length: int = 256) -> PreTrainedTokenizerFast:
+    """One token per character of CHARACTERS, specials <pad> <bos> <eos> <unk>; any other
+    character is <unk>. Built locally with `tokenizers`."""
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: Optional[int] = None,
+    intermediate: Optional[int] = None,
+    vocab: Optional[int] = None,
+    tie: bool = True,
+    max_positions: int = 256,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised `arch` checkpoint (config.json, model.safetensors,
+    generation_config.json) and the character tokenizer (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja) to out_dir; return out_dir.
+
+    head_dim: default hidden // heads. intermediate: MLP width, default 2 * hidden. vocab: the
+    embedding rows, default the tokenizer's 47; more pads the vocabulary (ids past 46 are never
+    produced by the tokenizer), as real checkpoints pad to a multiple of 64 or 128. Same seed,
+    same weights.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads}), or give head_dim")
+        head_dim = hidden // heads
+    tokenizer = build_char_tokenizer(max_positions)
+    vocab = len(tokenizer) if vocab is None else vocab
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab ({vocab}) must be at least the tokenizer's {len(tokenizer)} tokens")
+
+    config_class, arch_kwargs = ARCHITECTURES[arch]
+    config = config_class(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden if intermediate is None else intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **arch_kwargs,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to(DTYPES[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,75 @@
+"""The command-line tools, run as a user would: from another directory, with the installed megarl."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megarl.config import load_and_validate
+from megarl.data.parquet import read_rows
+from megarl.data.prompts import PromptDataset
+from megarl.trainer.preflight import check_environment
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = REPO / "tools"
+
+
+def run_tool(name, *args, cwd):
+    return subprocess.run(
+        [sys.executable, str(TOOLS / name), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_quickstart_model_and_data_satisfy_the_quickstart_config(tmp_path, monkeypatch):
+    """configs/quickstart.yaml expects outputs/quickstart/model and outputs/quickstart/data/{train,val}.parquet."""
+    model = run_tool("make_tiny_model.py", "--arch", "qwen2", "--out", "outputs/quickstart/model", cwd=tmp_path)
+    assert model.returncode == 0, model.stderr
+    data = run_tool(
+        "make_dataset.py", "--task", "add", "--out", "outputs/quickstart/data", "--train-size", "500", "--sft-size", "100",
+        cwd=tmp_path,
+    )
+    assert data.returncode == 0, data.stderr
+    assert "train: outputs/quickstart/data/train.parquet" in data.stdout
+
+    monkeypatch.chdir(tmp_path)
+    config = load_and_validate(REPO / "configs" / "quickstart.yaml")
+    check_environment(config)  # the model directory and the data files are where the config says
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path, local_files_only=True)
+    train = PromptDataset.from_config(config.data, tokenizer, "train")
+    val = PromptDataset.from_config(config.data, tokenizer, "val")
+    assert (len(train), len(val), train.num_filtered, val.num_filtered) == (500, 512, 0, 0)
+    net = AutoModelForCausalLM.from_pretrained(config.actor_rollout_ref.model.path, local_files_only=True)
+    assert sum(p.numel() for p in net.parameters()) == 302_080
+    assert (tmp_path / "outputs/quickstart/data/sft_train.parquet").is_file()
+
+
+def test_make_tiny_model_options_and_errors(tmp_path):
+    ok = run_tool("make_tiny_model.py", "--arch", "mistral", "--out", "m", "--layers", "1", "--hidden", "64",
+                  "--heads", "2", "--kv-heads", "1", "--head-dim", "48", "--vocab", "128", "--no-tie", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["head_dim"], config["vocab_size"]) == ("mistral", 1, 48, 128)
+    assert config["tie_word_embeddings"] is False
+    bad = run_tool("make_tiny_model.py", "--out", "x", "--heads", "4", "--kv-heads", "3", cwd=tmp_path)
+    assert bad.returncode == 2 and "heads (4) must be a multiple of kv_heads (3)" in bad.stderr
+
+
+def test_make_dataset_rejects_an_unknown_task(tmp_path):
+    bad = run_tool("make_dataset.py", "--task", "chess", "--out", "d", cwd=tmp_path)
+    assert bad.returncode == 2 and "invalid choice: 'chess'" in bad.stderr
+
+
+def test_convert_jsonl(tmp_path):
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text(json.dumps({"question": "2 plus 3?", "answer": "2+3=5\n#### 5"}) + "\n")
+    ok = run_tool("convert_jsonl.py", src, "out/train.parquet", "--data-source", "openai/gsm8k",
+                  "--answer-pattern", r"####\s*(.+)", "--instruction", "Answer after ####.", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "wrote 1 rows to out/train.parquet" in ok.stdout
+    (row,) = read_rows(tmp_path / "out" / "train.parquet")
+    assert row.ground_truth == "5" and row.messages[-1]["content"] == "2 plus 3? Answer after ####."
+
+    src.write_text('{"question": "x"}\n')
+    bad = run_tool("convert_jsonl.py", src, "o.parquet", "--data-source", "d", cwd=tmp_path)
+    assert bad.returncode == 2 and "line 1: no string or number for 'answer'" in bad.stderr

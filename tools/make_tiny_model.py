@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Write a tiny random-weight HuggingFace checkpoint with a character-level tokenizer.
+
+    python tools/make_tiny_model.py --arch qwen2 --out outputs/quickstart/model
+
+Defaults are the quickstart's calibrated model (2 layers, hidden 128, 4 heads, 2 KV heads,
+tied embeddings). The logic is megarl.data.tiny_model.make_tiny_model.
+"""
+import argparse
+
+from megarl.data.tiny_model import ARCHITECTURES, DTYPES, make_tiny_model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=list(ARCHITECTURES), default="qwen2")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width; default: 2 x hidden")
+    p.add_argument("--vocab", type=int, default=None, help="embedding rows; default: the tokenizer's 47")
+    p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True, help="tie input and output embeddings")
+    p.add_argument("--max-positions", type=int, default=256)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    try:
+        out = make_tiny_model(
+            a.arch, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+            intermediate=a.intermediate, vocab=a.vocab, tie=a.tie, max_positions=a.max_positions, dtype=a.dtype, seed=a.seed,
+        )
+    except ValueError as exc:  # an impossible shape or size
+        p.error(str(exc))
+    print(f"wrote {a.arch} checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    main()
