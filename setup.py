@@ -15,6 +15,7 @@ CORE = [
     "psutil>=5.9",
     "tqdm>=4.66",
     "rich>=13",
+    "matplotlib>=3.7",
 ]
 
 # GPU-only: never imported on CPU code paths (imports are lazy).
