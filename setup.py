@@ -16,10 +16,15 @@ CORE = [
     "tqdm>=4.66",
     "rich>=13",
     "matplotlib>=3.7",
+    "sglang-router==0.3.2",  # the real router; a Rust binary in a wheel, runs on CPU
+    "fastapi>=0.110",  # the CPU rollout engine's web server
+    "uvicorn>=0.29",
+    "aiohttp>=3.9",  # the rollout client
+    "requests>=2.31",
 ]
 
 # GPU-only: never imported on CPU code paths (imports are lazy).
-GPU = ["sglang", "transformer-engine[pytorch]"]
+GPU = ["sglang==0.5.23", "transformer-engine[pytorch]"]
 
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2"]
 

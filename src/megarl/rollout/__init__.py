@@ -1,0 +1,1 @@
+"""Rollout: SGLang-protocol client, real SGLang servers, megarl's CPU engine, and the sglang-router."""

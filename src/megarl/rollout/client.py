@@ -1,0 +1,212 @@
+"""The rollout client: many `/generate` requests in flight against an SGLang-protocol endpoint.
+
+The endpoint is an `sglang-router` or a single server (real SGLang or megarl's CPU engine). Each
+prompt is one request with `sampling_params.n` samples, so SGLang shares the prompt's prefill. The
+client keeps at most `max_concurrency` requests in flight, retries connection errors, timeouts and
+5xx answers with exponential backoff, and fails fast on a 4xx, naming the prompt index. `abort()`
+(from any thread) stops what is queued and asks the servers to abort what is running; the partial
+samples come back with finish reason "abort".
+
+    client = RolloutClient(router.url, abort_urls=router.worker_urls())
+    result = client.generate(prompts, SamplingParams(max_new_tokens=256, temperature=1.0, n=8))
+    result.samples[i][j].token_ids, .logprobs, .finish_reason;  result.metrics.as_dict()
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import aiohttp
+
+from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.metrics import RequestRecord, RolloutMetrics, summarize
+from megarl.rollout.protocol import SamplingParams, error_message
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated response. `logprobs[t]` is the log-prob of `token_ids[t]` (None if not asked)."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched: int | str | None  # the stop token id or stop string, for "stop"
+    text: str
+    weight_version: Optional[str]
+
+    @classmethod
+    def from_sglang(cls, output: dict[str, Any]) -> Sample:
+        meta = output["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        entries = meta.get("output_token_logprobs")
+        token_ids = list(output["output_ids"])
+        if entries is not None and [e[1] for e in entries] != token_ids:
+            raise ValueError(f"output_token_logprobs ids {[e[1] for e in entries]} differ from output_ids {token_ids}")
+        return cls(
+            token_ids=token_ids,
+            logprobs=[float(e[0]) for e in entries] if entries is not None else None,
+            finish_reason=finish.get("type", "unknown"),
+            matched=finish.get("matched"),
+            text=output.get("text") or "",
+            weight_version=meta.get("weight_version"),
+        )
+
+    @classmethod
+    def aborted(cls) -> Sample:
+        return cls([], [], "abort", None, "", None)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    samples: list[list[Sample]]  # [prompt][sample], n per prompt, in request order
+    metrics: RolloutMetrics
+
+
+class RolloutRequestError(RuntimeError):
+    """A prompt's request that was refused (4xx) or failed after all retries."""
+
+    def __init__(self, prompt_index: int, status: Optional[int], message: str):
+        self.prompt_index, self.status = prompt_index, status
+        where = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"prompt {prompt_index}: {where}: {message}")
+
+
+class _Retry(Exception):
+    """An attempt that may succeed if repeated."""
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: Optional[str] = None,
+        max_concurrency: int = 256,
+        request_timeout_s: float = 3600.0,
+        max_retries: int = 5,
+        retry_backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        abort_urls: Optional[list[str]] = None,
+    ):
+        """`abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`)."""
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.abort_urls = abort_urls or [self.url]
+        self._aborting = threading.Event()
+
+    # ---------------------------------------------------------------- public API
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True
+    ) -> RolloutResult:
+        """Blocking form of `agenerate` (runs its own event loop)."""
+        return asyncio.run(self.agenerate(prompts, sampling, return_logprob))
+
+    async def agenerate(
+        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True
+    ) -> RolloutResult:
+        """Generate `sampling.n` samples for every prompt (token ids); every prompt gets exactly n back."""
+        self._aborting.clear()
+        started = time.monotonic()
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+            tasks = [
+                asyncio.create_task(self._generate_one(session, semaphore, i, prompt, sampling, return_logprob))
+                for i, prompt in enumerate(prompts)
+            ]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        samples = [s for s, _ in results]
+        metrics = summarize([r for _, r in results], time.monotonic() - started)
+        return RolloutResult(samples, metrics)
+
+    def abort(self) -> None:
+        """Stop the running rollout: queued prompts are not sent, running requests are aborted."""
+        self._aborting.set()
+        for url in self.abort_urls:
+            try:
+                ServerControl(url, self.api_key, timeout_s=30).abort_all()
+            except ServerError:
+                pass  # a server that cannot be reached has nothing running for us
+
+    # ---------------------------------------------------------------- one prompt
+    async def _generate_one(
+        self,
+        session: aiohttp.ClientSession,
+        semaphore: asyncio.Semaphore,
+        index: int,
+        prompt: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+    ) -> tuple[list[Sample], RequestRecord]:
+        payload = {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob}
+        attempts = 0
+        async with semaphore:
+            while True:
+                if self._aborting.is_set():
+                    samples = [Sample.aborted() for _ in range(sampling.n)]
+                    return samples, RequestRecord(len(prompt), (0,) * sampling.n, 0.0, attempts, sampling.n)
+                attempts += 1
+                sent = time.monotonic()
+                try:
+                    samples = await self._attempt(session, index, payload, sampling.n)
+                except _Retry as e:
+                    if attempts > self.max_retries:
+                        raise RolloutRequestError(index, None, f"gave up after {attempts} attempts: {e}") from None
+                    await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** (attempts - 1)))
+                    continue
+                record = RequestRecord(
+                    prompt_tokens=len(prompt),
+                    response_tokens=tuple(len(s.token_ids) for s in samples),
+                    latency_s=time.monotonic() - sent,
+                    attempts=attempts,
+                    aborted_samples=sum(s.finish_reason == "abort" for s in samples),
+                )
+                return samples, record
+
+    async def _attempt(
+        self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
+    ) -> list[Sample]:
+        try:
+            async with session.post(self.url + "/generate", json=payload) as resp:
+                status, raw = resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from None
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        fallback = str(body)[:500] if body else "(empty body)"
+        if status in RETRYABLE_STATUS:
+            raise _Retry(f"HTTP {status}: {error_message(body, fallback)}")
+        if status != 200:
+            raise RolloutRequestError(index, status, error_message(body, fallback))
+        outputs = body if isinstance(body, list) else [body]
+        if len(outputs) != n:
+            raise RolloutRequestError(index, status, f"expected {n} outputs, got {len(outputs)}")
+        samples = [Sample.from_sglang(o) for o in outputs]
+        aborts = [o["meta_info"]["finish_reason"] for o, s in zip(outputs, samples) if s.finish_reason == "abort"]
+        if aborts and not self._aborting.is_set():
+            status_code = aborts[0].get("status_code")
+            if status_code is not None and 400 <= status_code < 500:
+                raise RolloutRequestError(index, status_code, aborts[0].get("message", "aborted"))
+            raise _Retry(f"aborted by the server: {aborts[0].get('message')}")  # not ours: regenerate
+        return samples

@@ -1,0 +1,170 @@
+"""Admin calls to one SGLang-protocol server: health, info, cache, abort, memory and weight updates.
+
+Works against real SGLang 0.5.23 and megarl's CPU engine alike. Every call either succeeds or raises
+`ServerError` naming the URL, the endpoint, the HTTP status and the server's message. Weight updates
+from tensors or the distributed group must sit inside `begin_weight_update()` ... `end_weight_update()`
+(SGLang 0.5.23 refuses them otherwise); `update_weights_from_disk` needs no session.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import requests
+
+from megarl.rollout.protocol import error_message
+
+
+class ServerError(RuntimeError):
+    """An admin call that failed; the message names the server, endpoint, status and reason."""
+
+
+class ServerControl:
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # ---------------------------------------------------------------- plumbing
+    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
+        try:
+            resp = requests.request(
+                method, self.url + path, json=body, headers=self._headers, timeout=timeout_s or self.timeout_s
+            )
+        except requests.RequestException as e:
+            raise ServerError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        try:
+            payload = resp.json() if resp.content else None
+        except ValueError:
+            payload = resp.text
+        if resp.status_code >= 400 or (isinstance(payload, dict) and payload.get("success") is False):
+            message = error_message(payload, payload if isinstance(payload, str) else resp.reason)
+            raise ServerError(f"{self.url}{path}: HTTP {resp.status_code}: {message}")
+        return payload
+
+    # ---------------------------------------------------------------- health and info
+    def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(
+        self, timeout_s: float, poll_s: float = 0.5, path: str = "/health", alive: Callable[[], bool] = lambda: True
+    ) -> None:
+        """Poll `path` until HTTP 200; raise `ServerError` on timeout or when `alive()` turns False."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not alive():
+                raise ServerError(f"{self.url}: the server process exited while starting")
+            try:
+                if requests.get(self.url + path, timeout=min(5.0, timeout_s)).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(poll_s)
+        raise ServerError(f"{self.url}{path}: not healthy after {timeout_s:.0f} s")
+
+    def model_info(self) -> dict:
+        return self._call("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        return self._call("GET", "/server_info")
+
+    def weight_version(self) -> str:
+        return self.model_info()["weight_version"]
+
+    # ---------------------------------------------------------------- scheduling
+    def flush_cache(self, retries: int = 60, interval_s: float = 1.0) -> None:
+        """Flush the prefix cache; SGLang refuses while requests run, so retry like slime does."""
+        for attempt in range(retries):
+            try:
+                self._call("POST", "/flush_cache")
+                return
+            except ServerError:
+                if attempt == retries - 1:
+                    raise
+                time.sleep(interval_s)
+
+    def abort_all(self) -> None:
+        self._call("POST", "/abort_request", {"abort_all": True})
+
+    def abort(self, rid: str) -> None:
+        self._call("POST", "/abort_request", {"rid": rid})
+
+    # ---------------------------------------------------------------- memory
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Free GPU memory (`weights`, `kv_cache`, `cuda_graph`; None = all). The server must be idle."""
+        self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Re-occupy memory; resume `weights` before pushing new weights and `kv_cache` after."""
+        self._call("POST", "/resume_memory_occupation", {"tags": tags})
+
+    # ---------------------------------------------------------------- weights
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Blocks until the whole group has joined: the trainer must join (rank 0) concurrently."""
+        self._call(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self) -> None:
+        self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("POST", "/end_weight_update", {})
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        load_format: Optional[str] = None,
+        weight_version: Optional[str] = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Blocks until the bucket is received: the trainer must broadcast it concurrently."""
+        self._call(
+            "POST",
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "load_format": load_format,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+            },
+        )
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: Optional[str] = None, abort_all_requests: bool = False
+    ) -> None:
+        self._call(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": abort_all_requests},
+        )

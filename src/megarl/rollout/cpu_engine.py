@@ -1,0 +1,461 @@
+"""megarl's CPU generation engine: a HF causal LM sampled in batches with a KV cache.
+
+This is the model side of the CPU stand-in for an SGLang server (`cpu_server.py` puts it behind
+SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences,
+prefills them together (left-padded), then decodes them step by step, dropping finished rows from
+the KV cache. New requests wait for the running batch to finish.
+
+Log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
+before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
+log-probs at the same temperature gets the same numbers (float32 on CPU).
+
+Memory release/resume has nothing to free on CPU; it is kept as SGLang's state machine: release
+needs an idle server, and generation and weight updates are refused while weights are released.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
+
+from megarl.rollout.protocol import (
+    BadRequestError,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
+
+log = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """Server `--dtype`: "auto" and "float32" give float32 (the CPU default); else a torch dtype name."""
+    if dtype in ("auto", "float32", "float"):
+        return torch.float32
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"--dtype {dtype!r} is not a floating-point torch dtype")
+    return value
+
+
+def load_causal_lm(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Load an HF checkpoint directory for inference (eval mode, no grads)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer_if_present(model_path: str):
+    """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
+    if not any(os.path.exists(os.path.join(model_path, f)) for f in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def eos_token_ids(model_path: str, config) -> frozenset[int]:
+    """EOS ids from generation_config.json, else from config.json (an int or a list in either)."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated: sample `index` of the `n` for request `rid`."""
+
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool
+    seed: Optional[int]  # sampling_seed + sample index; None: the engine's shared generator
+    on_done: Callable[[Sequence], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[dict[str, Any]] = None
+    text: str = ""
+    error: Optional[str] = None
+    abort_requested: bool = False
+    created_s: float = field(default_factory=time.monotonic)
+    finished_s: Optional[float] = None
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    top_ks: torch.Tensor,
+    generators: list[Optional[torch.Generator]],
+    shared_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return (tokens [B], log-probs [B]).
+
+    logits [B, V] float32; temperatures [B] (0 = greedy); top_ps [B]; top_ks [B] (V = off).
+    Rows with their own generator (a `sampling_seed`) draw from it, the others from `shared_generator`
+    in one call. The log-prob is that of softmax(logits / T) before top-k/top-p filtering (SGLang's
+    default).
+    """
+    greedy = temperatures == 0
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled_rows = (~greedy).nonzero()[:, 0].tolist()
+    if sampled_rows:
+        probs = logp.exp()
+        if bool((top_ks < logits.shape[-1]).any() or (top_ps < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(logits.shape[-1])[None, :]
+            cut = (ranks >= top_ks[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_ps[:, None])
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(cut, 0.0))
+        shared = [r for r in sampled_rows if generators[r] is None]
+        if shared:
+            rows = torch.tensor(shared)
+            tokens[rows] = torch.multinomial(probs[rows], 1, generator=shared_generator)[:, 0]
+        for row in sampled_rows:
+            if generators[row] is not None:
+                tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+class CPUEngine:
+    """Loads an HF checkpoint and generates for queued sequences on a scheduler thread."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        context_length: Optional[int] = None,
+        max_running_requests: int = 64,
+        random_seed: int = 0,
+        weight_version: str = "default",
+        batch_wait_s: float = 0.01,
+    ):
+        """`batch_wait_s`: before starting a batch, wait while requests keep arriving (a burst from
+        the client becomes one batch), for at most 20 such periods."""
+        self.model_path = model_path
+        self.dtype = resolve_dtype(dtype)
+        self.model = load_causal_lm(model_path, self.dtype)
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer_if_present(model_path)
+        self.eos_token_ids = eos_token_ids(model_path, self.config)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.context_length = context_length or self.config.max_position_embeddings
+        self.max_running_requests = max_running_requests
+        self.weight_version = weight_version
+        self.released: set[str] = set()
+        self.num_finished = 0
+        self.last_gen_throughput = 0.0  # generated tokens/s of the last batch
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self.batch_wait_s = batch_wait_s
+        self._shared_generator = torch.Generator().manual_seed(random_seed)
+        self._rids = itertools.count()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._model_lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- requests
+    def check_prompt(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Refuse what SGLang refuses: over-long prompts or totals, ids outside the vocabulary."""
+        if len(prompt_ids) >= self.context_length:
+            raise BadRequestError(
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        total = len(prompt_ids) + sampling.max_new_tokens
+        if total > self.context_length:
+            raise BadRequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {total} tokens: {len(prompt_ids)} tokens from the input "
+                f"and {sampling.max_new_tokens} tokens for the completion."
+            )
+        bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadRequestError(
+                f"input_ids[{bad}] = {prompt_ids[bad]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise BadRequestError("sampling_params.stop needs a tokenizer; this model has none (use stop_token_ids)")
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequestError("`text` input needs a tokenizer; this model has none (send input_ids)")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def check_can_generate(self) -> None:
+        released = self.released & {"weights", "kv_cache"}
+        if released:
+            raise BadRequestError(
+                f"memory {sorted(released)} is released; call /resume_memory_occupation before generating"
+            )
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+        rid: Optional[str],
+        on_done: Callable[[Sequence], None],
+    ) -> list[Sequence]:
+        """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample."""
+        self.check_can_generate()
+        self.check_prompt(prompt_ids, sampling)
+        rid = rid or f"cpu-{next(self._rids)}"
+        with self._cond:
+            seqs = []
+            for j in range(sampling.n):
+                seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
+                seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done))
+            self._waiting.extend(seqs)
+            self._cond.notify()
+        return seqs
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Abort waiting and running sequences of `rid` (or all); returns how many were hit."""
+        with self._cond:
+            unfinished = [s for s in list(self._waiting) + self._running if s.finish_reason is None]
+            hit = [s for s in unfinished if abort_all or s.rid == rid]
+            for seq in hit:
+                seq.abort_requested = True
+            waiting = [s for s in self._waiting if s.abort_requested]
+            for seq in waiting:
+                self._waiting.remove(seq)
+        for seq in waiting:
+            self._finish(seq, finish_abort("Aborted before the request started running."))
+        return len(hit)
+
+    def is_idle(self) -> bool:
+        return self.num_waiting == 0 and self.num_running == 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences of the current batch not finished yet."""
+        with self._cond:
+            return sum(1 for s in self._running if s.finish_reason is None)
+
+    # ---------------------------------------------------------------- memory state
+    def release_memory(self, tags: Optional[list[str]]) -> None:
+        tags = self._check_tags(tags)
+        if not self.is_idle():
+            raise BadRequestError("release_memory_occupation should be called only when server is idle.")
+        self.released |= tags
+
+    def resume_memory(self, tags: Optional[list[str]]) -> None:
+        self.released -= self._check_tags(tags)
+
+    @staticmethod
+    def _check_tags(tags: Optional[list[str]]) -> set[str]:
+        tags = set(tags or MEMORY_TAGS)
+        unknown = tags - set(MEMORY_TAGS)
+        if unknown:
+            raise BadRequestError(f"unknown memory tags {sorted(unknown)}; expected a subset of {list(MEMORY_TAGS)}")
+        return tags
+
+    # ---------------------------------------------------------------- weights
+    def _check_weights_resident(self) -> None:
+        if "weights" in self.released:
+            raise BadRequestError("weights are released; call /resume_memory_occupation with tags ['weights'] first")
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the model (cast to its dtype); all-or-nothing. Returns the count."""
+        self._check_weights_resident()
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise BadRequestError(f"unknown weight name {name!r} for {type(self.model).__name__}")
+            if tuple(tensor.shape) != tuple(targets[name].shape):
+                raise BadRequestError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(targets[name].shape)}"
+                )
+        with self._model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                targets[name].data.copy_(tensor)
+        return len(named_tensors)
+
+    def load_weights_from_disk(self, model_path: str) -> None:
+        """Swap in the weights of another checkpoint of the same architecture; the old ones stay on failure."""
+        self._check_weights_resident()
+        try:
+            new_model = load_causal_lm(model_path, self.dtype)
+        except (OSError, ValueError) as e:
+            raise BadRequestError(f"Failed to load weights from {model_path}: {e}") from e
+        old = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        new = {k: tuple(v.shape) for k, v in new_model.state_dict().items()}
+        if old != new:
+            diff = sorted(set(old.items()) ^ set(new.items()))[:3]
+            raise BadRequestError(f"{model_path} does not match the served architecture (first differences: {diff})")
+        with self._model_lock:
+            self.model = new_model
+            self.model_path = model_path
+
+    # ---------------------------------------------------------------- scheduler
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self.abort(abort_all=True)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._wait_for_burst()
+                batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_running_requests))]
+                self._running = batch
+            try:
+                with self._model_lock:
+                    self._run_batch(batch)
+            except Exception as e:  # a bug must not kill the server: fail this batch, keep serving
+                log.exception("batch failed")
+                for seq in batch:
+                    if seq.finish_reason is None:
+                        seq.error = f"{type(e).__name__}: {e}"
+                        self._finish(seq, finish_abort(seq.error))
+            with self._cond:
+                self._running = []
+
+    def _wait_for_burst(self) -> None:
+        """Called holding `_cond`: return once the queue stopped growing for `batch_wait_s`."""
+        deadline = time.monotonic() + 20 * self.batch_wait_s
+        while len(self._waiting) < self.max_running_requests and time.monotonic() < deadline:
+            before = len(self._waiting)
+            self._cond.wait(self.batch_wait_s)
+            if len(self._waiting) == before:
+                return
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        seq.finished_s = time.monotonic()
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.sampling.skip_special_tokens)
+            matched = reason.get("matched")
+            if isinstance(matched, str) and not seq.sampling.no_stop_trim:
+                seq.text = seq.text[: seq.text.find(matched)] if matched in seq.text else seq.text
+        self.num_finished += 1
+        seq.on_done(seq)
+
+    def _check_finished(self, seq: Sequence) -> Optional[dict[str, Any]]:
+        """SGLang's order: stop string, then stop token / EOS (unless ignore_eos), then length."""
+        sp = seq.sampling
+        if sp.stop:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop:
+                if stop in text:
+                    return finish_stop(stop)
+        last = seq.output_ids[-1]
+        if not sp.ignore_eos and (last in sp.stop_token_ids or last in self.eos_token_ids):
+            return finish_stop(last)
+        if len(seq.output_ids) >= sp.max_new_tokens:
+            return finish_length(sp.max_new_tokens)
+        return None
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    @torch.no_grad()
+    def _run_batch(self, batch: list[Sequence]) -> None:
+        active = []
+        for seq in batch:
+            if seq.abort_requested:
+                self._finish(seq, finish_abort("Aborted before the request started running."))
+            elif seq.sampling.max_new_tokens == 0:
+                self._finish(seq, finish_length(0))
+            else:
+                active.append(seq)
+        if not active:
+            return
+        started = time.monotonic()
+        width = max(len(s.prompt_ids) for s in active)
+        input_ids = torch.zeros(len(active), width, dtype=torch.long)
+        mask = torch.zeros(len(active), width, dtype=torch.long)
+        for row, seq in enumerate(active):
+            input_ids[row, width - len(seq.prompt_ids) :] = torch.tensor(seq.prompt_ids)
+            mask[row, width - len(seq.prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        logits = self._forward(input_ids, mask, positions, cache)
+        last_pos = positions[:, -1]
+        temperatures = torch.tensor([float(s.sampling.temperature) for s in active])
+        top_ps = torch.tensor([float(s.sampling.top_p) for s in active])
+        top_ks = torch.tensor([s.sampling.top_k if s.sampling.top_k_enabled else self.vocab_size for s in active])
+        generators = [None if s.seed is None else torch.Generator().manual_seed(s.seed) for s in active]
+        generated = 0
+        while active:
+            tokens, logprobs = sample_tokens(logits, temperatures, top_ps, top_ks, generators, self._shared_generator)
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            keep = []
+            for row, seq in enumerate(active):
+                if seq.abort_requested:
+                    self._finish(seq, finish_abort("Aborted by /abort_request while running."))
+                    continue
+                seq.output_ids.append(token_list[row])
+                if seq.return_logprob:
+                    seq.logprobs.append(logprob_list[row])
+                generated += 1
+                reason = self._check_finished(seq)
+                if reason is not None:
+                    self._finish(seq, reason)
+                else:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index)
+                active = [active[r] for r in keep]
+                mask, last_pos, tokens = mask[index], last_pos[index], tokens[index]
+                temperatures, top_ps, top_ks = temperatures[index], top_ps[index], top_ks[index]
+                generators = [generators[r] for r in keep]
+            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype)], dim=1)
+            last_pos = last_pos + 1
+            logits = self._forward(tokens[:, None], mask, last_pos[:, None], cache)
+        self.last_gen_throughput = generated / max(time.monotonic() - started, 1e-9)

@@ -1,0 +1,393 @@
+"""megarl's CPU engine behind SGLang's native HTTP API (FastAPI + uvicorn).
+
+    python -m megarl.rollout.cpu_server --model-path DIR --port 30000 [--api-key KEY]
+
+Serves the subset of SGLang 0.5.23's endpoints megarl drives, with SGLang's paths, field names,
+status codes and state rules: `/generate`, `/health`, `/health_generate`, `/model_info`,
+`/server_info` (and their deprecated `/get_*` names), `/flush_cache`, `/abort_request`,
+`/init_weights_update_group`, `/destroy_weights_update_group`, `/begin_weight_update`,
+`/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_disk`,
+`/release_memory_occupation`, `/resume_memory_occupation`. Bad requests get HTTP 400 with
+`{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
+unless told otherwise. With `--api-key`, every endpoint but `/health*` needs `Authorization: Bearer KEY`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+
+import megarl
+from megarl.rollout.cpu_engine import CPUEngine, Sequence
+from megarl.rollout.protocol import BadRequestError, parse_generate_body
+from megarl.rollout.weight_group import (
+    destroy_process_group,
+    init_custom_process_group,
+    receive_bucket,
+)
+
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+class InitWeightsUpdateGroupReq(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReq(BaseModel):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedReq(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+
+
+class UpdateWeightsFromDiskReq(BaseModel):
+    model_path: str
+    load_format: Optional[str] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+
+
+class BeginWeightUpdateReq(BaseModel):
+    selector: str = "all"
+
+
+class AbortReq(BaseModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class ApiKeyMiddleware:
+    """SGLang's `--api-key` rule: `Authorization: Bearer KEY` on every path but /health*, /ready, /metrics.
+    A plain ASGI middleware, so that handlers still see client disconnects."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        guarded = scope["type"] == "http" and scope["method"] != "OPTIONS"
+        if guarded and not scope["path"].startswith(OPEN_PATH_PREFIXES):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.api_key):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class WeightSyncState:
+    """The server's side of SGLang's weight-update protocol: open groups and the update session."""
+
+    groups: dict[str, Any] = field(default_factory=dict)
+    session_open: bool = False
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": seq.rid if n == 1 else f"{seq.rid}-{seq.index}",
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": 0,
+        "finish_reason": seq.finish_reason,
+        "weight_version": engine.weight_version,
+        "e2e_latency": (seq.finished_s or time.monotonic()) - seq.created_s,
+    }
+    if seq.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+    return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():  # cancelled when the client went away
+        future.set_result(value)
+
+
+async def _wait_unless_disconnected(request: Request, futures: list, poll_s: float = 0.5) -> Optional[list]:
+    """The futures' results, or None if the client disconnected first (or the handler was cancelled)."""
+    gathered = asyncio.gather(*futures)
+    try:
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=poll_s)
+            if done:
+                return gathered.result()
+            if await request.is_disconnected():
+                gathered.cancel()
+                return None
+    except asyncio.CancelledError:
+        gathered.cancel()
+        return None
+
+
+async def _json_body(request: Request, required: bool = True) -> Any:
+    raw = await request.body()
+    if not raw:
+        if required:
+            raise BadRequestError("the request body must be JSON")
+        return {}
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise BadRequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI application serving `engine` with SGLang's endpoints."""
+    app = FastAPI(title="megarl CPU engine")
+    sync = WeightSyncState()
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(BadRequestError)
+    async def bad_request(request: Request, exc: BadRequestError):
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    @app.get("/ready")
+    async def health():
+        return Response(status_code=200 if engine.is_alive() else 503)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return {
+            "model_path": engine.model_path,
+            "served_model_name": engine.model_path,
+            "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "load_format": "auto",
+            "model_type": getattr(engine.config, "model_type", None),
+            "architectures": getattr(engine.config, "architectures", None),
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return {
+            "model_path": engine.model_path,
+            "tp_size": 1,
+            "dp_size": 1,
+            "context_length": engine.context_length,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "max_running_requests": engine.max_running_requests,
+            "version": f"megarl-cpu-engine {megarl.__version__}",
+            "internal_states": [
+                {
+                    "num_finished_requests": engine.num_finished,
+                    "num_waiting_requests": engine.num_waiting,
+                    "num_running_requests": engine.num_running,
+                    "last_gen_throughput": engine.last_gen_throughput,
+                    "released_memory": sorted(engine.released),
+                }
+            ],
+        }
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = parse_generate_body(await _json_body(request))
+        engine.check_can_generate()
+        prompt_ids = [engine.tokenize(p.prompt) if isinstance(p.prompt, str) else p.prompt for p in body.prompts]
+        for i, (ids, prompt) in enumerate(zip(prompt_ids, body.prompts)):
+            try:
+                engine.check_prompt(ids, prompt.sampling)
+            except BadRequestError as e:
+                raise BadRequestError(f"prompt {i}: {e}" if len(body.prompts) > 1 else str(e)) from None
+        loop = asyncio.get_running_loop()
+        waits, rids = [], []
+        for ids, prompt in zip(prompt_ids, body.prompts):
+            futures = [loop.create_future() for _ in range(prompt.sampling.n)]
+
+            def on_done(seq: Sequence, futures=futures) -> None:
+                loop.call_soon_threadsafe(_resolve, futures[seq.index], seq)
+
+            rids.append(prompt.rid or uuid.uuid4().hex)
+            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done)
+            waits.extend(futures)
+        seqs = await _wait_unless_disconnected(request, waits)
+        if seqs is None:  # the client went away: stop its work, as SGLang does
+            for rid in rids:
+                engine.abort(rid=rid)
+            return Response(status_code=499)
+        errors = [s.error for s in seqs if s.error]
+        if errors:
+            return JSONResponse({"error": {"message": errors[0]}}, status_code=500)
+        outputs = [_output(engine, s, s.sampling.n) for s in seqs]
+        return outputs if body.batched else outputs[0]
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = 0.0):
+        deadline = time.monotonic() + timeout
+        while not engine.is_idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not engine.is_idle():
+            return PlainTextResponse("Flush cache failed: requests are running or waiting.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortReq):
+        engine.abort(rid=req.rid, abort_all=req.abort_all)
+        return Response(status_code=200)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request):
+        engine.release_memory((await _json_body(request, required=False)).get("tags"))
+        return Response(status_code=200)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request):
+        engine.resume_memory((await _json_body(request, required=False)).get("tags"))
+        return Response(status_code=200)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupReq):
+        if req.group_name in sync.groups:
+            return _result(False, f"Group {req.group_name!r} already exists; destroy it first.")
+        try:
+            group = await asyncio.to_thread(
+                init_custom_process_group,
+                req.backend, req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name,
+            )
+        except Exception as e:  # any rendezvous or backend failure is the caller's to see
+            return _result(False, f"Failed to initialize custom process group: {e}.")
+        sync.groups[req.group_name] = group
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupReq):
+        group = sync.groups.pop(req.group_name, None)
+        if group is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        destroy_process_group(group)
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(req: BeginWeightUpdateReq):
+        if sync.session_open:
+            return _result(False, "a weight-update session is already open; call end_weight_update() first")
+        sync.session_open = True
+        return _result(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        if not sync.session_open:
+            return _result(False, "no weight-update session is open; call begin_weight_update() first")
+        sync.session_open = False
+        return _result(True, "Success")
+
+    def after_update(weight_version: Optional[str], flush: bool, message: str, **extra: Any) -> JSONResponse:
+        if weight_version is not None:
+            engine.weight_version = weight_version
+        if flush and not engine.is_idle():
+            return _result(
+                False,
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.",
+                **extra,
+            )
+        return _result(True, message, **extra)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedReq):
+        if not sync.session_open:
+            return _result(
+                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
+        group = sync.groups.get(req.group_name)
+        if group is None:
+            known = list(sync.groups)
+            return _result(False, f"Group {req.group_name} not in {known}. Call /init_weights_update_group first.")
+        if req.abort_all_requests:
+            engine.abort(abort_all=True)
+        try:
+            tensors = await asyncio.to_thread(receive_bucket, group, req.names, req.dtypes, req.shapes, req.load_format)
+        except (ValueError, RuntimeError) as e:
+            return _result(False, f"Failed to receive weights: {e}")
+        try:
+            count = await asyncio.to_thread(engine.load_weights, tensors)
+        except BadRequestError as e:
+            return _result(False, f"Failed to update parameter online: {e}")
+        return after_update(req.weight_version, req.flush_cache, f"Succeeded to update {count} parameters online.")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskReq):
+        if req.abort_all_requests:
+            engine.abort(abort_all=True)
+        try:
+            await asyncio.to_thread(engine.load_weights_from_disk, req.model_path)
+        except BadRequestError as e:
+            return _result(False, str(e), num_paused_requests=0)
+        return after_update(
+            req.weight_version, req.flush_cache, "Succeeded to update model weights.", num_paused_requests=0
+        )
+
+    return app
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health)")
+    p.add_argument("--dtype", default="auto", help="auto (= float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--context-length", type=int, default=None, help="default: config.max_position_embeddings")
+    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="gather a burst of requests into one batch")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = CPUEngine(
+        args.model_path,
+        dtype=args.dtype,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        random_seed=args.random_seed,
+        weight_version=args.weight_version,
+        batch_wait_s=args.batch_wait_ms / 1000,
+    )
+    uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""A server subprocess that is started, health-checked, restarted after a crash, and stopped by PID.
+
+The process gets a session (and process group) of its own, so stopping it also stops the children
+it spawned (SGLang's scheduler and detokenizer): SIGTERM to the group, then SIGKILL after a timeout.
+Its stdout and stderr go to a log file whose tail is quoted when it fails to start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Optional
+
+from megarl.rollout.control import ServerControl, ServerError
+
+log = logging.getLogger(__name__)
+
+
+def log_tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _new_log_file(name: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"megarl-{name}-", suffix=".log")
+    os.close(fd)
+    return path
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or never became healthy; the message quotes its log."""
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        url: str,
+        *,
+        health_path: str = "/health",
+        env: Optional[dict[str, str]] = None,
+        log_path: Optional[str] = None,
+        startup_timeout_s: float = 300.0,
+    ):
+        self.name = name
+        self.command = command
+        self.url = url.rstrip("/")
+        self.health_path = health_path
+        self.env = env
+        self.log_path = log_path or _new_log_file(name)
+        self.startup_timeout_s = startup_timeout_s
+        self.restarts = 0
+        self._wanted = False  # started successfully and not stopped: restart it if it dies
+        self._proc: Optional[subprocess.Popen] = None
+        self._lock = threading.RLock()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Start the process and wait until `health_path` answers 200."""
+        with self._lock:
+            if self.is_running():
+                raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+            with open(self.log_path, "ab") as log_file:
+                self._proc = subprocess.Popen(
+                    self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                )
+            log.info("%s started: pid %d, log %s", self.name, self._proc.pid, self.log_path)
+            try:
+                ServerControl(self.url).wait_healthy(
+                    self.startup_timeout_s, path=self.health_path, alive=self.is_running
+                )
+            except ServerError as e:
+                self._terminate()
+                raise ServerStartError(
+                    f"{self.name} did not start: {e}\n--- {self.log_path} ---\n{log_tail(self.log_path)}"
+                ) from None
+            self._wanted = True
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop for good (no restart): SIGTERM the process group, SIGKILL it after `timeout_s`."""
+        with self._lock:
+            self._wanted = False
+            self._terminate(timeout_s)
+
+    def _terminate(self, timeout_s: float = 15.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=timeout_s)
+                break
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored %s", self.name, proc.pid, sig.name)
+        try:  # children that outlived the leader (same process group)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def ensure_running(self) -> bool:
+        """Restart the process if it exited on its own; True when it restarted it.
+        Raises `ServerStartError` if the restart fails (the next call tries again)."""
+        with self._lock:
+            if not self._wanted or self.is_running():
+                return False
+            if self._proc is not None:
+                log.warning("%s (pid %d) exited with %s; restarting", self.name, self._proc.pid, self._proc.returncode)
+                self._terminate()
+            self.restarts += 1
+            self.start()
+            return True
+
+
+class ProcessMonitor:
+    """A thread that restarts crashed processes every `interval_s` and reports each restart."""
+
+    def __init__(
+        self,
+        processes: list[ServerProcess],
+        interval_s: float = 1.0,
+        on_restart: Callable[[ServerProcess], None] = lambda p: None,
+    ):
+        self.processes = processes
+        self.interval_s = interval_s
+        self.on_restart = on_restart
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-process-monitor", daemon=True)
+
+    def start(self) -> ProcessMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for proc in self.processes:
+                try:
+                    if proc.ensure_running():
+                        self.on_restart(proc)
+                except ServerStartError:
+                    log.exception("restarting %s failed; will try again", proc.name)

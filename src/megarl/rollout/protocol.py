@@ -1,0 +1,271 @@
+"""SGLang's native `/generate` wire format (version 0.5.23), shared by megarl's client and CPU engine.
+
+Field names and defaults follow SGLang's JSON contract (`sglang/api/v1/api_types.py`). SGLang rejects
+an unknown sampling key with HTTP 400, so the client only ever sends keys listed here, and the CPU
+engine rejects what SGLang rejects. Response shapes:
+
+    {"text": str, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens",
+     "finish_reason": {"type": "stop", "matched": int|str} | {"type": "length", "length": int}
+                    | {"type": "abort", "message": str},
+     "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency", ...}}
+
+A request with one prompt and `n == 1` gets one such object; a batch of prompts, or `n > 1`, gets a
+list ordered prompt-major (the `n` samples of prompt 0, then those of prompt 1, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Every key of SGLang 0.5.23's `SamplingParams` contract, with its default.
+SGLANG_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128,
+    "stop": None,
+    "stop_token_ids": None,
+    "stop_regex": None,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 1073741824,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "stream_interval": None,
+    "logit_bias": {},
+    "sampling_seed": None,
+    "custom_params": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": [],
+}
+TOP_K_OFF = SGLANG_SAMPLING_DEFAULTS["top_k"]
+
+# Keys megarl's `SamplingParams` carries. The other SGLang keys are accepted by the CPU engine only
+# at their default value (they change nothing then); any other value is refused with HTTP 400.
+SUPPORTED_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids",
+        "ignore_eos", "sampling_seed", "no_stop_trim", "skip_special_tokens",
+    }
+)
+# Text-formatting keys that do not change the sampled tokens: accepted at any value.
+IGNORED_SAMPLING_KEYS = frozenset({"spaces_between_special_tokens", "stream_interval"})
+
+
+class BadRequestError(ValueError):
+    """A request the server refuses with HTTP 400; the message names the offending field."""
+
+
+def _as_str_tuple(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise BadRequestError(f"sampling_params.{key} must be a string or a list of strings, got {value!r}")
+
+
+def _as_int_tuple(value: Any, key: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise BadRequestError(f"sampling_params.{key} must be a list of token ids, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one `/generate` request, in SGLang's names and meanings.
+
+    `temperature == 0` is greedy decoding. `top_k == -1` (or SGLang's 1073741824) turns top-k off.
+    `stop` strings need a tokenizer on the server; `stop_token_ids` do not. EOS ends a sample unless
+    `ignore_eos`. With `sampling_seed`, sample j of the `n` uses seed `sampling_seed + j`.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, key: str, rule: str) -> None:
+            if not ok:
+                raise BadRequestError(f"sampling_params.{key} {rule}, got {getattr(self, key)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an int >= 0")
+        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        check(is_int(self.n) and self.n >= 1, "n", "must be an int >= 1")
+        check(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed", "must be an int or null")
+        object.__setattr__(self, "stop", _as_str_tuple(self.stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_int_tuple(self.stop_token_ids, "stop_token_ids"))
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k != -1 and self.top_k < TOP_K_OFF
+
+    def to_json(self) -> dict[str, Any]:
+        """The `sampling_params` dict SGLang accepts: only SGLang's keys, defaults left out."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+        }
+        if self.top_k_enabled:
+            out["top_k"] = self.top_k
+        if self.n != 1:
+            out["n"] = self.n
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.sampling_seed is not None:
+            out["sampling_seed"] = self.sampling_seed
+        if self.no_stop_trim:
+            out["no_stop_trim"] = True
+        if not self.skip_special_tokens:
+            out["skip_special_tokens"] = False
+        return out
+
+    @classmethod
+    def from_json(cls, params: Any) -> SamplingParams:
+        """Parse a request's `sampling_params` as SGLang would; `BadRequestError` names the bad key."""
+        if params is None:
+            return cls()
+        if not isinstance(params, dict):
+            raise BadRequestError(f"sampling_params must be a JSON object, got {type(params).__name__}")
+        kwargs: dict[str, Any] = {}
+        for key, value in params.items():
+            if key not in SGLANG_SAMPLING_DEFAULTS:
+                expected = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_DEFAULTS)
+                raise BadRequestError(f"unknown field `{key}` in sampling_params, expected one of {expected}")
+            if key in SUPPORTED_SAMPLING_KEYS:
+                if value is not None:
+                    kwargs[key] = value
+            elif key not in IGNORED_SAMPLING_KEYS and value != SGLANG_SAMPLING_DEFAULTS[key]:
+                raise BadRequestError(
+                    f"sampling_params.{key}={value!r} is not supported by the megarl CPU engine "
+                    f"(only its default {SGLANG_SAMPLING_DEFAULTS[key]!r} is accepted)"
+                )
+        if kwargs.get("top_k") == TOP_K_OFF:
+            kwargs["top_k"] = -1
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt of a `/generate` body: token ids or text, with its own sampling and options."""
+
+    prompt: list[int] | str
+    sampling: SamplingParams
+    return_logprob: bool = False
+    rid: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """A parsed `/generate` body. `batched` is True when the reply must be a list."""
+
+    prompts: list[PromptRequest] = field(default_factory=list)
+    batched: bool = False
+
+
+def _per_prompt(value: Any, count: int, key: str) -> list[Any]:
+    """SGLang lets most fields be one value for all prompts or a list with one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequestError(f"{key} has {len(value)} entries but the request has {count} prompts")
+        return value
+    return [value] * count
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_generate_body(body: Any) -> GenerateBody:
+    """Normalize a `/generate` JSON body. Unknown top-level keys are ignored, as SGLang does."""
+    if not isinstance(body, dict):
+        raise BadRequestError("the /generate body must be a JSON object")
+    if body.get("stream"):
+        raise BadRequestError("stream=true is not supported by the megarl CPU engine")
+    input_ids, text = body.get("input_ids"), body.get("text")
+    if (input_ids is None) == (text is None):
+        raise BadRequestError("give exactly one of `input_ids` and `text`")
+    if input_ids is not None:
+        if _is_token_list(input_ids):
+            prompts, batched = [input_ids], False
+        elif isinstance(input_ids, list) and input_ids and all(_is_token_list(p) for p in input_ids):
+            prompts, batched = input_ids, True
+        else:
+            raise BadRequestError("input_ids must be a list of token ids or a non-empty list of such lists")
+    elif isinstance(text, str):
+        prompts, batched = [text], False
+    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        prompts, batched = text, True
+    else:
+        raise BadRequestError("text must be a string or a non-empty list of strings")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise BadRequestError(f"prompt {i} is empty")
+
+    count = len(prompts)
+    samplings = _per_prompt(body.get("sampling_params"), count, "sampling_params")
+    logprobs = _per_prompt(body.get("return_logprob", False), count, "return_logprob")
+    rids = _per_prompt(body.get("rid"), count, "rid")
+    parsed = []
+    for i in range(count):
+        try:
+            sampling = SamplingParams.from_json(samplings[i])
+        except BadRequestError as e:
+            raise BadRequestError(f"prompt {i}: {e}" if batched else str(e)) from None
+        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i]))
+    batched = batched or any(p.sampling.n > 1 for p in parsed)
+    return GenerateBody(parsed, batched)
+
+
+def finish_stop(matched: int | str) -> dict[str, Any]:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+def error_message(body: Any, fallback: str) -> str:
+    """The human message in an SGLang error body (`{"error": str}` or `{"error": {"message": str}}`)."""
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message"))
+        if isinstance(err, dict):
+            err = err.get("message")
+        if isinstance(err, str) and err:
+            return err
+    return fallback

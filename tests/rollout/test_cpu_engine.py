@@ -1,0 +1,203 @@
+"""The CPU engine in-process: batched sampling numerics, finish reasons, abort, state rules."""
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from megarl.rollout.cpu_engine import CPUEngine, sample_tokens
+from megarl.rollout.protocol import BadRequestError, SamplingParams
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32, 33]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    torch.set_num_threads(1)
+    eng = CPUEngine(tiny_model_dir, max_running_requests=64, random_seed=3)
+    yield eng
+    eng.shutdown()
+
+
+def run(engine, prompts, sampling, return_logprob=True, timeout_s=60):
+    """Submit all prompts at once, wait for every sample; returns [prompt][sample] Sequences."""
+    done = threading.Semaphore(0)
+    groups = [engine.submit(p, sampling, return_logprob, None, lambda seq: done.release()) for p in prompts]
+    for _ in range(sum(len(g) for g in groups)):
+        assert done.acquire(timeout=timeout_s), "generation timed out"
+    return groups
+
+
+def test_logprobs_equal_hf_recompute_at_the_sampling_temperature(engine, tiny_hf, helpers):
+    # top-k/top-p filter the sampling but not the reported log-prob (SGLang's default); stop ids make
+    # rows finish at different steps, so the KV cache is pruned mid-batch.
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9, top_k=40, n=3,
+                              stop_token_ids=tuple(range(100, 110)), sampling_seed=11)
+    groups = run(engine, PROMPTS, sampling)
+    lengths, worst = set(), 0.0
+    for prompt, seqs in zip(PROMPTS, groups):
+        assert len(seqs) == 3
+        for seq in seqs:
+            assert len(seq.logprobs) == len(seq.output_ids) >= 1
+            ref = helpers.hf_logprobs(tiny_hf, prompt, seq.output_ids, 0.7)
+            worst = max(worst, (ref - torch.tensor(seq.logprobs)).abs().max().item())
+            lengths.add(len(seq.output_ids))
+            if seq.finish_reason["type"] == "stop":
+                assert seq.finish_reason["matched"] == seq.output_ids[-1] in [1, *range(100, 110)]  # EOS is 1
+            else:
+                assert seq.finish_reason == {"type": "length", "length": 24}
+    assert worst < 1e-4, worst
+    assert len(lengths) > 1, "expected rows to finish at different steps"
+
+
+def test_greedy_matches_hf_generate(engine, tiny_hf):
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    groups = run(engine, PROMPTS, sampling)
+    config = GenerationConfig(do_sample=False, max_new_tokens=16, min_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    for prompt, (seq,) in zip(PROMPTS, groups):
+        ref = tiny_hf.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+        assert seq.output_ids == ref
+
+
+def test_sampling_seed_makes_samples_reproducible(engine):
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, n=2, sampling_seed=5, ignore_eos=True)
+    first = run(engine, [PROMPTS[0]], sampling)[0]
+    again = run(engine, [PROMPTS[0]], sampling)[0]
+    assert [s.output_ids for s in first] == [s.output_ids for s in again]
+    assert first[0].output_ids != first[1].output_ids  # sample j uses seed + j
+
+
+def test_finish_on_eos_unless_ignored(engine):
+    eos_ids = sorted(engine.eos_token_ids)
+    assert eos_ids == [1]
+    # EOS is an ordinary token for a random model; make it certain with a one-token stop set instead
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(99,))
+    (seq,) = run(engine, [PROMPTS[0]], sampling)[0]
+    greedy_first = seq.output_ids[0]
+    stop_on_first = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(greedy_first,))
+    (seq,) = run(engine, [PROMPTS[0]], stop_on_first)[0]
+    assert seq.output_ids == [greedy_first] and seq.finish_reason == {"type": "stop", "matched": greedy_first}
+    ignored = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=(greedy_first,), ignore_eos=True)
+    (seq,) = run(engine, [PROMPTS[0]], ignored)[0]
+    assert len(seq.output_ids) == 5 and seq.finish_reason == {"type": "length", "length": 5}
+
+
+def test_zero_new_tokens(engine):
+    (seq,) = run(engine, [PROMPTS[0]], SamplingParams(max_new_tokens=0))[0]
+    assert seq.output_ids == [] and seq.finish_reason == {"type": "length", "length": 0}
+
+
+def test_bad_prompts_are_refused_with_reasons(engine):
+    with pytest.raises(BadRequestError, match="longer than the model's context length"):
+        engine.check_prompt([3] * 256, SamplingParams(max_new_tokens=1))
+    with pytest.raises(BadRequestError, match="exceeds the model's maximum context length of 256"):
+        engine.check_prompt([3] * 200, SamplingParams(max_new_tokens=100))
+    with pytest.raises(BadRequestError, match=r"input_ids\[1\] = 500 is outside the vocabulary"):
+        engine.check_prompt([3, 500], SamplingParams())
+    with pytest.raises(BadRequestError, match="needs a tokenizer"):
+        engine.check_prompt([3], SamplingParams(stop=("x",)))
+    with pytest.raises(BadRequestError, match="needs a tokenizer"):
+        engine.tokenize("hello")
+
+
+def test_abort_stops_running_and_waiting_samples(engine):
+    done = threading.Semaphore(0)
+    long = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, n=2)
+    seqs = engine.submit(PROMPTS[0], long, True, "long", lambda s: done.release())
+    while not any(s.output_ids for s in seqs):
+        threading.Event().wait(0.005)
+    assert engine.abort(rid="long") == 2
+    assert done.acquire(timeout=30) and done.acquire(timeout=30)
+    for seq in seqs:
+        assert seq.finish_reason["type"] == "abort"
+        assert 0 < len(seq.output_ids) < 200 and len(seq.logprobs) == len(seq.output_ids)
+    assert engine.is_idle()
+
+
+def test_released_memory_blocks_generation_and_weight_updates(engine):
+    engine.release_memory(["weights"])
+    try:
+        with pytest.raises(BadRequestError, match="released"):
+            engine.submit(PROMPTS[0], SamplingParams(), False, None, lambda s: None)
+        with pytest.raises(BadRequestError, match="weights are released"):
+            engine.load_weights([])
+    finally:
+        engine.resume_memory(["weights"])
+    with pytest.raises(BadRequestError, match="unknown memory tags"):
+        engine.release_memory(["gpu"])
+    run(engine, [PROMPTS[0]], SamplingParams(max_new_tokens=2))
+
+
+def test_release_needs_an_idle_engine(engine):
+    done = threading.Event()
+    seqs = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True), False, "busy",
+                         lambda s: done.set())
+    try:
+        with pytest.raises(BadRequestError, match="only when server is idle"):
+            engine.release_memory(None)
+    finally:
+        engine.abort(rid="busy")
+        assert done.wait(30) and seqs[0].finish_reason is not None
+
+
+def test_load_weights_is_all_or_nothing(engine):
+    before = engine.model.lm_head.weight.clone()
+    good = ("lm_head.weight", torch.zeros_like(before))
+    with pytest.raises(BadRequestError, match="unknown weight name 'model.bogus'"):
+        engine.load_weights([good, ("model.bogus", torch.zeros(3))])
+    with pytest.raises(BadRequestError, match="has shape"):
+        engine.load_weights([good, ("model.norm.weight", torch.zeros(3))])
+    assert torch.equal(engine.model.lm_head.weight, before)
+
+
+def test_sample_tokens_filters_but_reports_unfiltered_logprob():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    tokens, logprobs = sample_tokens(logits, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 1.0]),
+                                     torch.tensor([1, 1]), gens, torch.Generator())
+    assert tokens.tolist() == [0, 0]  # top_k = 1 leaves only the argmax
+    expected = torch.log_softmax(logits / torch.tensor([[1.0], [0.5]]), -1)[:, 0]
+    assert torch.allclose(logprobs, expected)
+
+
+@pytest.fixture(scope="module")
+def engine_with_tokenizer(tiny_model_dir, tmp_path_factory):
+    """The tiny model plus a byte-level, one-character-per-token tokenizer covering its 128 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_model_dir, name), path / name)
+    # byte-level symbols: printable ASCII, "\u0120" (space), then Latin-1 symbols that map to themselves
+    chars = [chr(c) for c in range(33, 127)] + ["\u0120"] + [chr(c) for c in (*range(161, 173), *range(174, 192))]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    assert len(vocab) == 128
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tokenizer.save_pretrained(path)
+    eng = CPUEngine(str(path))
+    yield eng
+    eng.shutdown()
+
+
+def test_text_input_and_stop_strings_with_a_tokenizer(engine_with_tokenizer):
+    eng = engine_with_tokenizer
+    assert eng.tokenize("ab c") == [vocab_id for vocab_id in eng.tokenizer("ab c")["input_ids"]] == [67, 68, 97, 69]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    (seq,) = run(eng, [[5, 6, 7]], greedy)[0]
+    assert seq.text == eng.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    position = next(i for i, t in enumerate(seq.output_ids) if i >= 2 and t >= 3)
+    stop_text = eng.tokenizer.decode([seq.output_ids[position]])
+    first = next(i for i, t in enumerate(seq.output_ids) if eng.tokenizer.decode([t]) == stop_text)
+    stopped_sampling = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=(stop_text,))
+    (stopped,) = run(eng, [[5, 6, 7]], stopped_sampling)[0]
+    assert stopped.output_ids == seq.output_ids[: first + 1]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_text}
+    assert stopped.text == seq.text[: seq.text.index(stop_text)]  # trimmed, as SGLang does by default

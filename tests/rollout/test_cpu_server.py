@@ -1,0 +1,199 @@
+"""The CPU engine over HTTP, driven by megarl's client and admin calls: errors, auth, memory state,
+abort, and both weight-update paths (disk, and a gloo broadcast from a trainer written here)."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.client import RolloutClient, RolloutRequestError
+from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.weight_group import (
+    destroy_process_group,
+    dtype_name,
+    init_custom_process_group,
+)
+
+KEY = "test-key"
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, helpers):
+    proc = helpers.start_cpu_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "cpu-server", api_key=KEY)
+    yield proc
+    proc.stop(timeout_s=15)
+
+
+@pytest.fixture
+def control(server):
+    return ServerControl(server.url, api_key=KEY)
+
+
+@pytest.fixture
+def client(server):
+    return RolloutClient(server.url, api_key=KEY, max_retries=2, retry_backoff_s=0.1)
+
+
+def assert_matches_hf(result, prompts, model, temperature, helpers):
+    for prompt, samples in zip(prompts, result.samples):
+        for sample in samples:
+            ref = helpers.hf_logprobs(model, prompt, sample.token_ids, temperature)
+            assert torch.allclose(torch.tensor(sample.logprobs), ref, atol=1e-4)
+
+
+def test_api_key_guards_everything_but_health(server):
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    assert requests.get(server.url + "/model_info", timeout=5).status_code == 401
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    assert requests.post(server.url + "/generate", json=body, timeout=5).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert requests.post(server.url + "/generate", json=body, headers=wrong, timeout=5).status_code == 401
+
+
+def test_model_info(control, tiny_model_dir):
+    info = control.model_info()
+    assert info["model_path"] == tiny_model_dir and info["is_generation"] and info["tokenizer_path"] is None
+    assert control.server_info()["context_length"] == 256
+
+
+def test_generate_n_samples_with_honest_logprobs(client, tiny_hf, helpers):
+    result = client.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.9, n=3))
+    assert [len(s) for s in result.samples] == [3, 3, 3]
+    samples = [s for g in result.samples for s in g]
+    assert all(s.finish_reason in ("stop", "length") and s.weight_version == "default" for s in samples)
+    assert_matches_hf(result, PROMPTS, tiny_hf, 0.9, helpers)
+    m = result.metrics
+    assert (m.requests, m.samples, m.retries) == (3, 9, 0)
+    assert m.response_tokens == sum(len(s.token_ids) for g in result.samples for s in g) and m.tokens_per_s > 0
+
+
+def test_unknown_sampling_key_gets_400_not_a_crash(server):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "bogus_key": 3}}
+    resp = requests.post(server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert resp.status_code == 400
+    assert "unknown field `bogus_key`" in resp.json()["error"]["message"]
+    assert ServerControl(server.url).health()
+
+
+def test_client_names_the_prompt_that_is_too_long(client, server):
+    prompts = [[3, 4], [5] * 300, [6, 7]]
+    with pytest.raises(RolloutRequestError, match=r"prompt 1: HTTP 400: .*longer than the model's context length") as e:
+        client.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert e.value.prompt_index == 1 and e.value.status == 400
+    assert ServerControl(server.url).health()
+
+
+def test_released_memory_refuses_generation_until_resumed(control, client):
+    control.flush_cache()  # retries until idle: earlier tests may have left requests running
+    control.release_memory_occupation()
+    try:
+        with pytest.raises(RolloutRequestError, match="released"):
+            client.generate([[3, 4]], SamplingParams(max_new_tokens=2))
+        with pytest.raises(ServerError, match="weights are released"):
+            control.update_weights_from_disk("/nonexistent")
+    finally:
+        control.resume_memory_occupation()
+    assert client.generate([[3, 4]], SamplingParams(max_new_tokens=2)).metrics.samples == 1
+    control.flush_cache(retries=1)
+
+
+def test_abort_returns_partial_and_unsent_samples(server):
+    client = RolloutClient(server.url, api_key=KEY, max_concurrency=1)
+    sampling = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, n=2)
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=client.generate(PROMPTS, sampling)))
+    thread.start()
+    control = ServerControl(server.url, api_key=KEY)
+    while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+        threading.Event().wait(0.01)
+    client.abort()
+    thread.join(60)
+    result = box["result"]
+    assert all(s.finish_reason == "abort" for g in result.samples for s in g)
+    assert all(len(s.token_ids) < 200 for s in result.samples[0])  # stopped while running
+    assert all(s.token_ids == [] for g in result.samples[1:] for s in g)  # never sent
+    assert result.metrics.aborted_samples == 6
+
+
+def busy(control):
+    state = control.server_info()["internal_states"][0]
+    return state["num_running_requests"] + state["num_waiting_requests"] > 0
+
+
+def test_client_that_goes_away_has_its_requests_aborted(server, control):
+    # 512 samples of 250 tokens: many seconds of work, unless the server notices the client left
+    body = {"input_ids": [[3, 4, 5]] * 32, "sampling_params": {"max_new_tokens": 250, "n": 16, "ignore_eos": True}}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    gone = time.monotonic()
+    while busy(control):
+        assert time.monotonic() - gone < 3.0, "the server kept generating for a client that left"
+        time.sleep(0.05)
+
+
+def test_update_weights_from_disk(control, client, tiny_model_dir, tmp_path, helpers):
+    new_dir = helpers.make_tiny_model(tmp_path / "step1", seed=1)
+    new_model = helpers.load_hf(new_dir)
+    control.update_weights_from_disk(new_dir, weight_version="1")
+    assert control.weight_version() == "1"
+    result = client.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert_matches_hf(result, PROMPTS, new_model, 1.0, helpers)
+    assert {s.weight_version for g in result.samples for s in g} == {"1"}
+
+    with pytest.raises(ServerError, match="HTTP 400: Failed to load weights from /nonexistent"):
+        control.update_weights_from_disk("/nonexistent")
+    assert_matches_hf(client.generate(PROMPTS, SamplingParams(max_new_tokens=4)), PROMPTS, new_model, 1.0, helpers)
+    control.update_weights_from_disk(tiny_model_dir, weight_version="default")  # back for the other tests
+
+
+def broadcast_flat(tensors, group):
+    """Trainer side of load_format='flattened_bucket': one uint8 broadcast of the concatenated bytes."""
+    dist.broadcast(torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors]), src=0, group=group)
+
+
+def broadcast_each(tensors, group):
+    """Trainer side of load_format=None: one broadcast per tensor, in request order."""
+    for t in tensors:
+        dist.broadcast(t.contiguous(), src=0, group=group)
+
+
+def test_update_weights_from_distributed_over_gloo(control, client, tiny_model_dir, tmp_path, helpers):
+    new_model = helpers.load_hf(helpers.make_tiny_model(tmp_path / "step2", seed=2))
+    named = [(n, p.detach().to(torch.bfloat16 if "mlp" in n else torch.float32))
+             for n, p in new_model.state_dict().items()]
+    buckets = [(named[:10], "flattened_bucket"), (named[10:], None)]
+    port = helpers.free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(control.init_weights_update_group, "127.0.0.1", port, 1, 2, "wg", "gloo")
+        group = init_custom_process_group("gloo", "127.0.0.1", port, rank=0, world_size=2, group_name="wg",
+                                          timeout_s=60)
+        joined.result(timeout=60)
+        try:
+            with pytest.raises(ServerError, match="between begin_weight_update"):
+                control.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[128, 64]], group_name="wg")
+            control.begin_weight_update()
+            for bucket, load_format in buckets:
+                names = [n for n, _ in bucket]
+                dtypes = [dtype_name(t.dtype) for _, t in bucket]
+                shapes = [list(t.shape) for _, t in bucket]
+                call = pool.submit(control.update_weights_from_distributed, names, dtypes, shapes, "wg",
+                                   load_format, "2")
+                (broadcast_flat if load_format else broadcast_each)([t for _, t in bucket], group)
+                call.result(timeout=60)
+            control.end_weight_update()
+        finally:
+            destroy_process_group(group)
+            control.destroy_weights_update_group("wg")
+    # the served weights are the bf16-rounded MLP and exact other tensors of `new_model`
+    sent = dict(named)
+    reference = helpers.load_hf(tiny_model_dir)
+    reference.load_state_dict({n: t.float() for n, t in sent.items()})
+    result = client.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert_matches_hf(result, PROMPTS, reference, 1.0, helpers)
+    assert control.weight_version() == "2"
+    control.update_weights_from_disk(tiny_model_dir, weight_version="default")

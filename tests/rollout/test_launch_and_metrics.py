@@ -1,0 +1,69 @@
+"""Command lines for SGLang, the CPU engine and the router; rollout metrics."""
+from megarl.rollout.cpu_server import parse_args
+from megarl.rollout.launch import (
+    apply_env_overrides,
+    cpu_server_command,
+    router_command,
+    sglang_env_overrides,
+    sglang_server_command,
+)
+from megarl.rollout.metrics import RequestRecord, percentile, summarize
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sglang_command_carries_placement_and_memory_flags():
+    cmd = sglang_server_command("/m", 30001, tp_size=2, base_gpu_id=4, mem_fraction_static=0.6,
+                                enable_memory_saver=True, extra_args=["--attention-backend", "fa3"])
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert flag(cmd, "--tp-size") == "2" and flag(cmd, "--base-gpu-id") == "4"
+    assert flag(cmd, "--mem-fraction-static") == "0.6" and flag(cmd, "--port") == "30001"
+    assert "--enable-memory-saver" in cmd and cmd[-2:] == ["--attention-backend", "fa3"]
+    assert "--enable-memory-saver" not in sglang_server_command("/m", 1)
+
+
+def test_sglang_env_drops_expandable_segments_under_the_memory_saver():
+    base = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_VISIBLE_DEVICES": "2,3"}
+    env = apply_env_overrides(base, sglang_env_overrides(enable_memory_saver=True))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    assert "PYTORCH_CUDA_ALLOC_CONF" in apply_env_overrides(base, sglang_env_overrides(enable_memory_saver=False))
+
+
+def test_cpu_server_command_parses_back():
+    cmd = cpu_server_command("/m", 31000, api_key="k", context_length=512, num_threads=1)
+    args = parse_args(cmd[3:])
+    parsed = (args.model_path, args.port, args.api_key, args.context_length, args.num_threads)
+    assert parsed == ("/m", 31000, "k", 512, 1)
+    assert args.host == "127.0.0.1"
+
+
+def test_router_command_has_its_own_prometheus_port():
+    cmd = router_command(["http://a:1", "http://b:2"], 30000, prometheus_port=30001, disable_retries=True)
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    assert flag(cmd, "--prometheus-port") == "30001" and flag(cmd, "--prometheus-host") == "127.0.0.1"
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
+    assert "--disable-retries" in cmd
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50 and percentile(values, 0.99) == 99 and percentile(values, 1.0) == 100
+    assert percentile([], 0.5) == 0.0
+
+
+def test_summarize_counts_tokens_tail_and_retries():
+    records = [
+        RequestRecord(prompt_tokens=10, response_tokens=(5, 7), latency_s=1.0, attempts=1, aborted_samples=0),
+        RequestRecord(prompt_tokens=4, response_tokens=(30, 2), latency_s=3.0, attempts=3, aborted_samples=0),
+        RequestRecord(prompt_tokens=6, response_tokens=(0, 0), latency_s=0.0, attempts=0, aborted_samples=2),
+    ]
+    m = summarize(records, wall_s=4.0)
+    assert (m.requests, m.samples, m.prompt_tokens, m.response_tokens) == (3, 6, 40, 44)
+    assert m.tokens_per_s == 11.0
+    assert (m.longest_sample_tokens, m.longest_sample_s) == (30, 3.0)
+    assert (m.retried_requests, m.retries, m.aborted_samples) == (1, 2, 2)
+    assert (m.latency_p50_s, m.latency_max_s) == (1.0, 3.0)
+    assert m.as_dict()["rollout/response_tokens"] == 44.0

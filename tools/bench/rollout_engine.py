@@ -1,0 +1,143 @@
+"""Benchmark: generated tokens/s of megarl's CPU engine vs plain `transformers` `generate`.
+
+Same randomly initialised Qwen2 model (built here, no download), same batch (`--prompts` prompts of
+`--prompt-len` tokens, `--n` samples each), same sampling (temperature 1, EOS ignored so every sample
+has exactly `--max-new-tokens` tokens), same number of torch threads. Three ways:
+
+* `hf_generate`:  `model.generate(do_sample=True)` on the left-padded batch of prompts x n;
+* `engine`:       `CPUEngine` in-process (batched sampling with a KV cache, log-probs computed);
+* `engine_http`:  the CPU engine as a server (`cpu_server`), driven through `RolloutClient`.
+
+Each is run once to warm up, then `--repeats` times; the best run is reported.
+
+    .venv/bin/python tools/bench/rollout_engine.py --hidden 64 --layers 2 --vocab 128
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import tempfile
+import threading
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.cpu_engine import CPUEngine
+from megarl.rollout.launch import cpu_server_command
+from megarl.rollout.process import ServerProcess
+from megarl.rollout.protocol import SamplingParams
+
+
+def build_model(path: str, hidden: int, layers: int, vocab: int) -> None:
+    torch.manual_seed(0)
+    heads = max(hidden // 32, 2)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=4096,
+        eos_token_id=1, tie_word_embeddings=False,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, vocab, (count, length), generator=g).tolist()
+
+
+def time_hf_generate(model, prompts, n, max_new_tokens) -> float:
+    batch = torch.tensor([p for p in prompts for _ in range(n)])  # equal lengths: no padding needed
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == batch.shape[1] + max_new_tokens
+    return elapsed
+
+
+def time_engine(engine, prompts, sampling) -> float:
+    done = threading.Semaphore(0)
+    start = time.perf_counter()
+    groups = [engine.submit(p, sampling, True, None, lambda s: done.release()) for p in prompts]
+    for _ in range(sum(len(g) for g in groups)):
+        assert done.acquire(timeout=3600)
+    elapsed = time.perf_counter() - start
+    assert all(len(s.output_ids) == sampling.max_new_tokens for g in groups for s in g)
+    return elapsed
+
+
+def time_http(client, prompts, sampling) -> float:
+    start = time.perf_counter()
+    result = client.generate(prompts, sampling)
+    elapsed = time.perf_counter() - start
+    assert result.metrics.response_tokens == len(prompts) * sampling.n * sampling.max_new_tokens
+    return elapsed
+
+
+def best_of(repeats, fn) -> float:
+    fn()  # warm-up
+    return min(fn() for _ in range(repeats))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="CPU engine vs transformers generate, tokens/s")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_model(model_dir, args.hidden, args.layers, args.vocab)
+        prompts = make_prompts(args.prompts, args.prompt_len, args.vocab)
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n, ignore_eos=True)
+        tokens = args.prompts * args.n * args.max_new_tokens
+        batch = args.prompts * args.n
+        results = {}
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        params = sum(t.numel() for t in model.parameters())
+        results["hf_generate"] = best_of(
+            args.repeats, lambda: time_hf_generate(model, prompts, args.n, args.max_new_tokens)
+        )
+
+        engine = CPUEngine(model_dir, max_running_requests=batch)
+        results["engine"] = best_of(args.repeats, lambda: time_engine(engine, prompts, sampling))
+        engine.shutdown()
+
+        port = free_port()
+        command = cpu_server_command(model_dir, port, max_running_requests=batch, num_threads=args.threads)
+        server = ServerProcess("bench-cpu-server", command, f"http://127.0.0.1:{port}", startup_timeout_s=300)
+        server.start()
+        try:
+            client = RolloutClient(server.url, max_concurrency=args.prompts)
+            results["engine_http"] = best_of(args.repeats, lambda: time_http(client, prompts, sampling))
+        finally:
+            server.stop()
+
+    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({params / 1e6:.2f} M params), "
+          f"float32, {args.threads} torch threads")
+    print(f"batch: {args.prompts} prompts x n={args.n} = {batch} sequences, prompt {args.prompt_len} tokens, "
+          f"{args.max_new_tokens} new tokens each ({tokens} generated tokens)")
+    print(f"{'method':<14}{'seconds':>10}{'tokens/s':>12}{'vs hf':>8}")
+    for name, seconds in results.items():
+        print(f"{name:<14}{seconds:>10.3f}{tokens / seconds:>12.0f}{results['hf_generate'] / seconds:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
