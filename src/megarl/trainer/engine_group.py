@@ -1,0 +1,51 @@
+"""The controller's handle on a training role: a worker group of engines, with the batch cut by
+data-parallel rank on the way in and the output ranks' results joined on the way out."""
+from __future__ import annotations
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.placement.planner import RolePlacement
+from megarl.placement.ray_pools import RealisedPools
+from megarl.placement.worker_group import WorkerGroup
+from megarl.workers.train_worker import TrainWorker
+
+
+class EngineGroup:
+    def __init__(self, role: RolePlacement, pools: RealisedPools, config, timeout_s: float = 3600.0,
+                 backend: str = "gloo", env: dict | None = None):
+        self.name = role.name
+        self.timeout_s = timeout_s
+        self.workers = WorkerGroup(TrainWorker, role, pools, config, env=env)
+        self.workers.init_process_group(backend=backend, timeout_s=min(timeout_s, 600.0))
+        places = self.workers.call("init_engine", timeout_s=timeout_s)
+        self.dp_ranks = [p["dp_rank"] for p in places]
+        self.output_ranks = {p["dp_rank"]: rank for rank, p in enumerate(places) if p["is_output_rank"]}
+        self.dp_size = places[0]["dp_size"]
+        if sorted(self.output_ranks) != list(range(self.dp_size)):
+            raise RuntimeError(f"{self.name}: expected one output rank per DP rank, got {self.output_ranks}")
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """The same call on every rank (checkpoints, offload, ...); results in rank order."""
+        return self.workers.call("engine_call", method, *args, timeout_s=self.timeout_s, **kwargs)
+
+    def run_on_batch(self, method: str, batch: Batch, *args) -> list:
+        """Give each DP replica its contiguous share of `batch` and run `method`; results in rank order."""
+        if len(batch) % self.dp_size:
+            raise ValueError(f"{self.name}.{method}: {len(batch)} samples do not split over DP size {self.dp_size}")
+        shards = batch.chunk(self.dp_size)
+        per_rank = [(method, shards[dp], *args) for dp in self.dp_ranks]
+        return self.workers.call_each("engine_call", per_rank, timeout_s=self.timeout_s)
+
+    def compute(self, method: str, batch: Batch, *args) -> dict[str, torch.Tensor]:
+        """A per-sample computation (log-probs, values): the output ranks' dicts joined in DP order."""
+        results = self.run_on_batch(method, batch, *args)
+        parts = [results[self.output_ranks[dp]] for dp in range(self.dp_size)]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    def update(self, method: str, batch: Batch) -> dict[str, float]:
+        """An update (update_policy, update_critic): metrics are identical on every rank; take rank 0's."""
+        return self.run_on_batch(method, batch)[0]
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()

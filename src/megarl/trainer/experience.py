@@ -1,0 +1,120 @@
+"""Pure steps of the RL loop between generation and the update: building the experience batch,
+scoring, KL-in-reward, advantages and the step's data metrics. No Ray, no HTTP, no engines.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
+from megarl.config import ExperimentConfig
+from megarl.data.batch import Batch
+from megarl.data.prompts import Prompt
+from megarl.rewards.batch import score_batch, token_level_scores
+
+
+def experience_batch(prompts: Sequence[Prompt], responses: Sequence[Sequence[Any]], uid_prefix: str) -> Batch:
+    """One row per (prompt, sample): `responses[i]` holds prompt i's samples, each with `.token_ids`,
+    `.logprobs` and `.finish_reason` (megarl.rollout.client.Sample). Samples of one prompt share
+    the uid `f"{uid_prefix}-{prompt.index}"`; `rollout_log_probs` [B, R] are the rollout's own."""
+    prompt_ids, response_ids, uids, rows, logprobs, finish = [], [], [], [], [], []
+    for prompt, samples in zip(prompts, responses):
+        for sample in samples:
+            prompt_ids.append(prompt.input_ids)
+            response_ids.append(sample.token_ids)
+            uids.append(f"{uid_prefix}-{prompt.index}")
+            rows.append(prompt.row)
+            logprobs.append(sample.logprobs or [0.0] * len(sample.token_ids))
+            finish.append(sample.finish_reason)
+    batch = Batch.from_token_lists(
+        prompt_ids, response_ids, uid=uids, data_source=[r.data_source for r in rows],
+        ground_truth=[r.ground_truth for r in rows], extra_info=[r.extra_info for r in rows], finish_reason=finish,
+    )
+    width = batch.response_length
+    batch["rollout_log_probs"] = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs], dtype=torch.float32)
+    return batch
+
+
+def score(batch: Batch, score_fn: Callable, tokenizer, config: ExperimentConfig, max_workers: int = 1) -> dict:
+    """Score every response; sets `scores` [B] and `token_level_scores` [B, R] (the score on the last
+    response token, plus DAPO's overlong penalty when configured). Returns reward metrics."""
+    texts = tokenizer.batch_decode(
+        [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])],
+        skip_special_tokens=False,
+    )
+    rewards = score_batch(score_fn, batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
+                          max_workers=max_workers)
+    scores = rewards.scores
+    metrics = dict(rewards.metrics)
+    rm = config.reward_model
+    if rm.overlong_buffer_len > 0:
+        lengths = batch["response_mask"].sum(-1)
+        penalty = overlong_penalty(lengths, config.data.max_response_length, rm.overlong_buffer_len,
+                                   rm.overlong_penalty_factor)
+        scores = scores + penalty
+        metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    batch["scores"] = scores
+    batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])
+    for key, values in rewards.extra.items():
+        if key not in batch.keys():
+            batch.meta[key] = values
+    return metrics
+
+
+def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None) -> dict:
+    """Token-level rewards (minus the KL penalty when `algorithm.use_kl_in_reward`, which also
+    updates `kl_ctrl`), then the configured estimator's `advantages` and `returns` [B, R]."""
+    a = config.algorithm
+    metrics = {}
+    if a.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_in_reward(
+            batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"], batch["response_mask"],
+            kl_ctrl.value, a.kl_penalty,
+        )
+        kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
+        metrics.update({f"critic/{k}": v for k, v in kl_metrics.items()})
+    else:
+        rewards = batch["token_level_scores"]
+    batch["token_level_rewards"] = rewards
+    result = compute_advantages(
+        a.adv_estimator, rewards, batch["response_mask"], uids=batch["uid"],
+        values=batch["values"] if "values" in batch else None,
+        reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+        gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+    )
+    batch["advantages"] = result.advantages
+    batch["returns"] = result.returns
+    metrics.update(result.metrics)
+    return metrics
+
+
+def data_metrics(batch: Batch) -> dict:
+    """Scores, advantages, lengths and finish reasons of the step's experience."""
+    mask = batch["response_mask"].bool()
+    lengths = mask.sum(-1).float()
+    prompt_lengths = batch["prompt_mask"].sum(-1).float()
+    adv = batch["advantages"][mask] if "advantages" in batch else None
+    finish = batch["finish_reason"]
+    metrics = {
+        "reward/mean": batch["scores"].mean().item(),
+        "reward/max": batch["scores"].max().item(),
+        "reward/min": batch["scores"].min().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/clip_ratio": sum(f == "length" for f in finish) / len(finish),
+        "prompt_length/mean": prompt_lengths.mean().item(),
+    }
+    if adv is not None and adv.numel():
+        metrics.update({"advantages/mean": adv.mean().item(), "advantages/max": adv.max().item(),
+                        "advantages/min": adv.min().item()})
+    return metrics
+
+
+def greedy_accuracy(scores: torch.Tensor, data_sources: Sequence[str], prefix: str = "val") -> dict:
+    """Mean score overall (`val/score`) and per data_source."""
+    out = {f"{prefix}/score": scores.mean().item()}
+    for source in sorted(set(data_sources)):
+        picked = torch.tensor([s == source for s in data_sources])
+        out[f"{prefix}/{source}/score"] = scores[picked].mean().item()
+    return out

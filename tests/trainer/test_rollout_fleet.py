@@ -1,0 +1,64 @@
+"""Rollout servers placed by the plan as Ray actors, behind the real router; a killed server is
+restarted by its worker and the fleet stops every process it started."""
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from megarl.config import load_and_validate
+from megarl.data.tiny_model import make_tiny_model
+from megarl.placement import plan_from_config
+from megarl.placement.ray_pools import create_pools
+from megarl.rollout.protocol import SamplingParams
+from megarl.trainer.rollout_fleet import RolloutFleet
+
+
+@pytest.fixture(scope="module")
+def ray_two_gpus(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    ray.shutdown()
+
+
+def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
+    make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    config = load_and_validate(None, [
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}", "data.train_files=/unused.parquet",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=cpu", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.max_prompt_length=16", "data.max_response_length=8",
+    ])
+    plan = plan_from_config(config)
+    pools = create_pools(plan, timeout_s=60)
+    fleet = RolloutFleet(plan.roles["rollout"], pools, config, colocated=True, single_node=True,
+                         startup_timeout_s=180)
+    try:
+        assert len(fleet.urls) == 2 and len(set(fleet.urls)) == 2
+        prompts = [[1, 10 + i, 11 + i] for i in range(6)]
+        result = fleet.generate(prompts, SamplingParams(max_new_tokens=4, n=2, ignore_eos=True))
+        assert [[len(s.token_ids) for s in row] for row in result.samples] == [[4, 4]] * 6
+        assert all(len(s.logprobs) == 4 for row in result.samples for s in row)
+
+        statuses = fleet.workers.call("status", timeout_s=30)
+        os.kill(statuses[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            now = fleet.workers.call("status", timeout_s=60)[1]
+            if now["restarts"] == 1 and now["running"]:
+                break
+            time.sleep(0.5)
+        assert now["restarts"] == 1 and now["pid"] != statuses[1]["pid"]
+        result = fleet.generate(prompts, SamplingParams(max_new_tokens=3, n=2, ignore_eos=True))
+        assert sum(len(s.token_ids) for row in result.samples for s in row) == 6 * 2 * 3
+        pids = [s["pid"] for s in fleet.workers.call("status", timeout_s=30)]
+    finally:
+        fleet.shutdown()
+        pools.remove()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
