@@ -1,0 +1,189 @@
+"""Supported HF architectures and the translation of an HF `config.json` into `ModelArch`.
+
+A `Family` states, declaratively, how one HF `model_type` differs from the common dense decoder
+(RMSNorm, SwiGLU, RoPE, grouped-query attention, no linear biases). `arch_from_hf_config` reads a
+config into a `ModelArch` and rejects, naming the field, every setting megatron-core cannot
+express exactly: nothing is silently approximated.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from megarl.bridge.errors import ConversionError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # HF class name written into an exported config.json
+    qkv_bias: bool  # q/k/v projections carry a bias (o_proj never does)
+    qk_layernorm: bool  # per-head RMSNorm on q and k, before RoPE
+    must_be_false: tuple[str, ...]  # HF fields with no exact megatron-core equivalent when true
+    sliding_window_field: bool  # `sliding_window` (when set) is applied to every layer
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        # attention_bias=True puts a bias on o_proj too; megatron-core can only add that together
+        # with biases on every linear (add_bias_linear), which these models do not have.
+        Family("llama", "LlamaForCausalLM", False, False, ("attention_bias", "mlp_bias"), False),
+        Family("mistral", "MistralForCausalLM", False, False, (), True),
+        Family("qwen2", "Qwen2ForCausalLM", True, False, ("use_sliding_window",), False),
+        Family("qwen3", "Qwen3ForCausalLM", False, True, ("attention_bias", "use_sliding_window"), False),
+    )
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: Literal["llama3", "linear"]
+    factor: float
+
+
+# megatron-core's llama3 scaling hard-codes these (rotary_pos_embedding.py `_apply_scaling`)
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A dense decoder as both sides need it. Sizes are counts; `kv_channels` is the head dim."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling: Optional[RopeScaling]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    sliding_window: Optional[int]  # tokens a query attends to, itself included; None: unlimited
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+
+def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of an HF checkpoint directory."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path}: not found (an HF checkpoint directory has a config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
+def _positive_int(config: Mapping[str, Any], key: str, source: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConversionError(f"{source}: `{key}` must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(config: Mapping[str, Any], source: str) -> tuple[float, Optional[RopeScaling]]:
+    # transformers >= 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ConversionError(f"{source}: per-layer-type `rope_parameters` are not supported")
+    theta = params.get("rope_theta", config.get("rope_theta"))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConversionError(f"{source}: `rope_theta` must be a positive number, got {theta!r}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConversionError(f"{source}: `partial_rotary_factor`={partial} is not supported (only 1.0)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise ConversionError(f"{source}: rope scaling `{kind}` needs a positive `factor`, got {factor!r}")
+    if kind == "linear":
+        return float(theta), RopeScaling("linear", float(factor))
+    if kind == "llama3":
+        for key, fixed in LLAMA3_FIXED.items():
+            if params.get(key) != fixed:
+                raise ConversionError(
+                    f"{source}: llama3 rope scaling with `{key}`={params.get(key)!r} is not supported: "
+                    f"megatron-core hard-codes {key}={fixed}"
+                )
+        return float(theta), RopeScaling("llama3", float(factor))
+    raise ConversionError(
+        f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") -> ModelArch:
+    """Translate an HF config (the dict of `config.json`) into a `ModelArch`.
+
+    Raises `ConversionError` naming `source` and the field for anything unsupported.
+    """
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ConversionError(
+            f"{source}: `model_type`={model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    if config.get("quantization_config"):
+        raise ConversionError(f"{source}: `quantization_config` is set; quantized checkpoints are not supported")
+    for key in family.must_be_false:
+        if config.get(key):
+            raise ConversionError(f"{source}: `{key}`=true is not supported for model_type {model_type!r}")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"{source}: `hidden_act`={act!r} is not supported (only 'silu', i.e. SwiGLU)")
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ConversionError(f"{source}: `layer_types` other than 'full_attention' are not supported: {layer_types}")
+
+    hidden = _positive_int(config, "hidden_size", source)
+    heads = _positive_int(config, "num_attention_heads", source)
+    groups = config.get("num_key_value_heads") or heads
+    if not isinstance(groups, int) or groups <= 0 or heads % groups:
+        raise ConversionError(
+            f"{source}: `num_key_value_heads`={groups!r} must divide `num_attention_heads`={heads}"
+        )
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConversionError(
+                f"{source}: `head_dim` is absent and `hidden_size`={hidden} is not a multiple of "
+                f"`num_attention_heads`={heads}"
+            )
+        head_dim = hidden // heads
+    elif not isinstance(head_dim, int) or head_dim <= 0:
+        raise ConversionError(f"{source}: `head_dim` must be a positive integer, got {head_dim!r}")
+    theta, scaling = _rope(config, source)
+    window = config.get("sliding_window") if family.sliding_window_field else None
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ConversionError(f"{source}: `sliding_window` must be a positive integer or null, got {window!r}")
+    return ModelArch(
+        model_type=model_type,
+        num_layers=_positive_int(config, "num_hidden_layers", source),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        ffn_hidden_size=_positive_int(config, "intermediate_size", source),
+        vocab_size=_positive_int(config, "vocab_size", source),
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_positive_int(config, "max_position_embeddings", source),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+        sliding_window=window,
+    )

@@ -1,0 +1,264 @@
+"""Offline checkpoint conversion, HF safetensors <-> megatron-core `torch_dist`, one tensor at a time.
+
+Both directions check the input against the config before writing anything, write into a hidden
+temporary directory next to the output, verify what they wrote (tensor names, shapes and dtypes
+against the expected map), and only then rename it to the output path. Peak memory is about the
+largest parameter (HF -> megatron) or one output file plus the largest parameter (megatron -> HF).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.bridge.errors import ConversionError
+from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
+from megarl.bridge.safetensors_io import HFCheckpointReader, ShardedSafetensorsWriter, read_safetensors_headers
+from megarl.bridge.sharding import ParallelLayout, check_layout, layer_index
+from megarl.bridge.torch_dist_io import (
+    RELEASE_DIR,
+    TorchDistReader,
+    expected_objects,
+    expected_tensors,
+    stacked_key,
+    write_torch_dist,
+    write_tracker,
+)
+from megarl.bridge.transforms import padded_vocab_size
+
+HF_ASSETS_DIR = "hf"  # inside a megatron iteration directory: the HF config and tokenizer files
+BRIDGE_METADATA = "megarl_bridge.json"  # inside a megatron iteration directory
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".distcp")
+_WEIGHT_FILES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", ".metadata", "common.pt", "metadata.json"}
+
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Reported after each megatron parameter is converted."""
+
+    name: str  # the parameter just converted (global megatron name)
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+OnProgress = Callable[[Progress], None]
+
+
+class _ProgressCounter:
+    def __init__(self, sizes: dict[str, int], report: Optional[OnProgress]):
+        self.sizes, self.report = sizes, report
+        self.tensors_done = self.bytes_done = 0
+
+    def __call__(self, name: str) -> None:
+        self.tensors_done += 1
+        self.bytes_done += self.sizes[name]
+        if self.report:
+            self.report(Progress(name, self.tensors_done, len(self.sizes), self.bytes_done, sum(self.sizes.values())))
+
+
+@dataclass(frozen=True)
+class ConversionSummary:
+    tensors: int  # megatron parameters converted
+    bytes: int  # their size
+    out: Path
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a hidden temporary directory next to `out`; rename it to `out` when the block
+    succeeds, delete it when it fails. `out` must not exist or be an empty directory."""
+    out = Path(out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{out}: already exists and is not an empty directory; remove it or choose another output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_hf_assets(src: Path, dst: Path, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None) -> None:
+    """Copy config, tokenizer and generation files of an HF directory (no weights) into `dst`.
+    With `dtype` / `architecture`, config.json states them."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.iterdir()):
+        if path.is_file() and path.name not in _WEIGHT_FILES and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, dst / path.name)
+    if dtype is not None or architecture is not None:
+        config = json.loads((dst / "config.json").read_text())
+        if dtype is not None:
+            keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+            for key in keys:
+                config[key] = str(dtype).removeprefix("torch.")
+        if architecture is not None:
+            config["architectures"] = [architecture]
+        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _arch_of(config_dir: Path) -> ModelArch:
+    return arch_from_hf_config(load_hf_config(config_dir), source=str(config_dir / "config.json"))
+
+
+# ------------------------------------------------------------------------------------------ HF -> megatron
+def convert_hf_to_torch_dist(
+    hf_dir: str | Path,
+    out: str | Path,
+    layout: ParallelLayout = ParallelLayout(),
+    make_vocab_size_divisible_by: int = 128,
+    on_progress: Optional[OnProgress] = None,
+) -> ConversionSummary:
+    """Write the HF checkpoint `hf_dir` as a megatron `torch_dist` checkpoint at `out`
+    (`out/latest_checkpointed_iteration.txt` -> `out/release/`) for a `GPTModel` at `layout`,
+    whose TP size fixes the padded vocabulary. megatron reshards at load time, so other layouts
+    load it too; their embedding and output layer get the checkpoint's rows, zero-padded or
+    trimmed to their own padded vocabulary (`allow_shape_mismatch`). The HF config and tokenizer
+    are kept in `out/release/hf/`."""
+    hf_dir = Path(hf_dir)
+    arch = _arch_of(hf_dir)
+    check_layout(arch, layout)
+    vp = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    weights = WeightMap(arch, vp)
+    with HFCheckpointReader(hf_dir) as reader:
+        weights.check_hf_names(set(reader.names()), source=str(hf_dir))
+        dtypes = {}
+        for name in weights.mcore_names():
+            hf_names = weights.hf_names_of(name)
+            for hf_name in hf_names:
+                if reader.shape(hf_name) != weights.hf_shape(hf_name):
+                    raise ConversionError(
+                        f"{hf_dir}: tensor {hf_name!r} has shape {list(reader.shape(hf_name))}, but config.json "
+                        f"implies {list(weights.hf_shape(hf_name))}"
+                    )
+            kinds = {reader.dtype(h) for h in hf_names}
+            if len(kinds) > 1:
+                raise ConversionError(f"{hf_dir}: tensors {hf_names} have different dtypes {sorted(map(str, kinds))}")
+            dtypes[name] = kinds.pop()
+        sizes = {n: torch.Size(weights.mcore_shape(n)).numel() * dtypes[n].itemsize for n in weights.mcore_names()}
+        counter = _ProgressCounter(sizes, on_progress)
+        with atomic_output_dir(out) as tmp:
+            iter_dir = tmp / RELEASE_DIR
+            write_torch_dist(iter_dir, weights, dtypes.__getitem__, lambda n: weights.to_mcore(n, reader.read), counter)
+            copy_hf_assets(hf_dir, iter_dir / HF_ASSETS_DIR)
+            metadata = {
+                "source": str(hf_dir.absolute()),
+                "vocab_size": arch.vocab_size,
+                "padded_vocab_size": vp,
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+                "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp},
+            }
+            (iter_dir / BRIDGE_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+            write_tracker(tmp)
+            verify_torch_dist(tmp, weights, dtypes.__getitem__)
+    return ConversionSummary(len(sizes), sum(sizes.values()), Path(out))
+
+
+def verify_torch_dist(ckpt: Path, weights: WeightMap, dtype_of: Callable[[str], torch.dtype]) -> None:
+    """The checkpoint at `ckpt` holds exactly the tensors (keys, global shapes, dtypes) and
+    `_extra_state` objects a `GPTModel` of `weights` saves."""
+    reader = TorchDistReader(ckpt)
+    expected = expected_tensors(weights, dtype_of)
+    if set(reader.tensors) != set(expected):
+        raise ConversionError(f"{ckpt}: tensor keys differ from the expected map: {sorted(set(reader.tensors) ^ set(expected))}")
+    for key, entry in expected.items():
+        if reader.tensors[key] != entry:
+            raise ConversionError(f"{ckpt}: {key} is {reader.tensors[key]}, expected {entry}")
+    if set(reader.objects) != set(expected_objects(weights.arch.num_layers)):
+        raise ConversionError(f"{ckpt}: _extra_state objects differ from the expected map")
+
+
+# ------------------------------------------------------------------------------------------ megatron -> HF
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap, config_path: Path) -> None:
+    """Every parameter of the config is in the checkpoint with the shape the config implies, and
+    the checkpoint has no model tensor the config does not explain."""
+    a = weights.arch
+    hint = (
+        f"({config_path}: num_hidden_layers={a.num_layers}, hidden_size={a.hidden_size}, "
+        f"num_attention_heads={a.num_attention_heads}, num_key_value_heads={a.num_query_groups}, "
+        f"head_dim={a.kv_channels}, intermediate_size={a.ffn_hidden_size}, vocab_size={a.vocab_size}, "
+        f"tie_word_embeddings={a.tie_word_embeddings})"
+    )
+    used = set()
+    for name in weights.mcore_names():
+        shape = reader.shape(name)
+        if shape != weights.mcore_shape(name):
+            raise ConversionError(
+                f"{reader.dir}: {name} has shape {list(shape)}, but the config implies "
+                f"{list(weights.mcore_shape(name))} {hint}"
+            )
+        key = stacked_key(name)
+        used.update({name, key, name + "_w", name + "_v", key + "_w", key + "_v"})
+        if key in reader.tensors and layer_index(name) is not None and reader.tensors[key].global_shape[0] != a.num_layers:
+            raise ConversionError(
+                f"{reader.dir}: {key} stacks {reader.tensors[key].global_shape[0]} layers, but the config has {a.num_layers} {hint}"
+            )
+    extra = [k for k in reader.tensors if k.startswith(_MODEL_PREFIXES) and k not in used and not is_extra_state(k)]
+    if extra:
+        raise ConversionError(f"{reader.dir}: model tensors the config does not explain: {sorted(extra)[:5]} {hint}")
+
+
+def convert_torch_dist_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    hf_config_dir: Optional[str | Path] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    on_progress: Optional[OnProgress] = None,
+) -> ConversionSummary:
+    """Write the megatron `torch_dist` checkpoint `ckpt` (a checkpoint root or an iteration
+    directory) as an HF checkpoint at `out`: sharded safetensors with an index, config.json and
+    the tokenizer files. The config and tokenizer come from `hf_config_dir`, else from the
+    `hf/` directory the HF -> megatron conversion stored in the checkpoint."""
+    reader = TorchDistReader(ckpt)
+    assets = Path(hf_config_dir) if hf_config_dir is not None else reader.dir / HF_ASSETS_DIR
+    if not (assets / "config.json").is_file():
+        raise ConversionError(
+            f"{assets}: no config.json; pass --hf-config with the HF directory of this model's config and tokenizer"
+        )
+    arch = _arch_of(assets)
+    weights = WeightMap(arch, padded_vocab_size=reader.shape(EMBEDDING)[0])
+    check_torch_dist_against_config(reader, weights, assets / "config.json")
+    dtypes = {reader.dtype(n) for n in weights.mcore_names()}
+    if len(dtypes) > 1:
+        raise ConversionError(f"{reader.dir}: parameters have mixed dtypes {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    sizes = {n: torch.Size(weights.mcore_shape(n)).numel() * dtype.itemsize for n in weights.mcore_names()}
+    counter = _ProgressCounter(sizes, on_progress)
+    with atomic_output_dir(out) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for name in weights.mcore_names():
+            for hf_name, tensor in weights.to_hf(name, reader.read(name)):
+                writer.add(hf_name, tensor)
+            counter(name)
+        writer.close()
+        copy_hf_assets(assets, tmp, dtype=dtype, architecture=arch.family.architecture)
+        verify_hf(tmp, weights, dtype)
+    return ConversionSummary(len(sizes), sum(sizes.values()), Path(out))
+
+
+def verify_hf(hf_dir: Path, weights: WeightMap, dtype: torch.dtype) -> None:
+    """The HF checkpoint at `hf_dir` holds exactly the tensors of `weights`, with their shapes and `dtype`."""
+    headers = read_safetensors_headers(hf_dir)
+    expected = weights.hf_names()
+    if set(headers) != set(expected):
+        raise ConversionError(f"{hf_dir}: tensor names differ from the expected map: {sorted(set(headers) ^ set(expected))}")
+    for name in expected:
+        shape, got = headers[name]
+        if shape != weights.hf_shape(name) or got != dtype:
+            raise ConversionError(f"{hf_dir}: {name} is {list(shape)} {got}, expected {list(weights.hf_shape(name))} {dtype}")

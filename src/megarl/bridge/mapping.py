@@ -1,0 +1,276 @@
+"""HF <-> megatron-core parameter mapping: declarative name rules plus pure tensor transforms.
+
+Megatron names here are *global* (layer index over the whole model) and use the
+transformer-engine spelling, which is also the spelling of `torch_dist` checkpoints. Names from a
+live local-spec model (`input_layernorm`, `pre_mlp_layernorm`) and names wrapped in `module.`
+prefixes are accepted everywhere and canonicalised by `canonical_name`.
+
+`WeightMap(arch, padded_vocab_size)` turns one megatron name + its full (TP-gathered) tensor into
+its HF tensors (`to_hf`) and back (`to_mcore`). Both are pure, one parameter at a time, so the
+offline converters and the live resharder stream a layer at a time with them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Literal, Optional
+
+import torch
+
+from megarl.bridge.arch import ModelArch
+from megarl.bridge.errors import ConversionError
+from megarl.bridge.transforms import merge_gate_up, merge_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How megatron splits a full tensor across tensor-parallel ranks."""
+
+    dim: Optional[int]  # None: every rank holds the full tensor
+    stride: int = 1  # 2: the two halves ([gate; up]) are split separately, rank k holds [gate_k; up_k]
+
+
+COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPSplit(0, stride=2)
+
+Transform = Literal["identity", "qkv", "gate_up", "vocab"]
+Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied"]
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    mcore: str  # global megatron name, TE spelling; "{i}" is the layer index
+    hf: tuple[str, ...]  # HF names in the order `transform` produces them; "{i}" is the layer index
+    transform: Transform
+    tp: TPSplit
+    condition: Condition = "always"
+    local_alias: Optional[str] = None  # local-spec (non-TE) spelling of `mcore`
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.mcore
+
+    def applies(self, arch: ModelArch) -> bool:
+        return {
+            "always": True,
+            "qkv_bias": arch.qkv_bias,
+            "qk_layernorm": arch.qk_layernorm,
+            "untied": not arch.tie_word_embeddings,
+        }[self.condition]
+
+
+_L, _H = "decoder.layers.{i}.", "model.layers.{i}."
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+RULES: tuple[ParamRule, ...] = (
+    ParamRule(EMBEDDING, ("model.embed_tokens.weight",), "vocab", COLUMN),
+    ParamRule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), "identity",
+              REPLICATED, local_alias=_L + "input_layernorm.weight"),
+    ParamRule(_L + "self_attention.linear_qkv.weight",
+              tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", COLUMN),
+    ParamRule(_L + "self_attention.linear_qkv.bias",
+              tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", COLUMN, "qkv_bias"),
+    ParamRule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "identity", REPLICATED,
+              "qk_layernorm"),
+    ParamRule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "identity", REPLICATED,
+              "qk_layernorm"),
+    ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "identity", ROW),
+    ParamRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), "identity",
+              REPLICATED, local_alias=_L + "pre_mlp_layernorm.weight"),
+    ParamRule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up",
+              GLU_COLUMN),
+    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "identity", ROW),
+    ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "identity", REPLICATED),
+    ParamRule(OUTPUT_LAYER, ("lm_head.weight",), "vocab", COLUMN, "untied"),
+)
+
+# HF tensors that carry no parameter of their own
+HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_MCORE_PATTERNS = [(_pattern(r.mcore), r) for r in RULES] + [
+    (_pattern(r.local_alias), r) for r in RULES if r.local_alias
+]
+
+
+def is_extra_state(name: str) -> bool:
+    """transformer-engine / megatron `_extra_state` entries: metadata, not parameters."""
+    return name.endswith("._extra_state") or "._extra_state/" in name
+
+
+def match_mcore(name: str) -> tuple[ParamRule, Optional[int]]:
+    """The rule of a megatron name (TE or local spelling, any `module.` prefix) and its layer index."""
+    bare = strip_module_prefix(name)
+    for pattern, rule in _MCORE_PATTERNS:
+        m = pattern.match(bare)
+        if m:
+            return rule, int(m.group("i")) if rule.per_layer else None
+    raise ConversionError(f"megatron parameter {name!r} has no HF mapping")
+
+
+def strip_module_prefix(name: str) -> str:
+    """Drop the `module.` prefixes added by DDP / Float16Module wrappers."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def canonical_name(name: str) -> str:
+    """The TE spelling of a megatron name: `module.` prefixes dropped, local-spec norm names renamed."""
+    rule, layer = match_mcore(name)
+    return rule.mcore.format(i=layer)
+
+
+def tp_split(name: str) -> TPSplit:
+    """How the megatron parameter `name` is split across tensor-parallel ranks."""
+    return match_mcore(name)[0].tp
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """All HF <-> megatron tensor conversions of one model, one parameter at a time.
+
+    `padded_vocab_size` is the row count of megatron's embedding and output layer (see
+    `transforms.padded_vocab_size`); HF tensors have `arch.vocab_size` rows.
+    """
+
+    arch: ModelArch
+    padded_vocab_size: int
+
+    def __post_init__(self):
+        if self.padded_vocab_size < self.arch.vocab_size:
+            raise ConversionError(
+                f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.arch.vocab_size}"
+            )
+
+    # ---------------------------------------------------------------- names
+    def rules(self) -> list[ParamRule]:
+        return [r for r in RULES if r.applies(self.arch)]
+
+    def mcore_names(self) -> list[str]:
+        """Every global megatron parameter name (TE spelling), in checkpoint order: embedding,
+        layer 0 .. L-1, final norm, output layer (absent when tied)."""
+        layer_rules = [r for r in self.rules() if r.per_layer]
+        per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules]
+        after = [r.mcore for r in self.rules() if not r.per_layer and r.mcore != EMBEDDING]
+        return [EMBEDDING, *per_layer, *after]
+
+    def hf_names(self) -> list[str]:
+        """Every HF parameter name, in the order of `mcore_names`."""
+        return [h for name in self.mcore_names() for h in self.hf_names_of(name)]
+
+    def hf_names_of(self, mcore_name: str) -> tuple[str, ...]:
+        rule, layer = self._rule(mcore_name)
+        return tuple(h.format(i=layer) for h in rule.hf)
+
+    def is_tied_output_copy(self, mcore_name: str) -> bool:
+        """True for the last pipeline stage's copy of a tied embedding: it is never exported."""
+        return self.arch.tie_word_embeddings and strip_module_prefix(mcore_name) == OUTPUT_LAYER
+
+    def _rule(self, mcore_name: str) -> tuple[ParamRule, Optional[int]]:
+        rule, layer = match_mcore(mcore_name)
+        if not rule.applies(self.arch):
+            raise ConversionError(f"megatron parameter {mcore_name!r} does not exist in this {self.arch.model_type} config")
+        if layer is not None and layer >= self.arch.num_layers:
+            raise ConversionError(f"megatron parameter {mcore_name!r}: layer {layer} >= num_layers {self.arch.num_layers}")
+        return rule, layer
+
+    # ---------------------------------------------------------------- shapes
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The shape `arch` gives the HF tensor `hf_name` (one of `hf_names()`)."""
+        a = self.arch
+        d, hid = a.kv_channels, a.hidden_size
+        suffix = hf_name.rsplit(".", 2)[-2:]
+        shapes = {
+            ("embed_tokens", "weight"): (a.vocab_size, hid),
+            ("lm_head", "weight"): (a.vocab_size, hid),
+            ("q_proj", "weight"): (a.num_attention_heads * d, hid),
+            ("k_proj", "weight"): (a.num_query_groups * d, hid),
+            ("v_proj", "weight"): (a.num_query_groups * d, hid),
+            ("q_proj", "bias"): (a.num_attention_heads * d,),
+            ("k_proj", "bias"): (a.num_query_groups * d,),
+            ("v_proj", "bias"): (a.num_query_groups * d,),
+            ("q_norm", "weight"): (d,),
+            ("k_norm", "weight"): (d,),
+            ("o_proj", "weight"): (hid, a.num_attention_heads * d),
+            ("gate_proj", "weight"): (a.ffn_hidden_size, hid),
+            ("up_proj", "weight"): (a.ffn_hidden_size, hid),
+            ("down_proj", "weight"): (hid, a.ffn_hidden_size),
+        }
+        return shapes.get(tuple(suffix), (hid,))  # the remaining ones are the hidden-size norms
+
+    def mcore_shape(self, mcore_name: str) -> tuple[int, ...]:
+        """Full (unsharded) shape of a megatron parameter."""
+        rule, _ = self._rule(mcore_name)
+        hf_shapes = [self.hf_shape(h) for h in self.hf_names_of(mcore_name)]
+        if rule.transform == "vocab":
+            return (self.padded_vocab_size, *hf_shapes[0][1:])
+        if rule.transform == "identity":
+            return hf_shapes[0]
+        return (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+
+    # ---------------------------------------------------------------- tensors
+    def to_hf(self, mcore_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One full (TP-gathered) megatron tensor -> its HF (name, tensor) pairs."""
+        rule, _ = self._rule(mcore_name)
+        _check_shape(mcore_name, full, self.mcore_shape(mcore_name))
+        a = self.arch
+        if rule.transform == "qkv":
+            parts = split_qkv(full, a.num_attention_heads, a.num_query_groups, a.kv_channels)
+        elif rule.transform == "gate_up":
+            parts = split_gate_up(full)
+        elif rule.transform == "vocab":
+            parts = (unpad_vocab(full, a.vocab_size),)
+        else:
+            parts = (full,)
+        return list(zip(self.hf_names_of(mcore_name), parts))
+
+    def to_mcore(self, mcore_name: str, read_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The full megatron tensor `mcore_name`, built from the HF tensors `read_hf(name)` returns."""
+        rule, _ = self._rule(mcore_name)
+        parts = []
+        for hf_name in self.hf_names_of(mcore_name):
+            tensor = read_hf(hf_name)
+            _check_shape(hf_name, tensor, self.hf_shape(hf_name))
+            parts.append(tensor)
+        a = self.arch
+        if rule.transform == "qkv":
+            return merge_qkv(*parts, a.num_attention_heads, a.num_query_groups, a.kv_channels)
+        if rule.transform == "gate_up":
+            return merge_gate_up(*parts)
+        if rule.transform == "vocab":
+            return pad_vocab(parts[0], self.padded_vocab_size)
+        return parts[0]
+
+    @cached_property
+    def _hf_set(self) -> frozenset[str]:
+        return frozenset(self.hf_names())
+
+    def check_hf_names(self, names: set[str], source: str) -> None:
+        """Every HF tensor a conversion needs is in `names`, and every tensor in `names` is used
+        (a tied `lm_head.weight` and rotary `inv_freq` buffers are allowed and ignored)."""
+        missing = [n for n in self.hf_names() if n not in names]
+        if missing:
+            raise ConversionError(f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+        unexpected = [
+            n
+            for n in sorted(names)
+            if n not in self._hf_set
+            and not HF_IGNORED.fullmatch(n)
+            and not (n == "lm_head.weight" and self.arch.tie_word_embeddings)
+        ]
+        if unexpected:
+            raise ConversionError(
+                f"{source}: {len(unexpected)} tensor(s) have no megatron-core counterpart in this "
+                f"{self.arch.model_type} config (an unsupported feature such as a bias on o_proj, or a layer "
+                f"beyond num_hidden_layers), e.g. {unexpected[:3]}"
+            )
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ConversionError(f"{name}: shape {list(tensor.shape)} does not match the config's {list(expected)}")

@@ -1,0 +1,77 @@
+"""`ModelArch` -> megatron-core `TransformerConfig` arguments, `GPTModel` arguments, layer spec.
+
+megatron-core is imported only by the functions that need it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megarl.bridge.arch import ModelArch
+from megarl.bridge.sharding import ParallelLayout, check_layout
+
+
+def transformer_config_kwargs(
+    arch: ModelArch, layout: ParallelLayout = ParallelLayout(), params_dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """Keyword arguments of `TransformerConfig` for `arch` at `layout`.
+
+    Dropout is 0 and every fusion is left at its default (off in megatron-core 0.16.1); callers
+    add training settings (recompute, sequence parallel, fusions on GPU) on top.
+    """
+    check_layout(arch, layout)
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        rotary_interleaved=False,  # HF's rotate_half convention: no q/k row permutation
+        window_size=None if arch.sliding_window is None else (arch.sliding_window - 1, 0),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+    )
+
+
+def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
+    """Keyword arguments of `GPTModel` (besides config, spec, pre/post_process and vp_stage)."""
+    scaling = arch.rope_scaling
+    return dict(
+        vocab_size=padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+        rope_scaling=scaling is not None and scaling.kind == "llama3",
+        rope_scaling_factor=scaling.factor if scaling is not None and scaling.kind == "llama3" else 8.0,
+        seq_len_interpolation_factor=scaling.factor if scaling is not None and scaling.kind == "linear" else None,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+    )
+
+
+def layer_spec(arch: ModelArch, transformer_engine: bool = False):
+    """The megatron-core layer spec: local modules (CPU and tests) or transformer-engine ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")

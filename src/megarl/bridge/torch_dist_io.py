@@ -1,0 +1,359 @@
+"""megatron-core `torch_dist` checkpoints, written and read one tensor chunk at a time.
+
+The format is the one `megatron.core.dist_checkpointing.save` produces for a `GPTModel`: a
+PyTorch Distributed Checkpoint (`.metadata` + `*.distcp`) holding every tensor under its
+*global* shape, plus megatron's `metadata.json` and `common.pt`. Per-layer parameters are
+stacked: `decoder.layers.{i}.X` is row i of key `decoder.layers.X` with shape [L, ...]. The
+embedding and output layer have the padded vocabulary; a tied output layer has no key of its
+own. Each linear of a layer also has an `_extra_state` object (None for the local spec), which a
+stock `GPTModel` asks for when it loads. Because sharding is resolved at load time, one
+checkpoint loads at any TP / PP / VPP layout.
+
+Checkpoint directory layout (megatron's): `<root>/latest_checkpointed_iteration.txt` names the
+iteration directory (`release` or `iter_0000123`) that holds the files above.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megarl.bridge.errors import ConversionError
+from megarl.bridge.mapping import WeightMap
+from megarl.bridge.sharding import layer_index
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE_DIR = "release"
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+# Modules of a local-spec layer that carry an `_extra_state` object in a checkpoint.
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.\d+\.")
+
+
+def stacked_key(global_name: str) -> str:
+    """Checkpoint key of a parameter: `decoder.layers.{i}.X` -> `decoder.layers.X`."""
+    return _LAYER_PREFIX.sub("decoder.layers.", global_name, count=1)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor: its key, global shape and dtype."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def expected_tensors(weights: WeightMap, dtype_of: Callable[[str], torch.dtype]) -> dict[str, TensorEntry]:
+    """The tensor keys and global shapes a `GPTModel` of `weights.arch` saves and asks for."""
+    entries: dict[str, TensorEntry] = {}
+    num_layers = weights.arch.num_layers
+    for name in weights.mcore_names():
+        key = stacked_key(name)
+        shape = weights.mcore_shape(name)
+        if layer_index(name) is not None:
+            shape = (num_layers, *shape)
+        if key not in entries:
+            entries[key] = TensorEntry(key, shape, dtype_of(name))
+    return entries
+
+
+def expected_objects(num_layers: int) -> list[str]:
+    """Keys of the `_extra_state` objects a local-spec `GPTModel` saves and asks for."""
+    return [
+        f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"
+        for i in range(num_layers)
+        for module in EXTRA_STATE_MODULES
+    ]
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Run a DCP save or load in this process alone: silence DCP's warning that it runs without
+    torch.distributed, and re-raise the original error DCP wraps in a CheckpointException."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except dcp.CheckpointException as e:
+            original, _ = next(iter(e.failures.values()))
+            raise original from None
+
+
+# ------------------------------------------------------------------------------------------ write
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Plans the given write items and produces each item's data only when it is written."""
+
+    def __init__(self, items: list[WriteItem], resolve: Callable[[WriteItem], torch.Tensor | io.BytesIO]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items = items
+        self._resolve = resolve
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        super().set_up_planner({}, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        return self._resolve(write_item)
+
+
+def _tensor_item(entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(entry.key, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=entry.dtype),
+            size=torch.Size(entry.global_shape),
+        ),
+    )
+
+
+def write_torch_dist(
+    iter_dir: str | Path,
+    weights: WeightMap,
+    dtype_of: Callable[[str], torch.dtype],
+    produce: Callable[[str], torch.Tensor],
+    on_tensor: Optional[Callable[[str], None]] = None,
+) -> None:
+    """Write a `torch_dist` checkpoint of every parameter of `weights` into `iter_dir`.
+
+    `produce(global_name)` returns the full megatron tensor (padded vocab); it is called once per
+    parameter, when that parameter is written, and each tensor goes to its own file, so memory
+    stays at about one parameter. `on_tensor(name)` is called as each parameter is produced.
+    """
+    iter_dir = Path(iter_dir)
+    iter_dir.mkdir(parents=True)
+    entries = expected_tensors(weights, dtype_of)
+    items: list[WriteItem] = []
+    param_of: dict[tuple[str, tuple[int, ...]], tuple[str, Optional[slice]]] = {}
+    for name in weights.mcore_names():
+        entry = entries[stacked_key(name)]
+        layer = layer_index(name)
+        shape = weights.mcore_shape(name)
+        lead = () if layer is None else (layer,)
+        lead_size = () if layer is None else (1,)
+        # fc1 is stored as its gate and up halves, like megatron's own saves
+        halves = 2 if name.endswith("mlp.linear_fc1.weight") else 1
+        rows = shape[0] // halves
+        for h in range(halves):
+            offsets = (*lead, h * rows, *(0,) * (len(shape) - 1))
+            sizes = (*lead_size, rows, *shape[1:])
+            items.append(_tensor_item(entry, offsets, sizes))
+            param_of[(entry.key, offsets)] = (name, slice(h * rows, (h + 1) * rows) if halves > 1 else None)
+    objects = expected_objects(weights.arch.num_layers)
+    items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+
+    current: dict[str, torch.Tensor] = {}  # the parameter being written (fc1: shared by its halves)
+
+    def resolve(item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save([None], buffer)  # megatron stores a list of the rank's objects per key
+            return buffer
+        name, rows = param_of[(item.index.fqn, tuple(item.index.offset))]
+        if name not in current:
+            current.clear()
+            tensor = produce(name)
+            expected = weights.mcore_shape(name)
+            if tuple(tensor.shape) != expected or tensor.dtype != dtype_of(name):
+                raise ConversionError(
+                    f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {expected} {dtype_of(name)}"
+                )
+            current[name] = tensor
+            if on_tensor:
+                on_tensor(name)
+        tensor = current[name] if rows is None else current[name][rows]
+        return tensor.reshape(tuple(item.tensor_data.chunk.sizes))
+
+    # one file per item: DCP's writer keeps every tensor of a file alive until the file is closed
+    writer = FileSystemWriter(str(iter_dir), single_file_per_rank=False, sync_files=True, thread_count=1)
+    with _single_process():
+        dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+    current.clear()
+    (iter_dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    torch.save({}, iter_dir / "common.pt")
+
+
+def write_tracker(root: str | Path, iteration: str = RELEASE_DIR) -> None:
+    """Point megatron's `latest_checkpointed_iteration.txt` in `root` at `iteration`."""
+    (Path(root) / TRACKER_FILE).write_text(f"{iteration}\n")
+
+
+# ------------------------------------------------------------------------------------------ read
+def resolve_iteration_dir(path: str | Path) -> Path:
+    """The directory holding the checkpoint files: `path` itself, or the iteration that
+    `path/latest_checkpointed_iteration.txt` names."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    tracker = path / TRACKER_FILE
+    if not tracker.is_file():
+        raise ConversionError(f"{path}: not a megatron checkpoint (no metadata.json and no {TRACKER_FILE})")
+    text = tracker.read_text().strip()
+    name = RELEASE_DIR if text == RELEASE_DIR else f"iter_{int(text):07d}" if text.isdigit() else None
+    if name is None:
+        raise ConversionError(f"{tracker}: expected 'release' or an iteration number, got {text!r}")
+    if not (path / name / "metadata.json").is_file():
+        raise ConversionError(f"{tracker}: names {name}, but {path / name}/metadata.json does not exist")
+    return path / name
+
+
+class _RegionLoadPlanner(DefaultLoadPlanner):
+    """Reads the region `offsets` + `dest.shape` of checkpoint tensor `key` into `dest`."""
+
+    def __init__(self, key: str, offsets: tuple[int, ...], dest: torch.Tensor):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.key, self.offsets, self.dest = key, offsets, dest
+        self.elements_read = 0
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.dest.shape)
+        items = create_read_items_for_chunk_list(self.key, self.metadata.state_dict_metadata[self.key], [chunk])
+        self.elements_read = sum(torch.Size(item.lengths).numel() for item in items)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        view = self.dest
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, offset, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # `tensor` is a view of `dest`: already in place
+
+
+class _CachedMetadataReader(FileSystemReader):
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self._metadata = super().read_metadata()
+
+    def read_metadata(self):
+        return self._metadata
+
+
+class TorchDistReader:
+    """Global tensors of a `torch_dist` checkpoint, read one parameter (one layer) at a time.
+
+    Accepts the stacked (`decoder.layers.X` [L, ...]) and per-layer (`decoder.layers.{i}.X`)
+    key forms, and fc1 saved as `_w` / `_v` halves (megatron's `singleton_local_shards`).
+    Opening checks that every data file exists and is long enough.
+    """
+
+    def __init__(self, path: str | Path):
+        self.dir = resolve_iteration_dir(path)
+        try:
+            backend = json.loads((self.dir / "metadata.json").read_text()).get("sharded_backend")
+        except json.JSONDecodeError as e:
+            raise ConversionError(f"{self.dir / 'metadata.json'}: not valid JSON ({e})") from None
+        if backend != "torch_dist":
+            raise ConversionError(f"{self.dir}: sharded_backend is {backend!r}; only 'torch_dist' is supported")
+        try:
+            self._reader = _CachedMetadataReader(self.dir)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:  # missing or corrupt
+            raise ConversionError(f"{self.dir / '.metadata'}: unreadable ({e})") from None
+        metadata = self._reader.read_metadata()
+        self.tensors = {
+            key: TensorEntry(key, tuple(md.size), md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
+        self.objects = [key for key in metadata.state_dict_metadata if key not in self.tensors]
+        file_ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            file_ends[info.relative_path] = max(file_ends.get(info.relative_path, 0), info.offset + info.length)
+        for file, end in sorted(file_ends.items()):
+            path = self.dir / file
+            if not path.is_file():
+                raise ConversionError(f"{self.dir}: data file {file} is missing")
+            if path.stat().st_size < end:
+                raise ConversionError(
+                    f"{path}: truncated ({path.stat().st_size} bytes, the checkpoint index needs {end})"
+                )
+
+    def _read_region(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        dest = torch.empty(shape, dtype=self.tensors[key].dtype)
+        planner = _RegionLoadPlanner(key, offsets, dest)
+        with _single_process():
+            dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        if planner.elements_read != dest.numel():
+            raise ConversionError(f"{self.dir}: tensor {key!r} is not fully covered by the checkpoint's chunks")
+        return dest
+
+    def _read_one(self, name: str) -> Optional[torch.Tensor]:
+        layer = layer_index(name)
+        if name in self.tensors:
+            entry = self.tensors[name]
+            return self._read_region(name, (0,) * len(entry.global_shape), entry.global_shape)
+        key = stacked_key(name)
+        if layer is not None and key in self.tensors:
+            entry = self.tensors[key]
+            if layer >= entry.global_shape[0]:
+                raise ConversionError(f"{self.dir}: {key!r} has {entry.global_shape[0]} layers, no layer {layer}")
+            region = (1, *entry.global_shape[1:])
+            return self._read_region(key, (layer, *(0,) * (len(region) - 1)), region)[0]
+        return None
+
+    def read(self, name: str) -> torch.Tensor:
+        """The full tensor of global megatron parameter `name` (TE spelling)."""
+        tensor = self._read_one(name)
+        if tensor is None and name.endswith("mlp.linear_fc1.weight"):
+            halves = [self._read_one(name + suffix) for suffix in ("_w", "_v")]
+            if all(h is not None for h in halves):
+                tensor = torch.cat(halves, dim=0)
+        if tensor is None:
+            raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {name!r} and {stacked_key(name)!r})")
+        return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of global parameter `name`, from the metadata only."""
+        if name in self.tensors:
+            return self.tensors[name].global_shape
+        key = stacked_key(name)
+        if layer_index(name) is not None and key in self.tensors:
+            return self.tensors[key].global_shape[1:]
+        if name.endswith("mlp.linear_fc1.weight"):
+            halves = [self.shape(name + s) for s in ("_w", "_v")]
+            return (halves[0][0] + halves[1][0], *halves[0][1:])
+        raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {name!r} and {key!r})")
+
+    def dtype(self, name: str) -> torch.dtype:
+        for key in (name, stacked_key(name), name + "_w", stacked_key(name) + "_w"):
+            if key in self.tensors:
+                return self.tensors[key].dtype
+        raise ConversionError(f"{self.dir}: no tensor for {name!r}")

@@ -1,0 +1,1 @@
+"""Training engines. Only megatron-core is supported."""
