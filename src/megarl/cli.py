@@ -44,6 +44,31 @@ def _train(args) -> int:
     return main_ppo.main(argv + args.overrides)
 
 
+def _check_cluster(args) -> int:
+    config = load_and_validate(args.config, args.overrides)
+    from megarl.launch.check import check_running_cluster
+
+    names = tuple(n for n in args.node_names.split(",") if n) if args.node_names else ()
+    return check_running_cluster(config, node_names=names, timeout_s=args.timeout)
+
+
+def _submit(args) -> int:
+    from megarl.launch.sbatch import submit, write_script
+
+    config = load_and_validate(args.config, args.overrides)
+    script, output = write_script(config, args.config, args.overrides, log_dir=args.log_dir, template=args.script,
+                                  time=args.time, partition=args.partition, account=args.account,
+                                  job_name=args.job_name, requeue=args.requeue, nodes=args.nodes,
+                                  gpus_per_node=args.gpus_per_node, extra=tuple(args.sbatch_arg))
+    if args.no_submit:
+        print(f"wrote {script}; submit it with: sbatch {script}")
+        return 0
+    job_id = submit(script)
+    print(f"submitted job {job_id} ({config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node} GPU(s)); "
+          f"output: {output.replace('%j', job_id)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-native RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +88,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_args(train)
     train.add_argument("--dry-run", action="store_true", help="stop after validating the config")
     train.set_defaults(func=_train)
+
+    check = sub.add_parser("check-cluster", help="check the running Ray cluster against the config's placement plan "
+                           "(every node, GPU ids, gloo across all ranks); non-zero naming the bad node")
+    add_experiment_args(check)
+    check.add_argument("--node-names", metavar="N0,N1,...", help="expected node names in plan order "
+                       "(default: the Slurm node names the launchers put on the Ray nodes)")
+    check.add_argument("--timeout", type=float, default=180.0, help="seconds for each step (default 180)")
+    check.set_defaults(func=_check_cluster)
+
+    submit = sub.add_parser("submit", help="render slurm/megarl.sbatch sized from the config "
+                            "(trainer.nnodes x trainer.n_gpus_per_node) and sbatch it")
+    add_experiment_args(submit)
+    submit.add_argument("--time", help="time limit, e.g. 04:00:00 (default: the script's)")
+    submit.add_argument("--partition", "-p")
+    submit.add_argument("--account", "-A")
+    submit.add_argument("--job-name", help="default: trainer.experiment_name")
+    submit.add_argument("--nodes", type=int, help="optional; must equal trainer.nnodes")
+    submit.add_argument("--gpus-per-node", type=int, help="optional; must equal trainer.n_gpus_per_node")
+    submit.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None,
+                        help="requeue the job after its time-limit warning (default: the cluster's)")
+    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="--OPTION=VALUE",
+                        help="another #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)")
+    submit.add_argument("--log-dir", default="outputs/slurm", help="job output and the rendered script "
+                        "(default outputs/slurm)")
+    submit.add_argument("--script", help="the sbatch template (default: slurm/megarl.sbatch of this checkout)")
+    submit.add_argument("--no-submit", action="store_true", help="write the script, do not submit it")
+    submit.set_defaults(func=_submit)
     return parser
 
 

@@ -1,0 +1,95 @@
+"""`megarl submit`: the sbatch script rendered from a config always asks for the config's size."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main as megarl_main
+from megarl.config import ConfigError, load_and_validate
+from megarl.launch.sbatch import (
+    default_template,
+    render_sbatch,
+    sbatch_options,
+    slurm_seconds,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "tests" / "slurm" / "tiny_2node.yaml"  # 2 nodes x 2 GPUs
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_and_validate(str(CONFIG))
+
+
+def sbatch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_rendered_script_asks_for_the_configs_size_and_keeps_the_rest(config):
+    options = sbatch_options(config, output="/logs/%x-%j.out", chdir="/work", time="1-00:00:00", partition="gpu",
+                             account="proj", requeue=True, extra=("--qos=high",))
+    text = render_sbatch(default_template().read_text(), options, python="/venv/bin/python",
+                         experiment_args=["--config", "/cfg/exp.yaml", "trainer.total_epochs=2"])
+    lines = sbatch_lines(text)
+    for expected in ("--job-name=launch-test", "--nodes=2", "--gpus-per-node=2", "--time=1-00:00:00",
+                     "--partition=gpu", "--account=proj", "--requeue", "--qos=high", "--output=/logs/%x-%j.out",
+                     "--chdir=/work", "--exclusive", "--signal=B:USR1@300"):
+        assert f"#SBATCH {expected}" in lines
+    for option in ("--nodes", "--time", "--job-name", "--output"):  # the template's own lines are gone
+        assert sum(line.startswith(f"#SBATCH {option}") for line in lines) == 1
+    assert ': "${MEGARL_PYTHON:=/venv/bin/python}"' in text
+    assert "[ $# -gt 0 ] || set -- --config /cfg/exp.yaml trainer.total_epochs=2" in text
+    body = text.splitlines()
+    baked = body.index(': "${MEGARL_PYTHON:=/venv/bin/python}"')
+    assert body.index(lines[-1]) < baked < body.index("set -euo pipefail")
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_a_size_that_contradicts_the_config_is_an_error(config):
+    with pytest.raises(ConfigError) as err:
+        sbatch_options(config, output="o", chdir="d", nodes=4, gpus_per_node=8,
+                       extra=("-N4", "--gres=gpu:8", "--qos=x"))
+    message = str(err.value)
+    assert "--nodes=4 but trainer.nnodes=2" in message
+    assert "--gpus-per-node=8 but trainer.n_gpus_per_node=2" in message
+    assert "'-N4' sizes the job" in message and "'--gres=gpu:8' sizes the job" in message
+    assert "--qos" not in message
+    same = sbatch_options(config, output="o", chdir="d", nodes=2, gpus_per_node=2)
+    assert same.options["nodes"] == "2"
+
+
+@pytest.mark.parametrize("text, seconds", [("30", 1800), ("10:30", 630), ("4:00:00", 14400), ("2-0", 172800),
+                                           ("1-12:30", 131400), ("1-00:00:05", 86405), ("UNLIMITED", None)])
+def test_slurm_times(text, seconds):
+    assert slurm_seconds(text) == seconds
+
+
+def test_a_time_limit_shorter_than_the_checkpoint_warning_is_an_error(config):
+    template = default_template().read_text()  # --signal=B:USR1@300
+    short = sbatch_options(config, output="o", chdir="d", time="5")
+    with pytest.raises(ConfigError, match="--time=5 is not longer than the time-limit warning"):
+        render_sbatch(template, short, python="p", experiment_args=[])
+    render_sbatch(template, sbatch_options(config, output="o", chdir="d", time="10"), python="p", experiment_args=[])
+    with pytest.raises(ConfigError, match="not a Slurm time"):
+        slurm_seconds("4h")
+
+
+def test_megarl_submit_writes_a_script_that_runs_this_config_from_anywhere(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = megarl_main(["submit", "--config", str(CONFIG), "--time", "02:00:00", "--log-dir", "logs", "--no-submit",
+                      "trainer.experiment_name=exp1"])
+    assert rc == 0
+    script = tmp_path / "logs" / "exp1.sbatch"
+    assert f"wrote {script}" in capsys.readouterr().out
+    text = script.read_text()
+    assert f"#SBATCH --chdir={tmp_path}" in text and f"#SBATCH --output={tmp_path}/logs/%x-%j.out" in text
+    assert f"set -- --config {CONFIG} trainer.experiment_name=exp1" in text
+    assert f'MEGARL_PYTHON:={sys.executable}' in text  # the job finds megarl without an activated venv
+
+    with pytest.raises(SystemExit) as exit_info:  # a config mistake: exit 2 before anything is written
+        megarl_main(["submit", "--config", str(CONFIG), "--nodes", "3", "--no-submit", "--log-dir", "other"])
+    assert exit_info.value.code == 2
+    assert "--nodes=3 but trainer.nnodes=2" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
