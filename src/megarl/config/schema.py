@@ -184,6 +184,7 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512
+    weight_sync_transport: Literal["distributed", "tensor", "disk"] = "distributed"  # tensor: colocated GPUs only
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
 
 

@@ -85,7 +85,7 @@ def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None)
     )
     batch["advantages"] = result.advantages
     batch["returns"] = result.returns
-    metrics.update(result.metrics)
+    metrics.update({f"advantages/{k}": v for k, v in result.metrics.items()})
     return metrics
 
 

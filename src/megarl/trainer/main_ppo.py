@@ -46,12 +46,43 @@ def main(argv: list[str] | None = None) -> int:
         print("config OK (dry run: stopping after validation)")
         return 0
     check_environment(config)
-    print(
-        "megarl: the RL training loop is not part of this build yet; the config and this machine "
-        "passed every check that exists so far.",
-        file=sys.stderr,
-    )
-    return 1
+    run(config)
+    return 0
+
+
+def run(config) -> dict:
+    """Train per `config` on the Ray cluster (joined or started here); returns the last metrics."""
+    from transformers import AutoTokenizer
+
+    from megarl.checkpoint import find_resume_dir
+    from megarl.rewards.custom import select_score_fn
+    from megarl.tracking import Tracker
+    from megarl.trainer.cluster import Cluster, connect_ray
+    from megarl.trainer.rl import RLTrainer
+
+    c, t = config, config.trainer
+    score_fn = select_score_fn(c.custom_reward_function.path, c.custom_reward_function.name,
+                               c.custom_reward_function.reward_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(c.data.tokenizer or c.actor_rollout_ref.model.path)
+    resume_dir = find_resume_dir(c)
+    connect_ray(c)
+    cluster = Cluster(c)
+    tracker = None
+    try:
+        trainer = RLTrainer(c, cluster, tokenizer, score_fn)
+        if resume_dir is not None:
+            trainer.load_state_dict(cluster.load_checkpoint(resume_dir))
+            print(f"resumed from {resume_dir} at step {trainer.step}")
+        tracker = Tracker(t.logger, t.project_name, t.experiment_name, trainer.checkpoint_dir() / "logs",
+                          total_steps=trainer.total_steps)
+        return trainer.fit(tracker)
+    finally:
+        cluster.shutdown()
+        if tracker is not None:
+            plot = tracker.finish()
+            print(tracker.summary())
+            if plot:
+                print(f"plot: {plot}")
 
 
 if __name__ == "__main__":

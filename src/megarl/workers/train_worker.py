@@ -24,3 +24,13 @@ class TrainWorker(RankedWorker):
     def engine_call(self, method: str, *args, **kwargs):
         """Run one engine method (compute_log_prob, update_policy, save_checkpoint, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
+
+    def init_weight_sync(self, server_urls: list[str], sync_config) -> None:
+        """Actor only: prepare pushing this engine's weights into the rollout servers."""
+        from megarl.sync import WeightSync
+
+        self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config)
+
+    def push_weights(self) -> dict:
+        """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send."""
+        return self.weight_sync.push()

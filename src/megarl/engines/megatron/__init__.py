@@ -1,1 +1,26 @@
-"""The megatron-core engine and its CPU compatibility shims (`cpu`)."""
+"""The megatron-core engine: actor, reference and critic models with TP/PP(/VPP), on GPUs (NCCL,
+transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
+
+    from megarl.engines.megatron import ActorEngine, RefEngine, CriticEngine   # (from .roles)
+
+    roles      ActorEngine, RefEngine, CriticEngine: the API the controller's workers call
+    engine     MegatronEngine: model chunks, pipeline schedules, training, offload, checkpoints
+    model      building GPTModel chunks and loading HF / torch_dist weights into them (via the bridge)
+    heads      vocabulary-parallel log-probs and entropy (chunked), the critic's value head
+    sequences  Batch -> micro-batches (padded or packed layout)
+    optim      megatron DDP, optimizer and LR schedule from the config
+    offload    moving storages to host memory and back
+    parallel   megatron's parallel state for a role inside a started torch.distributed world
+    cpu        the CPU compatibility shims
+
+The role classes are imported on first use, so `import megarl.engines.megatron.cpu` stays cheap.
+"""
+ROLES = ("ActorEngine", "RefEngine", "CriticEngine")
+
+
+def __getattr__(name: str):
+    if name in ROLES:
+        from megarl.engines.megatron import roles
+
+        return getattr(roles, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""Atomic experiment checkpoints and resume.
+
+Layout under `<trainer.default_local_dir>/<project>/<experiment>/`:
+
+    global_step_N/
+        actor/            the actor engine's model + optimizer + scheduler (dist_checkpointing)
+        critic/           the critic's, when there is one
+        controller.pt     step, sampler, KL controller, RNG states
+        config.yaml       the resolved config of the run
+        COMPLETE          written last, inside the directory, before the rename
+    latest                text file: the name of the newest complete checkpoint
+
+A checkpoint is written under `global_step_N.tmp-<pid>` and renamed when everything in it is on
+disk (fsynced); `latest` is replaced atomically afterwards. A directory without COMPLETE, or a
+leftover `.tmp-*` directory, is never resumed from. `max_actor_ckpt_to_keep` prunes the oldest
+complete checkpoints once the new one is complete.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.config import ConfigError, ExperimentConfig, to_yaml
+
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `step`."""
+    tmp = root / f"global_step_{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(tmp: Path, step: int, config: ExperimentConfig, controller_state: dict,
+           keep: Optional[int] = None) -> Path:
+    """Write the controller state and config into `tmp`, fsync, rename to global_step_N, point
+    `latest` at it, then prune to the newest `keep` checkpoints."""
+    torch.save(controller_state, tmp / "controller.pt")
+    (tmp / "config.yaml").write_text(to_yaml(config))
+    (tmp / COMPLETE).write_text(f"{step}\n")
+    _fsync_tree(tmp)
+    root = tmp.parent
+    final = root / f"global_step_{step}"
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = root / f".{LATEST}.tmp-{os.getpid()}"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    if keep:
+        for _, old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+def find_resume_dir(config: ExperimentConfig) -> Optional[Path]:
+    """The checkpoint to resume from per `trainer.resume_mode`, or None to start fresh."""
+    t = config.trainer
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    if t.resume_mode == "disable":
+        return None
+    if t.resume_mode == "resume_path":
+        path = Path(t.resume_from_path)
+        if not (path / COMPLETE).is_file():
+            raise ConfigError(f"trainer.resume_from_path={t.resume_from_path}: not a complete megarl checkpoint "
+                              f"(no {COMPLETE} file in it)")
+        return path
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def load_controller_state(directory: Path) -> dict:
+    return torch.load(directory / "controller.pt", weights_only=False)

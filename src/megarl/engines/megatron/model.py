@@ -1,0 +1,248 @@
+"""Building a role's megatron-core `GPTModel` chunks from an HF checkpoint (or a `torch_dist` one).
+
+The HF weights are loaded straight into the sharded model at start-up (weight-mapping.md §7.4):
+for each local parameter, its global megatron name gives the bridge rule, the rule reads only the
+HF tensors it needs and converts them, and this rank copies in its TP shard. No conversion to
+disk is needed. A `torch_dist` checkpoint directory (the bridge converter's output, or any
+megatron-saved model) is loaded with `dist_checkpointing`, resharded to this rank's layout.
+
+The chunks are `HiddenStatesGPTModel`s: their last stage returns the final hidden states (after
+the final norm), and `megarl.engines.megatron.heads` applies the output layer or the value head.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from megarl.bridge import ModelArch, WeightMap, arch_from_hf_config, load_hf_config
+from megarl.bridge.convert import HF_ASSETS_DIR
+from megarl.bridge.errors import ConversionError
+from megarl.bridge.mapping import EMBEDDING, canonical_name, is_extra_state, tp_split
+from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
+from megarl.bridge.safetensors_io import HFCheckpointReader
+from megarl.bridge.sharding import layer_offset, shard_tp, shift_layer
+from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
+from megarl.engines.megatron.parallel import RoleLayout, compute_device
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VOCAB_MULTIPLE = 128  # megatron's make_vocab_size_divisible_by
+VALUE_HEAD = "output_layer.weight"  # the critic's [1, H] head takes the output layer's place
+RM_SCORE = "score.weight"  # the [1, H] head of an HF reward model (*ForSequenceClassification)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and output layer: the smallest multiple of lcm(128, TP) >= vocab_size.
+    For every TP dividing 128 it does not depend on TP, so checkpoints reshard across TP exactly."""
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a role's weights come from: an HF directory, or a `torch_dist` checkpoint whose
+    iteration directory holds the HF config in `hf/` (as the bridge converter writes it)."""
+
+    path: Path
+    kind: str  # "hf" or "torch_dist"
+    config_dir: Path  # holds config.json
+
+    @classmethod
+    def resolve(cls, path: str | Path, key: str) -> "ModelSource":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{key}={str(path)!r}: not a directory (an HF or a torch_dist checkpoint)")
+        if (path / TRACKER_FILE).is_file() or (path / "metadata.json").is_file():
+            reader = TorchDistReader(path)
+            if not (reader.dir / HF_ASSETS_DIR / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{key}={str(path)!r}: a torch_dist checkpoint without {HF_ASSETS_DIR}/config.json in "
+                    f"{reader.dir}; convert it with `megarl convert` or point to an HF directory"
+                )
+            return cls(reader.dir, "torch_dist", reader.dir / HF_ASSETS_DIR)
+        return cls(path, "hf", path)
+
+
+def read_arch(source: ModelSource, override_config: Mapping[str, Any], key: str) -> ModelArch:
+    """The `ModelArch` of a checkpoint's config.json with `override_config` applied."""
+    hf_config = load_hf_config(source.config_dir)
+    hf_config.update(override_config)
+    return arch_from_hf_config(hf_config, source=f"{source.config_dir / 'config.json'} ({key})")
+
+
+def _gpt_model_class():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    class HiddenStatesGPTModel(GPTModel):
+        """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
+        final norm) instead of logits; the output layer stays a parameter holder that the heads
+        use. (Overrides `GPTModel._postprocess` of megatron-core 0.16.)"""
+
+        def _postprocess(self, hidden_states, **kwargs):
+            return hidden_states
+
+    if not hasattr(GPTModel, "_postprocess"):
+        raise RuntimeError("this megatron-core GPTModel has no _postprocess; megarl's engine needs megatron-core 0.16")
+    return HiddenStatesGPTModel
+
+
+def build_chunks(
+    arch: ModelArch,
+    layout: RoleLayout,
+    *,
+    vocab_rows: int,
+    params_dtype: torch.dtype,
+    value_head: bool,
+    recompute: bool,
+    transformer_engine: bool,
+) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
+    megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = transformer_config_kwargs(arch, layout.bridge_layout, params_dtype)
+    kwargs.update(
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # every weight is loaded
+        # 1F1B: micro-batches differ in shape, and p2p sends each shape first. Interleaved (VPP):
+        # micro-batches are padded to one shape and p2p is unbatched, because with PP=2 (both
+        # neighbours the same rank) megatron's batched sends pair messages wrongly on gloo.
+        variable_seq_lengths=layout.pp > 1 and layout.vpp == 1,
+        batch_p2p_comm=layout.vpp == 1,
+        moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = TransformerConfig(**kwargs)
+    model_kwargs = gpt_model_kwargs(arch, vocab_rows)
+    if value_head:
+        model_kwargs["share_embeddings_and_output_weights"] = False
+    model_class = _gpt_model_class()
+    spec = layer_spec(arch, transformer_engine)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    device = compute_device()
+    chunks = []
+    for v in range(layout.vpp):
+        last = layout.bridge_layout.is_last(pp_rank, v)
+        chunk = model_class(
+            config, spec, **model_kwargs,
+            pre_process=layout.bridge_layout.is_first(pp_rank, v), post_process=last,
+            vp_stage=v if layout.vpp > 1 else None,
+        )
+        _mark_tensor_parallel(chunk)
+        if value_head and last:
+            chunk.output_layer = torch.nn.Linear(arch.hidden_size, 1, bias=False, dtype=params_dtype)
+        chunks.append(chunk.to(device))
+    return chunks, config
+
+
+def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:
+    """Tag TP-sharded parameters as megatron's initialisation would (`tensor_model_parallel`,
+    `partition_dim`, `partition_stride`). With `perform_initialization=False` megatron-core 0.16
+    skips the tagging, and untagged shards count only on TP rank 0 in the gradient norm."""
+    for name, param in chunk.named_parameters():
+        split = tp_split(name)
+        if split.dim is not None:
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split.dim, 1
+
+
+def _local_params(chunks, layout: RoleLayout, num_layers: int):
+    """(local name, global name, parameter) of every parameter of this rank's chunks."""
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for v, chunk in enumerate(chunks):
+        offset = layer_offset(num_layers, layout.bridge_layout, pp_rank, v)
+        for name, param in chunk.named_parameters():
+            yield name, shift_layer(name, offset), param
+
+
+def load_hf_weights(chunks, weights: WeightMap, layout: RoleLayout, hf_dir: Path, value_head: bool, seed: int) -> None:
+    """Copy this rank's shard of every parameter from the HF checkpoint `hf_dir`.
+
+    A value head is read from the reward model's `score.weight` when the checkpoint has a [1, H]
+    one, else drawn from N(0, 0.02) with `seed` (the same on every rank)."""
+    from megatron.core import parallel_state
+
+    tp, tp_rank = layout.tp, parallel_state.get_tensor_model_parallel_rank()
+    with HFCheckpointReader(hf_dir) as reader:
+        names = set(reader.names())
+        if value_head:
+            names -= {RM_SCORE}
+        weights.check_hf_names(names, source=str(hf_dir))
+        for local, name, param in _local_params(chunks, layout, weights.arch.num_layers):
+            if value_head and local == VALUE_HEAD:
+                shard = _value_head_init(reader, param.shape, seed)
+            else:
+                source = EMBEDDING if weights.is_tied_output_copy(name) else canonical_name(name)
+                shard = shard_tp(tp_split(source), weights.to_mcore(source, reader.read), tp, tp_rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ConversionError(
+                    f"{hf_dir}: {name} has shape {list(shard.shape)} for this rank, the model wants {list(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(shard)
+
+
+def _value_head_init(reader: HFCheckpointReader, shape: torch.Size, seed: int) -> torch.Tensor:
+    if RM_SCORE in reader.names() and reader.shape(RM_SCORE) == tuple(shape):
+        return reader.read(RM_SCORE)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=generator) * 0.02
+
+
+def localize_extra_states(sharded: Any) -> Any:
+    """Turn every `_extra_state` ShardedObject into a non-persistent local object (not saved, not
+    loaded), so checkpoints do not depend on the layer spec (local vs transformer-engine)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+
+    if isinstance(sharded, dict):
+        return {k: localize_extra_states(v) for k, v in sharded.items()}
+    if isinstance(sharded, list):
+        return [localize_extra_states(v) for v in sharded]
+    if isinstance(sharded, ShardedObject) and is_extra_state(sharded.key):
+        return LocalNonpersistentObject(sharded.data)
+    return sharded
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """{"model" or "model<v>": sharded state dict} in megatron's own checkpoint layout."""
+    if len(chunks) == 1:
+        return {"model": localize_extra_states(chunks[0].sharded_state_dict())}
+    return {f"model{v}": localize_extra_states(c.sharded_state_dict()) for v, c in enumerate(chunks)}
+
+
+def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
+    """Load (and reshard) the model weights of a `torch_dist` checkpoint into the chunks."""
+    from megatron.core import dist_checkpointing
+
+    request = model_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(request, str(ckpt_dir))
+    for key, chunk in zip(request, chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+
+
+def vocab_rows_of(source: ModelSource, arch: ModelArch, tp: int) -> int:
+    """Padded vocabulary of the model: from the checkpoint for torch_dist, else `padded_vocab`."""
+    if source.kind == "hf":
+        return padded_vocab(arch.vocab_size, tp)
+    rows = TorchDistReader(source.path).shape(EMBEDDING)[0]
+    if rows % tp or rows < arch.vocab_size:
+        raise ConversionError(f"{source.path}: embedding of {rows} rows cannot be split over TP={tp}")
+    return rows
+
+
+def backbone_arch(arch: ModelArch) -> ModelArch:
+    """The arch without an LM output layer (the critic replaces it by a value head): HF
+    `lm_head.weight`, if present, is ignored."""
+    return dataclasses.replace(arch, tie_word_embeddings=True)

@@ -1,0 +1,101 @@
+"""megatron-core's `parallel_state` for one role, inside an already started torch.distributed world.
+
+The worker group starts torch.distributed over exactly the role's ranks (gloo on CPU, NCCL on
+GPU); `init_role_parallel_state` then applies the CPU shims when CUDA is absent and initialises
+TP x PP (x VPP) on top. It never calls `init_process_group` itself. Engines of several roles may
+share a process only when they use the same layout (megatron's parallel state is global).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.sharding import ParallelLayout
+from megarl.engines.megatron.cpu import apply_cpu_shims
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """The parallel sizes of one role (from its `megatron` config section)."""
+
+    tp: int
+    pp: int
+    vpp: int  # model chunks per pipeline rank; 1 without virtual pipeline
+
+    @property
+    def bridge_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.pp, self.vpp)
+
+    @property
+    def vpp_or_none(self) -> Optional[int]:
+        return self.vpp if self.vpp > 1 else None
+
+
+def role_layout(megatron_cfg, section: str) -> RoleLayout:
+    """Read and check TP/PP/VPP/CP of a `MegatronConfig`; `section` names it in errors."""
+    tp = megatron_cfg.tensor_model_parallel_size
+    pp = megatron_cfg.pipeline_model_parallel_size
+    vpp = megatron_cfg.virtual_pipeline_model_parallel_size or 1
+    if megatron_cfg.context_parallel_size != 1:
+        raise NotImplementedError(
+            f"{section}.context_parallel_size={megatron_cfg.context_parallel_size}: context parallelism is not "
+            "supported by the megarl engine yet; use 1"
+        )
+    if megatron_cfg.sequence_parallel:
+        raise NotImplementedError(
+            f"{section}.sequence_parallel=true is not supported by the megarl engine yet; set it to false"
+        )
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
+    return RoleLayout(tp, pp, vpp)
+
+
+def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> None:
+    """Initialise megatron's parallel state for `layout` (or check that it already is) and seed
+    megatron's RNG tracker. torch.distributed must already be initialised by the caller."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not torch.cuda.is_available():
+        apply_cpu_shims()
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: the worker group must call init_process_group over the "
+            f"role's ranks before building an engine ({section})"
+        )
+    world = dist.get_world_size()
+    if world % (layout.tp * layout.pp):
+        raise ValueError(
+            f"{section}: tensor_model_parallel_size x pipeline_model_parallel_size = {layout.tp} x {layout.pp} "
+            f"does not divide the {world} ranks of this role"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+        )
+        if current != (layout.tp, layout.pp, layout.vpp):
+            raise RuntimeError(
+                f"{section}: megatron's parallel state is already initialised in this process as TP={current[0]} "
+                f"PP={current[1]} VPP={current[2]}, but this role wants TP={layout.tp} PP={layout.pp} "
+                f"VPP={layout.vpp}; roles sharing a process must share a layout"
+            )
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp_or_none,
+        )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    if not torch.cuda.is_available():
+        apply_cpu_shims()  # reach megatron modules imported since the first call
+
+
+def compute_device() -> torch.device:
+    """Where the engine's tensors live: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

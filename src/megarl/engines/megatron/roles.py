@@ -1,0 +1,205 @@
+"""The role API the controller's workers call: `ActorEngine`, `RefEngine`, `CriticEngine`.
+
+Each is built from the validated `ExperimentConfig` inside a process whose torch.distributed
+world is exactly the role's ranks, reads its own config section, and takes `Batch`es holding this
+data-parallel rank's samples (all TP/PP ranks of a replica get the same slice). Results come back
+on the replica's output rank (TP rank 0 of the last pipeline stage) and None elsewhere; training
+metrics come back on every rank. Engines know nothing about Ray or HTTP.
+
+Per-token results are [B, R] float32 on the CPU, aligned with `response_ids`, 0 at padding. The
+log-prob at response position t is log p(response_ids[t] | prompt, response[:t]) under
+softmax(logits / temperature); the value at t is the critic's output at the same position (the
+hidden state before token t, as verl defines it).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.algos.from_config import actor_loss_kwargs, value_loss_kwargs
+from megarl.algos.losses import actor_loss, value_loss
+from megarl.config.schema import ExperimentConfig
+from megarl.config.validate import resolve
+from megarl.data.batch import Batch
+from megarl.engines.megatron.engine import MegatronEngine
+from megarl.engines.megatron.heads import token_log_probs, token_values
+from megarl.engines.megatron.sequences import Layout, MicroBatch
+
+
+def _response_length(config: ExperimentConfig) -> int:
+    """T of `seq-mean-token-sum-norm`: the configured maximum response length."""
+    return config.actor_rollout_ref.rollout.response_length or config.data.max_response_length
+
+
+def _log_prob_head(engine: MegatronEngine, temperature: float, with_entropy: bool, key: str):
+    def head(mb: MicroBatch, hidden: torch.Tensor):
+        log_probs, entropy = token_log_probs(
+            hidden, engine.output_weight(), mb.targets, vocab_size=engine.arch.vocab_size,
+            temperature=temperature, with_entropy=with_entropy,
+        )
+        out = {"rows": mb.rows, key: mb.to_grid(log_probs)}
+        if with_entropy:
+            out["entropy"] = mb.to_grid(entropy)
+        return log_probs.new_zeros(()), out
+
+    return head
+
+
+class ActorEngine(MegatronEngine):
+    """The policy: log-probs of sampled responses and PPO/GRPO-family updates
+    (`actor_rollout_ref.actor`, model `actor_rollout_ref.model`)."""
+
+    def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
+        config = resolve(config)
+        arr = config.actor_rollout_ref
+        self.config = config
+        self.actor = arr.actor
+        super().__init__(
+            section="actor_rollout_ref.actor",
+            model_path=arr.model.path,
+            model_key="actor_rollout_ref.model.path",
+            override_config=arr.model.override_config,
+            dtype=arr.model.dtype,
+            megatron_cfg=arr.actor.megatron,
+            optim_cfg=arr.actor.optim,
+            recompute=arr.model.enable_gradient_checkpointing,
+            sequence_layout=sequence_layout,
+        )
+
+    def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
+        """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere.
+        Micro-batches: rollout.log_prob_micro_batch_size_per_gpu responses, or the actor's
+        token budget (ppo_max_token_len_per_gpu) with use_dynamic_bsz."""
+        rollout = self.config.actor_rollout_ref.rollout
+        keys = ["log_probs", "entropy"] if with_entropy else ["log_probs"]
+        return self.forward_tokens(
+            batch, _log_prob_head(self, temperature, with_entropy, "log_probs"),
+            max_samples=rollout.log_prob_micro_batch_size_per_gpu,
+            max_tokens=self.actor.ppo_max_token_len_per_gpu if self.actor.use_dynamic_bsz else None, keys=keys,
+        )
+
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        """`ppo_epochs` passes over this rank's samples in mini-batches of
+        ppo_mini_batch_size x rollout.n / DP responses, one optimizer step each, with the policy
+        loss of `megarl.algos.actor_loss`. Needs `old_log_probs` and `advantages` (and
+        `ref_log_probs` with use_kl_loss). Logits are divided by rollout.temperature, as in
+        `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
+        actor, rollout = self.actor, self.config.actor_rollout_ref.rollout
+        keys = ["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
+        loss_kwargs = actor_loss_kwargs(actor)
+        norm_length = _response_length(self.config)
+
+        def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
+            log_probs, entropy = token_log_probs(
+                hidden, self.output_weight(), mb.targets, vocab_size=self.arch.vocab_size,
+                temperature=rollout.temperature, with_entropy=True,
+            )
+            entropy = mb.to_grid(entropy if actor.entropy_coeff != 0 else entropy.detach())
+            return actor_loss(
+                mb.to_grid(log_probs), mb.data["old_log_probs"], mb.data["advantages"], mb.response_mask,
+                entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"), **loss_kwargs, **counts,
+                norm_length=norm_length,
+            )
+
+        return self.train_batch(
+            batch,
+            mini_batch_size=actor.ppo_mini_batch_size * rollout.n // self.dp_size,
+            epochs=actor.ppo_epochs,
+            shuffle=actor.shuffle,
+            max_samples=actor.ppo_micro_batch_size_per_gpu,
+            max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            data_keys=keys,
+            loss_head=loss_head,
+            prefix="actor",
+        )
+
+
+class RefEngine(MegatronEngine):
+    """The frozen reference policy (`actor_rollout_ref.ref`, same model as the actor); forward only."""
+
+    def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
+        config = resolve(config)
+        arr = config.actor_rollout_ref
+        self.ref = arr.ref
+        super().__init__(
+            section="actor_rollout_ref.ref",
+            model_path=arr.model.path,
+            model_key="actor_rollout_ref.model.path",
+            override_config=arr.model.override_config,
+            dtype=arr.model.dtype,
+            megatron_cfg=arr.ref.megatron,
+            sequence_layout=sequence_layout,
+        )
+
+    def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
+        """{"ref_log_probs": [B, R]} on output ranks, None elsewhere."""
+        return self.forward_tokens(
+            batch, _log_prob_head(self, temperature, False, "ref_log_probs"),
+            max_samples=self.ref.log_prob_micro_batch_size_per_gpu,
+            max_tokens=self.ref.log_prob_max_token_len_per_gpu if self.ref.log_prob_use_dynamic_bsz else None,
+            keys=["ref_log_probs"],
+        )
+
+
+class CriticEngine(MegatronEngine):
+    """The value model (`critic`): the backbone of `critic.model.path` (the actor's model, or a
+    reward model) with a scalar head, read from the reward model's `score.weight` when it has
+    one, else initialised from N(0, 0.02)."""
+
+    def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
+        config = resolve(config)
+        self.config = config
+        self.critic = config.critic
+        super().__init__(
+            section="critic",
+            model_path=config.critic.model.path,
+            model_key="critic.model.path",
+            override_config=config.critic.model.override_config,
+            dtype=config.actor_rollout_ref.model.dtype,
+            megatron_cfg=config.critic.megatron,
+            value_head=True,
+            optim_cfg=config.critic.optim,
+            recompute=config.actor_rollout_ref.model.enable_gradient_checkpointing,
+            sequence_layout=sequence_layout,
+        )
+
+    def _value_weight(self) -> torch.Tensor:
+        return self.model_chunks[-1].output_layer.weight
+
+    def compute_values(self, batch: Batch) -> Optional[dict]:
+        """{"values": [B, R]} on output ranks, None elsewhere."""
+        critic = self.critic
+
+        def head(mb: MicroBatch, hidden: torch.Tensor):
+            values = token_values(hidden, self._value_weight())
+            return values.new_zeros(()), {"rows": mb.rows, "values": mb.to_grid(values)}
+
+        return self.forward_tokens(
+            batch, head, max_samples=critic.ppo_micro_batch_size_per_gpu,
+            max_tokens=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None, keys=["values"],
+        )
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss updates on `returns` with the rollout-time `values`; mini-batches of
+        critic.ppo_mini_batch_size x rollout.n / DP responses. Returns `critic/...` metrics."""
+        critic, n = self.critic, self.config.actor_rollout_ref.rollout.n
+        loss_kwargs = value_loss_kwargs(critic)
+        norm_length = _response_length(self.config)
+
+        def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
+            values = mb.to_grid(token_values(hidden, self._value_weight()))
+            return value_loss(values, mb.data["returns"], mb.data["values"], mb.response_mask, **loss_kwargs,
+                              **counts, norm_length=norm_length)
+
+        return self.train_batch(
+            batch,
+            mini_batch_size=critic.ppo_mini_batch_size * n // self.dp_size,
+            epochs=critic.ppo_epochs,
+            shuffle=False,
+            max_samples=critic.ppo_micro_batch_size_per_gpu,
+            max_tokens=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            data_keys=["returns", "values"],
+            loss_head=loss_head,
+            prefix="critic",
+        )

@@ -1,0 +1,171 @@
+"""A `Batch` of prompt + response samples -> megatron model inputs, one micro-batch at a time.
+
+Each sample becomes one sequence: its real prompt tokens, then its real response tokens (padding
+removed, positions from 0). Two layouts of a micro-batch of b sequences:
+
+    padded  input_ids [b, S], right-padded to the longest sequence S; causal attention alone keeps
+            padding out of every real token's context. Works with every layer spec.
+    packed  input_ids [1, T], the sequences back to back with `PackedSeqParams` (THD, cu_seqlens);
+            needs transformer-engine attention (GPU).
+
+The model's last stage returns hidden states [S, b, H] (padded) or [T, 1, H] (packed).
+`MicroBatch.token_index` selects, in row-major (sample, response position) order, the hidden
+state that predicts each real response token: response token t of a sample whose prompt has p
+tokens is predicted at sequence position p - 1 + t.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.data.packing import pack
+from megarl.data.partition import token_budget_micro_batches
+
+Layout = Literal["padded", "packed"]
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of some samples of a batch, plus what the heads need to score them."""
+
+    rows: torch.Tensor  # [b] int64: positions of these samples in the batch they came from
+    input_ids: torch.Tensor  # [b, S] (padded) or [1, T] (packed)
+    position_ids: torch.Tensor  # same shape as input_ids
+    packed_seq_params: Optional[object]  # megatron PackedSeqParams (packed layout), else None
+    response_mask: torch.Tensor  # [b, R] bool: real response tokens
+    token_index: torch.Tensor  # [N] int64: row of the flattened hidden states [S*b or T, H] per real response token
+    targets: torch.Tensor  # [N] int64: the real response tokens, row-major
+    data: dict[str, torch.Tensor] = field(default_factory=dict)  # the batch's other tensors, these rows
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the real response tokens."""
+        return int(self.targets.numel())
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """[N, ...] per real response token -> [b, R, ...], 0 at padding (keeps autograd)."""
+        out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
+        out[self.response_mask] = values
+        return out
+
+
+def micro_batch_groups(
+    lengths: Sequence[int],
+    *,
+    max_samples: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    multiple_of: int = 1,
+) -> list[list[int]]:
+    """Split sample indices into micro-batches: at most `max_samples` consecutive samples each
+    (None: one micro-batch), or, with `max_tokens`, balanced groups of at most that many tokens
+    (`megarl.data.partition.token_budget_micro_batches`). The number of micro-batches is rounded
+    up to a multiple of `multiple_of` (megatron's interleaved schedule needs a multiple of PP)."""
+    n = len(lengths)
+    if n == 0:
+        raise ValueError("no samples to split into micro-batches")
+    if n < multiple_of:
+        raise ValueError(
+            f"{n} samples cannot fill {multiple_of} micro-batches (the interleaved pipeline schedule needs a "
+            "multiple of pipeline_model_parallel_size micro-batches)"
+        )
+    if max_tokens is not None:
+        count = multiple_of
+        while True:
+            groups = token_budget_micro_batches(list(lengths), max_tokens, min_micro_batches=count)
+            if len(groups) % multiple_of == 0:
+                return groups
+            count = math.ceil(len(groups) / multiple_of) * multiple_of
+            if count > n:
+                raise ValueError(
+                    f"cannot split {n} samples into a multiple of {multiple_of} micro-batches of at most "
+                    f"{max_tokens} tokens"
+                )
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"micro-batch size must be at least 1, got {max_samples}")
+    count = 1 if max_samples is None else math.ceil(n / max_samples)
+    count = min(n, math.ceil(count / multiple_of) * multiple_of)
+    sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    starts = [sum(sizes[:i]) for i in range(count)]
+    return [list(range(s, s + size)) for s, size in zip(starts, sizes)]
+
+
+def fixed_shape(batch: Batch, groups: Sequence[Sequence[int]], layout: Layout) -> tuple[int, int]:
+    """(sequences, tokens) that fit every micro-batch of `groups`: padded layout, the most samples
+    of a group and the longest sequence; packed layout, 1 and the most tokens of a group."""
+    lengths = batch.token_lengths().tolist()
+    if layout == "packed":
+        return 1, max(sum(lengths[i] for i in g) for g in groups)
+    return max(len(g) for g in groups), max(max(lengths[i] for i in g) for g in groups)
+
+
+def make_micro_batch(
+    batch: Batch,
+    rows: Sequence[int],
+    layout: Layout,
+    vocab_size: int,
+    device: torch.device,
+    data_keys: Sequence[str] = (),
+    shape: Optional[tuple[int, int]] = None,
+) -> MicroBatch:
+    """The micro-batch of `batch`'s samples `rows`; `data_keys` are the extra tensors (old
+    log-probs, advantages, ...) the head needs, copied to `device`. With `shape` (see
+    `fixed_shape`) the inputs are padded to exactly that size: padded layout, extra all-padding
+    sequences and columns; packed layout, one extra padding sequence (no response, never scored)."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    part = batch.select(index)
+    packed = pack(part)  # checks that prompt/response tokens are one run each
+    lengths = packed.prompt_lens + packed.response_lens
+    if bool(((packed.response_lens > 0) & (packed.prompt_lens == 0)).any()):
+        row = int(((packed.response_lens > 0) & (packed.prompt_lens == 0)).nonzero()[0])
+        raise ValueError(f"sample {int(index[row])} has no prompt token: its first response token has no context")
+    bad = (packed.input_ids < 0) | (packed.input_ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(
+            f"token id {int(packed.input_ids[bad][0])} is outside the model's vocabulary of {vocab_size} tokens"
+        )
+    response_mask = part["response_mask"].bool()
+    b, width = response_mask.shape
+    cols = torch.arange(width)
+    predict_at = packed.prompt_lens[:, None] - 1 + cols[None, :]  # [b, R] sequence position predicting each token
+    if layout == "padded":
+        sequences, longest = shape or (b, int(lengths.max()))
+        input_ids = torch.zeros(sequences, longest, dtype=torch.long)
+        sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)
+        input_ids[sample_of_token, packed.position_ids] = packed.input_ids
+        position_ids = torch.arange(longest).expand(sequences, -1).contiguous()
+        flat = predict_at * sequences + torch.arange(b)[:, None]  # hidden states are [S, sequences, H]
+        packed_seq_params = None
+    elif layout == "packed":
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        total = packed.num_tokens if shape is None else shape[1]
+        filler = total - packed.num_tokens
+        input_ids = torch.cat([packed.input_ids, torch.zeros(filler, dtype=torch.long)])[None, :]
+        position_ids = torch.cat([packed.position_ids, torch.arange(filler)])[None, :]
+        flat = packed.cu_seqlens_padded[:-1, None].long() + predict_at
+        cu = packed.cu_seqlens if filler == 0 else torch.cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([total])])
+        packed_seq_params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+            max_seqlen_q=max(packed.max_seqlen, filler), max_seqlen_kv=max(packed.max_seqlen, filler),
+        )
+    else:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose 'padded' or 'packed'")
+    data = {}
+    for key in data_keys:
+        if key not in part.tensors:
+            raise KeyError(f"the batch has no '{key}' (it has: {', '.join(part.keys())})")
+        data[key] = part.tensors[key].to(device)
+    return MicroBatch(
+        rows=index,
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        packed_seq_params=packed_seq_params,
+        response_mask=response_mask.to(device),
+        token_index=flat[response_mask].to(device),
+        targets=part["response_ids"][response_mask].long().to(device),
+        data=data,
+    )

@@ -1,0 +1,61 @@
+"""The rollout servers as a sync sees them: admin calls made on every server at once.
+
+`on_all(servers, call)` runs `call(server)` concurrently, one thread per server, and raises one
+`ServerError` naming every server that failed (the others' calls still complete).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
+
+from megarl.rollout.control import ServerControl, ServerError
+
+
+class SyncServer(ServerControl):
+    """`ServerControl` plus `/update_weights_from_tensor`, which only the colocated transport uses."""
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: Optional[str] = "flattened_bucket",
+        weight_version: Optional[str] = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """One payload per TP rank of the server (rank i reads entry i), SGLang's serialisation."""
+        self._call(
+            "POST",
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+            },
+        )
+
+
+def _describe(server: ServerControl, error: BaseException) -> str:
+    text = str(error)
+    if isinstance(error, ServerError) and server.url in text:
+        return text
+    return f"{server.url}: {type(error).__name__}: {text}"
+
+
+def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
+    """Results of `futures` (one per server) in insertion order; raise one `ServerError` naming
+    every server whose call failed. (Each call is bounded by its `ServerControl.timeout_s`.)"""
+    results, failures = [], []
+    for future, server in futures.items():
+        try:
+            results.append(future.result())
+        except Exception as e:  # every server's failure is reported, not just the first
+            failures.append(_describe(server, e))
+    if failures:
+        raise ServerError("; ".join(failures))
+    return results
+
+
+def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
+    """`call(server)` on every server concurrently; results in server order."""
+    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="weight-sync-http") as pool:
+        return wait_all({pool.submit(call, s): s for s in servers})

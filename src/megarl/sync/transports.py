@@ -1,0 +1,262 @@
+"""How HF buckets reach the rollout servers. One interface, three transports.
+
+Each pipeline stage's emitter owns one transport object and streams its own buckets through it;
+the coordinator (stage 0's emitter) keeps its last bucket back and hands it to `commit`, which is
+the only call that sets the servers' weight version. A transport method that fails raises
+`ServerError` naming the server(s).
+
+    open_stream(push_id)       emitter, before its first bucket of a push (push_id: unique per attempt)
+    send(bucket)               emitter, every bucket but the coordinator's last
+    finish_stream() -> result  emitter, after its last bucket; the result goes to commit
+    commit(bucket, results, version)   coordinator, once every stage succeeded
+    reset()                    after a failed push: the next push starts from scratch
+
+- `DistributedTransport`: `/init_weights_update_group` once (a group per stage: this emitter is
+  rank 0, server i's TP ranks follow), then per bucket `/update_weights_from_distributed`
+  (`flattened_bucket`) on every server *concurrently with* one `broadcast` of the bucket's bytes
+  (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
+- `TensorTransport` (colocated, GPU only, SGLang imported lazily): per bucket
+  `/update_weights_from_tensor` with SGLang's `FlattenedTensorBucket` serialised as CUDA IPC
+  handles. The servers must be on this emitter's node.
+- `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
+  one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.convert import copy_hf_assets
+from megarl.bridge.safetensors_io import INDEX_FILE
+from megarl.rollout.control import ServerError
+from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
+from megarl.sync.resharder import HFBucket
+from megarl.sync.servers import SyncServer, on_all, wait_all
+
+
+class Transport(Protocol):
+    uses_session: bool  # the push runs inside the servers' begin/end_weight_update
+
+    def open_stream(self, push_id: str) -> None: ...
+
+    def send(self, bucket: HFBucket) -> None: ...
+
+    def finish_stream(self) -> Any: ...
+
+    def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+def route_address(url: str) -> str:
+    """This host's address on the route to `url`'s host (where a server can reach us)."""
+    parsed = urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parsed.hostname, parsed.port or 80))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def server_tp_sizes(servers: Sequence[SyncServer]) -> list[int]:
+    """Each server's TP size (its ranks in a weight-update group), from `/server_info`."""
+    return [int(info.get("tp_size", 1)) for info in on_all(servers, lambda s: s.server_info())]
+
+
+class DistributedTransport:
+    uses_session = True
+
+    def __init__(self, servers: Sequence[SyncServer], stage: int, backend: str, master_address: Optional[str],
+                 timeout_s: float):
+        self.servers, self.stage, self.backend = list(servers), stage, backend
+        self.master_address, self.timeout_s = master_address, timeout_s
+        self.group = None
+        self.group_name: Optional[str] = None
+        self._pool = ThreadPoolExecutor(max(1, len(self.servers)), thread_name_prefix=f"weight-sync-pp{stage}")
+
+    def open_stream(self, push_id: str) -> None:
+        """Form this stage's weight-update group with every server, unless it exists."""
+        if self.group is not None:
+            return
+        sizes = server_tp_sizes(self.servers)
+        world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        address = self.master_address or route_address(self.servers[0].url)
+        port = free_port(address)
+        name = f"megarl-sync-pp{self.stage}-{uuid.uuid4().hex[:8]}"
+        joins = {
+            self._pool.submit(s.init_weights_update_group, address, port, offset, world_size, name, self.backend): s
+            for s, offset in zip(self.servers, offsets)
+        }
+        try:
+            group = init_custom_process_group(self.backend, address, port, 0, world_size, name, self.timeout_s)
+        except Exception as e:
+            wait_all(joins)  # a server's own error names it
+            raise ServerError(f"pipeline stage {self.stage}: forming weight-update group {name} failed: {e}") from e
+        wait_all(joins)
+        self.group, self.group_name = group, name
+
+    def send(self, bucket: HFBucket, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
+        fields = bucket.request_fields()
+        calls = {
+            self._pool.submit(
+                s.update_weights_from_distributed, fields["names"], fields["dtypes"], fields["shapes"],
+                self.group_name, "flattened_bucket", weight_version, flush_cache,
+            ): s
+            for s in self.servers
+        }
+        try:
+            dist.broadcast(bucket.flat, src=0, group=self.group)
+        except Exception as e:
+            try:
+                wait_all(calls)
+            except ServerError as server_error:
+                raise ServerError(f"{server_error} (the broadcast failed too: {e})") from e
+            raise ServerError(f"pipeline stage {self.stage}: broadcast on group {self.group_name} failed: {e}") from e
+        wait_all(calls)
+
+    def finish_stream(self) -> None:
+        return None
+
+    def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
+        self.send(bucket, weight_version=weight_version, flush_cache=True)
+
+    def reset(self) -> None:
+        """Drop the group here and on every server that still has it (errors ignored: a server
+        that restarted has none)."""
+        if self.group is None:
+            return
+        name, group = self.group_name, self.group
+        self.group = self.group_name = None
+        for future in [self._pool.submit(s.destroy_weights_update_group, name) for s in self.servers]:
+            try:
+                future.result()
+            except ServerError:
+                pass
+        try:
+            destroy_process_group(group)
+        except Exception:  # a group broken by a dead peer may refuse a clean shutdown; it is dropped either way
+            pass
+
+
+class TensorTransport:
+    """Colocated servers read each bucket straight from this GPU's memory (CUDA IPC)."""
+
+    uses_session = True
+
+    def __init__(self, servers: Sequence[SyncServer]):
+        self.servers = list(servers)
+        self._tp_sizes: Optional[dict[str, int]] = None
+        self._in_flight = None  # SGLang may still copy from the last bucket after its call returns
+
+    def open_stream(self, push_id: str) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the tensor transport passes CUDA IPC handles; it needs a GPU (use 'distributed' or 'disk')"
+            )
+        if self._tp_sizes is None:
+            self._tp_sizes = dict(zip([s.url for s in self.servers], server_tp_sizes(self.servers)))
+
+    def send(self, bucket: HFBucket, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        try:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()  # IPC handles name GPUs by UUID, whatever CUDA_VISIBLE_DEVICES says
+        except ImportError:
+            pass
+        packed = FlattenedTensorBucket(named_tensors=bucket.named_tensors())
+        payload = MultiprocessingSerializer.serialize(
+            {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}, output_str=True
+        )
+        on_all(self.servers, lambda s: s.update_weights_from_tensor(
+            [payload] * self._tp_sizes[s.url], "flattened_bucket", weight_version, flush_cache))
+        self._in_flight = packed
+
+    def finish_stream(self) -> None:
+        torch.cuda.synchronize()
+        self._in_flight = None
+        torch.cuda.ipc_collect()
+
+    def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
+        self.send(bucket, weight_version=weight_version, flush_cache=True)
+        self.finish_stream()
+
+    def reset(self) -> None:
+        self._in_flight = None
+        self._tp_sizes = None
+
+
+class DiskTransport:
+    """An HF checkpoint under `directory/push-<push id>/`: one safetensors file per bucket
+    (`pp{stage}-{index}.safetensors`), `model.safetensors.index.json` and the config and tokenizer
+    files of `hf_assets_dir`. `directory` must be visible to the servers. Earlier pushes'
+    directories are removed after a successful commit."""
+
+    uses_session = False
+
+    def __init__(self, servers: Sequence[SyncServer], stage: int, directory: str | Path, hf_assets_dir: str | Path,
+                 expected_names: Sequence[str]):
+        self.servers, self.stage = list(servers), stage
+        self.directory, self.hf_assets_dir = Path(directory), Path(hf_assets_dir)
+        self.expected_names = list(expected_names)
+        self.push_dir: Optional[Path] = None
+        self.weight_map: dict[str, str] = {}
+        self.bytes = 0
+
+    def open_stream(self, push_id: str) -> None:
+        self.push_dir = self.directory / f"push-{push_id}"
+        self.push_dir.mkdir(parents=True, exist_ok=True)
+        self.weight_map, self.bytes = {}, 0
+
+    def send(self, bucket: HFBucket) -> None:
+        from safetensors.torch import save_file
+
+        file = f"pp{self.stage:03d}-{bucket.index:05d}.safetensors"
+        tensors = {name: t.to("cpu", copy=True) for name, t in bucket.named_tensors()}  # own storage each
+        save_file(tensors, str(self.push_dir / file), metadata={"format": "pt"})
+        self.weight_map.update({name: file for name in tensors})
+        self.bytes += bucket.nbytes
+
+    def finish_stream(self) -> dict:
+        return {"weight_map": dict(self.weight_map), "bytes": self.bytes}
+
+    def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
+        self.send(bucket)
+        weight_map, total = dict(self.weight_map), 0
+        for result in stage_results:
+            for name, file in result["weight_map"].items():
+                if weight_map.setdefault(name, file) != file:
+                    raise RuntimeError(f"{self.push_dir}: tensor {name} was written by two stages")
+            total += result["bytes"]
+        total += bucket.nbytes
+        if set(weight_map) != set(self.expected_names):
+            raise RuntimeError(
+                f"{self.push_dir}: the stages wrote {len(weight_map)} tensors, the model has "
+                f"{len(self.expected_names)}; differences: {sorted(set(weight_map) ^ set(self.expected_names))[:5]}"
+            )
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.push_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        copy_hf_assets(self.hf_assets_dir, self.push_dir)
+        on_all(self.servers, lambda s: s.update_weights_from_disk(str(self.push_dir), weight_version=weight_version))
+        for old in self.directory.glob("push-*"):
+            if old != self.push_dir:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def reset(self) -> None:
+        self.weight_map, self.bytes = {}, 0

@@ -1,0 +1,334 @@
+"""`WeightSync`: push the actor's current weights into the rollout servers, verified and measured.
+
+    sync = WeightSync(engine.model_chunks, engine.weight_map, server_urls, SyncConfig(...))  # every actor rank
+    metrics = sync.push()                                                                  # every actor rank, per step
+
+What runs where (roles in `groups.py`; process groups read from megatron's `parallel_state`
+unless `groups` is given; the world group is torch.distributed's default group, the actor's):
+
+1. prepare, coordinator only: every server is healthy and drained (`/flush_cache`, retried until
+   idle; skipped when colocated, where releasing the KV cache required idle servers and flushed
+   it), colocated: `/resume_memory_occupation ["weights"]`, then `/begin_weight_update` (distributed
+   and tensor transports). The outcome is broadcast to all ranks; a failure stops everyone here.
+   A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
+   emitters then form new weight-update groups.
+2. stream, DP replica 0 only, every stage in parallel: the TP ranks gather their shards to the
+   stage's emitter (`Resharder`), which pushes each HF bucket through its transport. The
+   coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
+   peers still gather) but sends nothing more.
+3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
+   held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
+   that call alone bumps the version. Then `/end_weight_update`, and colocated:
+   `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after).
+4. The outcome and the metrics are broadcast to every rank: all return the same metrics, or all
+   raise the same `WeightSyncError` naming the failed servers.
+
+The chunks' parameters must be current when `push` starts: with megatron's distributed optimizer
+and `overlap_param_gather`, finish the parameter all-gather first (`start_param_sync(force_sync=True)`
+on each DDP chunk); offloaded parameters must be back on the device.
+
+A failed push leaves the version where it was on every server that did not get the whole model,
+ends the update session, and (colocated) leaves the KV cache released until a push succeeds (the
+CPU engine refuses to generate meanwhile); the next push rebuilds the weight-update groups and
+sends everything again. Between a failed push and its retry, a server that is not colocated may
+serve partly updated weights under its old version: retry (or stop) before generating again.
+Call `close()` on every rank when done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge import WeightMap
+from megarl.rollout.control import ServerError
+from megarl.sync.groups import ParallelGroups
+from megarl.sync.resharder import HFBucket, Resharder
+from megarl.sync.servers import SyncServer, on_all
+from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTransport, Transport
+
+log = logging.getLogger("megarl.sync")
+
+TRANSPORTS = ("distributed", "tensor", "disk")
+MEMORY_AFTER_PUSH = ["kv_cache", "cuda_graph"]
+
+
+class WeightSyncError(RuntimeError):
+    """A push that did not complete; the message names the servers and stages that failed."""
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    transport: Literal["distributed", "tensor", "disk"] = "distributed"
+    bucket_bytes: int = 512 * 2**20  # gathered megatron bytes per bucket
+    dtype: Optional[torch.dtype] = None  # of the HF tensors sent (e.g. the servers' bf16); None: each parameter's
+    backend: Optional[str] = None  # distributed: None = "nccl" with CUDA, "gloo" without
+    master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
+    disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
+    hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
+    colocated: bool = False  # the servers share the actor's GPUs: resume their memory around the push
+    timeout_s: float = 600.0  # weight-update group collectives and each server call
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"weight sync: transport {self.transport!r} is not one of {list(TRANSPORTS)}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"weight sync: bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.transport == "disk" and not (self.disk_dir and self.hf_assets_dir):
+            raise ValueError("weight sync: the disk transport needs disk_dir and hf_assets_dir")
+        if self.timeout_s <= 0:
+            raise ValueError(f"weight sync: timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class StageReport:
+    """What one stage's emitter did in a push (seconds are wall time on that emitter)."""
+
+    stage: int
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    gather_s: float = 0.0  # waiting for the TP gathers
+    convert_s: float = 0.0  # merging shards, HF conversion, packing
+    send_s: float = 0.0  # in the transport
+    peak_buffer_bytes: int = 0
+    error: Optional[str] = None
+    result: Any = None  # the transport's finish_stream() result
+
+
+def summarize(reports: Sequence[StageReport], seconds: float, prepare_s: float, commit_s: float) -> dict[str, float]:
+    """The metrics of one push: totals over the stages and the slowest stage's breakdown."""
+    slowest = max(reports, key=lambda r: r.seconds)
+    total_bytes = sum(r.bytes for r in reports)
+    return {
+        "sync/seconds": seconds,
+        "sync/bytes": float(total_bytes),
+        "sync/gb_per_s": total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "sync/buckets": float(sum(r.buckets for r in reports)),
+        "sync/stages": float(len(reports)),
+        "sync/prepare_s": prepare_s,
+        "sync/commit_s": commit_s,
+        "sync/slowest_stage": float(slowest.stage),
+        "sync/slowest_stage_s": slowest.seconds,
+        "sync/slowest_stage_gather_s": slowest.gather_s,
+        "sync/slowest_stage_convert_s": slowest.convert_s,
+        "sync/slowest_stage_send_s": slowest.send_s,
+        "sync/peak_buffer_bytes": float(max(r.peak_buffer_bytes for r in reports)),
+    }
+
+
+@dataclass
+class _Outcome:
+    """What the coordinator tells every rank, before the stream and after the commit."""
+
+    errors: list[str] = field(default_factory=list)
+    version: Optional[str] = None
+    attempt: int = 0
+    push_id: str = ""  # unique name of this attempt (the disk transport's directory)
+    reconnect: bool = False  # a server does not hold the last pushed version (it restarted): form new groups
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+Progress = Callable[[int, HFBucket], None]  # (pipeline stage, bucket just sent), on emitters
+
+
+class WeightSync:
+    def __init__(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        weights: WeightMap,
+        server_urls: Sequence[str],
+        config: SyncConfig = SyncConfig(),
+        *,
+        groups: Optional[ParallelGroups] = None,
+        api_key: Optional[str] = None,
+        initial_version: int = 0,
+    ):
+        """`model_chunks`: this rank's megatron chunks (DDP/Float16Module wrappers allowed);
+        `weights`: the bridge map of the model (its padded vocabulary is the chunks'); the servers'
+        versions count up from `initial_version` (the first push sets initial_version + 1)."""
+        if not server_urls:
+            raise ValueError("weight sync: no rollout servers")
+        self.config = config
+        self.groups = groups or ParallelGroups.from_parallel_state()
+        self.groups.check()
+        self.weights = weights
+        self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype)
+        self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
+        self.version = initial_version  # the version of the last successful push
+        self.attempts = 0
+        self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
+        self._held: Optional[HFBucket] = None
+
+    def _make_transport(self) -> Transport:
+        c, stage = self.config, self.groups.pp_rank
+        if c.transport == "distributed":
+            backend = c.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            return DistributedTransport(self.servers, stage, backend, c.master_address, c.timeout_s)
+        if c.transport == "tensor":
+            return TensorTransport(self.servers)
+        return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
+
+    # ------------------------------------------------------------------ the push
+    def push(self, version: Optional[int] = None, progress: Optional[Progress] = None) -> dict[str, float]:
+        """Push the current weights; every actor rank calls this. `version` (the coordinator's
+        counts): the servers' new `weight_version`, default the last successful one + 1.
+        `progress(stage, bucket)` is called on each emitter after each bucket it sent.
+        Returns the metrics (same on every rank) or raises `WeightSyncError` (on every rank)."""
+        g = self.groups
+        started = time.perf_counter()
+        decision = None
+        if g.is_coordinator:
+            attempt = self.attempts + 1
+            decision = _Outcome(version=str(self.version + 1 if version is None else version), attempt=attempt,
+                                push_id=f"{attempt:06d}-{uuid.uuid4().hex[:8]}")
+            decision.errors, decision.reconnect = self._prepare_servers()
+            decision.metrics["prepare_s"] = time.perf_counter() - started
+        decision = self._from_coordinator(decision)
+        self.attempts = decision.attempt
+        if self.transport is not None and (decision.errors or decision.reconnect):
+            self.transport.reset()
+        if decision.errors:
+            raise WeightSyncError(
+                f"weight sync to version {decision.version} could not start: {'; '.join(decision.errors)}"
+            )
+
+        report = self._stream(decision.push_id, progress) if g.gathers else None
+        reports = None
+        if g.is_emitter:
+            reports = [None] * g.pp_size if g.is_coordinator else None
+            dist.gather_object(report, reports, dst=dist.get_global_rank(g.emitter_group, 0), group=g.emitter_group)
+        outcome = None
+        if g.is_coordinator:
+            outcome = self._commit(reports, decision, started)
+        outcome = self._from_coordinator(outcome)
+        if outcome.errors:
+            if self.transport is not None:
+                self.transport.reset()
+            raise WeightSyncError(
+                f"weight sync to version {outcome.version} failed; servers that did not get every tensor keep "
+                f"their previous weight_version; push again to retry: {'; '.join(outcome.errors)}"
+            )
+        self.version = int(outcome.version)
+        return outcome.metrics
+
+    def close(self) -> None:
+        """Drop the weight-update groups (emitters); every rank may call it."""
+        if self.transport is not None:
+            self.transport.reset()
+
+    # ------------------------------------------------------------------ steps
+    def _from_coordinator(self, outcome: Optional[_Outcome]) -> _Outcome:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=self.groups.coordinator_rank(), group=self.groups.world_group)
+        return box[0]
+
+    def _prepare_servers(self) -> tuple[list[str], bool]:
+        """(errors, whether a server lost the last pushed version, i.e. restarted)."""
+        colocated, session = self.config.colocated, self.transport.uses_session
+
+        def prepare(server: SyncServer) -> str:
+            if not server.health():
+                raise ServerError(f"{server.url}/health: not healthy")
+            version = server.weight_version()
+            if not colocated:
+                server.flush_cache()
+            else:
+                server.resume_memory_occupation(["weights"])
+            if session:
+                server.begin_weight_update()
+            return version
+
+        try:
+            versions = on_all(self.servers, prepare)
+        except ServerError as e:
+            self._end_sessions()
+            return [str(e)], True
+        return [], any(v != str(self.version) for v in versions)
+
+    def _end_sessions(self) -> list[str]:
+        if not self.transport.uses_session:
+            return []
+        try:
+            on_all(self.servers, lambda s: s.end_weight_update())
+        except ServerError as e:
+            return [str(e)]
+        return []
+
+    def _stream(self, push_id: str, progress: Optional[Progress]) -> Optional[StageReport]:
+        """Run this stage's resharder; on the emitter, push every bucket (the coordinator keeps
+        its last one in `self._held`)."""
+        g = self.groups
+        report = StageReport(stage=g.pp_rank)
+        started = time.perf_counter()
+        if g.is_emitter:
+            report.error = self._guard(lambda: self.transport.open_stream(push_id))
+        for bucket in self.resharder.buckets():  # emitters only get buckets; every TP rank must iterate
+            report.buckets += 1
+            report.bytes += bucket.nbytes
+            if report.error is not None:
+                continue
+            if g.is_coordinator and bucket.is_last:
+                self._held = bucket
+                continue
+            sent = time.perf_counter()
+            report.error = self._guard(lambda: self.transport.send(bucket))
+            report.send_s += time.perf_counter() - sent
+            if progress is not None and report.error is None:
+                progress(g.pp_rank, bucket)
+        if g.is_emitter and report.error is None:
+            sent = time.perf_counter()
+            try:
+                report.result = self.transport.finish_stream()
+            except Exception as e:
+                report.error = f"{type(e).__name__}: {e}"
+            report.send_s += time.perf_counter() - sent
+        report.seconds = time.perf_counter() - started
+        t = self.resharder.timings
+        report.gather_s, report.convert_s, report.peak_buffer_bytes = t.gather_s, t.convert_s, t.peak_buffer_bytes
+        return report if g.is_emitter else None
+
+    def _guard(self, step: Callable[[], None], where: Optional[str] = None) -> Optional[str]:
+        """None, or the error of `step()` as text: reported to the coordinator while this rank keeps
+        its collectives going."""
+        where = where or f"pipeline stage {self.groups.pp_rank}"
+        try:
+            step()
+        except Exception as e:
+            return f"{where}: {e}" if isinstance(e, ServerError) else f"{where}: {type(e).__name__}: {e}"
+        return None
+
+    def _commit(self, reports: list[StageReport], decision: _Outcome, started: float) -> _Outcome:
+        outcome = _Outcome(version=decision.version, attempt=decision.attempt)
+        outcome.errors = [r.error for r in reports if r.error]
+        held, self._held = self._held, None
+        commit_started = time.perf_counter()
+        if not outcome.errors:
+            error = self._guard(lambda: self.transport.commit(held, [r.result for r in reports], decision.version),
+                                "commit")
+            outcome.errors = [error] if error else []
+        outcome.errors += self._end_sessions()
+        if not outcome.errors and self.config.colocated:
+            try:
+                on_all(self.servers, lambda s: s.resume_memory_occupation(MEMORY_AFTER_PUSH))
+            except ServerError as e:
+                outcome.errors.append(str(e))
+        commit_s = time.perf_counter() - commit_started
+        outcome.metrics = summarize(reports, time.perf_counter() - started, decision.metrics["prepare_s"], commit_s)
+        if outcome.errors:
+            log.error("weight sync to version %s failed: %s", decision.version, "; ".join(outcome.errors))
+        else:
+            m = outcome.metrics
+            log.info(
+                "weight sync to version %s: %.3f GB in %.2f s (%.2f GB/s), %d buckets from %d stages; slowest "
+                "stage %d: %.2f s (gather %.2f, convert %.2f, send %.2f)",
+                decision.version, m["sync/bytes"] / 1e9, m["sync/seconds"], m["sync/gb_per_s"], m["sync/buckets"],
+                m["sync/stages"], m["sync/slowest_stage"], m["sync/slowest_stage_s"],
+                m["sync/slowest_stage_gather_s"], m["sync/slowest_stage_convert_s"], m["sync/slowest_stage_send_s"],
+            )
+        return outcome

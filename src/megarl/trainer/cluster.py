@@ -1,0 +1,117 @@
+"""Everything the controller drives, brought up from a plan: the training roles' engine groups,
+the rollout fleet, and the weight sync between them. Also the colocation hooks (what to release
+and resume around training) and checkpoint save/load across roles.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+# Ray reads its auth mode when it is imported: set the default for a cluster started here first.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import ray  # noqa: E402
+
+from megarl import checkpoint  # noqa: E402
+from megarl.config import ExperimentConfig  # noqa: E402
+from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
+from megarl.placement.ray_pools import create_pools  # noqa: E402
+from megarl.sync.weight_sync import SyncConfig  # noqa: E402
+from megarl.trainer.engine_group import EngineGroup  # noqa: E402
+from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
+
+log = logging.getLogger("megarl.trainer")
+
+
+def connect_ray(config: ExperimentConfig) -> None:
+    """Join the running Ray cluster (RAY_ADDRESS or `ray start` on this node), or start a local one
+    with the config's logical GPUs when there is none (one machine, e.g. the CPU quickstart)."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        return
+    total = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if config.trainer.nnodes > 1:
+        raise RuntimeError(f"trainer.nnodes={config.trainer.nnodes}: start a Ray cluster first (launch/ or "
+                           "slurm/megarl.sbatch) and set RAY_ADDRESS")
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=total, include_dashboard=False,
+             log_to_driver=False, logging_level="WARNING")
+
+
+class Cluster:
+    def __init__(self, config: ExperimentConfig):
+        self.config = config
+        self.plan = plan_from_config(config)
+        log.info("placement:\n%s", format_gpu_map(self.plan))
+        self.pools = create_pools(self.plan, timeout_s=300)
+        self.num_gpus = self.plan.cluster.nnodes * self.plan.cluster.gpus_per_node
+        self.colocated = config.placement.mode == "colocate"
+        self.actor = self.ref = self.critic = self.rollout = None
+        try:
+            roles = self.plan.roles
+            self.actor = EngineGroup(roles["actor"], self.pools, config)
+            self.ref = EngineGroup(roles["ref"], self.pools, config) if "ref" in roles else None
+            self.critic = EngineGroup(roles["critic"], self.pools, config) if "critic" in roles else None
+            self.rollout = RolloutFleet(roles["rollout"], self.pools, config, colocated=self.colocated,
+                                        single_node=self.plan.cluster.nnodes == 1)
+            self._make_sync()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _make_sync(self) -> None:
+        r = self.config.actor_rollout_ref.rollout
+        sync_config = SyncConfig(
+            transport=r.weight_sync_transport, bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
+            colocated=self.colocated, hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if r.weight_sync_transport == "disk" else None,
+        )
+        self.actor.workers.call("init_weight_sync", self.rollout.urls, sync_config, timeout_s=600)
+
+    # ------------------------------------------------------------------ phases
+    def before_training(self) -> None:
+        """Colocated: free the rollout servers' memory for the training phase."""
+        if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.release_memory()
+
+    def after_training(self) -> None:
+        if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.resume_memory()
+
+    def sync_weights(self) -> dict:
+        """Push the actor's weights into every rollout server; metrics are the same on every rank."""
+        return self.actor.workers.call("push_weights", timeout_s=3600)[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
+        """Every role's engine state plus the controller's, atomically (megarl.checkpoint)."""
+        tmp = checkpoint.begin(root, step)
+        self.actor.call("save_checkpoint", str(tmp / "actor"))
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", str(tmp / "critic"))
+        return checkpoint.commit(tmp, step, self.config, controller_state,
+                                 keep=self.config.trainer.max_actor_ckpt_to_keep)
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        """Restore the engines from `directory`, push the weights to the servers; returns the
+        controller state."""
+        self.actor.call("load_checkpoint", str(directory / "actor"))
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", str(directory / "critic"))
+        self.sync_weights()
+        return checkpoint.load_controller_state(directory)
+
+    def shutdown(self) -> None:
+        for name in ("rollout", "critic", "ref", "actor"):
+            part = getattr(self, name)
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception:  # keep tearing down the rest
+                    log.exception("shutting down %s failed", name)
+                setattr(self, name, None)
+        if getattr(self, "pools", None) is not None:
+            self.pools.remove()
+            self.pools = None

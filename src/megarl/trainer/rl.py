@@ -1,0 +1,181 @@
+"""The RL controller: PPO and the GRPO family, one loop that reads top to bottom.
+
+    for each step:
+        prompts -> generate n responses each -> score -> (ref log-probs, old log-probs, values)
+        -> rewards and advantages -> update actor (and critic) -> sync weights to the rollout
+        servers -> log -> validate every test_freq -> checkpoint every save_freq
+
+The controller owns no accelerator: it drives worker groups (Megatron engines) and the rollout
+fleet (servers behind the router) placed by the planner. Colocated and split placements run the
+same loop; colocation adds releasing the rollout servers' memory while training.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from megarl.algos import make_kl_controller
+from megarl.config import ExperimentConfig
+from megarl.data.prompts import PromptDataset
+from megarl.data.sampler import EpochSampler
+from megarl.rollout.protocol import SamplingParams
+from megarl.trainer import experience
+from megarl.trainer.cluster import Cluster
+
+log = logging.getLogger("megarl.trainer")
+
+
+class Timer:
+    """Wall-clock seconds per phase of one step (`timing/<phase>_s`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
+
+
+def sampling_params(config: ExperimentConfig, validation: bool = False) -> SamplingParams:
+    r = config.actor_rollout_ref.rollout
+    v = r.val_kwargs
+    greedy = validation and (not v.do_sample or v.temperature == 0)
+    return SamplingParams(
+        max_new_tokens=r.response_length,
+        temperature=0.0 if greedy else (v.temperature if validation else r.temperature),
+        top_p=v.top_p if validation else r.top_p,
+        top_k=v.top_k if validation else r.top_k,
+        n=v.n if validation else r.n,
+    )
+
+
+class RLTrainer:
+    def __init__(self, config: ExperimentConfig, cluster: Cluster, tokenizer, score_fn):
+        self.config, self.cluster, self.tokenizer, self.score_fn = config, cluster, tokenizer, score_fn
+        self.train_data = PromptDataset.from_config(config.data, tokenizer, "train")
+        self.val_data = PromptDataset.from_config(config.data, tokenizer, "val") if config.data.val_files else None
+        self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.step = 0
+        t = config.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        c, cl, timer = self.config, self.cluster, Timer()
+        a = c.algorithm
+        rollout = c.actor_rollout_ref.rollout
+        metrics: dict[str, float] = {}
+        step_start = time.perf_counter()
+
+        with timer("generate"):
+            prompts = self.train_data.take(self.sampler.next_batch())
+            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c))
+            batch = experience.experience_batch(prompts, result.samples, uid_prefix=f"s{self.step}")
+            metrics.update(result.metrics.as_dict())
+            if a.adv_estimator == "remax":  # ReMax's baseline: the reward of a greedy response
+                greedy = cl.rollout.generate([p.input_ids for p in prompts],
+                                             SamplingParams(max_new_tokens=rollout.response_length, temperature=0.0))
+                baseline = experience.experience_batch(prompts, greedy.samples, uid_prefix=f"s{self.step}")
+        cl.before_training()
+
+        with timer("reward"):
+            metrics.update(experience.score(batch, self.score_fn, self.tokenizer, c))
+            if a.adv_estimator == "remax":
+                experience.score(baseline, self.score_fn, self.tokenizer, c)
+                batch["reward_baselines"] = baseline["scores"].repeat_interleave(rollout.n)
+
+        with timer("old_log_prob"):
+            out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
+            batch["old_log_probs"] = out["log_probs"]
+            metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
+        if cl.ref is not None:
+            with timer("ref_log_prob"):
+                batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]
+        if cl.critic is not None:
+            with timer("values"):
+                batch["values"] = cl.critic.compute("compute_values", batch)["values"]
+
+        with timer("advantages"):
+            metrics.update(experience.rewards_and_advantages(batch, c, self.kl_ctrl))
+
+        if cl.critic is not None:
+            with timer("update_critic"):
+                metrics.update(cl.critic.update("update_critic", batch))
+        if self.step >= c.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(cl.actor.update("update_policy", batch))
+
+        cl.after_training()
+        with timer("sync_weights"):
+            metrics.update(cl.sync_weights())
+
+        metrics.update(experience.data_metrics(batch))
+        metrics.update(timer.metrics())
+        step_s = time.perf_counter() - step_start
+        tokens = int(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+        metrics.update({
+            "timing/step_s": step_s,
+            "throughput/tokens_per_s": tokens / step_s,
+            "throughput/tokens_per_s_per_gpu": tokens / step_s / cl.num_gpus,
+            "throughput/rollout_share": timer.seconds["generate"] / step_s,
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict:
+        """Score responses to the whole validation set with `rollout.val_kwargs` (greedy by default)."""
+        if self.val_data is None:
+            return {}
+        prompts = self.val_data.take(range(len(self.val_data)))
+        result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(self.config, True))
+        batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
+        experience.score(batch, self.score_fn, self.tokenizer, self.config)
+        return experience.greedy_accuracy(batch["scores"], batch["data_source"])
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, tracker) -> dict:
+        t = self.config.trainer
+        if t.val_before_train and self.val_data is not None:
+            tracker.log(self.validate(), step=self.step)
+        metrics = {}
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                metrics.update(self.validate())
+            tracker.log(metrics, step=self.step)
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
+        return metrics
+
+    def checkpoint_dir(self) -> Path:
+        t = self.config.trainer
+        return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.bool()
+    return values[mask].mean().item() if mask.any() else 0.0

@@ -1,0 +1,246 @@
+"""Bodies of the real megatron-core engine checks, run in spawned gloo processes.
+
+Each world is started once and runs several layouts in turn (megatron's parallel state is
+destroyed and re-initialised between engines), because starting processes and importing
+megatron costs far more than the checks. Ranks return what the test process compares with the
+HF model: per-token results from output ranks, metrics, local state dicts.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.data.batch import Batch
+
+VOCAB = 47  # the tiny tokenizer's vocabulary; ids 4.. are characters
+
+
+def ragged_batch(size: int, seed: int = 0) -> Batch:
+    """Prompts of 2-8 tokens (left-padded), responses of 1-10 tokens (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(low, high):
+        n = int(torch.randint(low, high + 1, (1,), generator=g))
+        return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+
+    prompts = [tokens(2, 8) for _ in range(size)]
+    responses = [tokens(1, 10) for _ in range(size)]
+    return Batch.from_token_lists(prompts, responses)
+
+
+def config(model_dir, world: int, tp: int = 1, pp: int = 1, vpp=None, critic_dir=None, *extra: str):
+    """An experiment config for a `world`-rank role at TP x PP (x VPP), float32, tiny batches."""
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.dtype=float32",
+        f"critic.model.path={critic_dir or model_dir}",
+        f"trainer.n_gpus_per_node={world}",
+        "trainer.device=cpu",
+        "actor_rollout_ref.rollout.name=cpu",
+        "data.train_batch_size=8",
+        "data.max_response_length=10",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "critic.optim.lr=1e-4",
+    ]
+    for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        overrides += [
+            f"{section}.megatron.tensor_model_parallel_size={tp}",
+            f"{section}.megatron.pipeline_model_parallel_size={pp}",
+            f"{section}.megatron.virtual_pipeline_model_parallel_size={'null' if vpp is None else vpp}",
+            f"{section}.megatron.use_distributed_optimizer=false",
+        ]
+    return load_config(None, overrides + list(extra))
+
+
+def init_world(rank: int, world_size: int, port: int) -> None:
+    """What a worker group does before building an engine: torch.distributed over the role's ranks."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+
+
+def reset_layout() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def share_in_replica(value):
+    """The output rank's value on every rank of its model-parallel group (what the controller's
+    data flow provides in a real run)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return next(v for v in values if v is not None)
+
+
+def local_state(engine) -> dict:
+    """{(pp_rank, vp_stage, tp_rank): local state dict} of this rank, for `bridge.merge_model`."""
+    from megatron.core import parallel_state
+
+    key = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    return {
+        (key[0], v, key[1]): {k: t.detach().clone() for k, t in chunk.state_dict().items() if "_extra_state" not in k}
+        for v, chunk in enumerate(engine.model_chunks)
+    }
+
+
+# ------------------------------------------------------------------------------------------ world A
+LAYOUTS = [("qwen2", 2, 1, None), ("qwen2", 1, 2, None), ("qwen2", 2, 2, None), ("qwen2", 1, 2, 2),
+           ("llama", 2, 2, None), ("qwen2_mcore", 2, 1, None)]  # (model, TP, PP, VPP) on 4 ranks
+TEMPERATURE = 0.7
+
+
+TRAINED_LAYOUTS = [("qwen2", 2, 2, None), ("qwen2", 1, 2, 2)]  # 1F1B at DP1, interleaved at DP2
+
+
+def layouts_world(rank: int, world_size: int, port: int, models: dict) -> dict:
+    """Log-probs and entropies at every layout of LAYOUTS (each DP rank scores its slice of one
+    ragged batch). At TRAINED_LAYOUTS also two PPO updates on the same data, and at TP2 x PP2 the
+    step-0 invariant: reference log-probs equal the actor's exactly."""
+    from megarl.engines.megatron.roles import ActorEngine, RefEngine
+
+    init_world(rank, world_size, port)
+    batch = ragged_batch(8)
+    batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
+    out = {"scores": {}, "output_ranks": {}, "updates": {}}
+    for layout in LAYOUTS:
+        name, tp, pp, vpp = layout
+        cfg = config(models[name], world_size, tp, pp, vpp, None,
+                     f"actor_rollout_ref.rollout.temperature={TEMPERATURE}")
+        actor = ActorEngine(cfg)
+        mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+        scored = actor.compute_log_prob(mine, TEMPERATURE, with_entropy=True)
+        out["output_ranks"][layout] = actor.is_output_rank
+        if scored is not None:
+            out["scores"][(layout, actor.dp_rank)] = scored
+        if layout == TRAINED_LAYOUTS[0]:
+            ref_scored = RefEngine(cfg).compute_ref_log_prob(mine, TEMPERATURE)
+            if ref_scored is not None:
+                out["ref_equal"] = torch.equal(ref_scored["ref_log_probs"], scored["log_probs"])
+        if layout in TRAINED_LAYOUTS:
+            mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
+            out["updates"][layout] = [actor.update_policy(mine) for _ in range(2)]
+        del actor
+        reset_layout()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ world B
+ACTOR_LOSS = (
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.1",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+)
+UPDATES, SAVE_AFTER = 4, 2
+
+
+def training_batch(seed: int = 1) -> Batch:
+    batch = ragged_batch(8, seed)
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"].float()
+    batch["advantages"] = torch.randn(len(batch), 1, generator=g) * mask
+    batch["ref_log_probs"] = (-3.8 + 0.1 * torch.randn(mask.shape, generator=g)) * mask
+    batch["returns"] = torch.randn(mask.shape, generator=g) * mask
+    return batch
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    """Copies of every parameter, gradient buffer and optimizer-state tensor (offload check)."""
+    params, grads, state = engine._storages()
+    return [torch.tensor([], dtype=torch.uint8).set_(s).clone() for s in params + state]
+
+
+def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
+    from megarl.engines.megatron.roles import ActorEngine
+
+    actor = ActorEngine(cfg)
+    mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+    scored = actor.compute_log_prob(mine, 1.0)
+    mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
+    result = {"old_log_probs": scored and scored["log_probs"], "dp_rank": actor.dp_rank, "metrics": []}
+    for update in range(1, UPDATES + 1):
+        result["metrics"].append(actor.update_policy(mine))
+        if update == SAVE_AFTER and checkpoint_dir is not None:
+            before = _snapshot(actor)
+            result["offload"] = actor.offload()
+            params = [p for chunk in actor.model_chunks for p in chunk.parameters()]
+            result["freed"] = all(p.untyped_storage().nbytes() == 0 for p in params)
+            try:
+                actor.compute_log_prob(mine, 1.0)
+                result["refused_while_offloaded"] = False
+            except RuntimeError:
+                result["refused_while_offloaded"] = True
+            result["onload"] = actor.onload()
+            result["restored"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(actor)))
+            actor.save_checkpoint(checkpoint_dir)
+    result["state"] = local_state(actor)
+    return result
+
+
+def _resume(cfg, batch, checkpoint_dir, old_log_probs) -> dict:
+    """A fresh actor loaded from `checkpoint_dir`, trained for the remaining updates.
+    `old_log_probs`: this rank's slice, or (DP1) the whole batch's."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    actor = ActorEngine(cfg)
+    actor.load_checkpoint(checkpoint_dir)
+    mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+    mine["old_log_probs"] = share_in_replica(old_log_probs)
+    return {"updates": actor.updates, "metrics": [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)]}
+
+
+def training_world(rank: int, world_size: int, port: int, models: dict, checkpoint_dir: str) -> dict:
+    """The same PPO updates at TP1 (DP2, distributed optimizer, fixed micro-batches) and at TP2
+    (DP1, token-budget micro-batches), each with offload/onload and a checkpoint after update 2;
+    the TP1 checkpoint resumed at TP1, the TP2 one at TP1 x PP2; critics from the actor and from a
+    reward model."""
+    from megarl.engines.megatron.roles import CriticEngine
+
+    init_world(rank, world_size, port)
+    batch = training_batch()
+    out = {}
+    distributed_optimizer = config(models["qwen2"], world_size, 1, 1, None, None, *ACTOR_LOSS,
+                                   "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true")
+    out["tp1"] = _train_actor(distributed_optimizer, batch, checkpoint_dir + "_tp1")
+    reset_layout()
+    out["tp1_resumed"] = _resume(distributed_optimizer, batch, checkpoint_dir + "_tp1", out["tp1"]["old_log_probs"])
+    reset_layout()
+    out["tp2"] = _train_actor(
+        config(models["qwen2"], world_size, 2, 1, None, None, *ACTOR_LOSS,
+               "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=30"),
+        batch, checkpoint_dir)
+    reset_layout()
+
+    # TP2 ran at DP1: rank 0 has all old log-probs
+    out["resumed"] = _resume(config(models["qwen2"], world_size, 1, 2, None, None, *ACTOR_LOSS), batch, checkpoint_dir,
+                             share_in_world(out["tp2"]["old_log_probs"]))
+    reset_layout()
+
+    for name in ("qwen2", "qwen2_rm"):
+        critic = CriticEngine(config(models["qwen2"], world_size, 2, 1, None, models[name]))
+        mine = batch.chunk(critic.dp_size)[critic.dp_rank]
+        values = critic.compute_values(mine)
+        mine["values"] = share_in_replica(values and values["values"])
+        out[name + "_critic"] = {
+            "values": values and values["values"],
+            "head": critic.model_chunks[-1].output_layer.weight.detach().clone(),
+            "metrics": [critic.update_critic(mine) for _ in range(3)],
+        }
+        del critic
+        reset_layout()
+    return out
+
+
+def share_in_world(value):
+    """Rank 0's value on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

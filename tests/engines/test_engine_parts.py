@@ -1,0 +1,122 @@
+"""The engine's pure parts, in-process (no megatron world): micro-batch planning and layout,
+storage offload, the LR schedule, the padded vocabulary, config-level refusals."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megarl.config.schema import MegatronConfig, OptimConfig
+from megarl.data.batch import Batch
+from megarl.engines.megatron import offload
+from megarl.engines.megatron.model import padded_vocab
+from megarl.engines.megatron.optim import build_scheduler
+from megarl.engines.megatron.parallel import role_layout
+from megarl.engines.megatron.sequences import fixed_shape, make_micro_batch, micro_batch_groups
+
+
+def test_micro_batch_groups_by_size_by_tokens_and_multiple_of_pp():
+    assert micro_batch_groups([5] * 6, max_samples=2) == [[0, 1], [2, 3], [4, 5]]
+    assert micro_batch_groups([5] * 6, max_samples=None) == [list(range(6))]
+    assert micro_batch_groups([5] * 6, max_samples=2, multiple_of=2) == [[0, 1], [2, 3], [4], [5]]
+    groups = micro_batch_groups([9, 2, 7, 3, 8, 1], max_tokens=10)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum([9, 2, 7, 3, 8, 1][i] for i in g) <= 10 for g in groups)
+    assert len(micro_batch_groups([9, 2, 7, 3, 8, 1], max_tokens=10, multiple_of=4)) % 4 == 0
+    with pytest.raises(ValueError, match="cannot fill 2 micro-batches"):
+        micro_batch_groups([5], max_samples=1, multiple_of=2)
+
+
+def test_padded_micro_batch_puts_each_target_after_its_context():
+    batch = Batch.from_token_lists([[11, 12, 13], [21]], [[14, 15], [22, 23, 24]])
+    mb = make_micro_batch(batch, [0, 1], "padded", vocab_size=47, device=torch.device("cpu"))
+    # prompt then response, padding removed and right-padded; positions from 0
+    assert mb.input_ids.tolist() == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert mb.targets.tolist() == [14, 15, 22, 23, 24]
+    # hidden states are [S, b, H] flattened: row s * b + i predicts token s + 1 of sample i
+    s, i = mb.token_index // 2, mb.token_index % 2
+    assert mb.input_ids[i, s + 1].tolist() == mb.targets.tolist()
+    grid = mb.to_grid(torch.arange(1.0, 6.0))
+    assert grid.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]
+    # a fixed shape (interleaved pipeline): extra padding sequences and columns, same targets
+    assert fixed_shape(batch, [[0], [1]], "padded") == (1, 5) and fixed_shape(batch, [[0, 1]], "packed") == (1, 9)
+    wide = make_micro_batch(batch, [0, 1], "padded", vocab_size=47, device=torch.device("cpu"), shape=(3, 7))
+    assert wide.input_ids.shape == (3, 7) and wide.input_ids[:2, :5].tolist() == mb.input_ids.tolist()
+    s, i = wide.token_index // 3, wide.token_index % 3
+    assert wide.input_ids[i, s + 1].tolist() == wide.targets.tolist() == mb.targets.tolist()
+
+
+def test_micro_batch_refuses_responses_without_context_and_unknown_tokens():
+    with pytest.raises(ValueError, match="sample 1 has no prompt token"):
+        make_micro_batch(Batch.from_token_lists([[5], []], [[6], [7]]), [0, 1], "padded", 47, torch.device("cpu"))
+    with pytest.raises(ValueError, match="token id 99 is outside the model's vocabulary of 47"):
+        make_micro_batch(Batch.from_token_lists([[5]], [[99]]), [0], "padded", 47, torch.device("cpu"))
+    with pytest.raises(KeyError, match="no 'advantages'"):
+        make_micro_batch(Batch.from_token_lists([[5]], [[6]]), [0], "padded", 47, torch.device("cpu"), ["advantages"])
+
+
+def test_offload_frees_storages_and_onload_restores_every_view():
+    flat = torch.arange(12.0)
+    views = flat[:6].view(2, 3), flat[6:]
+    grads = torch.full((4,), 7.0)
+    cpu = torch.device("cpu")
+    kept, dropped = offload.unique_storages([*views, flat], cpu), offload.unique_storages([grads], cpu)
+    assert len(kept) == 1  # one storage behind the three tensors
+    record, stats = offload.offload(kept, dropped, cpu)
+    assert stats["bytes"] == 48 and stats["freed_bytes"] == 64
+    assert flat.untyped_storage().nbytes() == 0 and grads.untyped_storage().nbytes() == 0
+    back = offload.onload(record, cpu)
+    assert back["bytes"] == 48
+    assert torch.equal(torch.cat([views[0].flatten(), views[1]]), torch.arange(12.0))
+    assert grads.tolist() == [0.0] * 4  # gradients come back zeroed
+
+
+def _scheduler(**optim):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([{"params": [param], "wd_mult": 1.0}], lr=0.0)
+    return optimizer, build_scheduler(optimizer, OptimConfig(lr=1e-3, **optim), "actor_rollout_ref.actor")
+
+
+def test_lr_schedule_warms_up_from_the_first_update_then_decays():
+    optimizer, scheduler = _scheduler(lr_warmup_steps=4, warmup_style="cosine", total_training_steps=10,
+                                      min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(10):
+        scheduler.step(1)  # what each update call does before its optimizer steps
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lrs[-1] == pytest.approx(1e-4) and all(b <= a for a, b in zip(lrs[3:], lrs[4:]))
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+
+
+def test_lr_schedule_errors_name_the_config_key():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.optim\.lr_warmup_steps_ratio=0\.1 needs"):
+        _scheduler(lr_warmup_steps_ratio=0.1)
+    with pytest.raises(ValueError, match=r"warmup_style=cosine decays .*total_training_steps, which is -1"):
+        _scheduler(warmup_style="cosine")
+
+
+def test_padded_vocabulary_does_not_depend_on_tp():
+    assert [padded_vocab(47, tp) for tp in (1, 2, 4, 8)] == [128] * 4
+    assert padded_vocab(151655, 8) == 151680
+    assert padded_vocab(100, 3) == 384  # lcm(128, 3)
+
+
+def test_unsupported_parallelism_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match=r"critic\.megatron\.context_parallel_size=2"):
+        role_layout(MegatronConfig(context_parallel_size=2), "critic.megatron")
+    with pytest.raises(NotImplementedError, match=r"sequence_parallel=true"):
+        role_layout(MegatronConfig(sequence_parallel=True), "critic.megatron")
+    assert role_layout(MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                      virtual_pipeline_model_parallel_size=2), "x").vpp == 2
+
+
+def test_unmasked_vocabulary_padding_would_fail_the_comparison(tiny_models):
+    """Negative control: the padded output rows are zero; had the engine not masked those logit
+    columns, its log-probs would be off by far more than the tolerance."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32).eval()
+    ids = torch.arange(4, 20)[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0] / 0.7
+    rows = padded_vocab(logits.shape[-1], tp=2)
+    padded = torch.cat([logits, torch.zeros(logits.shape[0], rows - logits.shape[-1])], -1)
+    assert (padded.log_softmax(-1)[:, : logits.shape[-1]] - logits.log_softmax(-1)).abs().max() > 1e-2

@@ -1,0 +1,305 @@
+"""The body of the multi-process checks: one 4-rank gloo world with real megatron-core (CPU shims
+on), reused for every check so that processes start and import megatron once.
+
+`reshard_checks`: the resharder's HF tensors at several layouts, for comparison with the offline
+conversion. `servers_story`: an actor update, syncs into CPU-engine servers (distributed, a failed
+one and its retry, disk + colocated), and log-probs of the servers against the actor's.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge import (
+    ParallelLayout,
+    WeightMap,
+    arch_from_hf_config,
+    canonical_name,
+    load_hf_config,
+    shard_model,
+    tp_split,
+)
+from megarl.bridge.mapping import EMBEDDING
+from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
+from megarl.bridge.safetensors_io import HFCheckpointReader
+from megarl.bridge.sharding import layer_index, shard_tp, shift_layer
+from megarl.bridge.transforms import padded_vocab_size
+from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+from megarl.sync import ParallelGroups, Resharder, SyncConfig, WeightSync, WeightSyncError
+from megarl.sync.resharder import gathered_bytes, local_params, unwrap
+
+# the resharder checks: models x layouts (4 ranks: DP 2, DP 2, DP 1, DP 1)
+RESHARD_LAYOUTS = [(2, 1, 1), (1, 2, 2), (2, 2, 1), (4, 1, 1)]
+RESHARD_MODELS = {
+    # make_tiny_model kwargs; the chunks' dtype; wrapped in megatron DDP; the dtype sent (None: the parameters')
+    "qwen2-tied-bias": (dict(arch="qwen2", tie=True), torch.float32, False, None),
+    "llama-untied-ddp-to-bf16": (dict(arch="llama", tie=False), torch.float32, True, torch.bfloat16),
+    "qwen3-qknorm-headdim-bf16": (dict(arch="qwen3", tie=False, head_dim=24, dtype="bfloat16"), torch.bfloat16,
+                                  False, None),
+}
+RESHARD_DIVISIBLE_BY = 8  # vocab 47 -> 48 / 48 / 64 rows at TP 1 / 2 / 4: padding is always there to drop
+RESHARD_BUCKET_BYTES = 48 * 1024  # several buckets per stage; fc1 (64 KiB gathered) gets a bucket of its own
+# the servers story: TP=2 x PP=2, ~5 buckets per stage, so a server can die between two of them
+STORY_LAYOUT = (2, 2)
+STORY_BUCKET_BYTES = 64 * 1024
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def weight_map(hf_dir: Path, tp: int, divisible_by: int) -> WeightMap:
+    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    return WeightMap(arch, padded_vocab_size(arch.vocab_size, divisible_by, tp))
+
+
+def build_chunks(weights: WeightMap, layout: ParallelLayout, dtype: torch.dtype) -> list:
+    """This rank's `GPTModel` chunks, every parameter in `dtype` (norms too, as Float16Module casts them)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(**transformer_config_kwargs(weights.arch, layout, dtype), use_cpu_initialization=True,
+                               perform_initialization=False)
+    pp_rank = _ps().get_pipeline_model_parallel_rank()
+    return [
+        GPTModel(config, layer_spec(weights.arch), **gpt_model_kwargs(weights.arch, weights.padded_vocab_size),
+                 pre_process=layout.is_first(pp_rank, v), post_process=layout.is_last(pp_rank, v),
+                 vp_stage=v if layout.vpp > 1 else None).to(dtype).eval()
+        for v in range(layout.vpp)
+    ]
+
+
+def load_hf(chunks: list, weights: WeightMap, layout: ParallelLayout, hf_dir: Path) -> None:
+    """Every rank loads its shards of the HF checkpoint (the bridge's pure sharding)."""
+    with HFCheckpointReader(hf_dir) as reader:
+        full = {name: weights.to_mcore(name, reader.read) for name in weights.mcore_names()}
+    ps = _ps()
+    shards = shard_model(weights, full, layout)
+    for v, chunk in enumerate(chunks):
+        sd = dict(chunk.state_dict())
+        sd.update(shards[(ps.get_pipeline_model_parallel_rank(), v, ps.get_tensor_model_parallel_rank())])
+        chunk.load_state_dict(sd, strict=True)
+
+
+def perturb(chunks: list, weights: WeightMap, seed: int, scale: float = 0.05) -> None:
+    """The same deterministic update on every rank: seeded noise on each *full* parameter, of
+    which each rank adds its own TP shard (a tied output-layer copy gets the embedding's noise)."""
+    ps = _ps()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            model = unwrap(chunk)
+            for local, param in model.named_parameters():
+                layer = layer_index(local)
+                if layer is not None:
+                    local = shift_layer(local, model.decoder.layers[layer].layer_number - 1 - layer)
+                name = canonical_name(local)
+                key = EMBEDDING if weights.is_tied_output_copy(name) else name
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+                noise = torch.randn(weights.mcore_shape(key), generator=gen) * scale
+                param.add_(shard_tp(tp_split(name), noise, tp, tp_rank).to(param.dtype))
+
+
+# ------------------------------------------------------------------------------------------ resharder
+def reshard_checks(rank: int, cases: dict, layouts: list, bucket_bytes: int) -> dict:
+    """{(case, layout): what this rank's resharder produced}."""
+    out = {}
+    for tp, pp, vpp in layouts:
+        layout = ParallelLayout(tp, pp, vpp)
+        reinit_model_parallel(tp, pp, vpp if vpp > 1 else None)
+        for name, case in cases.items():
+            weights = weight_map(case["hf_dir"], tp, case["divisible_by"])
+            chunks = build_chunks(weights, layout, case["dtype"])
+            load_hf(chunks, weights, layout, case["hf_dir"])
+            if case.get("ddp"):
+                chunks = wrap_ddp(chunks)
+            groups = ParallelGroups.from_parallel_state()
+            resharder = Resharder(chunks, weights, groups, bucket_bytes, case.get("wire_dtype"))
+            tensors, counts = {}, []
+            for bucket in resharder.buckets():
+                counts.append((bucket.index, bucket.count))
+                for hf_name, tensor in bucket.named_tensors():
+                    assert hf_name not in tensors, hf_name
+                    tensors[hf_name] = tensor.clone()
+            out[(name, str(layout))] = dict(
+                rank=rank, dp_rank=groups.dp_rank, emitter=groups.is_emitter, tensors=tensors, buckets=counts,
+                peak_buffer_bytes=resharder.timings.peak_buffer_bytes,
+                largest_param_bytes=max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp)),
+            )
+    return out
+
+
+def wrap_ddp(chunks: list) -> list:
+    """megatron DDP around each chunk: parameter names gain `module.`, storage moves to DDP's buffers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return [DistributedDataParallel(c.config, DistributedDataParallelConfig(), c, disable_bucketing=True)
+            for c in chunks]
+
+
+# ------------------------------------------------------------------------------------------ servers
+PROMPTS = [[1, 10, 11, 12], [1, 20, 5, 30, 7], [1, 40, 41], [1, 15, 25, 35, 45, 9]]
+RESPONSE_TOKENS = 6
+
+
+def server_samples(url: str) -> list:
+    """Greedy responses to PROMPTS with their log-probs (= log_softmax(logits), SGLang's T=0 rule)."""
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.protocol import SamplingParams
+
+    result = RolloutClient(url, max_retries=0).generate(
+        PROMPTS, SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=0.0, ignore_eos=True))
+    return [(p, s[0].token_ids, s[0].logprobs, s[0].weight_version) for p, s in zip(PROMPTS, result.samples)]
+
+
+def forward_logits(chunks: list, input_ids: torch.Tensor):
+    """Full fp32 logits [b, s, Vp] on the last stage's TP rank 0 (gathered over TP), None elsewhere."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ps = _ps()
+    b, s = input_ids.shape
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
+
+    def step(data_iterator, model):
+        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        return output, lambda out: (out.sum() * 0.0, {"logits": out.detach().clone()})
+
+    with torch.no_grad():
+        store = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([None]), model=chunks, num_microbatches=1, seq_length=s,
+            micro_batch_size=b, forward_only=True,
+        )
+    if not ps.is_pipeline_last_stage():
+        return None
+    local = store[0]["logits"]
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).float() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def actor_logprobs(chunks: list, vocab: int, samples: list) -> list:
+    """The actor's log-probs of each sample's response tokens (on every rank)."""
+    width = max(len(p) + len(r) for p, r, _, _ in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)  # right padding: causal attention ignores it
+    for row, (p, r, _, _) in enumerate(samples):
+        ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+    logits = forward_logits(chunks, ids)
+    mine = None
+    if logits is not None:
+        logp = torch.log_softmax(logits[..., :vocab], dim=-1)
+        mine = [logp[row, len(p) - 1 : len(p) + len(r) - 1].gather(-1, torch.tensor(r)[:, None])[:, 0]
+                for row, (p, r, _, _) in enumerate(samples)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next(x for x in everyone if x is not None)
+
+
+def compare(chunks: list, vocab: int, urls: list) -> dict:
+    """max |server log-prob - actor log-prob| over every server's greedy samples, and the servers'
+    weight versions (all ranks call; rank 0 talks to the servers)."""
+    box = [[server_samples(u) for u in urls] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    diffs, versions = [], []
+    for samples in box[0]:
+        actor = actor_logprobs(chunks, vocab, samples)
+        diffs.append(max((torch.tensor(s[2]) - a).abs().max().item() for s, a in zip(samples, actor)))
+        versions.append(sorted({s[3] for s in samples}))
+    return {"max_diff": max(diffs), "versions": versions}
+
+
+def servers_story(rank: int, case: dict) -> dict:
+    from megarl.rollout.control import ServerControl
+
+    tp, pp = case["layout"]
+    layout = ParallelLayout(tp, pp)
+    reinit_model_parallel(tp, pp)
+    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
+    weights = weight_map(hf_dir, tp, 64)
+    vocab = weights.arch.vocab_size
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, hf_dir)
+    started = time.monotonic()
+    out = {"seconds": {}}
+
+    def lap(phase):
+        out["seconds"][phase] = round(time.monotonic() - started, 1)
+
+    lap("init")
+    out["initial"] = compare(chunks, vocab, urls)  # same weights on both sides
+    lap("initial compare")
+
+    config = SyncConfig(transport="distributed", bucket_bytes=case["bucket_bytes"], timeout_s=60)
+    sync = WeightSync(chunks, weights, urls, config)
+    perturb(chunks, weights, seed=1)
+    out["before"] = compare(chunks, vocab, urls)
+    out["metrics"] = sync.push()
+    lap("push")
+    out["after"] = compare(chunks, vocab, urls)
+    lap("after compare")
+
+    # a server dies after the coordinator's first bucket: the push fails, naming it
+    perturb(chunks, weights, seed=2)
+
+    def kill_second_server(stage, bucket):
+        if stage == 0 and bucket.index == 0:
+            os.killpg(case["pids"][1], signal.SIGKILL)
+
+    try:
+        sync.push(progress=kill_second_server)
+        out["failure"] = None
+    except WeightSyncError as e:
+        out["failure"] = str(e)
+    out["version_after_failure"] = sync.version
+    lap("failed push")
+    if rank == 0:
+        out["survivor_version"] = ServerControl(urls[0]).weight_version()
+        ServerControl(urls[1]).wait_healthy(120)  # restarted by the test's process monitor
+    lap("restart")
+    out["retry_metrics"] = sync.push()
+    lap("retry")
+    out["retry"] = compare(chunks, vocab, urls)
+
+    # a server restarts between two pushes (it serves the original weights again): the next push
+    # notices from its version and forms new groups instead of failing
+    if rank == 0:
+        os.killpg(case["pids"][0], signal.SIGKILL)
+        time.sleep(1.0)  # the monitor's restart takes longer than this
+        ServerControl(urls[0]).wait_healthy(120)
+    lap("second restart")
+    perturb(chunks, weights, seed=3)
+    out["after_restart_metrics"] = sync.push()
+    out["after_restart"] = compare(chunks, vocab, urls)
+    lap("push after restart")
+    sync.close()
+
+    # disk transport, colocated: the servers' memory was released for training
+    perturb(chunks, weights, seed=4)
+    if rank == 0:
+        for url in urls:
+            ServerControl(url).release_memory_occupation()
+    disk = WeightSync(chunks, weights, urls, SyncConfig(
+        transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=str(hf_dir),
+        colocated=True, timeout_s=60), initial_version=sync.version)
+    lap("before disk")
+    out["disk_metrics"] = disk.push()
+    lap("disk push")
+    out["disk"] = compare(chunks, vocab, urls)
+    out["disk_dirs"] = sorted(p.name for p in Path(case["disk_dir"]).iterdir())
+    return out
+
+
+def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict) -> dict:
+    init_gloo_model_parallel(rank, world_size, port, timeout_s=300)
+    started = time.monotonic()
+    out = {"reshard": reshard_checks(rank, **reshard)}
+    out["reshard_s"] = round(time.monotonic() - started, 1)
+    out["servers"] = servers_story(rank, servers)
+    return out

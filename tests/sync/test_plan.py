@@ -1,0 +1,99 @@
+"""Pure parts of the weight sync: bucket planning, configuration checks, metrics (no processes)."""
+import pytest
+import torch
+
+from megarl.bridge import WeightMap, arch_from_hf_config, tp_split
+from megarl.rollout.weight_group import bucket_layout
+from megarl.sync import SyncConfig, plan_buckets
+from megarl.sync.resharder import ROW_ALIGN, LocalParam, gathered_bytes
+from megarl.sync.transports import route_address
+from megarl.sync.weight_sync import StageReport, summarize
+
+CONFIG = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 47, "max_position_embeddings": 64,
+          "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def shards(weights, tp, dtype_of=lambda name: torch.float32):
+    """Every parameter of the model as one TP rank holds it (zeros)."""
+    params = []
+    for name in weights.mcore_names():
+        split, shape = tp_split(name), list(weights.mcore_shape(name))
+        if split.dim is not None:
+            shape[split.dim] //= tp
+        params.append(LocalParam(name, torch.zeros(shape, dtype=dtype_of(name)), split))
+    return params
+
+
+@pytest.fixture
+def weights():
+    return WeightMap(arch_from_hf_config(CONFIG), padded_vocab_size=64)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_buckets_keep_order_and_size(weights, tp):
+    params = shards(weights, tp)
+    limit = 20_000
+    plans = plan_buckets(params, weights, tp, limit)
+    planned = [p.param for plan in plans for p in plan.params]
+    assert [p.name for p in planned] == [p.name for p in params]  # each once, in order
+    for plan in plans:
+        size = sum(gathered_bytes(p.param, tp) for p in plan.params)
+        assert size <= limit or len(plan.params) == 1  # a larger parameter gets a bucket of its own
+        hf_names = [s.name for s in plan.hf_slots]
+        assert hf_names == [h for p in plan.params for h in weights.hf_names_of(p.param.name)]
+    assert any(len(plan.params) == 1 and gathered_bytes(plan.params[0].param, tp) > limit for plan in plans)
+
+
+def test_only_tp_split_parameters_are_gathered(weights):
+    for tp, expect_gathered in ((1, set()), (2, {n for n in weights.mcore_names() if tp_split(n).dim is not None})):
+        plans = plan_buckets(shards(weights, tp), weights, tp, 10**9)
+        gathered = {p.param.name for p in plans[0].params if p.gather_offset is not None}
+        assert gathered == expect_gathered
+        assert plans[0].row_bytes % ROW_ALIGN == 0
+
+
+def test_mixed_dtypes_are_laid_out_aligned_and_cast_on_request(weights):
+    # bf16 matrices with fp32 norms: the flat layout puts wider dtypes first, so SGLang's
+    # flattened_bucket (which needs every tensor aligned) accepts it
+    mixed = shards(weights, 2, lambda n: torch.float32 if "norm" in n else torch.bfloat16)
+    plan = plan_buckets(mixed, weights, 2, 10**9)[0]
+    slots = plan.hf_slots
+    assert {s.dtype for s in slots} == {torch.float32, torch.bfloat16}
+    assert all(s.start % s.dtype.itemsize == 0 for s in slots)
+    assert [s.dtype.itemsize for s in slots] == sorted((s.dtype.itemsize for s in slots), reverse=True)
+    bucket_layout([s.name for s in slots], [str(s.dtype)[6:] for s in slots], [list(s.shape) for s in slots])
+    for planned in plan.params:
+        if planned.gather_offset is not None:
+            assert planned.gather_offset % planned.param.tensor.element_size() == 0
+    cast = plan_buckets(mixed, weights, 2, 10**9, dtype=torch.bfloat16)[0]
+    assert {s.dtype for s in cast.hf_slots} == {torch.bfloat16}
+
+
+def test_hf_shapes_drop_vocab_padding(weights):
+    plan = plan_buckets(shards(weights, 2), weights, 2, 10**9)[0]
+    shapes = {s.name: s.shape for s in plan.hf_slots}
+    assert shapes["model.embed_tokens.weight"] == (47, 64) and shapes["lm_head.weight"] == (47, 64)
+    assert shapes["model.layers.1.self_attn.k_proj.bias"] == (32,)
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(ValueError, match="transport 'nccl' is not one of"):
+        SyncConfig(transport="nccl")
+    with pytest.raises(ValueError, match="disk transport needs disk_dir and hf_assets_dir"):
+        SyncConfig(transport="disk", disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        SyncConfig(bucket_bytes=0)
+
+
+def test_metrics_name_the_slowest_stage():
+    reports = [StageReport(stage=0, buckets=3, bytes=3_000, seconds=1.0, gather_s=0.2, convert_s=0.3, send_s=0.5),
+               StageReport(stage=1, buckets=2, bytes=1_000, seconds=2.0, gather_s=1.5, convert_s=0.1, send_s=0.4)]
+    m = summarize(reports, seconds=2.5, prepare_s=0.1, commit_s=0.2)
+    assert m["sync/bytes"] == 4_000 and m["sync/buckets"] == 5 and m["sync/stages"] == 2
+    assert m["sync/gb_per_s"] == pytest.approx(4_000 / 2.5 / 1e9)
+    assert (m["sync/slowest_stage"], m["sync/slowest_stage_s"], m["sync/slowest_stage_gather_s"]) == (1, 2.0, 1.5)
+
+
+def test_master_address_is_the_route_to_the_servers():
+    assert route_address("http://127.0.0.1:30000") == "127.0.0.1"

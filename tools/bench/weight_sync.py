@@ -1,0 +1,235 @@
+"""Benchmark: the resharder's throughput as a fraction of a plain host-memory copy of the same bytes.
+
+Builds a megatron-core `GPTModel` (Llama-style, random weights, no download) at each requested
+TP x PP layout in local gloo processes (CPU; the same code runs on GPU with NCCL), then times full
+passes of `Resharder.buckets()`: TP gather to the stage's emitter, merge, HF conversion (QKV and
+fc1 split, vocab unpadding) and packing into flat buckets, with nothing sent anywhere. The
+baselines, on the same emitter, copy a contiguous buffer of the same byte count: `clone()` (into
+fresh memory, as a pass allocates its buffers) and `copy_` into a buffer already touched. Each is
+run `--repeats` times; the best is reported. The stages of a PP layout run in parallel; a layout's
+time is its slowest stage's, and its fraction is its throughput over the clone's. `--device cuda`
+times the same on the GPU (layouts without TP: the processes form a gloo world).
+
+With `--push`, also times `WeightSync.push()` into one freshly started server of an HF checkpoint
+of the same model: end-to-end GB/s, wire included. `--server sglang --device cuda` is the GPU check
+of the transports against real SGLang (one GPU, layout 1x1; the distributed transport then uses
+gloo, as NCCL cannot join a server on the trainer's own GPU); it prints the served final norm
+next to the actor's, which must agree (to the served dtype) after the push.
+
+    .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 2x1 1x2 --hidden 1024 --layers 8
+    python tools/bench/weight_sync.py --layouts 1x1 --push --server sglang --device cuda --dtype bfloat16 \
+        --transport tensor        # GPU: also --transport distributed, --transport disk
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config
+from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
+from megarl.bridge.transforms import padded_vocab_size
+from megarl.engines.megatron.cpu import init_gloo_model_parallel, run_gloo_workers
+
+
+def hf_config(args) -> dict:
+    heads = args.hidden // 64
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
+        "intermediate_size": args.ffn or int(args.hidden * 8 / 3) // 64 * 64, "num_hidden_layers": args.layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1), "vocab_size": args.vocab,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "float32",
+    }
+
+
+def build_chunks(weights: WeightMap, layout: ParallelLayout, dtype: torch.dtype) -> list:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(**transformer_config_kwargs(weights.arch, layout, dtype), use_cpu_initialization=True,
+                               perform_initialization=False)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = [GPTModel(config, layer_spec(weights.arch), **gpt_model_kwargs(weights.arch, weights.padded_vocab_size),
+                       pre_process=layout.is_first(pp_rank, 0), post_process=layout.is_last(pp_rank, 0)).to(dtype)]
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.uniform_(-0.05, 0.05)
+    return chunks
+
+
+def best_of(repeats: int, run) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict) -> dict:
+    import torch.distributed as dist
+
+    from megarl.sync import ParallelGroups, Resharder
+
+    tp, pp = layout
+    init_gloo_model_parallel(rank, world_size, port, tp=tp, pp=pp)
+    arch = arch_from_hf_config(config)
+    weights = WeightMap(arch, padded_vocab_size(arch.vocab_size, 128, tp))
+    dtype = getattr(torch, args["dtype"])
+    chunks = [c.to(args["device"]) for c in build_chunks(weights, ParallelLayout(tp, pp), dtype)]
+    groups = ParallelGroups.from_parallel_state()
+    resharder = Resharder(chunks, weights, groups, args["bucket_mb"] * 2**20)
+
+    def one_pass():
+        for _ in resharder.buckets():
+            pass
+
+    one_pass()  # warm-up
+    dist.barrier()
+    reshard_s = best_of(args["repeats"], one_pass)
+    out = {"rank": rank, "emitter": groups.is_emitter, "stage": groups.pp_rank}
+    if groups.is_emitter:
+        nbytes = resharder.timings.bytes
+        src = torch.empty(nbytes, dtype=torch.uint8, device=args["device"]).random_()
+        clone_s = best_of(args["repeats"], src.clone)
+        dst = src.clone()
+        warm_copy_s = best_of(args["repeats"], lambda: dst.copy_(src))
+        t = resharder.timings
+        out.update(bytes=nbytes, reshard_s=reshard_s, clone_s=clone_s, warm_copy_s=warm_copy_s, buckets=t.buckets,
+                   gather_s=t.gather_s, convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
+    return out
+
+
+def push_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict, url: str,
+              model_dir: str) -> dict:
+    import requests
+
+    from megarl.sync import SyncConfig, WeightSync
+
+    tp, pp = layout
+    init_gloo_model_parallel(rank, world_size, port, tp=tp, pp=pp)
+    arch = arch_from_hf_config(config)
+    weights = WeightMap(arch, padded_vocab_size(arch.vocab_size, 128, tp))
+    dtype = getattr(torch, args["dtype"])
+    chunks = [c.to(args["device"]) for c in build_chunks(weights, ParallelLayout(tp, pp), dtype)]
+    sync_config = SyncConfig(
+        transport=args["transport"], bucket_bytes=args["bucket_mb"] * 2**20, timeout_s=600,
+        backend="gloo",  # NCCL cannot join a server on the trainer's own GPU
+        disk_dir=str(Path(model_dir) / "pushes"), hf_assets_dir=model_dir,
+    )
+    sync = WeightSync(chunks, weights, [url], sync_config)
+    sync.push()  # warm-up: forms the weight-update groups
+    metrics = min((sync.push() for _ in range(args["repeats"])), key=lambda m: m["sync/seconds"])
+    sync.close()
+    last = chunks[-1]
+    if args["server"] == "sglang" and hasattr(last.decoder, "final_layernorm") and rank == world_size - 1:
+        # the server's final norm must now be the actor's (HF initialises it to ones; ours is uniform)
+        got = requests.post(url + "/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 8},
+                            timeout=60).json()
+        version = requests.get(url + "/model_info", timeout=60).json()["weight_version"]
+        metrics["norm_check"] = {"server": got, "actor": last.decoder.final_layernorm.weight[:8].tolist(),
+                                 "server_version": version}
+    return metrics
+
+
+def run_push(config: dict, layout: tuple, args) -> dict:
+    """`WeightSync.push` into one freshly started server of an HF checkpoint of the same model."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.rollout.launch import (
+        apply_env_overrides,
+        cpu_server_command,
+        sglang_env_overrides,
+        sglang_server_command,
+    )
+    from megarl.rollout.process import ServerProcess
+    from megarl.sync.transports import free_port
+
+    with tempfile.TemporaryDirectory(prefix="megarl-bench-sync-") as tmp:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        model.save_pretrained(tmp)
+        del model
+        port = free_port("127.0.0.1")
+        if args.server == "cpu":
+            command, env = cpu_server_command(tmp, port, num_threads=1), None
+        else:
+            command = sglang_server_command(tmp, port, mem_fraction_static=0.3, dtype=args.dtype)
+            env = apply_env_overrides(os.environ, sglang_env_overrides(False))
+        server = ServerProcess("bench-server", command, f"http://127.0.0.1:{port}", env=env, startup_timeout_s=900,
+                               log_path=str(Path(tmp) / "server.log"))
+        server.start()
+        try:
+            ranks = run_gloo_workers(push_rank, layout[0] * layout[1],
+                                     args=(config, layout, vars(args), server.url, tmp), timeout_s=3600)
+        finally:
+            server.stop()
+    return ranks[-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP, e.g. 2x1")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=None, help="default: 8/3 hidden rounded to 64")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--push", action="store_true", help="also time WeightSync.push into a rollout server")
+    p.add_argument("--server", default="cpu", choices=["cpu", "sglang"], help="--push into megarl's CPU engine or "
+                   "real SGLang (GPU, `pip install -e .[gpu]`; then also checks the served final norm)")
+    p.add_argument("--transport", default="distributed", choices=["distributed", "tensor", "disk"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the actor's weights live (cuda: layouts without TP, the world is gloo)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    args = p.parse_args()
+    config = hf_config(args)
+    results = []
+    print(f"model: hidden {args.hidden}, {args.layers} layers, ffn {config['intermediate_size']}, vocab {args.vocab}, "
+          f"{args.dtype}; bucket {args.bucket_mb} MiB; best of {args.repeats}")
+    print(f"{'layout':>8} {'GB':>7} {'buckets':>7} {'reshard s':>9} {'GB/s':>6} {'clone GB/s':>10} "
+          f"{'warm copy GB/s':>14} {'fraction':>8} {'gather s':>8} {'convert s':>9} {'peak buf GB':>11}")
+    for text in args.layouts:
+        layout = tuple(int(x) for x in text.split("x"))
+        ranks = run_gloo_workers(reshard_rank, layout[0] * layout[1], args=(config, layout, vars(args)), timeout_s=3600)
+        emitters = [r for r in ranks if r["emitter"]]
+        slowest = max(emitters, key=lambda r: r["reshard_s"])
+        total = sum(r["bytes"] for r in emitters)
+        gbps = total / slowest["reshard_s"] / 1e9
+        clone_gbps = slowest["bytes"] / slowest["clone_s"] / 1e9
+        warm_gbps = slowest["bytes"] / slowest["warm_copy_s"] / 1e9
+        fraction = gbps / clone_gbps
+        row = dict(layout=text, bytes=total, reshard_gb_per_s=gbps, clone_gb_per_s=clone_gbps,
+                   warm_copy_gb_per_s=warm_gbps, fraction_of_clone=fraction,
+                   **{k: slowest[k] for k in ("reshard_s", "buckets", "gather_s", "convert_s", "peak_buffer_bytes")})
+        print(f"{text:>8} {total / 1e9:7.3f} {sum(r['buckets'] for r in emitters):7d} {slowest['reshard_s']:9.3f} "
+              f"{gbps:6.2f} {clone_gbps:10.2f} {warm_gbps:14.2f} {fraction:8.2f} {slowest['gather_s']:8.3f} "
+              f"{slowest['convert_s']:9.3f} {slowest['peak_buffer_bytes'] / 1e9:11.3f}")
+        if args.push:
+            m = run_push(config, layout, args)
+            row["push"] = m
+            print(f"{'':>8} push ({args.transport}) into 1 {args.server} server: {m['sync/bytes'] / 1e9:.3f} GB in "
+                  f"{m['sync/seconds']:.2f} s = {m['sync/gb_per_s']:.2f} GB/s (slowest stage: gather "
+                  f"{m['sync/slowest_stage_gather_s']:.2f} s, convert {m['sync/slowest_stage_convert_s']:.2f} s, "
+                  f"send {m['sync/slowest_stage_send_s']:.2f} s)")
+            if "norm_check" in m:
+                print(f"{'':>8} served model.norm.weight[:8] {m['norm_check']['server']}\n{'':>8} actor's "
+                      f"{m['norm_check']['actor']}; served weight_version {m['norm_check']['server_version']}")
+        results.append(row)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

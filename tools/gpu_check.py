@@ -1,0 +1,323 @@
+"""GPU check of the megatron engine: HF equivalence, step time and model FLOPs utilisation.
+
+One process, one GPU, NCCL (world size 1, TP=1, PP=1); nothing is downloaded: the models are
+built here from configs with random weights. Run on a machine with an NVIDIA GPU, megatron-core,
+transformers (and transformer-engine, if installed) importable:
+
+    PYTHONPATH=src python tools/gpu_check.py            # about 2 minutes on one H200
+
+Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if any failed):
+  1. tiny Qwen2 (qkv bias, tied embeddings), float32, padded sequences: engine log-probs and
+     entropies vs HF transformers (TF32 off).
+  2. a ~1B-parameter Llama in bfloat16: engine log-probs vs HF bf16 for the padded and (with
+     transformer-engine) the packed layout; the logits are made peaked (init std 0.05) so that a
+     wrong weight mapping would show.
+  3. the same model: `update_policy` step time, tokens/s and model FLOPs utilisation per
+     layout, `compute_log_prob` throughput, and the step-0 invariant (the first update's ppo_kl
+     is exactly 0 when the old log-probs come from the same weights).
+  4. offload / onload of parameters, gradients and optimizer state: bytes, seconds, GB/s, and
+     log-probs after onload bit-identical to before.
+
+`--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
+script itself; its figures mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+H200_BF16_DENSE_TFLOPS = 989.0  # also H100 SXM; dense bf16, no sparsity
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="check the script without a GPU (tiny sizes, no real figures)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per update (one mini-batch)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=768)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--steps", type=int, default=5, help="timed updates (after 2 warm-up updates)")
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="GPU peak for MFU")
+    return p.parse_args()
+
+
+# ------------------------------------------------------------------------------------------ set-up
+def init_single_process(cpu: bool) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if not cpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def experiment_config(model_dir: Path, dtype: str, batch: int, micro: int, temperature: float = 1.0):
+    from megarl.config import load_config
+
+    return load_config(None, [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.model.dtype={dtype}",
+        "trainer.n_gpus_per_node=1",
+        f"data.train_batch_size={batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.temperature={temperature}",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+    ])
+
+
+def random_batch(size: int, prompt_len: int, response_len: int, vocab: int, ragged: bool, seed: int = 0):
+    """Token batch; ragged: lengths drawn in [len/2, len], else exactly the given lengths."""
+    from megarl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(length):
+        n = int(torch.randint(max(1, length // 2), length + 1, (1,), generator=g)) if ragged else length
+        return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+    batch = Batch.from_token_lists([draw(prompt_len) for _ in range(size)], [draw(response_len) for _ in range(size)])
+    batch["advantages"] = torch.randn(size, 1, generator=g) * batch["response_mask"]
+    return batch
+
+
+def hf_log_probs(model, batch, temperature: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF log-probs and entropies [B, R] (float32, from the model-dtype logits / temperature)."""
+    shape = batch["response_mask"].shape
+    log_probs, entropy = torch.zeros(shape), torch.zeros(shape)
+    for i in range(len(batch)):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        response = batch["response_ids"][i][batch["response_mask"][i].bool()]
+        ids = torch.cat([prompt, response])[None].to(device)
+        with torch.no_grad():
+            logp = (model(ids).logits[0].float() / temperature).log_softmax(-1)
+        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response), device=device)
+        log_probs[i, : len(response)] = logp[at, response.to(device)].cpu()
+        entropy[i, : len(response)] = (-(logp[at].exp() * logp[at]).sum(-1)).cpu()
+    return log_probs, entropy
+
+
+def difference(ours: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> dict:
+    diff = (ours - reference)[mask].abs()
+    return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
+            "max_rel": (diff / reference[mask].abs().clamp(min=1e-6)).max().item(),
+            "reference_std": reference[mask].std().item()}
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ FLOPs
+def train_flops(arch, prompt_lens: list[int], response_lens: list[int], forward_only: bool = False) -> float:
+    """Model FLOPs of one pass over the sequences (matmuls and attention; fwd+bwd = 3x fwd).
+
+    Per token: 2 x the backbone's matmul parameters; per response token: 2 x the output layer
+    (the engine applies the head only where a log-prob is needed); attention: QK^T and AV,
+    4 x (heads x head_dim) x context per token per layer, causal context = position + 1."""
+    h, d_attn = arch.hidden_size, arch.num_attention_heads * arch.kv_channels
+    d_kv = arch.num_query_groups * arch.kv_channels
+    per_layer = h * d_attn + 2 * h * d_kv + d_attn * h + 3 * h * arch.ffn_hidden_size
+    forward = 0.0
+    for p, r in zip(prompt_lens, response_lens):
+        n = p + r
+        forward += 2 * arch.num_layers * per_layer * n
+        forward += 2 * arch.vocab_size * h * r
+        forward += 4 * arch.num_layers * d_attn * n * (n + 1) / 2
+    return forward if forward_only else 3 * forward
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_tiny_fp32(workdir: Path, cpu: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.tiny_model import make_tiny_model
+    from megarl.engines.megatron.roles import ActorEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model_dir = make_tiny_model("qwen2", workdir / "tiny", layers=2, hidden=128, heads=4, kv_heads=2)
+    batch = random_batch(8, 12, 20, vocab=47, ragged=True)
+    engine = ActorEngine(experiment_config(model_dir, "float32", 8, 4, temperature=0.7), sequence_layout="padded")
+    ours = engine.compute_log_prob(batch, 0.7, with_entropy=True)
+    device = engine.device
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    ref_lp, ref_ent = hf_log_probs(hf, batch, 0.7, device)
+    mask = batch["response_mask"].bool()
+    result = {"log_probs": difference(ours["log_probs"], ref_lp, mask),
+              "entropy": difference(ours["entropy"], ref_ent, mask)}
+    result["pass"] = result["log_probs"]["max_abs"] < 1e-3 and result["entropy"]["max_abs"] < 1e-3
+    return result
+
+
+def build_1b_model(workdir: Path, cpu: bool) -> Path:
+    """A Llama of ~1.03B parameters (20 x 2048, GQA 16/4 heads, FFN 5632, vocab 32000, untied),
+    random weights with std 0.05, saved as bf16 safetensors."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000)
+    if cpu:
+        sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300)
+    config = LlamaConfig(**sizes, max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.05)
+    torch.manual_seed(0)
+    with torch.device("cpu" if cpu else "cuda"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to(torch.float32 if cpu else torch.bfloat16)
+    out = workdir / "llama_1b"
+    model.save_pretrained(out)
+    return out
+
+
+def check_1b(model_dir: Path, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.engines.megatron.model import transformer_engine_available
+    from megarl.engines.megatron.roles import ActorEngine
+
+    dtype = "float32" if args.cpu else "bfloat16"
+    t0 = time.perf_counter()
+    engine = ActorEngine(experiment_config(model_dir, dtype, args.batch, args.micro_batch), sequence_layout="padded")
+    synchronize()
+    result = {"build_seconds": time.perf_counter() - t0,
+              "parameters": sum(p.numel() for c in engine.model_chunks for p in c.parameters()),
+              "transformer_engine": transformer_engine_available()}
+    layouts = ["padded", "packed"] if transformer_engine_available() else ["padded"]
+    vocab = engine.arch.vocab_size
+
+    # equivalence with HF on a ragged batch
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(engine.device).eval()
+    ragged = random_batch(8, args.prompt_len // 2, args.response_len // 4, vocab, ragged=True, seed=1)
+    ref_lp, _ = hf_log_probs(hf, ragged, 1.0, engine.device)
+    del hf
+    release_memory()
+    mask = ragged["response_mask"].bool()
+    result["equivalence"] = {}
+    for layout in layouts:
+        engine.sequence_layout = layout
+        ours = engine.compute_log_prob(ragged, 1.0)
+        diff = difference(ours["log_probs"], ref_lp, mask)
+        spread = diff["reference_std"]  # bf16 kernels differ; a mapping error moves log-probs by about this much
+        diff["pass"] = diff["mean_abs"] < 0.05 * spread and diff["max_abs"] < 0.5 * spread + 0.1
+        result["equivalence"][layout] = diff
+
+    # timing: compute_log_prob and update_policy on fixed-length sequences
+    batch = random_batch(args.batch, args.prompt_len, args.response_len, vocab, ragged=False, seed=2)
+    p_lens = batch["prompt_mask"].sum(1).tolist()
+    r_lens = batch["response_mask"].sum(1).tolist()
+    tokens = sum(p_lens) + sum(r_lens)
+    result["timing"] = {}
+    for layout in layouts:
+        engine.sequence_layout = layout
+        synchronize()
+        t = time.perf_counter()
+        old = engine.compute_log_prob(batch, 1.0)
+        synchronize()
+        fwd_seconds = time.perf_counter() - t
+        batch["old_log_probs"] = old["log_probs"]
+        times, first_ppo_kl = [], None
+        for step in range(2 + args.steps):
+            synchronize()
+            t = time.perf_counter()
+            metrics = engine.update_policy(batch)
+            synchronize()
+            if step == 0:
+                first_ppo_kl = metrics["actor/ppo_kl"]  # old log-probs from the same weights: exactly 0
+            if step >= 2:
+                times.append(time.perf_counter() - t)
+        step_seconds = statistics.median(times)
+        flops = train_flops(engine.arch, p_lens, r_lens)
+        fwd_flops = train_flops(engine.arch, p_lens, r_lens, forward_only=True)
+        result["timing"][layout] = {
+            "update_seconds_median": step_seconds,
+            "update_seconds_all": times,
+            "tokens_per_update": tokens,
+            "update_tokens_per_second": tokens / step_seconds,
+            "update_tflops": flops / step_seconds / 1e12,
+            "update_mfu": flops / step_seconds / 1e12 / args.peak_tflops,
+            "log_prob_seconds": fwd_seconds,
+            "log_prob_tokens_per_second": tokens / fwd_seconds,
+            "log_prob_mfu_incl_first_call": fwd_flops / fwd_seconds / 1e12 / args.peak_tflops,
+            "first_update_ppo_kl": first_ppo_kl,
+            "last_grad_norm": metrics["actor/grad_norm"],
+        }
+    if torch.cuda.is_available():
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+
+    # offload / onload
+    before = engine.compute_log_prob(batch, 1.0)["log_probs"]
+    allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    off = engine.offload()
+    after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    on = engine.onload()
+    result["offload"] = {**off, "GBps": off["bytes"] / off["seconds"] / 1e9,
+                         "device_memory_released_gib": (allocated - after) / 2**30}
+    result["onload"] = {**on, "GBps": on["bytes"] / on["seconds"] / 1e9}
+    result["onload_restores_log_probs"] = torch.equal(before, engine.compute_log_prob(batch, 1.0)["log_probs"])
+    result["pass"] = (all(d["pass"] for d in result["equivalence"].values()) and result["onload_restores_log_probs"]
+                      and all(t["first_update_ppo_kl"] == 0.0 for t in result["timing"].values()))
+    return result
+
+
+def report(name: str, run) -> bool:
+    print(f"\n=== {name}", flush=True)
+    t = time.perf_counter()
+    try:
+        result = run()
+    except Exception:
+        traceback.print_exc()
+        print(f"--- {name}: FAIL (exception) after {time.perf_counter() - t:.1f} s", flush=True)
+        return False
+    finally:
+        release_memory()
+    for key, value in result.items():
+        print(f"  {key}: {value}")
+    ok = bool(result.get("pass", True))
+    print(f"--- {name}: {'PASS' if ok else 'FAIL'} in {time.perf_counter() - t:.1f} s", flush=True)
+    return ok
+
+
+def main() -> int:
+    args = parse_args()
+    if args.cpu:
+        args.batch, args.prompt_len, args.response_len, args.micro_batch, args.steps = 4, 16, 24, 2, 1
+    elif not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU machine, or pass --cpu to check the script itself", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    init_single_process(args.cpu)
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="megarl-gpu-check-") as tmp:
+        workdir = Path(tmp)
+        ok = report("tiny qwen2 fp32 vs HF (padded)", lambda: check_tiny_fp32(workdir, args.cpu))
+        model_dir = workdir / "llama_1b"
+        ok &= report("build ~1B llama (random, bf16)", lambda: {"path": str(build_1b_model(workdir, args.cpu))})
+        ok &= report("~1B llama: equivalence, step time, MFU, offload", lambda: check_1b(model_dir, args))
+    dist.destroy_process_group()
+    print(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - start:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
