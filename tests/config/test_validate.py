@@ -143,3 +143,12 @@ def test_split_placement():
     assert "placement.rollout_gpus=2 is used only with placement.mode=split" in fails("placement.rollout_gpus=2")
     # split leaves 5 training GPUs: the default mini-batch (256 prompts) cannot split over DP 5
     assert "actor data-parallel size 5" in fails("placement.mode=split", "placement.rollout_gpus=3")
+
+
+def test_reference_follows_the_actor_layout_unless_set():
+    c = ok("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    assert c.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    c = ok("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+           "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2")
+    assert c.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 1
+    assert c.actor_rollout_ref.ref.megatron.pipeline_model_parallel_size == 2

@@ -31,6 +31,9 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
     ref = replace(
         arr.ref,
         log_prob_micro_batch_size_per_gpu=arr.ref.log_prob_micro_batch_size_per_gpu or micro,
+        # a reference left at the defaults takes the actor's layout: the same shards and micro-batches
+        # make its step-0 log-probs equal the actor's exactly
+        megatron=arr.actor.megatron if arr.ref.megatron == MegatronConfig() else arr.ref.megatron,
     )
     rollout = replace(
         arr.rollout,

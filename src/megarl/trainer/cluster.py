@@ -72,13 +72,10 @@ class Cluster:
 
     # ------------------------------------------------------------------ phases
     def before_training(self) -> None:
-        """Colocated: free the rollout servers' memory for the training phase."""
+        """Colocated: free the rollout servers' memory for the training phase. The weight push
+        resumes it (weights before the push, KV cache after), so there is no `after_training`."""
         if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
             self.rollout.release_memory()
-
-    def after_training(self) -> None:
-        if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.resume_memory()
 
     def sync_weights(self) -> dict:
         """Push the actor's weights into every rollout server; metrics are the same on every rank."""

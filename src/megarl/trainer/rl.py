@@ -118,7 +118,6 @@ class RLTrainer:
             with timer("update_actor"):
                 metrics.update(cl.actor.update("update_policy", batch))
 
-        cl.after_training()
         with timer("sync_weights"):
             metrics.update(cl.sync_weights())
 

@@ -49,13 +49,10 @@ class RolloutFleet:
         return [ServerControl(url, self.api_key) for url in self.urls]
 
     def release_memory(self) -> None:
-        """Colocated: free the servers' weights and KV cache while training runs."""
+        """Colocated: free the servers' weights and KV cache while training runs (the weight push
+        resumes them)."""
         for server in self.servers():
             server.release_memory_occupation()
-
-    def resume_memory(self) -> None:
-        for server in self.servers():
-            server.resume_memory_occupation()
 
     def shutdown(self) -> None:
         if self.router is not None:
