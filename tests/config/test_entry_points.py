@@ -56,7 +56,7 @@ def test_config_show_with_file_and_overrides_after_options():
     assert r.returncode == 0, r.stderr
     tree = yaml.safe_load(r.stdout)
     assert tree["trainer"]["total_training_steps"] == 7
-    assert tree["trainer"]["project_name"] == "megarl"  # from configs/base.yaml via defaults:
+    assert tree["trainer"]["logger"] == ["console", "tensorboard"]  # from configs/base.yaml via defaults:
     assert tree["algorithm"]["adv_estimator"] == "grpo"
 
 

@@ -65,6 +65,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet; a single path is accepted
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
+    response_key: str = "response"  # SFT data: the reference response column
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 512  # tokens
     max_response_length: int = 512  # tokens

@@ -14,6 +14,10 @@ def _train_role(name: str, pool: str, m: MegatronConfig, prefix: str) -> RoleSpe
                     pp_key=f"{prefix}.megatron.pipeline_model_parallel_size")
 
 
+def actor_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
+    return _train_role("actor", pool, config.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor")
+
+
 def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[RoleSpec]]:
     """(pool sizes in GPUs, role specs) for the experiment. The reference model exists when a KL
     term needs it; the critic when enabled (GAE); the reward model when enabled."""
@@ -25,7 +29,7 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
     else:
         pools = {SHARED_POOL: total}
         train_pool = rollout_pool = SHARED_POOL
-    roles = [_train_role("actor", train_pool, arr.actor.megatron, "actor_rollout_ref.actor")]
+    roles = [actor_role_spec(config, train_pool)]
     if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
         roles.append(_train_role("ref", train_pool, arr.ref.megatron, "actor_rollout_ref.ref"))
     if config.critic.enable:

@@ -18,7 +18,7 @@ from megarl.tracking.plot import plot_history
 
 # Metrics shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
-    "reward/mean", "val/score", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "critic/vf_loss",
+    "reward/mean", "val/score", "val/sampled_score", "sft/nll", "val/nll", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "critic/vf_loss",
     "response_length/mean", "timing/step_s", "throughput/tokens_per_s",
 )
 

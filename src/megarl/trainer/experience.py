@@ -111,8 +111,8 @@ def data_metrics(batch: Batch) -> dict:
     return metrics
 
 
-def greedy_accuracy(scores: torch.Tensor, data_sources: Sequence[str], prefix: str = "val") -> dict:
-    """Mean score overall (`val/score`) and per data_source."""
+def mean_scores(scores: torch.Tensor, data_sources: Sequence[str], prefix: str = "val") -> dict:
+    """Mean score overall (`<prefix>/score`) and per data_source."""
     out = {f"{prefix}/score": scores.mean().item()}
     for source in sorted(set(data_sources)):
         picked = torch.tensor([s == source for s in data_sources])

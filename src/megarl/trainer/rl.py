@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -135,14 +136,21 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
-        """Score responses to the whole validation set with `rollout.val_kwargs` (greedy by default)."""
+        """Score one response per validation prompt with `rollout.val_kwargs` (greedy by default):
+        `val/score`; and one sampled at the training temperature: `val/sampled_score`."""
         if self.val_data is None:
             return {}
         prompts = self.val_data.take(range(len(self.val_data)))
-        result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(self.config, True))
-        batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
-        experience.score(batch, self.score_fn, self.tokenizer, self.config)
-        return experience.greedy_accuracy(batch["scores"], batch["data_source"])
+        ids = [p.input_ids for p in prompts]
+        metrics = {}
+        sampled = replace(sampling_params(self.config), n=1)
+        for prefix, sampling in (("val", sampling_params(self.config, True)), ("val_sampled", sampled)):
+            result = self.cluster.rollout.generate(ids, sampling)
+            batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
+            experience.score(batch, self.score_fn, self.tokenizer, self.config)
+            metrics.update(experience.mean_scores(batch["scores"], batch["data_source"], prefix))
+        metrics["val/sampled_score"] = metrics.pop("val_sampled/score")
+        return metrics
 
     # ------------------------------------------------------------------ the loop
     def fit(self, tracker) -> dict:

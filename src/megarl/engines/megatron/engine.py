@@ -46,7 +46,7 @@ from megarl.engines.megatron.sequences import Layout, MicroBatch, fixed_shape, m
 # How per-micro-batch metrics combine into a mini-batch value. Losses aggregated with the global
 # mini-batch counts add up; extremes take the extreme; everything else is a mean over valid
 # tokens, combined weighted by each micro-batch's token count.
-SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "actor_loss", "vf_loss"})
+SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "actor_loss", "vf_loss", "nll"})
 MAX_METRICS = frozenset({"ratio_max"})
 MIN_METRICS = frozenset({"ratio_min"})
 CONSTANT_METRICS = frozenset({"kl_coef"})

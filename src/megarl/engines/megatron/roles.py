@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from megarl.algos.from_config import actor_loss_kwargs, value_loss_kwargs
-from megarl.algos.losses import actor_loss, value_loss
+from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
@@ -113,6 +113,33 @@ class ActorEngine(MegatronEngine):
             loss_head=loss_head,
             prefix="actor",
         )
+
+
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on this rank's samples: the token-mean
+        negative log-likelihood of `response_ids` (temperature 1) over all DP ranks' response
+        tokens. Micro-batches as in `update_policy`. Returns `sft/nll`, `sft/grad_norm`, ..."""
+        actor = self.actor
+
+        def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
+            log_probs, _ = token_log_probs(hidden, self.output_weight(), mb.targets,
+                                           vocab_size=self.arch.vocab_size, temperature=1.0)
+            nll = agg_loss(-mb.to_grid(log_probs), mb.response_mask, "token-mean", num_tokens=counts["num_tokens"])
+            return nll, {"nll": nll}
+
+        return self.train_batch(
+            batch, mini_batch_size=len(batch), epochs=1, shuffle=False,
+            max_samples=actor.ppo_micro_batch_size_per_gpu,
+            max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            data_keys=[], loss_head=loss_head, prefix="sft",
+        )
+
+    def export_hf(self, out_dir: str, bucket_megabytes: int = 512) -> str:
+        """Every rank: write the current weights as an HF checkpoint (megarl.sync.export)."""
+        from megarl.sync.export import export_hf
+
+        return str(export_hf(self.model_chunks, self.weight_map, out_dir, self.config.actor_rollout_ref.model.path,
+                             bucket_megabytes * 2**20))
 
 
 class RefEngine(MegatronEngine):

@@ -1,0 +1,108 @@
+"""Supervised fine-tuning on the Megatron engine: warm-up before RL, or a user's own SFT stage.
+
+    python -m megarl.trainer.main_sft --config X.yaml data.train_files=sft_train.parquet ...
+
+Data: verl parquet rows with a reference response column (`data.response_key`). Each step trains
+on `data.train_batch_size` examples (one optimizer step, token-mean NLL of the response tokens);
+every `trainer.test_freq` steps the validation NLL is logged. At the end the actor is exported as
+an HF checkpoint to `<default_local_dir>/<project>/<experiment>/hf`, which an RL run can start from.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.config import ExperimentConfig
+from megarl.data.batch import Batch
+from megarl.data.prompts import PromptDataset
+from megarl.data.sampler import EpochSampler
+from megarl.placement import ClusterSpec, plan_placement
+from megarl.placement.from_config import actor_role_spec
+from megarl.placement.ray_pools import create_pools
+from megarl.trainer.engine_group import EngineGroup
+
+
+def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
+    d = config.data
+    return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
+                         response_key=d.response_key, max_prompt_length=d.max_prompt_length,
+                         max_response_length=d.max_response_length, filter_overlong_prompts=d.filter_overlong_prompts,
+                         truncation=d.truncation)
+
+
+def as_batch(examples) -> Batch:
+    return Batch.from_token_lists([e.input_ids for e in examples], [e.response_ids for e in examples])
+
+
+class SFTTrainer:
+    def __init__(self, config: ExperimentConfig, tokenizer):
+        self.config = config
+        self.train_data = sft_dataset(config, tokenizer, config.data.train_files)
+        self.val_data = sft_dataset(config, tokenizer, config.data.val_files) if config.data.val_files else None
+        self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
+        t = config.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        plan = plan_placement(ClusterSpec(t.nnodes, t.n_gpus_per_node), {"train": t.nnodes * t.n_gpus_per_node},
+                              [actor_role_spec(config, "train")])
+        self.pools = create_pools(plan, timeout_s=300)
+        try:
+            self.actor = EngineGroup(plan.roles["actor"], self.pools, config)
+        except BaseException:
+            self.pools.remove()
+            raise
+
+    def validation_nll(self) -> dict:
+        """Token-mean NLL of the reference responses of the validation set (rounded down to a
+        multiple of the data-parallel size)."""
+        usable = len(self.val_data) - len(self.val_data) % self.actor.dp_size
+        batch = as_batch(self.val_data.take(range(usable)))
+        log_probs = self.actor.compute("compute_log_prob", batch, 1.0)["log_probs"]
+        mask = batch["response_mask"].bool()
+        return {"val/nll": float(-log_probs[mask].mean())}
+
+    def fit(self, tracker) -> dict:
+        t = self.config.trainer
+        metrics = {}
+        for step in range(1, self.total_steps + 1):
+            start = time.perf_counter()
+            batch = as_batch(self.train_data.take(self.sampler.next_batch()))
+            metrics = self.actor.update("sft_step", batch)
+            metrics["timing/step_s"] = time.perf_counter() - start
+            if self.val_data is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                metrics.update(self.validation_nll())
+            tracker.log(metrics, step=step)
+        return metrics
+
+    def export(self, out_dir: Path) -> Path:
+        self.actor.call("export_hf", str(out_dir))
+        return out_dir
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+        self.pools.remove()
+
+
+def run_sft(config: ExperimentConfig) -> Path:
+    """Train, export the HF checkpoint; returns its directory."""
+    from transformers import AutoTokenizer
+
+    from megarl.tracking import Tracker
+    from megarl.trainer.cluster import connect_ray
+
+    t = config.trainer
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
+    connect_ray(config)
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    trainer = SFTTrainer(config, tokenizer)
+    tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
+    try:
+        torch.manual_seed(t.seed)
+        trainer.fit(tracker)
+        out = trainer.export(root / "hf")
+        print(f"exported the fine-tuned model to {out}")
+        return out
+    finally:
+        trainer.shutdown()
+        tracker.finish()
