@@ -16,10 +16,8 @@ import argparse
 import sys
 import time
 
-from tqdm import tqdm
-
 from megarl.bridge import ConversionError, ParallelLayout
-from megarl.bridge.convert import Progress, convert_hf_to_torch_dist
+from megarl.bridge.convert import progress_bar, convert_hf_to_torch_dist
 
 
 def main(argv=None) -> int:
@@ -34,23 +32,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     start = time.monotonic()
-    bars = []  # created at the first report, so that an early error prints no empty bar
-
-    def show(p: Progress) -> None:
-        if not bars:
-            bars.append(tqdm(total=p.bytes_total, unit="B", unit_scale=True, file=sys.stderr, desc="hf -> megatron"))
-        bars[0].update(p.bytes_done - bars[0].n)
-        bars[0].set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors")
-
     try:
-        layout = ParallelLayout(args.tp, args.pp, args.vpp)
-        summary = convert_hf_to_torch_dist(args.hf, args.out, layout, args.make_vocab_size_divisible_by, show)
+        with progress_bar("hf -> megatron") as show:
+            layout = ParallelLayout(args.tp, args.pp, args.vpp)
+            summary = convert_hf_to_torch_dist(args.hf, args.out, layout, args.make_vocab_size_divisible_by, show)
     except ConversionError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
-    finally:
-        for bar in bars:
-            bar.close()
     print(f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) for {layout} to {summary.out} "
           f"in {time.monotonic() - start:.1f} s")
     return 0

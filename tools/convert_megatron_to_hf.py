@@ -16,10 +16,8 @@ import re
 import sys
 import time
 
-from tqdm import tqdm
-
 from megarl.bridge import ConversionError
-from megarl.bridge.convert import Progress, convert_torch_dist_to_hf
+from megarl.bridge.convert import progress_bar, convert_torch_dist_to_hf
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -42,22 +40,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     start = time.monotonic()
-    bars = []  # created at the first report, so that an early error prints no empty bar
-
-    def show(p: Progress) -> None:
-        if not bars:
-            bars.append(tqdm(total=p.bytes_total, unit="B", unit_scale=True, file=sys.stderr, desc="megatron -> hf"))
-        bars[0].update(p.bytes_done - bars[0].n)
-        bars[0].set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors")
-
     try:
-        summary = convert_torch_dist_to_hf(args.ckpt, args.out, args.hf_config, args.max_shard_size, show)
+        with progress_bar("megatron -> hf") as show:
+            summary = convert_torch_dist_to_hf(args.ckpt, args.out, args.hf_config, args.max_shard_size, show)
     except ConversionError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
-    finally:
-        for bar in bars:
-            bar.close()
     print(f"wrote {summary.tensors} megatron tensors ({summary.bytes / 2**20:.1f} MiB) as HF to {summary.out} "
           f"in {time.monotonic() - start:.1f} s")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,27 @@ class Progress:
 
 
 OnProgress = Callable[[Progress], None]
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str) -> Iterator[OnProgress]:
+    """A tqdm bar on stderr (bytes, with tensors done / total) fed by Progress reports; created at
+    the first report, so an early error prints no empty bar."""
+    from tqdm import tqdm
+
+    bars = []
+
+    def show(p: Progress) -> None:
+        if not bars:
+            bars.append(tqdm(total=p.bytes_total, unit="B", unit_scale=True, file=sys.stderr, desc=desc))
+        bars[0].update(p.bytes_done - bars[0].n)
+        bars[0].set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors")
+
+    try:
+        yield show
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 class _ProgressCounter:
