@@ -204,20 +204,27 @@ def check_1b(model_dir: Path, args) -> dict:
     layouts = ["padded", "packed"] if transformer_engine_available() else ["padded"]
     vocab = engine.arch.vocab_size
 
-    # equivalence with HF on a ragged batch
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(engine.device).eval()
+    # equivalence on a ragged batch. bf16 kernels round differently, so the yardstick is HF itself:
+    # both HF in `dtype` and the engine are compared with HF in float32 (TF32 off), and the engine
+    # passes when its error is at most twice HF's own (plus a small floor).
     ragged = random_batch(8, args.prompt_len // 2, args.response_len // 4, vocab, ragged=True, seed=1)
-    ref_lp, _ = hf_log_probs(hf, ragged, 1.0, engine.device)
-    del hf
-    release_memory()
+    references = {}
+    for ref_dtype in sorted({"float32", dtype}):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, ref_dtype)).to(engine.device).eval()
+        references[ref_dtype], _ = hf_log_probs(hf, ragged, 1.0, engine.device)
+        del hf
+        release_memory()
     mask = ragged["response_mask"].bool()
+    hf_error = difference(references[dtype], references["float32"], mask)
+    result["hf_vs_hf_fp32"] = hf_error
     result["equivalence"] = {}
     for layout in layouts:
         engine.sequence_layout = layout
         ours = engine.compute_log_prob(ragged, 1.0)
-        diff = difference(ours["log_probs"], ref_lp, mask)
-        spread = diff["reference_std"]  # bf16 kernels differ; a mapping error moves log-probs by about this much
-        diff["pass"] = diff["mean_abs"] < 0.05 * spread and diff["max_abs"] < 0.5 * spread + 0.1
+        diff = difference(ours["log_probs"], references["float32"], mask)
+        diff["pass"] = (diff["mean_abs"] <= 2 * hf_error["mean_abs"] + 1e-3
+                        and diff["max_abs"] <= 2 * hf_error["max_abs"] + 1e-2)
         result["equivalence"][layout] = diff
 
     # timing: compute_log_prob and update_policy on fixed-length sequences
