@@ -22,17 +22,23 @@ MEGARL = Path(sys.executable).parent / "megarl"
 CONFIG = HERE / "tiny_2node.yaml"
 BREAK_RAY = HERE / "break_ray_on_node.sh"
 FAKE_TRAINER = HERE / "fake_trainer.py"
-# The experiment of the successful job. The RL loop does not exist yet, so main_ppo stops after
-# validating the config (--dry-run); when it lands, this becomes the real entry (and CONFIG points
-# at a tiny model and dataset).
-SUCCESS_ENTRY = "-m megarl.trainer.main_ppo --dry-run"
+# The experiment of the successful job: two GRPO steps of the tiny model across both nodes.
+SUCCESS_ENTRY = "-m megarl.trainer.main_ppo"
 ROW = re.compile(r"^megarl launch: (\S+)\s+(\d+)\s+(\d+) \((\S+)\)\s+([0-9a-f]{8})\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
 
 
 def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp_path):
+    from megarl.data.synthetic import write_task_dataset
+    from megarl.data.tiny_model import make_tiny_model
+
+    make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    write_task_dataset("add", tmp_path / "data", train_size=64, val_size=8, sft_size=0, seed=0)
+    experiment = [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'data/train.parquet'}",
+                  f"data.val_files={tmp_path / 'data/val.parquet'}", "trainer.total_training_steps=2",
+                  f"trainer.default_local_dir={tmp_path / 'runs'}"]
     logs = tmp_path / "logs"
     done = subprocess.run([str(MEGARL), "submit", "--config", str(CONFIG), "--time", "00:10:00",
-                           "--log-dir", str(logs)], cwd=tmp_path, env=sandbox.env(MEGARL_ENTRY=SUCCESS_ENTRY),
+                           "--log-dir", str(logs), *experiment], cwd=tmp_path, env=sandbox.env(MEGARL_ENTRY=SUCCESS_ENTRY),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     job_id = re.search(r"submitted job (\d+)", done.stdout).group(1)
@@ -56,8 +62,10 @@ def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp
         assert sorted(gpus) == ["0", "1"]
     assert all(r[6] == r[7] for r in rows)  # CUDA_VISIBLE_DEVICES is the GPU id
     assert f"cluster check OK: 2 node(s) {list(nodes)} x 2 GPU(s); gloo all-reduce over 4 ranks = 10" in log
-    # Then the experiment ran on the cluster and its status became the job's.
-    assert "config OK (dry run" in log and "the experiment exited with status 0" in log
+    # Then the experiment trained on the cluster and its status became the job's.
+    assert "the experiment exited with status 0" in log
+    metrics = (tmp_path / "runs" / "megarl" / "launch-test" / "logs" / "metrics.jsonl").read_text()
+    assert '"step": 2' in metrics and "sync/bytes" in metrics
     sandbox.assert_cleaned_up(job_id)
 
 
