@@ -18,7 +18,8 @@ def _config_show(args) -> int:
 
 def _plan(args) -> int:
     from megarl.placement import format_gpu_map, plan_from_config
-    from megarl.placement.memory import ModelDims, estimate, format_estimate
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.placement.memory import estimate, format_estimate
 
     config = load_and_validate(args.config, args.overrides)
     plan = plan_from_config(config)
@@ -27,13 +28,14 @@ def _plan(args) -> int:
         shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
                  else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
         print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
-    dims = ModelDims.from_checkpoint_dir(config.actor_rollout_ref.model.path)
-    if dims is None:
-        print(f"memory estimate skipped: no config.json under actor_rollout_ref.model.path="
-              f"{config.actor_rollout_ref.model.path!r}")
+    model_dir = config.actor_rollout_ref.model.path
+    try:
+        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model_dir}/config.json")
+    except (ConversionError, OSError) as error:
+        print(f"memory estimate skipped: {error}")
         return 0
-    est = estimate(plan, config, dims)
-    print(format_estimate(est, plan, dims))
+    est = estimate(plan, config, arch)
+    print(format_estimate(est, plan, arch))
     return 0 if est.fits else 1
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from megarl.config import load_and_validate
 from megarl.placement import ClusterSpec, Device, PlanError, RoleSpec, format_gpu_map, plan_from_config, plan_placement
-from megarl.placement.memory import ModelDims, estimate
+from megarl.bridge import arch_from_hf_config
+from megarl.placement.memory import estimate, stage_params, total_params
 
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
 
@@ -120,21 +121,22 @@ def test_plans_1024_nodes_in_well_under_a_second():
     assert elapsed < 0.5, elapsed
 
 
-QWEN7B = {"vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944,
-          "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False}
+QWEN7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
+          "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+          "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": False}
 
 
 def test_memory_estimate_by_hand():
-    dims = ModelDims.from_hf_config(QWEN7B)
-    assert round(dims.total_params / 1e9, 2) == 7.62  # Qwen2.5-7B without biases: 7.6 B
+    arch = arch_from_hf_config(QWEN7B)
+    assert round(total_params(arch) / 1e9, 2) == 7.62  # Qwen2.5-7B without biases: 7.6 B
     c = cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "placement.mode=split",
             "placement.rollout_gpus=4", "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4", "data.max_prompt_length=100",
             "data.max_response_length=100", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
     plan = plan_from_config(c)
-    est = estimate(plan, c, dims)
+    est = estimate(plan, c, arch)
     actor = est.roles[0]
-    params = dims.stage_params(1) / 4
+    params = stage_params(arch, 1) / 4
     assert actor.states == int(params * 2 + params * 4 + params * 12 / 1)  # DP 1: optimizer not sharded further
     assert actor.activations == int(200 * 1 * 3584 * 34 / 4 * 28 + 200 * 152064 / 4 * 4)
     assert est.rollout_reserved == int(0.5 * 80 * 1024**3)
@@ -161,3 +163,12 @@ def test_megarl_plan_command(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=4" in r.stderr
+
+
+def test_megarl_plan_without_a_local_model_prints_the_map_and_skips_the_estimate(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "data.train_files=/x",
+                        f"actor_rollout_ref.model.path={tmp_path / 'absent'}", "algorithm.adv_estimator=grpo",
+                        "actor_rollout_ref.rollout.n=4"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "gpu7: [shared] actor rank 7, rollout server 7" in r.stdout
+    assert "memory estimate skipped:" in r.stdout and "config.json: not found" in r.stdout

@@ -17,11 +17,10 @@ training states not offloaded).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
+from megarl.bridge import ModelArch
 from megarl.config import ExperimentConfig
 from megarl.config.schema import MegatronConfig
 from megarl.placement.planner import Plan
@@ -30,57 +29,24 @@ GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    vocab: int
-    hidden: int
-    layers: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
+def layer_params(arch: ModelArch) -> int:
+    """Parameters of one decoder layer: attention, gated MLP, two norms (biases ignored)."""
+    q, kv, h = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels, arch.hidden_size
+    return h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size + 2 * h
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelDims":
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab=cfg["vocab_size"],
-            hidden=cfg["hidden_size"],
-            layers=cfg["num_hidden_layers"],
-            ffn=cfg["intermediate_size"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-        )
 
-    @classmethod
-    def from_checkpoint_dir(cls, path: str) -> "ModelDims | None":
-        """Dims from DIR/config.json, or None when there is no such file."""
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            return None
-        cfg = json.loads(config_file.read_text())
-        return cls.from_hf_config(cfg.get("text_config", cfg))
+def total_params(arch: ModelArch) -> int:
+    embed = arch.vocab_size * arch.hidden_size
+    return arch.num_layers * layer_params(arch) + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
 
-    @property
-    def layer_params(self) -> int:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
-        return attention + 3 * self.hidden * self.ffn + 2 * self.hidden  # gated MLP + two norms
 
-    @property
-    def total_params(self) -> int:
-        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    def stage_params(self, pp: int) -> int:
-        """Parameters of the largest pipeline stage (embedding on the first, output layer on the last)."""
-        layers = math.ceil(self.layers / pp) * self.layer_params
-        embed = self.vocab * self.hidden
-        if pp == 1:
-            return layers + embed * (1 if self.tied else 2) + self.hidden
-        return layers + embed + self.hidden  # first or last stage: one vocab matrix each
+def stage_params(arch: ModelArch, pp: int) -> int:
+    """Parameters of the largest pipeline stage (embedding on the first, output layer on the last)."""
+    layers = math.ceil(arch.num_layers / pp) * layer_params(arch)
+    embed = arch.vocab_size * arch.hidden_size
+    if pp == 1:
+        return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+    return layers + embed + arch.hidden_size  # first or last stage: one vocab matrix each
 
 
 @dataclass
@@ -104,12 +70,12 @@ class GpuEstimate:
         return self.peak <= self.gpu_memory
 
 
-def _train_role(name: str, dims: ModelDims, m: MegatronConfig, dp: int, dtype: str, seq: int, micro: int,
+def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, seq: int, micro: int,
                 trains: bool) -> RoleMemory:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    params = dims.stage_params(pp) / tp
+    params = stage_params(arch, pp) / tp
     weight_bytes = params * DTYPE_BYTES[dtype]
-    logits = seq * micro * dims.vocab / tp * 4
+    logits = seq * micro * arch.vocab_size / tp * 4
     if not trains:
         return RoleMemory(name, int(weight_bytes), int(weight_bytes) if m.param_offload else 0, int(logits))
     grads = params * 4
@@ -118,11 +84,11 @@ def _train_role(name: str, dims: ModelDims, m: MegatronConfig, dp: int, dtype: s
         optimizer /= dp
     offloadable = (weight_bytes if m.param_offload else 0) + (grads if m.grad_offload else 0) + (
         optimizer if m.optimizer_offload else 0)
-    acts = seq * micro * dims.hidden * 34 / tp * math.ceil(dims.layers / pp) * pp + logits
+    acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts))
 
 
-def estimate(plan: Plan, config: ExperimentConfig, dims: ModelDims) -> GpuEstimate:
+def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstimate:
     """The busiest GPU's estimate. `config` must be validated (resolved defaults)."""
     arr, placement = config.actor_rollout_ref, config.placement
     dtype = arr.model.dtype
@@ -130,22 +96,22 @@ def estimate(plan: Plan, config: ExperimentConfig, dims: ModelDims) -> GpuEstima
     micro = arr.actor.ppo_micro_batch_size_per_gpu or 1
     roles = []
     if "actor" in plan.roles:
-        roles.append(_train_role("actor", dims, arr.actor.megatron, plan.roles["actor"].dp, dtype, seq, micro, True))
+        roles.append(_train_role("actor", arch, arr.actor.megatron, plan.roles["actor"].dp, dtype, seq, micro, True))
     if "ref" in plan.roles:
-        roles.append(_train_role("ref", dims, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
+        roles.append(_train_role("ref", arch, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
                                  arr.ref.log_prob_micro_batch_size_per_gpu or 1, False))
     if "critic" in plan.roles:
-        roles.append(_train_role("critic", dims, config.critic.megatron, plan.roles["critic"].dp, dtype, seq,
+        roles.append(_train_role("critic", arch, config.critic.megatron, plan.roles["critic"].dp, dtype, seq,
                                  config.critic.ppo_micro_batch_size_per_gpu or 1, True))
     if "reward_model" in plan.roles:
-        roles.append(_train_role("reward_model", dims, config.reward_model.megatron, plan.roles["reward_model"].dp,
+        roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
                                  dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False))
     gpu_memory = int(placement.gpu_memory_gib * GIB)
     rollout = plan.roles["rollout"]
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
     responses_per_server = math.ceil(config.data.train_batch_size * arr.rollout.n / rollout.dp)
-    kv_heads_per_gpu = max(1, dims.kv_heads // rollout.tp)
-    kv_needed = responses_per_server * seq * 2 * dims.layers * kv_heads_per_gpu * dims.head_dim * DTYPE_BYTES[
+    kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
+    kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]
     states = sum(r.states for r in roles)
     train_phase = states + max((r.activations for r in roles), default=0)
@@ -159,9 +125,9 @@ def estimate(plan: Plan, config: ExperimentConfig, dims: ModelDims) -> GpuEstima
     return GpuEstimate(roles, reserved, int(kv_needed), int(peak), gpu_memory)
 
 
-def format_estimate(est: GpuEstimate, plan: Plan, dims: ModelDims) -> str:
+def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-    lines = [f"model: {dims.total_params / 1e9:.3f} B parameters ({dims.layers} layers, hidden {dims.hidden})"]
+    lines = [f"model: {total_params(arch) / 1e9:.3f} B parameters ({arch.num_layers} layers, hidden {arch.hidden_size})"]
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
                      f"  offloadable {gib(r.offloadable):>12}")
