@@ -22,7 +22,9 @@ def run_tool(name, *args, cwd):
 
 
 def test_quickstart_model_and_data_satisfy_the_quickstart_config(tmp_path, monkeypatch):
-    """configs/quickstart.yaml expects outputs/quickstart/model and outputs/quickstart/data/{train,val}.parquet."""
+    """configs/quickstart_sft.yaml expects outputs/quickstart/model and the SFT files under
+    outputs/quickstart/data; configs/quickstart.yaml the RL files there (and the SFT stage's export
+    as its model, which has the same config and tokenizer)."""
     model = run_tool("make_tiny_model.py", "--arch", "qwen2", "--out", "outputs/quickstart/model", cwd=tmp_path)
     assert model.returncode == 0, model.stderr
     data = run_tool(
@@ -33,8 +35,9 @@ def test_quickstart_model_and_data_satisfy_the_quickstart_config(tmp_path, monke
     assert "train: outputs/quickstart/data/train.parquet" in data.stdout
 
     monkeypatch.chdir(tmp_path)
-    config = load_and_validate(REPO / "configs" / "quickstart.yaml")
-    check_environment(config)  # the model directory and the data files are where the config says
+    check_environment(load_and_validate(REPO / "configs" / "quickstart_sft.yaml"))
+    config = load_and_validate(REPO / "configs" / "quickstart.yaml", ["actor_rollout_ref.model.path=outputs/quickstart/model"])
+    check_environment(config)  # the model directory and the data files are where the configs say
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path, local_files_only=True)
     train = PromptDataset.from_config(config.data, tokenizer, "train")
     val = PromptDataset.from_config(config.data, tokenizer, "val")
