@@ -22,13 +22,10 @@ from megarl.launch.settings import (
     NodeLaunch,
     RaySettings,
     free_port,
+    log,
     ray_process_env,
 )
 from megarl.placement import format_gpu_map, plan_from_config
-
-
-def log(message: str) -> None:
-    print(f"megarl launch: {message}", flush=True)
 
 
 def gpu_ids_per_node(nnodes: int, gpus_per_node: int, visible: str | None) -> list[list[str]]:

@@ -115,3 +115,8 @@ def ports_for_job(job_id: int, is_free=port_is_free) -> tuple[int, int]:
             return port, port + 1
         port = 20000 + (port - 20000 + 2) % 8000
     raise RuntimeError("no free pair of ports in 20000-27999")
+
+
+def log(message: str) -> None:
+    """One line of the launcher's own output (the tests and users grep for this prefix)."""
+    print(f"megarl launch: {message}", flush=True)

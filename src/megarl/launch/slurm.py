@@ -23,14 +23,11 @@ from megarl.launch.settings import (
     LaunchOptions,
     NodeLaunch,
     RaySettings,
+    log,
     ports_for_job,
     ray_process_env,
 )
 from megarl.placement import format_gpu_map, plan_from_config
-
-
-def log(message: str) -> None:
-    print(f"megarl launch: {message}", flush=True)
 
 
 @dataclass(frozen=True)
