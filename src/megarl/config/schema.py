@@ -45,6 +45,15 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (`python -m megarl.trainer.main_dpo`)."""
+
+    beta: float = 0.1  # strength of the implicit KL to the reference model
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: Rafailov et al. 2023; ipo: Azar et al. 2023
+    label_smoothing: float = 0.0  # > 0: conservative DPO (sigmoid only)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
     gamma: float = 1.0
@@ -54,6 +63,7 @@ class AlgorithmConfig:
     kl_penalty: Literal[KL_TYPES] = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,6 +76,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     response_key: str = "response"  # SFT data: the reference response column
+    chosen_key: str = "chosen"  # DPO data: the preferred response column
+    rejected_key: str = "rejected"  # DPO data: the dispreferred response column
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 512  # tokens
     max_response_length: int = 512  # tokens
@@ -168,6 +180,21 @@ class ValSamplingConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Agentic rollouts: the user's `async def <name>(client, sample) -> reward | dict` in the file
+    `path` talks to megarl's OpenAI-compatible endpoint for as many turns as it likes."""
+
+    path: Optional[str] = None  # a Python file; None: plain single-turn generation
+    name: str = "run_episode"
+    max_turns: int = 8  # model calls per episode
+    max_tokens_per_episode: int = 4096  # prompt + generated tokens of the whole trajectory
+    episode_timeout_s: float = 300.0
+    max_concurrent_episodes: int = 64
+    host: str = "127.0.0.1"  # where the OpenAI-compatible endpoint listens
+    port: int = 0  # 0: a free port
+
+
+@dataclass
 class RolloutConfig:
     name: Literal["sglang", "cpu"] = "sglang"  # cpu: megarl's CPU engine speaking SGLang's protocol
     n: int = 1  # responses per prompt
@@ -183,10 +210,12 @@ class RolloutConfig:
     free_cache_engine: bool = True  # release KV cache while training (colocated)
     max_concurrent_requests: int = 256  # in-flight /generate requests per client
     request_timeout_s: float = 600.0
+    max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512
     weight_sync_transport: Literal["distributed", "tensor", "disk"] = "distributed"  # tensor: colocated GPUs only
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -239,6 +268,7 @@ class RewardModelConfig:
     reward_manager: Literal["naive", "dapo"] = "naive"
     overlong_buffer_len: int = 0  # DAPO soft overlong penalty window (tokens); 0: off
     overlong_penalty_factor: float = 1.0
+    add_rule_reward: bool = False  # true: score = reward model + rule/custom reward; false: reward model alone
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
@@ -247,6 +277,7 @@ class CustomRewardFunctionConfig:
     path: Optional[str] = None  # a Python file
     name: str = "compute_score"  # fn(data_source, solution_str, ground_truth, extra_info)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 60.0  # per sample, for whichever score function is used; a late sample scores 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,6 +305,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = None  # None: keep all
     max_critic_ckpt_to_keep: Optional[int] = None
     seed: int = 1
+    max_consecutive_skipped_steps: int = 3  # updates skipped for non-finite loss/grads before the run stops
 
 
 @dataclass

@@ -264,6 +264,26 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         errors.append("algorithm.adv_estimator=gae needs a critic: remove critic.enable=false or pick another estimator")
     if a.filter_groups.enable and rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2")
+    if a.dpo.beta <= 0:
+        errors.append(f"algorithm.dpo.beta={a.dpo.beta}: must be > 0")
+    if not 0 <= a.dpo.label_smoothing < 0.5:
+        errors.append(f"algorithm.dpo.label_smoothing={a.dpo.label_smoothing}: must be in [0, 0.5)")
+    if config.custom_reward_function.timeout_s <= 0:
+        errors.append(f"custom_reward_function.timeout_s={config.custom_reward_function.timeout_s}: must be > 0 seconds")
+    if rollout.max_server_restarts < 0:
+        errors.append(f"actor_rollout_ref.rollout.max_server_restarts={rollout.max_server_restarts}: must be >= 0")
+    if t.max_consecutive_skipped_steps < 1:
+        errors.append(f"trainer.max_consecutive_skipped_steps={t.max_consecutive_skipped_steps}: must be >= 1")
+    agent = rollout.agent
+    for key in ("max_turns", "max_tokens_per_episode", "max_concurrent_episodes"):
+        _check_positive(errors, f"actor_rollout_ref.rollout.agent.{key}", getattr(agent, key))
+    if agent.episode_timeout_s <= 0:
+        errors.append(f"actor_rollout_ref.rollout.agent.episode_timeout_s={agent.episode_timeout_s}: must be > 0 seconds")
+    if not 0 <= agent.port <= 65535:
+        errors.append(f"actor_rollout_ref.rollout.agent.port={agent.port}: must be a TCP port (0: a free one)")
+    if config.reward_model.add_rule_reward and not config.reward_model.enable:
+        errors.append("reward_model.add_rule_reward=true adds the rule reward to a reward model's score: "
+                      "set reward_model.enable=true too, or drop it")
     if config.reward_model.enable and not config.reward_model.model.path:
         errors.append("reward_model.enable=true needs reward_model.model.path")
     if rollout.name == "sglang" and t.device == "cpu":
