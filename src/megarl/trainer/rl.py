@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from megarl.algos import make_kl_controller
+from megarl.algos import DynamicSampler, make_kl_controller
 from megarl.config import ExperimentConfig
+from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
@@ -73,30 +74,64 @@ class RLTrainer:
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
 
+    # ------------------------------------------------------------------ experience
+    def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
+        """`rollout.n` responses per prompt, scored: (batch, metrics). Responses to one prompt share
+        the uid `<uid_prefix>-<prompt index>`. ReMax also generates its greedy baseline
+        (`reward_baselines`)."""
+        c, cl = self.config, self.cluster
+        rollout = c.actor_rollout_ref.rollout
+        metrics: dict[str, float] = {}
+        with timer("generate"):
+            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c))
+            batch = experience.experience_batch(prompts, result.samples, uid_prefix=uid_prefix)
+            metrics.update(result.metrics.as_dict())
+            if c.algorithm.adv_estimator == "remax":  # ReMax's baseline: the reward of a greedy response
+                greedy = cl.rollout.generate([p.input_ids for p in prompts],
+                                             SamplingParams(max_new_tokens=rollout.response_length, temperature=0.0))
+                baseline = experience.experience_batch(prompts, greedy.samples, uid_prefix=uid_prefix)
+        with timer("reward"):
+            metrics.update(experience.score(batch, self.score_fn, self.tokenizer, c))
+            if c.algorithm.adv_estimator == "remax":
+                experience.score(baseline, self.score_fn, self.tokenizer, c)
+                batch["reward_baselines"] = baseline["scores"].repeat_interleave(rollout.n)
+                metrics["reward/remax_baseline_mean"] = baseline["scores"].mean().item()
+        return batch, metrics
+
+    def collect_experience(self, timer: Timer) -> tuple:
+        """One step's scored responses: (batch, metrics). With DAPO's dynamic sampling
+        (`algorithm.filter_groups`), groups whose responses all score the same are dropped and
+        further prompt batches are generated until `data.train_batch_size` groups are kept.
+        `filter_groups.metric` names a value the reward function returns in its dict (e.g. "acc");
+        when it returns none of that name, the score is the metric."""
+        f = self.config.algorithm.filter_groups
+        if not f.enable:
+            return self.generate_and_score(self.train_data.take(self.sampler.next_batch()), timer, f"s{self.step}")
+        target = self.config.data.train_batch_size
+        sampler = DynamicSampler(target, f.max_num_gen_batches)
+        kept, metrics = [], {}
+        while not sampler.is_full:
+            prompts = self.train_data.take(self.sampler.next_batch())
+            batch, metrics = self.generate_and_score(prompts, timer, f"s{self.step}r{sampler.rounds}")
+            values = batch[f.metric] if f.metric in batch.meta else batch["scores"].tolist()
+            keep = sampler.add(batch["uid"], values)
+            if keep:
+                kept.append(batch.select(keep))
+        batch = Batch.concat(kept)
+        metrics.update({"dynamic_sampling/rounds": float(sampler.rounds),
+                        "dynamic_sampling/kept_groups": float(sampler.kept_groups),
+                        "dynamic_sampling/seen_groups": float(sampler.seen_groups),
+                        "dynamic_sampling/kept_ratio": sampler.kept_groups / sampler.seen_groups})
+        return batch, metrics
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         c, cl, timer = self.config, self.cluster, Timer()
-        a = c.algorithm
         rollout = c.actor_rollout_ref.rollout
-        metrics: dict[str, float] = {}
         step_start = time.perf_counter()
 
-        with timer("generate"):
-            prompts = self.train_data.take(self.sampler.next_batch())
-            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c))
-            batch = experience.experience_batch(prompts, result.samples, uid_prefix=f"s{self.step}")
-            metrics.update(result.metrics.as_dict())
-            if a.adv_estimator == "remax":  # ReMax's baseline: the reward of a greedy response
-                greedy = cl.rollout.generate([p.input_ids for p in prompts],
-                                             SamplingParams(max_new_tokens=rollout.response_length, temperature=0.0))
-                baseline = experience.experience_batch(prompts, greedy.samples, uid_prefix=f"s{self.step}")
+        batch, metrics = self.collect_experience(timer)
         cl.before_training()
-
-        with timer("reward"):
-            metrics.update(experience.score(batch, self.score_fn, self.tokenizer, c))
-            if a.adv_estimator == "remax":
-                experience.score(baseline, self.score_fn, self.tokenizer, c)
-                batch["reward_baselines"] = baseline["scores"].repeat_interleave(rollout.n)
 
         with timer("old_log_prob"):
             out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
