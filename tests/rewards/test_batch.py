@@ -1,10 +1,12 @@
 """Batch scoring never stops on a bad sample; scores land on the last response token."""
 import logging
+import threading
+import time
 
 import pytest
 import torch
 
-from megarl.rewards.batch import score_batch, token_level_scores
+from megarl.rewards.batch import RewardFunctionError, score_batch, token_level_scores
 from megarl.rewards.code_reward import compute_code_score
 from megarl.rewards.dispatch import UnknownDataSourceError, default_compute_score
 
@@ -57,6 +59,31 @@ def test_a_looping_program_does_not_block_the_batch():
     assert result.scores.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert result.metrics["reward/timed_out/sum"] == 1.0 and result.metrics["reward/crashed/sum"] == 1.0
     assert result.metrics["reward/num_errors"] == 0.0
+
+
+def test_a_hanging_reward_scores_zero_is_counted_and_does_not_hold_the_batch():
+    release = threading.Event()
+
+    def hangs_on_b(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "b":
+            release.wait(60)  # a stuck call (network, lock, ...)
+        return 1.0
+
+    start = time.monotonic()
+    result = score_batch(hangs_on_b, ["d"] * 4, ["a", "b", "c", "b"], ["gt"] * 4, max_workers=2, timeout_s=0.5)
+    elapsed = time.monotonic() - start
+    release.set()
+    assert result.scores.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert result.metrics["reward/num_timeouts"] == 2.0 and result.metrics["reward/num_errors"] == 2.0
+    assert elapsed < 5, f"two windows of 0.5 s took {elapsed:.1f} s"
+
+
+def test_a_reward_that_fails_on_every_sample_stops_with_the_first_error():
+    def broken(data_source, solution_str, ground_truth, extra_info):
+        raise KeyError("ground_truth has no 'answer'")
+
+    with pytest.raises(RewardFunctionError, match=r"failed on all 3 samples.*KeyError.*no 'answer'"):
+        score_batch(broken, ["d"] * 3, ["a", "b", "c"], ["gt"] * 3)
 
 
 def test_token_level_scores():

@@ -79,18 +79,32 @@ def commit(tmp: Path, step: int, config: ExperimentConfig, controller_state: dic
     _fsync_tree(tmp)
     root = tmp.parent
     final = root / f"global_step_{step}"
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        shutil.rmtree(final)
+    replaced = None
+    if final.exists():  # re-saving the same step (e.g. after a resume): set the old one aside first
+        replaced = root / f"global_step_{step}.old-{os.getpid()}"
+        os.rename(final, replaced)
     os.rename(tmp, final)
     _fsync_dir(root)
     pointer = root / f".{LATEST}.tmp-{os.getpid()}"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
+    if replaced is not None:
+        remove(replaced)
     if keep:
         for _, old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+            remove(old)
     return final
+
+
+def remove(directory: Path) -> None:
+    """Delete a checkpoint so that no crash midway leaves something that looks complete:
+    COMPLETE goes first (and is synced), then the rest."""
+    marker = directory / COMPLETE
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(directory)
+    shutil.rmtree(directory)
 
 
 def find_resume_dir(config: ExperimentConfig) -> Optional[Path]:
@@ -110,4 +124,5 @@ def find_resume_dir(config: ExperimentConfig) -> Optional[Path]:
 
 
 def load_controller_state(directory: Path) -> dict:
-    return torch.load(directory / "controller.pt", weights_only=False)
+    """The controller's state: plain containers and tensors only (`weights_only` loading)."""
+    return torch.load(directory / "controller.pt", weights_only=True)

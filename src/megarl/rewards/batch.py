@@ -1,15 +1,21 @@
 """Score a batch of responses, never stopping on one bad sample, and place scores on tokens.
 
-`score_batch` calls a score function (`custom.select_score_fn`) on every sample, optionally in
-threads (useful for code rewards, which wait on subprocesses). A sample whose scoring raises, or
-returns something other than a finite float or a dict with a finite "score", is logged with
-its index, scored 0 and counted. An unknown data_source is not a sample's fault: it raises.
+`score_batch` calls a score function (`custom.select_score_fn`) on every sample, `max_workers` at
+a time, each in its own daemon thread with a deadline of `timeout_s`. A sample whose scoring
+raises, returns something other than a finite float or a dict with a finite "score", or runs past
+its deadline is logged with its index, scored 0 and counted (`reward/num_errors`,
+`reward/num_timeouts`). A late call is abandoned, not killed: its thread cannot block the exit,
+but CPU-bound code that never returns keeps a core busy (untrusted code belongs in the sandbox,
+megarl.rewards.sandbox). A batch in which every sample failed raises RewardFunctionError: training
+on all-zero rewards would be silently wrong. An unknown data_source is not a sample's fault: it
+raises.
 """
 from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Callable, Optional, Sequence
@@ -19,6 +25,10 @@ import torch
 from megarl.rewards.dispatch import UnknownDataSourceError
 
 log = logging.getLogger("megarl.rewards")
+
+
+class RewardFunctionError(RuntimeError):
+    """The score function failed on every sample of a batch."""
 
 
 @dataclass
@@ -51,43 +61,62 @@ def score_batch(
     extra_infos: Optional[Sequence[Optional[dict]]] = None,
     *,
     max_workers: int = 1,
+    timeout_s: float | None = None,
 ) -> RewardBatch:
-    """Per-sample scores `[batch]` with per-sample extras and batch metrics."""
+    """Per-sample scores `[batch]` with per-sample extras and batch metrics. `timeout_s`: per
+    sample (None: no limit)."""
     n = len(solution_strs)
     extra_infos = [None] * n if extra_infos is None else extra_infos
     lengths = {"data_sources": len(data_sources), "solution_strs": n, "ground_truths": len(ground_truths),
                "extra_infos": len(extra_infos)}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"score_batch needs one entry per sample in each list, got lengths {lengths}")
-    failures: list[int] = []
+    outcomes: list = [None] * n  # (score, extra) | Exception
 
-    def score_one(i: int) -> tuple[float, dict[str, Any]]:
+    def score_one(i: int) -> None:
         try:
-            return _as_score(score_fn(data_source=data_sources[i], solution_str=solution_strs[i],
-                                      ground_truth=ground_truths[i], extra_info=extra_infos[i]))
-        except UnknownDataSourceError:
-            raise
-        except Exception as error:
+            outcomes[i] = _as_score(score_fn(data_source=data_sources[i], solution_str=solution_strs[i],
+                                             ground_truth=ground_truths[i], extra_info=extra_infos[i]))
+        except BaseException as error:  # reported by the caller's thread
+            outcomes[i] = error
+
+    timeouts: list[int] = []
+    width = max(1, max_workers)
+    for start in range(0, n, width):  # a window of `width` samples at a time, each with its own deadline
+        threads = [threading.Thread(target=score_one, args=(i,), name=f"reward-{i}", daemon=True)
+                   for i in range(start, min(n, start + width))]
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        for thread in threads:
+            thread.start()
+        for i, thread in zip(range(start, n), threads):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                timeouts.append(i)
+                outcomes[i] = TimeoutError(f"still running after {timeout_s:g} s (custom_reward_function.timeout_s)")
+
+    failures: list[int] = []
+    results = []
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, UnknownDataSourceError):
+            raise outcome
+        if isinstance(outcome, BaseException):
             failures.append(i)
             log.warning("reward for sample %d (data_source=%r) failed, scored 0: %s: %s", i, data_sources[i],
-                        type(error).__name__, error, exc_info=len(failures) == 1)
-            return 0.0, {}
-
-    if max_workers <= 1:
-        results = [score_one(i) for i in range(n)]
-    else:
-        with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward") as pool:
-            futures = [pool.submit(score_one, i) for i in range(n)]
-            try:
-                results = [future.result() for future in futures]
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
+                        type(outcome).__name__, outcome, exc_info=outcome if len(failures) == 1 else None)
+            outcome = (0.0, {})
+        results.append(outcome)
+    if n and len(failures) == n:
+        first = outcomes[failures[0]]
+        raise RewardFunctionError(
+            f"the reward function failed on all {n} samples of the batch (first: sample 0, data_source="
+            f"{data_sources[0]!r}: {type(first).__name__}: {first}); stopping rather than training on zeros"
+        )
 
     scores = [score for score, _ in results]
     keys = sorted({key for _, extra in results for key in extra})
     extra = {key: [e.get(key) for _, e in results] for key in keys}
-    metrics = {"reward/score_mean": sum(scores) / n if n else 0.0, "reward/num_errors": float(len(failures))}
+    metrics = {"reward/score_mean": sum(scores) / n if n else 0.0, "reward/num_errors": float(len(failures)),
+               "reward/num_timeouts": float(len(timeouts))}
     for key, values in extra.items():
         numbers = [float(v) for v in values if isinstance(v, Real)]
         if numbers:

@@ -17,7 +17,7 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import aiohttp
@@ -107,15 +107,23 @@ class RolloutClient:
 
     # ---------------------------------------------------------------- public API
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True
+        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
+        seeds: Optional[list[int]] = None,
     ) -> RolloutResult:
         """Blocking form of `agenerate` (runs its own event loop)."""
-        return asyncio.run(self.agenerate(prompts, sampling, return_logprob))
+        return asyncio.run(self.agenerate(prompts, sampling, return_logprob, seeds))
 
     async def agenerate(
-        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True
+        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
+        seeds: Optional[list[int]] = None,
     ) -> RolloutResult:
-        """Generate `sampling.n` samples for every prompt (token ids); every prompt gets exactly n back."""
+        """Generate `sampling.n` samples for every prompt (token ids); every prompt gets exactly n back.
+        `seeds[i]` is prompt i's `sampling_seed` (its sample j uses seeds[i] + j): the same seeds
+        give the same samples whichever server answers and however requests are batched."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        per_prompt = [sampling if seeds is None else replace(sampling, sampling_seed=int(seeds[i]))
+                      for i in range(len(prompts))]
         self._aborting.clear()
         started = time.monotonic()
         semaphore = asyncio.Semaphore(self.max_concurrency)
@@ -124,7 +132,7 @@ class RolloutClient:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             tasks = [
-                asyncio.create_task(self._generate_one(session, semaphore, i, prompt, sampling, return_logprob))
+                asyncio.create_task(self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob))
                 for i, prompt in enumerate(prompts)
             ]
             try:

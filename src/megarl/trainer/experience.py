@@ -44,7 +44,7 @@ def score(batch: Batch, score_fn: Callable, tokenizer, config: ExperimentConfig,
         skip_special_tokens=False,
     )
     rewards = score_batch(score_fn, batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
-                          max_workers=max_workers)
+                          max_workers=max_workers, timeout_s=config.custom_reward_function.timeout_s)
     scores = rewards.scores
     metrics = dict(rewards.metrics)
     rm = config.reward_model

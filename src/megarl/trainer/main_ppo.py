@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         print("config OK (dry run: stopping after validation)")
         return 0
     check_environment(config)
-    run(config)
+    from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    try:
+        run(config)
+    except Preempted as stopped:
+        print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
+              file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

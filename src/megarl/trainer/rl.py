@@ -11,6 +11,7 @@ same loop; colocation adds releasing the rollout servers' memory while training.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
 from megarl.trainer.cluster import Cluster
+from megarl.trainer.preemption import Preempted, StopRequest
 
 log = logging.getLogger("megarl.trainer")
 
@@ -62,6 +64,13 @@ def sampling_params(config: ExperimentConfig, validation: bool = False) -> Sampl
     )
 
 
+def sampling_seed(seed: int, uid_prefix: str, prompt_index: int) -> int:
+    """The sampling seed of one prompt's responses, a function of (trainer.seed, step and round,
+    prompt): a resumed run samples exactly what the uninterrupted run sampled."""
+    digest = hashlib.blake2b(f"{seed}/{uid_prefix}/{prompt_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 1  # 31 bits: an int any server accepts
+
+
 class RLTrainer:
     def __init__(self, config: ExperimentConfig, cluster: Cluster, tokenizer, score_fn):
         self.config, self.cluster, self.tokenizer, self.score_fn = config, cluster, tokenizer, score_fn
@@ -83,7 +92,8 @@ class RLTrainer:
         rollout = c.actor_rollout_ref.rollout
         metrics: dict[str, float] = {}
         with timer("generate"):
-            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c))
+            seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
+            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
             batch = experience.experience_batch(prompts, result.samples, uid_prefix=uid_prefix)
             metrics.update(result.metrics.as_dict())
             if c.algorithm.adv_estimator == "remax":  # ReMax's baseline: the reward of a greedy response
@@ -189,19 +199,29 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, tracker) -> dict:
+        """Train to `total_steps`. On SIGTERM/SIGUSR1 the current step finishes, a checkpoint is
+        written and `Preempted` is raised (see megarl.trainer.preemption)."""
         t = self.config.trainer
-        if t.val_before_train and self.val_data is not None:
+        if t.val_before_train and self.val_data is not None and self.step == 0:
             tracker.log(self.validate(), step=self.step)
         metrics = {}
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            self.step += 1
-            if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
-                metrics.update(self.validate())
-            tracker.log(metrics, step=self.step)
-            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
-                self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
+        with StopRequest() as stop:
+            while self.step < self.total_steps:
+                stop.step = self.step
+                metrics = self.train_step()
+                self.step += 1
+                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                    metrics.update(self.validate())
+                tracker.log(metrics, step=self.step)
+                saved = None
+                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                    saved = self.save_checkpoint()
+                if stop.signum is not None:
+                    raise Preempted(stop.signum, self.step, str(saved or self.save_checkpoint()))
         return metrics
+
+    def save_checkpoint(self) -> Path:
+        return self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
 
     def checkpoint_dir(self) -> Path:
         t = self.config.trainer

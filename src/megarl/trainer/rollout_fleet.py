@@ -42,8 +42,10 @@ class RolloutFleet:
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutResult:
-        return self.client.generate(prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 seeds: Optional[list[int]] = None) -> RolloutResult:
+        """`seeds`: per-prompt sampling seeds (see RolloutClient.agenerate)."""
+        return self.client.generate(prompts, sampling, seeds=seeds)
 
     def servers(self) -> list[ServerControl]:
         return [ServerControl(url, self.api_key) for url in self.urls]
