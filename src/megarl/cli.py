@@ -71,6 +71,21 @@ def _submit(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from megarl.bridge import ConversionError
+    from megarl.bridge.convert import progress_bar
+    from megarl.checkpoint import export_hf
+
+    try:
+        with progress_bar("export actor -> hf") as show:
+            out = export_hf(args.checkpoint, args.out, on_progress=show)
+    except ConversionError as error:
+        print(f"megarl export: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote the actor as an HF checkpoint to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-native RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--script", help="the sbatch template (default: slurm/megarl.sbatch of this checkout)")
     submit.add_argument("--no-submit", action="store_true", help="write the script, do not submit it")
     submit.set_defaults(func=_submit)
+
+    export = sub.add_parser("export", help="write a checkpoint's actor as an HF checkpoint (transformers, SGLang)")
+    export.add_argument("checkpoint", help="a global_step_N directory, or an experiment directory (its newest "
+                        "complete checkpoint)")
+    export.add_argument("--out", help="output directory (default: <checkpoint>/actor_hf); must not exist or be empty")
+    export.set_defaults(func=_export, overrides=[])
     return parser
 
 

@@ -194,7 +194,18 @@ def _resume(cfg, batch, checkpoint_dir, old_log_probs) -> dict:
     actor.load_checkpoint(checkpoint_dir)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     mine["old_log_probs"] = share_in_replica(old_log_probs)
-    return {"updates": actor.updates, "metrics": [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)]}
+    result = {"updates": actor.updates, "metrics": [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)]}
+    # A non-finite loss on one rank: every rank skips the update and the weights stay as they were.
+    poisoned = mine.select(range(len(mine)))
+    if actor.dp_rank == 0:
+        poisoned["advantages"] = torch.full_like(poisoned["advantages"], float("nan"))
+    before = [p.detach().clone() for chunk in actor.model_chunks for p in chunk.parameters()]
+    metrics = actor.update_policy(poisoned)
+    after = [p.detach() for chunk in actor.model_chunks for p in chunk.parameters()]
+    result["poisoned"] = {"skipped": metrics["actor/skipped_updates"],
+                          "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+                          "next_skipped": actor.update_policy(mine)["actor/skipped_updates"]}
+    return result
 
 
 def training_world(rank: int, world_size: int, port: int, models: dict, checkpoint_dir: str) -> dict:

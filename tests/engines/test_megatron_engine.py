@@ -125,6 +125,12 @@ def test_updates_lower_the_loss_and_metrics_agree_on_every_rank(training_run):
                 "actor/tokens"} <= set(runs[0][0])
 
 
+def test_a_non_finite_loss_on_one_rank_skips_the_update_on_every_rank(training_run):
+    for layout in ("tp1_resumed", "resumed"):
+        for rank in training_run:
+            assert rank[layout]["poisoned"] == {"skipped": 1.0, "unchanged": True, "next_skipped": 0.0}, layout
+
+
 def test_first_update_loss_is_the_hf_mini_batch_loss(training_run, tiny_models):
     """Micro-batch losses (fixed size over DP2, or token-budget at DP1) add up to the loss of the
     whole mini-batch computed at once from HF log-probs."""

@@ -123,6 +123,34 @@ def find_resume_dir(config: ExperimentConfig) -> Optional[Path]:
     return done[-1][1] if done else None
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete `global_step_N` directory, given it or its experiment directory (then the newest
+    complete one)."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    done = complete_checkpoints(path)
+    if done:
+        return done[-1][1]
+    raise ConfigError(f"{path}: neither a complete megarl checkpoint (global_step_N with {COMPLETE}) nor an "
+                      "experiment directory holding one")
+
+
+def export_hf(checkpoint_dir: str | Path, out: Optional[str | Path] = None, on_progress=None) -> Path:
+    """Write the actor of a checkpoint as an HF checkpoint (safetensors, config and tokenizer of the
+    run's `actor_rollout_ref.model.path`), loadable by transformers and SGLang. `out` defaults to
+    `<checkpoint>/actor_hf`. Returns the output directory."""
+    from megarl.bridge.convert import convert_torch_dist_to_hf
+    from megarl.config import load_config
+
+    directory = resolve_checkpoint(checkpoint_dir)
+    config = load_config(directory / "config.yaml")
+    out = Path(out) if out is not None else directory / "actor_hf"
+    convert_torch_dist_to_hf(directory / "actor", out, config.actor_rollout_ref.model.path,
+                             on_progress=on_progress)
+    return out
+
+
 def load_controller_state(directory: Path) -> dict:
     """The controller's state: plain containers and tensors only (`weights_only` loading)."""
     return torch.load(directory / "controller.pt", weights_only=True)

@@ -17,6 +17,7 @@ and DDP's averaging over DP ranks, so the gradient is the gradient of that globa
 from __future__ import annotations
 
 import contextlib
+import logging
 import functools
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -42,6 +43,8 @@ from megarl.engines.megatron.model import (
 from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
 from megarl.engines.megatron.sequences import Layout, MicroBatch, fixed_shape, make_micro_batch, micro_batch_groups
+
+log = logging.getLogger("megarl.engines")
 
 # How per-micro-batch metrics combine into a mini-batch value. Losses aggregated with the global
 # mini-batch counts add up; extremes take the extreme; everything else is a mean over valid
@@ -258,6 +261,7 @@ class MegatronEngine:
                 per_mini.append(metrics)
         result = {f"{prefix}/{k}": sum(m[k] for m in per_mini) / len(per_mini) for k in per_mini[0]}
         result[f"{prefix}/tokens"] = sum(m["tokens"] for m in per_mini)
+        result[f"{prefix}/skipped_updates"] = sum(m["skipped_updates"] for m in per_mini)
         result[f"{prefix}/lr"] = lr
         return self._broadcast_from_last_stage(result)
 
@@ -278,11 +282,25 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(micro_batches, head, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
+        finite = self._grads_finite()
+        grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = self._reduce_over_dp(outputs, global_counts["num_tokens"]) if self._is_last_stage() else {}
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["tokens"] = global_counts["num_tokens"]
+        metrics["skipped_updates"] = 0.0 if finite else 1.0
         return metrics
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient of every rank of this role is finite (one flag, all-reduced
+        over the role's ranks, so that all of them skip or step together)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for chunk in self._ddp_chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            log.warning("%s: non-finite loss or gradients: this update is skipped", self.section)
+        return not bad.item()
 
     def _reduce_over_dp(self, outputs: list[dict], global_tokens: float) -> dict[str, float]:
         """Per-micro-batch metrics of this rank -> the mini-batch's metrics over all DP ranks."""
