@@ -21,6 +21,7 @@ CORE = [
     "uvicorn>=0.29",
     "aiohttp>=3.9",  # the rollout client
     "requests>=2.31",
+    "openai>=1.40",  # the client agent episodes use against megarl's OpenAI-compatible endpoint
 ]
 
 # GPU-only: never imported on CPU code paths (imports are lazy).

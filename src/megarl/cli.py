@@ -39,11 +39,16 @@ def _plan(args) -> int:
     return 0 if est.fits else 1
 
 
-def _train(args) -> int:
-    from megarl.trainer import main_ppo
+def _trainer(module: str):
+    """The subcommand that runs `python -m megarl.trainer.<module>` with the same arguments."""
 
-    argv = (["--config", args.config] if args.config else []) + (["--dry-run"] if args.dry_run else [])
-    return main_ppo.main(argv + args.overrides)
+    def run(args) -> int:
+        import importlib
+
+        argv = (["--config", args.config] if args.config else []) + (["--dry-run"] if args.dry_run else [])
+        return importlib.import_module(f"megarl.trainer.{module}").main(argv + args.overrides)
+
+    return run
 
 
 def _check_cluster(args) -> int:
@@ -104,7 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")
     add_experiment_args(train)
     train.add_argument("--dry-run", action="store_true", help="stop after validating the config")
-    train.set_defaults(func=_train)
+    train.set_defaults(func=_trainer("main_ppo"))
+
+    sft = sub.add_parser("sft", help="run supervised fine-tuning (same as python -m megarl.trainer.main_sft)")
+    add_experiment_args(sft)
+    sft.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    sft.set_defaults(func=_trainer("main_sft"))
+
+    dpo = sub.add_parser("dpo", help="run offline DPO (same as python -m megarl.trainer.main_dpo)")
+    add_experiment_args(dpo)
+    dpo.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    dpo.set_defaults(func=_trainer("main_dpo"))
 
     check = sub.add_parser("check-cluster", help="check the running Ray cluster against the config's placement plan "
                            "(every node, GPU ids, gloo across all ranks); non-zero naming the bad node")

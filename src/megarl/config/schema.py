@@ -180,6 +180,17 @@ class ValSamplingConfig:
 
 
 @dataclass
+class AgentJudgeConfig:
+    """LLM-as-judge for agent episodes that return no score: a judge model behind an
+    OpenAI-compatible URL ranks each group of trajectories."""
+
+    url: Optional[str] = None  # e.g. http://judge-host:30000/v1; None: no judge
+    model: str = "judge"
+    api_key_env: Optional[str] = None  # the environment variable holding the key; None: no key
+    max_tokens: int = 512
+
+
+@dataclass
 class AgentConfig:
     """Agentic rollouts: the user's `async def <name>(client, sample) -> reward | dict` in the file
     `path` talks to megarl's OpenAI-compatible endpoint for as many turns as it likes."""
@@ -192,6 +203,7 @@ class AgentConfig:
     max_concurrent_episodes: int = 64
     host: str = "127.0.0.1"  # where the OpenAI-compatible endpoint listens
     port: int = 0  # 0: a free port
+    judge: AgentJudgeConfig = field(default_factory=AgentJudgeConfig)
 
 
 @dataclass

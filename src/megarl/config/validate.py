@@ -7,6 +7,7 @@ batch-size checks state their units (prompts or responses) and the data-parallel
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 from megarl.config.errors import ConfigError
@@ -279,6 +280,12 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         _check_positive(errors, f"actor_rollout_ref.rollout.agent.{key}", getattr(agent, key))
     if agent.episode_timeout_s <= 0:
         errors.append(f"actor_rollout_ref.rollout.agent.episode_timeout_s={agent.episode_timeout_s}: must be > 0 seconds")
+    if agent.judge.url and not agent.judge.url.startswith(("http://", "https://")):
+        errors.append(f"actor_rollout_ref.rollout.agent.judge.url={agent.judge.url!r}: must be an http(s) URL")
+    if agent.judge.api_key_env and agent.judge.url and agent.judge.api_key_env not in os.environ:
+        errors.append(f"actor_rollout_ref.rollout.agent.judge.api_key_env={agent.judge.api_key_env}: "
+                      "that environment variable is not set")
+    _check_positive(errors, "actor_rollout_ref.rollout.agent.judge.max_tokens", agent.judge.max_tokens)
     if not 0 <= agent.port <= 65535:
         errors.append(f"actor_rollout_ref.rollout.agent.port={agent.port}: must be a TCP port (0: a free one)")
     if config.reward_model.add_rule_reward and not config.reward_model.enable:

@@ -106,9 +106,15 @@ class Batch:
         checked = Batch(tensors, meta)
         self.tensors, self.meta = checked.tensors, checked.meta
 
+    def response_tokens(self) -> torch.Tensor:
+        """[B, R]: the real response tokens. `response_mask` is also the loss mask; a multi-turn
+        trajectory, whose tool outputs are real tokens the loss skips, carries the real ones in
+        `response_attention_mask`."""
+        return self.tensors.get("response_attention_mask", self.tensors["response_mask"])
+
     def token_lengths(self) -> torch.Tensor:
         """[B] int64: real prompt + response tokens of each sample."""
-        return self.tensors["prompt_mask"].sum(1).long() + self.tensors["response_mask"].sum(1).long()
+        return self.tensors["prompt_mask"].sum(1).long() + self.response_tokens().sum(1).long()
 
     # ------------------------------------------------------------------ operations
     def select(self, indices: Sequence[int] | torch.Tensor) -> "Batch":

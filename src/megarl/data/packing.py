@@ -46,13 +46,15 @@ def _check_contiguous(mask: torch.Tensor, name: str, left_padded: bool) -> None:
 
 
 def pack(batch: Batch, pad_to_multiple_of: int = 1) -> PackedSequences:
-    """Pack the real tokens of `batch` (prompt_ids/prompt_mask, response_ids/response_mask)."""
+    """Pack the real tokens of `batch` (prompt_ids/prompt_mask, response_ids and
+    `Batch.response_tokens()`: response_attention_mask if present, else response_mask)."""
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be at least 1, got {pad_to_multiple_of}")
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    response_ids, response_mask = batch["response_ids"], batch["response_mask"]
+    response_ids, response_mask = batch["response_ids"], batch.response_tokens()
+    name = "response_attention_mask" if "response_attention_mask" in batch else "response_mask"
     _check_contiguous(prompt_mask, "prompt_mask", left_padded=True)
-    _check_contiguous(response_mask, "response_mask", left_padded=False)
+    _check_contiguous(response_mask, name, left_padded=False)
     device = prompt_ids.device
     prompt_lens = prompt_mask.bool().sum(1)
     response_lens = response_mask.bool().sum(1)

@@ -4,13 +4,15 @@
     rev   "kqbd>"   -> "dbqk"    4 to 6 letters, reversed
     sort  "31415:"  -> "11345"   5 digits, sorted
 
-    write_task_dataset("add", "outputs/quickstart/data")
-    # -> train.parquet, val.parquet (RL), sft_train.parquet, sft_val.parquet (SFT warm-up)
+    write_task_dataset("add", "outputs/quickstart/data", pref_size=4096)
+    # -> train.parquet, val.parquet (RL), sft_train.parquet, sft_val.parquet (SFT warm-up),
+    #    prefs_train.parquet, prefs_val.parquet (DPO pairs)
 
 Rows: data_source "megarl/<task>" (scored by megarl.rewards.synthetic), prompt one user message,
 reward_model {"style": "rule", "ground_truth": answer}, extra_info {"split", "index"}; SFT files
-add a `response` column holding the answer. Validation prompts are distinct, and no training
-prompt is a validation prompt. Everything follows from the seed.
+add a `response` column holding the answer; preference files add `chosen` (the answer) and
+`rejected` (a near miss: a wrong answer close to it, see `near_miss`). Validation prompts are
+distinct, and no training prompt is a validation prompt. Everything follows from the seed.
 """
 from __future__ import annotations
 
@@ -38,6 +40,19 @@ def make_rev(rng: random.Random) -> tuple[str, str]:
 def make_sort(rng: random.Random) -> tuple[str, str]:
     s = "".join(rng.choice("0123456789") for _ in range(5))
     return f"{s}:", "".join(sorted(s))
+
+
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer close to `answer`: a number off by 1 to 3 (never negative), else the same
+    string with one character replaced by another of its kind (letter or digit)."""
+    if answer.isdigit():
+        value = int(answer)
+        offsets = [d for d in (-3, -2, -1, 1, 2, 3) if value + d >= 0]
+        return str(value + rng.choice(offsets))
+    position = rng.randrange(len(answer))
+    alphabet = "0123456789" if answer[position].isdigit() else LETTERS
+    replacement = rng.choice([c for c in alphabet if c != answer[position]])
+    return answer[:position] + replacement + answer[position + 1 :]
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,14 @@ def to_rows(task: Task, examples: list[tuple[str, str]], split: str, with_respon
     return rows
 
 
+def preference_rows(task: Task, examples: list[tuple[str, str]], split: str, rng: random.Random) -> list[dict]:
+    """verl-format rows plus `chosen` (the answer) and `rejected` (its `near_miss`), for DPO."""
+    rows = to_rows(task, examples, split, with_response=False)
+    for row, (_, answer) in zip(rows, examples):
+        row["chosen"], row["rejected"] = answer, near_miss(answer, rng)
+    return rows
+
+
 def write_task_dataset(
     task_name: str,
     out_dir: str | Path,
@@ -105,10 +128,12 @@ def write_task_dataset(
     train_size: int = 10_000,
     val_size: int = 512,
     sft_size: int = 32_768,
+    pref_size: int = 0,
     seed: int = 0,
 ) -> dict[str, Path]:
     """Write train.parquet and val.parquet (RL) and, when sft_size > 0, sft_train.parquet and
-    sft_val.parquet (same validation prompts) to out_dir; return {split name: path}.
+    sft_val.parquet, when pref_size > 0, prefs_train.parquet (pref_size pairs) and
+    prefs_val.parquet (all with the same validation prompts) to out_dir; return {split name: path}.
 
     Defaults fit the quickstart: 300 steps x 32 prompts, SFT ~240 steps x 128 examples.
     """
@@ -126,6 +151,10 @@ def write_task_dataset(
         sft = examples_avoiding(task, sft_size, rng("sft"), val_prompts)
         splits["sft_train"] = to_rows(task, sft, "train", True)
         splits["sft_val"] = to_rows(task, val, "val", True)
+    if pref_size > 0:
+        prefs = examples_avoiding(task, pref_size, rng("prefs"), val_prompts)
+        splits["prefs_train"] = preference_rows(task, prefs, "train", rng("prefs_rejected"))
+        splits["prefs_val"] = preference_rows(task, val, "val", rng("prefs_val_rejected"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}

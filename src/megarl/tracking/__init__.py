@@ -19,7 +19,8 @@ from megarl.tracking.plot import plot_history
 # Metrics shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
     "reward/mean", "val/score", "val/sampled_score", "sft/nll", "val/nll", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "critic/vf_loss",
-    "response_length/mean", "timing/step_s", "throughput/tokens_per_s",
+    "response_length/mean", "dpo/loss", "dpo/reward_margin", "dpo/reward_accuracy", "val/dpo_loss",
+    "val/dpo_reward_margin", "agent/success/mean", "agent/failed_episodes", "timing/step_s", "throughput/tokens_per_s",
 )
 
 

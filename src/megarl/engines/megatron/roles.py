@@ -16,7 +16,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from megarl.algos.dpo import dpo_loss
 from megarl.algos.from_config import actor_loss_kwargs, value_loss_kwargs
 from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.config.schema import ExperimentConfig
@@ -44,6 +46,11 @@ def _log_prob_head(engine: MegatronEngine, temperature: float, with_entropy: boo
         return log_probs.new_zeros(()), out
 
     return head
+
+
+def _sequence_sums(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] float64: the sum of each row's response-token log-probs ([B, R], 0 at padding)."""
+    return (log_probs.double() * mask).sum(1)
 
 
 class ActorEngine(MegatronEngine):
@@ -133,6 +140,83 @@ class ActorEngine(MegatronEngine):
             max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             data_keys=[], loss_head=loss_head, prefix="sft",
         )
+
+    # ------------------------------------------------------------------ DPO
+    # Layout: rows 2i and 2i + 1 of a DPO batch are pair i's chosen and rejected response
+    # (`megarl.data.preferences.pairs_to_batch`); every DP rank holds whole pairs.
+    #
+    # Design: sums first, loss after. The DPO loss couples two sequences, which megatron's
+    # micro-batches (sample counts or token budgets) and DP slices may separate. So a DPO step is
+    #   1. a forward-only pass: the policy's per-sequence log-prob sums s ([B], all last-stage ranks);
+    #   2. the loss of `megarl.algos.dpo_loss` on (s, reference sums) with autograd over s alone,
+    #      giving the metrics and g = dL/ds per sequence (L: the mean over all DP ranks' pairs);
+    #   3. one optimizer step on the surrogate sum_i g_i * s_i (g held fixed), whose gradient with
+    #      respect to the weights is exactly dL/dweights (chain rule; no dropout in our models).
+    # Any micro-batching works and pairs may straddle micro-batches; the price is one extra policy
+    # forward pass (about a quarter more compute per step, counting the reference's forward).
+
+    def _dpo_sums_and_metrics(self, batch: Batch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
+        """Pass 1 + 2: (g [B] float64, metrics averaged over DP ranks) on last-stage ranks,
+        (None, {}) elsewhere. Needs `ref_log_probs` [B, R] (temperature 1)."""
+        if len(batch) % 2:
+            raise ValueError(f"{self.section}: a DPO batch holds (chosen, rejected) pairs; got {len(batch)} samples")
+        dpo, actor = self.config.algorithm.dpo, self.actor
+        micro_batches = self.micro_batches(
+            batch, max_samples=actor.ppo_micro_batch_size_per_gpu,
+            max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        )
+        outputs = self.run(micro_batches, _log_prob_head(self, 1.0, False, "log_probs"), forward_only=True)
+        if not self._is_last_stage():
+            return None, {}
+        mask = batch["response_mask"].bool()
+        log_probs = torch.zeros(mask.shape, dtype=torch.float32)
+        for out in outputs:
+            log_probs[out["rows"]] = out["log_probs"].float().cpu()
+        policy = _sequence_sums(log_probs, mask).requires_grad_(True)
+        ref = _sequence_sums(batch["ref_log_probs"].float(), mask)
+        loss, parts = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=dpo.beta,
+                               loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing)
+        (loss / self.dp_size).backward()  # DP ranks hold equal numbers of pairs: L is the mean of their losses
+        names = ["loss", "reward_margin", "reward_accuracy", "rewards_chosen", "rewards_rejected",
+                 "logps_chosen", "logps_rejected", "ref_logps_chosen", "ref_logps_rejected"]
+        values = torch.stack([parts["dpo_loss"], parts["reward_margin"], parts["reward_accuracy"],
+                              parts["rewards_chosen"], parts["rewards_rejected"], policy[0::2].mean(),
+                              policy[1::2].mean(), ref[0::2].mean(), ref[1::2].mean()]).detach().double()
+        values = values.to(self.device)
+        dist.all_reduce(values, group=self._ps.get_data_parallel_group())
+        return policy.grad, {name: float(v) / self.dp_size for name, v in zip(names, values.cpu())}
+
+    def dpo_eval(self, batch: Batch) -> dict[str, float]:
+        """The DPO loss and its metrics on this batch of pairs, without an update (validation).
+        Same names as `dpo_step` without the prefix; equal on every rank."""
+        _, metrics = self._dpo_sums_and_metrics(batch)
+        return self._broadcast_from_last_stage(metrics)
+
+    def dpo_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of DPO (`algorithm.dpo`) on this rank's pairs, with the frozen
+        reference's per-token `ref_log_probs` [B, R] in the batch (see the design note above).
+        Returns `dpo/loss`, `dpo/reward_margin`, `dpo/reward_accuracy`, `dpo/rewards_chosen`,
+        `dpo/rewards_rejected` (see `megarl.algos.dpo`), `dpo/logps_chosen` ... (mean sequence
+        log-probs, nats, policy and reference), `dpo/grad_norm`, `dpo/lr`, `dpo/tokens`; all of
+        them before the update, equal on every rank."""
+        actor = self.actor
+        seq_grads, metrics = self._dpo_sums_and_metrics(batch)
+        if seq_grads is not None:
+            seq_grads = seq_grads.float().to(self.device)
+
+        def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
+            log_probs, _ = token_log_probs(hidden, self.output_weight(), mb.targets,
+                                           vocab_size=self.arch.vocab_size, temperature=1.0)
+            surrogate = (mb.to_grid(log_probs).sum(1) * seq_grads[mb.rows.to(self.device)]).sum()
+            return surrogate, {}
+
+        update = self.train_batch(
+            batch, mini_batch_size=len(batch), epochs=1, shuffle=False,  # rows of mb index this batch
+            max_samples=actor.ppo_micro_batch_size_per_gpu,
+            max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            data_keys=[], loss_head=loss_head, prefix="dpo",
+        )
+        return {**update, **self._broadcast_from_last_stage({f"dpo/{k}": v for k, v in metrics.items()})}
 
     def export_hf(self, out_dir: str, bucket_megabytes: int = 512) -> str:
         """Every rank: write the current weights as an HF checkpoint (megarl.sync.export)."""

@@ -1,0 +1,137 @@
+"""Direct preference optimisation on the Megatron engine (Rafailov et al., 2023), offline.
+
+    python -m megarl.trainer.main_dpo --config X.yaml data.train_files=prefs_train.parquet ...
+
+Data: verl parquet rows with a chosen and a rejected response (`data.chosen_key`,
+`data.rejected_key`; see megarl.data.preferences). Each step takes `data.train_batch_size` pairs:
+
+    pairs -> frozen reference's log-probs (RefEngine, forward only) -> one DPO optimizer step of the
+    policy (ActorEngine.dpo_step: loss of `algorithm.dpo`) -> log -> validate every test_freq
+
+Validation (before training with trainer.val_before_train, every `trainer.test_freq` steps and at
+the end) computes the same metrics on `data.val_files` without an update; the reference's
+validation log-probs are computed once. At the end the policy is exported as an HF checkpoint to
+`<default_local_dir>/<project>/<experiment>/hf`. Policy and reference share the training GPUs.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.config import ConfigError, ExperimentConfig
+from megarl.data.batch import Batch
+from megarl.data.preferences import PreferenceDataset, pairs_to_batch
+from megarl.data.sampler import EpochSampler
+from megarl.placement import ClusterSpec, plan_placement
+from megarl.placement.from_config import actor_role_spec
+from megarl.placement.planner import RoleSpec
+from megarl.placement.ray_pools import create_pools
+from megarl.trainer.engine_group import EngineGroup
+
+
+def ref_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
+    m = config.actor_rollout_ref.ref.megatron
+    return RoleSpec("ref", pool, "train", tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                    cp=m.context_parallel_size, tp_key="actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
+                    pp_key="actor_rollout_ref.ref.megatron.pipeline_model_parallel_size")
+
+
+class DPOTrainer:
+    def __init__(self, config: ExperimentConfig, tokenizer):
+        self.config = config
+        self.train_data = PreferenceDataset.from_config(config.data, tokenizer, "train")
+        self.val_data = PreferenceDataset.from_config(config.data, tokenizer, "val") if config.data.val_files else None
+        self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
+        t = config.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        plan = plan_placement(ClusterSpec(t.nnodes, t.n_gpus_per_node), {"train": t.nnodes * t.n_gpus_per_node},
+                              [actor_role_spec(config, "train"), ref_role_spec(config, "train")])
+        for role in ("actor", "ref"):
+            if config.data.train_batch_size % plan.roles[role].dp:
+                raise ConfigError(
+                    f"data.train_batch_size={config.data.train_batch_size} pairs do not split over the {role}'s "
+                    f"data-parallel size {plan.roles[role].dp}: every rank needs whole pairs"
+                )
+        self.pools = create_pools(plan, timeout_s=300)
+        self.actor = self.ref = None
+        try:
+            self.actor = EngineGroup(plan.roles["actor"], self.pools, config)
+            self.ref = EngineGroup(plan.roles["ref"], self.pools, config)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._val_batch: Batch | None = None
+
+    def with_ref_log_probs(self, batch: Batch) -> Batch:
+        """`batch` plus the frozen reference's per-token `ref_log_probs` [B, R] (temperature 1)."""
+        batch["ref_log_probs"] = self.ref.compute("compute_ref_log_prob", batch, 1.0)["ref_log_probs"]
+        return batch
+
+    def validate(self) -> dict[str, float]:
+        """`val/dpo_<metric>` on the validation pairs (rounded down to a multiple of the DP size),
+        without an update."""
+        if self._val_batch is None:
+            usable = len(self.val_data) - len(self.val_data) % self.actor.dp_size
+            if usable == 0:
+                raise ConfigError(f"data.val_files hold {len(self.val_data)} pairs, fewer than the actor's "
+                                  f"data-parallel size {self.actor.dp_size}")
+            self._val_batch = self.with_ref_log_probs(pairs_to_batch(self.val_data.take(range(usable))))
+        metrics = self.actor.update("dpo_eval", self._val_batch)
+        return {f"val/dpo_{name}": value for name, value in metrics.items()}
+
+    def fit(self, tracker) -> dict:
+        t = self.config.trainer
+        validating = self.val_data is not None and t.test_freq > 0
+        if validating and t.val_before_train:
+            tracker.log(self.validate(), step=0)
+        metrics = {}
+        for step in range(1, self.total_steps + 1):
+            start = time.perf_counter()
+            batch = pairs_to_batch(self.train_data.take(self.sampler.next_batch()))
+            self.with_ref_log_probs(batch)
+            ref_done = time.perf_counter()
+            metrics = self.actor.update("dpo_step", batch)
+            done = time.perf_counter()
+            metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
+                            "timing/step_s": done - start})
+            if validating and (step % t.test_freq == 0 or step == self.total_steps):
+                metrics.update(self.validate())
+            tracker.log(metrics, step=step)
+        return metrics
+
+    def export(self, out_dir: Path) -> Path:
+        self.actor.call("export_hf", str(out_dir))
+        return out_dir
+
+    def shutdown(self) -> None:
+        for group in (self.ref, self.actor):
+            if group is not None:
+                group.shutdown()
+        self.actor = self.ref = None
+        self.pools.remove()
+
+
+def run_dpo(config: ExperimentConfig) -> Path:
+    """Train, export the HF checkpoint; returns its directory."""
+    from transformers import AutoTokenizer
+
+    from megarl.tracking import Tracker
+    from megarl.trainer.cluster import connect_ray
+
+    t = config.trainer
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
+    connect_ray(config)
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    trainer = DPOTrainer(config, tokenizer)
+    tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
+    try:
+        torch.manual_seed(t.seed)
+        trainer.fit(tracker)
+        out = trainer.export(root / "hf")
+        print(f"exported the DPO-trained model to {out}")
+        return out
+    finally:
+        trainer.shutdown()
+        tracker.finish()
