@@ -8,7 +8,8 @@ has exactly `--max-new-tokens` tokens), same number of torch threads. Three ways
 * `engine`:       `CPUEngine` in-process (batched sampling with a KV cache, log-probs computed);
 * `engine_http`:  the CPU engine as a server (`cpu_server`), driven through `RolloutClient`.
 
-Each is run once to warm up, then `--repeats` times; the best run is reported.
+Each is run once to warm up, then `--repeats` times; the best run is reported, with the load
+averages before and after, in outputs/bench/rollout_engine.json.
 
     .venv/bin/python tools/bench/rollout_engine.py --hidden 64 --layers 2 --vocab 128
 """
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import socket
+from pathlib import Path
 import tempfile
 import threading
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+from bench_common import DEFAULT_OUT, load_average, print_table, write_result
 
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine import CPUEngine
@@ -99,8 +103,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes rollout_engine.json here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = load_average()
 
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(model_dir, args.hidden, args.layers, args.vocab)
@@ -134,9 +140,13 @@ def main() -> None:
           f"float32, {args.threads} torch threads")
     print(f"batch: {args.prompts} prompts x n={args.n} = {batch} sequences, prompt {args.prompt_len} tokens, "
           f"{args.max_new_tokens} new tokens each ({tokens} generated tokens)")
-    print(f"{'method':<14}{'seconds':>10}{'tokens/s':>12}{'vs hf':>8}")
-    for name, seconds in results.items():
-        print(f"{name:<14}{seconds:>10.3f}{tokens / seconds:>12.0f}{results['hf_generate'] / seconds:>8.2f}x")
+    rows = [{"method": name, "seconds": seconds, "tokens_per_s": tokens / seconds,
+             "speed_vs_hf_generate": results["hf_generate"] / seconds} for name, seconds in results.items()]
+    print_table(rows, [("method", "method", "s"), ("seconds", "seconds", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
+                       ("speed_vs_hf_generate", "vs hf", ".2f")])
+    write_result("rollout_engine", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                    "parameters": params, "generated_tokens": tokens, "load_before": load_before,
+                                    "load_after": load_average(), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ passes of `Resharder.buckets()`: TP gather to the stage's emitter, merge, HF con
 fc1 split, vocab unpadding) and packing into flat buckets, with nothing sent anywhere. The
 baselines, on the same emitter, copy a contiguous buffer of the same byte count: `clone()` (into
 fresh memory, as a pass allocates its buffers) and `copy_` into a buffer already touched. Each is
-run `--repeats` times; the best is reported. The stages of a PP layout run in parallel; a layout's
+run `--repeats` times for each bucket size (`--bucket-mb`); the best is reported. The stages of a PP layout run in parallel; a layout's
 time is its slowest stage's, and its fraction is its throughput over the clone's. `--device cuda`
 times the same on the GPU (layouts without TP: the processes form a gloo world).
 
@@ -16,19 +16,20 @@ of the transports against real SGLang (one GPU, layout 1x1; the distributed tran
 gloo, as NCCL cannot join a server on the trainer's own GPU); it prints the served final norm
 next to the actor's, which must agree (to the served dtype) after the push.
 
-    .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 2x1 1x2 --hidden 1024 --layers 8
+    .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 2x1 1x2 2x2 --bucket-mb 64 256 1024
     python tools/bench/weight_sync.py --layouts 1x1 --push --server sglang --device cuda --dtype bfloat16 \
         --transport tensor        # GPU: also --transport distributed, --transport disk
 """
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from bench_common import DEFAULT_OUT, load_average, print_table, write_result
 
 from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
@@ -74,7 +75,7 @@ def best_of(repeats: int, run) -> float:
     return min(times)
 
 
-def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict) -> dict:
+def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict) -> list[dict]:
     import torch.distributed as dist
 
     from megarl.sync import ParallelGroups, Resharder
@@ -86,26 +87,31 @@ def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tu
     dtype = getattr(torch, args["dtype"])
     chunks = [c.to(args["device"]) for c in build_chunks(weights, ParallelLayout(tp, pp), dtype)]
     groups = ParallelGroups.from_parallel_state()
-    resharder = Resharder(chunks, weights, groups, args["bucket_mb"] * 2**20)
+    results = []
+    for bucket_mb in args["bucket_mbs"]:
+        resharder = Resharder(chunks, weights, groups, bucket_mb * 2**20)
 
-    def one_pass():
-        for _ in resharder.buckets():
-            pass
+        def one_pass():
+            for _ in resharder.buckets():
+                pass
 
-    one_pass()  # warm-up
-    dist.barrier()
-    reshard_s = best_of(args["repeats"], one_pass)
-    out = {"rank": rank, "emitter": groups.is_emitter, "stage": groups.pp_rank}
-    if groups.is_emitter:
-        nbytes = resharder.timings.bytes
-        src = torch.empty(nbytes, dtype=torch.uint8, device=args["device"]).random_()
-        clone_s = best_of(args["repeats"], src.clone)
-        dst = src.clone()
-        warm_copy_s = best_of(args["repeats"], lambda: dst.copy_(src))
-        t = resharder.timings
-        out.update(bytes=nbytes, reshard_s=reshard_s, clone_s=clone_s, warm_copy_s=warm_copy_s, buckets=t.buckets,
-                   gather_s=t.gather_s, convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
-    return out
+        one_pass()  # warm-up
+        dist.barrier()
+        reshard_s = best_of(args["repeats"], one_pass)
+        out = {"rank": rank, "emitter": groups.is_emitter, "stage": groups.pp_rank, "bucket_mb": bucket_mb}
+        if groups.is_emitter:
+            nbytes = resharder.timings.bytes
+            src = torch.empty(nbytes, dtype=torch.uint8, device=args["device"]).random_()
+            clone_s = best_of(args["repeats"], src.clone)
+            dst = src.clone()
+            warm_copy_s = best_of(args["repeats"], lambda: dst.copy_(src))
+            del src, dst
+            t = resharder.timings
+            out.update(bytes=nbytes, reshard_s=reshard_s, clone_s=clone_s, warm_copy_s=warm_copy_s, buckets=t.buckets,
+                       gather_s=t.gather_s, convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
+        results.append(out)
+        dist.barrier()
+    return results
 
 
 def push_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict, url: str,
@@ -121,7 +127,7 @@ def push_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple
     dtype = getattr(torch, args["dtype"])
     chunks = [c.to(args["device"]) for c in build_chunks(weights, ParallelLayout(tp, pp), dtype)]
     sync_config = SyncConfig(
-        transport=args["transport"], bucket_bytes=args["bucket_mb"] * 2**20, timeout_s=600,
+        transport=args["transport"], bucket_bytes=args["bucket_mbs"][0] * 2**20, timeout_s=600,
         backend="gloo",  # NCCL cannot join a server on the trainer's own GPU
         disk_dir=str(Path(model_dir) / "pushes"), hf_assets_dir=model_dir,
     )
@@ -184,7 +190,8 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=None, help="default: 8/3 hidden rounded to 64")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--bucket-mb", dest="bucket_mbs", type=int, nargs="+", default=[64, 256, 1024],
+                   help="bucket sizes in MiB (--push uses the first)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--push", action="store_true", help="also time WeightSync.push into a rollout server")
     p.add_argument("--server", default="cpu", choices=["cpu", "sglang"], help="--push into megarl's CPU engine or "
@@ -192,43 +199,46 @@ def main() -> None:
     p.add_argument("--transport", default="distributed", choices=["distributed", "tensor", "disk"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the actor's weights live (cuda: layouts without TP, the world is gloo)")
-    p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes weight_sync.json here")
     args = p.parse_args()
     config = hf_config(args)
-    results = []
-    print(f"model: hidden {args.hidden}, {args.layers} layers, ffn {config['intermediate_size']}, vocab {args.vocab}, "
-          f"{args.dtype}; bucket {args.bucket_mb} MiB; best of {args.repeats}")
-    print(f"{'layout':>8} {'GB':>7} {'buckets':>7} {'reshard s':>9} {'GB/s':>6} {'clone GB/s':>10} "
-          f"{'warm copy GB/s':>14} {'fraction':>8} {'gather s':>8} {'convert s':>9} {'peak buf GB':>11}")
+    rows = []
+    load_before = load_average()
     for text in args.layouts:
         layout = tuple(int(x) for x in text.split("x"))
         ranks = run_gloo_workers(reshard_rank, layout[0] * layout[1], args=(config, layout, vars(args)), timeout_s=3600)
-        emitters = [r for r in ranks if r["emitter"]]
-        slowest = max(emitters, key=lambda r: r["reshard_s"])
-        total = sum(r["bytes"] for r in emitters)
-        gbps = total / slowest["reshard_s"] / 1e9
-        clone_gbps = slowest["bytes"] / slowest["clone_s"] / 1e9
-        warm_gbps = slowest["bytes"] / slowest["warm_copy_s"] / 1e9
-        fraction = gbps / clone_gbps
-        row = dict(layout=text, bytes=total, reshard_gb_per_s=gbps, clone_gb_per_s=clone_gbps,
-                   warm_copy_gb_per_s=warm_gbps, fraction_of_clone=fraction,
-                   **{k: slowest[k] for k in ("reshard_s", "buckets", "gather_s", "convert_s", "peak_buffer_bytes")})
-        print(f"{text:>8} {total / 1e9:7.3f} {sum(r['buckets'] for r in emitters):7d} {slowest['reshard_s']:9.3f} "
-              f"{gbps:6.2f} {clone_gbps:10.2f} {warm_gbps:14.2f} {fraction:8.2f} {slowest['gather_s']:8.3f} "
-              f"{slowest['convert_s']:9.3f} {slowest['peak_buffer_bytes'] / 1e9:11.3f}")
+        for i, bucket_mb in enumerate(args.bucket_mbs):
+            emitters = [r[i] for r in ranks if r[i]["emitter"]]
+            slowest = max(emitters, key=lambda r: r["reshard_s"])
+            total = sum(r["bytes"] for r in emitters)
+            gbps = total / slowest["reshard_s"] / 1e9
+            clone_gbps = slowest["bytes"] / slowest["clone_s"] / 1e9
+            rows.append(dict(layout=text, bucket_mb=bucket_mb, bytes=total, gb=total / 1e9, reshard_gb_per_s=gbps,
+                             clone_gb_per_s=clone_gbps, warm_copy_gb_per_s=slowest["bytes"] / slowest["warm_copy_s"] / 1e9,
+                             fraction_of_clone=gbps / clone_gbps, buckets=sum(r["buckets"] for r in emitters),
+                             peak_buffer_gb=slowest["peak_buffer_bytes"] / 1e9,
+                             **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")}))
         if args.push:
-            m = run_push(config, layout, args)
-            row["push"] = m
-            print(f"{'':>8} push ({args.transport}) into 1 {args.server} server: {m['sync/bytes'] / 1e9:.3f} GB in "
-                  f"{m['sync/seconds']:.2f} s = {m['sync/gb_per_s']:.2f} GB/s (slowest stage: gather "
+            rows[-1]["push"] = run_push(config, layout, args)
+    print(f"model: hidden {args.hidden}, {args.layers} layers, ffn {config['intermediate_size']}, vocab {args.vocab}, "
+          f"{args.dtype}; best of {args.repeats}; the stages of a PP layout run in parallel")
+    print_table(rows, [("layout", "TPxPP", "s"), ("bucket_mb", "bucket MiB", "d"), ("gb", "GB", ".3f"),
+                       ("buckets", "buckets", "d"), ("reshard_s", "reshard s", ".3f"), ("reshard_gb_per_s", "GB/s", ".2f"),
+                       ("clone_gb_per_s", "clone GB/s", ".2f"), ("warm_copy_gb_per_s", "copy_ GB/s", ".2f"),
+                       ("fraction_of_clone", "fraction", ".2f"), ("gather_s", "gather s", ".3f"),
+                       ("convert_s", "convert s", ".3f"), ("peak_buffer_gb", "peak buf GB", ".3f")])
+    for row in rows:
+        if "push" in row:
+            m = row["push"]
+            print(f"{row['layout']}: push ({args.transport}) into 1 {args.server} server: {m['sync/bytes'] / 1e9:.3f} GB "
+                  f"in {m['sync/seconds']:.2f} s = {m['sync/gb_per_s']:.2f} GB/s (slowest stage: gather "
                   f"{m['sync/slowest_stage_gather_s']:.2f} s, convert {m['sync/slowest_stage_convert_s']:.2f} s, "
                   f"send {m['sync/slowest_stage_send_s']:.2f} s)")
             if "norm_check" in m:
-                print(f"{'':>8} served model.norm.weight[:8] {m['norm_check']['server']}\n{'':>8} actor's "
+                print(f"  served model.norm.weight[:8] {m['norm_check']['server']}\n  actor's "
                       f"{m['norm_check']['actor']}; served weight_version {m['norm_check']['server_version']}")
-        results.append(row)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_result("weight_sync", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                 "load_before": load_before, "load_after": load_average(), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
