@@ -9,7 +9,8 @@
 4. greedy and sampled accuracy on 512 held-out prompts after SFT and after GRPO, TensorBoard logs
    and a plot.
 
-`python -m megarl.demo [--seed N] [--grpo-steps N]`; outputs under outputs/quickstart/.
+`python -m megarl.demo [--seed N] [--grpo-steps N] [--placement colocate|split]`; outputs under
+outputs/quickstart/.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="model, data and training seed")
     parser.add_argument("--grpo-steps", type=int, default=None, help="default: configs/quickstart.yaml's")
+    parser.add_argument("--placement", choices=("colocate", "split"), default="colocate",
+                        help="colocate (default): training and rollout time-share 2 logical GPUs; split: 2 for "
+                        "training (TP=2) and 2 for two rollout servers")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -51,9 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         f"actor_rollout_ref.model.path={out / 'model'}", f"data.train_files={out / 'data/sft_train.parquet'}",
         f"data.val_files={out / 'data/sft_val.parquet'}"])
     warm = run_sft(sft)
+    import ray
+
+    ray.shutdown()  # the GRPO stage starts Ray again with its own number of logical GPUs
 
     print("== 3/3 GRPO from the SFT checkpoint", flush=True)
     steps = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
+    if args.placement == "split":
+        steps += ["placement.mode=split", "placement.rollout_gpus=2", "trainer.n_gpus_per_node=4",
+                  "trainer.experiment_name=grpo-add-split"]
     grpo = load_and_validate(REPO / "configs/quickstart.yaml", common + steps + [
         f"actor_rollout_ref.model.path={warm}", f"data.train_files={out / 'data/train.parquet'}",
         f"data.val_files={out / 'data/val.parquet'}"])

@@ -44,6 +44,8 @@ class RopeScaling:
     factor: float
 
 
+SEQ_CLS_SUFFIX = "ForSequenceClassification"
+
 # megatron-core's llama3 scaling hard-codes these (rotary_pos_embedding.py `_apply_scaling`)
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -68,10 +70,25 @@ class ModelArch:
     qkv_bias: bool
     qk_layernorm: bool
     sliding_window: Optional[int]  # tokens a query attends to, itself included; None: unlimited
+    # a reward model (HF *ForSequenceClassification, num_labels=1): the scalar head `score.weight`
+    # [1, H] (megatron `output_layer.weight` [1, H]) replaces the LM head
+    score_head: bool = False
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.model_type]
+
+    @property
+    def lm_head_tied(self) -> bool:
+        """The LM output layer is the input embedding (never true for a score head)."""
+        return self.tie_word_embeddings and not self.score_head
+
+    @property
+    def hf_architecture(self) -> str:
+        """The HF class name an exported config.json states."""
+        if self.score_head:
+            return self.family.architecture.removesuffix("ForCausalLM") + SEQ_CLS_SUFFIX
+        return self.family.architecture
 
 
 def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -123,6 +140,22 @@ def _rope(config: Mapping[str, Any], source: str) -> tuple[float, Optional[RopeS
     raise ConversionError(
         f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3)"
     )
+
+
+def _score_head(config: Mapping[str, Any], source: str) -> bool:
+    """True for a `*ForSequenceClassification` config; it must have exactly one label (a scalar
+    reward). HF stores the label count as `id2label` (or `num_labels`), default 2."""
+    architectures = config.get("architectures") or []
+    if not any(str(a).endswith(SEQ_CLS_SUFFIX) for a in architectures):
+        return False
+    labels = config.get("id2label")
+    num_labels = len(labels) if labels else config.get("num_labels", 2)
+    if num_labels != 1:
+        raise ConversionError(
+            f"{source}: a sequence-classification checkpoint ({architectures[0]}) with num_labels={num_labels}; "
+            "a reward model needs num_labels=1 (one scalar score, `score.weight` of shape [1, hidden_size])"
+        )
+    return True
 
 
 def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") -> ModelArch:
@@ -186,4 +219,5 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_layernorm,
         sliding_window=window,
+        score_head=_score_head(config, source),
     )

@@ -269,7 +269,7 @@ def convert_torch_dist_to_hf(
                 writer.add(hf_name, tensor)
             counter(name)
         writer.close()
-        copy_hf_assets(assets, tmp, dtype=dtype, architecture=arch.family.architecture)
+        copy_hf_assets(assets, tmp, dtype=dtype, architecture=arch.hf_architecture)
         verify_hf(tmp, weights, dtype)
     return ConversionSummary(len(sizes), sum(sizes.values()), Path(out))
 

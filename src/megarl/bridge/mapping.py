@@ -34,7 +34,7 @@ class TPSplit:
 COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPSplit(0, stride=2)
 
 Transform = Literal["identity", "qkv", "gate_up", "vocab"]
-Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied"]
+Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied", "score_head"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,15 @@ class ParamRule:
             "always": True,
             "qkv_bias": arch.qkv_bias,
             "qk_layernorm": arch.qk_layernorm,
-            "untied": not arch.tie_word_embeddings,
+            "untied": not arch.tie_word_embeddings and not arch.score_head,
+            "score_head": arch.score_head,
         }[self.condition]
 
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
+SCORE = "score.weight"  # HF *ForSequenceClassification head, [num_labels, H]
 RULES: tuple[ParamRule, ...] = (
     ParamRule(EMBEDDING, ("model.embed_tokens.weight",), "vocab", COLUMN),
     ParamRule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), "identity",
@@ -82,6 +84,8 @@ RULES: tuple[ParamRule, ...] = (
     ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "identity", ROW),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "identity", REPLICATED),
     ParamRule(OUTPUT_LAYER, ("lm_head.weight",), "vocab", COLUMN, "untied"),
+    # a reward model's scalar head takes the output layer's place, whole on every TP rank
+    ParamRule(OUTPUT_LAYER, (SCORE,), "identity", REPLICATED, "score_head"),
 )
 
 # HF tensors that carry no parameter of their own
@@ -102,14 +106,22 @@ def is_extra_state(name: str) -> bool:
     return name.endswith("._extra_state") or "._extra_state/" in name
 
 
-def match_mcore(name: str) -> tuple[ParamRule, Optional[int]]:
-    """The rule of a megatron name (TE or local spelling, any `module.` prefix) and its layer index."""
+def _matching_rules(name: str) -> list[tuple[ParamRule, Optional[int]]]:
     bare = strip_module_prefix(name)
+    found = []
     for pattern, rule in _MCORE_PATTERNS:
         m = pattern.match(bare)
         if m:
-            return rule, int(m.group("i")) if rule.per_layer else None
-    raise ConversionError(f"megatron parameter {name!r} has no HF mapping")
+            found.append((rule, int(m.group("i")) if rule.per_layer else None))
+    if not found:
+        raise ConversionError(f"megatron parameter {name!r} has no HF mapping")
+    return found
+
+
+def match_mcore(name: str) -> tuple[ParamRule, Optional[int]]:
+    """The rule of a megatron name (TE or local spelling, any `module.` prefix) and its layer
+    index. `output_layer.weight` gets the LM head's rule; `WeightMap` knows when it is a score head."""
+    return _matching_rules(name)[0]
 
 
 def strip_module_prefix(name: str) -> str:
@@ -169,12 +181,17 @@ class WeightMap:
 
     def is_tied_output_copy(self, mcore_name: str) -> bool:
         """True for the last pipeline stage's copy of a tied embedding: it is never exported."""
-        return self.arch.tie_word_embeddings and strip_module_prefix(mcore_name) == OUTPUT_LAYER
+        return self.arch.lm_head_tied and strip_module_prefix(mcore_name) == OUTPUT_LAYER
+
+    def tp_split(self, mcore_name: str) -> TPSplit:
+        """How `mcore_name` is split across TP ranks in this model (a score head is replicated)."""
+        return self._rule(mcore_name)[0].tp
 
     def _rule(self, mcore_name: str) -> tuple[ParamRule, Optional[int]]:
-        rule, layer = match_mcore(mcore_name)
-        if not rule.applies(self.arch):
+        matches = [(r, i) for r, i in _matching_rules(mcore_name) if r.applies(self.arch)]
+        if not matches:
             raise ConversionError(f"megatron parameter {mcore_name!r} does not exist in this {self.arch.model_type} config")
+        rule, layer = matches[0]
         if layer is not None and layer >= self.arch.num_layers:
             raise ConversionError(f"megatron parameter {mcore_name!r}: layer {layer} >= num_layers {self.arch.num_layers}")
         return rule, layer
@@ -188,6 +205,7 @@ class WeightMap:
         shapes = {
             ("embed_tokens", "weight"): (a.vocab_size, hid),
             ("lm_head", "weight"): (a.vocab_size, hid),
+            ("score", "weight"): (1, hid),
             ("q_proj", "weight"): (a.num_attention_heads * d, hid),
             ("k_proj", "weight"): (a.num_query_groups * d, hid),
             ("v_proj", "weight"): (a.num_query_groups * d, hid),
@@ -261,7 +279,7 @@ class WeightMap:
             for n in sorted(names)
             if n not in self._hf_set
             and not HF_IGNORED.fullmatch(n)
-            and not (n == "lm_head.weight" and self.arch.tie_word_embeddings)
+            and not (n == "lm_head.weight" and self.arch.lm_head_tied)
         ]
         if unexpected:
             raise ConversionError(

@@ -25,7 +25,6 @@ from megarl.bridge.mapping import (
     canonical_name,
     is_extra_state,
     match_mcore,
-    tp_split,
 )
 
 Spelling = Literal["te", "local"]
@@ -145,7 +144,7 @@ def chunk_param_names(weights: WeightMap, layout: ParallelLayout, pp_rank: int, 
                 names.append(name)
         elif name == EMBEDDING and first or name != EMBEDDING and last:
             names.append(name)
-    if last and arch.tie_word_embeddings and not first:
+    if last and arch.lm_head_tied and not first:
         names.append(OUTPUT_LAYER)
     return names
 
@@ -177,7 +176,8 @@ def shard_model(
                 local = shift_layer(name, -offset)
                 if spelling == "local":
                     local = local_spelling(local)
-                sd[local] = shard_tp(tp_split(name), _full_tensor(full, name), layout.tp, tp_rank)
+                split = weights.tp_split(EMBEDDING if weights.is_tied_output_copy(name) else name)
+                sd[local] = shard_tp(split, _full_tensor(full, name), layout.tp, tp_rank)
             out[(pp_rank, vp_stage, tp_rank)] = sd
     return out
 
@@ -211,7 +211,8 @@ def merge_model(
                 )
         for local in per_rank[0]:
             name = shift_layer(local, offset)
-            tensor = unshard_tp(tp_split(name), [sd[local] for sd in per_rank], name)
+            split = weights.tp_split(EMBEDDING if weights.is_tied_output_copy(name) else name)
+            tensor = unshard_tp(split, [sd[local] for sd in per_rank], name)
             if weights.is_tied_output_copy(name):
                 tied_copy = tensor
             else:

@@ -7,7 +7,8 @@ A role's actor class subclasses `RankedWorker`; the controller does
     group.init_process_group(backend="gloo")
     losses = group.call("update_policy", batch, timeout_s=600)
 
-A rank that does not answer within the timeout, dies, or raises is reported by rank and node.
+A rank that does not answer within the timeout, dies, or raises is reported by rank and node; a rank
+that dies ends the wait at once (its peers get a short grace), naming the process, address and cause.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import datetime
 import os
 import re
 import socket
+import time
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -28,6 +30,37 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 class WorkerGroupError(RuntimeError):
     pass
+
+
+_RAY_DEATH_FIELDS = {
+    "pid": re.compile(r"^\s*pid: (\d+)$", re.M),
+    "ip": re.compile(r"^\s*ip: (\S+)$", re.M),
+    "exit_type": re.compile(r"Worker exit type: (\w+)"),
+    "exit_detail": re.compile(r"Worker exit detail: (.*?\.)(?: |$)"),
+}
+
+
+def describe_actor_death(ray_message: str) -> str:
+    """One line on why a Ray actor died, from the text of its `RayActorError`: which process on
+    which address, what probably happened, and Ray's own first words on it."""
+    found = {k: (m.group(1) if (m := p.search(ray_message)) else None) for k, p in _RAY_DEATH_FIELDS.items()}
+    process = "the worker process"
+    if found["pid"] or found["ip"]:
+        process += " (" + ", ".join(filter(None, [found["pid"] and f"pid {found['pid']}",
+                                                   found["ip"] and f"node {found['ip']}"])) + ")"
+    exit_type = found["exit_type"] or ""
+    if "creation task" in ray_message:
+        what = f"{process} failed while starting: {ray_message.splitlines()[0]}"
+    elif exit_type in ("SYSTEM_ERROR", "UNEXPECTED_SYSTEM_EXIT"):
+        what = f"{process} exited unexpectedly (SIGKILL, the OOM killer or a crash?)"
+    elif exit_type == "INTENDED_USER_EXIT":
+        what = f"{process} was stopped on purpose (ray.kill or exit_actor)"
+    elif "NODE" in exit_type:
+        what = f"{process} was lost with its node"
+    else:
+        what = f"{process} is gone: {ray_message.splitlines()[0]}"
+    detail = found["exit_detail"]
+    return f"{what}; Ray: {exit_type + ': ' if exit_type else ''}{detail}" if detail else what
 
 
 class RankedWorker:
@@ -94,24 +127,45 @@ class WorkerGroup:
     def _where(self, rank: int) -> str:
         return f"{self.role.name} rank {rank} on {self.locations[rank]}"
 
-    def _gather(self, refs: list, what: str, timeout_s: float) -> list:
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            names = ", ".join(self._where(refs.index(r)) for r in pending)
+    def _gather(self, refs: list, what: str, timeout_s: float, ranks: list[int] | None = None,
+                death_grace_s: float = 10.0) -> list:
+        """Results in order of `refs` (of `ranks`, default all). A rank that dies ends the wait
+        early: its peers are likely blocked in a collective with it, so they get `death_grace_s`
+        more to answer, then all are reported."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        deadline = time.monotonic() + timeout_s
+        pending, outcomes, died = list(refs), {}, False
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+            for ref in ready:
+                try:
+                    outcomes[ref] = ray.get(ref)
+                except (RayActorError, RayTaskError) as exc:
+                    outcomes[ref] = exc
+                    if isinstance(exc, RayActorError) and not died:
+                        died, deadline = True, min(deadline, time.monotonic() + death_grace_s)
+        if pending and not died:
+            names = ", ".join(self._where(ranks[refs.index(r)]) for r in pending)
             raise WorkerGroupError(f"{what}: no answer within {timeout_s:g} s from {names}")
-        results, failures = [], []
-        for rank, ref in enumerate(refs):
-            try:
-                results.append(ray.get(ref))
-            except RayActorError as exc:
-                failures.append(f"{self._where(rank)} died: {str(exc).splitlines()[0]}")
-            except RayTaskError as exc:  # the method raised: its own type, message and traceback
-                cause = exc.cause
-                remote = _ANSI.sub("", str(exc)).strip().replace("\n", "\n      ")
+        deaths, failures = [], []  # deaths first: the others often fail because of them
+        for rank, ref in zip(ranks, refs):
+            outcome = outcomes.get(ref)
+            if ref in pending:
+                failures.append(f"{self._where(rank)} gave no answer {death_grace_s:g} s after another rank died")
+            elif isinstance(outcome, RayActorError):
+                deaths.append(f"{self._where(rank)} died: {describe_actor_death(str(outcome))}")
+            elif isinstance(outcome, RayTaskError) and died:  # most likely a collective with the dead rank
+                cause = outcome.cause
+                first_line = (str(cause).splitlines() or [""])[0]
+                failures.append(f"{self._where(rank)} raised {type(cause).__name__}: {first_line}")
+            elif isinstance(outcome, RayTaskError):  # the method raised: its own type, message and traceback
+                cause = outcome.cause
+                remote = _ANSI.sub("", str(outcome)).strip().replace("\n", "\n      ")
                 failures.append(f"{self._where(rank)} raised {type(cause).__name__}: {cause}\n      {remote}")
+        failures = deaths + failures
         if failures:
             raise WorkerGroupError(f"{what} failed:\n" + "\n".join(f"  - {f}" for f in failures))
-        return results
+        return [outcomes[ref] for ref in refs]
 
     def call(self, method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
         """Call `method` with the same arguments on every rank; results in rank order."""
@@ -124,6 +178,11 @@ class WorkerGroup:
             raise ValueError(f"{len(per_rank_args)} argument tuples for {len(self.actors)} ranks")
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
         return self._gather(refs, f"{self.role.name}.{method}", timeout_s)
+
+    def call_ranks(self, ranks: list[int], method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
+        """Call `method` with the same arguments on the given ranks only; results in their order."""
+        refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
+        return self._gather(refs, f"{self.role.name}.{method}", timeout_s, ranks)
 
     def init_process_group(self, backend: str = "gloo", timeout_s: float = 120.0) -> tuple[str, int]:
         """Form one torch.distributed group over the ranks, hosted by rank 0."""

@@ -17,7 +17,7 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import aiohttp
@@ -64,8 +64,21 @@ class Sample:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    samples: list[list[Sample]]  # [prompt][sample], n per prompt, in request order
+    samples: list[list[Sample]]  # [prompt][sample], n per prompt, in request order ([] for a failed prompt)
     metrics: RolloutMetrics
+    records: list[RequestRecord]  # per prompt, in request order
+    failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why it got no answer (keep_going)
+
+
+def stale_reason(samples: list[Sample], weight_version: Optional[str]) -> Optional[str]:
+    """Why a prompt's samples may not be kept: one was generated with weights other than
+    `weight_version` (None: nothing pushed yet, any version goes). Aborted samples carry none."""
+    if weight_version is None:
+        return None
+    for s in samples:
+        if s.finish_reason != "abort" and s.weight_version != weight_version:
+            return f"answered with weight_version {s.weight_version!r}, expected {weight_version!r}"
+    return None
 
 
 class RolloutRequestError(RuntimeError):
@@ -108,16 +121,19 @@ class RolloutClient:
     # ---------------------------------------------------------------- public API
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
-        seeds: Optional[list[int]] = None,
+        seeds: Optional[list[int]] = None, keep_going: bool = False,
     ) -> RolloutResult:
         """Blocking form of `agenerate` (runs its own event loop)."""
-        return asyncio.run(self.agenerate(prompts, sampling, return_logprob, seeds))
+        return asyncio.run(self.agenerate(prompts, sampling, return_logprob, seeds, keep_going))
 
     async def agenerate(
         self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
-        seeds: Optional[list[int]] = None,
+        seeds: Optional[list[int]] = None, keep_going: bool = False,
     ) -> RolloutResult:
         """Generate `sampling.n` samples for every prompt (token ids); every prompt gets exactly n back.
+        A prompt that gets no answer after all retries raises `RolloutRequestError`, or with
+        `keep_going` comes back in `failed` with no samples while the others finish (a refused
+        request, 4xx, raises either way).
         `seeds[i]` is prompt i's `sampling_seed` (its sample j uses seeds[i] + j): the same seeds
         give the same samples whichever server answers and however requests are batched."""
         if seeds is not None and len(seeds) != len(prompts):
@@ -132,7 +148,8 @@ class RolloutClient:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             tasks = [
-                asyncio.create_task(self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob))
+                asyncio.create_task(
+                    self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob, keep_going))
                 for i, prompt in enumerate(prompts)
             ]
             try:
@@ -142,9 +159,9 @@ class RolloutClient:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-        samples = [s for s, _ in results]
-        metrics = summarize([r for _, r in results], time.monotonic() - started)
-        return RolloutResult(samples, metrics)
+        samples, records = [s for s, _, _ in results], [r for _, r, _ in results]
+        failed = {i: why for i, (_, _, why) in enumerate(results) if why is not None}
+        return RolloutResult(samples, summarize(records, time.monotonic() - started), records, failed)
 
     def abort(self) -> None:
         """Stop the running rollout: queued prompts are not sent, running requests are aborted."""
@@ -164,21 +181,26 @@ class RolloutClient:
         prompt: list[int],
         sampling: SamplingParams,
         return_logprob: bool,
-    ) -> tuple[list[Sample], RequestRecord]:
+        keep_going: bool,
+    ) -> tuple[list[Sample], RequestRecord, Optional[str]]:
+        """(samples, record, None), or with `keep_going` ([], record, why) for a prompt that got no answer."""
         payload = {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob}
         attempts = 0
         async with semaphore:
             while True:
                 if self._aborting.is_set():
                     samples = [Sample.aborted() for _ in range(sampling.n)]
-                    return samples, RequestRecord(len(prompt), (0,) * sampling.n, 0.0, attempts, sampling.n)
+                    return samples, RequestRecord(len(prompt), (0,) * sampling.n, 0.0, attempts, sampling.n), None
                 attempts += 1
                 sent = time.monotonic()
                 try:
                     samples = await self._attempt(session, index, payload, sampling.n)
                 except _Retry as e:
                     if attempts > self.max_retries:
-                        raise RolloutRequestError(index, None, f"gave up after {attempts} attempts: {e}") from None
+                        why = f"gave up after {attempts} attempts: {e}"
+                        if keep_going:
+                            return [], RequestRecord(len(prompt), (), 0.0, attempts, 0), why
+                        raise RolloutRequestError(index, None, why) from None
                     await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** (attempts - 1)))
                     continue
                 record = RequestRecord(
@@ -188,7 +210,7 @@ class RolloutClient:
                     attempts=attempts,
                     aborted_samples=sum(s.finish_reason == "abort" for s in samples),
                 )
-                return samples, record
+                return samples, record, None
 
     async def _attempt(
         self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int

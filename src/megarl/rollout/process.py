@@ -28,6 +28,18 @@ def log_tail(path: str, lines: int = 30) -> str:
         return ""
 
 
+def exit_description(code: Optional[int]) -> str:
+    """'exit code 3', 'killed by SIGKILL' (a negative Popen return code), or 'exit code unknown'."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def _new_log_file(name: str) -> str:
     fd, path = tempfile.mkstemp(prefix=f"megarl-{name}-", suffix=".log")
     os.close(fd)
@@ -65,6 +77,11 @@ class ServerProcess:
     @property
     def pid(self) -> Optional[int]:
         return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The exit status once the process ended on its own (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc else None
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -48,27 +48,40 @@ class Cluster:
         self.pools = create_pools(self.plan, timeout_s=300)
         self.num_gpus = self.plan.cluster.nnodes * self.plan.cluster.gpus_per_node
         self.colocated = config.placement.mode == "colocate"
-        self.actor = self.ref = self.critic = self.rollout = None
+        self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
+        self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         try:
             roles = self.plan.roles
             self.actor = EngineGroup(roles["actor"], self.pools, config)
             self.ref = EngineGroup(roles["ref"], self.pools, config) if "ref" in roles else None
             self.critic = EngineGroup(roles["critic"], self.pools, config) if "critic" in roles else None
+            self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config)
+                                 if "reward_model" in roles else None)
             self.rollout = RolloutFleet(roles["rollout"], self.pools, config, colocated=self.colocated,
-                                        single_node=self.plan.cluster.nnodes == 1)
-            self._make_sync()
+                                        single_node=self.plan.cluster.nnodes == 1,
+                                        on_restart=self._resync_restarted_rollout)
+            self._make_sync(self.rollout.urls)
         except BaseException:
             self.shutdown()
             raise
 
-    def _make_sync(self) -> None:
+    def _make_sync(self, urls: list[str]) -> None:
         r = self.config.actor_rollout_ref.rollout
         sync_config = SyncConfig(
             transport=r.weight_sync_transport, bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
             colocated=self.colocated, hf_assets_dir=self.config.actor_rollout_ref.model.path,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if r.weight_sync_transport == "disk" else None,
         )
-        self.actor.workers.call("init_weight_sync", self.rollout.urls, sync_config, timeout_s=600)
+        self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)
+
+    def _resync_restarted_rollout(self, urls: list[str]) -> None:
+        """Rollout servers restarted (the fleet calls this while they are out of the router): a new
+        weight sync over `urls` (the old weight-update groups held the dead process), and the
+        actor's weights pushed again at the current version (the policy did not change), so the
+        restarted servers answer with the same weights and version as the others."""
+        self._make_sync(urls)
+        if self.weight_version > 0:
+            self.actor.workers.call("push_weights", self.weight_version, timeout_s=3600)
 
     # ------------------------------------------------------------------ phases
     def before_training(self) -> None:
@@ -78,8 +91,14 @@ class Cluster:
             self.rollout.release_memory()
 
     def sync_weights(self) -> dict:
-        """Push the actor's weights into every rollout server; metrics are the same on every rank."""
-        return self.actor.workers.call("push_weights", timeout_s=3600)[0]
+        """Push the actor's weights into every rollout server as the next version (a server that
+        died is restarted first). Returns the push metrics (the same on every rank) and the rollout
+        fault counts since the last push (`faults/*`, so once per step)."""
+        self.rollout.recover()
+        metrics = self.actor.workers.call("push_weights", timeout_s=3600)[0]
+        self.weight_version = int(metrics["sync/weight_version"])
+        self.rollout.weight_version = str(self.weight_version)
+        return {**metrics, **self.rollout.fault_metrics()}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
@@ -101,7 +120,7 @@ class Cluster:
         return checkpoint.load_controller_state(directory)
 
     def shutdown(self) -> None:
-        for name in ("rollout", "critic", "ref", "actor"):
+        for name in ("rollout", "reward_model", "critic", "ref", "actor"):
             part = getattr(self, name)
             if part is not None:
                 try:

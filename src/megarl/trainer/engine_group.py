@@ -38,10 +38,16 @@ class EngineGroup:
         return self.workers.call_each("engine_call", per_rank, timeout_s=self.timeout_s)
 
     def compute(self, method: str, batch: Batch, *args) -> dict[str, torch.Tensor]:
-        """A per-sample computation (log-probs, values): the output ranks' dicts joined in DP order."""
+        """A per-sample computation (log-probs, values, scores): the output ranks' dicts joined in
+        DP order. A batch that does not split evenly over the DP replicas is padded with copies of
+        its last sample, whose results are dropped."""
+        size = len(batch)
+        pad = -size % self.dp_size
+        if pad:
+            batch = Batch.concat([batch, batch.select([size - 1] * pad)])
         results = self.run_on_batch(method, batch, *args)
         parts = [results[self.output_ranks[dp]] for dp in range(self.dp_size)]
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        return {key: torch.cat([p[key] for p in parts])[:size] for key in parts[0]}
 
     def update(self, method: str, batch: Batch) -> dict[str, float]:
         """An update (update_policy, update_critic): metrics are identical on every rank; take rank 0's."""

@@ -62,6 +62,29 @@ def score(batch: Batch, score_fn: Callable, tokenizer, config: ExperimentConfig,
     return metrics
 
 
+def combine_rm_scores(batch: Batch, rm_scores: torch.Tensor, config: ExperimentConfig) -> dict:
+    """After `score`: the reward model's scores [B] become the score, plus the rule/custom score
+    `score` set when reward_model.add_rule_reward (else that is kept as `rule_scores` only);
+    DAPO's overlong penalty applies either way. Sets `rm_scores`, `rule_scores`, `scores` and
+    `token_level_scores`; returns `reward/rm_score_*` and `reward/rule_score_mean`."""
+    rm = config.reward_model
+    if rm_scores.shape != (len(batch),):
+        raise ValueError(f"reward model scores have shape {list(rm_scores.shape)}, expected [{len(batch)}]")
+    rm_scores = rm_scores.float()
+    rule_scores = batch["scores"]  # the overlong penalty included
+    if rm.add_rule_reward:
+        scores = rm_scores + rule_scores
+    elif rm.overlong_buffer_len > 0:
+        scores = rm_scores + overlong_penalty(batch["response_mask"].sum(-1), config.data.max_response_length,
+                                              rm.overlong_buffer_len, rm.overlong_penalty_factor)
+    else:
+        scores = rm_scores
+    batch["rm_scores"], batch["rule_scores"], batch["scores"] = rm_scores, rule_scores, scores
+    batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])
+    return {"reward/rm_score_mean": rm_scores.mean().item(), "reward/rm_score_max": rm_scores.max().item(),
+            "reward/rm_score_min": rm_scores.min().item(), "reward/rule_score_mean": rule_scores.mean().item()}
+
+
 def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None) -> dict:
     """Token-level rewards (minus the KL penalty when `algorithm.use_kl_in_reward`, which also
     updates `kl_ctrl`), then the configured estimator's `advantages` and `returns` [B, R]."""

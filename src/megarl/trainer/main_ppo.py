@@ -74,7 +74,7 @@ def run(config) -> dict:
     resume_dir = find_resume_dir(c)
     connect_ray(c)
     cluster = Cluster(c)
-    tracker = None
+    tracker = trainer = None
     try:
         trainer = RLTrainer(c, cluster, tokenizer, score_fn)
         if resume_dir is not None:
@@ -84,6 +84,8 @@ def run(config) -> dict:
                           total_steps=trainer.total_steps)
         return trainer.fit(tracker)
     finally:
+        if trainer is not None and trainer.agent is not None:
+            trainer.agent.close()
         cluster.shutdown()
         if tracker is not None:
             plot = tracker.finish()

@@ -28,6 +28,18 @@ def check_environment(config: ExperimentConfig) -> None:
             f"actor_rollout_ref.model.path={model!r}: not a local HF checkpoint directory (no config.json there). "
             "Download it first (e.g. huggingface-cli download <id> --local-dir DIR) and pass the directory"
         )
+    rm = config.reward_model
+    if rm.enable and rm.model.path:
+        if not _is_local_hf_checkpoint(rm.model.path):
+            problems.append(f"reward_model.model.path={rm.model.path!r}: not a local HF checkpoint directory "
+                            "(no config.json there)")
+        else:
+            from megarl.engines.megatron.reward_model import check_tokenizer
+
+            try:
+                check_tokenizer(config)
+            except NotImplementedError as error:
+                problems.append(str(error))
     reward_fn = config.custom_reward_function.path
     if reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")

@@ -64,6 +64,25 @@ def sampling_params(config: ExperimentConfig, validation: bool = False) -> Sampl
     )
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """Too many steps in a row had non-finite losses or gradients."""
+
+
+def skipped_steps_in_a_row(previous: int, metrics: dict, limit: int, step: int) -> int:
+    """Steps in a row, up to this one, whose actor or critic skipped an update (non-finite loss or
+    gradients); logged as `faults/skipped_steps_in_a_row`. Reaching `limit` stops the run."""
+    skipped = metrics.get("actor/skipped_updates", 0.0) + metrics.get("critic/skipped_updates", 0.0)
+    in_a_row = previous + 1 if skipped else 0
+    metrics["faults/skipped_steps_in_a_row"] = float(in_a_row)
+    if in_a_row >= limit:
+        raise NonFiniteTrainingError(
+            f"step {step}: updates skipped for non-finite loss or gradients in {in_a_row} steps in a row "
+            f"(trainer.max_consecutive_skipped_steps={limit}); check the learning rate, the rewards and the "
+            "data; the last checkpoint is intact"
+        )
+    return in_a_row
+
+
 def sampling_seed(seed: int, uid_prefix: str, prompt_index: int) -> int:
     """The sampling seed of one prompt's responses, a function of (trainer.seed, step and round,
     prompt): a resumed run samples exactly what the uninterrupted run sampled."""
@@ -80,14 +99,22 @@ class RLTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.step = 0
+        self.skipped_in_a_row = 0
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        self.agent = None  # agentic rollouts (megarl.agents): the user's episodes behind an OpenAI endpoint
+        if config.actor_rollout_ref.rollout.agent.path:
+            from megarl.agents.runner import AgentRunner
+
+            self.agent = AgentRunner.from_config(config, cluster.rollout.client, tokenizer, score_fn)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
         """`rollout.n` responses per prompt, scored: (batch, metrics). Responses to one prompt share
         the uid `<uid_prefix>-<prompt index>`. ReMax also generates its greedy baseline
         (`reward_baselines`)."""
+        if self.agent is not None:
+            return self.agent.generate_and_score(prompts, timer, uid_prefix)
         c, cl = self.config, self.cluster
         rollout = c.actor_rollout_ref.rollout
         metrics: dict[str, float] = {}
@@ -101,12 +128,21 @@ class RLTrainer:
                                              SamplingParams(max_new_tokens=rollout.response_length, temperature=0.0))
                 baseline = experience.experience_batch(prompts, greedy.samples, uid_prefix=uid_prefix)
         with timer("reward"):
-            metrics.update(experience.score(batch, self.score_fn, self.tokenizer, c))
+            metrics.update(self.score(batch))
             if c.algorithm.adv_estimator == "remax":
-                experience.score(baseline, self.score_fn, self.tokenizer, c)
+                self.score(baseline)
                 batch["reward_baselines"] = baseline["scores"].repeat_interleave(rollout.n)
                 metrics["reward/remax_baseline_mean"] = baseline["scores"].mean().item()
         return batch, metrics
+
+    def score(self, batch: Batch) -> dict:
+        """Sets `scores` and `token_level_scores`: the rule/custom reward, or the reward model's
+        score (plus the rule reward with `reward_model.add_rule_reward`). Returns reward metrics."""
+        metrics = experience.score(batch, self.score_fn, self.tokenizer, self.config)
+        if self.cluster.reward_model is not None:
+            rm_scores = self.cluster.reward_model.compute("compute_rm_scores", batch)["rm_scores"]
+            metrics.update(experience.combine_rm_scores(batch, rm_scores, self.config))
+        return metrics
 
     def collect_experience(self, timer: Timer) -> tuple:
         """One step's scored responses: (batch, metrics). With DAPO's dynamic sampling
@@ -164,6 +200,8 @@ class RLTrainer:
             with timer("update_actor"):
                 metrics.update(cl.actor.update("update_policy", batch))
 
+        self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
+                                                       c.trainer.max_consecutive_skipped_steps, self.step + 1)
         with timer("sync_weights"):
             metrics.update(cl.sync_weights())
 
@@ -192,7 +230,7 @@ class RLTrainer:
         for prefix, sampling in (("val", sampling_params(self.config, True)), ("val_sampled", sampled)):
             result = self.cluster.rollout.generate(ids, sampling)
             batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
-            experience.score(batch, self.score_fn, self.tokenizer, self.config)
+            self.score(batch)
             metrics.update(experience.mean_scores(batch["scores"], batch["data_source"], prefix))
         metrics["val/sampled_score"] = metrics.pop("val_sampled/score")
         return metrics

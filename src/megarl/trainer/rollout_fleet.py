@@ -1,18 +1,39 @@
 """The controller's handle on generation: rollout servers (one Ray actor each, placed by the plan)
-behind the real sglang-router, and the client that drives them."""
+behind the real sglang-router, and the client that drives them.
+
+A server whose process dies is restarted by the fleet, between generations: taken out of the
+router, started again at its URL, given the current weights by `on_restart(urls)` (the cluster
+re-creates the weight sync for the server set and pushes the actor's weights at the current
+version), and put back. The prompts it lost, and any answer whose `weight_version` is not
+`weight_version` (the last pushed one), are sent again with the same seeds. Each server may
+restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
+the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
+"""
 from __future__ import annotations
 
+import logging
 import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Optional
 
 from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
-from megarl.placement.worker_group import WorkerGroup
-from megarl.rollout.client import RolloutClient, RolloutResult
+from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
+from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
 from megarl.rollout.control import ServerControl
+from megarl.rollout.metrics import summarize
+from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
 from megarl.workers.rollout_worker import RolloutWorker
+
+log = logging.getLogger("megarl.rollout")
+
+
+class RolloutServerLost(RuntimeError):
+    """A rollout server died more often than `max_server_restarts` allows, or did not come back."""
 
 
 def _free_port() -> int:
@@ -23,9 +44,17 @@ def _free_port() -> int:
 
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
-                 single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0):
+                 single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
+                 on_restart: Callable[[list[str]], None] = lambda urls: None):
+        """`on_restart(urls)`: called after servers restarted (idle, out of the router) to bring
+        every server in `urls` to the current weights."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = r.max_server_restarts
+        self.on_restart = on_restart
+        self.weight_version: Optional[str] = None  # of the last push; every kept sample must carry it
+        self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
         self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env)
         self.router: Optional[Router] = None
@@ -39,20 +68,99 @@ class RolloutFleet:
         except BaseException:
             self.shutdown()
             raise
+        self.restarts = [0] * len(self.urls)  # per server, over the run
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  seeds: Optional[list[int]] = None) -> RolloutResult:
-        """`seeds`: per-prompt sampling seeds (see RolloutClient.agenerate)."""
-        return self.client.generate(prompts, sampling, seeds=seeds)
+        """`sampling.n` samples per prompt, all from live servers at `weight_version`. `seeds`:
+        per-prompt sampling seeds (see RolloutClient.agenerate); a prompt sent again keeps its seed.
+        Records count every attempt a prompt took, over the client's retries and the fleet's.
+        Servers found dead before, during or after are restarted (`recover`)."""
+        started = time.monotonic()
+        self.recover()
+        samples: list = [None] * len(prompts)
+        records: list = [None] * len(prompts)
+        attempts = [0] * len(prompts)
+        todo = list(range(len(prompts)))
+        while todo:
+            part = self.client.generate([prompts[i] for i in todo], sampling,
+                                        seeds=[seeds[i] for i in todo] if seeds is not None else None,
+                                        keep_going=True)
+            lost = {}
+            for j, i in enumerate(todo):
+                attempts[i] += part.records[j].attempts
+                why = part.failed.get(j) or stale_reason(part.samples[j], self.weight_version)
+                if why is None:
+                    samples[i], records[i] = part.samples[j], part.records[j]
+                else:
+                    lost[i] = why
+            if not lost:
+                break
+            log.warning("%d of %d prompts got no usable answer (e.g. prompt %d: %s)", len(lost), len(todo),
+                        *next(iter(lost.items())))
+            if self.recover() == 0:
+                index, why = next(iter(lost.items()))
+                raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
+            todo = sorted(lost)
+        self.recover()  # a server that died while the router sent its work elsewhere
+        records = [replace(r, attempts=a) for r, a in zip(records, attempts)]
+        metrics = summarize(records, time.monotonic() - started)
+        self._faults["rollout_requests_retried"] += metrics.retried_requests
+        return RolloutResult(samples, metrics, records)
+
+    def recover(self) -> int:
+        """Restart every server whose process died; returns how many. Call it only while no
+        generation runs (the weight push needs idle servers). Raises `RolloutServerLost` for a
+        server past `max_server_restarts` or one that does not come back."""
+        statuses = self.workers.call("status", timeout_s=60)
+        dead = [i for i, s in enumerate(statuses) if not s["running"]]
+        if not dead:
+            return 0
+        for i in dead:
+            if self.restarts[i] >= self.max_restarts:
+                raise RolloutServerLost(self._lost_message(i, statuses[i]))
+            log.warning("rollout server %d at %s on %s died (%s); restart %d of at most %d", i, self.urls[i],
+                        self.workers.locations[i], exit_description(statuses[i]["exit_code"]),
+                        self.restarts[i] + 1, self.max_restarts)
+        registered = set(self.router.worker_urls())
+        for i in dead:
+            if self.urls[i] in registered:
+                self.router.remove_worker(self.urls[i])
+            self.restarts[i] += 1
+        self._faults["rollout_server_restarts"] += len(dead)
+        try:
+            self.workers.call_ranks(dead, "restart", timeout_s=self.startup_timeout_s + 60)
+        except WorkerGroupError as e:
+            urls = [self.urls[i] for i in dead]
+            raise RolloutServerLost(f"restarting rollout server(s) {urls} failed: {e}") from None
+        self.on_restart(list(self.urls))
+        for i in dead:
+            self.router.add_worker(self.urls[i], timeout_s=120)
+        return len(dead)
+
+    def _lost_message(self, i: int, status: dict) -> str:
+        tail = self.workers.call_ranks([i], "log_tail", 30, timeout_s=60)[0]
+        return (f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[i]} ({status['ip']}, host "
+                f"{status['hostname']}) died ({exit_description(status['exit_code'])}) after {self.restarts[i]} "
+                f"restart(s); actor_rollout_ref.rollout.max_server_restarts={self.max_restarts} allows no more, so "
+                f"the run stops. Last lines of its log {status['log_path']}:\n{tail}")
+
+    def fault_metrics(self) -> dict[str, float]:
+        """`faults/rollout_server_restarts` and `faults/rollout_requests_retried` (requests sent
+        more than once, by the client or the fleet) since the last call; the counters restart."""
+        out = {f"faults/{k}": float(v) for k, v in self._faults.items()}
+        self._faults = dict.fromkeys(self._faults, 0)
+        return out
 
     def servers(self) -> list[ServerControl]:
         return [ServerControl(url, self.api_key) for url in self.urls]
 
     def release_memory(self) -> None:
         """Colocated: free the servers' weights and KV cache while training runs (the weight push
-        resumes them)."""
+        resumes them). A server that died is restarted first."""
+        self.recover()
         for server in self.servers():
             server.release_memory_occupation()
 

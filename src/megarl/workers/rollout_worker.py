@@ -1,5 +1,7 @@
 """`RolloutWorker`: the Ray actor of one rollout server. It starts the server process on its own
-node and GPUs (megarl's CPU engine or real SGLang), restarts it if it crashes, and stops it.
+node and GPUs (megarl's CPU engine or real SGLang), reports whether it is alive, restarts it at
+the same URL when told to (the fleet decides: a restarted server needs the current weights before
+it may serve), and stops it.
 
 Call `stop` before killing the actor: a killed actor leaves its server process running.
 """
@@ -13,7 +15,7 @@ import ray
 
 from megarl.placement.worker_group import RankedWorker
 from megarl.rollout.launch import apply_env_overrides, cpu_server_command, sglang_env_overrides, sglang_server_command
-from megarl.rollout.process import ProcessMonitor, ServerProcess
+from megarl.rollout.process import ServerProcess, log_tail
 
 
 def _free_port(host: str) -> int:
@@ -24,17 +26,15 @@ def _free_port(host: str) -> int:
 
 class RolloutWorker(RankedWorker):
     def __init__(self, rank: int, world_size: int, role: str, config, *, colocated: bool = False,
-                 api_key: Optional[str] = None, monitor_interval_s: float = 2.0):
+                 api_key: Optional[str] = None):
         super().__init__(rank, world_size, role)
         self.config, self.colocated, self.api_key = config, colocated, api_key
-        self.monitor_interval_s = monitor_interval_s
         self.process: Optional[ServerProcess] = None
-        self.monitor: Optional[ProcessMonitor] = None
 
     def start(self, model_path: str, bind_host: Optional[str] = None, startup_timeout_s: float = 600.0,
               log_path: Optional[str] = None) -> str:
-        """Start the server, wait for health, begin watching it; returns its URL. `bind_host` None:
-        this node's address (servers on other nodes must be reachable by the router)."""
+        """Start the server and wait for health; returns its URL. `bind_host` None: this node's
+        address (servers on other nodes must be reachable by the router)."""
         r = self.config.actor_rollout_ref.rollout
         host = bind_host or ray.util.get_node_ip_address()
         port = _free_port(host)
@@ -55,15 +55,24 @@ class RolloutWorker(RankedWorker):
         self.process = ServerProcess(f"rollout-{self.rank}", command, f"http://{host}:{port}", env=env,
                                      log_path=log_path, startup_timeout_s=startup_timeout_s)
         self.process.start()
-        self.monitor = ProcessMonitor([self.process], interval_s=self.monitor_interval_s).start()
         return self.process.url
 
     def status(self) -> dict:
+        """Where the server is and whether it is alive (`exit_code`: negative = killed by that signal)."""
         p = self.process
-        return {"url": p.url, "pid": p.pid, "running": p.is_running(), "restarts": p.restarts, "log_path": p.log_path}
+        return {"url": p.url, "pid": p.pid, "running": p.is_running(), "exit_code": p.returncode,
+                "restarts": p.restarts, "log_path": p.log_path, "ip": ray.util.get_node_ip_address(),
+                "hostname": socket.gethostname()}
+
+    def restart(self) -> str:
+        """Start the server again at its URL if it exited; returns the URL. Raises
+        `ServerStartError` (quoting its log) if it does not come back healthy."""
+        self.process.ensure_running()
+        return self.process.url
+
+    def log_tail(self, lines: int = 30) -> str:
+        return log_tail(self.process.log_path, lines)
 
     def stop(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
         if self.process is not None:
             self.process.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megarl.placement.worker_group import RankedWorker
 
-ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine"}
+ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine"}
 
 
 class TrainWorker(RankedWorker):
@@ -12,6 +12,7 @@ class TrainWorker(RankedWorker):
         super().__init__(rank, world_size, role)
         self.config = config
         self.engine = None
+        self.weight_sync = None
 
     def init_engine(self) -> dict:
         """Build the role's engine (after `init_process_group`); returns its data-parallel place."""
@@ -25,12 +26,20 @@ class TrainWorker(RankedWorker):
         """Run one engine method (compute_log_prob, update_policy, save_checkpoint, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
-    def init_weight_sync(self, server_urls: list[str], sync_config) -> None:
-        """Actor only: prepare pushing this engine's weights into the rollout servers."""
+    def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0) -> None:
+        """Actor only: prepare pushing this engine's weights into the rollout servers, whose last
+        pushed version is `version`. Called again when the server set changed (a server restarted):
+        the previous sync's weight-update groups are dropped first."""
         from megarl.sync import WeightSync
 
-        self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config)
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
+                                      initial_version=version)
 
-    def push_weights(self) -> dict:
-        """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send."""
-        return self.weight_sync.push()
+    def push_weights(self, version: int | None = None) -> dict:
+        """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send.
+        `version`: the servers' new weight_version (default the last one + 1). The metrics include
+        `sync/weight_version`, the version the servers now hold."""
+        metrics = self.weight_sync.push(version)
+        return {**metrics, "sync/weight_version": float(self.weight_sync.version)}

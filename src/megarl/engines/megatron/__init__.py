@@ -4,6 +4,7 @@ transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
     from megarl.engines.megatron import ActorEngine, RefEngine, CriticEngine   # (from .roles)
 
     roles      ActorEngine, RefEngine, CriticEngine: the API the controller's workers call
+    reward_model  RewardModelEngine: a sequence-classification reward model, forward only
     engine     MegatronEngine: model chunks, pipeline schedules, training, offload, checkpoints
     model      building GPTModel chunks and loading HF / torch_dist weights into them (via the bridge)
     heads      vocabulary-parallel log-probs and entropy (chunked), the critic's value head
@@ -23,4 +24,8 @@ def __getattr__(name: str):
         from megarl.engines.megatron import roles
 
         return getattr(roles, name)
+    if name == "RewardModelEngine":
+        from megarl.engines.megatron.reward_model import RewardModelEngine
+
+        return RewardModelEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

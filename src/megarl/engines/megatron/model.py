@@ -243,6 +243,7 @@ def vocab_rows_of(source: ModelSource, arch: ModelArch, tp: int) -> int:
 
 
 def backbone_arch(arch: ModelArch) -> ModelArch:
-    """The arch without an LM output layer (the critic replaces it by a value head): HF
-    `lm_head.weight`, if present, is ignored."""
-    return dataclasses.replace(arch, tie_word_embeddings=True)
+    """The arch without an LM output layer or score head (the critic replaces it by a value
+    head): HF `lm_head.weight`, if present, is ignored; a reward model's `score.weight` is read
+    by `load_hf_weights` as the value head."""
+    return dataclasses.replace(arch, tie_word_embeddings=True, score_head=False)

@@ -1,0 +1,36 @@
+"""The pure pieces of surviving a dead rollout server: how an exit is described, which answers
+carry the wrong weights, and a client that keeps going past prompts that got no answer."""
+import socket
+
+from megarl.rollout.client import RolloutClient, Sample, stale_reason
+from megarl.rollout.process import exit_description
+from megarl.rollout.protocol import SamplingParams
+
+
+def test_exit_description():
+    assert exit_description(-9) == "killed by SIGKILL"
+    assert exit_description(-15) == "killed by SIGTERM"
+    assert exit_description(3) == "exit code 3"
+    assert exit_description(None) == "exit code unknown"
+
+
+def sample(version, finish="length"):
+    return Sample([5], [-0.1], finish, None, "x", version)
+
+
+def test_stale_reason_keeps_only_the_current_weight_version():
+    assert stale_reason([sample("3"), sample("3")], "3") is None
+    assert stale_reason([sample("3"), sample("2")], "3") == "answered with weight_version '2', expected '3'"
+    assert stale_reason([sample("2")], None) is None  # nothing pushed yet: the servers' start-up weights
+    assert stale_reason([sample(None, finish="abort")], "3") is None  # aborted: no weights used
+
+
+def test_keep_going_returns_the_prompts_that_got_no_answer():
+    with socket.socket() as s:  # a port nobody listens on: every attempt is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = RolloutClient(dead, max_retries=1, retry_backoff_s=0.01)
+    result = client.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2), keep_going=True)
+    assert result.samples == [[], []] and sorted(result.failed) == [0, 1]
+    assert "gave up after 2 attempts" in result.failed[0]
+    assert [r.attempts for r in result.records] == [2, 2] and result.metrics.retried_requests == 2

@@ -1,0 +1,176 @@
+"""Faults during a run, on CPU with real processes: a rollout server killed by PID is restarted,
+brought to the current weights and its lost requests retried (the step completes, the restart is
+counted); a server that dies too often stops the run naming it; a dead training worker is named
+by role, rank, node and cause."""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from megarl.config import load_and_validate
+from megarl.placement import plan_from_config
+from megarl.placement.ray_pools import create_pools
+from megarl.placement.worker_group import WorkerGroupError
+from megarl.rewards.custom import select_score_fn
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.control import ServerControl
+from megarl.rollout.protocol import SamplingParams
+from megarl.trainer.cluster import Cluster
+from megarl.trainer.rl import RLTrainer
+from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_two_gpus(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    ray.shutdown()
+
+
+def wait_until_dead(fleet, server: int, timeout_s: float = 30.0) -> None:
+    """Until the worker sees its server process gone (a killed child stays a zombie until reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while fleet.workers.call("status", timeout_s=30)[server]["running"]:
+        assert time.monotonic() < deadline, f"server {server} still running after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(ray_two_gpus, tiny_assets, tmp_path):
+    config = load_and_validate(None, [
+        f"actor_rollout_ref.model.path={tiny_assets / 'model'}", "data.train_files=/unused.parquet",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=cpu", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.max_prompt_length=16", "data.max_response_length=96",
+        "actor_rollout_ref.rollout.max_server_restarts=1",
+    ])
+    plan = plan_from_config(config)
+    pools = create_pools(plan, timeout_s=60)
+    resynced = []
+    fleet = RolloutFleet(plan.roles["rollout"], pools, config, colocated=True, single_node=True,
+                         startup_timeout_s=180, on_restart=resynced.append)
+    try:
+        prompts = [[2, 10 + i % 20, 11 + i % 20] for i in range(24)]
+        sampling = SamplingParams(max_new_tokens=96, n=2, ignore_eos=True)
+        victim = fleet.workers.call("status", timeout_s=30)[1]
+        killer = threading.Timer(1.0, os.kill, (victim["pid"], signal.SIGKILL))
+        killer.start()
+        result = fleet.generate(prompts, sampling, seeds=list(range(len(prompts))))
+        killer.join()
+        assert [[len(s.token_ids) for s in row] for row in result.samples] == [[96, 96]] * len(prompts)
+        assert resynced == [fleet.urls]  # the restarted server was handed to the weight sync, once
+        now = fleet.workers.call("status", timeout_s=30)[1]
+        assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
+        assert fleet.restarts == [0, 1]
+        assert sorted(w["url"] for w in fleet.router.workers()) == sorted(fleet.urls)
+        faults = fleet.fault_metrics()
+        assert faults["faults/rollout_server_restarts"] == 1
+        assert faults["faults/rollout_requests_retried"] == result.metrics.retried_requests
+        assert fleet.fault_metrics()["faults/rollout_server_restarts"] == 0  # counted once
+
+        # A second death of the same server is one more than max_server_restarts=1 allows.
+        os.kill(now["pid"], signal.SIGKILL)
+        wait_until_dead(fleet, 1)
+        with pytest.raises(RolloutServerLost) as lost:
+            fleet.generate(prompts[:2], sampling)
+        message = str(lost.value)
+        assert f"rollout server 1 at {now['url']} on node " in message
+        assert "127.0.0.1" in message or now["ip"] in message
+        assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
+        assert f"Last lines of its log {now['log_path']}" in message
+        pids = [s["pid"] for s in fleet.workers.call("status", timeout_s=30)]
+    finally:
+        fleet.shutdown()
+        pools.remove()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ---------------------------------------------------------------------------- the whole cluster
+# One tiny GRPO cluster (TP=2 actor, two CPU-engine servers, colocated) for the three tests below,
+# which run in file order: a server killed before a step, the same server killed once too often,
+# then a training worker killed.
+
+
+@pytest.fixture(scope="module")
+def grpo(ray_two_gpus, tiny_assets, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    config = load_and_validate(str(REPO / "configs/tiny/grpo.yaml"), [
+        f"actor_rollout_ref.model.path={tiny_assets / 'model'}",
+        f"data.train_files={tiny_assets / 'data/train.parquet'}",
+        "data.val_files=[]", f"trainer.default_local_dir={tmp_path_factory.mktemp('out')}",
+        "actor_rollout_ref.rollout.max_server_restarts=1", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    ])
+    c = config.custom_reward_function
+    score_fn = select_score_fn(c.path, c.name, c.reward_kwargs)
+    cluster = Cluster(config)
+    try:
+        yield cluster, RLTrainer(config, cluster, AutoTokenizer.from_pretrained(str(tiny_assets / "model")), score_fn)
+    finally:
+        cluster.shutdown()
+
+
+def greedy(url: str, prompt: list[int]):
+    return RolloutClient(url).generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0)).samples[0][0]
+
+
+def test_step_completes_after_a_rollout_server_is_killed(grpo):
+    cluster, trainer = grpo
+    first = trainer.train_step()
+    assert first["faults/rollout_server_restarts"] == 0 and first["sync/weight_version"] == 1
+    victim = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until_dead(cluster.rollout, 1)
+
+    metrics = trainer.train_step()
+    assert metrics["faults/rollout_server_restarts"] == 1
+    assert metrics["faults/rollout_requests_retried"] >= 0 and metrics["rollout/samples"] == 4 * 4
+    assert metrics["sync/weight_version"] == 2 and cluster.rollout.restarts == [0, 1]
+    now = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    assert now["running"] and now["pid"] != victim["pid"]
+    assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
+    prompt = trainer.train_data.take([0])[0].input_ids
+    restarted, other = greedy(cluster.rollout.urls[1], prompt), greedy(cluster.rollout.urls[0], prompt)
+    assert restarted.weight_version == other.weight_version == "2"
+    assert restarted.token_ids == other.token_ids and len(restarted.token_ids) > 0
+
+
+def test_training_worker_death_is_named(grpo):
+    cluster, _ = grpo
+    victim = cluster.actor.workers.call("node_info", timeout_s=60)[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError) as died:
+        cluster.sync_weights()  # every actor rank takes part; rank 0 waits on rank 1 in a collective
+    assert time.monotonic() - started < 60
+    message = str(died.value)
+    where = cluster.actor.workers.locations[1]
+    assert f"actor rank 1 on {where} died: the worker process (pid {victim['pid']}, node " in message, message
+    assert "exited unexpectedly (SIGKILL, the OOM killer or a crash?)" in message, message
+    assert 'File "' not in message, message  # one line per rank, no tracebacks
+
+
+def test_a_server_dying_past_max_server_restarts_stops_the_run(grpo):
+    cluster, trainer = grpo
+    status = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    os.kill(status["pid"], signal.SIGKILL)
+    wait_until_dead(cluster.rollout, 1)
+    with pytest.raises(RolloutServerLost) as lost:
+        trainer.train_step()
+    message = str(lost.value)
+    assert f"rollout server 1 at {status['url']} on node {cluster.rollout.workers.locations[1]} (" in message
+    assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
+    assert f"Last lines of its log {status['log_path']}" in message

@@ -1,0 +1,22 @@
+"""Pure pieces of the RL loop: sampling seeds and the count of skipped (non-finite) steps."""
+import pytest
+
+from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
+
+
+def test_sampling_seeds_depend_on_seed_step_and_prompt_only():
+    assert sampling_seed(1, "s3", 7) == sampling_seed(1, "s3", 7)
+    seeds = {sampling_seed(seed, prefix, i) for seed in (1, 2) for prefix in ("s0", "s1", "s1r1") for i in range(50)}
+    assert len(seeds) == 2 * 3 * 50  # no collisions among these
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run():
+    in_a_row, logged = 0, []
+    for skipped in (1.0, 0.0, 1.0, 1.0):
+        metrics = {"actor/skipped_updates": skipped, "critic/skipped_updates": 0.0}
+        in_a_row = skipped_steps_in_a_row(in_a_row, metrics, limit=3, step=len(logged) + 1)
+        logged.append(metrics["faults/skipped_steps_in_a_row"])
+    assert logged == [1.0, 0.0, 1.0, 2.0]
+    with pytest.raises(NonFiniteTrainingError, match=r"step 5: .* 3 steps in a row .*max_consecutive_skipped_steps=3"):
+        skipped_steps_in_a_row(in_a_row, {"critic/skipped_updates": 1.0}, limit=3, step=5)
