@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print("config OK (dry run: stopping after validation)")
         return 0
     check_environment(config)
+    from megarl.algos.dapo import DynamicSamplingExhausted
+    from megarl.placement.worker_group import WorkerGroupError
+    from megarl.rewards.batch import RewardFunctionError
     from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from megarl.trainer.rl import NonFiniteTrainingError
+    from megarl.trainer.rollout_fleet import RolloutServerLost
 
     try:
         run(config)
@@ -54,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    except (WorkerGroupError, RolloutServerLost, RewardFunctionError, NonFiniteTrainingError,
+            DynamicSamplingExhausted) as error:
+        print(f"megarl: the run stopped: {error}\nmegarl: with trainer.resume_mode=auto the next run continues from "
+              "the last checkpoint", file=sys.stderr)
+        return 1
     return 0
 
 
