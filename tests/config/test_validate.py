@@ -152,3 +152,13 @@ def test_reference_follows_the_actor_layout_unless_set():
            "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2")
     assert c.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 1
     assert c.actor_rollout_ref.ref.megatron.pipeline_model_parallel_size == 2
+
+
+def test_the_lr_schedule_takes_the_trainers_step_count_or_asks_for_one():
+    c = ok("trainer.total_training_steps=200", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
+    assert c.actor_rollout_ref.actor.optim.total_training_steps == 200
+    assert c.critic.optim.total_training_steps == 200
+    assert ok("trainer.total_training_steps=200", "actor_rollout_ref.actor.optim.total_training_steps=50"
+              ).actor_rollout_ref.actor.optim.total_training_steps == 50
+    msg = fails("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
+    assert "actor_rollout_ref.actor.optim: lr_warmup_steps_ratio" in msg and "set trainer.total_training_steps" in msg

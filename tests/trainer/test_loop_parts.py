@@ -20,3 +20,16 @@ def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run():
     assert logged == [1.0, 0.0, 1.0, 2.0]
     with pytest.raises(NonFiniteTrainingError, match=r"step 5: .* 3 steps in a row .*max_consecutive_skipped_steps=3"):
         skipped_steps_in_a_row(in_a_row, {"critic/skipped_updates": 1.0}, limit=3, step=5)
+
+
+def test_the_metrics_of_several_generation_rounds_merge_into_one_step():
+    from megarl.trainer.experience import merge_round_metrics
+
+    rounds = [{"rollout/samples": 32.0, "rollout/response_tokens": 100.0, "rollout/wall_s": 2.0,
+               "rollout/latency_max_s": 1.5, "reward/num_errors": 1.0, "reward/score_mean": 0.25},
+              {"rollout/samples": 32.0, "rollout/response_tokens": 300.0, "rollout/wall_s": 2.0,
+               "rollout/latency_max_s": 0.5, "reward/num_errors": 0.0, "reward/score_mean": 0.75}]
+    merged = merge_round_metrics(rounds)
+    assert merged == {"rollout/samples": 64.0, "rollout/response_tokens": 400.0, "rollout/wall_s": 4.0,
+                      "rollout/latency_max_s": 1.5, "reward/num_errors": 1.0, "reward/score_mean": 0.5,
+                      "rollout/tokens_per_s": 100.0}

@@ -23,10 +23,16 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 def resolve(config: ExperimentConfig) -> ExperimentConfig:
     """Return a copy with every 'None means same as ...' key filled in."""
     arr = config.actor_rollout_ref
+    steps = config.trainer.total_training_steps
+
+    def with_total(optim):  # optim.total_training_steps=-1: the trainer's step count (optimizer steps' schedule)
+        return optim if optim.total_training_steps > 0 or not steps else replace(optim, total_training_steps=steps)
+
     actor = replace(
         arr.actor,
         clip_ratio_low=arr.actor.clip_ratio if arr.actor.clip_ratio_low is None else arr.actor.clip_ratio_low,
         clip_ratio_high=arr.actor.clip_ratio if arr.actor.clip_ratio_high is None else arr.actor.clip_ratio_high,
+        optim=with_total(arr.actor.optim),
     )
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     ref = replace(
@@ -50,6 +56,7 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         ppo_micro_batch_size_per_gpu=critic.ppo_micro_batch_size_per_gpu or micro,
         ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs,
         model=replace(critic.model, path=critic.model.path or arr.model.path),
+        optim=with_total(critic.optim),
     )
     return replace(
         config,
@@ -265,6 +272,11 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         errors.append("algorithm.adv_estimator=gae needs a critic: remove critic.enable=false or pick another estimator")
     if a.filter_groups.enable and rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2")
+    for section, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", config.critic.optim)):
+        needs_total = optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0 or optim.warmup_style != "constant"
+        if needs_total and optim.total_training_steps <= 0 and not t.total_training_steps:
+            errors.append(f"{section}: lr_warmup_steps_ratio / warmup_style={optim.warmup_style} need the number of "
+                          f"steps: set trainer.total_training_steps (or {section}.total_training_steps)")
     if a.dpo.beta <= 0:
         errors.append(f"algorithm.dpo.beta={a.dpo.beta}: must be > 0")
     if not 0 <= a.dpo.label_smoothing < 0.5:

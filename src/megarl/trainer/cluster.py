@@ -36,7 +36,7 @@ def connect_ray(config: ExperimentConfig) -> None:
     if config.trainer.nnodes > 1:
         raise RuntimeError(f"trainer.nnodes={config.trainer.nnodes}: start a Ray cluster first (launch/ or "
                            "slurm/megarl.sbatch) and set RAY_ADDRESS")
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=total, include_dashboard=False,
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), num_gpus=total, include_dashboard=False,
              log_to_driver=False, logging_level="WARNING")
 
 

@@ -141,3 +141,26 @@ def mean_scores(scores: torch.Tensor, data_sources: Sequence[str], prefix: str =
         picked = torch.tensor([s == source for s in data_sources])
         out[f"{prefix}/{source}/score"] = scores[picked].mean().item()
     return out
+
+
+_ROUND_SUMS = {"rollout/requests", "rollout/samples", "rollout/prompt_tokens", "rollout/response_tokens",
+               "rollout/wall_s", "rollout/aborted_samples", "rollout/retried_requests", "rollout/retries",
+               "reward/num_errors", "reward/num_timeouts"}
+
+
+def merge_round_metrics(rounds: Sequence[dict]) -> dict:
+    """The metrics of several generation rounds of one step (DAPO's dynamic sampling) as one set:
+    counts and seconds add up, latencies and longest samples take the maximum, tokens/s is
+    recomputed, everything else is the mean over rounds."""
+    merged = {}
+    for key in {k for r in rounds for k in r}:
+        values = [r[key] for r in rounds if key in r]
+        if key in _ROUND_SUMS:
+            merged[key] = float(sum(values))
+        elif key.startswith(("rollout/latency_", "rollout/longest_")):
+            merged[key] = float(max(values))
+        else:
+            merged[key] = float(sum(values) / len(values))
+    if merged.get("rollout/wall_s"):
+        merged["rollout/tokens_per_s"] = merged["rollout/response_tokens"] / merged["rollout/wall_s"]
+    return merged

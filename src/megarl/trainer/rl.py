@@ -155,15 +155,17 @@ class RLTrainer:
             return self.generate_and_score(self.train_data.take(self.sampler.next_batch()), timer, f"s{self.step}")
         target = self.config.data.train_batch_size
         sampler = DynamicSampler(target, f.max_num_gen_batches)
-        kept, metrics = [], {}
+        kept, rounds = [], []
         while not sampler.is_full:
             prompts = self.train_data.take(self.sampler.next_batch())
             batch, metrics = self.generate_and_score(prompts, timer, f"s{self.step}r{sampler.rounds}")
+            rounds.append(metrics)
             values = batch[f.metric] if f.metric in batch.meta else batch["scores"].tolist()
             keep = sampler.add(batch["uid"], values)
             if keep:
                 kept.append(batch.select(keep))
         batch = Batch.concat(kept)
+        metrics = experience.merge_round_metrics(rounds)
         metrics.update({"dynamic_sampling/rounds": float(sampler.rounds),
                         "dynamic_sampling/kept_groups": float(sampler.kept_groups),
                         "dynamic_sampling/seen_groups": float(sampler.seen_groups),

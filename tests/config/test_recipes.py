@@ -1,0 +1,107 @@
+"""The GPU recipes (configs/recipes/*.yaml) validate, and `megarl plan` places and fits each on its
+stated cluster, with the model's architecture read from the HF config.json kept beside the recipes
+(configs/recipes/models/<name>/config.json): no GPU and no downloaded weights needed.
+Also: the tiny recipes (configs/tiny/*.yaml) validate and differ from tiny GRPO where they say."""
+import re
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main as megarl_main
+from megarl.config import load_and_validate
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = REPO / "configs/recipes"
+MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
+          "Qwen/Qwen2.5-14B-Instruct": RECIPES / "models/qwen2.5-14b-instruct"}
+RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
+EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+            "dpo", "grpo_2node"}
+
+
+def test_every_algorithm_has_a_recipe():
+    assert {p.stem for p in RECIPE_FILES} == EXPECTED
+
+
+def model_dir(path: Path) -> Path:
+    config = load_and_validate(path)
+    assert config.actor_rollout_ref.model.path in MODELS, f"{path.name}: no architecture file for its model"
+    return MODELS[config.actor_rollout_ref.model.path]
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_recipe_header_states_paper_and_launch(path):
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    assert re.search(r"arXiv:\d{4}\.\d{4,5}", header), f"{path.name}: cite the paper (arXiv id)"
+    trainer = "main_dpo" if path.stem == "dpo" else "main_ppo"
+    assert f"python -m megarl.trainer.{trainer} --config configs/recipes/{path.name}" in header
+    assert f"megarl plan --config configs/recipes/{path.name}" in header
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_recipe_plans_and_fits(path, capsys):
+    """`megarl plan` exits 0 (fits) with a full memory estimate, and its GPU map puts a role on
+    every GPU of the stated cluster."""
+    config = load_and_validate(path)
+    assert config.trainer.device != "cpu" and config.actor_rollout_ref.rollout.name == "sglang"
+    assert config.placement.gpu_memory_gib == 80
+    code = megarl_main(["plan", "--config", str(path), f"actor_rollout_ref.model.path={model_dir(path)}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "memory estimate skipped" not in out
+    peak, total = map(float, re.search(r"peak per GPU: ([\d.]+) GiB of ([\d.]+) GiB.*: fits", out).groups())
+    assert peak <= total == 80.0
+    t = config.trainer
+    for node in range(t.nnodes):
+        block = out.split(f"node{node}:\n")[1].split("\nnode")[0]
+        gpus = re.findall(r"^  gpu(\d+): \[\w+\] \S", block, flags=re.MULTILINE)
+        assert sorted(map(int, gpus)) == list(range(t.n_gpus_per_node)), f"{path.name}: node{node} map:\n{block}"
+    assert "(unused)" not in out
+
+
+def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
+    path = RECIPES / "grpo_2node.yaml"
+    config = load_and_validate(path)
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
+    assert (config.placement.mode, config.placement.rollout_gpus) == ("split", 8)
+    megarl_main(["plan", "--config", str(path), f"actor_rollout_ref.model.path={model_dir(path)}"])
+    out = capsys.readouterr().out
+    node0, node1 = out.split("node1:\n")
+    assert "rollout" not in node0.split("node0:\n")[1] and "actor rank" not in node1.split("\nactor:")[0]
+    assert "model: 14.770 B parameters" in out
+
+
+# Tiny recipes: what each changes relative to configs/tiny/grpo.yaml.
+TINY = {
+    "ppo": {"algorithm.adv_estimator": "gae", "critic.enable": True, "actor_rollout_ref.rollout.n": 1},
+    "dr_grpo": {"algorithm.norm_adv_by_std_in_grpo": False,
+                "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm"},
+    "dapo": {"algorithm.filter_groups.enable": True, "actor_rollout_ref.actor.clip_ratio_high": 0.28,
+             "reward_model.overlong_buffer_len": 4},  # clip_ratio_low 0.2 and token-mean are GRPO's too
+    "rloo": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True},
+    "remax": {"algorithm.adv_estimator": "remax", "algorithm.use_kl_in_reward": True},
+    "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.use_kl_in_reward": True},
+    "reinforce_pp_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline",
+                              "algorithm.use_kl_in_reward": True},
+    "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
+             "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
+             "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
+}
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_tiny_recipe_is_grpo_but_for_its_algorithm(name):
+    config = load_and_validate(REPO / f"configs/tiny/{name}.yaml")
+    grpo = load_and_validate(REPO / "configs/tiny/grpo.yaml")
+    for key, value in TINY[name].items():
+        assert _get(config, key) == value, key
+        assert _get(grpo, key) != value, f"{key} is already {value!r} in tiny GRPO"
+    assert config.trainer.experiment_name == name
+    assert (config.trainer.device, config.actor_rollout_ref.rollout.name) == ("cpu", "cpu")
+    assert config.actor_rollout_ref.model.path == grpo.actor_rollout_ref.model.path

@@ -1,0 +1,269 @@
+"""Every tiny RL recipe (configs/tiny/*.yaml) end to end on CPU, checking that what makes the
+algorithm that algorithm actually happened in the loop.
+
+One Ray session serves all recipes; each recipe brings up its own cluster (real megatron-core at
+TP=2 on gloo, CPU-engine rollout servers behind the router), runs one `RLTrainer.train_step` and
+is inspected through the step's metrics and the batch the actor was updated on (captured on its way
+into `EngineGroup.update`).
+
+The reward is this file's `first_char_is_digit`: about one response in five of the random tiny model
+starts with a digit, so groups of four responses are a mix of informative groups and groups whose
+responses all score the same, which the group estimators and DAPO's filter must tell apart.
+"""
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from megarl.config import load_and_validate
+from megarl.data.batch import Batch
+from megarl.trainer.cluster import Cluster
+from megarl.trainer.rl import RLTrainer
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+GPUS = 2  # logical GPUs of every configs/tiny recipe
+TOL = 1e-5
+
+
+def first_char_is_digit(data_source, solution_str, ground_truth, extra_info=None):
+    """1 when the response starts with a digit, else 0; `acc` is DAPO's filter metric."""
+    acc = float(solution_str[:1].isdigit())
+    return {"score": acc, "acc": acc}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray  # after megarl.trainer.cluster, which sets Ray's auth default for a local cluster
+
+    # address="local": a Ray of our own even when another cluster runs on this machine
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), num_gpus=GPUS, include_dashboard=False,
+             log_to_driver=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@dataclass
+class StepRecord:
+    config: object
+    metrics: dict
+    actor_batches: list = field(default_factory=list)  # the batch of each actor update
+    critic_batches: list = field(default_factory=list)
+    values_after: torch.Tensor | None = None  # PPO: the critic's values of the batch after its update
+
+
+def run_recipe(name: str, tiny: Path, out: Path, *overrides: str) -> StepRecord:
+    """Bring up configs/tiny/<name>.yaml's cluster on the `tiny_assets` model and data, run one
+    train_step, tear it down."""
+    paths = [f"actor_rollout_ref.model.path={tiny / 'model'}", f"data.train_files={tiny / 'data/train.parquet'}",
+             f"data.val_files={tiny / 'data/val.parquet'}", f"trainer.default_local_dir={out}"]
+    config = load_and_validate(REPO / f"configs/tiny/{name}.yaml", [*paths, *overrides])
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    cluster = Cluster(config)
+    try:
+        trainer = RLTrainer(config, cluster, tokenizer, first_char_is_digit)
+        record = StepRecord(config, {})
+        _capture_updates(cluster.actor, record.actor_batches)
+        if cluster.critic is not None:
+            _capture_updates(cluster.critic, record.critic_batches)
+        record.metrics = trainer.train_step()
+        if cluster.critic is not None and record.critic_batches:
+            record.values_after = cluster.critic.compute("compute_values", record.critic_batches[0])["values"]
+    finally:
+        cluster.shutdown()
+    for key, value in record.metrics.items():
+        assert math.isfinite(value), f"{name}: {key}={value}"
+    assert len(record.actor_batches) == 1, f"{name}: the actor was updated {len(record.actor_batches)} times"
+    return record
+
+
+def _capture_updates(group, sink: list) -> None:
+    update = group.update
+
+    def recording(method: str, batch: Batch):
+        sink.append(batch)
+        return update(method, batch)
+
+    group.update = recording
+
+
+# ------------------------------------------------------------------------------ batch views
+def seq_rewards(batch: Batch) -> torch.Tensor:
+    """Each response's total token-level reward (score + KL penalty where configured), float64 [B]."""
+    return (batch["token_level_rewards"].double() * batch["response_mask"]).sum(-1)
+
+
+def per_response(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] values that are constant over each response's tokens -> [B]; asserts the constancy."""
+    mask = mask.bool()
+    out = []
+    for row, m in zip(values.double(), mask):
+        tokens = row[m]
+        assert torch.allclose(tokens, tokens[0].expand_as(tokens), atol=TOL), f"not constant over a response: {tokens}"
+        out.append(tokens[0])
+    return torch.stack(out)
+
+
+def groups(uids) -> list[list[int]]:
+    members: dict = {}
+    for i, uid in enumerate(uids):
+        members.setdefault(uid, []).append(i)
+    return list(members.values())
+
+
+def reversed_cumsum(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """returns_t = sum_{k >= t} r_k over valid tokens (gamma 1), 0 on padding."""
+    r = torch.where(mask.bool(), rewards.double(), 0.0)
+    return torch.where(mask.bool(), r.flip(-1).cumsum(-1).flip(-1), 0.0)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std over valid positions (unbiased variance), 0 on padding."""
+    valid = x[mask.bool()]
+    return torch.where(mask.bool(), (x - valid.mean()) / torch.sqrt(valid.var() + 1e-8), 0.0)
+
+
+def informative(batch: Batch) -> list[list[int]]:
+    scores = seq_rewards(batch)
+    return [g for g in groups(batch["uid"]) if len({scores[i].item() for i in g}) > 1]
+
+
+# ------------------------------------------------------------------------------ the recipes
+def test_ppo_critic_values_and_gae(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("ppo", tiny_assets, tmp_path)
+    batch, m = run.actor_batches[0], run.metrics
+    assert "values" in batch and batch["values"].shape == batch["response_mask"].shape
+    assert len(run.critic_batches) == 1 and m["timing/update_critic_s"] > 0 and m["timing/values_s"] > 0
+    assert "critic/vf_loss" in m and "critic/vf_clipfrac" in m
+    mask = batch["response_mask"].bool()
+    # gamma = lam = 1: GAE's returns (the critic's targets) are the reward-to-go
+    assert torch.allclose(batch["returns"].double()[mask], reversed_cumsum(batch["token_level_rewards"], mask)[mask],
+                          atol=TOL)
+    adv = batch["advantages"][mask]
+    assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-3  # whitened over the batch
+    # the critic learned: its values of the same batch moved after the update
+    assert not torch.allclose(run.values_after[mask], batch["values"][mask])
+
+
+def test_grpo_family_dr_grpo_does_not_divide_by_std(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("dr_grpo", tiny_assets, tmp_path)
+    batch = run.actor_batches[0]
+    assert run.config.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    adv = per_response(batch["advantages"], batch["response_mask"])
+    scores = seq_rewards(batch)
+    useful = informative(batch)
+    assert useful, "no group had different scores: the check would be vacuous"
+    for g in groups(batch["uid"]):
+        expected = scores[g] - scores[g].mean()
+        assert torch.allclose(adv[g], expected, atol=TOL), (adv[g], expected)
+    g = useful[0]  # with GRPO's normalisation these would differ
+    assert not torch.allclose(adv[g], (scores[g] - scores[g].mean()) / (scores[g].std() + 1e-6), atol=1e-3)
+    assert_token_ratio_identity(run.metrics, "dr_grpo")
+
+
+def assert_token_ratio_identity(m: dict, name: str) -> None:
+    """With token-level ratios r = exp(l), mean(r) = 1 + mean(expm1(l) - l) + mean(l), i.e.
+    ratio_mean = 1 + approx_kl - ppo_kl, in every mini-batch and so in their average."""
+    gap = m["actor/ratio_mean"] - 1 - m["actor/approx_kl"] + m["actor/ppo_kl"]
+    assert abs(gap) < 1e-6, f"{name}: token-ratio identity off by {gap}"
+
+
+def test_gspo_uses_sequence_level_ratios(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("gspo", tiny_assets, tmp_path)
+    m = run.metrics
+    assert run.config.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
+    # four mini-batches: after the first update the policy has moved, so the ratios differ from 1
+    assert m["actor/approx_kl"] > 0
+    # The loss's ratio is exp(mean_t l_t) per response; by Jensen it is below the token ratios'
+    # mean (the identity of assert_token_ratio_identity), strictly when the tokens' log-ratios vary.
+    gap = m["actor/ratio_mean"] - 1 - m["actor/approx_kl"] + m["actor/ppo_kl"]
+    assert gap < -1e-6, f"ratio_mean is the token ratios' mean (gap {gap}): the sequence-level path did not run"
+    assert m["actor/pg_clipfrac_dual"] == 0.0  # GSPO has no dual clip
+    assert m["actor/pg_clipfrac"] > 0  # the 3e-4 / 4e-4 range clips whole responses once the policy moved
+
+
+def test_dapo_filter_clip_higher_and_overlong(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("dapo", tiny_assets, tmp_path)
+    batch, m, c = run.actor_batches[0], run.metrics, run.config
+    # dynamic sampling: all-equal groups were dropped and more prompts generated to fill the batch
+    target = c.data.train_batch_size
+    assert m["dynamic_sampling/kept_groups"] == target
+    assert m["dynamic_sampling/seen_groups"] > target, m
+    assert len(groups(batch["uid"])) == target and len(batch) == target * c.actor_rollout_ref.rollout.n
+    for g in groups(batch["uid"]):
+        assert len({batch["acc"][i] for i in g}) > 1, f"an all-equal group was kept: {[batch['acc'][i] for i in g]}"
+    # overlong shaping: score = acc + penalty of the length beyond max_response_length - buffer
+    rm = c.reward_model
+    lengths = batch["response_mask"].sum(-1).float()
+    penalty = torch.clamp(-(lengths - (c.data.max_response_length - rm.overlong_buffer_len))
+                          / rm.overlong_buffer_len * rm.overlong_penalty_factor, max=0.0)
+    assert torch.allclose(batch["scores"], torch.tensor(batch["acc"]) + penalty, atol=TOL)
+    assert (penalty < 0).any(), "no response reached the overlong buffer: the check would be vacuous"
+    assert m["reward/overlong_penalty_mean"] <= 0
+    # clip-higher: decoupled bounds reach the loss, which reports the share clipped at each bound
+    assert (c.actor_rollout_ref.actor.clip_ratio_low, c.actor_rollout_ref.actor.clip_ratio_high) == (0.2, 0.28)
+    for key in ("actor/pg_clipfrac_high", "actor/pg_clipfrac_low", "actor/pg_clipfrac"):
+        assert 0.0 <= m[key] <= 1.0, key
+    assert_token_ratio_identity(m, "dapo")
+
+
+def test_rloo_baseline_leaves_the_sample_out(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("rloo", tiny_assets, tmp_path)
+    batch = run.actor_batches[0]
+    assert "critic/kl" in run.metrics  # KL as a reward penalty
+    adv = per_response(batch["advantages"], batch["response_mask"])
+    scores = seq_rewards(batch)
+    assert informative(batch), "no group had different scores: the check would be vacuous"
+    for g in groups(batch["uid"]):
+        for i in g:
+            others = [scores[j] for j in g if j != i]
+            expected = scores[i] - sum(others) / len(others)
+            assert abs(adv[i].item() - expected.item()) < TOL, (i, adv[i], expected)
+
+
+def test_remax_greedy_baseline(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("remax", tiny_assets, tmp_path)
+    batch, m = run.actor_batches[0], run.metrics
+    assert "reward_baselines" in batch
+    baselines = batch["reward_baselines"]
+    assert baselines.shape == (len(batch),)
+    for g in groups(batch["uid"]):  # one greedy response per prompt
+        assert torch.all(baselines[g] == baselines[g[0]])
+    assert abs(m["reward/remax_baseline_mean"] - baselines.mean().item()) < TOL
+    mask = batch["response_mask"].bool()
+    expected = reversed_cumsum(batch["token_level_rewards"], mask) - baselines.double()[:, None]
+    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=TOL)
+
+
+def test_reinforce_pp_whitens_over_the_batch(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("reinforce_pp", tiny_assets, tmp_path)
+    batch = run.actor_batches[0]
+    mask = batch["response_mask"].bool()
+    expected = whiten(reversed_cumsum(batch["token_level_rewards"], mask), mask)
+    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
+    adv = batch["advantages"][mask]
+    assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-3
+
+
+def test_reinforce_pp_baseline_centres_per_group_then_whitens(ray_session, tiny_assets, tmp_path):
+    run = run_recipe("reinforce_pp_baseline", tiny_assets, tmp_path)
+    batch = run.actor_batches[0]
+    mask = batch["response_mask"].bool()
+    scores = seq_rewards(batch)
+    centred = torch.zeros_like(scores)
+    degenerate = torch.zeros(len(batch), dtype=torch.bool)
+    for g in groups(batch["uid"]):
+        if len({scores[i].item() for i in g}) > 1:
+            centred[g] = scores[g] - scores[g].mean()
+        else:
+            degenerate[g] = True
+    assert not degenerate.all(), "no group had different scores: the check would be vacuous"
+    expected = whiten(torch.where(mask, centred[:, None], 0.0), mask)
+    expected = torch.where(degenerate[:, None], 0.0, expected)
+    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
