@@ -109,3 +109,26 @@ def test_sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint_to_resume_f
         step = state["step"] + 1
     assert step > 5, "the writer never got far: the kills came too early to test anything"
     assert killed_mid_write >= 1, "no kill landed during a checkpoint write"
+
+
+def test_torch_dist_metadata_naming_code_is_refused_before_it_is_unpickled(tmp_path):
+    """torch.distributed.checkpoint unpickles `.metadata` without restriction: megarl checks it
+    first, allowing only the classes checkpoint metadata is made of."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from megarl.bridge import ConversionError
+    from megarl.bridge.torch_dist_io import check_metadata_is_data
+
+    good = tmp_path / "good"
+    save({"w": torch.ones(2, 3, dtype=torch.bfloat16), "step": 3}, storage_writer=FileSystemWriter(good))
+    check_metadata_is_data(good)
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(ConversionError, match=r"bad/\.metadata: refers to posix\.system"):
+        check_metadata_is_data(bad)

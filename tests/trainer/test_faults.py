@@ -37,6 +37,17 @@ def ray_two_gpus(tmp_path_factory):
     ray.shutdown()
 
 
+def kill_once_busy(server: dict, timeout_s: float = 60.0) -> None:
+    """SIGKILL the server's process as soon as it reports requests running (mid-generation,
+    however fast this machine generates)."""
+    control, deadline = ServerControl(server["url"], timeout_s=5), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if control.server_info()["internal_states"][0]["num_running_requests"] > 0:
+            break
+        time.sleep(0.01)
+    os.kill(server["pid"], signal.SIGKILL)
+
+
 def wait_until_dead(fleet, server: int, timeout_s: float = 30.0) -> None:
     """Until the worker sees its server process gone (a killed child stays a zombie until reaped)."""
     deadline = time.monotonic() + timeout_s
@@ -63,7 +74,7 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
         prompts = [[2, 10 + i % 20, 11 + i % 20] for i in range(24)]
         sampling = SamplingParams(max_new_tokens=96, n=2, ignore_eos=True)
         victim = fleet.workers.call("status", timeout_s=30)[1]
-        killer = threading.Timer(1.0, os.kill, (victim["pid"], signal.SIGKILL))
+        killer = threading.Thread(target=kill_once_busy, args=(victim,), daemon=True)
         killer.start()
         result = fleet.generate(prompts, sampling, seeds=list(range(len(prompts))))
         killer.join()

@@ -258,6 +258,42 @@ class _RegionLoadPlanner(DefaultLoadPlanner):
         pass  # `tensor` is a view of `dest`: already in place
 
 
+_DCP = "torch.distributed.checkpoint."
+# Every global a PyTorch Distributed Checkpoint's `.metadata` pickle may name (torch 2.x), plus
+# torch dtypes. Anything else is refused before the file is unpickled for real.
+SAFE_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    (_DCP + "filesystem", "_StorageInfo"),
+    *((_DCP + "metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *((_DCP + "planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+})
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not dtype and (module, name) not in SAFE_METADATA_GLOBALS:
+            raise ConversionError(f"{self.source}: refers to {module}.{name}, which a checkpoint's metadata never "
+                                  "holds; refusing to load it (a checkpoint is data, never code)")
+        return super().find_class(module, name)
+
+
+def check_metadata_is_data(ckpt_dir: str | Path) -> None:
+    """Unpickle `<ckpt_dir>/.metadata` with only the classes of checkpoint metadata allowed:
+    ConversionError naming the file and the global otherwise. Call it before handing the
+    directory to torch.distributed.checkpoint, which unpickles the file without restriction."""
+    path = Path(ckpt_dir) / ".metadata"
+    with open(path, "rb") as f:
+        _CheckingUnpickler(f, path).load()
+
+
 class _CachedMetadataReader(FileSystemReader):
     def __init__(self, path: Path):
         super().__init__(str(path))
@@ -284,6 +320,7 @@ class TorchDistReader:
         if backend != "torch_dist":
             raise ConversionError(f"{self.dir}: sharded_backend is {backend!r}; only 'torch_dist' is supported")
         try:
+            check_metadata_is_data(self.dir)
             self._reader = _CachedMetadataReader(self.dir)
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:  # missing or corrupt
             raise ConversionError(f"{self.dir / '.metadata'}: unreadable ({e})") from None

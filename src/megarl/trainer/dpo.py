@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
@@ -29,6 +28,7 @@ from megarl.placement.from_config import actor_role_spec
 from megarl.placement.planner import RoleSpec
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
+from megarl.trainer.offline import run_offline
 
 
 def ref_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
@@ -115,23 +115,4 @@ class DPOTrainer:
 
 def run_dpo(config: ExperimentConfig) -> Path:
     """Train, export the HF checkpoint; returns its directory."""
-    from transformers import AutoTokenizer
-
-    from megarl.tracking import Tracker
-    from megarl.trainer.cluster import connect_ray
-
-    t = config.trainer
-    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
-    connect_ray(config)
-    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
-    trainer = DPOTrainer(config, tokenizer)
-    tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
-    try:
-        torch.manual_seed(t.seed)
-        trainer.fit(tracker)
-        out = trainer.export(root / "hf")
-        print(f"exported the DPO-trained model to {out}")
-        return out
-    finally:
-        trainer.shutdown()
-        tracker.finish()
+    return run_offline(config, DPOTrainer, "DPO-trained")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
@@ -22,6 +21,7 @@ from megarl.placement import ClusterSpec, plan_placement
 from megarl.placement.from_config import actor_role_spec
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
+from megarl.trainer.offline import run_offline
 
 
 def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
@@ -86,23 +86,4 @@ class SFTTrainer:
 
 def run_sft(config: ExperimentConfig) -> Path:
     """Train, export the HF checkpoint; returns its directory."""
-    from transformers import AutoTokenizer
-
-    from megarl.tracking import Tracker
-    from megarl.trainer.cluster import connect_ray
-
-    t = config.trainer
-    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
-    connect_ray(config)
-    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
-    trainer = SFTTrainer(config, tokenizer)
-    tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
-    try:
-        torch.manual_seed(t.seed)
-        trainer.fit(tracker)
-        out = trainer.export(root / "hf")
-        print(f"exported the fine-tuned model to {out}")
-        return out
-    finally:
-        trainer.shutdown()
-        tracker.finish()
+    return run_offline(config, SFTTrainer, "fine-tuned")

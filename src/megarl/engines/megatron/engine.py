@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge import WeightMap
+from megarl.bridge.torch_dist_io import check_metadata_is_data
 from megarl.data.batch import Batch
 from megarl.engines.megatron import offload as offloading
 from megarl.engines.megatron.model import (
@@ -422,6 +423,7 @@ class MegatronEngine:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
+        check_metadata_is_data(path)  # torch.distributed.checkpoint itself unpickles it unrestricted
         state = self._sharded_state(is_loading=True)
         loaded = dist_checkpointing.load(state, str(path))
         for key, chunk in zip([k for k in state if k.startswith("model")], self.model_chunks):

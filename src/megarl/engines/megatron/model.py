@@ -27,7 +27,7 @@ from megarl.bridge.mapping import EMBEDDING, canonical_name, is_extra_state, tp_
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_offset, shard_tp, shift_layer
-from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
+from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader, check_metadata_is_data
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,6 +226,7 @@ def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
     """Load (and reshard) the model weights of a `torch_dist` checkpoint into the chunks."""
     from megatron.core import dist_checkpointing
 
+    check_metadata_is_data(ckpt_dir)
     request = model_sharded_state_dict(chunks)
     loaded = dist_checkpointing.load(request, str(ckpt_dir))
     for key, chunk in zip(request, chunks):

@@ -1,0 +1,57 @@
+"""What the offline trainers (SFT, DPO) share: the command line and the run around their loop.
+
+    trainer = trainer_cls(config, tokenizer)   # places its engines with Ray
+    trainer.fit(tracker); trainer.export(<default_local_dir>/<project>/<experiment>/hf)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+from megarl.config import ExperimentConfig, load_and_validate
+from megarl.config.args import add_experiment_args
+from megarl.trainer.preflight import check_environment
+
+
+def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
+    """Train with `trainer_cls`, export the HF checkpoint; returns its directory. `done` finishes
+    the sentence "exported the ... model to DIR"."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from megarl.tracking import Tracker
+    from megarl.trainer.cluster import connect_ray
+
+    t = config.trainer
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
+    connect_ray(config)
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    trainer = trainer_cls(config, tokenizer)
+    tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
+    try:
+        torch.manual_seed(t.seed)
+        trainer.fit(tracker)
+        out = trainer.export(root / "hf")
+        print(f"exported the {done} model to {out}")
+        return out
+    finally:
+        trainer.shutdown()
+        tracker.finish()
+
+
+def offline_main(prog: str, description: str, run: str, argv: list[str] | None) -> int:
+    """`prog [--config X.yaml] [--dry-run] key.path=value ...`: validate, check the machine, then
+    call `run` ("module:function", imported only then) with the config."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_experiment_args(parser)
+    parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    args = parser.parse_intermixed_args(argv)
+    config = load_and_validate(args.config, args.overrides)
+    if args.dry_run:
+        print("config OK (dry run: stopping after validation)")
+        return 0
+    check_environment(config)
+    module, function = run.split(":")
+    getattr(importlib.import_module(module), function)(config)
+    return 0
