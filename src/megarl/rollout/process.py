@@ -6,9 +6,11 @@ Its stdout and stderr go to a log file whose tail is quoted when it fails to sta
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import subprocess
 import tempfile
 import threading
@@ -44,6 +46,16 @@ def _new_log_file(name: str) -> str:
     fd, path = tempfile.mkstemp(prefix=f"megarl-{name}-", suffix=".log")
     os.close(fd)
     return path
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None  # resolved before any fork
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec: Linux sends it SIGTERM when the process that started it dies,
+    so a server or router never outlives a killed trainer or Ray worker."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServerStartError(RuntimeError):
@@ -93,7 +105,8 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
             with open(self.log_path, "ab") as log_file:
                 self._proc = subprocess.Popen(
-                    self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                    self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                    preexec_fn=_die_with_parent if _prctl is not None else None,
                 )
             log.info("%s started: pid %d, log %s", self.name, self._proc.pid, self.log_path)
             try:

@@ -39,6 +39,8 @@ class RolloutWorker(RankedWorker):
         host = bind_host or ray.util.get_node_ip_address()
         port = _free_port(host)
         context = r.prompt_length + r.response_length
+        if r.agent.path:  # an agent episode's later calls carry the whole trajectory so far
+            context = max(context, r.agent.max_tokens_per_episode)
         if r.name == "cpu":
             command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
                                          context_length=context, max_running_requests=r.max_concurrent_requests,
