@@ -14,8 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megarl.data.synthetic import write_task_dataset
-from megarl.data.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # four runs of the trainer
 
@@ -26,14 +24,6 @@ ARGS = (f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer
 COMPARED = ("actor/", "reward/", "response_length/", "prompt_length/", "advantages/")
 TIMEOUT_S = 400
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny_model("qwen2", root / "model", seed=0)
-    write_task_dataset("add", root / "data", train_size=256, val_size=16, sft_size=0, seed=0)
-    return root
 
 
 def start(tiny_dir: Path, out: Path) -> subprocess.Popen:
@@ -79,7 +69,8 @@ def steps_logged(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in step_rows(out)}
 
 
-def test_sigkill_mid_checkpoint_then_sigterm_then_resume_matches_the_uninterrupted_run(tiny, tmp_path):
+def test_sigkill_mid_checkpoint_then_sigterm_then_resume_matches_the_uninterrupted_run(tiny_assets, tmp_path):
+    tiny = tiny_assets  # the tiny model and addition data (conftest.py)
     uninterrupted = tmp_path / "a"
     uninterrupted.mkdir()
     code, output = finish(start(tiny, uninterrupted))

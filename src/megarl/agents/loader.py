@@ -8,33 +8,18 @@ async function of two arguments) raise ConfigError at start-up, naming the key.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import os
-import sys
 from typing import Any, Awaitable, Callable
 
 from megarl.config.errors import ConfigError
+from megarl.rewards.custom import import_user_file
 
 EpisodeFn = Callable[[Any, Any], Awaitable[Any]]
 
 
 def load_episode_fn(path: str, name: str = "run_episode") -> EpisodeFn:
     where = f"actor_rollout_ref.rollout.agent.path={path!r}"
-    if not os.path.isfile(path):
-        raise ConfigError(f"{where}: no such file")
-    module_name = "megarl_agent_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{where}: not a Python file that can be imported")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise ConfigError(f"{where}: importing it failed: {type(error).__name__}: {error}") from error
+    module = import_user_file(path, where, "megarl_agent")
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"{where}: has no actor_rollout_ref.rollout.agent.name={name!r}")

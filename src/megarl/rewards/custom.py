@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import os
 import sys
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 from megarl.config.errors import ConfigError
@@ -23,15 +24,12 @@ ScoreFn = Callable[..., Any]
 ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def load_custom_reward_fn(path: str, name: str = "compute_score",
-                          reward_kwargs: Optional[dict[str, Any]] = None) -> ScoreFn:
-    """Import `path` and return its function `name`, with `reward_kwargs` bound."""
-    reward_kwargs = dict(reward_kwargs or {})
-    where = f"custom_reward_function.path={path!r}"
+def import_user_file(path: str, where: str, prefix: str) -> ModuleType:
+    """Import the user's Python file `path` as module `<prefix>_<hash of its path>`; ConfigError
+    naming `where` (the config key and value) if it is missing or fails to import."""
     if not os.path.isfile(path):
         raise ConfigError(f"{where}: no such file")
-    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    module_name = f"megarl_custom_reward_{digest}"
+    module_name = f"{prefix}_{hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{where}: not a Python file that can be imported")
@@ -42,6 +40,16 @@ def load_custom_reward_fn(path: str, name: str = "compute_score",
     except Exception as error:
         del sys.modules[module_name]
         raise ConfigError(f"{where}: importing it failed: {type(error).__name__}: {error}") from error
+    return module
+
+
+def load_custom_reward_fn(path: str, name: str = "compute_score",
+                          reward_kwargs: Optional[dict[str, Any]] = None) -> ScoreFn:
+    """Import `path` and return its function `name`, with `reward_kwargs` bound."""
+    reward_kwargs = dict(reward_kwargs or {})
+    where = f"custom_reward_function.path={path!r}"
+    module = import_user_file(path, where, "megarl_custom_reward")
+    module_name = module.__name__
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
