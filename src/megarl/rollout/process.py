@@ -58,6 +58,14 @@ def _die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _fate_sharing():
+    """`_die_with_parent` when called from the main thread. Linux ties the signal to the *thread*
+    that started the child, so a server started from a short-lived thread (a thread pool, a
+    restart from a monitor) would be killed when that thread ends: those are not tied."""
+    on_linux_main = _prctl is not None and threading.current_thread() is threading.main_thread()
+    return _die_with_parent if on_linux_main else None
+
+
 class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message quotes its log."""
 
@@ -106,7 +114,7 @@ class ServerProcess:
             with open(self.log_path, "ab") as log_file:
                 self._proc = subprocess.Popen(
                     self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                    preexec_fn=_die_with_parent if _prctl is not None else None,
+                    preexec_fn=_fate_sharing(),
                 )
             log.info("%s started: pid %d, log %s", self.name, self._proc.pid, self.log_path)
             try:
