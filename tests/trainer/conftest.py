@@ -1,9 +1,13 @@
 """Shared fixtures of the end-to-end trainer tests: one tiny model and one synthetic dataset per
 test session. (test_rl_e2e.py builds its own with its module fixture `tiny`, which takes precedence
 there; it could use `tiny_assets` instead.)"""
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
+import ray
 
 from megarl.data.synthetic import write_task_dataset
 from megarl.data.tiny_model import make_tiny_model
@@ -18,3 +22,33 @@ def tiny_assets(tmp_path_factory) -> Path:
     write_task_dataset("add", root / "data", train_size=256, val_size=16, sft_size=0, seed=0)
     return root
 
+
+
+@pytest.fixture(scope="module")
+def ray_two_gpus(tmp_path_factory):
+    """A local Ray cluster with 2 logical GPUs for this module's tests."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def run_to_completion():
+    """run(cmd, cwd, timeout_s, what) -> output: a trainer command in its own process session,
+    killed as a group if it overruns (the test fails); it must exit 0."""
+
+    def run(cmd: list[str], cwd: Path, timeout_s: float, what: str) -> str:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}")
+        assert proc.returncode == 0, output[-8000:]
+        return output
+
+    return run

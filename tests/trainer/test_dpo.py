@@ -9,9 +9,6 @@ weights and pairs.
 import itertools
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +38,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(tiny, tmp_path_factory) -> tuple[list[dict], Path]:
+def run(tiny, tmp_path_factory, run_to_completion) -> tuple[list[dict], Path]:
     """(metrics.jsonl rows, output root) of one DPO run."""
     out = tmp_path_factory.mktemp("dpo_run")
     cmd = [sys.executable, "-m", "megarl.trainer.main_dpo", "--config", str(REPO / "configs/tiny/dpo.yaml"),
@@ -50,15 +47,7 @@ def run(tiny, tmp_path_factory) -> tuple[list[dict], Path]:
            f"data.train_batch_size={PAIRS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PAIRS}",
            "data.shuffle=false", f"algorithm.dpo.beta={BETA}", f"trainer.total_training_steps={STEPS}",
            "trainer.test_freq=2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"DPO run did not finish in {TIMEOUT_S} s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-8000:]
+    run_to_completion(cmd, out, TIMEOUT_S, "DPO run")
     logs = out / "megarl-tiny" / "dpo" / "logs"
     return [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], out
 

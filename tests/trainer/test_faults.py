@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 
 from megarl.config import load_and_validate
 from megarl.placement import plan_from_config
@@ -26,15 +25,6 @@ from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_two_gpus(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    ray.shutdown()
 
 
 def kill_once_busy(server: dict, timeout_s: float = 60.0) -> None:

@@ -6,9 +6,6 @@ overruns, and checked through the files it leaves: metrics.jsonl, TensorBoard ev
 """
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,19 +29,11 @@ def tiny(tmp_path_factory):
     return root
 
 
-def run_experiment(tiny: Path, out: Path, *overrides: str) -> list[dict]:
+def run_experiment(run_to_completion, tiny: Path, out: Path, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "megarl.trainer.main_ppo", "--config", str(REPO / "configs/tiny/grpo.yaml"),
            f"actor_rollout_ref.model.path={tiny / 'model'}", f"data.train_files={tiny / 'data/train.parquet'}",
            f"data.val_files={tiny / 'data/val.parquet'}", f"trainer.default_local_dir={out}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"experiment did not finish in {TIMEOUT_S} s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-8000:]
+    run_to_completion(cmd, out, TIMEOUT_S, "experiment")
     logs = out / "megarl-tiny" / "grpo" / "logs"
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(logs / "tensorboard"))
@@ -74,22 +63,22 @@ def check_steps(rows: list[dict], steps: int, phases=PHASES) -> list[dict]:
     return train
 
 
-def test_grpo_colocated(tiny, tmp_path):
+def test_grpo_colocated(tiny, tmp_path, run_to_completion):
     # One mini-batch per step: the update's first (only) pass sees ratio 1 exactly, so ppo_kl is 0.
-    rows = run_experiment(tiny, tmp_path, "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    rows = run_experiment(run_to_completion, tiny, tmp_path, "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     train = check_steps(rows, 2)
     assert train[0]["actor/ppo_kl"] == 0.0
     assert train[0]["actor/ratio_max"] == 1.0 and train[0]["actor/ratio_min"] == 1.0
 
 
-def test_grpo_split(tiny, tmp_path):
-    rows = run_experiment(tiny, tmp_path, "placement.mode=split", "placement.rollout_gpus=2",
+def test_grpo_split(tiny, tmp_path, run_to_completion):
+    rows = run_experiment(run_to_completion, tiny, tmp_path, "placement.mode=split", "placement.rollout_gpus=2",
                           "trainer.n_gpus_per_node=4")
     check_steps(rows, 2)
 
 
-def test_ppo_with_critic_and_kl_in_reward(tiny, tmp_path):
-    rows = run_experiment(tiny, tmp_path, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+def test_ppo_with_critic_and_kl_in_reward(tiny, tmp_path, run_to_completion):
+    rows = run_experiment(run_to_completion, tiny, tmp_path, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                           "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.optim.lr=1e-3")
     train = check_steps(rows, 2, PHASES + ("ref_log_prob", "values", "update_critic"))
     for row in train:

@@ -5,7 +5,6 @@ import signal
 import time
 
 import pytest
-import ray
 
 from megarl.config import load_and_validate
 from megarl.data.tiny_model import make_tiny_model
@@ -13,15 +12,6 @@ from megarl.placement import plan_from_config
 from megarl.placement.ray_pools import create_pools
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer.rollout_fleet import RolloutFleet
-
-
-@pytest.fixture(scope="module")
-def ray_two_gpus(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    ray.shutdown()
 
 
 def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
