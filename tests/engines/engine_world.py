@@ -255,3 +255,39 @@ def share_in_world(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# ------------------------------------------------------------------------------------------ world C
+BF16_VOCAB = 4000  # bf16 model: a vocabulary large enough that a low-precision softmax would show
+
+
+def bf16_batch(seed: int = 2) -> Batch:
+    """Prompts of 8-48 tokens, responses of 16-64, ids over the whole BF16_VOCAB."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(low, high):
+        n = int(torch.randint(low, high + 1, (1,), generator=g))
+        return torch.randint(4, BF16_VOCAB, (n,), generator=g).tolist()
+
+    batch = Batch.from_token_lists([tokens(8, 48) for _ in range(8)], [tokens(16, 64) for _ in range(8)])
+    batch["advantages"] = torch.randn(len(batch), 1, generator=g) * batch["response_mask"]
+    return batch
+
+
+def bf16_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
+    """The actor and the reference in bfloat16 at TP2: log-probs (temperature 0.7) of one ragged
+    batch, whether the reference's equal the actor's, and the first update's metrics."""
+    from megarl.engines.megatron.roles import ActorEngine, RefEngine
+
+    init_world(rank, world_size, port)
+    cfg = config(model_dir, world_size, 2, 1, None, None, "actor_rollout_ref.model.dtype=bfloat16",
+                 "actor_rollout_ref.rollout.temperature=0.7")
+    batch = bf16_batch()
+    actor = ActorEngine(cfg)
+    scored = actor.compute_log_prob(batch, 0.7)  # on the output rank; None on the other
+    ref = RefEngine(cfg).compute_ref_log_prob(batch, 0.7)
+    batch["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
+    return {"log_probs": batch["old_log_probs"],
+            "ref_equal": scored is None or torch.equal(ref["ref_log_probs"], scored["log_probs"]),
+            "param_dtypes": sorted({str(p.dtype) for c in actor.model_chunks for p in c.parameters()}),
+            "first_update": actor.update_policy(batch)}

@@ -142,7 +142,10 @@ def build_chunks(
         _mark_tensor_parallel(chunk)
         if value_head and last:
             chunk.output_layer = torch.nn.Linear(arch.hidden_size, 1, bias=False, dtype=params_dtype)
-        chunks.append(chunk.to(device))
+        # megatron's local norms (torch.nn.RMSNorm) ignore params_dtype and are created in float32;
+        # cast every parameter as megatron's Float16Module does (the rotary inv_freq is no buffer
+        # and stays float32)
+        chunks.append(chunk.to(device=device, dtype=params_dtype))
     return chunks, config
 
 
