@@ -56,6 +56,8 @@ def test_resolve_fills_derived_defaults():
         (["reward_model.enable=true"], "reward_model.enable=true needs reward_model.model.path"),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
          "ppo_max_token_len_per_gpu=100 tokens is less than one full sequence"),
+        (["data.gen_batch_size=0"], "data.gen_batch_size=0: must be a positive integer"),
+        (["data.gen_batch_size=24"], "data.gen_batch_size=24 differs from data.train_batch_size=1024, which only DAPO"),
         (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
          "needs actor_rollout_ref.actor.megatron.pipeline_model_parallel_size > 1"),
     ],
@@ -162,3 +164,10 @@ def test_the_lr_schedule_takes_the_trainers_step_count_or_asks_for_one():
               ).actor_rollout_ref.actor.optim.total_training_steps == 50
     msg = fails("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
     assert "actor_rollout_ref.actor.optim: lr_warmup_steps_ratio" in msg and "set trainer.total_training_steps" in msg
+
+
+def test_gen_batch_size_with_dynamic_sampling_or_equal_to_the_train_batch():
+    dapo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "algorithm.filter_groups.enable=true")
+    assert ok(*dapo, "data.gen_batch_size=3072").data.prompts_per_generation == 3072
+    assert ok("data.gen_batch_size=1024").data.prompts_per_generation == 1024
+    assert ok().data.prompts_per_generation == 1024

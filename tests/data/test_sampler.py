@@ -63,3 +63,12 @@ def test_from_config():
     assert draw(val, 1) == [list(range(10))]
     config.shuffle, config.seed = True, 5
     assert draw(EpochSampler.from_config(config, 10), 2) == draw(EpochSampler(10, 4, seed=5), 2)
+
+
+def test_from_config_draws_gen_batch_size_prompts_per_round():
+    config = DataConfig(train_batch_size=4, gen_batch_size=6, shuffle=False)
+    assert draw(EpochSampler.from_config(config, 13), 3) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5]]
+    with pytest.raises(DataError, match=r"5 usable prompts, fewer than one batch \(data.gen_batch_size=6\)"):
+        EpochSampler.from_config(config, 5)
+    with pytest.raises(DataError, match=r"fewer than one batch \(data.train_batch_size=4\)"):
+        EpochSampler.from_config(DataConfig(train_batch_size=4), 3)

@@ -195,6 +195,9 @@ def test_dapo_filter_clip_higher_and_overlong(ray_session, tiny_assets, tmp_path
     target = c.data.train_batch_size
     assert m["dynamic_sampling/kept_groups"] == target
     assert m["dynamic_sampling/seen_groups"] > target, m
+    # each round generated data.gen_batch_size prompts; groups past the target were dropped
+    assert c.data.gen_batch_size == 12
+    assert m["dynamic_sampling/seen_groups"] == m["dynamic_sampling/rounds"] * c.data.gen_batch_size, m
     assert len(groups(batch["uid"])) == target and len(batch) == target * c.actor_rollout_ref.rollout.n
     for g in groups(batch["uid"]):
         assert len({batch["acc"][i] for i in g}) > 1, f"an all-equal group was kept: {[batch['acc'][i] for i in g]}"

@@ -82,12 +82,20 @@ class DataConfig:
     max_prompt_length: int = 512  # tokens
     max_response_length: int = 512  # tokens
     train_batch_size: int = 1024  # prompts per RL step
+    # prompts per generation round; differs from train_batch_size only with DAPO's dynamic sampling
+    # (algorithm.filter_groups), which generates rounds until train_batch_size groups are kept
+    gen_batch_size: Optional[int] = None  # None: train_batch_size
     val_batch_size: Optional[int] = None  # prompts; None: the whole validation set at once
     shuffle: bool = True
     seed: int = 1
     filter_overlong_prompts: bool = True
     truncation: Literal["error", "left", "right"] = "error"  # when not filtering overlong prompts
     return_raw_chat: bool = False
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts drawn per generation round: gen_batch_size, or train_batch_size."""
+        return self.gen_batch_size or self.train_batch_size
 
 
 # --------------------------------------------------------------------------------------------

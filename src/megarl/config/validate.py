@@ -211,6 +211,7 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
     for path, value in [
         ("data.train_batch_size", d.train_batch_size),
         ("data.val_batch_size", d.val_batch_size),
+        ("data.gen_batch_size", d.gen_batch_size),
         ("data.max_prompt_length", d.max_prompt_length),
         ("data.max_response_length", d.max_response_length),
         ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
@@ -272,6 +273,11 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         errors.append("algorithm.adv_estimator=gae needs a critic: remove critic.enable=false or pick another estimator")
     if a.filter_groups.enable and rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2")
+    if d.gen_batch_size not in (None, d.train_batch_size) and not a.filter_groups.enable:
+        errors.append(
+            f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size}, which "
+            "only DAPO's dynamic sampling uses: set algorithm.filter_groups.enable=true, or remove data.gen_batch_size"
+        )
     for section, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", config.critic.optim)):
         needs_total = optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0 or optim.warmup_style != "constant"
         if needs_total and optim.total_training_steps <= 0 and not t.total_training_steps:

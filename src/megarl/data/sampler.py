@@ -31,10 +31,16 @@ class EpochSampler:
 
     @classmethod
     def from_config(cls, data_config, num_samples: int, split: str = "train") -> "EpochSampler":
-        """Training: data.train_batch_size prompts per batch, shuffled by data.shuffle and
-        data.seed, remainder dropped. Validation: data.val_batch_size (None: all) in file order."""
+        """Training: data.gen_batch_size (default data.train_batch_size) prompts per batch,
+        shuffled by data.shuffle and data.seed, remainder dropped. Validation: data.val_batch_size
+        (None: all) in file order."""
         if split == "train":
-            return cls(num_samples, data_config.train_batch_size, shuffle=data_config.shuffle, seed=data_config.seed)
+            batch = data_config.prompts_per_generation
+            if num_samples < batch:
+                key = "data.gen_batch_size" if data_config.gen_batch_size else "data.train_batch_size"
+                raise DataError(f"data.train_files hold {num_samples} usable prompts, fewer than one batch "
+                                f"({key}={batch})")
+            return cls(num_samples, batch, shuffle=data_config.shuffle, seed=data_config.seed)
         return cls(num_samples, data_config.val_batch_size or num_samples, shuffle=False, drop_last=False)
 
     @property

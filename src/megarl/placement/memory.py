@@ -109,7 +109,7 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     gpu_memory = int(placement.gpu_memory_gib * GIB)
     rollout = plan.roles["rollout"]
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
-    responses_per_server = math.ceil(config.data.train_batch_size * arr.rollout.n / rollout.dp)
+    responses_per_server = math.ceil(config.data.prompts_per_generation * arr.rollout.n / rollout.dp)
     kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
     kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]

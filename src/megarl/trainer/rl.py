@@ -147,7 +147,8 @@ class RLTrainer:
     def collect_experience(self, timer: Timer) -> tuple:
         """One step's scored responses: (batch, metrics). With DAPO's dynamic sampling
         (`algorithm.filter_groups`), groups whose responses all score the same are dropped and
-        further prompt batches are generated until `data.train_batch_size` groups are kept.
+        further batches of `data.gen_batch_size` prompts are generated until `data.train_batch_size`
+        groups are kept (groups past that are dropped, as in verl).
         `filter_groups.metric` names a value the reward function returns in its dict (e.g. "acc");
         when it returns none of that name, the score is the metric."""
         f = self.config.algorithm.filter_groups
