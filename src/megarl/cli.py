@@ -17,12 +17,13 @@ def _config_show(args) -> int:
 
 
 def _plan(args) -> int:
-    from megarl.placement import format_gpu_map, plan_from_config
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.placement import format_gpu_map, plan_from_config
+    from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
 
     config = load_and_validate(args.config, args.overrides)
-    plan = plan_from_config(config)
+    plan = plan_from_config(config) if args.trainer == "rl" else offline_plan(config, with_ref=args.trainer == "dpo")
     print(format_gpu_map(plan))
     for role in plan.roles.values():
         shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the GPU map and a per-GPU memory estimate; non-zero if impossible")
     add_experiment_args(plan)
+    plan.add_argument("--trainer", choices=["rl", "sft", "dpo"], default="rl",
+                      help="which trainer's roles to plan: rl (actor, rollout servers, and ref/critic/reward model "
+                           "as the config needs them), sft (the actor alone) or dpo (actor and frozen reference)")
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")

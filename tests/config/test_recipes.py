@@ -35,7 +35,11 @@ def test_recipe_header_states_paper_and_launch(path):
     assert re.search(r"arXiv:\d{4}\.\d{4,5}", header), f"{path.name}: cite the paper (arXiv id)"
     trainer = "main_dpo" if path.stem == "dpo" else "main_ppo"
     assert f"python -m megarl.trainer.{trainer} --config configs/recipes/{path.name}" in header
-    assert f"megarl plan --config configs/recipes/{path.name}" in header
+    assert f"megarl plan {plan_args(path)}--config configs/recipes/{path.name}" in header
+
+
+def plan_args(path: Path) -> str:
+    return "--trainer dpo " if path.stem == "dpo" else ""
 
 
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
@@ -45,7 +49,8 @@ def test_recipe_plans_and_fits(path, capsys):
     config = load_and_validate(path)
     assert config.trainer.device != "cpu" and config.actor_rollout_ref.rollout.name == "sglang"
     assert config.placement.gpu_memory_gib == 80
-    code = megarl_main(["plan", "--config", str(path), f"actor_rollout_ref.model.path={model_dir(path)}"])
+    code = megarl_main(["plan", *plan_args(path).split(), "--config", str(path),
+                        f"actor_rollout_ref.model.path={model_dir(path)}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "memory estimate skipped" not in out
@@ -105,3 +110,17 @@ def test_tiny_recipe_is_grpo_but_for_its_algorithm(name):
     assert config.trainer.experiment_name == name
     assert (config.trainer.device, config.actor_rollout_ref.rollout.name) == ("cpu", "cpu")
     assert config.actor_rollout_ref.model.path == grpo.actor_rollout_ref.model.path
+
+
+def test_dpo_plan_holds_the_policy_and_the_reference_and_no_rollout(capsys):
+    path = RECIPES / "dpo.yaml"
+    args = ["--config", str(path), f"actor_rollout_ref.model.path={model_dir(path)}"]
+    megarl_main(["plan", "--trainer", "dpo", *args])
+    dpo = capsys.readouterr().out
+    assert "gpu0: [train] actor rank 0, ref rank 0" in dpo and "rollout" not in dpo
+    assert re.search(r"^  ref +states", dpo, flags=re.MULTILINE)
+    megarl_main(["plan", "--trainer", "sft", *args])
+    sft = capsys.readouterr().out
+    assert not re.search(r"\bref\b", sft) and "rollout" not in sft
+    peak = lambda out: float(re.search(r"peak per GPU: ([\d.]+) GiB", out).group(1))  # noqa: E731
+    assert peak(sft) < peak(dpo)  # the reference's weights and activations

@@ -18,6 +18,10 @@ def actor_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
     return _train_role("actor", pool, config.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor")
 
 
+def ref_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
+    return _train_role("ref", pool, config.actor_rollout_ref.ref.megatron, "actor_rollout_ref.ref")
+
+
 def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[RoleSpec]]:
     """(pool sizes in GPUs, role specs) for the experiment. The reference model exists when a KL
     term needs it; the critic when enabled (GAE); the reward model when enabled."""
@@ -31,7 +35,7 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
         train_pool = rollout_pool = SHARED_POOL
     roles = [actor_role_spec(config, train_pool)]
     if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
-        roles.append(_train_role("ref", train_pool, arr.ref.megatron, "actor_rollout_ref.ref"))
+        roles.append(ref_role_spec(config, train_pool))
     if config.critic.enable:
         roles.append(_train_role("critic", train_pool, config.critic.megatron, "critic"))
     if config.reward_model.enable:
@@ -45,3 +49,11 @@ def plan_from_config(config: ExperimentConfig, node_names: tuple[str, ...] = ())
     pools, roles = roles_from_config(config)
     cluster = ClusterSpec(config.trainer.nnodes, config.trainer.n_gpus_per_node, tuple(node_names))
     return plan_placement(cluster, pools, roles)
+
+
+def offline_plan(config: ExperimentConfig, with_ref: bool) -> Plan:
+    """The plan of an offline trainer: the actor (and, for DPO, the frozen reference) on every GPU
+    of the allocation, no rollout servers."""
+    t = config.trainer
+    roles = [actor_role_spec(config, TRAIN_POOL)] + ([ref_role_spec(config, TRAIN_POOL)] if with_ref else [])
+    return plan_placement(ClusterSpec(t.nnodes, t.n_gpus_per_node), {TRAIN_POOL: t.nnodes * t.n_gpus_per_node}, roles)

@@ -107,14 +107,16 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
         roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
                                  dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False))
     gpu_memory = int(placement.gpu_memory_gib * GIB)
-    rollout = plan.roles["rollout"]
+    states = sum(r.states for r in roles)
+    train_phase = states + max((r.activations for r in roles), default=0)
+    rollout = plan.roles.get("rollout")
+    if rollout is None:  # an offline trainer (SFT, DPO)
+        return GpuEstimate(roles, 0, 0, int(train_phase), gpu_memory)
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
     responses_per_server = math.ceil(config.data.prompts_per_generation * arr.rollout.n / rollout.dp)
     kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
     kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]
-    states = sum(r.states for r in roles)
-    train_phase = states + max((r.activations for r in roles), default=0)
     if placement.mode == "split":
         peak = max(train_phase, reserved)
     else:
@@ -131,9 +133,9 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
                      f"  offloadable {gib(r.offloadable):>12}")
-    rollout = plan.roles["rollout"]
-    lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (KV cache for a whole step's "
-                 f"responses on one server of TP {rollout.tp}: {gib(est.kv_cache_needed_per_server)})")
+    if "rollout" in plan.roles:
+        lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (KV cache for a whole step's "
+                     f"responses on one server of TP {plan.roles['rollout'].tp}: {gib(est.kv_cache_needed_per_server)})")
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"peak per GPU: {gib(est.peak)} of {gib(est.gpu_memory)} (placement.gpu_memory_gib): {verdict}")
     return "\n".join(lines)

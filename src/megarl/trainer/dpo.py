@@ -23,19 +23,10 @@ from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.preferences import PreferenceDataset, pairs_to_batch
 from megarl.data.sampler import EpochSampler
-from megarl.placement import ClusterSpec, plan_placement
-from megarl.placement.from_config import actor_role_spec
-from megarl.placement.planner import RoleSpec
+from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
-
-
-def ref_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
-    m = config.actor_rollout_ref.ref.megatron
-    return RoleSpec("ref", pool, "train", tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                    cp=m.context_parallel_size, tp_key="actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
-                    pp_key="actor_rollout_ref.ref.megatron.pipeline_model_parallel_size")
 
 
 class DPOTrainer:
@@ -46,8 +37,7 @@ class DPOTrainer:
         self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
-        plan = plan_placement(ClusterSpec(t.nnodes, t.n_gpus_per_node), {"train": t.nnodes * t.n_gpus_per_node},
-                              [actor_role_spec(config, "train"), ref_role_spec(config, "train")])
+        plan = offline_plan(config, with_ref=True)
         for role in ("actor", "ref"):
             if config.data.train_batch_size % plan.roles[role].dp:
                 raise ConfigError(

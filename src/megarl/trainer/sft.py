@@ -17,8 +17,7 @@ from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
-from megarl.placement import ClusterSpec, plan_placement
-from megarl.placement.from_config import actor_role_spec
+from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
@@ -44,8 +43,7 @@ class SFTTrainer:
         self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
-        plan = plan_placement(ClusterSpec(t.nnodes, t.n_gpus_per_node), {"train": t.nnodes * t.n_gpus_per_node},
-                              [actor_role_spec(config, "train")])
+        plan = offline_plan(config, with_ref=False)
         self.pools = create_pools(plan, timeout_s=300)
         try:
             self.actor = EngineGroup(plan.roles["actor"], self.pools, config)
