@@ -1,19 +1,28 @@
 """Episodes through the real `openai` client, megarl's endpoint and a real CPU rollout server."""
 import asyncio
 import socket
+from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
 import torch
 
+from megarl.agents.loader import load_episode_fn
 from megarl.agents.openai_api import SamplingDefaults
 from megarl.agents.runner import AgentRunner
 from megarl.algos import compute_advantages
+from megarl.config import load_and_validate
 from megarl.data.parquet import PromptRow
 from megarl.data.prompts import Prompt, render_chats
+from megarl.data.synthetic import write_task_dataset
 from megarl.rewards.dispatch import default_compute_score
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.protocol import SamplingParams
 
 DEFAULTS = SamplingDefaults(max_new_tokens=6)  # not fixed: episodes pass a seed, so runs are reproducible
+REPO = Path(__file__).resolve().parents[2]
+CALCULATOR = REPO / "examples" / "agents" / "calculator.py"
 
 
 def prompts_for(tokenizer, questions):
@@ -178,13 +187,8 @@ def _non_loopback_address():
 
 
 def test_the_calculator_example_masks_the_tool_reply(spy, tokenizer):
-    from pathlib import Path
-
-    from megarl.agents.loader import load_episode_fn
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "agents" / "calculator.py"
     prompts = prompts_for(tokenizer, [("23+45=", "68"), ("7+8=", "15")])
-    runner = make_runner(spy, tokenizer, load_episode_fn(str(example)), n=4, max_turns=2,
+    runner = make_runner(spy, tokenizer, load_episode_fn(str(CALCULATOR)), n=4, max_turns=2,
                          defaults=SamplingDefaults(max_new_tokens=4, fixed=True))
     try:
         batch, metrics = runner.generate_and_score(prompts)
@@ -198,3 +202,53 @@ def test_the_calculator_example_masks_the_tool_reply(spy, tokenizer):
         added = tokenizer.decode([t for t, m in zip(ids, mask) if m == 0], skip_special_tokens=True)
         question, truth = [("23+45=", "68"), ("7+8=", "15")][row // 4]
         assert added == ("" if batch["turns"][row] == 1 else f"?{truth[0]}{question}")
+
+
+def test_validation_sampling_replaces_the_training_sampling_and_greedy_episodes_repeat(spy, tokenizer):
+    """The calculator's episodes with `sampling` (greedy, n=1) on a runner that trains at temperature
+    1 with n=4: every call of the episodes is greedy, one episode per prompt, twice the same."""
+    prompts = prompts_for(tokenizer, [("23+45=", "68"), ("7+8=", "15"), ("50+50=", "100")])
+    runner = make_runner(spy, tokenizer, load_episode_fn(str(CALCULATOR)), n=4, max_turns=2,
+                         defaults=SamplingDefaults(max_new_tokens=4, temperature=1.0, fixed=True))
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, n=1)
+    try:
+        first, metrics = runner.generate_and_score(prompts, uid_prefix="val", sampling=greedy)
+        calls = list(spy.calls)
+        second, _ = runner.generate_and_score(prompts, uid_prefix="val", sampling=greedy)
+        spy.calls.clear()
+        runner.generate_and_score(prompts[:1])  # training sampling again
+    finally:
+        runner.close()
+    assert len(first) == 3 and first["uid"] == ["val-0", "val-1", "val-2"]
+    assert metrics["agent/failed_episodes"] == 0 and metrics["agent/turns_mean"] > 1, metrics  # tool calls happened
+    assert len(calls) == sum(first["turns"]) > len(prompts)
+    assert all(sp.temperature == 0.0 and sp.max_new_tokens == 3 for _, sp, _ in calls)
+    for key in ("response_ids", "response_mask", "scores"):
+        assert torch.equal(first[key], second[key]), key
+    assert len(spy.calls) >= 4 and all(sp.temperature == 1.0 and sp.max_new_tokens == 4 for _, sp, _ in spy.calls)
+
+
+def test_rl_trainer_validates_an_agent_run_with_its_episodes(cpu_server, tiny_dir, tokenizer, tmp_path):
+    """RLTrainer.validate of the calculator config runs one greedy and one sampled episode per
+    validation prompt through the agent runner (the trainer is given the real rollout client only:
+    validation of an agent run touches no training worker)."""
+    from megarl.trainer.rl import RLTrainer  # imports megatron: only this test pays for it
+
+    files = write_task_dataset("add", tmp_path / "data", train_size=16, val_size=6, sft_size=0, seed=0)
+    config = load_and_validate(REPO / "configs" / "tiny" / "agent_calculator.yaml", [
+        f"actor_rollout_ref.model.path={tiny_dir}", f"data.train_files=[{files['train']}]",
+        f"data.val_files=[{files['val']}]", f"actor_rollout_ref.rollout.agent.path={CALCULATOR}"])
+    cluster = SimpleNamespace(rollout=SimpleNamespace(client=RolloutClient(cpu_server.url, max_retries=1)))
+    trainer = RLTrainer(config, cluster, tokenizer, default_compute_score)
+    try:
+        first, second = trainer.validate(), trainer.validate()
+    finally:
+        trainer.agent.close()
+    source = "megarl/add"
+    assert {"val/score", f"val/{source}/score", "val/sampled_score", "val/agent/episodes", "val/agent/turns_mean",
+            "val/agent/failed_episodes", "val/agent/success/mean"} <= set(first), sorted(first)
+    assert first["val/agent/episodes"] == 6 and first["val/agent/failed_episodes"] == 0
+    assert first["val/agent/turns_mean"] > 1  # the calculator tool answered: more than one model call per prompt
+    assert first["val/score"] == first[f"val/{source}/score"] and 0 <= first["val/sampled_score"] <= 1
+    for key in ("val/score", "val/agent/turns_mean", "val/agent/success/mean", "val/agent/generated_tokens_mean"):
+        assert first[key] == second[key], key  # greedy episodes repeat exactly

@@ -8,7 +8,8 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`), `GET /v1/models`,
 `GET /health`. Each call is tokenised with the policy tokenizer, generated token-in/token-out by
 `generate(prompt_ids, sampling) -> Sample` (the rollout client), and, when it carries a trajectory
-id, recorded in the `TrajectoryRecorder` (exact prompt ids, sampled ids, their log-probs).
+id, recorded in the `TrajectoryRecorder` (exact prompt ids, sampled ids, their log-probs) and
+sampled with the trajectory's own `SamplingDefaults` when it was opened with some.
 Streaming sends the answer as OpenAI chunks once it is generated (the rollout protocol answers
 whole samples). Bad requests get HTTP 400 with an OpenAI error body; a call beyond an episode's
 limit gets 400 with code `episode_limit`; a rollout failure gets 502.
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from megarl.agents.openai_api import (
+    TRAJECTORY_FIELD,
     TRAJECTORY_HEADER,
     Completion,
     CompletionRequest,
@@ -55,13 +57,20 @@ def build_app(generate: GenerateFn, tokenizer, defaults: SamplingDefaults,
     def error(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
         return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
+    def sampling_of(body, header: Optional[str]) -> SamplingDefaults:
+        """The sampling of the call's trajectory (header, else body field), else the endpoint's."""
+        trajectory = header or (body.get(TRAJECTORY_FIELD) if isinstance(body, dict) else None)
+        own = recorder.sampling(trajectory) if recorder is not None and isinstance(trajectory, str) else None
+        return own or defaults
+
     async def complete(request: Request, parse) -> JSONResponse | StreamingResponse:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             return error(400, "the request body is not valid JSON", "invalid_request_error")
+        header = request.headers.get(TRAJECTORY_HEADER)
         try:
-            req: CompletionRequest = parse(body, tokenizer, defaults, request.headers.get(TRAJECTORY_HEADER))
+            req: CompletionRequest = parse(body, tokenizer, sampling_of(body, header), header)
         except OpenAIRequestError as e:
             return JSONResponse(e.body(), status_code=400)
         sampling = req.sampling

@@ -10,8 +10,8 @@ refused with HTTP 400 and an OpenAI error body naming the parameter.
 
 During training (`SamplingDefaults.fixed`) a request's temperature, top_p, top_k and seed are
 ignored: every call samples with the run's rollout settings, so that the recorded log-probs are
-those the trainer recomputes (at `rollout.temperature`). `max_tokens` is honoured up to the
-server's `max_new_tokens` ceiling.
+those the trainer recomputes (at `rollout.temperature`); validation episodes likewise sample
+with `rollout.val_kwargs`. `max_tokens` is honoured up to the server's `max_new_tokens` ceiling.
 """
 from __future__ import annotations
 

@@ -9,14 +9,17 @@ per-episode limits are enforced here, before a call reaches the rollout servers:
                             `max_new_tokens` is cut to what is left
 
 A call beyond a limit raises `EpisodeLimitError` (the endpoint answers HTTP 400) and the
-trajectory remembers which limit was hit. Thread-safe: the endpoint and the runner live on
-different threads.
+trajectory remembers which limit was hit. A trajectory may carry its own sampling (validation
+episodes sample with `rollout.val_kwargs`); the endpoint samples its calls with it.
+Thread-safe: the endpoint and the runner live on different threads.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
+
+from megarl.agents.openai_api import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class TrajectoryLog:
     calls: list[CallRecord] = field(default_factory=list)
     turns_started: int = 0
     limit_hit: Optional[str] = None  # "max_turns" | "max_tokens_per_episode", once a call was refused
+    sampling: Optional[SamplingDefaults] = None  # None: the endpoint's own
 
 
 class EpisodeLimitError(Exception):
@@ -55,11 +59,12 @@ class TrajectoryRecorder:
         self._open: dict[str, TrajectoryLog] = {}
         self._lock = threading.Lock()
 
-    def open(self, trajectory_id: str) -> None:
+    def open(self, trajectory_id: str, sampling: Optional[SamplingDefaults] = None) -> None:
+        """Start recording `trajectory_id`, whose calls sample with `sampling` (None: the endpoint's)."""
         with self._lock:
             if trajectory_id in self._open:
                 raise ValueError(f"trajectory {trajectory_id!r} is already open")
-            self._open[trajectory_id] = TrajectoryLog()
+            self._open[trajectory_id] = TrajectoryLog(sampling=sampling)
 
     def close(self, trajectory_id: str) -> TrajectoryLog:
         """Stop recording `trajectory_id`; later calls with its id are refused."""
@@ -69,6 +74,12 @@ class TrajectoryRecorder:
     def is_open(self, trajectory_id: str) -> bool:
         with self._lock:
             return trajectory_id in self._open
+
+    def sampling(self, trajectory_id) -> Optional[SamplingDefaults]:
+        """The sampling `trajectory_id` was opened with; None if it has none or is not open."""
+        with self._lock:
+            log = self._open.get(trajectory_id)
+            return None if log is None else log.sampling
 
     def begin_call(self, trajectory_id: str, prompt_tokens: int, max_new_tokens: int) -> int:
         """Count one more turn and return the `max_new_tokens` the limits allow (>= 1), or raise

@@ -3,6 +3,7 @@ episode with its own OpenAI client tagged with its trajectory id, and build the 
 
     runner = AgentRunner.from_config(config, rollout_client, tokenizer, score_fn)   # starts the endpoint
     batch, metrics = runner.generate_and_score(prompts, timer, uid_prefix)
+    batch, metrics = runner.generate_and_score(prompts, uid_prefix="val", sampling=val_sampling)  # validation
     runner.close()                                                                # stops it
 
 Limits (actor_rollout_ref.rollout.agent.*): `max_concurrent_episodes` episodes run at once;
@@ -62,6 +63,12 @@ def rollout_generate(client: RolloutClient) -> GenerateFn:
     return generate
 
 
+def fixed_sampling(sampling: SamplingParams) -> SamplingDefaults:
+    """The endpoint's sampling for episodes sampled with `sampling` (its n and seed aside)."""
+    return SamplingDefaults(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, fixed=True)
+
+
 def judge_from_config(judge) -> Optional[JudgeScorer]:
     """The scorer of `actor_rollout_ref.rollout.agent.judge`, or None when no URL is set."""
     if not judge.url:
@@ -77,7 +84,7 @@ class AgentRunner:
                  max_concurrent_episodes: int = 64, host: str = "127.0.0.1", port: int = 0,
                  judge: Optional[JudgeScorer] = None):
         """`judge`: scores, per group, the episodes that returned no score (else `score_fn` does)."""
-        self.judge = judge
+        self.judge, self.defaults = judge, defaults
         self.episode_fn, self.tokenizer, self.score_fn, self.n = episode_fn, tokenizer, score_fn, n
         self.episode_timeout_s = episode_timeout_s
         self.max_concurrent_episodes = max_concurrent_episodes
@@ -110,14 +117,19 @@ class AgentRunner:
         self.endpoint.stop()
 
     # ------------------------------------------------------------------ the step
-    def generate_and_score(self, prompts: Sequence[Prompt], timer=None, uid_prefix: str = "agent"):
-        """`n` episodes per prompt, scored: (batch, metrics), as RLTrainer.generate_and_score."""
+    def generate_and_score(self, prompts: Sequence[Prompt], timer=None, uid_prefix: str = "agent",
+                           sampling: Optional[SamplingParams] = None):
+        """`n` episodes per prompt, scored: (batch, metrics), as RLTrainer.generate_and_score.
+        `sampling` (validation: `rollout.val_kwargs`) replaces the training sampling: `sampling.n`
+        episodes per prompt, every call sampled with its temperature/top_p/top_k and capped at its
+        `max_new_tokens` (the episodes' own sampling arguments are ignored, as in training)."""
         timer = timer or (lambda phase: nullcontext())
+        n, defaults = (self.n, self.defaults) if sampling is None else (sampling.n, fixed_sampling(sampling))
         with timer("generate"):
             samples = [[EpisodeSample(p.row.messages, p.row.data_source, p.row.ground_truth, p.row.extra_info,
-                                      p.index, j) for j in range(self.n)] for p in prompts]
-            flat = asyncio.run(self.run_episodes([s for group in samples for s in group]))
-            outcomes = [flat[i * self.n:(i + 1) * self.n] for i in range(len(prompts))]
+                                      p.index, j) for j in range(n)] for p in prompts]
+            flat = asyncio.run(self.run_episodes([s for group in samples for s in group], defaults))
+            outcomes = [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
         metrics = episode_metrics(flat)
         with timer("reward"):
             if self.judge is not None:
@@ -151,19 +163,20 @@ class AgentRunner:
         judged = await asyncio.gather(*(judge_one(p, o) for p, o in zip(prompts, outcomes)))
         return list(judged), failed_groups
 
-    async def run_episodes(self, samples: Sequence[EpisodeSample]) -> list[EpisodeOutcome]:
-        """One outcome per sample, in order; at most `max_concurrent_episodes` at a time."""
+    async def run_episodes(self, samples: Sequence[EpisodeSample], defaults: SamplingDefaults) -> list[EpisodeOutcome]:
+        """One outcome per sample, in order, its calls sampled with `defaults`; at most
+        `max_concurrent_episodes` at a time."""
         semaphore = asyncio.Semaphore(self.max_concurrent_episodes)
 
         async def bounded(sample: EpisodeSample) -> EpisodeOutcome:
             async with semaphore:
-                return await self.run_episode(sample)
+                return await self.run_episode(sample, defaults)
 
         return list(await asyncio.gather(*(bounded(s) for s in samples)))
 
-    async def run_episode(self, sample: EpisodeSample) -> EpisodeOutcome:
+    async def run_episode(self, sample: EpisodeSample, defaults: SamplingDefaults) -> EpisodeOutcome:
         trajectory_id = uuid.uuid4().hex
-        self.recorder.open(trajectory_id)
+        self.recorder.open(trajectory_id, defaults)
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key="megarl", max_retries=0,
                                     timeout=self.episode_timeout_s, default_headers={TRAJECTORY_HEADER: trajectory_id})
         started = time.monotonic()

@@ -223,7 +223,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
         """Score one response per validation prompt with `rollout.val_kwargs` (greedy by default):
-        `val/score`; and one sampled at the training temperature: `val/sampled_score`."""
+        `val/score`; and one sampled at the training temperature: `val/sampled_score`. With an agent,
+        one episode per prompt instead, scored as in training; the `val_kwargs` episodes' metrics
+        are logged as `val/agent/...`."""
         if self.val_data is None:
             return {}
         prompts = self.val_data.take(range(len(self.val_data)))
@@ -231,9 +233,14 @@ class RLTrainer:
         metrics = {}
         sampled = replace(sampling_params(self.config), n=1)
         for prefix, sampling in (("val", sampling_params(self.config, True)), ("val_sampled", sampled)):
-            result = self.cluster.rollout.generate(ids, sampling)
-            batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
-            self.score(batch)
+            if self.agent is not None:
+                batch, agent_metrics = self.agent.generate_and_score(prompts, uid_prefix="val", sampling=sampling)
+                if prefix == "val":
+                    metrics.update({f"val/{k}": v for k, v in agent_metrics.items() if k.startswith("agent/")})
+            else:
+                result = self.cluster.rollout.generate(ids, sampling)
+                batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
+                self.score(batch)
             metrics.update(experience.mean_scores(batch["scores"], batch["data_source"], prefix))
         metrics["val/sampled_score"] = metrics.pop("val_sampled/score")
         return metrics
