@@ -284,7 +284,9 @@ class RewardModelConfig:
     strategy: Literal["megatron"] = "megatron"
     model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
     micro_batch_size_per_gpu: Optional[int] = None  # responses
-    max_length: Optional[int] = None  # tokens
+    # tokens the reward model reads: must hold a whole prompt + response (it scores the policy's
+    # tokens as they are, never truncated); None: no check
+    max_length: Optional[int] = None
     reward_manager: Literal["naive", "dapo"] = "naive"
     overlong_buffer_len: int = 0  # DAPO soft overlong penalty window (tokens); 0: off
     overlong_penalty_factor: float = 1.0

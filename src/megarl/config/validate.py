@@ -212,6 +212,7 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         ("data.train_batch_size", d.train_batch_size),
         ("data.val_batch_size", d.val_batch_size),
         ("data.gen_batch_size", d.gen_batch_size),
+        ("reward_model.max_length", config.reward_model.max_length),
         ("data.max_prompt_length", d.max_prompt_length),
         ("data.max_response_length", d.max_response_length),
         ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
@@ -271,6 +272,13 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         )
     if a.adv_estimator == "gae" and not config.critic.enable:
         errors.append("algorithm.adv_estimator=gae needs a critic: remove critic.enable=false or pick another estimator")
+    rm_length = config.reward_model.max_length
+    if config.reward_model.enable and rm_length is not None and rm_length < d.max_prompt_length + d.max_response_length:
+        errors.append(
+            f"reward_model.max_length={rm_length} tokens is less than a whole sequence (data.max_prompt_length + "
+            f"data.max_response_length = {d.max_prompt_length + d.max_response_length} tokens): the reward model "
+            "scores prompt and response as the policy produced them and never truncates; raise it or leave it unset"
+        )
     if a.filter_groups.enable and rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2")
     if d.gen_batch_size not in (None, d.train_batch_size) and not a.filter_groups.enable:
