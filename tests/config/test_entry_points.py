@@ -92,3 +92,17 @@ def test_every_shipped_config_validates():
     for path in experiments:
         r = run("-m", "megarl.trainer.main_ppo", "--config", str(path), "--dry-run")
         assert r.returncode == 0, f"{path}: {r.stderr}"
+
+
+def test_commands_log_megarl_lines_but_not_every_http_request():
+    code = ("import logging\n"
+            "from megarl.config.args import entry_point\n"
+            "def main():\n"
+            "    logging.getLogger('httpx').info('HTTP Request: POST http://127.0.0.1/generate')\n"
+            "    logging.getLogger('httpx').warning('httpx warning kept')\n"
+            "    logging.getLogger('megarl.rollout').info('rollout info kept')\n"
+            "entry_point(main)()\n")
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert "rollout info kept" in r.stderr and "httpx warning kept" in r.stderr
+    assert "HTTP Request" not in r.stderr

@@ -22,6 +22,9 @@ def add_experiment_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+QUIET_LOGGERS = ("httpx", "httpcore", "openai")
+
+
 def entry_point(fn):
     """Wrap a command's main(): plain log lines, and a ConfigError printed as one readable
     message with exit status 2 (no stack trace)."""
@@ -30,6 +33,8 @@ def entry_point(fn):
     def wrapper(*args, **kwargs):
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="megarl: %(levelname)s: %(message)s")
+            for chatty in QUIET_LOGGERS:  # one INFO line per HTTP request (rollout, agents, judge)
+                logging.getLogger(chatty).setLevel(logging.WARNING)
         try:
             return fn(*args, **kwargs)
         except ConfigError as exc:
