@@ -88,6 +88,26 @@ def test_ppo_loss_clip_higher_and_dual_clip_by_hand():
     assert log_prob.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 5, 0.0, 1.5 / 5, 0.0, 0.0])
 
 
+def test_truncated_importance_sampling_weights_each_token_by_hand():
+    old, log_prob, adv, mask = ppo_case()
+    # the rollout sampled t0 with probability e^-1 / 4 (weight 4, capped at 2), t1 at e^-1 * 2
+    # (weight 0.5), the rest as the trainer scores them (weight 1); t5 is padding (weight 100)
+    weights = torch.tensor([[4.0, 0.5, 1.0, 1.0, 1.0, 100.0]])
+    rollout = old - weights.log()
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                          rollout_log_prob=rollout, tis_imp_ratio_cap=2.0)
+    assert loss.item() == pytest.approx((2 * -1.28 + 0.5 * -0.5 + 0.8 + 1.5 + 3.0) / 5)
+    assert m["tis_weight_mean"].item() == pytest.approx((2 + 0.5 + 1 + 1 + 1) / 5)
+    assert m["tis_capfrac"].item() == pytest.approx(1 / 5)
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([0.0, 0.5 * -0.5 / 5, 0.0, 1.5 / 5, 0.0, 0.0])
+    off, m_off = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                             rollout_log_prob=rollout)  # cap -1: off, the rollout's log-probs unused
+    assert off.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.5 + 3.0) / 5) and "tis_weight_mean" not in m_off
+    with pytest.raises(ValueError, match="tis_imp_ratio_cap=2.0 needs rollout_log_prob"):
+        policy_loss(old, log_prob, adv, mask, tis_imp_ratio_cap=2.0)
+
+
 def test_ppo_equals_vanilla_policy_gradient_at_ratio_one():
     gen = torch.Generator().manual_seed(0)
     for mode in LOSS_AGG_MODES:

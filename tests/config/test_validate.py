@@ -57,6 +57,7 @@ def test_resolve_fills_derived_defaults():
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
          "ppo_max_token_len_per_gpu=100 tokens is less than one full sequence"),
         (["data.gen_batch_size=0"], "data.gen_batch_size=0: must be a positive integer"),
+        (["actor_rollout_ref.actor.tis_imp_ratio_cap=0.5"], "tis_imp_ratio_cap=0.5: must be -1 (off) or >= 1"),
         (["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.max_length=1000"],
          "reward_model.max_length=1000 tokens is less than a whole sequence (data.max_prompt_length + "
          "data.max_response_length = 1024 tokens)"),

@@ -1,6 +1,11 @@
-"""Pure pieces of the RL loop: sampling seeds and the count of skipped (non-finite) steps."""
-import pytest
+"""Pure pieces of the RL loop: sampling seeds, the count of skipped (non-finite) steps, merged
+round metrics, the rollout/trainer mismatch."""
+import math
 
+import pytest
+import torch
+
+from megarl.trainer.experience import rollout_mismatch
 from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
 
 
@@ -33,3 +38,21 @@ def test_the_metrics_of_several_generation_rounds_merge_into_one_step():
     assert merged == {"rollout/samples": 64.0, "rollout/response_tokens": 400.0, "rollout/wall_s": 4.0,
                       "rollout/latency_max_s": 1.5, "reward/num_errors": 1.0, "reward/score_mean": 0.5,
                       "rollout/tokens_per_s": 100.0}
+
+
+def test_rollout_mismatch_compares_probabilities_over_valid_tokens_only():
+    actor = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.6, 0.3]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.20, 0.1], [0.2, 0.6, 0.9]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])  # the third column is padding: its gaps never count
+    m = rollout_mismatch(actor, rollout, mask)
+    diffs = torch.tensor([0.0, 0.05, 0.1, 0.0], dtype=torch.float64)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.1)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(diffs.mean().item())
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(diffs.std().item())
+    assert m["training/rollout_log_probs_diff_max"] == pytest.approx(math.log(2))
+    expected = torch.corrcoef(torch.tensor([[0.5, 0.25, 0.1, 0.6], [0.5, 0.2, 0.2, 0.6]]))[0, 1].item()
+    assert m["training/rollout_actor_probs_pearson_corr"] == pytest.approx(expected)
+    same = rollout_mismatch(actor, actor, mask)
+    assert same["training/rollout_probs_diff_max"] == 0
+    assert same["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
+    assert rollout_mismatch(actor, rollout, torch.zeros_like(mask)) == {}

@@ -80,6 +80,8 @@ def run_recipe(name: str, tiny: Path, out: Path, *overrides: str) -> StepRecord:
     for key, value in record.metrics.items():
         assert math.isfinite(value), f"{name}: {key}={value}"
     assert len(record.actor_batches) == 1, f"{name}: the actor was updated {len(record.actor_batches)} times"
+    if record.config.actor_rollout_ref.rollout.dtype == "float32":  # the CPU engine scores as the actor does
+        assert record.metrics["training/rollout_log_probs_diff_max"] < 1e-4, record.metrics
     return record
 
 
@@ -270,3 +272,19 @@ def test_reinforce_pp_baseline_centres_per_group_then_whitens(ray_session, tiny_
     expected = whiten(torch.where(mask, centred[:, None], 0.0), mask)
     expected = torch.where(degenerate[:, None], 0.0, expected)
     assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
+
+
+def test_truncated_importance_sampling_corrects_a_bf16_rollout(ray_session, tiny_assets, tmp_path):
+    """The rollout servers sample in bfloat16 while the actor trains in float32: their log-probs
+    differ, and with tis_imp_ratio_cap each token's loss is weighted by min(exp(old - rollout), cap)
+    (one mini-batch of one micro-batch, so the logged mean is the batch's)."""
+    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.dtype=bfloat16",
+                     "actor_rollout_ref.actor.tis_imp_ratio_cap=1.002", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
+    batch, m = run.actor_batches[0], run.metrics
+    mask = batch["response_mask"].bool()
+    assert m["training/rollout_log_probs_diff_max"] > 1e-3, m  # bf16 sampling is visibly off the trainer
+    raw = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])[mask]
+    assert abs(m["actor/tis_weight_mean"] - raw.clamp(max=1.002).mean().item()) < 1e-5, m
+    assert m["actor/tis_capfrac"] == pytest.approx((raw > 1.002).float().mean().item(), abs=1e-6)
+    assert 0 < m["actor/tis_capfrac"] < 1, "the cap should bind on some tokens (bf16 weights: 0.996-1.0045)"

@@ -23,6 +23,7 @@ def actor_loss_kwargs(actor: Any) -> dict[str, Any]:
         "clip_ratio_c": actor.clip_ratio_c,
         "loss_agg_mode": actor.loss_agg_mode,
         "loss_mode": actor.policy_loss.loss_mode,
+        "tis_imp_ratio_cap": actor.tis_imp_ratio_cap,
         "entropy_coeff": actor.entropy_coeff,
         "use_kl_loss": actor.use_kl_loss,
         "kl_loss_coef": actor.kl_loss_coef,

@@ -90,6 +90,8 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_mode: str = "vanilla",
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    tis_imp_ratio_cap: float = -1.0,
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
@@ -104,6 +106,11 @@ def policy_loss(
         used at every token as sg[s_i] * pi / sg[pi] so the gradient is s_i * mean_t grad log pi;
         L_t = max(-A s, -A clip(s, 1 - low, 1 + high)); no dual clip. The paper's objective is
         `loss_agg_mode="seq-mean-token-mean"`.
+
+    Truncated importance sampling (`tis_imp_ratio_cap` > 0; Yao et al. 2025): the rollout engine
+    sampled from a slightly different distribution than the trainer's (other kernels, precision),
+    so each token's L_t is weighted by w_t = min(exp(old_log_prob - rollout_log_prob), cap), no
+    gradient through w. Metrics tis_weight_mean and tis_capfrac (share of tokens where the cap binds).
 
     Metrics: pg_loss; pg_clipfrac (share of valid tokens where clipping is active),
     pg_clipfrac_high (clipped with A > 0: ratio above 1 + high), pg_clipfrac_low (clipped with
@@ -132,6 +139,15 @@ def policy_loss(
     else:
         dual_active = torch.zeros_like(clip_active)
         loss_mat = ppo
+    tis_metrics = {}
+    if tis_imp_ratio_cap > 0:
+        if rollout_log_prob is None:
+            raise ValueError(f"tis_imp_ratio_cap={tis_imp_ratio_cap} needs rollout_log_prob (the rollout's log-probs)")
+        raw = torch.exp(torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)).detach()
+        weight = torch.clamp(raw, max=tis_imp_ratio_cap)
+        loss_mat = loss_mat * weight
+        tis_metrics = {"tis_weight_mean": masked_mean(weight, response_mask),
+                       "tis_capfrac": _fraction(raw > tis_imp_ratio_cap, response_mask)}
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode,
                     num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
@@ -144,6 +160,7 @@ def policy_loss(
             "pg_clipfrac_dual": _fraction(dual_active, response_mask),
         }
         metrics.update(_ratio_metrics(ratio.detach(), log_ratio.detach(), response_mask))
+        metrics.update(tis_metrics)
     return loss, metrics
 
 
@@ -192,6 +209,8 @@ def actor_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_mode: str = "vanilla",
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    tis_imp_ratio_cap: float = -1.0,
     entropy_coeff: float = 0.0,
     use_kl_loss: bool = False,
     kl_loss_coef: float = 0.001,
@@ -211,7 +230,8 @@ def actor_loss(
     loss, metrics = policy_loss(
         old_log_prob, log_prob, advantages, response_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, **agg,
+        loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, rollout_log_prob=rollout_log_prob,
+        tis_imp_ratio_cap=tis_imp_ratio_cap, **agg,
     )
     if entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy_coeff={entropy_coeff} needs the per-token entropy")

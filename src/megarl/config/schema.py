@@ -160,6 +160,9 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # None: clip_ratio
     clip_ratio_high: Optional[float] = None  # None: clip_ratio (DAPO clip-higher sets e.g. 0.28)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    # truncated importance sampling: weight each token's policy loss by
+    # min(exp(old_log_prob - rollout_log_prob), cap) to correct rollout/trainer mismatch; -1: off
+    tis_imp_ratio_cap: float = -1.0
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

@@ -281,6 +281,9 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
         )
     if a.filter_groups.enable and rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2")
+    if actor.tis_imp_ratio_cap != -1 and actor.tis_imp_ratio_cap < 1:
+        errors.append(f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap}: must be -1 (off) or >= 1 "
+                      "(the largest weight a token's loss may get)")
     if d.gen_batch_size not in (None, d.train_batch_size) and not a.filter_groups.enable:
         errors.append(
             f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size}, which "

@@ -3,6 +3,7 @@ scoring, KL-in-reward, advantages and the step's data metrics. No Ray, no HTTP, 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -132,6 +133,26 @@ def data_metrics(batch: Batch) -> dict:
         metrics.update({"advantages/mean": adv.mean().item(), "advantages/max": adv.max().item(),
                         "advantages/min": adv.min().item()})
     return metrics
+
+
+def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the rollout engine's token probabilities are from the trainer's recomputed ones
+    (same weights, same temperature), over valid tokens; [B, R] inputs. verl's names:
+    training/rollout_probs_diff_{max,mean,std} (|p_actor - p_rollout|) and
+    training/rollout_actor_probs_pearson_corr; plus training/rollout_log_probs_diff_max (nats)."""
+    valid = mask.bool()
+    actor, rollout = actor_log_probs[valid].double(), rollout_log_probs[valid].double()
+    if actor.numel() == 0:
+        return {}
+    diff = (actor.exp() - rollout.exp()).abs()
+    out = {"training/rollout_probs_diff_max": diff.max().item(),
+           "training/rollout_probs_diff_mean": diff.mean().item(),
+           "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
+           "training/rollout_log_probs_diff_max": (actor - rollout).abs().max().item()}
+    corr = torch.corrcoef(torch.stack([actor.exp(), rollout.exp()]))[0, 1].item() if actor.numel() > 1 else math.nan
+    if math.isfinite(corr):  # undefined when either side is constant
+        out["training/rollout_actor_probs_pearson_corr"] = corr
+    return out
 
 
 def mean_scores(scores: torch.Tensor, data_sources: Sequence[str], prefix: str = "val") -> dict:

@@ -186,6 +186,8 @@ class RLTrainer:
             out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
             batch["old_log_probs"] = out["log_probs"]
             metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
+            metrics.update(experience.rollout_mismatch(out["log_probs"], batch["rollout_log_probs"],
+                                                       batch["response_mask"]))
         if cl.ref is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]
