@@ -1,6 +1,7 @@
 """Shared fixtures of the end-to-end trainer tests: one tiny model and one synthetic dataset per
 test session. (test_rl_e2e.py builds its own with its module fixture `tiny`, which takes precedence
 there; it could use `tiny_assets` instead.)"""
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import ray
 
 from megarl.data.synthetic import write_task_dataset
 from megarl.data.tiny_model import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +55,37 @@ def run_to_completion():
         return output
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_grpo_cluster():
+    """The context manager below, for module fixtures that bring up a whole cluster."""
+    return _tiny_grpo_cluster
+
+
+@contextlib.contextmanager
+def _tiny_grpo_cluster(tiny_assets: Path, out_dir: Path, *overrides: str):
+    """(cluster, trainer) of configs/tiny/grpo.yaml on `tiny_assets` (TP=2 actor, two colocated
+    CPU-engine servers, 4 prompts per step, one server restart allowed, no validation set), torn
+    down on exit; needs a Ray session with 2 GPUs (`ray_two_gpus`)."""
+    from transformers import AutoTokenizer
+
+    from megarl.config import load_and_validate
+    from megarl.rewards.custom import select_score_fn
+    from megarl.trainer.cluster import Cluster
+    from megarl.trainer.rl import RLTrainer
+
+    config = load_and_validate(str(REPO / "configs/tiny/grpo.yaml"), [
+        f"actor_rollout_ref.model.path={tiny_assets / 'model'}",
+        f"data.train_files={tiny_assets / 'data/train.parquet'}",
+        "data.val_files=[]", f"trainer.default_local_dir={out_dir}",
+        "actor_rollout_ref.rollout.max_server_restarts=1", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", *overrides,
+    ])
+    c = config.custom_reward_function
+    score_fn = select_score_fn(c.path, c.name, c.reward_kwargs)
+    cluster = Cluster(config)
+    try:
+        yield cluster, RLTrainer(config, cluster, AutoTokenizer.from_pretrained(str(tiny_assets / "model")), score_fn)
+    finally:
+        cluster.shutdown()

@@ -14,12 +14,9 @@ from megarl.config import load_and_validate
 from megarl.placement import plan_from_config
 from megarl.placement.ray_pools import create_pools
 from megarl.placement.worker_group import WorkerGroupError
-from megarl.rewards.custom import select_score_fn
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl
 from megarl.rollout.protocol import SamplingParams
-from megarl.trainer.cluster import Cluster
-from megarl.trainer.rl import RLTrainer
 from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,23 +102,9 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
 
 
 @pytest.fixture(scope="module")
-def grpo(ray_two_gpus, tiny_assets, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    config = load_and_validate(str(REPO / "configs/tiny/grpo.yaml"), [
-        f"actor_rollout_ref.model.path={tiny_assets / 'model'}",
-        f"data.train_files={tiny_assets / 'data/train.parquet'}",
-        "data.val_files=[]", f"trainer.default_local_dir={tmp_path_factory.mktemp('out')}",
-        "actor_rollout_ref.rollout.max_server_restarts=1", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    ])
-    c = config.custom_reward_function
-    score_fn = select_score_fn(c.path, c.name, c.reward_kwargs)
-    cluster = Cluster(config)
-    try:
-        yield cluster, RLTrainer(config, cluster, AutoTokenizer.from_pretrained(str(tiny_assets / "model")), score_fn)
-    finally:
-        cluster.shutdown()
+def grpo(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
+    with tiny_grpo_cluster(tiny_assets, tmp_path_factory.mktemp("out")) as cluster_and_trainer:
+        yield cluster_and_trainer
 
 
 def greedy(url: str, prompt: list[int]):

@@ -16,6 +16,7 @@ from megarl import checkpoint  # noqa: E402
 from megarl.config import ExperimentConfig  # noqa: E402
 from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
+from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
 from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
@@ -91,11 +92,26 @@ class Cluster:
             self.rollout.release_memory()
 
     def sync_weights(self) -> dict:
-        """Push the actor's weights into every rollout server as the next version (a server that
-        died is restarted first). Returns the push metrics (the same on every rank) and the rollout
-        fault counts since the last push (`faults/*`, so once per step)."""
-        self.rollout.recover()
-        metrics = self.actor.workers.call("push_weights", timeout_s=3600)[0]
+        """Push the actor's weights into every rollout server as the next version. A server found
+        dead, before the push or after a failed one, is restarted (within `max_server_restarts`)
+        and the push sent again, so every server ends at the new version; a push that fails while
+        every server is alive raises its own error at once. Returns the push metrics (the same on
+        every rank) and the rollout fault counts since the last push (`faults/*`, so once per step).
+
+        Restarted servers get only a new weight sync here (`_make_sync`), not the re-push at the
+        current version of `_resync_restarted_rollout`: the push that follows sends every server
+        the whole model, and the actor's weights are no longer those of the current version."""
+        self.rollout.recover(on_restart=self._make_sync)
+        while True:
+            try:
+                metrics = self.actor.workers.call("push_weights", timeout_s=3600)[0]
+                break
+            except WorkerGroupError as failed:
+                if self.rollout.recover(on_restart=self._make_sync) == 0:
+                    raise  # every server is alive: a real failure, which a retry would repeat
+                first_rank = str(failed).splitlines()[:2][-1].strip()  # the first rank's line, without traceback
+                log.warning("the weight push to version %d failed as rollout servers died; they were restarted, "
+                            "pushing again. The failure: %s", self.weight_version + 1, first_rank)
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
         return {**metrics, **self.rollout.fault_metrics()}

@@ -4,7 +4,8 @@ behind the real sglang-router, and the client that drives them.
 A server whose process dies is restarted by the fleet, between generations: taken out of the
 router, started again at its URL, given the current weights by `on_restart(urls)` (the cluster
 re-creates the weight sync for the server set and pushes the actor's weights at the current
-version), and put back. The prompts it lost, and any answer whose `weight_version` is not
+version), and put back. (A server that dies during a weight push is restarted the same way,
+and the cluster pushes again.) The prompts it lost, and any answer whose `weight_version` is not
 `weight_version` (the last pushed one), are sent again with the same seeds. Each server may
 restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
 the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
@@ -110,10 +111,12 @@ class RolloutFleet:
         self._faults["rollout_requests_retried"] += metrics.retried_requests
         return RolloutResult(samples, metrics, records)
 
-    def recover(self) -> int:
+    def recover(self, on_restart: Optional[Callable[[list[str]], None]] = None) -> int:
         """Restart every server whose process died; returns how many. Call it only while no
-        generation runs (the weight push needs idle servers). Raises `RolloutServerLost` for a
-        server past `max_server_restarts` or one that does not come back."""
+        generation runs (the weight push needs idle servers). `on_restart`: called instead of the
+        fleet's own after a restart (the weight push brings restarted servers up to date itself).
+        Raises `RolloutServerLost` for a server past `max_server_restarts` or one that does not
+        come back."""
         statuses = self.workers.call("status", timeout_s=60)
         dead = [i for i, s in enumerate(statuses) if not s["running"]]
         if not dead:
@@ -135,7 +138,7 @@ class RolloutFleet:
         except WorkerGroupError as e:
             urls = [self.urls[i] for i in dead]
             raise RolloutServerLost(f"restarting rollout server(s) {urls} failed: {e}") from None
-        self.on_restart(list(self.urls))
+        (on_restart or self.on_restart)(list(self.urls))
         for i in dead:
             self.router.add_worker(self.urls[i], timeout_s=120)
         return len(dead)
