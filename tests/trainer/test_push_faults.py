@@ -1,13 +1,17 @@
 """A rollout server that dies during the weight push, on CPU with real processes (Ray, CPU-engine
-servers, sglang-router; the disk transport, whose push is a sequence of HTTP calls): the cluster
-restarts the server and pushes again, so every server ends at the new version with the actor's
-weights; a push that fails while every server is alive raises at once; a death past
-`max_server_restarts` stops the run naming the server.
+servers, sglang-router), for the distributed (gloo) and the disk transport: the cluster restarts
+the server and pushes again, so every server ends at the new version with the actor's weights; a
+push that fails while every server is alive raises at once; a death past `max_server_restarts`
+stops the run naming the server.
 
-The seam: with the colocated servers' memory released (as after `before_training`), server 0 is
-stopped (SIGSTOP) before the push, so the push waits in its first phase on it, while server 1
-completes that phase (it resumes its weights' memory); then server 1 is killed (SIGKILL) and
-server 0 continued, and the push carries on into a dead server."""
+The seam: with the colocated servers' memory released (as after `before_training`), server 1 is
+stopped (SIGSTOP) before the push, so the push waits in its first phase on it, while server 0
+completes that phase (it resumes its weights' memory and, distributed, opens its update session);
+then server 0 is killed (SIGKILL) and server 1 continued, and the push carries on into a dead
+server. Distributed, server 0 is rank 1 of the weight-update group: gloo's broadcast stops at it,
+so server 1 never gets the bucket and must be released by the actor dropping its end of the group
+(else it would wait for its receive timeout, 300 s)."""
+import contextlib
 import os
 import signal
 import threading
@@ -18,7 +22,7 @@ import pytest
 
 from megarl.placement.worker_group import WorkerGroupError
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.control import ServerControl
+from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
 from megarl.trainer.rollout_fleet import RolloutServerLost
@@ -28,13 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def grpo(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
-    """The tiny GRPO cluster with the disk transport and a reward that varies (so the first step
-    updates the weights); the tests below run in file order on it."""
+@pytest.fixture(scope="module", params=["distributed", "disk"])
+def grpo(request, ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
+    """The tiny GRPO cluster with the transport `request.param` and a reward that varies (so the
+    first step updates the weights); the tests below run in file order on it."""
     with tiny_grpo_cluster(tiny_assets, tmp_path_factory.mktemp("out"),
                            f"custom_reward_function.path={Path(__file__).with_name('varied_reward.py')}",
-                           "actor_rollout_ref.rollout.weight_sync_transport=disk") as cluster_and_trainer:
+                           f"actor_rollout_ref.rollout.weight_sync_transport={request.param}") as cluster_and_trainer:
         yield cluster_and_trainer
 
 
@@ -50,32 +54,27 @@ def released(url: str) -> list[str]:
 
 
 def kill_during_push(cluster) -> threading.Thread:
-    """Release the servers' memory, stop server 0 (the push will wait on it), and from a thread:
-    once the push resumed server 1's weights, kill server 1, wait until its worker sees it dead,
-    continue server 0. Returns the thread (started)."""
+    """Release the servers' memory, stop server 1 (the push will wait on it), and from a thread:
+    once the push prepared server 0 (resumed its weights; 0.2 s for its update session to open),
+    kill server 0, wait until its worker sees it dead, continue server 1. Returns the thread (started)."""
     fleet = cluster.rollout
     cluster.before_training()
-    held, victim = fleet.workers.call("status", timeout_s=30)
+    victim, held = fleet.workers.call("status", timeout_s=30)
     assert "weights" in released(victim["url"])
     os.kill(held["pid"], signal.SIGSTOP)
 
     def run():
         try:
-            wait_for(lambda: "weights" not in released(victim["url"]), "the push preparing server 1")
+            wait_for(lambda: "weights" not in released(victim["url"]), "the push preparing server 0")
+            time.sleep(0.2)
             os.kill(victim["pid"], signal.SIGKILL)
-            wait_for(lambda: not fleet.workers.call("status", timeout_s=30)[1]["running"], "server 1 dead")
+            wait_for(lambda: not fleet.workers.call("status", timeout_s=30)[0]["running"], "server 0 dead")
         finally:
             os.kill(held["pid"], signal.SIGCONT)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
-
-
-def last_push_attempt(cluster) -> int:
-    """The attempt number in the name of the newest push directory of the disk transport."""
-    pushes = sorted((Path(cluster.config.trainer.default_local_dir) / "weight_sync").glob("push-*"))
-    return int(pushes[-1].name.split("-")[1])
 
 
 def logprob_gap(cluster, trainer, url: str) -> float:
@@ -95,15 +94,18 @@ def test_a_server_killed_during_the_push_is_restarted_and_the_push_completes(grp
     first = trainer.train_step()  # the actor's weights now differ from the checkpoint a restart loads
     assert first["sync/weight_version"] == 1 and first["faults/rollout_server_restarts"] == 0
     assert first["actor/grad_norm"] > 0
-    victim = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    victim = cluster.rollout.workers.call("status", timeout_s=30)[0]
 
     killer = kill_during_push(cluster)
+    started = time.monotonic()
     metrics = cluster.sync_weights()
+    seconds = time.monotonic() - started
     killer.join(timeout=60)
 
+    assert seconds < 60, f"the push took {seconds:.0f} s: a server waited for a bucket that never came"
     assert metrics["sync/weight_version"] == 2 and metrics["faults/rollout_server_restarts"] == 1
-    assert cluster.weight_version == 2 and cluster.rollout.restarts == [0, 1]
-    now = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
+    now = cluster.rollout.workers.call("status", timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
     assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     assert [released(u) for u in cluster.rollout.urls] == [[], []]
@@ -111,35 +113,52 @@ def test_a_server_killed_during_the_push_is_restarted_and_the_push_completes(grp
         assert logprob_gap(cluster, trainer, url) < 1e-4
 
 
+@contextlib.contextmanager
+def a_live_server_refusing_the_push(cluster):
+    """Yields what the push's error names. Disk: a file where the push writes its directory.
+    Distributed: server 1 already in a weight-update session (its begin_weight_update refuses)."""
+    if cluster.config.actor_rollout_ref.rollout.weight_sync_transport == "disk":
+        sync_dir = Path(cluster.config.trainer.default_local_dir) / "weight_sync"
+        sync_dir.rename(sync_dir.with_name("aside"))
+        sync_dir.write_text("a file where the push writes its directory\n")
+        try:
+            yield str(sync_dir)
+        finally:
+            sync_dir.unlink()
+            sync_dir.with_name("aside").rename(sync_dir)
+    else:
+        server = ServerControl(cluster.rollout.urls[1])
+        server.begin_weight_update()
+        try:
+            yield "a weight-update session is already open"
+        finally:
+            with contextlib.suppress(ServerError):  # the failed push usually ends every session itself
+                server.end_weight_update()
+
+
 def test_a_push_failing_with_every_server_alive_is_not_retried(grpo):
     cluster, _ = grpo
-    before = last_push_attempt(cluster)
-    sync_dir = Path(cluster.config.trainer.default_local_dir) / "weight_sync"
-    sync_dir.rename(sync_dir.with_name("aside"))
-    sync_dir.write_text("a file where the push writes its directory\n")
-    try:
+    pids = [s["pid"] for s in cluster.rollout.workers.call("status", timeout_s=30)]
+    with a_live_server_refusing_the_push(cluster) as named:
         with pytest.raises(WorkerGroupError) as failed:
             cluster.sync_weights()
-    finally:
-        sync_dir.unlink()
-        sync_dir.with_name("aside").rename(sync_dir)
     message = str(failed.value)
-    assert "WeightSyncError" in message and str(sync_dir) in message, message
-    assert cluster.weight_version == 2 and cluster.rollout.restarts == [0, 1]
+    assert "WeightSyncError" in message and named in message, message
+    assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
+    assert [s["pid"] for s in cluster.rollout.workers.call("status", timeout_s=30)] == pids  # nothing restarted
     assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     assert cluster.sync_weights()["sync/weight_version"] == 3
-    assert last_push_attempt(cluster) == before + 2  # the failed attempt, then this one: no retry between
 
 
 def test_a_server_dying_during_the_push_past_max_server_restarts_stops_the_run(grpo):
     cluster, _ = grpo
-    victim = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    victim = cluster.rollout.workers.call("status", timeout_s=30)[0]
     killer = kill_during_push(cluster)
     with pytest.raises(RolloutServerLost) as lost:
         cluster.sync_weights()
     killer.join(timeout=60)
     message = str(lost.value)
-    assert f"rollout server 1 at {victim['url']} on node {cluster.rollout.workers.locations[1]} (" in message
+    assert f"rollout server 0 at {victim['url']} on node {cluster.rollout.workers.locations[0]} (" in message
     assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
     assert isinstance(lost.value.__context__, WorkerGroupError)  # raised while handling the failed push
-    assert cluster.weight_version == 3 and cluster.rollout.restarts == [0, 1]
+    assert cluster.weight_version == 3 and cluster.rollout.restarts == [1, 0]

@@ -23,6 +23,8 @@ the only call that sets the servers' weight version. A transport method that fai
 """
 from __future__ import annotations
 
+import gc
+
 import json
 import shutil
 import socket
@@ -118,14 +120,18 @@ class DistributedTransport:
             ): s
             for s in self.servers
         }
+        failure = None
         try:
             dist.broadcast(bucket.flat, src=0, group=self.group)
-        except Exception as e:
+        except Exception as e:  # a server died: gloo stops at the first dead peer, later ones never get the bucket
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None:  # outside the except block, so that no traceback frame holds the group
+            self._drop_local_group()  # our connections close: servers blocked in a receive fail now, not at timeout
             try:
                 wait_all(calls)
             except ServerError as server_error:
-                raise ServerError(f"{server_error} (the broadcast failed too: {e})") from e
-            raise ServerError(f"pipeline stage {self.stage}: broadcast on group {self.group_name} failed: {e}") from e
+                raise ServerError(f"{server_error} (the broadcast failed too: {failure})") from None
+            raise ServerError(f"pipeline stage {self.stage}: broadcast on group {self.group_name} failed: {failure}")
         wait_all(calls)
 
     def finish_stream(self) -> None:
@@ -134,22 +140,30 @@ class DistributedTransport:
     def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
         self.send(bucket, weight_version=weight_version, flush_cache=True)
 
+    def _drop_local_group(self) -> None:
+        """Destroy this end of the group and release it: its connections close once nothing holds it."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            destroy_process_group(group)
+        except Exception:  # a group broken by a dead peer may refuse a clean shutdown; it is dropped either way
+            pass
+        del group
+        gc.collect()  # reference cycles may still hold it (and its sockets)
+
     def reset(self) -> None:
         """Drop the group here and on every server that still has it (errors ignored: a server
         that restarted has none)."""
-        if self.group is None:
+        if self.group_name is None:
             return
-        name, group = self.group_name, self.group
-        self.group = self.group_name = None
+        name, self.group_name = self.group_name, None
+        self._drop_local_group()
         for future in [self._pool.submit(s.destroy_weights_update_group, name) for s in self.servers]:
             try:
                 future.result()
             except ServerError:
                 pass
-        try:
-            destroy_process_group(group)
-        except Exception:  # a group broken by a dead peer may refuse a clean shutdown; it is dropped either way
-            pass
 
 
 class TensorTransport:
