@@ -228,18 +228,24 @@ def test_validation_sampling_replaces_the_training_sampling_and_greedy_episodes_
     assert len(spy.calls) >= 4 and all(sp.temperature == 1.0 and sp.max_new_tokens == 4 for _, sp, _ in spy.calls)
 
 
-def test_rl_trainer_validates_an_agent_run_with_its_episodes(cpu_server, tiny_dir, tokenizer, tmp_path):
-    """RLTrainer.validate of the calculator config runs one greedy and one sampled episode per
-    validation prompt through the agent runner (the trainer is given the real rollout client only:
-    validation of an agent run touches no training worker)."""
-    from megarl.trainer.rl import RLTrainer  # imports megatron: only this test pays for it
+def calculator_trainer(cpu_server, tiny_dir, tokenizer, tmp_path, *overrides: str):
+    """An RLTrainer of configs/tiny/agent_calculator.yaml with 6 validation prompts, given the real
+    rollout client only (validation of an agent run touches no training worker)."""
+    from megarl.trainer.rl import RLTrainer  # imports megatron: only the tests using it pay for it
 
     files = write_task_dataset("add", tmp_path / "data", train_size=16, val_size=6, sft_size=0, seed=0)
     config = load_and_validate(REPO / "configs" / "tiny" / "agent_calculator.yaml", [
         f"actor_rollout_ref.model.path={tiny_dir}", f"data.train_files=[{files['train']}]",
-        f"data.val_files=[{files['val']}]", f"actor_rollout_ref.rollout.agent.path={CALCULATOR}"])
+        f"data.val_files=[{files['val']}]", f"actor_rollout_ref.rollout.agent.path={CALCULATOR}", *overrides])
     cluster = SimpleNamespace(rollout=SimpleNamespace(client=RolloutClient(cpu_server.url, max_retries=1)))
-    trainer = RLTrainer(config, cluster, tokenizer, default_compute_score)
+    return RLTrainer(config, cluster, tokenizer, default_compute_score)
+
+
+def test_rl_trainer_validates_an_agent_run_with_its_episodes(cpu_server, tiny_dir, tokenizer, tmp_path):
+    """RLTrainer.validate of the calculator config runs one greedy and one sampled episode per
+    validation prompt through the agent runner (the trainer is given the real rollout client only:
+    validation of an agent run touches no training worker)."""
+    trainer = calculator_trainer(cpu_server, tiny_dir, tokenizer, tmp_path)
     try:
         first, second = trainer.validate(), trainer.validate()
     finally:
@@ -252,3 +258,16 @@ def test_rl_trainer_validates_an_agent_run_with_its_episodes(cpu_server, tiny_di
     assert first["val/score"] == first[f"val/{source}/score"] and 0 <= first["val/sampled_score"] <= 1
     for key in ("val/score", "val/agent/turns_mean", "val/agent/success/mean", "val/agent/generated_tokens_mean"):
         assert first[key] == second[key], key  # greedy episodes repeat exactly
+
+
+def test_validation_with_several_samples_reports_the_best_of_each_prompt(cpu_server, tiny_dir, tokenizer, tmp_path):
+    trainer = calculator_trainer(cpu_server, tiny_dir, tokenizer, tmp_path, "actor_rollout_ref.rollout.val_kwargs.n=3",
+                                 "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                 "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
+    try:
+        m = trainer.validate()
+    finally:
+        trainer.agent.close()
+    assert m["val/agent/episodes"] == 18  # 3 per validation prompt
+    assert {"val/best@3/score", "val/best@3/megarl/add/score"} <= set(m), sorted(m)
+    assert m["val/score"] <= m["val/best@3/score"] <= 1

@@ -1,11 +1,12 @@
 """Pure pieces of the RL loop: sampling seeds, the count of skipped (non-finite) steps, merged
-round metrics, the rollout/trainer mismatch."""
+round metrics, the rollout/trainer mismatch, best-of-n validation scores."""
 import math
 
 import pytest
 import torch
 
-from megarl.trainer.experience import rollout_mismatch
+from megarl.data.batch import Batch
+from megarl.trainer.experience import best_of_n, mean_scores, rollout_mismatch
 from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
 
 
@@ -56,3 +57,14 @@ def test_rollout_mismatch_compares_probabilities_over_valid_tokens_only():
     assert same["training/rollout_probs_diff_max"] == 0
     assert same["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
     assert rollout_mismatch(actor, rollout, torch.zeros_like(mask)) == {}
+
+
+def test_best_of_n_takes_each_prompts_best_response():
+    batch = Batch.from_token_lists([[5]] * 5, [[6]] * 5)
+    batch["uid"] = ["val-0", "val-0", "val-1", "val-1", "val-2"]
+    batch["data_source"] = ["a", "a", "b", "b", "a"]
+    batch["scores"] = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.5])
+    best, sources = best_of_n(batch)
+    assert best.tolist() == [1.0, 0.0, 0.5] and sources == ["a", "b", "a"]
+    assert mean_scores(best, sources, "val/best@2") == {
+        "val/best@2/score": pytest.approx(0.5), "val/best@2/a/score": pytest.approx(0.75), "val/best@2/b/score": 0.0}

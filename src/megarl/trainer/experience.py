@@ -155,6 +155,17 @@ def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     return out
 
 
+def best_of_n(batch: Batch) -> tuple[torch.Tensor, list[str]]:
+    """Per prompt (uid, in order of first appearance): the best score among its responses [P],
+    and its data_source. With a 0/1 reward, the mean of these is pass@n."""
+    best: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for uid, score, source in zip(batch["uid"], batch["scores"].tolist(), batch["data_source"]):
+        best[uid] = max(best.get(uid, -math.inf), score)
+        sources.setdefault(uid, source)
+    return torch.tensor(list(best.values())), list(sources.values())
+
+
 def mean_scores(scores: torch.Tensor, data_sources: Sequence[str], prefix: str = "val") -> dict:
     """Mean score overall (`<prefix>/score`) and per data_source."""
     out = {f"{prefix}/score": scores.mean().item()}

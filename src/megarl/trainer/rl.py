@@ -224,10 +224,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
-        """Score one response per validation prompt with `rollout.val_kwargs` (greedy by default):
-        `val/score`; and one sampled at the training temperature: `val/sampled_score`. With an agent,
-        one episode per prompt instead, scored as in training; the `val_kwargs` episodes' metrics
-        are logged as `val/agent/...`."""
+        """Score `val_kwargs.n` responses per validation prompt with `rollout.val_kwargs` (one, greedy,
+        by default): `val/score` (their mean) and, with n > 1, `val/best@<n>/score` (each prompt's
+        best, averaged: pass@n for a 0/1 reward); and one sampled at the training temperature:
+        `val/sampled_score`. With an agent, episodes instead, scored as in training; the
+        `val_kwargs` episodes' metrics are logged as `val/agent/...`."""
         if self.val_data is None:
             return {}
         prompts = self.val_data.take(range(len(self.val_data)))
@@ -244,6 +245,8 @@ class RLTrainer:
                 batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
                 self.score(batch)
             metrics.update(experience.mean_scores(batch["scores"], batch["data_source"], prefix))
+            if prefix == "val" and sampling.n > 1:
+                metrics.update(experience.mean_scores(*experience.best_of_n(batch), f"val/best@{sampling.n}"))
         metrics["val/sampled_score"] = metrics.pop("val_sampled/score")
         return metrics
 
