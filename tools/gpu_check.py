@@ -22,7 +22,7 @@ Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if an
      log-probs after onload bit-identical to before.
 
 `--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
-script itself; its figures mean nothing.
+script itself; its figures mean nothing (`--cpu --dtype bfloat16` checks the bf16 path).
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def parse_args():
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--steps", type=int, default=5, help="timed updates (after 2 warm-up updates)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="GPU peak for MFU")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="of the ~1B model's check (default bfloat16; float32 with --cpu)")
     return p.parse_args()
 
 
@@ -171,9 +173,9 @@ def check_tiny_fp32(workdir: Path, cpu: bool) -> dict:
     return result
 
 
-def build_1b_model(workdir: Path, cpu: bool) -> Path:
+def build_1b_model(workdir: Path, cpu: bool, dtype: str) -> Path:
     """A Llama of ~1.03B parameters (20 x 2048, GQA 16/4 heads, FFN 5632, vocab 32000, untied),
-    random weights with std 0.05, saved as bf16 safetensors."""
+    random weights with std 0.05, saved as `dtype` safetensors."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=16,
@@ -185,7 +187,7 @@ def build_1b_model(workdir: Path, cpu: bool) -> Path:
     torch.manual_seed(0)
     with torch.device("cpu" if cpu else "cuda"):
         model = AutoModelForCausalLM.from_config(config)
-    model = model.to(torch.float32 if cpu else torch.bfloat16)
+    model = model.to(getattr(torch, dtype))
     out = workdir / "llama_1b"
     model.save_pretrained(out)
     return out
@@ -197,7 +199,7 @@ def check_1b(model_dir: Path, args) -> dict:
     from megarl.engines.megatron.model import transformer_engine_available
     from megarl.engines.megatron.roles import ActorEngine
 
-    dtype = "float32" if args.cpu else "bfloat16"
+    dtype = args.dtype
     t0 = time.perf_counter()
     engine = ActorEngine(experiment_config(model_dir, dtype, args.batch, args.micro_batch), sequence_layout="padded")
     synchronize()
@@ -308,6 +310,7 @@ def report(name: str, run) -> bool:
 
 def main() -> int:
     args = parse_args()
+    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     if args.cpu:
         args.batch, args.prompt_len, args.response_len, args.micro_batch, args.steps = 4, 16, 24, 2, 1
     elif not torch.cuda.is_available():
@@ -321,7 +324,8 @@ def main() -> int:
         workdir = Path(tmp)
         ok = report("tiny qwen2 fp32 vs HF (padded)", lambda: check_tiny_fp32(workdir, args.cpu))
         model_dir = workdir / "llama_1b"
-        ok &= report("build ~1B llama (random, bf16)", lambda: {"path": str(build_1b_model(workdir, args.cpu))})
+        ok &= report(f"build ~1B llama (random, {args.dtype})",
+                     lambda: {"path": str(build_1b_model(workdir, args.cpu, args.dtype))})
         ok &= report("~1B llama: equivalence, step time, MFU, offload", lambda: check_1b(model_dir, args))
     dist.destroy_process_group()
     print(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - start:.1f} s")

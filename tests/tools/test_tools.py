@@ -1,5 +1,6 @@
 """The command-line tools, run as a user would: from another directory, with the installed megarl."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,13 @@ def test_convert_jsonl(tmp_path):
     src.write_text('{"question": "x"}\n')
     bad = run_tool("convert_jsonl.py", src, "o.parquet", "--data-source", "d", cwd=tmp_path)
     assert bad.returncode == 2 and "line 1: no string or number for 'answer'" in bad.stderr
+
+
+def test_the_gpu_check_script_runs_its_bf16_path_on_cpu(tmp_path):
+    """tools/gpu_check.py is only run for real on a lent GPU; `--cpu --dtype bfloat16` keeps every
+    code path of it working here (tiny sizes: the figures mean nothing, the checks must pass)."""
+    r = subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), "--cpu", "--dtype", "bfloat16"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "ALL PASS" in r.stdout and "build ~1B llama (random, bfloat16): PASS" in r.stdout
+    assert "'first_update_ppo_kl': 0.0" in r.stdout
