@@ -122,8 +122,8 @@ def main() -> int:
 
     gpu_check.init_single_process(cpu)
     with tempfile.TemporaryDirectory(prefix="megarl-gpu-bench-") as tmp:
-        model_dir = gpu_check.build_1b_model(Path(tmp), cpu or args.tiny)
         dtype = "float32" if cpu else "bfloat16"
+        model_dir = gpu_check.build_1b_model(Path(tmp), cpu or args.tiny, dtype)
         engine = ActorEngine(gpu_check.experiment_config(model_dir, dtype, args.batch, args.micro_batch),
                              sequence_layout="padded")
         params = sum(p.numel() for c in engine.model_chunks for p in c.parameters())
