@@ -24,7 +24,6 @@ the only call that sets the servers' weight version. A transport method that fai
 from __future__ import annotations
 
 import gc
-
 import json
 import shutil
 import socket
