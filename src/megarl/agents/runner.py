@@ -109,7 +109,6 @@ class AgentRunner:
         return runner
 
     def start(self) -> None:
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # the openai client logs every call at INFO
         self.endpoint.start()
         log.info("agent endpoint at %s", self.endpoint.base_url)
 

@@ -10,8 +10,8 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable

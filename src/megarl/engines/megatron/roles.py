@@ -90,8 +90,8 @@ class ActorEngine(MegatronEngine):
         """`ppo_epochs` passes over this rank's samples in mini-batches of
         ppo_mini_batch_size x rollout.n / DP responses, one optimizer step each, with the policy
         loss of `megarl.algos.actor_loss`. Needs `old_log_probs` and `advantages` (and
-        `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap). Logits are divided by rollout.temperature, as in
-        `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
+        `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap). Logits are
+        divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
         actor, rollout = self.actor, self.config.actor_rollout_ref.rollout
         keys = (["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
                 + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else []))
