@@ -107,6 +107,71 @@ def test_reinforce_plus_plus_baseline_by_hand():
     assert result.metrics["num_singleton_groups"] == 1.0
 
 
+def test_reinforce_plus_plus_carries_the_return_across_a_masked_tool_reply():
+    """The issue's minimal case: the masked position holds 0 and does not break the chain."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])
+    result = compute_advantages("reinforce_plus_plus", rewards, mask, gamma=1.0)
+    assert result.returns.tolist() == [[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    assert result.advantages[mask.bool()].tolist() == pytest.approx(whiten([1, 1, 1, 0, 0, 0, 0]))
+    assert result.advantages[0, 2] == 0
+
+
+def two_turn_batch():
+    """Three episodes of width 6: turn 1 on tokens 0-1, a tool's reply on 2-3 (mask 0), turn 2 on
+    4-5. Row 0 succeeds in turn 2 with token-level scores 0.2 (end of turn 1) + 0.3 (end of turn 2);
+    row 1 fails after two turns; row 2 fails in one turn. NaN on masked positions: never read."""
+    nan = float("nan")
+    rewards = torch.tensor([[0.0, 0.2, nan, nan, 0.0, 0.3],
+                            [0.0, 0.0, nan, nan, 0.0, 0.0],
+                            [0.0, 0.0, nan, nan, nan, nan]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]])
+    return rewards, mask, ["p", "p", "p"]
+
+
+def per_token(rows, mask):
+    """Per-row values on every valid token (row-major), as a flat list."""
+    return [value for value, m in zip(rows, mask.tolist()) for valid in m if valid]
+
+
+def test_multi_turn_gaps_by_hand_for_every_estimator():
+    rewards, mask, uids = two_turn_batch()
+    valid = mask.bool()
+    # REINFORCE++ (gamma .5), row 0: t5 = .3, t4 = .15, t1 = .2 + .5 * .15 = .275, t0 = .1375
+    result = compute_advantages("reinforce_plus_plus", rewards, mask, gamma=0.5)
+    assert result.returns[0].tolist() == pytest.approx([0.1375, 0.275, 0, 0, 0.15, 0.3])
+    assert result.returns[1:].abs().sum() == 0
+    assert result.advantages[valid].tolist() == pytest.approx(whiten([0.1375, 0.275, 0.15, 0.3] + [0.0] * 6))
+    assert result.advantages[0, 0] > 0 and result.advantages[1, 0] < 0  # turn 1 of the success vs a failure
+
+    # GAE (gamma .5, lam .5), values 0 except row 0 [.1, .2, 9, 9, .3, .4] (9 on the gap: skipped):
+    # t5: d = .3 - .4 = -.1, A = -.1; t4: d = .5*.4 - .3 = -.1, A = -.1 + .25*-.1 = -.125;
+    # t1 (next valid t4): d = .2 + .5*.3 - .2 = .15, A = .15 + .25*-.125 = .11875; t0: d = .5*.2 - .1 = 0,
+    # A = .25*.11875 = .0296875; returns = A + V
+    values = torch.zeros_like(rewards)
+    values[0] = torch.tensor([0.1, 0.2, 9.0, 9.0, 0.3, 0.4], dtype=torch.float64)
+    result = compute_advantages("gae", rewards, mask, values=values, gamma=0.5, lam=0.5)
+    assert result.returns[0].tolist() == pytest.approx([0.1296875, 0.31875, 0, 0, 0.175, 0.3])
+    assert result.advantages[valid].tolist() == pytest.approx(whiten([0.0296875, 0.11875, -0.125, -0.1] + [0.0] * 6))
+
+    # scores .5, 0, 0: group mean 1/6, deviations 1/3, -1/6, -1/6, unbiased var 1/12
+    std = math.sqrt(1 / 12)
+    result = compute_advantages("grpo", rewards, mask, uids=uids)
+    expected = per_token([(1 / 3) / (std + 1e-6), (-1 / 6) / (std + 1e-6), (-1 / 6) / (std + 1e-6)], mask)
+    assert result.advantages[valid].tolist() == pytest.approx(expected)
+    result = compute_advantages("rloo", rewards, mask, uids=uids)  # s_i - mean of the other two
+    assert result.advantages[valid].tolist() == pytest.approx(per_token([0.5, -0.25, -0.25], mask))
+    result = compute_advantages("reinforce_plus_plus_baseline", rewards, mask, uids=uids)
+    assert result.advantages[valid].tolist() == pytest.approx(whiten(per_token([1 / 3, -1 / 6, -1 / 6], mask)))
+    # ReMax (gamma 1): row 0 returns .5 on turn 1, .3 on turn 2; baseline .25
+    result = compute_advantages("remax", rewards, mask, reward_baselines=torch.full((3,), 0.25, dtype=torch.float64))
+    assert result.returns[0].tolist() == pytest.approx([0.5, 0.5, 0, 0, 0.3, 0.3])
+    assert result.advantages[0].tolist() == pytest.approx([0.25, 0.25, 0, 0, 0.05, 0.05])
+    for name in ADV_ESTIMATOR_REGISTRY:  # the tool's reply never gets an advantage
+        kwargs = dict(uids=uids, values=values, reward_baselines=torch.zeros(3, dtype=torch.float64))
+        assert compute_advantages(name, rewards, mask, **kwargs).advantages[~valid].abs().sum() == 0, name
+
+
 # -------------------------------------------------------------------------- properties
 def random_groups(seed, num_groups=7, max_size=6, width=9, discrete=True):
     gen = random.Random(seed)

@@ -183,6 +183,28 @@ def test_gspo_uses_one_ratio_per_response():
     assert log_prob.grad.tolist()[0] == pytest.approx([-s / 2, -s / 2, 0.0])  # d s / d log pi_t = s / |y|
 
 
+def test_gspo_clamps_only_the_sequence_log_ratio():
+    """One token moved by 30 nats: the sequence log-ratio is mean(30, 0, 0, 0) = 7.5 (under the clamp
+    at 10), so with A = -1 the loss at every token is e^7.5 (clipping takes the larger, unclipped
+    term); clamping each token at 20 first would give e^5."""
+    old = torch.tensor([[-30.5, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[-0.5, -1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    adv, mask = -torch.ones(1, 4, dtype=torch.float64), torch.ones(1, 4)
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          loss_mode="gspo", loss_agg_mode="token-mean")
+    assert loss.item() == pytest.approx(math.exp(7.5), rel=1e-12)  # 1808.04
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([math.exp(7.5) / 4] * 4, rel=1e-12)
+    assert m["ppo_kl"].item() == pytest.approx(-7.5)  # unclamped, as the sequence ratio uses it
+    assert m["ratio_max"].item() == pytest.approx(math.exp(7.5), rel=1e-12)
+    # beyond 10 only the sequence's log-ratio is clamped: mean(48, 0, 0, 0) = 12 -> e^10
+    loss, m = policy_loss(old - 18.0 * torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64), log_prob.detach(),
+                          adv, mask, loss_mode="gspo")
+    assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-12) and m["ppo_kl"].item() == pytest.approx(-12.0)
+    _, vanilla = policy_loss(old, log_prob.detach(), adv, mask)  # vanilla clamps each token at 20
+    assert vanilla["ppo_kl"].item() == pytest.approx(-5.0)
+
+
 def test_policy_loss_rejects_bad_arguments():
     old, log_prob, adv, mask = ppo_case()
     with pytest.raises(ValueError, match="dual-clip bound must be > 1"):

@@ -8,6 +8,27 @@ dpo         DPO (sigmoid, IPO) losses
 dapo        dynamic sampling (group filter) and the soft overlong penalty
 masked      masked sum/mean/var/whiten
 from_config config sections -> keyword arguments
+
+Where megarl differs from verl's `core_algos` (the implementation users compare with), on purpose:
+
+- Group of one response (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline): advantage 0. verl takes
+  mean 0 and std 1 there, so the lone response's advantage is its raw score.
+- REINFORCE++-baseline, a group whose scores are all equal: advantage exactly 0 after the batch
+  whitening (verl whitens the zeros too, giving them -mean/std).
+- A response's outcome score sums its token rewards over `response_mask` only (verl sums every
+  position); a reward placed on a masked token does not count.
+- REINFORCE++: the discounted return skips masked positions inside a response (a tool's reply in
+  a multi-turn episode), as GAE does in both: returns_t = r_t + gamma * returns_next valid token.
+  verl's REINFORCE++ (the versions we read) multiplies the running return by the mask,
+  restarting it at every masked position, so an earlier turn of a successful episode gets 0.
+- GSPO honours `loss_agg_mode` (verl always aggregates GSPO by seq-mean-token-mean); the sequence
+  ratio averages the tokens' log-ratios unclamped and clamps only the sequence's at 10, as verl.
+  `ppo_kl` is the unclamped mean of old - new (verl's GSPO too; vanilla clamps each token to
+  +-20, as verl's vanilla); `approx_kl` (megarl only) always uses the +-20-clamped log-ratio.
+- Padding is selected away with `torch.where` (verl multiplies by the mask), so NaN or inf in a
+  padded position never reaches a result; a reduction over nothing (empty batch, a row without a
+  valid token, agg_loss denominators below 1) is 0, never NaN; seq-mean modes count only rows
+  with a valid token (verl's `torch.mean` counts every row).
 """
 from megarl.algos.advantages import ADV_ESTIMATOR_REGISTRY, AdvantageResult, compute_advantages
 from megarl.algos.dapo import (

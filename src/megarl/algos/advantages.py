@@ -169,8 +169,10 @@ def remax_advantages(
 def reinforce_plus_plus_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> AdvantageResult:
-    """REINFORCE++ (Hu 2025): returns_t = r_t + gamma * returns_{t+1}, restarted at every masked
-    position, then whitened over all valid tokens of the batch. Token-level KL-in-reward, if
+    """REINFORCE++ (Hu 2025): returns_t = r_t + gamma * returns_next, where "next" is the next
+    valid token: masked positions inside a response (a tool's reply in a multi-turn episode) hold
+    0 and are skipped, so the return of an earlier policy turn carries the later turns' rewards, as
+    in GAE. Then whitened over all valid tokens of the batch. Token-level KL-in-reward, if
     configured, is already inside `token_level_rewards` (see `megarl.algos.kl.apply_kl_in_reward`).
     """
     dtype = _work_dtype(token_level_rewards)
@@ -179,8 +181,8 @@ def reinforce_plus_plus_advantages(
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=dtype, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
-        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, 0.0)
-        returns[:, t] = running
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
     return AdvantageResult(masked_whiten(returns, response_mask), returns, {})
 
 

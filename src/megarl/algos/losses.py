@@ -66,13 +66,16 @@ def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(flags.to(torch.float32), mask)
 
 
-def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """KL of the update from the per-token log-ratio; statistics of the ratio used in the loss."""
+def _ratio_metrics(ratio: torch.Tensor, kl_log_ratio: torch.Tensor, clamped_log_ratio: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """KL of the update from the per-token log-ratios (`kl_log_ratio` as the loss uses it, the k3
+    estimate from the one clamped to +-20 so that it stays finite); statistics of the ratio used in
+    the loss."""
     valid = mask.bool()
     any_valid = valid.any()  # without a valid token, max and min report 1
     return {
-        "ppo_kl": masked_mean(-log_ratio, mask),  # k1 estimate of KL(old || new)
-        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3 estimate, >= 0
+        "ppo_kl": masked_mean(-kl_log_ratio, mask),  # k1 estimate of KL(old || new)
+        "approx_kl": masked_mean(torch.expm1(clamped_log_ratio) - clamped_log_ratio, mask),  # k3 estimate, >= 0
         "ratio_mean": masked_mean(ratio, mask),
         "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 1.0),
         "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 1.0),
@@ -104,8 +107,9 @@ def policy_loss(
         bounds give DAPO's clip-higher.
     gspo: one ratio per response, s_i = exp(mean_t(log_prob - old_log_prob)) (Zheng et al. 2025),
         used at every token as sg[s_i] * pi / sg[pi] so the gradient is s_i * mean_t grad log pi;
-        L_t = max(-A s, -A clip(s, 1 - low, 1 + high)); no dual clip. The paper's objective is
-        `loss_agg_mode="seq-mean-token-mean"`.
+        L_t = max(-A s, -A clip(s, 1 - low, 1 + high)); no dual clip. The tokens' log-ratios are
+        averaged unclamped; only the sequence's log-ratio is clamped (at most 10). The paper's
+        objective is `loss_agg_mode="seq-mean-token-mean"`.
 
     Truncated importance sampling (`tis_imp_ratio_cap` > 0; Yao et al. 2025): the rollout engine
     sampled from a slightly different distribution than the trainer's (other kernels, precision),
@@ -115,15 +119,19 @@ def policy_loss(
     Metrics: pg_loss; pg_clipfrac (share of valid tokens where clipping is active),
     pg_clipfrac_high (clipped with A > 0: ratio above 1 + high), pg_clipfrac_low (clipped with
     A < 0: ratio below 1 - low), pg_clipfrac_dual (dual clip active); ppo_kl (mean of
-    old_log_prob - log_prob), approx_kl (k3, >= 0); ratio_mean/max/min.
+    old_log_prob - log_prob: clamped to +-20 per token in vanilla, unclamped in gspo, each as the
+    loss uses it), approx_kl (k3, >= 0, from the +-20-clamped log-ratio in both modes);
+    ratio_mean/max/min.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     if loss_mode == "vanilla":
         ratio = torch.exp(log_ratio)
-    elif loss_mode == "gspo":
-        seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)
+        kl_log_ratio = log_ratio
+    elif loss_mode == "gspo":  # the tokens' log-ratios unclamped: only the sequence's is clamped
+        kl_log_ratio = log_prob - old_log_prob
+        seq_log_ratio = masked_mean(kl_log_ratio, response_mask, dim=-1)
         ratio = torch.exp(torch.clamp(seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach(), max=10.0))
     else:
         raise ValueError(f"unknown policy loss_mode {loss_mode!r}; choose from {list(POLICY_LOSS_MODES)}")
@@ -159,7 +167,7 @@ def policy_loss(
             "pg_clipfrac_low": _fraction(clip_active & (advantages < 0), response_mask),
             "pg_clipfrac_dual": _fraction(dual_active, response_mask),
         }
-        metrics.update(_ratio_metrics(ratio.detach(), log_ratio.detach(), response_mask))
+        metrics.update(_ratio_metrics(ratio.detach(), kl_log_ratio.detach(), log_ratio.detach(), response_mask))
         metrics.update(tis_metrics)
     return loss, metrics
 
