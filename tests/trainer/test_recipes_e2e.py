@@ -12,6 +12,7 @@ responses all score the same, which the group estimators and DAPO's filter must 
 """
 import math
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +59,9 @@ class StepRecord:
     values_after: torch.Tensor | None = None  # PPO: the critic's values of the batch after its update
 
 
-def run_recipe(name: str, tiny: Path, out: Path, *overrides: str) -> StepRecord:
-    """Bring up configs/tiny/<name>.yaml's cluster on the `tiny_assets` model and data, run one
-    train_step, tear it down."""
+def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1) -> StepRecord:
+    """Bring up configs/tiny/<name>.yaml's cluster on the `tiny_assets` model and data, run
+    `steps` train_steps (metrics: the last one's), tear it down."""
     paths = [f"actor_rollout_ref.model.path={tiny / 'model'}", f"data.train_files={tiny / 'data/train.parquet'}",
              f"data.val_files={tiny / 'data/val.parquet'}", f"trainer.default_local_dir={out}"]
     config = load_and_validate(REPO / f"configs/tiny/{name}.yaml", [*paths, *overrides])
@@ -72,14 +73,15 @@ def run_recipe(name: str, tiny: Path, out: Path, *overrides: str) -> StepRecord:
         _capture_updates(cluster.actor, record.actor_batches)
         if cluster.critic is not None:
             _capture_updates(cluster.critic, record.critic_batches)
-        record.metrics = trainer.train_step()
+        for _ in range(steps):
+            record.metrics = trainer.train_step()
         if cluster.critic is not None and record.critic_batches:
             record.values_after = cluster.critic.compute("compute_values", record.critic_batches[0])["values"]
     finally:
         cluster.shutdown()
     for key, value in record.metrics.items():
         assert math.isfinite(value), f"{name}: {key}={value}"
-    assert len(record.actor_batches) == 1, f"{name}: the actor was updated {len(record.actor_batches)} times"
+    assert len(record.actor_batches) == steps, f"{name}: the actor was updated {len(record.actor_batches)} times"
     if record.config.actor_rollout_ref.rollout.dtype == "float32":  # the CPU engine scores as the actor does
         assert record.metrics["training/rollout_log_probs_diff_max"] < 1e-4, record.metrics
     return record
@@ -288,3 +290,77 @@ def test_truncated_importance_sampling_corrects_a_bf16_rollout(ray_session, tiny
     assert abs(m["actor/tis_weight_mean"] - raw.clamp(max=1.002).mean().item()) < 1e-5, m
     assert m["actor/tis_capfrac"] == pytest.approx((raw > 1.002).float().mean().item(), abs=1e-6)
     assert 0 < m["actor/tis_capfrac"] < 1, "the cap should bind on some tokens (bf16 weights: 0.996-1.0045)"
+
+
+# ------------------------------------------------------------------------------ agent episodes
+@pytest.fixture(scope="module")
+def sft_model(tiny_assets, tmp_path_factory) -> Path:
+    """The tiny model after a short SFT on the addition task (plain HF training, 480 steps of 128
+    examples, lr 1e-3; 20-100 s on 2 cores), half of the examples in the calculator's second-turn
+    form (question, a wrong answer, the tool's hint, the question again -> the answer), so that
+    episodes often succeed in their second turn (sampled at temperature 1: ~40% right first answers,
+    ~45% right second answers, measured). Test setup, not under test."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.synthetic import TASKS, distinct_examples
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
+    examples = distinct_examples(TASKS["add"], 4096, random.Random(1))
+    wrong_answers = random.Random(2)
+
+    def chars(text: str) -> list[int]:
+        return tokenizer.convert_tokens_to_ids(list(text))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for step in range(480):
+        rows = []
+        for k, (question, answer) in enumerate(examples[(step * 128) % 4096:][:128]):
+            prompt = [tokenizer.bos_token_id, *chars(question)]
+            if k % 2:  # as calculator.py's second call renders it (the tiny chat template)
+                prompt += [*chars(str(wrong_answers.randrange(10, 200))), tokenizer.eos_token_id,
+                           *chars("?" + answer[0] + question)]
+            target = [*chars(answer), tokenizer.eos_token_id]
+            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in rows])
+        trained = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])[:, 1:]
+        log_probs = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(log_probs * trained).sum() / trained.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = tmp_path_factory.mktemp("sft") / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_agent_reinforce_pp_credits_the_first_turn_of_a_successful_episode(ray_session, tiny_assets, sft_model,
+                                                                            tmp_path):
+    """configs/tiny/agent_calculator.yaml with REINFORCE++: the tool's reply sits inside the response
+    with mask 0, and the episode's score on its last token. A right second answer (score 0.5) must
+    credit the first turn too: the return runs across the masked reply, so the first turn's
+    advantage is positive and equals the second turn's (gamma 1, no KL in the reward)."""
+    run = run_recipe("agent_calculator", tiny_assets, tmp_path, f"actor_rollout_ref.model.path={sft_model}",
+                     f"actor_rollout_ref.rollout.agent.path={REPO / 'examples/agents/calculator.py'}",
+                     "algorithm.adv_estimator=reinforce_plus_plus", steps=2)
+    assert run.config.algorithm.gamma == 1.0 and not run.config.algorithm.use_kl_in_reward
+    seen = 0
+    for batch in run.actor_batches:
+        mask = batch["response_mask"].bool()
+        assert torch.allclose(batch["advantages"].double()[mask],
+                              whiten(reversed_cumsum(batch["token_level_rewards"], mask), mask)[mask], atol=1e-4)
+        for row in range(len(batch)):
+            present = batch["response_attention_mask"][row].bool()
+            policy = mask[row][present]
+            gap = (~policy).nonzero()
+            if len(gap) == 0 or abs(seq_rewards(batch)[row].item() - 0.5) > 1e-9:
+                continue  # not a two-turn episode that succeeded in its second turn
+            first_turn = batch["advantages"][row][present][: gap[0].item()]
+            second_turn = batch["advantages"][row][present][gap[-1].item() + 1:]
+            assert len(first_turn) and (first_turn > 0).all(), (row, first_turn)
+            assert torch.allclose(first_turn, second_turn[:1].expand_as(first_turn), atol=1e-6)
+            seen += 1
+    assert seen > 0, "no episode succeeded in its second turn: the check would be vacuous"
