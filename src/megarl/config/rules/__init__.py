@@ -1,0 +1,71 @@
+"""The config rules: small named checks of a resolved config, run in order by `validate()`.
+
+A rule is a function `rule(config, sizes)` that yields one message per problem it finds, each
+naming its key path; `sizes` are the GPU counts and data-parallel sizes derived once from the
+config. Its docstring says what it checks and ends with a `Reads:` line listing the keys (or whole
+groups) it reads. To add a rule, write the function in the module of its topic and list it in RULES.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from megarl.config.rules.choices import (
+    filter_groups_has_groups,
+    gae_has_critic,
+    gen_batch_only_with_dynamic_sampling,
+    group_estimator_has_groups,
+    lr_schedule_has_step_count,
+    reward_model_holds_a_sequence,
+    reward_model_settings,
+    rollout_engine_fits_device,
+    token_budget_holds_a_sequence,
+)
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.rules.gpus import (
+    batch_arithmetic,
+    parallel_sizes_fit_training_gpus,
+    placement_pools,
+    rollout_servers_fit_nodes,
+)
+from megarl.config.rules.values import (
+    agent_settings,
+    dpo_ranges,
+    fault_limits,
+    importance_cap_range,
+    known_loggers,
+    positive_counts,
+    required_keys,
+    resume_path_given,
+    value_ranges,
+)
+from megarl.config.schema import ExperimentConfig
+
+Rule = Callable[[ExperimentConfig, DerivedSizes], Iterable[str]]
+
+# validate() runs the rules in this order and lists their messages in this order.
+RULES: list[Rule] = [
+    required_keys,
+    positive_counts,
+    value_ranges,
+    known_loggers,
+    resume_path_given,
+    token_budget_holds_a_sequence,
+    group_estimator_has_groups,
+    gae_has_critic,
+    reward_model_holds_a_sequence,
+    filter_groups_has_groups,
+    importance_cap_range,
+    gen_batch_only_with_dynamic_sampling,
+    lr_schedule_has_step_count,
+    dpo_ranges,
+    fault_limits,
+    agent_settings,
+    reward_model_settings,
+    rollout_engine_fits_device,
+    placement_pools,
+    rollout_servers_fit_nodes,
+    parallel_sizes_fit_training_gpus,
+    batch_arithmetic,
+]
+
+__all__ = ["RULES", "DerivedSizes", "Rule"]

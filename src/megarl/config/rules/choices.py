@@ -1,0 +1,125 @@
+"""Rules on choices that need other keys: an estimator and its critic or groups, the reward
+model's settings, the lr schedule's step count, dynamic batches and sampling, the rollout engine."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.schema import ExperimentConfig
+
+log = logging.getLogger("megarl.config")
+
+# Estimators whose baseline comes from the other responses of the same prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """With dynamic batch sizes, one micro-batch's token budget must hold a whole sequence.
+
+    Reads: actor_rollout_ref.actor.use_dynamic_bsz, actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
+    data.max_prompt_length, data.max_response_length
+    """
+    d, actor = config.data, config.actor_rollout_ref.actor
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < d.max_prompt_length + d.max_response_length:
+        yield (
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} tokens is less than "
+            f"one full sequence (data.max_prompt_length + data.max_response_length = "
+            f"{d.max_prompt_length + d.max_response_length} tokens)"
+        )
+
+
+def group_estimator_has_groups(config: ExperimentConfig, sizes: DerivedSizes) -> Iterable[str]:
+    """Warns (no error) when a group-baseline estimator gets one response per prompt.
+
+    Reads: algorithm.adv_estimator, actor_rollout_ref.rollout.n
+    """
+    estimator, n = config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n
+    if estimator in GROUP_ESTIMATORS and n < 2:
+        log.warning(
+            "algorithm.adv_estimator=%s compares responses to the same prompt, but actor_rollout_ref.rollout.n=%d: "
+            "every group has one response and every advantage will be 0; set rollout.n >= 2 to learn",
+            estimator, n,
+        )
+    return ()
+
+
+def gae_has_critic(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """GAE needs a critic.
+
+    Reads: algorithm.adv_estimator, critic.enable
+    """
+    if config.algorithm.adv_estimator == "gae" and not config.critic.enable:
+        yield "algorithm.adv_estimator=gae needs a critic: remove critic.enable=false or pick another estimator"
+
+
+def reward_model_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The reward model's length must hold a whole prompt + response.
+
+    Reads: reward_model.enable, reward_model.max_length, data.max_prompt_length, data.max_response_length
+    """
+    d, rm_length = config.data, config.reward_model.max_length
+    if config.reward_model.enable and rm_length is not None and rm_length < d.max_prompt_length + d.max_response_length:
+        yield (
+            f"reward_model.max_length={rm_length} tokens is less than a whole sequence (data.max_prompt_length + "
+            f"data.max_response_length = {d.max_prompt_length + d.max_response_length} tokens): the reward model "
+            "scores prompt and response as the policy produced them and never truncates; raise it or leave it unset"
+        )
+
+
+def filter_groups_has_groups(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """DAPO's group filter needs groups of at least two responses.
+
+    Reads: algorithm.filter_groups.enable, actor_rollout_ref.rollout.n
+    """
+    if config.algorithm.filter_groups.enable and config.actor_rollout_ref.rollout.n < 2:
+        yield "algorithm.filter_groups.enable=true drops groups of equal rewards: needs actor_rollout_ref.rollout.n >= 2"
+
+
+def gen_batch_only_with_dynamic_sampling(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A generation batch other than the train batch is DAPO's dynamic sampling only.
+
+    Reads: data.gen_batch_size, data.train_batch_size, algorithm.filter_groups.enable
+    """
+    d = config.data
+    if d.gen_batch_size not in (None, d.train_batch_size) and not config.algorithm.filter_groups.enable:
+        yield (
+            f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size}, which "
+            "only DAPO's dynamic sampling uses: set algorithm.filter_groups.enable=true, or remove data.gen_batch_size"
+        )
+
+
+def lr_schedule_has_step_count(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A warmup ratio or a non-constant schedule needs the number of steps.
+
+    Reads: actor_rollout_ref.actor.optim, critic.optim, trainer.total_training_steps
+    """
+    sections = (("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim),
+                ("critic.optim", config.critic.optim))
+    for section, optim in sections:
+        needs_total = optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0 or optim.warmup_style != "constant"
+        if needs_total and optim.total_training_steps <= 0 and not config.trainer.total_training_steps:
+            yield (f"{section}: lr_warmup_steps_ratio / warmup_style={optim.warmup_style} need the number of "
+                   f"steps: set trainer.total_training_steps (or {section}.total_training_steps)")
+
+
+def reward_model_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Reward-model options need the reward model, and the reward model needs its path.
+
+    Reads: reward_model.enable, reward_model.add_rule_reward, reward_model.model.path
+    """
+    rm = config.reward_model
+    if rm.add_rule_reward and not rm.enable:
+        yield ("reward_model.add_rule_reward=true adds the rule reward to a reward model's score: "
+               "set reward_model.enable=true too, or drop it")
+    if rm.enable and not rm.model.path:
+        yield "reward_model.enable=true needs reward_model.model.path"
+
+
+def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """SGLang needs GPUs.
+
+    Reads: actor_rollout_ref.rollout.name, trainer.device
+    """
+    if config.actor_rollout_ref.rollout.name == "sglang" and config.trainer.device == "cpu":
+        yield "actor_rollout_ref.rollout.name=sglang needs GPUs; with trainer.device=cpu use rollout.name=cpu"

@@ -1,0 +1,71 @@
+"""What several rules share: the GPU counts and data-parallel sizes derived once from the config,
+and the messages for a number that must be positive or in a range."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from megarl.config.schema import ExperimentConfig, MegatronConfig
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    """GPU counts and data-parallel sizes that several rules need, derived once from the config.
+
+    A size is 0 where the config makes it impossible (a rule says why).
+    """
+
+    total_gpus: int
+    train_gpus: int
+    rollout_gpus: int
+    actor_dp: int
+    critic_dp: int
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> DerivedSizes:
+        t, p, arr = config.trainer, config.placement, config.actor_rollout_ref
+        total = t.nnodes * t.n_gpus_per_node if t.nnodes > 0 and t.n_gpus_per_node > 0 else 0
+        train = total
+        if p.mode == "split":
+            train = total - p.rollout_gpus if 0 < p.rollout_gpus < total else 0
+        return cls(
+            total_gpus=total,
+            train_gpus=train,
+            rollout_gpus=p.rollout_gpus if p.mode == "split" else total,
+            actor_dp=data_parallel_size(arr.actor.megatron, train, t.n_gpus_per_node),
+            critic_dp=data_parallel_size(config.critic.megatron, train, t.n_gpus_per_node),
+        )
+
+
+def model_parallel_size(m: MegatronConfig) -> int:
+    """GPUs per model replica: TP x PP x CP."""
+    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+
+def data_parallel_size(m: MegatronConfig, train_gpus: int, gpus_per_node: int) -> int:
+    """The role's data-parallel size; 0 when its parallel sizes do not fit the GPUs."""
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if not train_gpus or min(tp, pp, cp) <= 0 or gpus_per_node % tp:
+        return 0
+    replica = model_parallel_size(m)
+    return 0 if train_gpus % replica else train_gpus // replica
+
+
+def positive(path: str, value, allow_minus_one: bool = False) -> Iterator[str]:
+    """A message unless `value` is a positive integer (or -1 where allowed); None is not checked."""
+    if value is None:
+        return
+    if allow_minus_one and value == -1:
+        return
+    if value <= 0:
+        extra = " or -1 (never)" if allow_minus_one else ""
+        yield f"{path}={value}: must be a positive integer{extra}"
+
+
+def in_range(path: str, value, low: float, high: float, low_open: bool = False) -> Iterator[str]:
+    """A message unless low <= value <= high (low < value when low_open); None is not checked."""
+    if value is None:
+        return
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        yield f"{path}={value}: must be in {bracket}{low}, {high}]"

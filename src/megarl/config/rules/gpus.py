@@ -1,0 +1,161 @@
+"""Rules on GPUs: the placement's pools, rollout servers and training parallel sizes against the
+nodes, and the batch arithmetic from prompts down to micro-batches on each data-parallel rank."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megarl.config.rules.common import DerivedSizes, model_parallel_size, positive
+from megarl.config.schema import ExperimentConfig, MegatronConfig
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _layout_problems(prefix: str, m: MegatronConfig, train_gpus: int, gpus_per_node: int) -> Iterator[str]:
+    """One role's parallel sizes against the training GPUs."""
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        yield from positive(f"{prefix}.{key}", getattr(m, key))
+    if min(tp, pp, m.context_parallel_size) <= 0:
+        return
+    if m.virtual_pipeline_model_parallel_size is not None:
+        if pp == 1:
+            yield (
+                f"{prefix}.virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size}: "
+                f"needs {prefix}.pipeline_model_parallel_size > 1 (or set it to null)"
+            )
+        yield from positive(f"{prefix}.virtual_pipeline_model_parallel_size", m.virtual_pipeline_model_parallel_size)
+    if gpus_per_node % tp:
+        yield (
+            f"{prefix}.tensor_model_parallel_size={tp}: a TP group must stay inside one node, so it must divide "
+            f"trainer.n_gpus_per_node={gpus_per_node} (try {_largest_divisor_at_most(gpus_per_node, tp)})"
+        )
+        return
+    mp = model_parallel_size(m)
+    if train_gpus % mp:
+        yield (
+            f"{prefix}: TP x PP x CP = {tp} x {pp} x {m.context_parallel_size} = {mp} GPUs per model replica "
+            f"does not divide the {train_gpus} training GPUs; change the parallel sizes or the GPU count"
+        )
+
+
+def _batch_problems(role: str, mini_key: str, mini: int, micro_key: str, micro, dynamic: bool,
+                    train_batch: int, n: int, dp: int) -> Iterator[str]:
+    """Prompts -> responses -> mini-batches -> DP ranks -> micro-batches must all divide."""
+    responses = train_batch * n
+    if mini > train_batch:
+        yield f"{mini_key}={mini} prompts is larger than data.train_batch_size={train_batch} prompts per step"
+        return
+    if train_batch % mini:
+        yield (
+            f"{mini_key}={mini} prompts must divide data.train_batch_size={train_batch} prompts "
+            f"(each step is cut into whole mini-batches)"
+        )
+        return
+    mini_responses = mini * n
+    if responses % dp:
+        yield (
+            f"data.train_batch_size={train_batch} prompts x actor_rollout_ref.rollout.n={n} = {responses} responses "
+            f"cannot be split evenly over the {role} data-parallel size {dp}"
+        )
+        return
+    if mini_responses % dp:
+        yield (
+            f"{mini_key}={mini} prompts x actor_rollout_ref.rollout.n={n} = {mini_responses} responses per mini-batch "
+            f"cannot be split evenly over the {role} data-parallel size {dp}"
+        )
+        return
+    per_rank = mini_responses // dp
+    if micro is not None and not dynamic and micro > 0 and per_rank % micro:
+        yield (
+            f"{micro_key}={micro} responses must divide the {per_rank} responses each {role} data-parallel rank "
+            f"gets per mini-batch ({mini} prompts x {n} / DP {dp})"
+        )
+
+
+def placement_pools(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A split leaves GPUs for both pools; colocate takes no rollout GPU count.
+
+    Reads: placement.mode, placement.rollout_gpus, trainer.nnodes, trainer.n_gpus_per_node
+    """
+    p, total = config.placement, sizes.total_gpus
+    if not total:
+        return
+    if p.mode == "split":
+        if not 0 < p.rollout_gpus < total:
+            yield (
+                f"placement.rollout_gpus={p.rollout_gpus}: with placement.mode=split it must leave GPUs for both "
+                f"pools (1 .. {total - 1} of the {total} GPUs)"
+            )
+    elif p.rollout_gpus:
+        yield (
+            f"placement.rollout_gpus={p.rollout_gpus} is used only with placement.mode=split "
+            f"(colocate shares all GPUs)"
+        )
+
+
+def rollout_servers_fit_nodes(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A rollout server's TP group stays inside one node and divides the rollout pool.
+
+    Reads: actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.nnodes, trainer.n_gpus_per_node,
+    placement.mode, placement.rollout_gpus
+    """
+    gpus_per_node, pool = config.trainer.n_gpus_per_node, sizes.rollout_gpus
+    rtp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if sizes.total_gpus and rtp > 0 and (gpus_per_node % rtp or (pool and pool % rtp)):
+        yield (
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}: a rollout server stays inside one node, "
+            f"so it must divide trainer.n_gpus_per_node={gpus_per_node} and the {pool} rollout GPUs"
+        )
+
+
+def parallel_sizes_fit_training_gpus(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Each training role's TP x PP x CP fits the nodes and divides the training GPUs.
+
+    Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.enable, critic.megatron,
+    reward_model.enable, reward_model.megatron, trainer.nnodes, trainer.n_gpus_per_node, placement.mode,
+    placement.rollout_gpus
+    """
+    train_gpus, gpus_per_node = sizes.train_gpus, config.trainer.n_gpus_per_node
+    if not train_gpus:
+        return
+    arr = config.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron),
+             ("actor_rollout_ref.ref.megatron", arr.ref.megatron)]
+    if config.critic.enable:
+        roles.append(("critic.megatron", config.critic.megatron))
+    if config.reward_model.enable:
+        roles.append(("reward_model.megatron", config.reward_model.megatron))
+    for prefix, megatron in roles:
+        yield from _layout_problems(prefix, megatron, train_gpus, gpus_per_node)
+
+
+def batch_arithmetic(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The actor's (and critic's) prompts -> mini-batches -> DP ranks -> micro-batches all divide.
+
+    Reads: data.train_batch_size, actor_rollout_ref.rollout.n, actor_rollout_ref.actor.ppo_mini_batch_size,
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, actor_rollout_ref.actor.use_dynamic_bsz,
+    actor_rollout_ref.actor.megatron, critic.enable, critic.ppo_mini_batch_size,
+    critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.megatron, trainer.nnodes,
+    trainer.n_gpus_per_node, placement.mode, placement.rollout_gpus
+    """
+    if not sizes.train_gpus:
+        return
+    train_batch, n = config.data.train_batch_size, config.actor_rollout_ref.rollout.n
+    actor, critic = config.actor_rollout_ref.actor, config.critic
+    if sizes.actor_dp and train_batch > 0 and actor.ppo_mini_batch_size > 0 and n > 0:
+        yield from _batch_problems(
+            "actor", "actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
+            actor.use_dynamic_bsz, train_batch, n, sizes.actor_dp,
+        )
+    if not critic.enable:
+        return
+    yield from positive("critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)
+    if sizes.critic_dp and train_batch > 0 and critic.ppo_mini_batch_size > 0 and n > 0:
+        yield from _batch_problems(
+            "critic", "critic.ppo_mini_batch_size", critic.ppo_mini_batch_size,
+            "critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu,
+            critic.use_dynamic_bsz, train_batch, n, sizes.critic_dp,
+        )

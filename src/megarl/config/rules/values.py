@@ -1,0 +1,173 @@
+"""Rules on one key, or one small group, at a time: required keys, positive counts, ranges, names
+from a fixed list, the fault limits, the agent's settings."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from megarl.config.rules.common import DerivedSizes, in_range, positive
+from megarl.config.schema import ExperimentConfig
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+def required_keys(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The model and the training data must be given.
+
+    Reads: actor_rollout_ref.model.path, data.train_files
+    """
+    if not config.actor_rollout_ref.model.path:
+        yield "actor_rollout_ref.model.path: required (an HF checkpoint directory)"
+    if not config.data.train_files:
+        yield "data.train_files: required (one or more parquet files)"
+
+
+def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Counts and sizes must be positive integers (the frequencies may be -1: never).
+
+    Reads: data.train_batch_size, data.val_batch_size, data.gen_batch_size, reward_model.max_length,
+    data.max_prompt_length, data.max_response_length, actor_rollout_ref.actor.ppo_mini_batch_size,
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, actor_rollout_ref.actor.ppo_epochs,
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu, actor_rollout_ref.rollout.n,
+    actor_rollout_ref.rollout.tensor_model_parallel_size, actor_rollout_ref.rollout.max_concurrent_requests,
+    actor_rollout_ref.rollout.update_weights_bucket_megabytes, trainer.nnodes, trainer.n_gpus_per_node,
+    trainer.total_epochs, trainer.total_training_steps, trainer.test_freq, trainer.save_freq
+    """
+    d, t = config.data, config.trainer
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    for path, value in [
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.val_batch_size", d.val_batch_size),
+        ("data.gen_batch_size", d.gen_batch_size),
+        ("reward_model.max_length", config.reward_model.max_length),
+        ("data.max_prompt_length", d.max_prompt_length),
+        ("data.max_response_length", d.max_response_length),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        ("actor_rollout_ref.rollout.n", rollout.n),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size),
+        ("actor_rollout_ref.rollout.max_concurrent_requests", rollout.max_concurrent_requests),
+        ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", rollout.update_weights_bucket_megabytes),
+        ("trainer.nnodes", t.nnodes),
+        ("trainer.n_gpus_per_node", t.n_gpus_per_node),
+        ("trainer.total_epochs", t.total_epochs),
+        ("trainer.total_training_steps", t.total_training_steps),
+    ]:
+        yield from positive(path, value)
+    yield from positive("trainer.test_freq", t.test_freq, allow_minus_one=True)
+    yield from positive("trainer.save_freq", t.save_freq, allow_minus_one=True)
+
+
+def value_ranges(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Numbers that must lie in a range on their own.
+
+    Reads: algorithm.gamma, algorithm.lam, actor_rollout_ref.rollout.top_p,
+    actor_rollout_ref.rollout.gpu_memory_utilization, actor_rollout_ref.rollout.temperature,
+    actor_rollout_ref.rollout.top_k, actor_rollout_ref.actor.clip_ratio, actor_rollout_ref.actor.clip_ratio_low,
+    actor_rollout_ref.actor.clip_ratio_high, actor_rollout_ref.actor.clip_ratio_c, placement.gpu_memory_gib,
+    actor_rollout_ref.actor.optim.lr, algorithm.kl_ctrl.kl_coef
+    """
+    a, p = config.algorithm, config.placement
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    yield from in_range("algorithm.gamma", a.gamma, 0.0, 1.0)
+    yield from in_range("algorithm.lam", a.lam, 0.0, 1.0)
+    yield from in_range("actor_rollout_ref.rollout.top_p", rollout.top_p, 0.0, 1.0, low_open=True)
+    yield from in_range("actor_rollout_ref.rollout.gpu_memory_utilization", rollout.gpu_memory_utilization,
+                         0.0, 1.0, low_open=True)
+    if rollout.temperature < 0:
+        yield f"actor_rollout_ref.rollout.temperature={rollout.temperature}: must be >= 0"
+    if rollout.top_k != -1 and rollout.top_k <= 0:
+        yield f"actor_rollout_ref.rollout.top_k={rollout.top_k}: must be a positive integer or -1 (off)"
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        if getattr(actor, key) <= 0:
+            yield f"actor_rollout_ref.actor.{key}={getattr(actor, key)}: must be > 0"
+    if actor.clip_ratio_c <= 1:
+        yield f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c}: the dual-clip bound must be > 1"
+    if p.gpu_memory_gib <= 0:
+        yield f"placement.gpu_memory_gib={p.gpu_memory_gib}: must be > 0"
+    if actor.optim.lr <= 0:
+        yield f"actor_rollout_ref.actor.optim.lr={actor.optim.lr}: must be > 0"
+    if a.kl_ctrl.kl_coef < 0:
+        yield f"algorithm.kl_ctrl.kl_coef={a.kl_ctrl.kl_coef}: must be >= 0"
+
+
+def known_loggers(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Every logger named must be one megarl has.
+
+    Reads: trainer.logger
+    """
+    for logger in config.trainer.logger:
+        if logger not in LOGGERS:
+            yield f"trainer.logger: unknown logger {logger!r}; choose from {list(LOGGERS)}"
+
+
+def resume_path_given(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Resuming from a path needs the path.
+
+    Reads: trainer.resume_mode, trainer.resume_from_path
+    """
+    t = config.trainer
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)"
+
+
+def importance_cap_range(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The truncated importance-sampling cap is off (-1) or at least 1.
+
+    Reads: actor_rollout_ref.actor.tis_imp_ratio_cap
+    """
+    cap = config.actor_rollout_ref.actor.tis_imp_ratio_cap
+    if cap != -1 and cap < 1:
+        yield (f"actor_rollout_ref.actor.tis_imp_ratio_cap={cap}: must be -1 (off) or >= 1 "
+               "(the largest weight a token's loss may get)")
+
+
+def dpo_ranges(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """DPO's beta is positive and its label smoothing in [0, 0.5).
+
+    Reads: algorithm.dpo.beta, algorithm.dpo.label_smoothing
+    """
+    dpo = config.algorithm.dpo
+    if dpo.beta <= 0:
+        yield f"algorithm.dpo.beta={dpo.beta}: must be > 0"
+    if not 0 <= dpo.label_smoothing < 0.5:
+        yield f"algorithm.dpo.label_smoothing={dpo.label_smoothing}: must be in [0, 0.5)"
+
+
+def fault_limits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The limits on slow rewards, dead servers and skipped steps.
+
+    Reads: custom_reward_function.timeout_s, actor_rollout_ref.rollout.max_server_restarts,
+    trainer.max_consecutive_skipped_steps
+    """
+    timeout_s = config.custom_reward_function.timeout_s
+    restarts = config.actor_rollout_ref.rollout.max_server_restarts
+    skipped = config.trainer.max_consecutive_skipped_steps
+    if timeout_s <= 0:
+        yield f"custom_reward_function.timeout_s={timeout_s}: must be > 0 seconds"
+    if restarts < 0:
+        yield f"actor_rollout_ref.rollout.max_server_restarts={restarts}: must be >= 0"
+    if skipped < 1:
+        yield f"trainer.max_consecutive_skipped_steps={skipped}: must be >= 1"
+
+
+def agent_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Agentic rollouts: episode limits, the judge's URL and key, the endpoint's port.
+
+    Reads: actor_rollout_ref.rollout.agent
+    """
+    agent = config.actor_rollout_ref.rollout.agent
+    for key in ("max_turns", "max_tokens_per_episode", "max_concurrent_episodes"):
+        yield from positive(f"actor_rollout_ref.rollout.agent.{key}", getattr(agent, key))
+    if agent.episode_timeout_s <= 0:
+        yield f"actor_rollout_ref.rollout.agent.episode_timeout_s={agent.episode_timeout_s}: must be > 0 seconds"
+    if agent.judge.url and not agent.judge.url.startswith(("http://", "https://")):
+        yield f"actor_rollout_ref.rollout.agent.judge.url={agent.judge.url!r}: must be an http(s) URL"
+    if agent.judge.api_key_env and agent.judge.url and agent.judge.api_key_env not in os.environ:
+        yield (f"actor_rollout_ref.rollout.agent.judge.api_key_env={agent.judge.api_key_env}: "
+               "that environment variable is not set")
+    yield from positive("actor_rollout_ref.rollout.agent.judge.max_tokens", agent.judge.max_tokens)
+    if not 0 <= agent.port <= 65535:
+        yield f"actor_rollout_ref.rollout.agent.port={agent.port}: must be a TCP port (0: a free one)"
