@@ -9,7 +9,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from megarl.placement import ClusterSpec, RoleSpec, plan_placement  # noqa: E402
 from megarl.placement.ray_pools import NODE_RANK_LABEL, PlacementTimeout, create_pools  # noqa: E402
-from megarl.placement.worker_group import RankedWorker, WorkerGroup, WorkerGroupError  # noqa: E402
+from megarl.placement.worker_group import WorkerGroup, WorkerGroupError  # noqa: E402
+from megarl.workers.base import RankedWorker  # noqa: E402
 
 NODES, GPUS = 2, 4
 

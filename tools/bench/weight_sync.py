@@ -158,8 +158,8 @@ def run_push(config: dict, layout: tuple, args) -> dict:
         sglang_env_overrides,
         sglang_server_command,
     )
+    from megarl.net import free_port
     from megarl.rollout.process import ServerProcess
-    from megarl.sync.transports import free_port
 
     with tempfile.TemporaryDirectory(prefix="megarl-bench-sync-") as tmp:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
