@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -59,9 +58,9 @@ def parse_args():
 
 # ------------------------------------------------------------------------------------------ set-up
 def init_single_process(cpu: bool) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megarl.net import free_port
+
+    port = free_port("127.0.0.1")
     if not cpu:
         torch.cuda.set_device(0)
     dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.launch import (
@@ -61,12 +61,6 @@ def check(ok: bool, what: str) -> None:
     print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
     if not ok:
         FAILURES.append(what)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def score(url: str, sequences: list[list[int]]) -> list[list[float]]:
@@ -168,7 +162,7 @@ def main() -> int:
     args = p.parse_args()
     backend = "nccl" if args.trainer_gpu is not None else "gloo"
     trainer_device = f"cuda:{args.trainer_gpu}" if args.trainer_gpu is not None else "cpu"
-    port = free_port()
+    port = free_port("127.0.0.1")
     server = ServerProcess(
         "sglang",
         sglang_server_command(
@@ -182,7 +176,7 @@ def main() -> int:
         startup_timeout_s=args.startup_timeout_s,
     )
     router_log = os.path.join(args.log_dir, "router.log")
-    router = Router([server.url], free_port(), prometheus_port=free_port(), log_path=router_log)
+    router = Router([server.url], free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"), log_path=router_log)
     print(f"logs: {args.log_dir}", flush=True)
     group = None
     control = ServerControl(server.url)
@@ -232,7 +226,7 @@ def main() -> int:
         check(max_diff(back, baseline) < 1e-2, f"original weights restored (max diff {max_diff(back, baseline):.4f})")
 
         print(f"5. update_weights_from_distributed ({backend})", flush=True)
-        group_port = free_port()
+        group_port = free_port("127.0.0.1")
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(
                 control.init_weights_update_group, "127.0.0.1", group_port, 1, args.tp_size + 1, "megarl_smoke", backend

@@ -1,11 +1,10 @@
 """Shared fixtures: the tiny character-level model, one CPU rollout server (stopped by PID), and a
 rollout backend that keeps every sample the server returned."""
-import socket
-
 import pytest
 from transformers import AutoTokenizer
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.launch import cpu_server_command
 from megarl.rollout.process import ServerProcess
@@ -23,9 +22,7 @@ def tokenizer(tiny_dir):
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_dir, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     log = tmp_path_factory.mktemp("agents-server") / "server.log"
     proc = ServerProcess("agents-cpu", cpu_server_command(tiny_dir, port, num_threads=1), f"http://127.0.0.1:{port}",
                          log_path=str(log), startup_timeout_s=120)

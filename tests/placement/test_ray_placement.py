@@ -1,5 +1,10 @@
-"""The plan realised on a real Ray cluster of simulated nodes with logical GPUs."""
+"""The plan realised on a real Ray cluster of simulated nodes with logical GPUs, and ranks that
+hang, fail or die (killed by their PID, stopped, or lost with their node) named from Ray's own
+errors."""
+import contextlib
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -9,13 +14,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from megarl.placement import ClusterSpec, RoleSpec, plan_placement  # noqa: E402
 from megarl.placement.ray_pools import NODE_RANK_LABEL, PlacementTimeout, create_pools  # noqa: E402
-from megarl.placement.worker_group import RankedWorker, WorkerGroup, WorkerGroupError  # noqa: E402
+from megarl.placement.worker_group import WorkerGroup, WorkerGroupError  # noqa: E402
+from megarl.workers.base import RankedWorker  # noqa: E402
 
 NODES, GPUS = 2, 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def ray_cluster(tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"  # same for head, nodes and driver (see ray-and-slurm-on-cpu.md)
     temp = tmp_path_factory.mktemp("ray")
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False,
@@ -24,10 +30,19 @@ def cluster(tmp_path_factory):
     for rank in reversed(range(NODES)):
         c.add_node(num_cpus=2, num_gpus=GPUS, labels={NODE_RANK_LABEL: str(rank)})
     ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
-    node_rank = {n["NodeID"]: int(n["Labels"][NODE_RANK_LABEL]) for n in ray.nodes() if NODE_RANK_LABEL in n["Labels"]}
-    yield node_rank
+    yield c
     ray.shutdown()
     c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster):
+    """The plan's node rank of each Ray node id."""
+    return {n["NodeID"]: int(n["Labels"][NODE_RANK_LABEL]) for n in ray.nodes() if NODE_RANK_LABEL in n["Labels"]}
+
+
+def node_ip(node_id: str) -> str:
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 class Probe(RankedWorker):
@@ -52,6 +67,15 @@ class Probe(RankedWorker):
         if self.rank == rank:
             raise ValueError(f"bad input on rank {rank}")
         return True
+
+    def leave(self) -> None:
+        ray.actor.exit_actor()
+
+
+class FailsToStart(RankedWorker):
+    def __init__(self, rank: int, world_size: int, role: str):
+        super().__init__(rank, world_size, role)
+        raise RuntimeError("no engine here")
 
 
 def train(name, pool, tp=1):
@@ -150,3 +174,83 @@ def test_plan_larger_than_cluster_is_refused(cluster):
     plan = plan_placement(ClusterSpec(NODES, 8), {"p": 8}, [train("actor", "p")])
     with pytest.raises(PlacementTimeout, match="fewer GPUs than trainer.n_gpus_per_node=8"):
         create_pools(plan, timeout_s=5)
+
+
+@contextlib.contextmanager
+def actor_pool(ranks: int, spec: ClusterSpec = ClusterSpec(NODES, GPUS)):
+    """(role, pools) of one training role of `ranks` ranks, realised; the placement groups go after."""
+    plan = plan_placement(spec, {"p": ranks}, [train("actor", "p")])
+    pools = create_pools(plan, timeout_s=60)
+    try:
+        yield plan.roles["actor"], pools
+    finally:
+        pools.remove()
+
+
+def error_when_during(event, call, *args, **kwargs) -> str:
+    """The `WorkerGroupError` message of `call(*args, **kwargs)` when `event()` happens 1 s into it."""
+    timer = threading.Timer(1.0, event)
+    timer.start()
+    try:
+        with pytest.raises(WorkerGroupError) as error:
+            call(*args, **kwargs)
+    finally:
+        timer.join(timeout=60)
+    return str(error.value)
+
+
+def test_a_rank_killed_by_its_pid_is_named_from_rays_error(cluster):
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(Probe, role, pools)
+        victim = group.call("node_info", timeout_s=60)[1]
+        # rank 1 is killed during the call; rank 0 answers within the grace a death gives its peers
+        message = error_when_during(lambda: os.kill(victim["pid"], signal.SIGKILL), group.call, "sleep", 5,
+                                    timeout_s=60)
+        assert message.startswith(
+            f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process (pid {victim['pid']}, node "
+            f"{node_ip(victim['node_id'])}) exited unexpectedly (SIGKILL, the OOM killer or a crash?); "
+            "Ray: SYSTEM_ERROR: ")
+        assert "rank 0" not in message
+        with pytest.raises(ray.exceptions.ActorDiedError):  # the error Ray gives for that rank
+            ray.get(group.actors[1].node_info.remote(), timeout=30)
+        group.shutdown()
+
+
+def test_ranks_stopped_on_purpose_or_failing_to_start_are_named_from_rays_errors(cluster):
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(Probe, role, pools)
+        infos = group.call("node_info", timeout_s=60)
+        where = [f"(pid {i['pid']}, node {node_ip(i['node_id'])})" for i in infos]
+        with pytest.raises(WorkerGroupError) as error:
+            group.call_ranks([0], "leave", timeout_s=60)
+        assert str(error.value).startswith(
+            f"actor.leave failed:\n  - actor rank 0 on node0 died: the worker process {where[0]} was stopped on "
+            "purpose (ray.kill or exit_actor); Ray: INTENDED_USER_EXIT: ")
+        # Ray 2.60 gives no exit type for ray.kill: the first line of its message is quoted
+        message = error_when_during(lambda: ray.kill(group.actors[1]), group.call_ranks, [1], "sleep", 30,
+                                    timeout_s=60)
+        assert message == (f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process {where[1]} is "
+                           "gone: The actor died unexpectedly before finishing this task.")
+        group.shutdown()
+
+        group = WorkerGroup(FailsToStart, role, pools)
+        with pytest.raises(WorkerGroupError, match=r"actor rank 0 on node0 died: the worker process failed while "
+                                                   r"starting: The actor died because of an error raised in its "
+                                                   r"creation task"):
+            group.call("node_info", timeout_s=60)
+        group.shutdown()
+
+
+def test_a_rank_lost_with_its_node_is_named(ray_cluster, cluster):
+    """Last in the module: it leaves the cluster with a dead node."""
+    doomed = ray_cluster.add_node(num_cpus=2, num_gpus=1, labels={NODE_RANK_LABEL: str(NODES)})
+    ray_cluster.wait_for_nodes(timeout=60)
+    with actor_pool(NODES + 1, ClusterSpec(NODES + 1, 1)) as (role, pools):  # rank r on node r
+        group = WorkerGroup(Probe, role, pools)
+        lost = group.call("node_info", timeout_s=60)[NODES]
+        where = f"(pid {lost['pid']}, node {node_ip(lost['node_id'])})"
+        message = error_when_during(lambda: ray_cluster.remove_node(doomed), group.call, "sleep", 5, timeout_s=60)
+        # Ray 2.60 says "The actor died because its node has died", with no exit type
+        assert message.startswith(f"actor.sleep failed:\n  - actor rank {NODES} on node{NODES} died: the worker "
+                                  f"process {where} ")
+        group.shutdown()

@@ -1,10 +1,9 @@
 """Shared fixtures: a tiny HF model built locally, free ports, CPU-engine servers stopped by PID."""
-import socket
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from megarl.net import free_port
 from megarl.rollout.launch import cpu_server_command
 from megarl.rollout.process import ServerProcess
 
@@ -46,14 +45,8 @@ def hf_logprobs(model, prompt, response, temperature):
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cpu_server(model_dir, tmp_path, name, api_key=None):
-    port = free_port()
+    port = free_port("127.0.0.1")
     proc = ServerProcess(
         name,
         cpu_server_command(model_dir, port, api_key=api_key, num_threads=1),

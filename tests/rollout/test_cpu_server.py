@@ -167,7 +167,7 @@ def test_update_weights_from_distributed_over_gloo(control, client, tiny_model_d
     named = [(n, p.detach().to(torch.bfloat16 if "mlp" in n else torch.float32))
              for n, p in new_model.state_dict().items()]
     buckets = [(named[:10], "flattened_bucket"), (named[10:], None)]
-    port = helpers.free_port()
+    port = helpers.free_port("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(control.init_weights_update_group, "127.0.0.1", port, 1, 2, "wg", "gloo")
         group = init_custom_process_group("gloo", "127.0.0.1", port, rank=0, world_size=2, group_name="wg",

@@ -33,7 +33,7 @@ def servers(tiny_model_dir, tmp_path_factory, helpers):
 @pytest.fixture(scope="module")
 def router(servers, tmp_path_factory, helpers):
     # Retries are left to the client here, so that the test sees the client's retry path work.
-    r = Router([s.url for s in servers], helpers.free_port(), prometheus_port=helpers.free_port(),
+    r = Router([s.url for s in servers], helpers.free_port("127.0.0.1"), prometheus_port=helpers.free_port("127.0.0.1"),
                api_key=KEY, disable_retries=True, health_check_interval_s=1,
                log_path=str(tmp_path_factory.mktemp("router") / "router.log"))
     r.start(timeout_s=60)

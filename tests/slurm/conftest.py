@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megarl.net import port_is_free
+
 REPO = Path(__file__).resolve().parents[2]
 SANDBOX = REPO / "tools" / "slurm_sandbox.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -26,15 +27,7 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def _free_port_run(count: int) -> int:
     """The first of `count` consecutive free ports (slurmctld, then one per slurmd)."""
     for base in range(7100, 7900, 10):
-        ok = True
-        for port in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        if all(port_is_free(port) for port in range(base, base + count)):
             return base
     raise RuntimeError("no free ports for the Slurm sandbox in 7100-7900")
 

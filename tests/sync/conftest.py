@@ -15,9 +15,9 @@ from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_t
 from megarl.bridge.safetensors_io import HFCheckpointReader  # noqa: E402
 from megarl.data.tiny_model import make_tiny_model  # noqa: E402
 from megarl.engines.megatron.cpu import run_gloo_workers  # noqa: E402
+from megarl.net import free_port  # noqa: E402
 from megarl.rollout.launch import cpu_server_command  # noqa: E402
 from megarl.rollout.process import ProcessMonitor, ServerProcess  # noqa: E402
-from megarl.sync.transports import free_port  # noqa: E402
 from sync_world import (  # noqa: E402
     RESHARD_BUCKET_BYTES,
     RESHARD_DIVISIBLE_BY,

@@ -3,16 +3,31 @@ import io
 import json
 
 import pytest
+from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megarl.tracking import ConsoleLogger, Tracker
 
 
-def test_tensorboard_jsonl_summary_and_plot(tmp_path):
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """(figure, dpi) of every matplotlib figure saved during the test (still written to its file)."""
+    saved = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        saved.append((fig, kwargs.get("dpi") or fig.dpi))
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def test_tensorboard_jsonl_and_summary(tmp_path):
     tracker = Tracker(["tensorboard"], "proj", "exp", log_dir=tmp_path, total_steps=3)
     for step in (1, 2, 3):
         tracker.log({"reward/mean": 0.1 * step, "actor/ppo_kl": 0.0, "val/score": None}, step=step)
-    plot = tracker.finish()
+    tracker.finish()
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -25,8 +40,42 @@ def test_tensorboard_jsonl_summary_and_plot(tmp_path):
     assert lines[2] == {"step": 3, "reward/mean": pytest.approx(0.3), "actor/ppo_kl": 0.0}
     summary = (tmp_path / "summary.txt").read_text()
     assert "reward/mean" in summary and "0.3" in summary
-    data = plot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
+    """The curves in the saved figure are the values TensorBoard recorded, panel by panel."""
+    import matplotlib.image
+
+    tracker = Tracker(["tensorboard"], "proj", "exp", log_dir=tmp_path, total_steps=4)
+    logged = {1: {"reward/mean": 0.5, "actor/ppo_kl": 0.0, "response_length/mean": 12.0},
+              2: {"reward/mean": 0.25, "actor/ppo_kl": 0.01, "val/score": 0.4},
+              3: {"reward/mean": 0.75, "actor/ppo_kl": 0.02, "response_length/mean": 9.0},
+              4: {"reward/mean": 1.0, "actor/ppo_kl": 0.005, "val/score": 0.6}}
+    for step, metrics in logged.items():
+        tracker.log(metrics, step=step)
+    plot = tracker.finish()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    recorded = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert sorted(recorded) == ["actor/ppo_kl", "response_length/mean", "reward/mean", "val/score"]
+
+    [(figure, dpi)] = saved_figures
+    panels = {ax.get_title(): ax for ax in figure.axes}
+    metric_of_panel = {"reward (train, mean)": "reward/mean", "validation score": "val/score", "ppo_kl": "actor/ppo_kl",
+                       "response length (tokens)": "response_length/mean", "entropy (nats/token)": None}
+    assert panels.keys() == metric_of_panel.keys()
+    for title, metric in metric_of_panel.items():
+        lines = panels[title].get_lines()
+        if metric is None:  # never logged: an empty panel
+            assert lines == []
+            continue
+        [line] = lines
+        steps, values = zip(*recorded[metric])
+        assert list(line.get_xdata()) == list(steps), title
+        assert list(line.get_ydata()) == pytest.approx(values, abs=1e-6), title  # TensorBoard stores float32
+    width, height = (figure.get_size_inches() * dpi).round().astype(int)
+    assert matplotlib.image.imread(plot).shape[:2] == (height, width)  # the file holds this figure
 
 
 def test_console_prints_one_plain_line_per_step_when_not_a_terminal():

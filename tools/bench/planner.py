@@ -5,7 +5,8 @@ experiment configs/base.yaml with 8 GPUs per node, actor TP=4 x PP=2, a referenc
 loss), rollout TP=4 and batch sizes scaled with the cluster is (1) loaded and validated
 (`megarl.config.load_and_validate`), (2) planned (`megarl.placement.plan_from_config`: every rank
 of every role placed on a GPU, TP groups checked against node boundaries) and (3) rendered as the
-printable GPU map (`format_gpu_map`). Each is timed `--repeats` times; the best is reported.
+printable GPU map (`format_gpu_map`). Each is timed `--repeats` times; the best is reported, and
+every time is kept in the row (`times_s`).
 
     .venv/bin/python tools/bench/planner.py
 """
@@ -42,13 +43,14 @@ def overrides(nodes: int, mode: str) -> list[str]:
     return keys
 
 
-def best_seconds(repeats: int, fn) -> tuple[float, object]:
-    best, value = float("inf"), None
+def timed(repeats: int, fn) -> tuple[list[float], object]:
+    """The seconds of each of `repeats` calls of `fn`, and the last call's value."""
+    times, value = [], None
     for _ in range(repeats):
         start = time.perf_counter()
         value = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, value
+        times.append(time.perf_counter() - start)
+    return times, value
 
 
 def main() -> None:
@@ -63,13 +65,15 @@ def main() -> None:
     for nodes in args.nodes:
         for mode in args.modes:
             keys = overrides(nodes, mode)
-            validate_s, config = best_seconds(args.repeats, lambda: load_and_validate(REPO / "configs/base.yaml", keys))
-            plan_s, plan = best_seconds(args.repeats, lambda: plan_from_config(config))
-            map_s, text = best_seconds(args.repeats, lambda: format_gpu_map(plan))
+            validate_times, config = timed(args.repeats, lambda: load_and_validate(REPO / "configs/base.yaml", keys))
+            plan_times, plan = timed(args.repeats, lambda: plan_from_config(config))
+            map_times, text = timed(args.repeats, lambda: format_gpu_map(plan))
+            validate_s, plan_s, map_s = min(validate_times), min(plan_times), min(map_times)
             ranks = sum(r.world_size for r in plan.roles.values())
             rows.append({"nodes": nodes, "gpus": nodes * GPUS_PER_NODE, "mode": mode, "validate_s": validate_s,
                          "plan_s": plan_s, "gpu_map_s": map_s, "total_s": validate_s + plan_s + map_s,
-                         "placed_ranks": ranks, "gpu_map_lines": text.count("\n") + 1})
+                         "placed_ranks": ranks, "gpu_map_lines": text.count("\n") + 1,
+                         "times_s": {"validate": validate_times, "plan": plan_times, "gpu_map": map_times}})
     print(f"validate + plan + GPU map, {GPUS_PER_NODE} GPUs/node, actor TP4xPP2 + ref TP4, rollout TP4; "
           f"best of {args.repeats}")
     print_table(rows, [("nodes", "nodes", "d"), ("gpus", "GPUs", "d"), ("mode", "mode", "s"),

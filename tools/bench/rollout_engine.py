@@ -16,7 +16,6 @@ averages before and after, in outputs/bench/rollout_engine.json.
 from __future__ import annotations
 
 import argparse
-import socket
 from pathlib import Path
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 from bench_common import DEFAULT_OUT, load_average, print_table, write_result
 
+from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine import CPUEngine
 from megarl.rollout.launch import cpu_server_command
@@ -86,12 +86,6 @@ def best_of(repeats, fn) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description="CPU engine vs transformers generate, tokens/s")
     p.add_argument("--hidden", type=int, default=64)
@@ -126,7 +120,7 @@ def main() -> None:
         results["engine"] = best_of(args.repeats, lambda: time_engine(engine, prompts, sampling))
         engine.shutdown()
 
-        port = free_port()
+        port = free_port("127.0.0.1")
         command = cpu_server_command(model_dir, port, max_running_requests=batch, num_threads=args.threads)
         server = ServerProcess("bench-cpu-server", command, f"http://127.0.0.1:{port}", startup_timeout_s=300)
         server.start()

@@ -6,7 +6,8 @@ passes of `Resharder.buckets()`: TP gather to the stage's emitter, merge, HF con
 fc1 split, vocab unpadding) and packing into flat buckets, with nothing sent anywhere. The
 baselines, on the same emitter, copy a contiguous buffer of the same byte count: `clone()` (into
 fresh memory, as a pass allocates its buffers) and `copy_` into a buffer already touched. Each is
-run `--repeats` times for each bucket size (`--bucket-mb`); the best is reported. The stages of a PP layout run in parallel; a layout's
+run `--repeats` times for each bucket size (`--bucket-mb`); the best is reported, and each row keeps
+every emitter's bytes and times (`emitters`). The stages of a PP layout run in parallel; a layout's
 time is its slowest stage's, and its fraction is its throughput over the clone's. `--device cuda`
 times the same on the GPU (layouts without TP: the processes form a gloo world).
 
@@ -64,7 +65,8 @@ def build_chunks(weights: WeightMap, layout: ParallelLayout, dtype: torch.dtype)
     return chunks
 
 
-def best_of(repeats: int, run) -> float:
+def timed(repeats: int, run) -> list[float]:
+    """The seconds of each of `repeats` calls of `run` (the GPU's work included)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -72,7 +74,7 @@ def best_of(repeats: int, run) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict) -> list[dict]:
@@ -97,18 +99,20 @@ def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tu
 
         one_pass()  # warm-up
         dist.barrier()
-        reshard_s = best_of(args["repeats"], one_pass)
+        reshard_times = timed(args["repeats"], one_pass)
         out = {"rank": rank, "emitter": groups.is_emitter, "stage": groups.pp_rank, "bucket_mb": bucket_mb}
         if groups.is_emitter:
             nbytes = resharder.timings.bytes
             src = torch.empty(nbytes, dtype=torch.uint8, device=args["device"]).random_()
-            clone_s = best_of(args["repeats"], src.clone)
+            clone_times = timed(args["repeats"], src.clone)
             dst = src.clone()
-            warm_copy_s = best_of(args["repeats"], lambda: dst.copy_(src))
+            warm_copy_times = timed(args["repeats"], lambda: dst.copy_(src))
             del src, dst
             t = resharder.timings
-            out.update(bytes=nbytes, reshard_s=reshard_s, clone_s=clone_s, warm_copy_s=warm_copy_s, buckets=t.buckets,
-                       gather_s=t.gather_s, convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
+            out.update(bytes=nbytes, reshard_s=min(reshard_times), clone_s=min(clone_times),
+                       warm_copy_s=min(warm_copy_times), reshard_times_s=reshard_times, clone_times_s=clone_times,
+                       warm_copy_times_s=warm_copy_times, buckets=t.buckets, gather_s=t.gather_s,
+                       convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
         results.append(out)
         dist.barrier()
     return results
@@ -158,8 +162,8 @@ def run_push(config: dict, layout: tuple, args) -> dict:
         sglang_env_overrides,
         sglang_server_command,
     )
+    from megarl.net import free_port
     from megarl.rollout.process import ServerProcess
-    from megarl.sync.transports import free_port
 
     with tempfile.TemporaryDirectory(prefix="megarl-bench-sync-") as tmp:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
@@ -217,7 +221,9 @@ def main() -> None:
                              clone_gb_per_s=clone_gbps, warm_copy_gb_per_s=slowest["bytes"] / slowest["warm_copy_s"] / 1e9,
                              fraction_of_clone=gbps / clone_gbps, buckets=sum(r["buckets"] for r in emitters),
                              peak_buffer_gb=slowest["peak_buffer_bytes"] / 1e9,
-                             **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")}))
+                             **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")},
+                             emitters=[{k: r[k] for k in ("stage", "bytes", "reshard_times_s", "clone_times_s",
+                                                          "warm_copy_times_s")} for r in emitters]))
         if args.push:
             rows[-1]["push"] = run_push(config, layout, args)
     print(f"model: hidden {args.hidden}, {args.layers} layers, ffn {config['intermediate_size']}, vocab {args.vocab}, "

@@ -27,7 +27,8 @@ from megarl.placement.ray_pools import (
     create_pools,
     gpu_nodes,
 )
-from megarl.placement.worker_group import RankedWorker, WorkerGroup, WorkerGroupError
+from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
+from megarl.workers.base import RankedWorker
 
 CLUSTER_FAILURE_EXIT = 3  # a Ray node did not join, or the cluster check failed
 

@@ -21,10 +21,10 @@ from megarl.launch.settings import (
     LaunchOptions,
     NodeLaunch,
     RaySettings,
-    free_port,
     log,
     ray_process_env,
 )
+from megarl.net import free_port
 from megarl.placement import format_gpu_map, plan_from_config
 
 
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarl.launch.session import run_session
 
-    port = free_port()
+    port = free_port("")  # Ray's GCS and client server: reached from every node
     settings = RaySettings(
-        head_ip=ray.util.get_node_ip_address(), port=port, client_port=free_port(avoid=(port,)),
+        head_ip=ray.util.get_node_ip_address(), port=port, client_port=free_port("", avoid=(port,)),
         temp_dir=temp_dir, gpus_per_node=gpus,
         cpus_per_node=max(1, (os.cpu_count() or 1) // nnodes), join_timeout_s=opts.join_timeout_s,
         wrapper=opts.ray_wrapper, extra_args=opts.ray_start_args)

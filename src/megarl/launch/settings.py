@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megarl.net import port_is_free
 
 SLURM_NODE_LABEL = "slurm-node"
 
@@ -84,26 +85,6 @@ def ray_process_env(temp_dir: Path) -> dict[str, str]:
     dir, and token auth with a fresh token. Ray 2.60 otherwise turns auth on by surprise, from
     ~/.ray/auth_token, for some processes and not others. Set it before importing Ray."""
     return {"RAY_TMPDIR": str(temp_dir), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(avoid: tuple[int, ...] = ()) -> int:
-    """A port free right now, from the kernel's ephemeral range (above Ray's worker ports
-    10002-19999, where a GCS port collides with Ray's own workers)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
 
 
 def ports_for_job(job_id: int, is_free=port_is_free) -> tuple[int, int]:

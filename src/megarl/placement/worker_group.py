@@ -1,7 +1,8 @@
 """Worker groups: the Ray actors of one role, one per rank (training) or per server (rollout),
 pinned to the bundles the plan gives them, with calls on all ranks that never wait forever.
 
-A role's actor class subclasses `RankedWorker`; the controller does
+A role's actor class subclasses `megarl.workers.base.RankedWorker` (it has what `RankedActor`
+names); the controller does
 
     group = WorkerGroup(ActorWorker, plan.roles["actor"], pools)
     group.init_process_group(backend="gloo")
@@ -12,11 +13,9 @@ that dies ends the wait at once (its peers get a short grace), naming the proces
 """
 from __future__ import annotations
 
-import datetime
-import os
 import re
-import socket
 import time
+from typing import Protocol
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -63,44 +62,21 @@ def describe_actor_death(ray_message: str) -> str:
     return f"{what}; Ray: {exit_type + ': ' if exit_type else ''}{detail}" if detail else what
 
 
-class RankedWorker:
-    """Base of every role's Ray actor class: knows its rank and sets up torch.distributed."""
+class RankedActor(Protocol):
+    """What `WorkerGroup` needs of a role's actor class (`megarl.workers.base.RankedWorker` is the
+    implementation): it is created as `cls(rank, world_size, role_name, *args, **kwargs)` and answers
+    these two calls."""
 
-    def __init__(self, rank: int, world_size: int, role: str):
-        self.rank, self.world_size, self.role = rank, world_size, role
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    def master_address(self) -> tuple[str, int]: ...
 
-    def node_info(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {
-            "rank": self.rank,
-            "node_id": ctx.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "pid": os.getpid(),
-        }
-
-    def master_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
-        import torch.distributed as dist
-
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        return True
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool: ...
 
 
 class WorkerGroup:
     """The actors of one role. Rank r of a training role sits on bundle r of its pool; rollout
     server s on bundle s x TP (its first GPU)."""
 
-    def __init__(self, worker_cls: type, role: RolePlacement, pools: RealisedPools, *args,
+    def __init__(self, worker_cls: type[RankedActor], role: RolePlacement, pools: RealisedPools, *args,
                  env: dict[str, str] | None = None, **kwargs):
         self.role = role
         group = pools.groups[role.pool]

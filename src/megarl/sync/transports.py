@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megarl.bridge.convert import copy_hf_assets
 from megarl.bridge.safetensors_io import INDEX_FILE
+from megarl.net import free_port
 from megarl.rollout.control import ServerError
 from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
 from megarl.sync.resharder import HFBucket
@@ -64,12 +65,6 @@ def route_address(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((parsed.hostname, parsed.port or 80))  # UDP: picks the route, sends nothing
         return s.getsockname()[0]
-
-
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def server_tp_sizes(servers: Sequence[SyncServer]) -> list[int]:

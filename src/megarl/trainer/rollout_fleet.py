@@ -13,12 +13,12 @@ the run with `RolloutServerLost`, naming the server, its node and the tail of it
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
+from megarl.net import free_port
 from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
@@ -35,12 +35,6 @@ log = logging.getLogger("megarl.rollout")
 
 class RolloutServerLost(RuntimeError):
     """A rollout server died more often than `max_server_restarts` allows, or did not come back."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RolloutFleet:
@@ -64,7 +58,8 @@ class RolloutFleet:
             self.urls = self.workers.call("start", config.actor_rollout_ref.model.path, bind,
                                           startup_timeout_s, timeout_s=startup_timeout_s + 60)
             # The router runs on the driver's node and listens on loopback: only this client calls it.
-            self.router = Router(self.urls, _free_port(), prometheus_port=_free_port(), api_key=api_key)
+            self.router = Router(self.urls, free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"),
+                                 api_key=api_key)
             self.router.start(timeout_s=120)
         except BaseException:
             self.shutdown()

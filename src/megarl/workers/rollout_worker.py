@@ -13,15 +13,10 @@ from typing import Optional
 
 import ray
 
-from megarl.placement.worker_group import RankedWorker
+from megarl.net import free_port
 from megarl.rollout.launch import apply_env_overrides, cpu_server_command, sglang_env_overrides, sglang_server_command
 from megarl.rollout.process import ServerProcess, log_tail
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from megarl.workers.base import RankedWorker
 
 
 class RolloutWorker(RankedWorker):
@@ -37,7 +32,7 @@ class RolloutWorker(RankedWorker):
         address (servers on other nodes must be reachable by the router)."""
         r = self.config.actor_rollout_ref.rollout
         host = bind_host or ray.util.get_node_ip_address()
-        port = _free_port(host)
+        port = free_port(host)
         context = r.prompt_length + r.response_length
         if r.agent.path:  # an agent episode's later calls carry the whole trajectory so far
             context = max(context, r.agent.max_tokens_per_episode)

@@ -2,7 +2,7 @@
 role's Megatron engine."""
 from __future__ import annotations
 
-from megarl.placement.worker_group import RankedWorker
+from megarl.workers.base import RankedWorker
 
 ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine"}
 

@@ -20,7 +20,6 @@ import datetime
 import functools
 import importlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from megarl.net import free_port
 
 VERIFIED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
 
@@ -327,13 +328,6 @@ def _initialize_parallel_state(tp: int, pp: int, vpp: Optional[int], seed: int) 
     model_parallel_cuda_manual_seed(seed)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple) -> None:
     import torch.distributed as dist
 
@@ -366,7 +360,7 @@ def run_gloo_workers(
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
+    port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="megarl-gloo-") as result_dir:
         context = mp.start_processes(
             _worker, args=(fn, world_size, port, result_dir, args), nprocs=world_size, join=False,

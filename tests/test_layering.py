@@ -1,0 +1,130 @@
+"""The packages of src/megarl import only downwards, as ARCHITECTURE.md §2 lays them out: every
+`megarl.X` import of every module (inside functions too) is checked against the layers below."""
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "megarl"
+
+# From the top. ARCHITECTURE.md §2: cli -> trainer -> workers -> engines, sync, placement, data ->
+# bridge, rollout, algos, rewards, config, checkpoint, tracking. Placed here beyond that line:
+#   demo      the quickstart command, beside cli
+#   launch    starts Ray clusters and runs the experiment as a subprocess (`megarl submit`,
+#             `check-cluster`); its cluster check places probe workers like the trainer does
+#   agents    multi-turn episodes against the rollout servers, for the trainer; built on data's
+#             prompts and batches, so above data
+#   config    the floor: every package reads the config, and it imports nothing of megarl
+#   net       free ports, for every package that opens one
+#   megarl    the package's own __init__ (`megarl.__version__`)
+LAYERS = [
+    {"cli", "demo"},
+    {"trainer", "launch"},
+    {"workers", "agents"},
+    {"engines", "sync", "placement", "data"},
+    {"bridge", "rollout", "algos", "rewards", "checkpoint", "tracking"},
+    {"config", "net", "megarl"},
+]
+
+# Imports within one layer that the code needs today, each with the reason it stays.
+ALLOWED_WITHIN_LAYER = {
+    # The engines run on data's batch containers, sequence packing and micro-batch partition
+    # (§2 gives these to data): engines sit above data in fact.
+    ("engines", "data"),
+    # The actor engine's HF export (`ActorEngine.export_hf`) streams its weights through the
+    # resharder (megarl.sync.export), the same path as the weight push: engines sit above sync.
+    ("engines", "sync"),
+    # `megarl export` (checkpoint.export_hf) converts a checkpoint's torch_dist actor with the
+    # bridge's converter; nothing below imports checkpoint, so it sits above bridge in fact.
+    ("checkpoint", "bridge"),
+}
+
+LAYER_OF = {package: depth for depth, layer in enumerate(LAYERS) for package in layer}
+
+
+def package_of_file(path: Path, src: Path) -> str:
+    """The top-level package of a module under `src` (a top-level module is its own)."""
+    parts = path.relative_to(src).parts
+    if parts == ("__init__.py",):
+        return "megarl"
+    return parts[0].removesuffix(".py")
+
+
+def imported_modules(path: Path, src: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, in line order, relative ones
+    resolved; for `from megarl import x`, the module `megarl.x`."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ["megarl", *path.relative_to(src).parent.parts]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            if module == "megarl":
+                found += [(node.lineno, f"megarl.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, module))
+    return sorted(found)
+
+
+def package_of_module(module: str) -> str | None:
+    """`megarl.X...` -> X (`megarl` itself -> "megarl"); None outside megarl."""
+    parts = module.split(".")
+    if parts[0] != "megarl":
+        return None
+    return parts[1] if len(parts) > 1 else "megarl"
+
+
+def megarl_imports(src: Path = SRC) -> list[tuple[str, int, str, str, str]]:
+    """(file, line, module, importing package, imported package) of every import between packages."""
+    edges = []
+    for path in sorted(src.rglob("*.py")):
+        source = package_of_file(path, src)
+        for line, module in imported_modules(path, src):
+            target = package_of_module(module)
+            if target is not None and target != source:
+                edges.append((str(path.relative_to(src.parent)), line, module, source, target))
+    return edges
+
+
+def violations(edges) -> list[str]:
+    """One line per import that does not point down (nor is allowed within its layer)."""
+    wrong = []
+    for file, line, module, source, target in edges:
+        if target not in LAYER_OF:
+            wrong.append(f"{file}:{line} imports {module}: no such package")
+        elif LAYER_OF[target] < LAYER_OF[source]:
+            wrong.append(f"{file}:{line} imports {module}: {target} is above {source}")
+        elif LAYER_OF[target] == LAYER_OF[source] and (source, target) not in ALLOWED_WITHIN_LAYER:
+            wrong.append(f"{file}:{line} imports {module}: {target} is in {source}'s own layer")
+    return wrong
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of_file(p, SRC) for p in SRC.rglob("*.py")}
+    assert packages - LAYER_OF.keys() == set(), "place new packages in LAYERS"
+
+
+def test_imports_point_down_only():
+    wrong = violations(megarl_imports())
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_every_allowed_exception_is_still_needed():
+    used = {(source, target) for *_, source, target in megarl_imports()}
+    assert ALLOWED_WITHIN_LAYER - used == set()
+
+
+def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    fake = tmp_path / "megarl"
+    (fake / "rollout").mkdir(parents=True)
+    module = fake / "rollout" / "client.py"
+    module.write_text("import os\n\ndef f():\n    from megarl.trainer import rl\n\n"
+                      "from .. import workers\nfrom . import process\nimport megarl\nfrom megarl.bridge import x\n")
+    assert imported_modules(module, fake) == [(1, "os"), (4, "megarl.trainer"), (6, "megarl.workers"),
+                                              (7, "megarl.rollout"), (8, "megarl"), (9, "megarl.bridge")]
+    assert violations(megarl_imports(fake)) == [
+        "megarl/rollout/client.py:4 imports megarl.trainer: trainer is above rollout",
+        "megarl/rollout/client.py:6 imports megarl.workers: workers is above rollout",
+        "megarl/rollout/client.py:9 imports megarl.bridge: bridge is in rollout's own layer",
+    ]
