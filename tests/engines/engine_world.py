@@ -154,7 +154,7 @@ def training_batch(seed: int = 1) -> Batch:
 
 def _snapshot(engine) -> list[torch.Tensor]:
     """Copies of every parameter, gradient buffer and optimizer-state tensor (offload check)."""
-    params, grads, state = engine._storages()
+    params, grads, state = engine.offloader.storages()
     return [torch.tensor([], dtype=torch.uint8).set_(s).clone() for s in params + state]
 
 

@@ -2,6 +2,7 @@
 
 advantages  estimators by name (gae, grpo, rloo, remax, reinforce_plus_plus(_baseline))
 losses      PPO/GSPO policy loss, value loss, actor loss, loss aggregation modes
+metrics     Metrics: the losses' metrics, each declared with how it combines over micro-batches
 kl          KL estimators (k1/k2/k3, ...), KL in the reward, fixed/adaptive KL controllers
 entropy     per-token entropy from logits, also from vocabulary-parallel shards
 dpo         DPO (sigmoid, IPO) losses
@@ -48,6 +49,7 @@ from megarl.algos.kl import (
     make_kl_controller,
 )
 from megarl.algos.losses import LOSS_AGG_MODES, actor_loss, agg_loss, policy_loss, value_loss
+from megarl.algos.metrics import Metrics, Reduction
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
@@ -58,6 +60,8 @@ __all__ = [
     "FixedKLController",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "Metrics",
+    "Reduction",
     "actor_loss",
     "agg_loss",
     "apply_kl_in_reward",

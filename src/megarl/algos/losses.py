@@ -2,8 +2,11 @@
 
 Inputs are per-token `[batch, response_len]` tensors with `response_mask` (1 = real response
 token). Log-probabilities are of the sampled tokens, in nats. Every loss returns
-`(loss, metrics)`: `loss` a 0-dim tensor carrying gradients, `metrics` a dict of detached 0-dim
-tensors (call `.item()` when logging).
+`(loss, metrics)`: `loss` a 0-dim tensor carrying gradients, `metrics` a `Metrics` of detached
+0-dim tensors (call `.item()` when logging), each declared with how it combines over
+micro-batches (`megarl.algos.metrics`): the losses add up (SUM: aggregated with the mini-batch's
+global counts), means over valid tokens are token-weighted (TOKEN_MEAN), ratio_max/min are
+extremes, kl_coef is a constant.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from megarl.algos.kl import kl_penalty
 from megarl.algos.masked import masked_count, masked_mean, masked_sum
+from megarl.algos.metrics import Metrics, Reduction
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSS_MODES = ("vanilla", "gspo")
@@ -67,19 +71,20 @@ def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio_metrics(ratio: torch.Tensor, kl_log_ratio: torch.Tensor, clamped_log_ratio: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
+                   mask: torch.Tensor) -> Metrics:
     """KL of the update from the per-token log-ratios (`kl_log_ratio` as the loss uses it, the k3
     estimate from the one clamped to +-20 so that it stays finite); statistics of the ratio used in
     the loss."""
     valid = mask.bool()
     any_valid = valid.any()  # without a valid token, max and min report 1
-    return {
-        "ppo_kl": masked_mean(-kl_log_ratio, mask),  # k1 estimate of KL(old || new)
-        "approx_kl": masked_mean(torch.expm1(clamped_log_ratio) - clamped_log_ratio, mask),  # k3 estimate, >= 0
-        "ratio_mean": masked_mean(ratio, mask),
-        "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 1.0),
-        "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 1.0),
-    }
+    metrics = Metrics()
+    metrics.add("ppo_kl", masked_mean(-kl_log_ratio, mask), Reduction.TOKEN_MEAN)  # k1 estimate of KL(old || new)
+    metrics.add("approx_kl", masked_mean(torch.expm1(clamped_log_ratio) - clamped_log_ratio, mask),
+                Reduction.TOKEN_MEAN)  # k3 estimate, >= 0
+    metrics.add("ratio_mean", masked_mean(ratio, mask), Reduction.TOKEN_MEAN)
+    metrics.add("ratio_max", torch.where(any_valid, torch.where(valid, ratio, -torch.inf).amax(), 1.0), Reduction.MAX)
+    metrics.add("ratio_min", torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), 1.0), Reduction.MIN)
+    return metrics
 
 
 def policy_loss(
@@ -98,7 +103,7 @@ def policy_loss(
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, Metrics]:
     """PPO's clipped surrogate, aggregated by `agg_loss`.
 
     vanilla: r_t = exp(log_prob - old_log_prob) (log-ratio clamped to [-20, 20]);
@@ -147,26 +152,25 @@ def policy_loss(
     else:
         dual_active = torch.zeros_like(clip_active)
         loss_mat = ppo
-    tis_metrics = {}
+    tis_metrics = Metrics()
     if tis_imp_ratio_cap > 0:
         if rollout_log_prob is None:
             raise ValueError(f"tis_imp_ratio_cap={tis_imp_ratio_cap} needs rollout_log_prob (the rollout's log-probs)")
         raw = torch.exp(torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)).detach()
         weight = torch.clamp(raw, max=tis_imp_ratio_cap)
         loss_mat = loss_mat * weight
-        tis_metrics = {"tis_weight_mean": masked_mean(weight, response_mask),
-                       "tis_capfrac": _fraction(raw > tis_imp_ratio_cap, response_mask)}
+        tis_metrics.add("tis_weight_mean", masked_mean(weight, response_mask), Reduction.TOKEN_MEAN)
+        tis_metrics.add("tis_capfrac", _fraction(raw > tis_imp_ratio_cap, response_mask), Reduction.TOKEN_MEAN)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode,
                     num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
     with torch.no_grad():
-        metrics = {
-            "pg_loss": loss.detach(),
-            "pg_clipfrac": _fraction(clip_active, response_mask),
-            "pg_clipfrac_high": _fraction(clip_active & (advantages > 0), response_mask),
-            "pg_clipfrac_low": _fraction(clip_active & (advantages < 0), response_mask),
-            "pg_clipfrac_dual": _fraction(dual_active, response_mask),
-        }
+        metrics = Metrics()
+        metrics.add("pg_loss", loss.detach(), Reduction.SUM)
+        metrics.add("pg_clipfrac", _fraction(clip_active, response_mask), Reduction.TOKEN_MEAN)
+        metrics.add("pg_clipfrac_high", _fraction(clip_active & (advantages > 0), response_mask), Reduction.TOKEN_MEAN)
+        metrics.add("pg_clipfrac_low", _fraction(clip_active & (advantages < 0), response_mask), Reduction.TOKEN_MEAN)
+        metrics.add("pg_clipfrac_dual", _fraction(dual_active, response_mask), Reduction.TOKEN_MEAN)
         metrics.update(_ratio_metrics(ratio.detach(), kl_log_ratio.detach(), log_ratio.detach(), response_mask))
         metrics.update(tis_metrics)
     return loss, metrics
@@ -183,7 +187,7 @@ def value_loss(
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss: 0.5 * agg(max((v - R)^2, (v_clip - R)^2)) with
     v_clip = old_v + clip(v - old_v, -cliprange_value, cliprange_value).
 
@@ -196,11 +200,10 @@ def value_loss(
     loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode,
                           num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     with torch.no_grad():
-        metrics = {
-            "vf_loss": loss.detach(),
-            "vf_clipfrac": _fraction(clipped > unclipped, response_mask),
-            "vpred_mean": masked_mean(vpreds.detach(), response_mask),
-        }
+        metrics = Metrics()
+        metrics.add("vf_loss", loss.detach(), Reduction.SUM)
+        metrics.add("vf_clipfrac", _fraction(clipped > unclipped, response_mask), Reduction.TOKEN_MEAN)
+        metrics.add("vpred_mean", masked_mean(vpreds.detach(), response_mask), Reduction.TOKEN_MEAN)
     return loss, metrics
 
 
@@ -226,7 +229,7 @@ def actor_loss(
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, Metrics]:
     """The actor's loss: policy_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl).
 
     `entropy` is the per-token entropy `[batch, response_len]` (see `megarl.algos.entropy`),
@@ -246,13 +249,13 @@ def actor_loss(
     if entropy is not None:
         entropy_agg = agg_loss(entropy, response_mask, loss_agg_mode, **agg)
         loss = loss - entropy_coeff * entropy_agg
-        metrics["entropy"] = entropy_agg.detach()
+        metrics.add("entropy", entropy_agg.detach(), Reduction.SUM)
     if use_kl_loss:
         if ref_log_prob is None:
             raise ValueError("use_kl_loss=True needs ref_log_prob (the reference model's log-probs)")
         kl = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode, **agg)
         loss = loss + kl_loss_coef * kl
-        metrics["kl_loss"] = kl.detach()
-        metrics["kl_coef"] = loss.new_tensor(float(kl_loss_coef))
-    metrics["actor_loss"] = loss.detach()
+        metrics.add("kl_loss", kl.detach(), Reduction.SUM)
+        metrics.add("kl_coef", loss.new_tensor(float(kl_loss_coef)), Reduction.CONSTANT)
+    metrics.add("actor_loss", loss.detach(), Reduction.SUM)
     return loss, metrics

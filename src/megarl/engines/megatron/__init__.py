@@ -5,12 +5,16 @@ transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
 
     roles      ActorEngine, RefEngine, CriticEngine: the API the controller's workers call
     reward_model  RewardModelEngine: a sequence-classification reward model, forward only
-    engine     MegatronEngine: model chunks, pipeline schedules, training, offload, checkpoints
-    model      building GPTModel chunks and loading HF / torch_dist weights into them (via the bridge)
+    engine     MegatronEngine: model chunks and the parts below composed into one role's engine
+    model      building GPTModel chunks and loading HF weights into them (via the bridge)
     heads      vocabulary-parallel log-probs and entropy (chunked), the critic's value head
     sequences  Batch -> micro-batches (padded or packed layout)
+    schedule   micro-batches through megatron's pipeline schedules, a head on the last stage
+    training   an update's parts: mini-batch order, loss scaling, the non-finite-gradient check
+    metrics    the loss heads' metrics reduced over micro-batches and DP ranks, as each declares
     optim      megatron DDP, optimizer and LR schedule from the config
-    offload    moving storages to host memory and back
+    offload    moving an engine's storages to host memory and back
+    checkpoint_io  torch_dist checkpoints (model, optimizer, LR schedule)
     parallel   megatron's parallel state for a role inside a started torch.distributed world
     cpu        the CPU compatibility shims
 

@@ -4,15 +4,23 @@ The HF weights are loaded straight into the sharded model at start-up (weight-ma
 for each local parameter, its global megatron name gives the bridge rule, the rule reads only the
 HF tensors it needs and converts them, and this rank copies in its TP shard. No conversion to
 disk is needed. A `torch_dist` checkpoint directory (the bridge converter's output, or any
-megatron-saved model) is loaded with `dist_checkpointing`, resharded to this rank's layout.
+megatron-saved model) is loaded with `dist_checkpointing`, resharded to this rank's layout
+(`checkpoint_io.load_torch_dist_weights`).
 
 The chunks are `HiddenStatesGPTModel`s: their last stage returns the final hidden states (after
 the final norm), and `megarl.engines.megatron.heads` applies the output layer or the value head.
+megatron-core 0.16 has no public way to get them: `GPTModel.forward` runs the decoder (whose last
+stage applies the final norm) and returns `self._postprocess(hidden_states=..., ...)`, which
+applies the output layer; we override that private method. (megatron-core 0.19 adds a public
+`forward(output_processor=...)` hook, absent from 0.16.) `check_postprocess_hook` refuses a
+version whose `_postprocess` lost that parameter; tests/engines/test_hidden_states_model.py checks
+that the output is what megatron's own output layer would read.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +31,11 @@ import torch
 from megarl.bridge import ModelArch, WeightMap, arch_from_hf_config, load_hf_config
 from megarl.bridge.convert import HF_ASSETS_DIR
 from megarl.bridge.errors import ConversionError
-from megarl.bridge.mapping import EMBEDDING, canonical_name, is_extra_state, tp_split
+from megarl.bridge.mapping import EMBEDDING, canonical_name, tp_split
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_offset, shard_tp, shift_layer
-from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader, check_metadata_is_data
+from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,19 +87,35 @@ def read_arch(source: ModelSource, override_config: Mapping[str, Any], key: str)
     return arch_from_hf_config(hf_config, source=f"{source.config_dir / 'config.json'} ({key})")
 
 
+def check_postprocess_hook(gpt_model_class) -> None:
+    """Raise unless `gpt_model_class._postprocess` takes the decoder output as `hidden_states`
+    (its first parameter), which is what `HiddenStatesGPTModel` relies on."""
+    from megarl.engines.megatron.cpu import megatron_core_version
+
+    method = getattr(gpt_model_class, "_postprocess", None)
+    params = list(inspect.signature(method).parameters)[:2] if callable(method) else None
+    if params != ["self", "hidden_states"]:
+        found = "no _postprocess" if params is None else f"_postprocess{inspect.signature(method)}"
+        raise RuntimeError(
+            f"megatron-core {megatron_core_version()}: GPTModel has {found}, but megarl's HiddenStatesGPTModel "
+            "overrides _postprocess(self, hidden_states, **kwargs) to return the final hidden states (as megatron-core "
+            "0.16.1 and 0.19 define it); adapt megarl.engines.megatron.model to this version"
+        )
+
+
 def _gpt_model_class():
     from megatron.core.models.gpt.gpt_model import GPTModel
+
+    check_postprocess_hook(GPTModel)
 
     class HiddenStatesGPTModel(GPTModel):
         """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
         final norm) instead of logits; the output layer stays a parameter holder that the heads
-        use. (Overrides `GPTModel._postprocess` of megatron-core 0.16.)"""
+        use. (Overrides the private `GPTModel._postprocess`; see the module docstring.)"""
 
         def _postprocess(self, hidden_states, **kwargs):
             return hidden_states
 
-    if not hasattr(GPTModel, "_postprocess"):
-        raise RuntimeError("this megatron-core GPTModel has no _postprocess; megarl's engine needs megatron-core 0.16")
     return HiddenStatesGPTModel
 
 
@@ -202,38 +226,6 @@ def _value_head_init(reader: HFCheckpointReader, shape: torch.Size, seed: int) -
         return reader.read(RM_SCORE)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(tuple(shape), generator=generator) * 0.02
-
-
-def localize_extra_states(sharded: Any) -> Any:
-    """Turn every `_extra_state` ShardedObject into a non-persistent local object (not saved, not
-    loaded), so checkpoints do not depend on the layer spec (local vs transformer-engine)."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
-
-    if isinstance(sharded, dict):
-        return {k: localize_extra_states(v) for k, v in sharded.items()}
-    if isinstance(sharded, list):
-        return [localize_extra_states(v) for v in sharded]
-    if isinstance(sharded, ShardedObject) and is_extra_state(sharded.key):
-        return LocalNonpersistentObject(sharded.data)
-    return sharded
-
-
-def model_sharded_state_dict(chunks) -> dict:
-    """{"model" or "model<v>": sharded state dict} in megatron's own checkpoint layout."""
-    if len(chunks) == 1:
-        return {"model": localize_extra_states(chunks[0].sharded_state_dict())}
-    return {f"model{v}": localize_extra_states(c.sharded_state_dict()) for v, c in enumerate(chunks)}
-
-
-def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
-    """Load (and reshard) the model weights of a `torch_dist` checkpoint into the chunks."""
-    from megatron.core import dist_checkpointing
-
-    check_metadata_is_data(ckpt_dir)
-    request = model_sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(request, str(ckpt_dir))
-    for key, chunk in zip(request, chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
 
 
 def vocab_rows_of(source: ModelSource, arch: ModelArch, tp: int) -> int:

@@ -6,12 +6,15 @@ megatron's flat gradient buffers and their per-parameter views, optimizer moment
 object; `onload` resizes the storage back and copies the bytes in. Gradient storages are freed
 without copying and come back zeroed (they hold nothing between updates). On a CPU-only machine
 the "device" is host memory too: the same copies and frees happen, between two host buffers.
+
+`Offloader` does this for one engine: its model chunks, megatron's DDP buffers and the optimizer
+state, and it remembers whether they are offloaded.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -83,3 +86,59 @@ def onload(record: OffloadedStorages, device: torch.device) -> dict:
         storage.fill_(0)
     _synchronize(device)
     return {"bytes": copied, "seconds": time.perf_counter() - start}
+
+
+class Offloader:
+    """Offload and onload of one engine's parameters (model chunks and DDP parameter buffers),
+    gradient buffers and optimizer state, on `device`. The optimizer state is looked up at each
+    `offload` (the optimizer creates it at its first step)."""
+
+    def __init__(self, section: str, model_chunks: list, ddp_chunks: Optional[list], optimizer, device: torch.device):
+        self.section = section
+        self.model_chunks, self.ddp_chunks, self.optimizer = model_chunks, ddp_chunks or [], optimizer
+        self.device = device
+        self._offloaded: Optional[OffloadedStorages] = None
+
+    def storages(self) -> tuple[list, list, list]:
+        """(parameter, gradient, optimizer-state) storages on the device, each storage once."""
+        params = [p for chunk in self.model_chunks for p in chunk.parameters()]
+        grads = []
+        for chunk in self.ddp_chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                params.append(buffer.param_data)
+                grads.append(buffer.grad_data)
+        state = []
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                torch_opt = opt.optimizer
+                for group in torch_opt.param_groups:
+                    for p in group["params"]:
+                        state.append(p)
+                        state.extend(v for v in torch_opt.state.get(p, {}).values() if torch.is_tensor(v))
+        param_storages = unique_storages(params, self.device)
+        taken = {s.data_ptr() for s in param_storages}
+        grad_storages = [s for s in unique_storages(grads, self.device) if s.data_ptr() not in taken]
+        taken |= {s.data_ptr() for s in grad_storages}
+        state_storages = [s for s in unique_storages(state, self.device) if s.data_ptr() not in taken]
+        return param_storages, grad_storages, state_storages
+
+    def offload(self) -> dict:
+        """Move parameters and optimizer state to host memory and free the gradient buffers.
+        Returns {"bytes": copied to host, "freed_bytes": device bytes released, "seconds"}."""
+        if self._offloaded is not None:
+            return {"bytes": 0, "freed_bytes": 0, "seconds": 0.0}
+        params, grads, state = self.storages()
+        self._offloaded, stats = offload(params + state, grads, self.device)
+        return stats
+
+    def onload(self) -> dict:
+        """Bring back what `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""
+        if self._offloaded is None:
+            return {"bytes": 0, "seconds": 0.0}
+        stats = onload(self._offloaded, self.device)
+        self._offloaded = None
+        return stats
+
+    def check_onloaded(self) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError(f"{self.section}: the engine is offloaded; call onload() first")

@@ -21,11 +21,13 @@ import torch.distributed as dist
 from megarl.algos.dpo import dpo_loss
 from megarl.algos.from_config import actor_loss_kwargs, value_loss_kwargs
 from megarl.algos.losses import actor_loss, agg_loss, value_loss
+from megarl.algos.metrics import Metrics, Reduction
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
 from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_log_probs, token_values
+from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.sequences import Layout, MicroBatch
 
 
@@ -134,7 +136,9 @@ class ActorEngine(MegatronEngine):
             log_probs, _ = token_log_probs(hidden, self.output_weight(), mb.targets,
                                            vocab_size=self.arch.vocab_size, temperature=1.0)
             nll = agg_loss(-mb.to_grid(log_probs), mb.response_mask, "token-mean", num_tokens=counts["num_tokens"])
-            return nll, {"nll": nll}
+            metrics = Metrics()
+            metrics.add("nll", nll.detach(), Reduction.SUM)  # divided by the mini-batch's tokens: the parts add up
+            return nll, metrics
 
         return self.train_batch(
             batch, mini_batch_size=len(batch), epochs=1, shuffle=False,
@@ -192,7 +196,7 @@ class ActorEngine(MegatronEngine):
         """The DPO loss and its metrics on this batch of pairs, without an update (validation).
         Same names as `dpo_step` without the prefix; equal on every rank."""
         _, metrics = self._dpo_sums_and_metrics(batch)
-        return self._broadcast_from_last_stage(metrics)
+        return broadcast_from_last_stage(metrics)
 
     def dpo_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of DPO (`algorithm.dpo`) on this rank's pairs, with the frozen
@@ -210,7 +214,7 @@ class ActorEngine(MegatronEngine):
             log_probs, _ = token_log_probs(hidden, self.output_weight(), mb.targets,
                                            vocab_size=self.arch.vocab_size, temperature=1.0)
             surrogate = (mb.to_grid(log_probs).sum(1) * seq_grads[mb.rows.to(self.device)]).sum()
-            return surrogate, {}
+            return surrogate, Metrics()  # the DPO metrics come from the pass before the update
 
         update = self.train_batch(
             batch, mini_batch_size=len(batch), epochs=1, shuffle=False,  # rows of mb index this batch
@@ -218,7 +222,7 @@ class ActorEngine(MegatronEngine):
             max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             data_keys=[], loss_head=loss_head, prefix="dpo",
         )
-        return {**update, **self._broadcast_from_last_stage({f"dpo/{k}": v for k, v in metrics.items()})}
+        return {**update, **broadcast_from_last_stage({f"dpo/{k}": v for k, v in metrics.items()})}
 
     def export_hf(self, out_dir: str, bucket_megabytes: int = 512) -> str:
         """Every rank: write the current weights as an HF checkpoint (megarl.sync.export)."""

@@ -1,0 +1,119 @@
+"""`torch_dist` distributed checkpoints of a role: model chunks, optimizer, LR schedule and the
+engine's update count, saved and loaded with megatron's `dist_checkpointing` (resharded to the
+loading rank's TP/PP layout), and the model weights alone for a model loaded from a checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.mapping import is_extra_state
+from megarl.bridge.torch_dist_io import check_metadata_is_data
+
+
+def localize_extra_states(sharded: Any) -> Any:
+    """Turn every `_extra_state` ShardedObject into a non-persistent local object (not saved, not
+    loaded), so checkpoints do not depend on the layer spec (local vs transformer-engine)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+
+    if isinstance(sharded, dict):
+        return {k: localize_extra_states(v) for k, v in sharded.items()}
+    if isinstance(sharded, list):
+        return [localize_extra_states(v) for v in sharded]
+    if isinstance(sharded, ShardedObject) and is_extra_state(sharded.key):
+        return LocalNonpersistentObject(sharded.data)
+    return sharded
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """{"model" or "model<v>": sharded state dict} in megatron's own checkpoint layout."""
+    if len(chunks) == 1:
+        return {"model": localize_extra_states(chunks[0].sharded_state_dict())}
+    return {f"model{v}": localize_extra_states(c.sharded_state_dict()) for v, c in enumerate(chunks)}
+
+
+def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
+    """Load (and reshard) the model weights of a `torch_dist` checkpoint into the chunks."""
+    from megatron.core import dist_checkpointing
+
+    check_metadata_is_data(ckpt_dir)
+    request = model_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(request, str(ckpt_dir))
+    for key, chunk in zip(request, chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+
+
+def save_checkpoint(path: Path, chunks: list, optimizer, scheduler, updates: int, distributed_optimizer: bool) -> None:
+    """Save into the directory `path` (created by rank 0); every rank of the role calls it.
+    Model and (non-distributed) optimizer state load at any TP/PP layout; the distributed
+    optimizer's state needs the same TP/PP. `optimizer` None: the model alone."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer, scheduler, updates, distributed_optimizer, is_loading=False)
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, chunks: list, optimizer, scheduler, distributed_optimizer: bool) -> int:
+    """Load what `save_checkpoint` saved (possibly at another TP/PP layout) into the chunks, the
+    optimizer and the LR schedule; returns the saved update count. Every rank calls it."""
+    from megatron.core import dist_checkpointing
+
+    if distributed_optimizer:  # megatron's dp_reshardable load fills existing state tensors
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+    check_metadata_is_data(path)  # torch.distributed.checkpoint itself unpickles it unrestricted
+    # the request's plain values (the update count, the schedule) are replaced by the checkpoint's
+    state = _sharded_state(chunks, optimizer, scheduler, 0, distributed_optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path))
+    for key, chunk in zip([k for k in state if k.startswith("model")], chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if optimizer is not None:
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        if distributed_optimizer:
+            _restore_adam_steps(optimizer)
+        scheduler.load_state_dict(loaded["scheduler"])
+    return loaded["engine"]["updates"]
+
+
+def _sharded_state(chunks, optimizer, scheduler, updates: int, distributed_optimizer: bool, is_loading: bool) -> dict:
+    """What a checkpoint holds: "model"/"model<v>", "optimizer" and "scheduler" (with an
+    optimizer), "engine": {"updates"}."""
+    state = model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        model_state = dict(state)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_optimizer_metadata(distributed_optimizer)
+        )
+        state["scheduler"] = scheduler.state_dict()
+    state["engine"] = {"updates": updates}
+    return state
+
+
+def _optimizer_metadata(distributed_optimizer: bool) -> Optional[dict]:
+    return {"distrib_optim_sharding_type": "dp_reshardable"} if distributed_optimizer else None
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Work around megatron-core 0.16.1: loading a `dp_reshardable` distributed-optimizer
+    checkpoint with torch's Adam (no apex / TE optimizer) leaves every parameter's Adam `step` at
+    the dummy step taken before loading, and as ONE tensor shared by all parameters (so each
+    later step would add the parameter count to it). Give every parameter its own step, set to
+    the saved one, which is in the loaded param groups."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        for group in torch_optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                                 device=state["step"].device)

@@ -1,0 +1,99 @@
+"""The parts of a training update: mini-batch order, the global counts and the loss scaling, the
+all-ranks check for non-finite gradients, and averaging metrics over mini-batches.
+
+Loss scaling across micro-batches and data-parallel ranks (what "the mini-batch loss" means):
+at the start of each mini-batch the response tokens and the sequences of the whole mini-batch are
+summed over the DP ranks (`global_counts`), and every micro-batch's loss is aggregated with those
+global counts (`agg_loss(num_tokens=, num_seqs=)`). The micro-batch losses of all ranks therefore
+*sum* to the loss of the whole global mini-batch, as one process would compute it; token-mean is
+the mean over all tokens of all DP ranks (not a mean of per-rank means). The loss handed to
+megatron is multiplied by (DP size x micro-batches) (`scaled_loss_head`) to undo the schedule's
+division by the micro-batch count and DDP's averaging over DP ranks, so the gradient is the
+gradient of that global loss.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos.metrics import Metrics
+from megarl.data.batch import Batch
+from megarl.engines.megatron.schedule import Head
+from megarl.engines.megatron.sequences import MicroBatch
+
+log = logging.getLogger("megarl.engines")
+
+# loss_head(mb, hidden [N, H], global counts) -> (loss [0-dim], metrics of this micro-batch)
+LossHead = Callable[[MicroBatch, torch.Tensor, dict], tuple[torch.Tensor, Metrics]]
+
+
+def check_mini_batches(size: int, mini_batch_size: int, section: str, device: torch.device, group) -> None:
+    """Every rank of the DP `group` holds `size` samples, a multiple of `mini_batch_size`."""
+    sizes = torch.tensor([size, -size], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    if sizes[0] != -sizes[1]:
+        raise ValueError(
+            f"{section}: data-parallel ranks hold different numbers of samples ({int(-sizes[1])} to "
+            f"{int(sizes[0])}); every rank needs the same count (the controller slices the batch evenly)"
+        )
+    if mini_batch_size < 1 or size % mini_batch_size:
+        raise ValueError(
+            f"{section}: {size} samples on this rank do not split into mini-batches of {mini_batch_size} "
+            "(ppo_mini_batch_size x rollout.n / data-parallel size)"
+        )
+
+
+def mini_batch_rows(
+    size: int, mini_batch_size: int, epochs: int, shuffle: bool, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """The rows of each mini-batch, epoch after epoch; with `shuffle`, one permutation per epoch."""
+    for _ in range(epochs):
+        order = torch.randperm(size, generator=generator) if shuffle else torch.arange(size)
+        for start in range(0, size, mini_batch_size):
+            yield order[start : start + mini_batch_size]
+
+
+def global_counts(mini: Batch, device: torch.device, group) -> dict[str, float]:
+    """{"num_tokens": valid response tokens, "num_seqs": sequences with at least one} of the
+    mini-batch over all ranks of the DP `group`."""
+    mask = mini["response_mask"].bool()
+    counts = torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64, device=device)
+    dist.all_reduce(counts, group=group)
+    return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
+
+
+def scaled_loss_head(loss_head: LossHead, counts: dict[str, float], scale: int) -> Head:
+    """The schedule's head for `loss_head`: its loss times `scale` (DP size x micro-batches, see
+    the module docstring) and {"metrics": a copy of its metrics, "tokens": the micro-batch's}."""
+
+    def head(mb: MicroBatch, hidden: torch.Tensor):
+        loss, metrics = loss_head(mb, hidden, counts)
+        return loss * scale, {"metrics": metrics.cloned(), "tokens": mb.num_tokens}  # megatron divides in place
+
+    return head
+
+
+def grads_finite(ddp_chunks: list, device: torch.device, section: str) -> bool:
+    """Whether every gradient of every rank of this role is finite (one flag, all-reduced over the
+    role's ranks, so that all of them skip or step together)."""
+    bad = torch.zeros((), dtype=torch.float32, device=device)
+    for chunk in ddp_chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        log.warning("%s: non-finite loss or gradients: this update is skipped", section)
+    return not bad.item()
+
+
+def mean_over_mini_batches(per_mini: list[dict[str, float]], prefix: str, lr: float) -> dict[str, float]:
+    """`prefix/name`: each metric's mean over the mini-batches; `tokens` and `skipped_updates`
+    summed instead; `lr` the learning rate of the update."""
+    result = {f"{prefix}/{k}": sum(m[k] for m in per_mini) / len(per_mini) for k in per_mini[0]}
+    result[f"{prefix}/tokens"] = sum(m["tokens"] for m in per_mini)
+    result[f"{prefix}/skipped_updates"] = sum(m["skipped_updates"] for m in per_mini)
+    result[f"{prefix}/lr"] = lr
+    return result
