@@ -236,7 +236,7 @@ def servers_story(rank: int, case: dict) -> dict:
     out["initial"] = compare(chunks, vocab, urls)  # same weights on both sides
     lap("initial compare")
 
-    config = SyncConfig(transport="distributed", bucket_bytes=case["bucket_bytes"], timeout_s=60)
+    config = SyncConfig(transport="distributed", backend="gloo", bucket_bytes=case["bucket_bytes"], timeout_s=60)
     sync = WeightSync(chunks, weights, urls, config)
     perturb(chunks, weights, seed=1)
     out["before"] = compare(chunks, vocab, urls)

@@ -83,7 +83,9 @@ def test_config_errors_name_the_setting():
     with pytest.raises(ValueError, match="disk transport needs disk_dir and hf_assets_dir"):
         SyncConfig(transport="disk", disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
-        SyncConfig(bucket_bytes=0)
+        SyncConfig(bucket_bytes=0, backend="gloo")
+    with pytest.raises(ValueError, match="distributed transport needs backend 'nccl' .* or 'gloo' .*got None"):
+        SyncConfig(transport="distributed")  # no silent default: the device decides the group's backend
 
 
 def test_metrics_name_the_slowest_stage():

@@ -236,7 +236,9 @@ class RolloutConfig:
     max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512
-    weight_sync_transport: Literal["distributed", "tensor", "disk"] = "distributed"  # tensor: colocated GPUs only
+    # auto: tensor (CUDA IPC) colocated on GPUs with SGLang, else distributed (NCCL on GPUs, gloo on CPU);
+    # megarl.config.devices decides it
+    weight_sync_transport: Literal["auto", "distributed", "tensor", "disk"] = "auto"
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
 

@@ -160,8 +160,9 @@ class WorkerGroup:
         refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
         return self._gather(refs, f"{self.role.name}.{method}", timeout_s, ranks)
 
-    def init_process_group(self, backend: str = "gloo", timeout_s: float = 120.0) -> tuple[str, int]:
-        """Form one torch.distributed group over the ranks, hosted by rank 0."""
+    def init_process_group(self, backend: str, timeout_s: float = 120.0) -> tuple[str, int]:
+        """Form one torch.distributed group over the ranks, hosted by rank 0. `backend`: "gloo"
+        on CPU, "cpu:gloo,cuda:nccl" for training on GPUs (megarl.config.devices decides it)."""
         addr, port = self._gather([self.actors[0].master_address.remote()], "master_address", timeout_s)[0]
         self.call("init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s)
         return addr, port

@@ -67,7 +67,7 @@ class SyncConfig:
     transport: Literal["distributed", "tensor", "disk"] = "distributed"
     bucket_bytes: int = 512 * 2**20  # gathered megatron bytes per bucket
     dtype: Optional[torch.dtype] = None  # of the HF tensors sent (e.g. the servers' bf16); None: each parameter's
-    backend: Optional[str] = None  # distributed: None = "nccl" with CUDA, "gloo" without
+    backend: Optional[str] = None  # distributed, required: "nccl" or "gloo", as megarl.config.devices decides
     master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
     hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
@@ -81,6 +81,9 @@ class SyncConfig:
             raise ValueError(f"weight sync: bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.transport == "disk" and not (self.disk_dir and self.hf_assets_dir):
             raise ValueError("weight sync: the disk transport needs disk_dir and hf_assets_dir")
+        if self.transport == "distributed" and self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"weight sync: the distributed transport needs backend 'nccl' (SGLang on GPUs) or 'gloo' "
+                             f"(CPU), got {self.backend!r}; megarl.config.devices.decide_devices decides it")
         if self.timeout_s <= 0:
             raise ValueError(f"weight sync: timeout_s must be positive, got {self.timeout_s}")
 
@@ -143,7 +146,7 @@ class WeightSync:
         model_chunks: Sequence[torch.nn.Module],
         weights: WeightMap,
         server_urls: Sequence[str],
-        config: SyncConfig = SyncConfig(),
+        config: SyncConfig,
         *,
         groups: Optional[ParallelGroups] = None,
         api_key: Optional[str] = None,
@@ -168,8 +171,7 @@ class WeightSync:
     def _make_transport(self) -> Transport:
         c, stage = self.config, self.groups.pp_rank
         if c.transport == "distributed":
-            backend = c.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            return DistributedTransport(self.servers, stage, backend, c.master_address, c.timeout_s)
+            return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.timeout_s)
         if c.transport == "tensor":
             return TensorTransport(self.servers)
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())

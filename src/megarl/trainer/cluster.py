@@ -19,6 +19,7 @@ from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
+from megarl.trainer.preflight import resolve_devices  # noqa: E402
 from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
 
 log = logging.getLogger("megarl.trainer")
@@ -44,6 +45,8 @@ def connect_ray(config: ExperimentConfig) -> None:
 class Cluster:
     def __init__(self, config: ExperimentConfig):
         self.config = config
+        self.devices = resolve_devices(config)  # before any process starts: an impossible combination raises here
+        log.info("devices: %s", self.devices)
         self.plan = plan_from_config(config)
         log.info("placement:\n%s", format_gpu_map(self.plan))
         self.pools = create_pools(self.plan, timeout_s=300)
@@ -53,10 +56,11 @@ class Cluster:
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         try:
             roles = self.plan.roles
-            self.actor = EngineGroup(roles["actor"], self.pools, config)
-            self.ref = EngineGroup(roles["ref"], self.pools, config) if "ref" in roles else None
-            self.critic = EngineGroup(roles["critic"], self.pools, config) if "critic" in roles else None
-            self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config)
+            d = self.devices
+            self.actor = EngineGroup(roles["actor"], self.pools, config, d)
+            self.ref = EngineGroup(roles["ref"], self.pools, config, d) if "ref" in roles else None
+            self.critic = EngineGroup(roles["critic"], self.pools, config, d) if "critic" in roles else None
+            self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config, d)
                                  if "reward_model" in roles else None)
             self.rollout = RolloutFleet(roles["rollout"], self.pools, config, colocated=self.colocated,
                                         single_node=self.plan.cluster.nnodes == 1,
@@ -67,11 +71,12 @@ class Cluster:
             raise
 
     def _make_sync(self, urls: list[str]) -> None:
-        r = self.config.actor_rollout_ref.rollout
+        r, transport = self.config.actor_rollout_ref.rollout, self.devices.weight_sync_transport
         sync_config = SyncConfig(
-            transport=r.weight_sync_transport, bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
+            transport=transport, backend=self.devices.weight_sync_backend,
+            bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
             colocated=self.colocated, hf_assets_dir=self.config.actor_rollout_ref.model.path,
-            disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if r.weight_sync_transport == "disk" else None,
+            disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
         self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)
 

@@ -27,6 +27,7 @@ from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
+from megarl.trainer.preflight import resolve_devices
 
 
 class DPOTrainer:
@@ -44,11 +45,12 @@ class DPOTrainer:
                     f"data.train_batch_size={config.data.train_batch_size} pairs do not split over the {role}'s "
                     f"data-parallel size {plan.roles[role].dp}: every rank needs whole pairs"
                 )
+        devices = resolve_devices(config)  # before any process starts
         self.pools = create_pools(plan, timeout_s=300)
         self.actor = self.ref = None
         try:
-            self.actor = EngineGroup(plan.roles["actor"], self.pools, config)
-            self.ref = EngineGroup(plan.roles["ref"], self.pools, config)
+            self.actor = EngineGroup(plan.roles["actor"], self.pools, config, devices)
+            self.ref = EngineGroup(plan.roles["ref"], self.pools, config, devices)
         except BaseException:
             self.shutdown()
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.config.devices import Devices
 from megarl.data.batch import Batch
 from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
@@ -12,12 +13,14 @@ from megarl.workers.train_worker import TrainWorker
 
 
 class EngineGroup:
-    def __init__(self, role: RolePlacement, pools: RealisedPools, config, timeout_s: float = 3600.0,
-                 backend: str = "gloo", env: dict | None = None):
+    def __init__(self, role: RolePlacement, pools: RealisedPools, config, devices: Devices,
+                 timeout_s: float = 3600.0):
+        """`devices` (megarl.config.devices): the role's torch.distributed backend and the
+        environment its workers start with."""
         self.name = role.name
         self.timeout_s = timeout_s
-        self.workers = WorkerGroup(TrainWorker, role, pools, config, env=env)
-        self.workers.init_process_group(backend=backend, timeout_s=min(timeout_s, 600.0))
+        self.workers = WorkerGroup(TrainWorker, role, pools, config, env=devices.training_env)
+        self.workers.init_process_group(backend=devices.training_backend, timeout_s=min(timeout_s, 600.0))
         places = self.workers.call("init_engine", timeout_s=timeout_s)
         self.dp_ranks = [p["dp_rank"] for p in places]
         self.output_ranks = {p["dp_rank"]: rank for rank, p in enumerate(places) if p["is_output_rank"]}

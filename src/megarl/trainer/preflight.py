@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from megarl.config import ConfigError, ExperimentConfig
+from megarl.config.devices import Devices, devices_from_config
 
 
 def _is_local_hf_checkpoint(path: str) -> bool:
@@ -44,18 +45,26 @@ def check_environment(config: ExperimentConfig) -> None:
     if reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")
 
-    wants_gpu = config.trainer.device == "cuda" or config.actor_rollout_ref.rollout.name == "sglang"
-    if wants_gpu:
-        import torch  # deferred: the config layer must stay torch-free
+    import torch  # deferred: imported only when a run really starts
 
-        if not torch.cuda.is_available():
-            problems.append(
-                "this machine has no CUDA GPU, but the config needs one "
-                f"(trainer.device={config.trainer.device}, actor_rollout_ref.rollout.name="
-                f"{config.actor_rollout_ref.rollout.name}); on CPU use trainer.device=cpu "
-                "actor_rollout_ref.rollout.name=cpu"
-            )
-        elif config.actor_rollout_ref.rollout.name == "sglang" and importlib.util.find_spec("sglang") is None:
+    cuda_available = torch.cuda.is_available()
+    try:
+        devices_from_config(config, cuda_available)
+    except ConfigError as problem:
+        problems.append(str(problem))
+    if config.actor_rollout_ref.rollout.name == "sglang":
+        if not cuda_available:
+            problems.append("actor_rollout_ref.rollout.name=sglang needs a CUDA GPU, and this machine has no CUDA GPU; "
+                            "on CPU use trainer.device=cpu actor_rollout_ref.rollout.name=cpu")
+        elif importlib.util.find_spec("sglang") is None:
             problems.append("actor_rollout_ref.rollout.name=sglang: sglang is not installed (pip install -e .[gpu])")
     if problems:
         raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def resolve_devices(config: ExperimentConfig) -> Devices:
+    """The device, backends, weight-sync transport and NCCL environment of this run, decided on this
+    (the controller's) machine: `trainer.device=auto` means CUDA where the controller sees a GPU."""
+    import torch
+
+    return devices_from_config(config, torch.cuda.is_available())

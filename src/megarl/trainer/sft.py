@@ -21,6 +21,7 @@ from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
+from megarl.trainer.preflight import resolve_devices
 
 
 def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
@@ -44,9 +45,10 @@ class SFTTrainer:
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         plan = offline_plan(config, with_ref=False)
+        devices = resolve_devices(config)  # before any process starts
         self.pools = create_pools(plan, timeout_s=300)
         try:
-            self.actor = EngineGroup(plan.roles["actor"], self.pools, config)
+            self.actor = EngineGroup(plan.roles["actor"], self.pools, config, devices)
         except BaseException:
             self.pools.remove()
             raise

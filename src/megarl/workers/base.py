@@ -7,6 +7,7 @@ import os
 
 import ray
 
+from megarl.config.devices import local_cuda_index
 from megarl.net import free_port
 
 
@@ -32,8 +33,17 @@ class RankedWorker:
         return ray.util.get_node_ip_address(), free_port("")
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
+        """Join the group's torch.distributed world. With NCCL in `backend`, first select this
+        rank's GPU: NCCL's object collectives use CUDA tensors on `torch.cuda.current_device()`,
+        and a rank left on device 0 would put a second rank on another's GPU."""
+        import torch
         import torch.distributed as dist
 
+        if "nccl" in backend:
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"{self.role} rank {self.rank}: backend {backend!r} needs CUDA, and this process "
+                                   f"sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            torch.cuda.set_device(local_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

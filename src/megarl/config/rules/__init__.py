@@ -21,6 +21,7 @@ from megarl.config.rules.choices import (
     token_budget_holds_a_sequence,
 )
 from megarl.config.rules.common import DerivedSizes
+from megarl.config.rules.devices import weight_sync_transport_fits_devices
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -62,6 +63,7 @@ RULES: list[Rule] = [
     agent_settings,
     reward_model_settings,
     rollout_engine_fits_device,
+    weight_sync_transport_fits_devices,
     placement_pools,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,

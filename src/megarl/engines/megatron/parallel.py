@@ -1,12 +1,13 @@
 """megatron-core's `parallel_state` for one role, inside an already started torch.distributed world.
 
-The worker group starts torch.distributed over exactly the role's ranks (gloo on CPU, NCCL on
-GPU); `init_role_parallel_state` then applies the CPU shims when CUDA is absent and initialises
-TP x PP (x VPP) on top. It never calls `init_process_group` itself. Engines of several roles may
+The worker group starts torch.distributed over exactly the role's ranks (gloo on CPU; on GPUs
+"cpu:gloo,cuda:nccl", as megarl.config.devices decides); `init_role_parallel_state` then applies
+the CPU shims when CUDA is absent, initialises TP x PP (x VPP) on top and logs the groups' backends. It never calls `init_process_group` itself. Engines of several roles may
 share a process only when they use the same layout (megatron's parallel state is global).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from megarl.bridge.sharding import ParallelLayout
 from megarl.engines.megatron.cpu import apply_cpu_shims
+
+log = logging.getLogger("megarl.engines")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,29 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> Non
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp_or_none,
         )
+        if dist.get_rank() == 0:
+            log.info("%s: process group backends %s", section,
+                     " ".join(f"{name}={backend}" for name, backend in group_backends().items()))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if not torch.cuda.is_available():
         apply_cpu_shims()  # reach megatron modules imported since the first call
+
+
+def group_backends() -> dict[str, str]:
+    """The torch.distributed backend of the world and of megatron's groups of this rank (they
+    inherit the world's: parallel_state.create_group(backend=None)); names as in parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    groups = {
+        "world": None,
+        "tensor_model_parallel": ps.get_tensor_model_parallel_group(),
+        "pipeline_model_parallel": ps.get_pipeline_model_parallel_group(),
+        "data_parallel": ps.get_data_parallel_group(),
+        "model_parallel": ps.get_model_parallel_group(),
+        "data_parallel_gloo": ps.get_data_parallel_group_gloo(),
+    }
+    return {name: str(dist.get_backend(group)) for name, group in groups.items()}
 
 
 def compute_device() -> torch.device:

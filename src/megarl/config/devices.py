@@ -1,0 +1,117 @@
+"""The device decides the backends, in one place (ARCHITECTURE.md decision 9).
+
+`decide_devices` turns `trainer.device`, whether CUDA is available, the placement mode, the rollout
+engine and `actor_rollout_ref.rollout.weight_sync_transport` into the device of the training
+roles, their torch.distributed backend, the weight-sync transport actually used with its group
+backend, and the NCCL environment the training workers need; or a ConfigError naming the keys of a
+combination that cannot work. It imports nothing heavy: the caller passes `cuda_available`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import ExperimentConfig
+
+TRANSPORT_KEY = "actor_rollout_ref.rollout.weight_sync_transport"
+
+# What SGLang forces in its own processes (sglang/srt/entrypoints/engine.py::_set_envs_and_config):
+# NCCL_CUMEM_ENABLE=0, NCCL_NVLS_ENABLE=0. A trainer in the same NCCL weight-update group must
+# agree, as slime (ray/actor_group.py) and AReaL (infra/launcher/*.py) set them for theirs.
+NCCL_WEIGHT_GROUP_ENV = (("NCCL_CUMEM_ENABLE", "0"), ("NCCL_NVLS_ENABLE", "0"))
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Where the training roles run and how their processes talk."""
+
+    device: Literal["cuda", "cpu"]
+    training_backend: str  # torch.distributed backend of each training role's world
+    weight_sync_transport: Literal["distributed", "tensor", "disk"]
+    weight_sync_backend: Optional[str]  # of the distributed weight-update group; None for tensor and disk
+    nccl_env: tuple[tuple[str, str], ...] = ()  # (name, value) the training workers' processes need
+
+    @property
+    def training_env(self) -> dict[str, str]:
+        """The environment variables to start the training workers with."""
+        return dict(self.nccl_env)
+
+
+def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollout_engine: str,
+                   transport: str) -> Devices:
+    """`device`: trainer.device (auto|cuda|cpu); `placement_mode`: placement.mode (colocate|split);
+    `rollout_engine`: actor_rollout_ref.rollout.name (sglang|cpu); `transport`:
+    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk)."""
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("trainer.device=cuda, but this machine has no CUDA GPU (torch.cuda.is_available() is "
+                          "False); use trainer.device=cpu or auto")
+    on_cuda = device == "cuda" or (device == "auto" and cuda_available)
+    where = f"trainer.device={device}" + (f" (resolved to {'cuda' if on_cuda else 'cpu'})" if device == "auto" else "")
+    colocated = placement_mode == "colocate"
+
+    if transport == "auto":
+        # The CPU engine has only the distributed and disk endpoints; colocated on GPUs, a
+        # distributed group is impossible (below), so the servers get CUDA IPC handles.
+        transport = "tensor" if on_cuda and colocated and rollout_engine == "sglang" else "distributed"
+    if transport == "tensor":
+        # CUDA IPC handles open only on the GPUs of the same machine (torch.multiprocessing, "CUDA
+        # in multiprocessing"), and SGLang's tensor path hands each server TP rank the copy on its
+        # own GPU (sglang/srt/managers/tp_worker.py::deserialize_own_rank): colocated GPUs only.
+        if not on_cuda:
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor sends CUDA IPC handles, but {where} runs on CPU; "
+                              f"use {TRANSPORT_KEY}=distributed, disk or auto")
+        if not colocated:
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor sends CUDA IPC handles, which the rollout servers can open "
+                              f"only on the trainer's own GPUs: it needs placement.mode=colocate, not "
+                              f"{placement_mode}; use {TRANSPORT_KEY}=distributed or auto")
+        if rollout_engine != "sglang":
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor needs actor_rollout_ref.rollout.name=sglang: the CPU engine "
+                              f"({rollout_engine}) has no /update_weights_from_tensor; use distributed or disk")
+    if transport == "distributed" and on_cuda and colocated and rollout_engine == "sglang":
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected : rank X
+        # and rank Y both on CUDA device", NVIDIA/Megatron-LM#661); colocated, a server TP rank
+        # sits on the emitting trainer rank's GPU.
+        raise ConfigError(f"{TRANSPORT_KEY}=distributed cannot run with placement.mode=colocate on GPUs ({where}): "
+                          "NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU detected\"), and "
+                          "colocated a rollout server's TP rank shares the emitting trainer rank's GPU; use "
+                          f"{TRANSPORT_KEY}=tensor (or auto) or disk, or placement.mode=split")
+
+    sync_backend = None
+    if transport == "distributed":
+        # SGLang's weight-update group holds its GPU ranks: NCCL (sglang's /init_weights_update_group
+        # default). The CPU engine's tensors are on the CPU: gloo, which also takes CUDA tensors for
+        # broadcast (PyTorch's backend support table).
+        sync_backend = "nccl" if on_cuda and rollout_engine == "sglang" else "gloo"
+    if not on_cuda:
+        return Devices("cpu", "gloo", transport, sync_backend)
+    # PyTorch's backend support table: gloo cannot send, recv or barrier CUDA tensors, and megatron's
+    # pipeline is send/recv; megatron's TP/PP/DP groups inherit the world's backend
+    # (parallel_state.create_group(backend=None)). So CUDA tensors go over NCCL and CPU objects over
+    # gloo, one default group for both (verl: utils/distributed.py).
+    nccl_env = NCCL_WEIGHT_GROUP_ENV if sync_backend == "nccl" else ()
+    return Devices("cuda", "cpu:gloo,cuda:nccl", transport, sync_backend, nccl_env)
+
+
+def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
+    """`decide_devices` on the config's keys."""
+    r = config.actor_rollout_ref.rollout
+    return decide_devices(config.trainer.device, cuda_available, config.placement.mode, r.name,
+                          r.weight_sync_transport)
+
+
+def local_cuda_index(gpu_ids: Sequence, cuda_visible_devices: Optional[str]) -> int:
+    """The torch CUDA index of this process's first Ray GPU. Ray's GPU ids are values of the
+    raylet's CUDA_VISIBLE_DEVICES (physical indices when it is unset); CUDA numbers the devices this
+    process sees from 0, in the order of its CUDA_VISIBLE_DEVICES (Ray narrows it to the actor's GPUs
+    unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1)."""
+    if not gpu_ids:
+        raise RuntimeError("this worker has no GPU from Ray (ray.get_gpu_ids() is empty): it cannot join an NCCL group")
+    first = str(gpu_ids[0])
+    if cuda_visible_devices is None:
+        return int(first)
+    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    if first not in visible:
+        raise RuntimeError(f"Ray's GPU {first} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
+    return visible.index(first)

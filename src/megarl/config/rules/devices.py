@@ -1,0 +1,31 @@
+"""Rules on devices: the weight-sync transport against the placement and the device, by the same
+decision (`megarl.config.devices.decide_devices`) the trainer applies when the run starts."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megarl.config.devices import devices_from_config
+from megarl.config.errors import ConfigError
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.schema import ExperimentConfig
+
+
+def weight_sync_transport_fits_devices(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The weight-sync transport must work on the device and placement: e.g. no distributed (NCCL)
+    group colocated on GPUs, no tensor (CUDA IPC) transport on CPU or split placement. With
+    trainer.device=auto the device is known only on the machine that runs, so only a combination
+    that fails on both CUDA and CPU is refused here; the trainer checks the rest when it starts.
+
+    Reads: trainer.device, placement.mode, actor_rollout_ref.rollout.name,
+    actor_rollout_ref.rollout.weight_sync_transport
+    """
+    # An explicit device is taken as available: whether this machine has it is the preflight's check.
+    candidates = {"cuda": [True], "cpu": [False]}.get(config.trainer.device, [True, False])
+    problems = []
+    for cuda_available in candidates:
+        try:
+            devices_from_config(config, cuda_available)
+        except ConfigError as problem:
+            problems.append(str(problem))
+    if len(problems) == len(candidates):
+        yield problems[0]

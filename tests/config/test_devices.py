@@ -1,0 +1,168 @@
+"""The device decision (megarl.config.devices), every case on CPU, each against the rule it follows:
+PyTorch's backend support table (gloo cannot send/recv/barrier CUDA tensors), NCCL's one rank per
+GPU in a communicator ("Duplicate GPU detected"), CUDA IPC only on the same GPUs, SGLang's NCCL
+environment. Where a rule can be checked by something other than the function, it is: torch's own
+reading of the backend string, and the real planner's GPU map."""
+from pathlib import Path
+
+import pytest
+from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+from megarl.config import ConfigError, load_and_validate, load_config
+from megarl.config.devices import Devices, decide_devices, devices_from_config, local_cuda_index
+from megarl.placement import plan_from_config
+
+KEY = "actor_rollout_ref.rollout.weight_sync_transport"
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+
+# PyTorch distributed docs, "Backends" table: with CUDA tensors, gloo has no send, recv or barrier.
+GLOO_CUDA_UNSUPPORTED = {"send", "recv", "barrier"}
+MEGATRON_PP_NEEDS = {"send", "recv"}  # megatron's pipeline schedules are P2P
+
+
+def device_backends(backend: str) -> dict[str, str]:
+    """Which backend torch itself uses for each device type under `backend`."""
+    return BackendConfig(Backend(backend)).get_device_backend_map()
+
+
+# ------------------------------------------------------------------------------------- on CPU
+@pytest.mark.parametrize("device,cuda_available", [("cpu", False), ("auto", False), ("cpu", True)])
+def test_cpu_runs_gloo_everywhere_and_keeps_the_distributed_transport(device, cuda_available):
+    d = decide_devices(device, cuda_available, "colocate", "cpu", "auto")
+    assert d == Devices("cpu", "gloo", "distributed", "gloo", ())
+    assert d.training_env == {}
+    assert set(device_backends(d.training_backend).values()) == {"gloo"}
+
+
+def test_cpu_split_and_disk_keep_their_transport():
+    assert decide_devices("cpu", False, "split", "cpu", "auto").weight_sync_transport == "distributed"
+    assert decide_devices("cpu", False, "colocate", "cpu", "disk") == Devices("cpu", "gloo", "disk", None, ())
+
+
+# ------------------------------------------------------------------------------------- on CUDA
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_cuda_training_groups_send_cuda_tensors_over_nccl_and_cpu_objects_over_gloo(device):
+    d = decide_devices(device, True, "colocate", "sglang", "auto")
+    assert d.device == "cuda"
+    by_device = device_backends(d.training_backend)
+    # megatron's PP sends CUDA tensors, which gloo cannot; CPU objects (gather_object) stay on gloo
+    assert MEGATRON_PP_NEEDS & GLOO_CUDA_UNSUPPORTED  # so CUDA tensors must not go over gloo
+    assert by_device == {"cpu": "gloo", "cuda": "nccl"}
+
+
+def test_cuda_colocated_auto_sends_ipc_handles_without_a_weight_update_group():
+    d = decide_devices("auto", True, "colocate", "sglang", "auto")
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, {})
+
+
+def test_cuda_split_auto_broadcasts_over_nccl_with_sglangs_nccl_environment():
+    d = decide_devices("auto", True, "split", "sglang", "auto")
+    assert (d.weight_sync_transport, d.weight_sync_backend) == ("distributed", "nccl")
+    # sglang entrypoints/engine.py::_set_envs_and_config: what the servers' side of the group runs with
+    assert d.training_env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def test_cuda_disk_needs_no_group_and_no_nccl_environment():
+    d = decide_devices("cuda", True, "colocate", "sglang", "disk")
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, {})
+
+
+def test_cuda_with_the_cpu_engine_broadcasts_over_gloo():
+    # the CPU engine's tensors live on the CPU and it has no tensor endpoint; gloo broadcasts CUDA
+    # tensors too (the support table), so no NCCL group and no NCCL environment
+    d = decide_devices("cuda", True, "colocate", "cpu", "auto")
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("distributed", "gloo", {})
+    assert "broadcast" not in GLOO_CUDA_UNSUPPORTED
+
+
+# ------------------------------------------------------------------------------------- refusals
+def test_cuda_requested_without_cuda_names_trainer_device():
+    with pytest.raises(ConfigError, match=r"trainer\.device=cuda, but this machine has no CUDA GPU"):
+        decide_devices("cuda", False, "colocate", "sglang", "auto")
+
+
+@pytest.mark.parametrize("mode,refused", [("colocate", True), ("split", False)])
+def test_distributed_on_gpus_is_refused_exactly_where_the_plan_puts_two_group_ranks_on_one_gpu(mode, refused):
+    """Oracle: the planner's GPU map. The stage-0 weight-update group holds the emitter (actor rank 0)
+    and every rollout server's TP ranks; NCCL refuses it when two of them share a GPU."""
+    config = load_config(None, REQUIRED + [f"placement.mode={mode}", "placement.rollout_gpus=4"])
+    plan = plan_from_config(config)
+    shares_a_gpu = plan.roles["actor"].devices[0] in plan.roles["rollout"].devices
+    assert shares_a_gpu == refused
+    if refused:
+        with pytest.raises(ConfigError) as info:
+            decide_devices("cuda", True, mode, "sglang", "distributed")
+        assert f"{KEY}=distributed" in str(info.value) and "placement.mode=colocate" in str(info.value)
+        assert "Duplicate GPU detected" in str(info.value)
+    else:
+        assert decide_devices("cuda", True, mode, "sglang", "distributed").weight_sync_backend == "nccl"
+
+
+def test_auto_device_names_what_it_resolved_to():
+    with pytest.raises(ConfigError, match=r"trainer\.device=auto \(resolved to cuda\)"):
+        decide_devices("auto", True, "colocate", "sglang", "distributed")
+    # the same keys on a machine without CUDA run the CPU path
+    assert decide_devices("auto", False, "colocate", "cpu", "distributed").weight_sync_backend == "gloo"
+
+
+@pytest.mark.parametrize("device,cuda,mode,engine,says", [
+    ("cpu", True, "colocate", "cpu", "runs on CPU"),  # CUDA IPC needs CUDA tensors
+    ("auto", False, "colocate", "cpu", "runs on CPU"),
+    ("cuda", True, "split", "sglang", "needs placement.mode=colocate, not split"),  # IPC: same GPUs only
+    ("cuda", True, "colocate", "cpu", "needs actor_rollout_ref.rollout.name=sglang"),  # no tensor endpoint
+])
+def test_the_tensor_transport_is_refused_where_ipc_handles_cannot_be_opened(device, cuda, mode, engine, says):
+    with pytest.raises(ConfigError) as info:
+        decide_devices(device, cuda, mode, engine, "tensor")
+    assert str(info.value).startswith(f"{KEY}=tensor") and says in str(info.value)
+
+
+def test_devices_from_config_reads_the_four_keys():
+    config = load_config(None, REQUIRED + ["placement.mode=split", "placement.rollout_gpus=4",
+                                           "trainer.device=cuda"])
+    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto")
+
+
+# ------------------------------------------------------------------------------------- config time
+def test_the_schema_default_transport_is_auto_and_every_shipped_cpu_config_keeps_distributed():
+    assert load_config(None, REQUIRED).actor_rollout_ref.rollout.weight_sync_transport == "auto"
+    config = load_and_validate(REPO / "configs" / "quickstart.yaml")
+    assert devices_from_config(config, False).weight_sync_transport == "distributed"
+
+
+def test_config_time_rule_refuses_colocated_distributed_on_explicit_cuda_naming_both_keys():
+    with pytest.raises(ConfigError) as info:
+        load_and_validate(None, REQUIRED + [f"{KEY}=distributed", "trainer.device=cuda"])
+    message = str(info.value)
+    assert f"{KEY}=distributed cannot run with placement.mode=colocate on GPUs (trainer.device=cuda)" in message
+    # with trainer.device=auto the config may still run on CPU: the trainer decides when it starts
+    load_and_validate(None, REQUIRED + [f"{KEY}=distributed", "trainer.device=auto"])
+    load_and_validate(None, REQUIRED + [f"{KEY}=distributed", "trainer.device=cuda", "placement.mode=split",
+                                        "placement.rollout_gpus=4"])
+
+
+def test_config_time_rule_refuses_tensor_where_neither_device_can_run_it():
+    with pytest.raises(ConfigError, match="needs placement.mode=colocate, not split"):
+        load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "placement.mode=split", "placement.rollout_gpus=4"])
+    with pytest.raises(ConfigError, match=r"trainer\.device=cpu runs on CPU"):
+        load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cpu",
+                                            "actor_rollout_ref.rollout.name=cpu"])
+    load_and_validate(None, REQUIRED + [f"{KEY}=tensor"])  # colocated, auto: fine on a GPU machine
+
+
+# ------------------------------------------------------------------------------------- local GPU
+@pytest.mark.parametrize("gpu_ids,visible,index", [
+    ([3], "3", 0),  # Ray narrowed CUDA_VISIBLE_DEVICES to the actor's GPU: CUDA calls it 0
+    (["5"], "4,5,6,7", 1),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 under a raylet seeing 4-7
+    ([2], None, 2),  # nothing narrowed: Ray's ids are physical indices
+])
+def test_local_cuda_index_is_the_position_of_rays_gpu_among_the_visible_devices(gpu_ids, visible, index):
+    assert local_cuda_index(gpu_ids, visible) == index
+
+
+def test_local_cuda_index_refuses_a_rank_without_its_gpu():
+    with pytest.raises(RuntimeError, match="no GPU from Ray"):
+        local_cuda_index([], "0")
+    with pytest.raises(RuntimeError, match="GPU 2 is not in this process's CUDA_VISIBLE_DEVICES='0,1'"):
+        local_cuda_index([2], "0,1")

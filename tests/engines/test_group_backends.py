@@ -1,0 +1,17 @@
+"""The engine names the backend of each of megatron's process groups once, at INFO, when it
+initialises them: on CPU the worker group's world is gloo, and every group inherits it."""
+from backends_world import backends_world
+
+from megarl.engines.megatron.cpu import run_gloo_workers
+
+GROUPS = ("world", "tensor_model_parallel", "pipeline_model_parallel", "data_parallel", "model_parallel",
+          "data_parallel_gloo")
+
+
+def test_rank_0_logs_every_megatron_group_as_gloo_in_a_gloo_world():
+    ranks = run_gloo_workers(backends_world, 2, timeout_s=300)
+    # the world was started with "gloo" (engine_world.init_world); megatron's groups are created with
+    # backend=None, so they inherit it; its explicit DP gloo group is gloo by construction
+    expected = "INFO actor_rollout_ref.actor: process group backends " + " ".join(f"{g}=gloo" for g in GROUPS)
+    assert ranks[0] == [expected]
+    assert ranks[1] == []  # once per role, not once per rank
