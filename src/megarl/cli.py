@@ -18,6 +18,7 @@ def _config_show(args) -> int:
 
 def _plan(args) -> int:
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.config.devices import devices_from_config
     from megarl.placement import format_gpu_map, plan_from_config
     from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
@@ -29,6 +30,8 @@ def _plan(args) -> int:
         shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
                  else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
         print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
+    if args.trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
+        print(devices_from_config(config, cuda_available=config.trainer.device != "cpu").summary())
     model_dir = config.actor_rollout_ref.model.path
     try:
         arch = arch_from_hf_config(load_hf_config(model_dir), f"{model_dir}/config.json")

@@ -74,6 +74,8 @@ def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
     node0, node1 = out.split("node1:\n")
     assert "rollout" not in node0.split("node0:\n")[1] and "actor rank" not in node1.split("\nactor:")[0]
     assert "model: 14.770 B parameters" in out
+    assert ("device cuda, training groups cpu:gloo,cuda:nccl, weight sync distributed over nccl, "
+            "trainer env NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0\n") in out
 
 
 # Tiny recipes: what each changes relative to configs/tiny/grpo.yaml.

@@ -38,6 +38,13 @@ class Devices:
         """The environment variables to start the training workers with."""
         return dict(self.nccl_env)
 
+    def summary(self) -> str:
+        """One line for logs and `megarl plan`."""
+        sync = self.weight_sync_transport + (f" over {self.weight_sync_backend}" if self.weight_sync_backend else "")
+        env = " ".join(f"{k}={v}" for k, v in self.nccl_env)
+        return (f"device {self.device}, training groups {self.training_backend}, weight sync {sync}"
+                + (f", trainer env {env}" if env else ""))
+
 
 def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollout_engine: str,
                    transport: str) -> Devices:

@@ -46,7 +46,7 @@ class Cluster:
     def __init__(self, config: ExperimentConfig):
         self.config = config
         self.devices = resolve_devices(config)  # before any process starts: an impossible combination raises here
-        log.info("devices: %s", self.devices)
+        log.info("devices: %s", self.devices.summary())
         self.plan = plan_from_config(config)
         log.info("placement:\n%s", format_gpu_map(self.plan))
         self.pools = create_pools(self.plan, timeout_s=300)
