@@ -166,3 +166,21 @@ def test_local_cuda_index_refuses_a_rank_without_its_gpu():
         local_cuda_index([], "0")
     with pytest.raises(RuntimeError, match="GPU 2 is not in this process's CUDA_VISIBLE_DEVICES='0,1'"):
         local_cuda_index([2], "0,1")
+
+
+# ------------------------------------------------------------------------------------- at run start
+def test_the_trainer_applies_the_decision_to_the_machine_it_starts_on(monkeypatch):
+    """With trainer.device=auto the config passes validation; the trainer's preflight, run before any
+    process starts, refuses it where torch sees CUDA and runs it on gloo where it does not."""
+    import torch
+
+    from megarl.trainer.preflight import check_environment, resolve_devices
+
+    config = load_and_validate(None, REQUIRED + [f"{KEY}=distributed"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_devices(config).weight_sync_backend == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as info:
+        check_environment(config)
+    assert f"{KEY}=distributed cannot run with placement.mode=colocate on GPUs (trainer.device=auto " \
+           "(resolved to cuda))" in str(info.value)

@@ -45,15 +45,14 @@ def check_environment(config: ExperimentConfig) -> None:
     if reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")
 
-    import torch  # deferred: imported only when a run really starts
-
-    cuda_available = torch.cuda.is_available()
     try:
-        devices_from_config(config, cuda_available)
+        resolve_devices(config)
     except ConfigError as problem:
         problems.append(str(problem))
     if config.actor_rollout_ref.rollout.name == "sglang":
-        if not cuda_available:
+        import torch
+
+        if not torch.cuda.is_available():
             problems.append("actor_rollout_ref.rollout.name=sglang needs a CUDA GPU, and this machine has no CUDA GPU; "
                             "on CPU use trainer.device=cpu actor_rollout_ref.rollout.name=cpu")
         elif importlib.util.find_spec("sglang") is None:
@@ -65,6 +64,6 @@ def check_environment(config: ExperimentConfig) -> None:
 def resolve_devices(config: ExperimentConfig) -> Devices:
     """The device, backends, weight-sync transport and NCCL environment of this run, decided on this
     (the controller's) machine: `trainer.device=auto` means CUDA where the controller sees a GPU."""
-    import torch
+    import torch  # deferred: imported only when a run really starts
 
     return devices_from_config(config, torch.cuda.is_available())

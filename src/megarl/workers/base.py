@@ -34,8 +34,9 @@ class RankedWorker:
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
         """Join the group's torch.distributed world. With NCCL in `backend`, first select this
-        rank's GPU: NCCL's object collectives use CUDA tensors on `torch.cuda.current_device()`,
-        and a rank left on device 0 would put a second rank on another's GPU."""
+        rank's GPU: NCCL communicators (and the engine, megarl.engines.megatron.parallel.compute_device)
+        use `torch.cuda.current_device()`, and ranks all left on device 0 would be two ranks on one
+        GPU, which NCCL refuses ("Duplicate GPU detected")."""
         import torch
         import torch.distributed as dist
 

@@ -2,8 +2,9 @@
 
 The worker group starts torch.distributed over exactly the role's ranks (gloo on CPU; on GPUs
 "cpu:gloo,cuda:nccl", as megarl.config.devices decides); `init_role_parallel_state` then applies
-the CPU shims when CUDA is absent, initialises TP x PP (x VPP) on top and logs the groups' backends. It never calls `init_process_group` itself. Engines of several roles may
-share a process only when they use the same layout (megatron's parallel state is global).
+the CPU shims when CUDA is absent, initialises TP x PP (x VPP) on top and logs the groups'
+backends. It never calls `init_process_group` itself. Engines of several roles may share a
+process only when they use the same layout (megatron's parallel state is global).
 """
 from __future__ import annotations
 
