@@ -138,6 +138,16 @@ def test_parallel_sizes_against_gpus():
     assert batch_plan(c).actor_dp == 8
 
 
+def test_deterministic_inference_follows_exact_resume_unless_set():
+    """SGLang reads sampling_params.sampling_seed only with --enable-deterministic-inference; the
+    seeds are what make a resumed run exact."""
+    det = lambda *o: ok(*o).actor_rollout_ref.rollout.deterministic_inference  # noqa: E731
+    assert det() is True  # trainer.resume_mode=auto
+    assert det("trainer.resume_mode=disable") is False
+    assert det("actor_rollout_ref.rollout.deterministic_inference=false") is False
+    assert det("trainer.resume_mode=disable", "actor_rollout_ref.rollout.deterministic_inference=true") is True
+
+
 def test_a_rollout_server_may_span_whole_nodes_with_sglang_only():
     """SGLang runs one server over several nodes (--nnodes); megarl's CPU engine does not."""
     c = ok("actor_rollout_ref.rollout.tensor_model_parallel_size=16", "trainer.nnodes=4")

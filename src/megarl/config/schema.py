@@ -237,6 +237,10 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512
     weight_sync_transport: Literal["distributed", "tensor", "disk"] = "distributed"  # tensor: colocated GPUs only
+    # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
+    # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
+    # Costs generation speed (README, "Checkpoints, resume"). The CPU engine always honours seeds.
+    deterministic_inference: Optional[bool] = None
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
 
