@@ -37,6 +37,8 @@ setup(
     package_dir={"": "src"},
     packages=find_packages("src"),
     include_package_data=True,
+    # the sbatch template `megarl submit` renders (slurm/megarl.sbatch links to it)
+    package_data={"megarl.launch": ["megarl.sbatch"]},
     install_requires=CORE,
     extras_require={"gpu": GPU, "test": TEST},
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},

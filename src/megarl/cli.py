@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="another #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)")
     submit.add_argument("--log-dir", default="outputs/slurm", help="job output and the rendered script "
                         "(default outputs/slurm)")
-    submit.add_argument("--script", help="the sbatch template (default: slurm/megarl.sbatch of this checkout)")
+    submit.add_argument("--script", help="the sbatch template (default: the one megarl ships, "
+                        "slurm/megarl.sbatch in a checkout)")
     submit.add_argument("--no-submit", action="store_true", help="write the script, do not submit it")
     submit.set_defaults(func=_submit)
 

@@ -130,12 +130,41 @@ def test_parallel_sizes_against_gpus():
     msg = fails("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                 "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3")
     assert "TP x PP x CP = 2 x 3 x 1 = 6 GPUs per model replica does not divide the 8 training GPUs" in msg
-    msg = fails("actor_rollout_ref.rollout.tensor_model_parallel_size=16", "trainer.nnodes=2")
-    assert "a rollout server stays inside one node" in msg
+    msg = fails("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
+    assert "tensor_model_parallel_size=3: a rollout server within a node must divide trainer.n_gpus_per_node=8 (try 2)" in msg
     c = ok("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
            "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "trainer.nnodes=4")
     assert batch_plan(c).actor_dp == 8
+
+
+def test_deterministic_inference_follows_exact_resume_unless_set():
+    """SGLang reads sampling_params.sampling_seed only with --enable-deterministic-inference; the
+    seeds are what make a resumed run exact."""
+    det = lambda *o: ok(*o).actor_rollout_ref.rollout.deterministic_inference  # noqa: E731
+    assert det() is True  # trainer.resume_mode=auto
+    assert det("trainer.resume_mode=disable") is False
+    assert det("actor_rollout_ref.rollout.deterministic_inference=false") is False
+    assert det("trainer.resume_mode=disable", "actor_rollout_ref.rollout.deterministic_inference=true") is True
+
+
+def test_a_rollout_server_may_span_whole_nodes_with_sglang_only():
+    """SGLang runs one server over several nodes (--nnodes); megarl's CPU engine does not."""
+    c = ok("actor_rollout_ref.rollout.tensor_model_parallel_size=16", "trainer.nnodes=4")
+    assert batch_plan(c).rollout_servers == 2
+    msg = fails("actor_rollout_ref.rollout.tensor_model_parallel_size=12", "trainer.nnodes=3")
+    assert ("actor_rollout_ref.rollout.tensor_model_parallel_size=12: a rollout server larger than a node spans whole "
+            "nodes, so it must be a multiple of trainer.n_gpus_per_node=8 (try 8)") in msg
+    msg = fails("actor_rollout_ref.rollout.tensor_model_parallel_size=16", "trainer.nnodes=3")
+    assert "tensor_model_parallel_size=16 GPUs per server must divide the 24 rollout GPUs" in msg
+    msg = fails("actor_rollout_ref.rollout.name=cpu", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                "trainer.nnodes=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    assert ("actor_rollout_ref.rollout.tensor_model_parallel_size=4 is more than trainer.n_gpus_per_node=2: a server "
+            "spanning nodes needs actor_rollout_ref.rollout.name=sglang") in msg
+    ok("placement.mode=split", "placement.rollout_gpus=16", "trainer.nnodes=4",
+       "actor_rollout_ref.rollout.tensor_model_parallel_size=16", "data.train_batch_size=64",
+       "actor_rollout_ref.actor.ppo_mini_batch_size=16")
 
 
 def test_split_placement():

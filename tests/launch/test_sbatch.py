@@ -93,3 +93,26 @@ def test_megarl_submit_writes_a_script_that_runs_this_config_from_anywhere(tmp_p
     assert exit_info.value.code == 2
     assert "--nodes=3 but trainer.nnodes=2" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_an_installed_megarl_finds_its_sbatch_template(tmp_path):
+    """`pip install --no-deps --target` (a real, non-editable install of this source tree) ships
+    the template as package data; the installed megarl, not this checkout, finds it. The checkout's
+    slurm/megarl.sbatch is the same file."""
+    source = tmp_path / "source"
+    (source / "src").mkdir(parents=True)
+    for name in ("setup.py", "README.md"):
+        (source / name).write_bytes((REPO / name).read_bytes())
+    subprocess.run(["cp", "-r", str(REPO / "src" / "megarl"), str(source / "src")], check=True, timeout=60)
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--quiet", "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    probe = ("import megarl, megarl.launch.sbatch as s; t = s.default_template(); "
+             "print(megarl.__file__); print(t); print(t.is_file())")
+    found = subprocess.run([sys.executable, "-c", probe], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(target)},
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    module, template, exists = found.stdout.split()
+    assert module.startswith(str(target)) and template.startswith(str(target)) and exists == "True"
+    assert Path(template).read_text() == (REPO / "slurm" / "megarl.sbatch").read_text()

@@ -112,6 +112,23 @@ def test_split_from_config_and_gpu_map_text():
     assert "  gpu3: [rollout] rollout server 1" in text
 
 
+def test_a_rollout_server_larger_than_a_node_takes_whole_nodes_one_process_per_node():
+    plan = plan_placement(ClusterSpec(4, 4), {"train": 8, "rollout": 8},
+                          [train("actor", "train", tp=4), rollout("rollout", tp=8)])
+    r = plan.roles["rollout"]
+    assert r.dp == 1 and {d.node for d in r.server_devices(0)} == {2, 3}
+    assert r.server_processes() == [(0, 0, 0), (0, 1, 4)]  # node rank 0 (HTTP) first
+    shared = plan_placement(ClusterSpec(4, 2), {"shared": 8}, [train("actor", "shared", tp=2), rollout("shared", tp=4)])
+    assert shared.roles["rollout"].server_processes() == [(0, 0, 0), (0, 1, 2), (1, 0, 4), (1, 1, 6)]
+    small = plan_placement(ClusterSpec(1, 8), {"shared": 8}, [rollout("shared", tp=2)])
+    assert small.roles["rollout"].server_processes() == [(0, 0, 0), (1, 0, 2), (2, 0, 4), (3, 0, 6)]
+    with pytest.raises(PlanError, match=r"rollout.tp=6 spans nodes, so it must be a multiple of "
+                                        r"trainer.n_gpus_per_node=4 \(try 4\)"):
+        plan_placement(ClusterSpec(3, 4), {"rollout": 12}, [rollout("rollout", tp=6)])
+    with pytest.raises(PlanError, match="would start on gpu2 of node0: a server of rollout.tp=8 GPUs takes whole nodes"):
+        plan_placement(ClusterSpec(3, 4), {"train": 2, "rollout": 8}, [train("actor", "train"), rollout("rollout", tp=8)])
+
+
 def test_plans_1024_nodes_in_well_under_a_second():
     t0 = time.perf_counter()
     plan = plan_placement(ClusterSpec(1024, 8), {"train": 4096, "rollout": 4096},

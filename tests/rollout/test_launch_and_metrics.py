@@ -1,7 +1,11 @@
 """Command lines for SGLang, the CPU engine and the router; rollout metrics."""
+import pytest
+
 from megarl.rollout.cpu_server import parse_args
 from megarl.rollout.launch import (
+    MultiNode,
     apply_env_overrides,
+    base_gpu_index,
     cpu_server_command,
     router_command,
     sglang_env_overrides,
@@ -30,6 +34,59 @@ def test_sglang_env_drops_expandable_segments_under_the_memory_saver():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
     assert "PYTORCH_CUDA_ALLOC_CONF" in apply_env_overrides(base, sglang_env_overrides(enable_memory_saver=False))
+
+
+def test_sglang_env_turns_off_the_tp_memory_balance_check_only_when_colocated():
+    """SGLang 0.5.23 distributed/bootstrap.py raises when a TP rank has < 0.9x the free memory of
+    the others unless SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK is false (environ.py)."""
+    colocated = apply_env_overrides({}, sglang_env_overrides(enable_memory_saver=True, colocated=True))
+    assert colocated["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "false"
+    split = apply_env_overrides({}, sglang_env_overrides(enable_memory_saver=False, colocated=False))
+    assert "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK" not in split
+
+
+def test_a_multi_node_server_runs_the_same_command_on_every_node_but_its_rank():
+    commands = [sglang_server_command("/m", 30001, tp_size=16, multi_node=MultiNode(2, rank, "10.0.0.1:29500"))
+                for rank in (0, 1)]
+    assert [flag(c, "--node-rank") for c in commands] == ["0", "1"]
+    assert all(flag(c, "--nnodes") == "2" and flag(c, "--dist-init-addr") == "10.0.0.1:29500" for c in commands)
+    assert all(flag(c, "--tp-size") == "16" for c in commands)
+    differ = [a for a, b in zip(commands[0], commands[1]) if a != b]
+    assert differ == ["0"] and len(commands[0]) == len(commands[1])
+    assert "--nnodes" not in sglang_server_command("/m", 1)
+    for bad in [(1, 0, "h:1"), (2, 2, "h:1"), (2, -1, "h:1"), (2, 0, "h")]:
+        with pytest.raises(ValueError):
+            MultiNode(*bad)
+
+
+def test_deterministic_inference_is_a_switch_that_is_off_by_default():
+    assert "--enable-deterministic-inference" in sglang_server_command("/m", 1, deterministic=True)
+    assert "--enable-deterministic-inference" not in sglang_server_command("/m", 1)
+
+
+@pytest.mark.parametrize("ray_ids, visible, index", [
+    (["0"], None, 0),  # the raylet had no CUDA_VISIBLE_DEVICES: ids are physical indexes
+    (["5"], "", 5),  # empty string: treated as unset
+    (["3"], None, 3),
+    ([2], None, 2),  # ints too
+    (["6"], "4,5,6,7", 2),  # a Slurm-style list: the id's position
+    (["6"], "4, 5, 6, 7", 2),
+    (["0"], "0,1,2,3", 0),
+    (["1", "2"], "2,1", 1),  # the first id of the actor's counts, wherever it is in the list
+    (["GPU-bbbb"], "GPU-aaaa,GPU-bbbb", 1),  # UUIDs
+])
+def test_base_gpu_index_is_the_position_of_the_ray_gpu_id_among_the_visible_devices(ray_ids, visible, index):
+    assert base_gpu_index(ray_ids, visible) == index
+
+
+@pytest.mark.parametrize("ray_ids, visible, says", [
+    ([], "0,1", "holds no GPU"),
+    (["3"], "0,1", "not in this process's CUDA_VISIBLE_DEVICES"),
+    (["GPU-aaaa"], None, "not an index"),
+])
+def test_base_gpu_index_refuses_what_it_cannot_map(ray_ids, visible, says):
+    with pytest.raises(ValueError, match=says):
+        base_gpu_index(ray_ids, visible)
 
 
 def test_cpu_server_command_parses_back():

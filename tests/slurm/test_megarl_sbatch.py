@@ -38,7 +38,11 @@ def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp
                   f"trainer.default_local_dir={tmp_path / 'runs'}"]
     logs = tmp_path / "logs"
     done = subprocess.run([str(MEGARL), "submit", "--config", str(CONFIG), "--time", "00:10:00",
-                           "--log-dir", str(logs), *experiment], cwd=tmp_path, env=sandbox.env(MEGARL_ENTRY=SUCCESS_ENTRY),
+                           "--log-dir", str(logs), *experiment], cwd=tmp_path,
+                          # SLURM_EXPORT_ENV=NONE (what `sbatch --export=NONE` gives its steps) would strip the
+                          # Ray nodes' environment but for the steps' own --export=ALL; the socket interface
+                          # variable must reach every worker
+                          env=sandbox.env(MEGARL_ENTRY=SUCCESS_ENTRY, SLURM_EXPORT_ENV="NONE", GLOO_SOCKET_IFNAME="lo"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     job_id = re.search(r"submitted job (\d+)", done.stdout).group(1)
@@ -61,7 +65,8 @@ def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp
         gpus = [r[6] for r in rows if r[5] == node]
         assert sorted(gpus) == ["0", "1"]
     assert all(r[6] == r[7] for r in rows)  # CUDA_VISIBLE_DEVICES is the GPU id
-    assert f"cluster check OK: 2 node(s) {list(nodes)} x 2 GPU(s); gloo all-reduce over 4 ranks = 10" in log
+    assert (f"cluster check OK: 2 node(s) {list(nodes)} x 2 GPU(s); gloo all-reduce over 4 ranks = 10; socket "
+            "interfaces on every rank: GLOO_SOCKET_IFNAME=lo") in log
     # Then the experiment trained on the cluster and its status became the job's.
     assert "the experiment exited with status 0" in log
     metrics = (tmp_path / "runs" / "megarl" / "launch-test" / "logs" / "metrics.jsonl").read_text()

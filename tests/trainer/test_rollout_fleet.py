@@ -51,3 +51,15 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_nodes_of_a_multi_node_server_meet_at_its_node_0_address():
+    """Planner order (server, node rank): server 0 on two nodes, server 1 on one, server 2 on two."""
+    from megarl.rollout.launch import MultiNode
+    from megarl.trainer.rollout_fleet import multi_node_args
+
+    members = [[0, 1], [2], [3, 4]]
+    args = multi_node_args(members, {0: "10.0.0.1:29500", 3: "10.0.0.3:29501"})
+    assert args == [MultiNode(2, 0, "10.0.0.1:29500"), MultiNode(2, 1, "10.0.0.1:29500"), None,
+                    MultiNode(2, 0, "10.0.0.3:29501"), MultiNode(2, 1, "10.0.0.3:29501")]
+    assert multi_node_args([[0], [1]], {}) == [None, None]

@@ -239,6 +239,10 @@ class RolloutConfig:
     # auto: tensor (CUDA IPC) colocated on GPUs with SGLang, else distributed (NCCL on GPUs, gloo on CPU);
     # megarl.config.devices decides it
     weight_sync_transport: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
+    # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
+    # Costs generation speed (README, "Checkpoints, resume"). The CPU engine always honours seeds.
+    deterministic_inference: Optional[bool] = None
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
 

@@ -41,6 +41,8 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         prompt_length=arr.rollout.prompt_length or config.data.max_prompt_length,
         response_length=arr.rollout.response_length or config.data.max_response_length,
         log_prob_micro_batch_size_per_gpu=arr.rollout.log_prob_micro_batch_size_per_gpu or micro,
+        deterministic_inference=(config.trainer.resume_mode != "disable" if arr.rollout.deterministic_inference is None
+                                 else arr.rollout.deterministic_inference),
     )
     critic = config.critic
     critic = replace(

@@ -4,20 +4,23 @@ before the experiment starts, and name the node at fault when it cannot.
 It checks that every plan node joined with trainer.n_gpus_per_node GPUs, realises the plan's pools
 as placement groups, starts one probe actor per GPU of each pool (a `RankedWorker`, as the real
 roles are), checks where each landed (Ray node, Slurm node, GPU id, CUDA_VISIBLE_DEVICES) against
-the plan, and runs a gloo all-reduce across all of them. `check_cluster` needs `ray.init` done;
+the plan, and runs an all-reduce across all of them: NCCL on CUDA tensors when every probe sees its
+GPU as a CUDA device (the path the experiment's collectives take, across nodes), gloo on CPU
+tensors when none does (`probe_backend`). `check_cluster` needs `ray.init` done;
 `check_running_cluster` (`megarl check-cluster`) connects itself.
 """
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
 from megarl.config import ExperimentConfig
 from megarl.launch.ray_nodes import accepts_connections
-from megarl.launch.settings import SLURM_NODE_LABEL
+from megarl.launch.settings import SLURM_NODE_LABEL, SOCKET_IFNAME_VARS, socket_env
 from megarl.placement import format_gpu_map, plan_from_config
 from megarl.placement.planner import Plan, Pool, RolePlacement
 from megarl.placement.ray_pools import (
@@ -44,19 +47,40 @@ class Probe(RankedWorker):
         super().__init__(rank + rank_offset, global_world_size, role)
 
     def describe(self) -> dict:
+        import torch
+
         info = self.node_info()
         info["slurm_node"] = os.environ.get("SLURMD_NODENAME")
         info["slurm_gpus"] = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS")
+        info["cuda"] = torch.cuda.is_available()  # Ray set CUDA_VISIBLE_DEVICES to this probe's GPU
+        info["socket_env"] = socket_env()
         return info
 
-    def all_reduce_rank(self) -> float:
-        """Sum over all ranks of (rank + 1)."""
+    def all_reduce_rank(self, backend: str) -> float:
+        """Sum over all ranks of (rank + 1); with NCCL on this probe's GPU (device 0 of the one
+        Ray made visible)."""
         import torch
         import torch.distributed as dist
 
         x = torch.tensor([float(self.rank + 1)])
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+            x = x.cuda()
         dist.all_reduce(x)
         return x.item()
+
+
+def probe_backend(cuda_seen: Sequence[bool]) -> str:
+    """The all-reduce backend of the probes, from whether each sees a CUDA device: "nccl" when all
+    do (NCCL reduces CUDA tensors only), "gloo" when none does (Ray's logical GPUs on CPU machines).
+    A mix is a broken node: ClusterCheckError naming the ranks without CUDA."""
+    if all(cuda_seen):
+        return "nccl"
+    if not any(cuda_seen):
+        return "gloo"
+    missing = [rank for rank, seen in enumerate(cuda_seen) if not seen]
+    raise ClusterCheckError(f"  - rank(s) {missing} see no CUDA device while the others do: a node's driver or "
+                            "CUDA_VISIBLE_DEVICES is wrong")
 
 
 def slurm_names_in_rank_order(nnodes: int) -> tuple[str, ...]:
@@ -116,9 +140,11 @@ def _on_all(groups: list[WorkerGroup], method: str, *args, timeout_s: float) -> 
         return [f.result() for f in futures]
 
 
-def _run_probes(plan: Plan, nodes: list[RayNode], timeout_s: float) -> tuple[list[str], list[dict], list[float]]:
-    """Realise the plan's pools, one probe per GPU, a gloo all-reduce over all of them: (problems
-    with the bundles' nodes, each rank's `Probe.describe()`, each rank's all-reduce result)."""
+def _run_probes(plan: Plan, nodes: list[RayNode],
+                timeout_s: float) -> tuple[list[str], list[dict], str, list[float]]:
+    """Realise the plan's pools, one probe per GPU, an all-reduce over all of them: (problems
+    with the bundles' nodes, each rank's `Probe.describe()`, the backend, each rank's all-reduce
+    result)."""
     try:
         pools = create_pools(plan, timeout_s=timeout_s)
     except PlacementTimeout as exc:
@@ -136,21 +162,24 @@ def _run_probes(plan: Plan, nodes: list[RayNode], timeout_s: float) -> tuple[lis
             groups.append(WorkerGroup(Probe, _probe_role(pool), pools, offset, world))
             offset += len(pool.devices)
         infos = [info for per_group in _on_all(groups, "describe", timeout_s=timeout_s) for info in per_group]
+        backend = probe_backend([info["cuda"] for info in infos])
         addr, port = groups[0].call("master_address", timeout_s=timeout_s)[0]
-        _on_all(groups, "init_process_group", addr, port, "gloo", timeout_s, timeout_s=timeout_s)
-        sums = [s for per_group in _on_all(groups, "all_reduce_rank", timeout_s=timeout_s) for s in per_group]
+        _on_all(groups, "init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s)
+        sums = [s for per_group in _on_all(groups, "all_reduce_rank", backend, timeout_s=timeout_s) for s in per_group]
     except WorkerGroupError as exc:
         raise ClusterCheckError(f"  - {exc}") from exc
     finally:
         for group in groups:
             group.shutdown()
         pools.remove()
-    return problems, infos, sums
+    return problems, infos, backend, sums
 
 
-def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict]) -> list[str]:
+def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict],
+                   expected_sockets: dict[str, str]) -> list[str]:
     """Each rank on its planned node (by Ray node id and by the Slurm node its process sees),
-    on one GPU of its own that Slurm gave the job, visible as itself."""
+    on one GPU of its own that Slurm gave the job, visible as itself, with the launcher's socket
+    interface variables."""
     problems, seen = [], {}
     devices = [(pool.name, d) for pool in plan.pools.values() for d in pool.devices]
     for rank, ((pool_name, d), info) in enumerate(zip(devices, infos, strict=True)):
@@ -167,6 +196,9 @@ def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict]) -> list[
         if info["slurm_gpus"] and not set(info["gpu_ids"]) <= set(info["slurm_gpus"].split(",")):
             problems.append(f"{where} got GPU {gpu}, which Slurm did not give this job on {name} "
                             f"(SLURM_STEP_GPUS={info['slurm_gpus']})")
+        if info["socket_env"] != expected_sockets:
+            problems.append(f"{where} has socket interfaces {info['socket_env']}, the launcher {expected_sockets}: "
+                            f"{', '.join(SOCKET_IFNAME_VARS)} must reach every worker")
         if (info["node_id"], gpu) in seen:
             problems.append(f"{where} shares GPU {gpu} of {name} with rank {seen[info['node_id'], gpu]}")
         seen[info["node_id"], gpu] = rank
@@ -191,19 +223,21 @@ def check_cluster(plan: Plan, timeout_s: float = 120.0, log=print) -> None:
     if problems:
         raise ClusterCheckError("\n".join(f"  - {p}" for p in problems))
     nodes: list[RayNode] = gpu_nodes()[:plan.cluster.nnodes]
-    problems, infos, sums = _run_probes(plan, nodes, timeout_s)
+    problems, infos, backend, sums = _run_probes(plan, nodes, timeout_s)
     for line in _format_map(plan, infos):
         log(line)
-    problems += _rank_problems(plan, nodes, infos)
+    sockets = socket_env()
+    problems += _rank_problems(plan, nodes, infos, sockets)
     world = len(infos)
     expected = world * (world + 1) / 2
     if any(s != expected for s in sums):
-        problems.append(f"gloo all-reduce of (rank + 1) gave {sorted(set(sums))}, expected {expected:g}")
+        problems.append(f"{backend} all-reduce of (rank + 1) gave {sorted(set(sums))}, expected {expected:g}")
     if problems:
         raise ClusterCheckError("\n".join(f"  - {p}" for p in problems))
     names = [plan.cluster.name(k) for k in range(plan.cluster.nnodes)]
     log(f"cluster check OK: {plan.cluster.nnodes} node(s) {names} x {plan.cluster.gpus_per_node} GPU(s); "
-        f"gloo all-reduce over {world} ranks = {expected:g}; {time.monotonic() - t0:.1f} s")
+        f"{backend} all-reduce over {world} ranks = {expected:g}; socket interfaces on every rank: "
+        f"{' '.join(f'{k}={v}' for k, v in sockets.items()) or 'none set'}; {time.monotonic() - t0:.1f} s")
 
 
 def check_running_cluster(config: ExperimentConfig, node_names: tuple[str, ...] = (), timeout_s: float = 180.0,

@@ -30,8 +30,10 @@ _SBATCH_LINE = re.compile(r"^#SBATCH\s+(--[A-Za-z-]+|-[A-Za-z])")
 
 
 def default_template() -> Path:
-    """slurm/megarl.sbatch of the checkout megarl runs from."""
-    return Path(__file__).resolve().parents[3] / "slurm" / "megarl.sbatch"
+    """The sbatch template, shipped as package data beside this module (setup.py package_data),
+    so an installed megarl finds it as an editable one does; slurm/megarl.sbatch of a checkout is a
+    link to it."""
+    return Path(__file__).resolve().with_name("megarl.sbatch")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ submitting shell's environment):
   MEGARL_CHECK_TIMEOUT    seconds for each step of the cluster check (default 180)
   MEGARL_RAY_WRAPPER      command prefix for `ray start` on every node, e.g. a container runner
   MEGARL_RAY_START_ARGS   extra `ray start` arguments for every node
+The network interfaces the collectives use (`SOCKET_IFNAME_VARS`, e.g. NCCL_SOCKET_IFNAME=ib0)
+are handed to every Ray node explicitly (`socket_env`), so every worker on it has them.
 """
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ from pathlib import Path
 from megarl.net import port_is_free
 
 SLURM_NODE_LABEL = "slurm-node"
+# Which interface NCCL, gloo and TensorPipe bind to (gloo takes a comma list, the same count on
+# every rank); a cluster with several networks needs them the same in every process.
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def socket_env(environ=os.environ) -> dict[str, str]:
+    """The socket interface variables set in `environ`, to pass on to every Ray node."""
+    return {k: environ[k] for k in SOCKET_IFNAME_VARS if environ.get(k)}
 
 
 @dataclass(frozen=True)

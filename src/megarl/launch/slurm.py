@@ -26,6 +26,7 @@ from megarl.launch.settings import (
     log,
     ports_for_job,
     ray_process_env,
+    socket_env,
 )
 from megarl.placement import format_gpu_map, plan_from_config
 
@@ -63,10 +64,23 @@ def allocation_problems(job: SlurmJob, nnodes: int, gpus_per_node: int) -> list[
     return problems
 
 
-def _srun_on(nodes: list[str]) -> tuple[str, ...]:
-    """A job step on `nodes`, one task each, sharing the job's resources with the other steps."""
-    return ("srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(nodes)}")
+def srun_step(nodes: list[str], cpus_per_task: int, gpus_per_node: int) -> tuple[str, ...]:
+    """A job step on `nodes`, one task each, sharing the job's resources with the other steps
+    (`--overlap`), asking for what the task needs explicitly (man srun, Slurm 22.05):
+    - `--cpus-per-task`: "the number of cpus per task specified for salloc or sbatch is not
+      automatically inherited by srun"; without it a Ray node would be confined to one CPU.
+    - `--gres=gpu:N`: "allocated to the job on each node", N GPUs per node for the step's one task
+      per node (nemo's ray.sub and AReaL ask the same way; `--gpus-per-task` would also imply a
+      `--gpu-bind`). A step defaults to the job's GRES "except those implicitly requested when a
+      job is exclusive": explicit is certain. None asked when `gpus_per_node` is 0.
+    - `--export=ALL`: every variable of the launcher (Ray's settings, the socket interfaces) reaches
+      the task, even where the job's environment says otherwise (`sbatch --export=NONE` sets
+      SLURM_EXPORT_ENV=NONE for its steps; the option wins over the variable)."""
+    step = ["srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}", f"--cpus-per-task={max(1, cpus_per_task)}", "--export=ALL"]
+    if gpus_per_node > 0:
+        step.append(f"--gres=gpu:{gpus_per_node}")
+    return tuple(step)
 
 
 def _requeueable(job_id: int) -> bool:
@@ -101,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         client_port=client_port, temp_dir=temp_dir, gpus_per_node=job.gpus_per_node,
         cpus_per_node=job.cpus_per_node, join_timeout_s=opts.join_timeout_s, wrapper=opts.ray_wrapper,
         extra_args=opts.ray_start_args)
-    nodes = [NodeLaunch(rank, name, prefix=_srun_on([name]), labels={SLURM_NODE_LABEL: name})
+    nodes = [NodeLaunch(rank, name, prefix=srun_step([name], job.cpus_per_node, job.gpus_per_node),
+                        labels={SLURM_NODE_LABEL: name}, env=socket_env())
              for rank, name in enumerate(job.nodes)]
     result = run_session(plan, nodes, settings, opts.experiment_command(experiment_args),
                          check_timeout_s=opts.check_timeout_s, log=log)
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     others = [n.name for n in result.joined if n.rank > 0]  # the temp dir exists where Ray started
     if others:
         try:
-            subprocess.run([*_srun_on(others), "rm", "-rf", str(settings.temp_dir)], timeout=60,
+            subprocess.run([*srun_step(others, 1, 0), "rm", "-rf", str(settings.temp_dir)], timeout=60,
                            stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             log(f"could not remove {settings.temp_dir} on {','.join(others)} within 60 s")

@@ -4,7 +4,8 @@ A *pool* is a contiguous run of GPUs in (node, gpu) order. Roles in one pool tim
 (colocated); roles in different pools never share a GPU (split). Rank r of a training role with
 parallel sizes TP x CP x PP x DP sits on the pool's r-th GPU, in megatron-core's default rank
 order (TP fastest, then CP, then DP, then PP), so a TP group is a run of consecutive GPUs and
-must not cross a node boundary. A rollout server's TP group is a run of consecutive GPUs too.
+must not cross a node boundary. A rollout server's TP group is a run of consecutive GPUs too:
+inside one node, or (real SGLang, `--nnodes`) whole nodes, one server process per node.
 
 Plans are plain data (dataclasses); nothing here talks to Ray.
 """
@@ -82,6 +83,19 @@ class RolePlacement:
         """Rollout only: the GPUs of server `server`."""
         return self.devices[server * self.tp:(server + 1) * self.tp]
 
+    def server_processes(self) -> list[tuple[int, int, int]]:
+        """Rollout only: (server, node rank within the server, index in `devices` of its first GPU
+        on that node) of every server process, in order: one per node a server spans, node rank 0
+        first (the one that serves HTTP)."""
+        out = []
+        for server in range(self.dp):
+            seen: list[int] = []
+            for i in range(server * self.tp, (server + 1) * self.tp):
+                if self.devices[i].node not in seen:
+                    seen.append(self.devices[i].node)
+                    out.append((server, len(seen) - 1, i))
+        return out
+
 
 @dataclass
 class Plan:
@@ -108,6 +122,25 @@ def _check_groups_within_nodes(devices: list[Device], size: int, what: str, key:
                 f"{what}: a group of {size} GPUs (ranks {start}..{start + size - 1}) would span nodes {names}. "
                 f"{key}={size} must divide trainer.n_gpus_per_node={cluster.gpus_per_node} and the pool must start "
                 f"on a multiple of it; try {key}={_largest_divisor(cluster.gpus_per_node, size)}"
+            )
+
+
+def _check_servers_span_whole_nodes(devices: list[Device], role: RoleSpec, cluster: ClusterSpec) -> None:
+    """A rollout server larger than a node takes whole nodes: TP a multiple of the node size and
+    each server starting on a node's first GPU."""
+    per_node = cluster.gpus_per_node
+    if role.tp % per_node:
+        raise PlanError(
+            f"{role.name} server: {role.tp_key}={role.tp} spans nodes, so it must be a multiple of "
+            f"trainer.n_gpus_per_node={per_node} (try {role.tp - role.tp % per_node})"
+        )
+    for start in range(0, len(devices), role.tp):
+        if devices[start].gpu != 0:
+            raise PlanError(
+                f"{role.name} server {start // role.tp} would start on gpu{devices[start].gpu} of "
+                f"{cluster.name(devices[start].node)}: a server of {role.tp_key}={role.tp} GPUs takes whole nodes, so "
+                f"its pool must start on a node boundary (with placement.mode=split, make placement.rollout_gpus a "
+                f"multiple of trainer.n_gpus_per_node={per_node})"
             )
 
 
@@ -156,7 +189,10 @@ def plan_placement(cluster: ClusterSpec, pool_sizes: dict[str, int], roles: list
                     f"{role.name}: {role.tp_key}={role.tp} GPUs per server does not divide the {size} GPUs of pool "
                     f"'{role.pool}'; try {role.tp_key}={_largest_divisor(size, role.tp)}"
                 )
-            _check_groups_within_nodes(devices, role.tp, f"{role.name} server", role.tp_key, cluster)
+            if role.tp > cluster.gpus_per_node:
+                _check_servers_span_whole_nodes(devices, role, cluster)
+            else:
+                _check_groups_within_nodes(devices, role.tp, f"{role.name} server", role.tp_key, cluster)
             dp = size // role.tp
         else:
             replica = role.tp * role.cp * role.pp

@@ -73,8 +73,9 @@ class RankedActor(Protocol):
 
 
 class WorkerGroup:
-    """The actors of one role. Rank r of a training role sits on bundle r of its pool; rollout
-    server s on bundle s x TP (its first GPU)."""
+    """The actors of one role. Rank r of a training role sits on bundle r of its pool; a rollout
+    server has one actor per node it spans (`RolePlacement.server_processes`, in that order), each
+    on the server's first GPU of that node."""
 
     def __init__(self, worker_cls: type[RankedActor], role: RolePlacement, pools: RealisedPools, *args,
                  env: dict[str, str] | None = None, **kwargs):
@@ -82,7 +83,7 @@ class WorkerGroup:
         group = pools.groups[role.pool]
         node_names = [n.name for n in pools.nodes]
         if role.kind == "rollout":
-            bundles = [server * role.tp for server in range(role.dp)]
+            bundles = [first_gpu for _, _, first_gpu in role.server_processes()]
         else:
             bundles = list(range(role.world_size))
         self.locations = [node_names[role.devices[b].node] for b in bundles]

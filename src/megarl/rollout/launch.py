@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -36,6 +37,25 @@ def cpu_server_command(
     return cmd
 
 
+@dataclass(frozen=True)
+class MultiNode:
+    """One SGLang server spread over `nnodes` nodes (its TP group larger than a node): the same
+    command runs on every node with its `node_rank`; all of them meet at `dist_init_addr`
+    ("host:port" on node 0). Only node 0 serves HTTP (SGLang 0.5.23 `entrypoints/http_server.py`:
+    a node with node_rank >= 1 returns after launching its schedulers), so only its URL goes to
+    the router."""
+
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str
+
+    def __post_init__(self):
+        if self.nnodes < 2 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"multi-node SGLang server: node_rank {self.node_rank} of {self.nnodes} nodes")
+        if ":" not in self.dist_init_addr:
+            raise ValueError(f"multi-node SGLang server: dist_init_addr {self.dist_init_addr!r} is not host:port")
+
+
 def sglang_server_command(
     model_path: str,
     port: int,
@@ -49,17 +69,30 @@ def sglang_server_command(
     dtype: str = "auto",
     context_length: Optional[int] = None,
     random_seed: Optional[int] = None,
+    deterministic: bool = False,
+    multi_node: Optional[MultiNode] = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
     """`enable_memory_saver` when colocated with training (release/resume memory between phases);
-    `base_gpu_id` is the first of the `tp_size` visible GPUs this server takes (from the placement)."""
+    `base_gpu_id` is the first of this node's GPUs the server takes, an index into the server
+    process's CUDA_VISIBLE_DEVICES (`base_gpu_index`); `tp_size` is the server's whole TP size, over
+    all its nodes with `multi_node`. `deterministic`: SGLang's `--enable-deterministic-inference`,
+    the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
+    `sampling/sampling_batch_info.py`). Every flag here is one of SGLang 0.5.23's own
+    (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
+    the wheel."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--dtype", dtype, "--skip-server-warmup"]
+    if multi_node is not None:  # fields/parallel.py: nnodes, node_rank, dist_init_addr
+        cmd += ["--nnodes", str(multi_node.nnodes), "--node-rank", str(multi_node.node_rank),
+                "--dist-init-addr", multi_node.dist_init_addr]
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
     if enable_memory_saver:
         cmd += ["--enable-memory-saver"]
+    if deterministic:  # fields/exec_.py: enable_deterministic_inference
+        cmd += ["--enable-deterministic-inference"]
     if api_key:
         cmd += ["--api-key", api_key]
     if context_length:
@@ -69,13 +102,44 @@ def sglang_server_command(
     return cmd + list(extra_args)
 
 
-def sglang_env_overrides(enable_memory_saver: bool) -> dict[str, Optional[str]]:
+def base_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:
+    """SGLang's `--base-gpu-id` for a server process whose Ray actor holds `ray_gpu_ids`.
+
+    `--base-gpu-id` indexes the GPUs the server process sees, i.e. its CUDA_VISIBLE_DEVICES
+    (SGLang 0.5.23 `fields/device.py`: "the base GPU ID to start allocating GPUs from", then every
+    `gpu_id_step`, default 1). Ray's GPU ids are *values* of
+    the raylet's CUDA_VISIBLE_DEVICES (physical indexes when it has none). The rollout actor runs
+    with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, so its process keeps the raylet's list:
+    - no CUDA_VISIBLE_DEVICES (unset or empty string treated as unset): every GPU is visible in
+      physical order, the id is the index;
+    - a list (indexes or GPU-/MIG- UUIDs): the position of the id in it.
+    The server starts at the actor's first GPU id."""
+    if not ray_gpu_ids:
+        raise ValueError("the rollout actor holds no GPU (ray.get_gpu_ids() is empty); was it given num_gpus?")
+    first = str(ray_gpu_ids[0]).strip()
+    if cuda_visible_devices is None or not cuda_visible_devices.strip():
+        if not first.isdigit():
+            raise ValueError(f"Ray GPU id {first!r} is not an index and CUDA_VISIBLE_DEVICES is unset")
+        return int(first)
+    visible = [d.strip() for d in cuda_visible_devices.split(",")]
+    if first not in visible:
+        raise ValueError(f"Ray GPU id {first!r} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
+    return visible.index(first)
+
+
+def sglang_env_overrides(enable_memory_saver: bool, colocated: bool = False) -> dict[str, Optional[str]]:
     """Environment changes for a real SGLang server (None = unset): `/health` answers without running
-    a generation (the router polls it), and expandable CUDA segments are off under the memory saver
-    (they break it)."""
+    a generation (the router polls it); expandable CUDA segments are off under the memory saver
+    (they break it). Colocated, the training ranks sharing the server's GPUs hold different amounts
+    of memory (pipeline stages differ, the first and last hold the embeddings), so the TP ranks'
+    free memory differs by more than SGLang's 10 % and it would refuse to start:
+    `SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=false` (SGLang 0.5.23 `environ.py`, read in
+    `distributed/bootstrap.py`; each rank still sizes its KV cache from its own free memory)."""
     overrides: dict[str, Optional[str]] = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
     if enable_memory_saver:
         overrides["PYTORCH_CUDA_ALLOC_CONF"] = None
+    if colocated:
+        overrides["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"
     return overrides
 
 

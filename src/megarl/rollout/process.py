@@ -77,7 +77,7 @@ class ServerProcess:
         command: list[str],
         url: str,
         *,
-        health_path: str = "/health",
+        health_path: Optional[str] = "/health",
         env: Optional[dict[str, str]] = None,
         log_path: Optional[str] = None,
         startup_timeout_s: float = 300.0,
@@ -107,7 +107,8 @@ class ServerProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
-        """Start the process and wait until `health_path` answers 200."""
+        """Start the process and wait until `health_path` answers 200 (None: a process that serves
+        no HTTP, e.g. node >= 1 of a multi-node SGLang server: started is all there is to wait for)."""
         with self._lock:
             if self.is_running():
                 raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
@@ -117,6 +118,9 @@ class ServerProcess:
                     preexec_fn=_fate_sharing(),
                 )
             log.info("%s started: pid %d, log %s", self.name, self._proc.pid, self.log_path)
+            if self.health_path is None:
+                self._wanted = True
+                return
             try:
                 ServerControl(self.url).wait_healthy(
                     self.startup_timeout_s, path=self.health_path, alive=self.is_running
@@ -152,6 +156,14 @@ class ServerProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def restart(self) -> None:
+        """Stop the process if it runs and start it again, same command and URL (the nodes of a
+        multi-node server restart together: one alone cannot rejoin the others)."""
+        with self._lock:
+            self._terminate()
+            self.restarts += 1
+            self.start()
 
     def ensure_running(self) -> bool:
         """Restart the process if it exited on its own; True when it restarted it.

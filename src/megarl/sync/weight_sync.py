@@ -13,7 +13,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
    emitters then form new weight-update groups.
 2. stream, DP replica 0 only, every stage in parallel: the TP ranks gather their shards to the
-   stage's emitter (`Resharder`), which pushes each HF bucket through its transport. The
+   stage's emitter (`Resharder`), which pushes each HF bucket through its transport. With PP > 1
+   the emitters take turns at the servers (`SendLock`, lock.py: a server runs one update at a
+   time, and stages sending at once can deadlock): each send, and the forming of a stage's
+   weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
    peers still gather) but sends nothing more.
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
@@ -48,9 +51,10 @@ import torch.distributed as dist
 from megarl.bridge import WeightMap
 from megarl.rollout.control import ServerError
 from megarl.sync.groups import ParallelGroups
+from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
 from megarl.sync.servers import SyncServer, on_all
-from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTransport, Transport
+from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTransport, Transport, route_address
 
 log = logging.getLogger("megarl.sync")
 
@@ -166,7 +170,32 @@ class WeightSync:
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0
         self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
+        self.send_lock: Optional[SendLock] = self._make_send_lock()
         self._held: Optional[HFBucket] = None
+
+    def _make_send_lock(self) -> Optional[SendLock]:
+        """PP > 1: the lock the stages' emitters hold while sending (lock.py), hosted by the
+        coordinator; every rank takes part in sharing its address. None with one stage."""
+        g = self.groups
+        if g.pp_size == 1:
+            return None
+        lock, box = None, [None]
+        if g.is_coordinator:
+            address = self.config.master_address or route_address(self.servers[0].url)
+            lock, port = SendLock.host(address, "pipeline stage 0", self.config.timeout_s)
+            box = [(address, port)]
+        dist.broadcast_object_list(box, src=g.coordinator_rank(), group=g.world_group)
+        if g.is_emitter and not g.is_coordinator:
+            lock = SendLock.join(*box[0], f"pipeline stage {g.pp_rank}", self.config.timeout_s)
+        return lock
+
+    def _at_servers(self, step: Callable[[], None]) -> None:
+        """Run `step` (a call that reaches the servers) holding the send lock, if there is one."""
+        if self.send_lock is None:
+            step()
+            return
+        with self.send_lock:
+            step()
 
     def _make_transport(self) -> Transport:
         c, stage = self.config, self.groups.pp_rank
@@ -269,7 +298,7 @@ class WeightSync:
         report = StageReport(stage=g.pp_rank)
         started = time.perf_counter()
         if g.is_emitter:
-            report.error = self._guard(lambda: self.transport.open_stream(push_id))
+            report.error = self._guard(lambda: self._at_servers(lambda: self.transport.open_stream(push_id)))
         for bucket in self.resharder.buckets():  # emitters only get buckets; every TP rank must iterate
             report.buckets += 1
             report.bytes += bucket.nbytes
@@ -279,7 +308,7 @@ class WeightSync:
                 self._held = bucket
                 continue
             sent = time.perf_counter()
-            report.error = self._guard(lambda: self.transport.send(bucket))
+            report.error = self._guard(lambda: self._at_servers(lambda: self.transport.send(bucket)))
             report.send_s += time.perf_counter() - sent
             if progress is not None and report.error is None:
                 progress(g.pp_rank, bucket)

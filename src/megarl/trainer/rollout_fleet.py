@@ -9,6 +9,11 @@ and the cluster pushes again.) The prompts it lost, and any answer whose `weight
 `weight_version` (the last pushed one), are sent again with the same seeds. Each server may
 restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
 the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
+
+A SGLang server larger than a node runs one process per node (`RolePlacement.server_processes`):
+the same command with its node rank, all meeting at `--dist-init-addr` on node 0. Only node 0
+serves HTTP, so only its URL goes to the router. One dead node kills the server: all its nodes
+restart together.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
 from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
 from megarl.rollout.control import ServerControl
+from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
@@ -35,6 +41,18 @@ log = logging.getLogger("megarl.rollout")
 
 class RolloutServerLost(RuntimeError):
     """A rollout server died more often than `max_server_restarts` allows, or did not come back."""
+
+
+def multi_node_args(members: list[list[int]], addresses: dict[int, str]) -> list[Optional[MultiNode]]:
+    """Per worker rank, its `MultiNode`: `members[i]` are server i's worker ranks, node rank 0
+    first; `addresses[head]` the dist-init address its node-0 rank picked. None for a server on
+    one node."""
+    out: list[Optional[MultiNode]] = [None] * sum(len(ranks) for ranks in members)
+    for ranks in members:
+        if len(ranks) > 1:
+            for node, rank in enumerate(ranks):
+                out[rank] = MultiNode(len(ranks), node, addresses[ranks[0]])
+    return out
 
 
 class RolloutFleet:
@@ -52,11 +70,18 @@ class RolloutFleet:
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
         self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env)
+        processes = role.server_processes()  # (server, node rank, first GPU), one per worker rank
+        self.server_of = [server for server, _, _ in processes]  # worker rank -> server
+        self.members = [[k for k, s in enumerate(self.server_of) if s == i] for i in range(role.dp)]  # node 0 first
         self.router: Optional[Router] = None
         try:
             bind = "127.0.0.1" if single_node else None
-            self.urls = self.workers.call("start", config.actor_rollout_ref.model.path, bind,
-                                          startup_timeout_s, timeout_s=startup_timeout_s + 60)
+            path = config.actor_rollout_ref.model.path
+            urls = self.workers.call_each(
+                "start", [(path, bind, startup_timeout_s, None, node, server) for server, node in
+                          zip(self.server_of, self._multi_node_args())],
+                timeout_s=startup_timeout_s + 60)
+            self.urls = [urls[ranks[0]] for ranks in self.members]
             # The router runs on the driver's node and listens on loopback: only this client calls it.
             self.router = Router(self.urls, free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"),
                                  api_key=api_key)
@@ -67,6 +92,13 @@ class RolloutFleet:
         self.restarts = [0] * len(self.urls)  # per server, over the run
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s)
+
+    def _multi_node_args(self) -> list[Optional[MultiNode]]:
+        """Per worker rank: its `MultiNode` (None for a server within one node); the node-0 actor
+        of each multi-node server picks the address its nodes meet at."""
+        heads = [ranks[0] for ranks in self.members if len(ranks) > 1]
+        addresses = self.workers.call_ranks(heads, "dist_init_address", timeout_s=60) if heads else []
+        return multi_node_args(self.members, dict(zip(heads, addresses)))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  seeds: Optional[list[int]] = None) -> RolloutResult:
@@ -113,14 +145,19 @@ class RolloutFleet:
         Raises `RolloutServerLost` for a server past `max_server_restarts` or one that does not
         come back."""
         statuses = self.workers.call("status", timeout_s=60)
-        dead = [i for i, s in enumerate(statuses) if not s["running"]]
+        first_dead = {}  # server -> the worker rank of its first dead process
+        for k, status in enumerate(statuses):
+            if not status["running"]:
+                first_dead.setdefault(self.server_of[k], k)
+        dead = sorted(first_dead)
         if not dead:
             return 0
         for i in dead:
+            k = first_dead[i]
             if self.restarts[i] >= self.max_restarts:
-                raise RolloutServerLost(self._lost_message(i, statuses[i]))
-            log.warning("rollout server %d at %s on %s died (%s); restart %d of at most %d", i, self.urls[i],
-                        self.workers.locations[i], exit_description(statuses[i]["exit_code"]),
+                raise RolloutServerLost(self._lost_message(i, k, statuses[k]))
+            log.warning("rollout server %d at %s: its process on %s died (%s); restart %d of at most %d", i,
+                        self.urls[i], self.workers.locations[k], exit_description(statuses[k]["exit_code"]),
                         self.restarts[i] + 1, self.max_restarts)
         registered = set(self.router.worker_urls())
         for i in dead:
@@ -129,7 +166,8 @@ class RolloutFleet:
             self.restarts[i] += 1
         self._faults["rollout_server_restarts"] += len(dead)
         try:
-            self.workers.call_ranks(dead, "restart", timeout_s=self.startup_timeout_s + 60)
+            self.workers.call_ranks([k for i in dead for k in self.members[i]], "restart",
+                                    timeout_s=self.startup_timeout_s + 60)
         except WorkerGroupError as e:
             urls = [self.urls[i] for i in dead]
             raise RolloutServerLost(f"restarting rollout server(s) {urls} failed: {e}") from None
@@ -138,9 +176,10 @@ class RolloutFleet:
             self.router.add_worker(self.urls[i], timeout_s=120)
         return len(dead)
 
-    def _lost_message(self, i: int, status: dict) -> str:
-        tail = self.workers.call_ranks([i], "log_tail", 30, timeout_s=60)[0]
-        return (f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[i]} ({status['ip']}, host "
+    def _lost_message(self, i: int, rank: int, status: dict) -> str:
+        """Server `i` is lost; worker `rank` is (one of) its dead process(es)."""
+        tail = self.workers.call_ranks([rank], "log_tail", 30, timeout_s=60)[0]
+        return (f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[rank]} ({status['ip']}, host "
                 f"{status['hostname']}) died ({exit_description(status['exit_code'])}) after {self.restarts[i]} "
                 f"restart(s); actor_rollout_ref.rollout.max_server_restarts={self.max_restarts} allows no more, so "
                 f"the run stops. Last lines of its log {status['log_path']}:\n{tail}")

@@ -1,7 +1,8 @@
 """`RolloutWorker`: the Ray actor of one rollout server. It starts the server process on its own
 node and GPUs (megarl's CPU engine or real SGLang), reports whether it is alive, restarts it at
 the same URL when told to (the fleet decides: a restarted server needs the current weights before
-it may serve), and stops it.
+it may serve), and stops it. A SGLang server larger than a node has one actor per node: the one of
+node rank 0 serves HTTP, the others run their share of the TP ranks (`MultiNode`).
 
 Call `stop` before killing the actor: a killed actor leaves its server process running.
 """
@@ -14,7 +15,14 @@ from typing import Optional
 import ray
 
 from megarl.net import free_port
-from megarl.rollout.launch import apply_env_overrides, cpu_server_command, sglang_env_overrides, sglang_server_command
+from megarl.rollout.launch import (
+    MultiNode,
+    apply_env_overrides,
+    base_gpu_index,
+    cpu_server_command,
+    sglang_env_overrides,
+    sglang_server_command,
+)
 from megarl.rollout.process import ServerProcess, log_tail
 from megarl.workers.base import RankedWorker
 
@@ -25,11 +33,23 @@ class RolloutWorker(RankedWorker):
         super().__init__(rank, world_size, role)
         self.config, self.colocated, self.api_key = config, colocated, api_key
         self.process: Optional[ServerProcess] = None
+        self.multi_node: Optional[MultiNode] = None
+
+    def dist_init_address(self) -> str:
+        """Node rank 0 of a multi-node server: "host:port" where its nodes meet (SGLang's
+        `--dist-init-addr`), on this node's address and a port free now."""
+        host = ray.util.get_node_ip_address()
+        return f"{host}:{free_port(host)}"
 
     def start(self, model_path: str, bind_host: Optional[str] = None, startup_timeout_s: float = 600.0,
-              log_path: Optional[str] = None) -> str:
+              log_path: Optional[str] = None, multi_node: Optional[MultiNode] = None,
+              server: Optional[int] = None) -> str:
         """Start the server and wait for health; returns its URL. `bind_host` None: this node's
-        address (servers on other nodes must be reachable by the router)."""
+        address (servers on other nodes must be reachable by the router). `multi_node`: this
+        actor's node of a server spanning nodes; node ranks >= 1 serve no HTTP, so they return as
+        soon as their process started (node 0's health means every node joined). `server`: the server's
+        index (its random seed; default this actor's rank), the same on every node of it."""
+        server = self.rank if server is None else server
         r = self.config.actor_rollout_ref.rollout
         host = bind_host or ray.util.get_node_ip_address()
         port = free_port(host)
@@ -39,17 +59,25 @@ class RolloutWorker(RankedWorker):
         if r.name == "cpu":
             command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
                                          context_length=context, max_running_requests=r.max_concurrent_requests,
-                                         random_seed=self.config.trainer.seed + self.rank, num_threads=1)
+                                         random_seed=self.config.trainer.seed + server, num_threads=1)
             env = dict(os.environ)
         else:
+            # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
+            # raylet's GPUs, and --base-gpu-id indexes them
+            base_gpu = base_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
             command = sglang_server_command(
-                model_path, port, host=host, tp_size=r.tensor_model_parallel_size,
-                base_gpu_id=int(ray.get_gpu_ids()[0]), mem_fraction_static=r.gpu_memory_utilization,
-                enable_memory_saver=self.colocated, api_key=self.api_key, dtype=r.dtype, context_length=context,
-                random_seed=self.config.trainer.seed + self.rank,
+                model_path, port, host=host, tp_size=r.tensor_model_parallel_size, base_gpu_id=base_gpu,
+                mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
+                api_key=self.api_key, dtype=r.dtype, context_length=context,
+                random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
+                multi_node=multi_node,
             )
-            env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated))
-        self.process = ServerProcess(f"rollout-{self.rank}", command, f"http://{host}:{port}", env=env,
+            env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
+        self.multi_node = multi_node
+        serves_http = multi_node is None or multi_node.node_rank == 0
+        name = f"rollout-{server}" + (f"-node{multi_node.node_rank}" if multi_node else "")
+        self.process = ServerProcess(name, command, f"http://{host}:{port}", env=env,
+                                     health_path="/health" if serves_http else None,
                                      log_path=log_path, startup_timeout_s=startup_timeout_s)
         self.process.start()
         return self.process.url
@@ -63,8 +91,13 @@ class RolloutWorker(RankedWorker):
 
     def restart(self) -> str:
         """Start the server again at its URL if it exited; returns the URL. Raises
-        `ServerStartError` (quoting its log) if it does not come back healthy."""
-        self.process.ensure_running()
+        `ServerStartError` (quoting its log) if it does not come back healthy. A node of a
+        multi-node server restarts even if it still runs: the fleet restarts all nodes of a
+        server together."""
+        if self.multi_node is not None:
+            self.process.restart()
+        else:
+            self.process.ensure_running()
         return self.process.url
 
     def log_tail(self, lines: int = 30) -> str:

@@ -96,18 +96,37 @@ def placement_pools(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
 
 
 def rollout_servers_fit_nodes(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """A rollout server's TP group stays inside one node and divides the rollout pool.
+    """A rollout server's TP group stays inside one node (dividing its GPUs) or, for SGLang only,
+    spans whole nodes (a multiple of them: one server process per node, SGLang's `--nnodes`);
+    either way it divides the rollout pool. megarl's CPU engine servers run on one node.
 
-    Reads: actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.nnodes, trainer.n_gpus_per_node,
-    placement.mode, placement.rollout_gpus
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.tensor_model_parallel_size,
+    trainer.nnodes, trainer.n_gpus_per_node, placement.mode, placement.rollout_gpus
     """
     gpus_per_node, pool = config.trainer.n_gpus_per_node, sizes.rollout_gpus
-    rtp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
-    if sizes.total_gpus and rtp > 0 and (gpus_per_node % rtp or (pool and pool % rtp)):
+    r = config.actor_rollout_ref.rollout
+    rtp = r.tensor_model_parallel_size
+    if not sizes.total_gpus or rtp <= 0 or gpus_per_node <= 0:
+        return
+    key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}"
+    if rtp > gpus_per_node and r.name == "cpu":
         yield (
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}: a rollout server stays inside one node, "
-            f"so it must divide trainer.n_gpus_per_node={gpus_per_node} and the {pool} rollout GPUs"
+            f"{key} is more than trainer.n_gpus_per_node={gpus_per_node}: a server spanning nodes needs "
+            f"actor_rollout_ref.rollout.name=sglang; megarl's CPU engine (actor_rollout_ref.rollout.name=cpu) "
+            f"runs each server on one node, so the size must divide trainer.n_gpus_per_node"
         )
+    elif rtp > gpus_per_node and rtp % gpus_per_node:
+        yield (
+            f"{key}: a rollout server larger than a node spans whole nodes, so it must be a multiple of "
+            f"trainer.n_gpus_per_node={gpus_per_node} (try {rtp - rtp % gpus_per_node})"
+        )
+    elif rtp <= gpus_per_node and gpus_per_node % rtp:
+        yield (
+            f"{key}: a rollout server within a node must divide trainer.n_gpus_per_node={gpus_per_node} "
+            f"(try {_largest_divisor_at_most(gpus_per_node, rtp)}), or span whole nodes as a multiple of it"
+        )
+    elif pool and pool % rtp:
+        yield f"{key} GPUs per server must divide the {pool} rollout GPUs"
 
 
 def parallel_sizes_fit_training_gpus(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

@@ -1,0 +1,245 @@
+"""Every flag megarl passes to SGLang, and every endpoint its client calls, checked against SGLang
+0.5.23's own definitions, read from the wheel without importing sglang (it needs a GPU stack).
+
+The oracle: `pip download sglang==0.5.23 --no-deps` (a 39 MB wheel, about a second from PyPI),
+cached under the repository's ignored `outputs/.cache/` so it downloads once. SGLang builds its
+parser in `sglang/srt/server_args.py::ServerArgs.add_cli_args`: `add_cli_args_from_dataclass`
+(`sglang/srt/arg_groups/arg_utils.py`) turns every field of the namespace structs in
+`sglang/srt/arg_groups/fields/*.py` annotated `A[T, "help"]` or `A[T, Arg(...)]` into
+`--field-name` (or `Arg.cli_name`) plus `Arg.aliases`, skips `Arg(no_cli=True)`, and makes a bool
+field a `store_true` switch; then a few flags are added by hand with `parser.add_argument`.
+The routes are the `@app.get/post/api_route` decorators of `sglang/srt/entrypoints/http_server.py`.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from megarl.rollout.launch import MultiNode, sglang_server_command
+
+SGLANG_VERSION = "0.5.23"
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / "outputs" / ".cache" / f"sglang-{SGLANG_VERSION}-wheel"
+SWITCH, VALUE, UNKNOWN = "switch", "value", "unknown"
+
+
+def sglang_wheel() -> Path:
+    """The sglang wheel, downloaded once into CACHE (fails the test if PyPI cannot be reached)."""
+    found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    if not found:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps", "--only-binary=:all:",
+             "-d", str(CACHE)],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert done.returncode == 0, f"pip download sglang=={SGLANG_VERSION} failed:\n{done.stdout}\n{done.stderr}"
+        found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    assert found, f"no sglang {SGLANG_VERSION} wheel in {CACHE}"
+    return found[0]
+
+
+# ----------------------------------------------------------------------------- flags
+def _constant(node):
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def _field_flags(tree: ast.Module) -> dict[str, str]:
+    """Flags generated from annotated struct fields, as arg_utils.add_cli_args_from_dataclass does."""
+    flags = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for stmt in cls.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            ann = stmt.annotation
+            if not (isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name)
+                    and ann.value.id in ("A", "Annotated") and isinstance(ann.slice, ast.Tuple)):
+                continue
+            inner, *metadata = ann.slice.elts
+            arg = None  # the first Arg(...) or bare help string, as _unwrap_annotated takes it
+            for m in metadata:
+                if isinstance(_constant(m), str):
+                    arg = {}
+                    break
+                if isinstance(m, ast.Call) and isinstance(m.func, ast.Name) and m.func.id == "Arg":
+                    arg = {k.arg: k.value for k in m.keywords}
+                    break
+            if arg is None or _constant(arg.get("no_cli")) is True:
+                continue
+            names = [_constant(arg["cli_name"]) if "cli_name" in arg else "--" + stmt.target.id.replace("_", "-")]
+            if isinstance(arg.get("aliases"), ast.List):
+                names += [_constant(e) for e in arg["aliases"].elts]
+            if "action" in arg:
+                kind = UNKNOWN
+            else:
+                text = ast.unparse(inner).replace(" ", "")
+                kind = SWITCH if text in ("bool", "Optional[bool]", "bool|None") else VALUE
+            flags.update(dict.fromkeys(names, kind))
+    return flags
+
+
+def _hand_added_flags(tree: ast.Module) -> dict[str, str]:
+    """Flags added with parser.add_argument("--...", ...)."""
+    flags = {}
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        if not (isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument"):
+            continue
+        names = [_constant(a) for a in call.args if isinstance(_constant(a), str) and _constant(a).startswith("--")]
+        action = next((k.value for k in call.keywords if k.arg == "action"), None)
+        kind = VALUE if action is None else SWITCH if _constant(action) in ("store_true", "store_false") else UNKNOWN
+        flags.update(dict.fromkeys(names, kind))
+    return flags
+
+
+def sglang_flags(wheel: Path) -> dict[str, str]:
+    """{flag: switch | value | unknown} of `python -m sglang.launch_server`."""
+    flags = {}
+    with zipfile.ZipFile(wheel) as z:
+        sources = [n for n in z.namelist() if re.fullmatch(r"sglang/srt/arg_groups/fields/[^/]+\.py", n)]
+        assert len(sources) >= 10, f"the wheel's layout changed: {sources}"
+        for name in sources:
+            flags.update(_field_flags(ast.parse(z.read(name))))
+        server_args = ast.parse(z.read("sglang/srt/server_args.py"))
+        flags.update(_field_flags(server_args))
+        flags.update(_hand_added_flags(server_args))
+    return flags
+
+
+def flag_problems(command: list[str], flags: dict[str, str]) -> list[str]:
+    """What in a `-m sglang.launch_server` command SGLang's parser would not take as megarl means it."""
+    args = command[command.index("sglang.launch_server") + 1:]
+    problems = []
+    for i, token in enumerate(args):
+        if not token.startswith("--"):
+            if i == 0 or not args[i - 1].startswith("--") or flags.get(args[i - 1]) == SWITCH:
+                problems.append(f"{token!r} is not a flag's value")
+            continue
+        kind = flags.get(token)
+        if kind is None:
+            problems.append(f"{token} is not a flag of sglang {SGLANG_VERSION}")
+            continue
+        has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if kind == SWITCH and has_value:
+            problems.append(f"{token} is a switch but is given {args[i + 1]!r}")
+        if kind == VALUE and not has_value:
+            problems.append(f"{token} needs a value")
+    return problems
+
+
+def every_command() -> dict[str, list[str]]:
+    """sglang_server_command on each of its code paths (and all together)."""
+    full = dict(host="10.0.0.1", tp_size=16, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
+                api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
+                multi_node=MultiNode(2, 1, "10.0.0.1:29500"))
+    commands = {"defaults": sglang_server_command("/m", 30000)}
+    for key, value in full.items():
+        commands[key] = sglang_server_command("/m", 30000, **{key: value})
+    commands["all"] = sglang_server_command("/m", 30000, **full)
+    return commands
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    return sglang_wheel()
+
+
+@pytest.fixture(scope="module")
+def flags(wheel):
+    return sglang_flags(wheel)
+
+
+def test_the_oracle_reads_sglangs_own_definitions(flags):
+    """Known facts of 0.5.23 (reference/gpu-cluster-path.md §4): fields, an alias, hand-added
+    flags, switches and valued flags; and no-CLI fields stay out."""
+    assert len(flags) > 300
+    for flag in ("--model-path", "--tp-size", "--tensor-parallel-size", "--nnodes", "--node-rank",
+                 "--dist-init-addr", "--nccl-init-addr", "--sampling-backend", "--reasoning-parser"):
+        assert flags[flag] == VALUE, flag
+    for flag in ("--enable-memory-saver", "--enable-deterministic-inference", "--skip-server-warmup",
+                 "--enable-weights-cpu-backup"):
+        assert flags[flag] == SWITCH, flag
+    assert "--radix-eviction-policy-explicitly-set" not in flags  # Arg(no_cli=True)
+
+
+@pytest.mark.parametrize("path", list(every_command()))
+def test_every_flag_megarl_passes_is_one_of_sglangs(flags, path):
+    command = every_command()[path]
+    assert flag_problems(command, flags) == [], command
+
+
+def test_a_misspelt_or_misused_flag_is_caught(flags):
+    """Negative controls: the check fails on a flag SGLang does not define, a value given to a
+    switch, and a valued flag without its value."""
+    good = sglang_server_command("/m", 30000)
+    assert flag_problems(good + ["--enable-deterministic-inferense"], flags) == [
+        f"--enable-deterministic-inferense is not a flag of sglang {SGLANG_VERSION}"]
+    assert flag_problems(good + ["--enable-memory-saver", "1"], flags) == [
+        "--enable-memory-saver is a switch but is given '1'", "'1' is not a flag's value"]
+    assert flag_problems(good + ["--nnodes"], flags) == ["--nnodes needs a value"]
+
+
+# ----------------------------------------------------------------------------- endpoints
+_ROUTE_METHODS = {"get": {"GET"}, "post": {"POST"}, "put": {"PUT"}, "delete": {"DELETE"}}
+
+
+def sglang_routes(wheel: Path) -> dict[str, set[str]]:
+    """{path: HTTP methods} of the decorated routes of `sglang/srt/entrypoints/http_server.py`."""
+    with zipfile.ZipFile(wheel) as z:
+        tree = ast.parse(z.read("sglang/srt/entrypoints/http_server.py"))
+    routes: dict[str, set[str]] = {}
+    for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for deco in func.decorator_list:
+            if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute)
+                    and isinstance(deco.func.value, ast.Name) and deco.func.value.id == "app"):
+                continue
+            path = _constant(deco.args[0]) if deco.args else None
+            if not isinstance(path, str):
+                continue  # a route named by an environment variable
+            if deco.func.attr == "api_route":
+                methods = next((k.value for k in deco.keywords if k.arg == "methods"), None)
+                found = {_constant(e) for e in methods.elts} if isinstance(methods, ast.List) else {"GET"}
+            else:
+                found = _ROUTE_METHODS.get(deco.func.attr, set())
+            routes.setdefault(path, set()).update(found)
+    return routes
+
+
+CLIENT_SOURCES = ["src/megarl/rollout/control.py", "src/megarl/rollout/client.py", "src/megarl/sync/servers.py"]
+
+
+def client_calls() -> list[tuple[str, str, str]]:
+    """(file, method or "", path) of every server path megarl's client code names: `_call(METHOD,
+    "/path", ...)` calls, `requests.get(url + "/path")`, `url + "/path"` and path defaults."""
+    calls = []
+    for source in CLIENT_SOURCES:
+        tree = ast.parse((REPO / source).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_call":
+                method, path = (_constant(a) for a in node.args[:2])
+                calls.append((source, method, path))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("get", "post") and node.args and isinstance(node.args[0], ast.BinOp):
+                path = _constant(node.args[0].right)
+                if isinstance(path, str):
+                    calls.append((source, node.func.attr.upper(), path))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(r"/[a-z_]+", node.value):
+                calls.append((source, "", node.value))
+    return calls
+
+
+def test_every_endpoint_megarl_calls_is_a_route_of_sglang(wheel):
+    routes = sglang_routes(wheel)
+    assert {"/generate", "/update_weights_from_distributed", "/begin_weight_update"} <= set(routes)
+    calls = client_calls()
+    assert {p for _, _, p in calls} >= {"/generate", "/health", "/update_weights_from_tensor", "/flush_cache",
+                                        "/init_weights_update_group", "/release_memory_occupation"}
+    problems = [f"{source}: {method or 'any'} {path}" for source, method, path in calls
+                if path not in routes or (method and method not in routes[path])]
+    assert problems == [], f"not routes of sglang {SGLANG_VERSION}'s http_server.py: {problems}"
