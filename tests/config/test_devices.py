@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from megarl.config import ConfigError, load_and_validate, load_config
-from megarl.config.devices import Devices, decide_devices, devices_from_config, local_cuda_index
+from megarl.config.devices import Devices, decide_devices, devices_from_config, visible_gpu_index
 from megarl.placement import plan_from_config
 
 KEY = "actor_rollout_ref.rollout.weight_sync_transport"
@@ -152,20 +152,28 @@ def test_config_time_rule_refuses_tensor_where_neither_device_can_run_it():
 
 
 # ------------------------------------------------------------------------------------- local GPU
-@pytest.mark.parametrize("gpu_ids,visible,index", [
+@pytest.mark.parametrize("ray_ids, visible, index", [
     ([3], "3", 0),  # Ray narrowed CUDA_VISIBLE_DEVICES to the actor's GPU: CUDA calls it 0
     (["5"], "4,5,6,7", 1),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 under a raylet seeing 4-7
-    ([2], None, 2),  # nothing narrowed: Ray's ids are physical indices
+    (["0"], None, 0),  # the raylet had no CUDA_VISIBLE_DEVICES: ids are physical indexes
+    (["5"], "", 5),  # empty string: treated as unset
+    ([2], None, 2),  # ints too
+    (["6"], "4, 5, 6, 7", 2),
+    (["1", "2"], "2,1", 1),  # the first id of the actor's counts, wherever it is in the list
+    (["GPU-bbbb"], "GPU-aaaa,GPU-bbbb", 1),  # UUIDs
 ])
-def test_local_cuda_index_is_the_position_of_rays_gpu_among_the_visible_devices(gpu_ids, visible, index):
-    assert local_cuda_index(gpu_ids, visible) == index
+def test_visible_gpu_index_is_the_position_of_rays_gpu_among_the_visible_devices(ray_ids, visible, index):
+    assert visible_gpu_index(ray_ids, visible) == index
 
 
-def test_local_cuda_index_refuses_a_rank_without_its_gpu():
-    with pytest.raises(RuntimeError, match="no GPU from Ray"):
-        local_cuda_index([], "0")
-    with pytest.raises(RuntimeError, match="GPU 2 is not in this process's CUDA_VISIBLE_DEVICES='0,1'"):
-        local_cuda_index([2], "0,1")
+@pytest.mark.parametrize("ray_ids, visible, says", [
+    ([], "0,1", "holds no GPU from Ray"),
+    ([2], "0,1", "Ray GPU id '2' is not in this process's CUDA_VISIBLE_DEVICES='0,1'"),
+    (["GPU-aaaa"], None, "not an index"),
+])
+def test_visible_gpu_index_refuses_what_it_cannot_map(ray_ids, visible, says):
+    with pytest.raises(ValueError, match=says):
+        visible_gpu_index(ray_ids, visible)
 
 
 # ------------------------------------------------------------------------------------- at run start

@@ -5,7 +5,6 @@ from megarl.rollout.cpu_server import parse_args
 from megarl.rollout.launch import (
     MultiNode,
     apply_env_overrides,
-    base_gpu_index,
     cpu_server_command,
     router_command,
     sglang_env_overrides,
@@ -62,31 +61,6 @@ def test_a_multi_node_server_runs_the_same_command_on_every_node_but_its_rank():
 def test_deterministic_inference_is_a_switch_that_is_off_by_default():
     assert "--enable-deterministic-inference" in sglang_server_command("/m", 1, deterministic=True)
     assert "--enable-deterministic-inference" not in sglang_server_command("/m", 1)
-
-
-@pytest.mark.parametrize("ray_ids, visible, index", [
-    (["0"], None, 0),  # the raylet had no CUDA_VISIBLE_DEVICES: ids are physical indexes
-    (["5"], "", 5),  # empty string: treated as unset
-    (["3"], None, 3),
-    ([2], None, 2),  # ints too
-    (["6"], "4,5,6,7", 2),  # a Slurm-style list: the id's position
-    (["6"], "4, 5, 6, 7", 2),
-    (["0"], "0,1,2,3", 0),
-    (["1", "2"], "2,1", 1),  # the first id of the actor's counts, wherever it is in the list
-    (["GPU-bbbb"], "GPU-aaaa,GPU-bbbb", 1),  # UUIDs
-])
-def test_base_gpu_index_is_the_position_of_the_ray_gpu_id_among_the_visible_devices(ray_ids, visible, index):
-    assert base_gpu_index(ray_ids, visible) == index
-
-
-@pytest.mark.parametrize("ray_ids, visible, says", [
-    ([], "0,1", "holds no GPU"),
-    (["3"], "0,1", "not in this process's CUDA_VISIBLE_DEVICES"),
-    (["GPU-aaaa"], None, "not an index"),
-])
-def test_base_gpu_index_refuses_what_it_cannot_map(ray_ids, visible, says):
-    with pytest.raises(ValueError, match=says):
-        base_gpu_index(ray_ids, visible)
 
 
 def test_cpu_server_command_parses_back():

@@ -108,17 +108,25 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
                           r.weight_sync_transport)
 
 
-def local_cuda_index(gpu_ids: Sequence, cuda_visible_devices: Optional[str]) -> int:
-    """The torch CUDA index of this process's first Ray GPU. Ray's GPU ids are values of the
-    raylet's CUDA_VISIBLE_DEVICES (physical indices when it is unset); CUDA numbers the devices this
-    process sees from 0, in the order of its CUDA_VISIBLE_DEVICES (Ray narrows it to the actor's GPUs
-    unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1)."""
-    if not gpu_ids:
-        raise RuntimeError("this worker has no GPU from Ray (ray.get_gpu_ids() is empty): it cannot join an NCCL group")
-    first = str(gpu_ids[0])
-    if cuda_visible_devices is None:
+def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:
+    """The CUDA index, in this process, of its Ray actor's first GPU: torch's `cuda:<index>` and
+    SGLang's `--base-gpu-id` (0.5.23 `arg_groups/fields/device.py`: the first GPU to allocate from)
+    both count the GPUs this process sees, in the order of its CUDA_VISIBLE_DEVICES.
+
+    Ray's GPU ids are *values* of the raylet's CUDA_VISIBLE_DEVICES (physical indexes when it has
+    none). Ray narrows an actor's CUDA_VISIBLE_DEVICES to its own GPUs, unless
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the rollout actors) keeps the raylet's list:
+    - CUDA_VISIBLE_DEVICES unset or empty: every GPU is visible in physical order, the id is the index;
+    - a list (indexes or GPU-/MIG- UUIDs): the position of the id in it."""
+    if not ray_gpu_ids:
+        raise ValueError("this process holds no GPU from Ray (ray.get_gpu_ids() is empty); was its actor given "
+                         "num_gpus?")
+    first = str(ray_gpu_ids[0]).strip()
+    if cuda_visible_devices is None or not cuda_visible_devices.strip():
+        if not first.isdigit():
+            raise ValueError(f"Ray GPU id {first!r} is not an index and CUDA_VISIBLE_DEVICES is unset")
         return int(first)
-    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    visible = [d.strip() for d in cuda_visible_devices.split(",")]
     if first not in visible:
-        raise RuntimeError(f"Ray's GPU {first} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
+        raise ValueError(f"Ray GPU id {first!r} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
     return visible.index(first)

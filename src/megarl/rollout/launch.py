@@ -76,7 +76,7 @@ def sglang_server_command(
 ) -> list[str]:
     """`enable_memory_saver` when colocated with training (release/resume memory between phases);
     `base_gpu_id` is the first of this node's GPUs the server takes, an index into the server
-    process's CUDA_VISIBLE_DEVICES (`base_gpu_index`); `tp_size` is the server's whole TP size, over
+    process's CUDA_VISIBLE_DEVICES (`megarl.config.devices.visible_gpu_index`); `tp_size` is the server's whole TP size, over
     all its nodes with `multi_node`. `deterministic`: SGLang's `--enable-deterministic-inference`,
     the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). Every flag here is one of SGLang 0.5.23's own
@@ -100,31 +100,6 @@ def sglang_server_command(
     if random_seed is not None:
         cmd += ["--random-seed", str(random_seed)]
     return cmd + list(extra_args)
-
-
-def base_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:
-    """SGLang's `--base-gpu-id` for a server process whose Ray actor holds `ray_gpu_ids`.
-
-    `--base-gpu-id` indexes the GPUs the server process sees, i.e. its CUDA_VISIBLE_DEVICES
-    (SGLang 0.5.23 `fields/device.py`: "the base GPU ID to start allocating GPUs from", then every
-    `gpu_id_step`, default 1). Ray's GPU ids are *values* of
-    the raylet's CUDA_VISIBLE_DEVICES (physical indexes when it has none). The rollout actor runs
-    with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, so its process keeps the raylet's list:
-    - no CUDA_VISIBLE_DEVICES (unset or empty string treated as unset): every GPU is visible in
-      physical order, the id is the index;
-    - a list (indexes or GPU-/MIG- UUIDs): the position of the id in it.
-    The server starts at the actor's first GPU id."""
-    if not ray_gpu_ids:
-        raise ValueError("the rollout actor holds no GPU (ray.get_gpu_ids() is empty); was it given num_gpus?")
-    first = str(ray_gpu_ids[0]).strip()
-    if cuda_visible_devices is None or not cuda_visible_devices.strip():
-        if not first.isdigit():
-            raise ValueError(f"Ray GPU id {first!r} is not an index and CUDA_VISIBLE_DEVICES is unset")
-        return int(first)
-    visible = [d.strip() for d in cuda_visible_devices.split(",")]
-    if first not in visible:
-        raise ValueError(f"Ray GPU id {first!r} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
-    return visible.index(first)
 
 
 def sglang_env_overrides(enable_memory_saver: bool, colocated: bool = False) -> dict[str, Optional[str]]:

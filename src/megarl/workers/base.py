@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from megarl.config.devices import local_cuda_index
+from megarl.config.devices import visible_gpu_index
 from megarl.net import free_port
 
 
@@ -44,7 +44,7 @@ class RankedWorker:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"{self.role} rank {self.rank}: backend {backend!r} needs CUDA, and this process "
                                    f"sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-            torch.cuda.set_device(local_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+            torch.cuda.set_device(visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -14,11 +14,11 @@ from typing import Optional
 
 import ray
 
+from megarl.config.devices import visible_gpu_index
 from megarl.net import free_port
 from megarl.rollout.launch import (
     MultiNode,
     apply_env_overrides,
-    base_gpu_index,
     cpu_server_command,
     sglang_env_overrides,
     sglang_server_command,
@@ -64,7 +64,7 @@ class RolloutWorker(RankedWorker):
         else:
             # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
             # raylet's GPUs, and --base-gpu-id indexes them
-            base_gpu = base_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
             command = sglang_server_command(
                 model_path, port, host=host, tp_size=r.tensor_model_parallel_size, base_gpu_id=base_gpu,
                 mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
