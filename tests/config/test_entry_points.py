@@ -52,10 +52,10 @@ def test_config_show_prints_nested_resolved_yaml(tmp_path):
 
 def test_config_show_with_file_and_overrides_after_options():
     r = run("-m", "megarl.cli", "config", "show", "trainer.nnodes=1", "--config", "configs/quickstart.yaml",
-            "trainer.total_training_steps=7")
+            "trainer.total_training_steps=17")
     assert r.returncode == 0, r.stderr
     tree = yaml.safe_load(r.stdout)
-    assert tree["trainer"]["total_training_steps"] == 7
+    assert tree["trainer"]["total_training_steps"] == 17  # more than the 10 warm-up steps
     assert tree["trainer"]["logger"] == ["console", "tensorboard"]  # from configs/base.yaml via defaults:
     assert tree["algorithm"]["adv_estimator"] == "grpo"
 

@@ -189,6 +189,21 @@ def test_reference_follows_the_actor_layout_unless_set():
     assert c.actor_rollout_ref.ref.megatron.pipeline_model_parallel_size == 2
 
 
+def test_a_warm_up_longer_than_the_run_is_refused_at_load_time():
+    """The quickstart's 10 warm-up steps in a 1-step smoke run: before, the run started and its
+    engine refused the schedule after the cluster was up."""
+    msg = fails("trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.lr_warmup_steps=10")
+    assert ("actor_rollout_ref.actor.optim.lr_warmup_steps=10: the warm-up must end before the last of the 1 "
+            "training steps") in msg
+    msg = fails("trainer.total_training_steps=10", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.0")
+    assert "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.0 (10 steps)" in msg
+    msg = fails("trainer.total_training_steps=20", "algorithm.adv_estimator=gae", "critic.optim.lr_warmup_steps=20")
+    assert "critic.optim.lr_warmup_steps=20" in msg and "actor_rollout_ref" not in msg
+    ok("trainer.total_training_steps=11", "actor_rollout_ref.actor.optim.lr_warmup_steps=10")
+    ok("trainer.total_training_steps=null", "actor_rollout_ref.actor.optim.lr_warmup_steps=10")  # constant LR: no end
+    ok("trainer.total_training_steps=20", "algorithm.adv_estimator=grpo", "critic.optim.lr_warmup_steps=20")  # no critic
+
+
 def test_the_lr_schedule_takes_the_trainers_step_count_or_asks_for_one():
     c = ok("trainer.total_training_steps=200", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
     assert c.actor_rollout_ref.actor.optim.total_training_steps == 200

@@ -19,6 +19,7 @@ from megarl.config.rules.choices import (
     reward_model_settings,
     rollout_engine_fits_device,
     token_budget_holds_a_sequence,
+    warmup_fits_schedule,
 )
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.devices import weight_sync_transport_fits_devices
@@ -58,6 +59,7 @@ RULES: list[Rule] = [
     importance_cap_range,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,
+    warmup_fits_schedule,
     dpo_ranges,
     fault_limits,
     agent_settings,

@@ -103,6 +103,32 @@ def lr_schedule_has_step_count(config: ExperimentConfig, sizes: DerivedSizes) ->
                    f"steps: set trainer.total_training_steps (or {section}.total_training_steps)")
 
 
+def warmup_fits_schedule(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The learning-rate warm-up ends before the schedule does (the engine refuses it when it builds
+    its scheduler, after the cluster is up: this says so at load time).
+
+    Reads: actor_rollout_ref.actor.optim, critic.optim, critic.enable
+    """
+    sections = [("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim)]
+    if config.critic.enable:
+        sections.append(("critic.optim", config.critic.optim))
+    for section, optim in sections:
+        total = optim.total_training_steps  # resolve() filled -1 from trainer.total_training_steps
+        if total <= 0:
+            continue
+        if optim.lr_warmup_steps >= 0:
+            warmup, source = optim.lr_warmup_steps, f"{section}.lr_warmup_steps={optim.lr_warmup_steps}"
+        elif optim.lr_warmup_steps_ratio > 0:
+            warmup = int(optim.lr_warmup_steps_ratio * total)
+            source = f"{section}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} ({warmup} steps)"
+        else:
+            continue
+        if warmup >= total:
+            yield (f"{source}: the warm-up must end before the last of the {total} training steps "
+                   f"(trainer.total_training_steps or {section}.total_training_steps); lower the warm-up or "
+                   "raise the step count")
+
+
 def reward_model_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Reward-model options need the reward model, and the reward model needs its path.
 
