@@ -52,6 +52,24 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact(variant, tp, tiny_models, tmp_path)
         assert (tmp_path / "hf" / name).read_bytes() == (hf_dir / name).read_bytes()
 
 
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_converted_checkpoints_are_as_readable_as_the_umask_allows(umask, file_mode, dir_mode, tiny_models, tmp_path):
+    """Both directions: every file and directory gets the mode a plain open/mkdir gives under the
+    umask (safetensors alone writes 0600 and mkdtemp 0700, unreadable to a cluster's teammates)."""
+    previous = os.umask(umask)
+    try:
+        convert_hf_to_torch_dist(tiny_models["llama"][0], tmp_path / "mcore", ParallelLayout(tp=2), DIVISIBLE_BY)
+        convert_torch_dist_to_hf(tmp_path / "mcore", tmp_path / "hf", max_shard_bytes=100_000)
+    finally:
+        os.umask(previous)
+    for out in (tmp_path / "mcore", tmp_path / "hf"):
+        paths = [out, *out.rglob("*")]
+        assert any(p.suffix == ".safetensors" for p in paths) or out.name == "mcore"
+        for path in paths:
+            expected = dir_mode if path.is_dir() else file_mode
+            assert path.stat().st_mode & 0o777 == expected, (path, oct(path.stat().st_mode & 0o777))
+
+
 def test_bf16_checkpoint_stays_bf16(tmp_path):
     from tiny_hf import write_checkpoint
 

@@ -60,6 +60,20 @@ def test_config_show_with_file_and_overrides_after_options():
     assert tree["algorithm"]["adv_estimator"] == "grpo"
 
 
+def test_plan_into_a_closed_pipe_stops_without_a_traceback():
+    """`megarl plan ... | head`: the reader is gone before the plan is printed (its end of the pipe
+    is closed before the command has even imported), and the command stops quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", *SEED], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+    assert r.returncode == 1
+
+
 def test_config_mistake_exits_2_with_one_message_and_no_traceback():
     r = run("-m", "megarl.cli", "config", "show", *SEED, "trainer.n_gpu_per_node=8")
     assert r.returncode == 2

@@ -21,7 +21,12 @@ import torch
 from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
-from megarl.bridge.safetensors_io import HFCheckpointReader, ShardedSafetensorsWriter, read_safetensors_headers
+from megarl.bridge.safetensors_io import (
+    HFCheckpointReader,
+    ShardedSafetensorsWriter,
+    as_umask_allows,
+    read_safetensors_headers,
+)
 from megarl.bridge.sharding import ParallelLayout, check_layout, layer_index
 from megarl.bridge.torch_dist_io import (
     RELEASE_DIR,
@@ -104,6 +109,7 @@ def atomic_output_dir(out: str | Path) -> Iterator[Path]:
         raise ConversionError(f"{out}: already exists and is not an empty directory; remove it or choose another output")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    as_umask_allows(tmp)  # mkdtemp makes it 0700; the renamed output is shared like any directory
     try:
         yield tmp
         if out.exists():
@@ -120,7 +126,7 @@ def copy_hf_assets(src: Path, dst: Path, dtype: Optional[torch.dtype] = None, ar
     dst.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in _WEIGHT_FILES and not path.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(path, dst / path.name)
+            shutil.copyfile(path, dst / path.name)  # a new file: its mode from the umask, not the source
     if dtype is not None or architecture is not None:
         config = json.loads((dst / "config.json").read_text())
         if dtype is not None:

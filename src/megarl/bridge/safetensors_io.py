@@ -101,6 +101,34 @@ class HFCheckpointReader:
         self.close()
 
 
+def process_umask() -> int:
+    """This process's umask (read from /proc on Linux, without changing it; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: str | Path) -> None:
+    """Give `path` the mode a plain `open`/`mkdir` would have (0o666 / 0o777 less the umask):
+    safetensors writes files 0600 and `tempfile.mkdtemp` makes directories 0700, which a shared
+    cluster's teammates and services could not read."""
+    full = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, full & ~process_umask())
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """`safetensors.torch.save_file` with metadata {"format": "pt"} (what transformers expects),
+    the file readable as the umask allows."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    as_umask_allows(path)
+
+
 class ShardedSafetensorsWriter:
     """Writes tensors into `model-0000k-of-0000n.safetensors` files of at most `max_shard_bytes`
     each (a larger tensor gets a file of its own), then `model.safetensors.index.json`."""
@@ -128,7 +156,7 @@ class ShardedSafetensorsWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        save_file(self._bucket, str(self.dir / f".part-{len(self._files)}.safetensors"), metadata={"format": "pt"})
+        save_safetensors(self._bucket, self.dir / f".part-{len(self._files)}.safetensors")
         self._files.append(list(self._bucket))
         self._bucket, self._bucket_bytes = {}, 0
 

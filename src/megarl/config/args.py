@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 
 from megarl.config.errors import ConfigError
@@ -26,8 +27,8 @@ QUIET_LOGGERS = ("httpx", "httpcore", "openai")
 
 
 def entry_point(fn):
-    """Wrap a command's main(): plain log lines, and a ConfigError printed as one readable
-    message with exit status 2 (no stack trace)."""
+    """Wrap a command's main(): plain log lines, a ConfigError printed as one readable message
+    with exit status 2 (no stack trace), and a closed stdout pipe ending it quietly (status 1)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -40,5 +41,10 @@ def entry_point(fn):
         except ConfigError as exc:
             print(f"megarl: {exc}", file=sys.stderr)
             raise SystemExit(CONFIG_ERROR_EXIT) from None
+        except BrokenPipeError:  # `megarl plan | head`: the reader left; stop quietly
+            # Python's documented recipe (library/signal.html, "Note on SIGPIPE"): point stdout at
+            # devnull so that the interpreter's final flush does not raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
 
     return wrapper

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap
 from megarl.bridge.convert import copy_hf_assets
+from megarl.bridge.safetensors_io import save_safetensors
 from megarl.sync.groups import ParallelGroups
 from megarl.sync.resharder import Resharder
 
@@ -25,8 +26,6 @@ INDEX_FILE = "model.safetensors.index.json"
 def export_hf(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, out_dir: str | Path,
               hf_assets_dir: str | Path, bucket_bytes: int = 512 * 2**20, dtype: Optional[torch.dtype] = None) -> Path:
     """All ranks: write `out_dir` (config, tokenizer, sharded safetensors + index). Returns it."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     groups = ParallelGroups.from_parallel_state()
@@ -40,7 +39,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, out_d
     for bucket in Resharder(model_chunks, weights, groups, bucket_bytes, dtype).buckets():
         file = f"model-pp{groups.pp_rank:03d}-{bucket.index:05d}.safetensors"
         tensors = {name: t.to("cpu", copy=True) for name, t in bucket.named_tensors()}
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / file)
         written.update({name: file for name in tensors})
         total += bucket.nbytes
     parts: list = [None] * dist.get_world_size()

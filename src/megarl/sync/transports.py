@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.convert import copy_hf_assets
-from megarl.bridge.safetensors_io import INDEX_FILE
+from megarl.bridge.safetensors_io import INDEX_FILE, save_safetensors
 from megarl.net import free_port
 from megarl.rollout.control import ServerError
 from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
@@ -233,11 +233,9 @@ class DiskTransport:
         self.weight_map, self.bytes = {}, 0
 
     def send(self, bucket: HFBucket) -> None:
-        from safetensors.torch import save_file
-
         file = f"pp{self.stage:03d}-{bucket.index:05d}.safetensors"
         tensors = {name: t.to("cpu", copy=True) for name, t in bucket.named_tensors()}  # own storage each
-        save_file(tensors, str(self.push_dir / file), metadata={"format": "pt"})
+        save_safetensors(tensors, self.push_dir / file)
         self.weight_map.update({name: file for name in tensors})
         self.bytes += bucket.nbytes
 
