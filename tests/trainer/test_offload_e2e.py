@@ -4,7 +4,8 @@ and optimizer state and the reference model's parameters offloaded while generat
 same run with offload off.
 
 Checked: the servers start and release their memory before any engine initialises; every step
-calls generate, release, onload, compute, update, push, offload, resume in that order; the run is
+calls generate, release, onload, compute, update, push, offload, resume in that order (and a
+checkpoint release, onload, save, push, offload, resume); the run is
 bit-identical to the run without offload (metrics and weights); the bytes a step reports equal the
 sizes of the storages each key names, counted on the engines' own tensors; `megarl plan`'s
 estimate offloads exactly the roles the trainer offloads.
@@ -136,6 +137,10 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> di
             trainer.step += 1
             steps.append((list(Recorder.events), metrics))
         result["steps"] = steps
+        Recorder.events.clear()
+        saved = trainer.save_checkpoint()
+        result["save"] = (list(Recorder.events), (saved / "actor").is_dir(),
+                          [ServerControl(url).weight_version() for url in cluster.rollout.urls])
         cluster.before_training()  # the engines back on their devices, to be read
         result["actor_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.actor.workers.actors])
         result["ref_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.ref.workers.actors])
@@ -174,6 +179,16 @@ def test_every_step_offloads_around_generation_in_order(runs):
     without = [e for e in expected if e[0] not in ("onload", "offload")]
     for events, _ in off["steps"]:
         assert events == without
+
+
+def test_a_checkpoint_onloads_the_roles_and_gives_the_servers_their_weights_back(runs):
+    on, off = runs
+    events, written, versions = on["save"]
+    assert events == [("release",), ("onload", "actor"), ("onload", "ref"), ("push", "actor"), ("offload", "actor"),
+                      ("offload", "ref"), ("resume_kv",)]
+    assert written and versions == [str(STEPS)] * 2  # pushed again at the same version
+    events, written, versions = off["save"]
+    assert events == [] and written and versions == [str(STEPS)] * 2
 
 
 def test_offload_on_is_bit_identical_to_offload_off(runs):

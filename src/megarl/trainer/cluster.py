@@ -75,7 +75,7 @@ class Cluster:
                 self._start_rollout(roles["rollout"])
             self._make_sync(self.rollout.urls)
             if self.colocated:  # the released servers get their weights back, the engines make room for generation
-                self.sync_weights(version=self.weight_version)
+                self._push(version=self.weight_version)
                 self.offload_metrics()  # start-up moves are not a step's
         except BaseException:
             self.shutdown()
@@ -157,9 +157,9 @@ class Cluster:
         self._offload_totals = dict.fromkeys(self._offload_totals, 0.0)
         return out
 
-    def sync_weights(self, version: int | None = None) -> dict:
-        """Push the actor's weights into every rollout server as the next version (or as
-        `version`), then (colocated) `before_generation`. A server found
+    def sync_weights(self) -> dict:
+        """Push the actor's weights into every rollout server as the next version, then
+        (colocated) `before_generation`. A server found
         dead, before the push or after a failed one, is restarted (within `max_server_restarts`)
         and the push sent again, so every server ends at the new version; a push that fails while
         every server is alive raises its own error at once. Returns the push metrics (the same on
@@ -168,8 +168,14 @@ class Cluster:
         Restarted servers get only a new weight sync here (`_make_sync`), not the re-push at the
         current version of `_resync_restarted_rollout`: the push that follows sends every server
         the whole model, and the actor's weights are no longer those of the current version."""
+        return {**self._push(), **self.rollout.fault_metrics()}
+
+    def _push(self, version: int | None = None) -> dict:
+        """`sync_weights` without the fault counts; `version`: the servers' new version (default
+        the next one; the current one re-gives the servers the weights they had)."""
         self.rollout.recover(on_restart=self._make_sync)
         self.onload(["actor"])  # the push reads the actor's parameters
+        target = self.weight_version + 1 if version is None else version
         while True:
             try:
                 metrics = self.actor.workers.call("push_weights", version, timeout_s=3600)[0]
@@ -179,11 +185,11 @@ class Cluster:
                     raise  # every server is alive: a real failure, which a retry would repeat
                 first_rank = str(failed).splitlines()[:2][-1].strip()  # the first rank's line, without traceback
                 log.warning("the weight push to version %d failed as rollout servers died; they were restarted, "
-                            "pushing again. The failure: %s", self.weight_version + 1, first_rank)
+                            "pushing again. The failure: %s", target, first_rank)
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
         self.before_generation()
-        return {**metrics, **self.rollout.fault_metrics()}
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
@@ -200,7 +206,7 @@ class Cluster:
         saved = checkpoint.commit(tmp, step, self.config, controller_state,
                                   keep=self.config.trainer.max_actor_ckpt_to_keep)
         if offloaded:
-            self.sync_weights(version=self.weight_version)
+            self._push(version=self.weight_version)
         return saved
 
     def load_checkpoint(self, directory: Path) -> dict:
