@@ -70,6 +70,84 @@ def test_offload_frees_storages_and_onload_restores_every_view():
     assert grads.tolist() == [0.0] * 4  # gradients come back zeroed
 
 
+class _Buffer:
+    def __init__(self, param_data, grad_data):
+        self.param_data, self.grad_data = param_data, grad_data
+
+
+class _DDPChunk:
+    def __init__(self, *buffers):
+        self.buffers, self.expert_parallel_buffers = list(buffers), []
+
+
+class _MegatronOptimizer:  # megatron's optimizer wraps the torch one as `.optimizer`
+    def __init__(self, torch_optimizer):
+        self.optimizer = torch_optimizer
+
+
+def _offloader(shared_grad: bool = False):
+    """An fp32 engine as megatron's distributed optimizer lays it out: parameters are views of one
+    DDP parameter buffer, the optimizer steps views of it too (fp32: no master copy), Adam's
+    moments are its own. With `shared_grad`, the gradient buffer is the parameter buffer (MXFP8)."""
+    param_data = torch.arange(1.0, 13.0)
+    grad_data = param_data if shared_grad else torch.ones(16)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(param_data[:8].view(2, 4))
+    model.b = torch.nn.Parameter(param_data[8:])
+    model.a.data, model.b.data = param_data[:8].view(2, 4), param_data[8:]  # views of the buffer, as DDP makes them
+    shard = torch.nn.Parameter(param_data[4:])
+    shard.data = param_data[4:]
+    adam = torch.optim.Adam([shard], lr=0.1)
+    shard.grad = torch.ones(8)
+    adam.step()
+    ddp = _DDPChunk(_Buffer(param_data, grad_data))
+    return offload.Offloader("actor", [model], [ddp], _MegatronOptimizer(adam), torch.device("cpu")), model, adam
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def test_offload_moves_only_the_parts_asked_and_each_shared_storage_once():
+    offloader, model, adam = _offloader()
+    (state,) = adam.state.values()
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    state_bytes = sum(_nbytes(v) for v in state.values())  # exp_avg, exp_avg_sq and the step count
+    assert state_bytes == 2 * 32 + 4
+    before = [t.clone() for t in (model.a, model.b, exp_avg, exp_avg_sq)]
+    # gradients and optimizer only: the buffer the optimizer steps is the parameters', and stays
+    stats = offloader.offload(params=False, grads=True, optimizer=True)
+    assert (stats["params_bytes"], stats["grads_bytes"], stats["optimizer_bytes"]) == (0, 64, state_bytes)
+    assert stats["bytes"] == state_bytes and stats["freed_bytes"] == 64 + state_bytes
+    assert _nbytes(model.a) == 48 and _nbytes(exp_avg) == 0 and _nbytes(offloader.ddp_chunks[0].buffers[0].grad_data) == 0
+    with pytest.raises(RuntimeError, match="actor: the engine is offloaded"):
+        offloader.check_onloaded()
+    assert offloader.offload()["bytes"] == 0  # already offloaded: nothing more moves
+    assert offloader.onload()["bytes"] == state_bytes
+    assert all(torch.equal(a, b) for a, b in zip(before, (model.a, model.b, exp_avg, exp_avg_sq)))
+    assert offloader.ddp_chunks[0].buffers[0].grad_data.tolist() == [0.0] * 16
+    # parameters only: the one buffer behind both parameters and the optimizer's view moves once
+    stats = offloader.offload(params=True, grads=False, optimizer=False)
+    assert (stats["params_bytes"], stats["grads_bytes"], stats["optimizer_bytes"], stats["bytes"]) == (48, 0, 0, 48)
+    assert _nbytes(model.b) == 0 and _nbytes(exp_avg) == 32
+    offloader.onload()
+    assert all(torch.equal(a, b) for a, b in zip(before, (model.a, model.b, exp_avg, exp_avg_sq)))
+    assert offloader.offload(params=False, grads=False, optimizer=False)["freed_bytes"] == 0
+    offloader.check_onloaded()  # nothing asked, nothing offloaded
+
+
+def test_a_gradient_buffer_that_holds_parameters_is_copied_with_them_never_dropped():
+    offloader, model, _ = _offloader(shared_grad=True)
+    before = [model.a.clone(), model.b.clone()]
+    assert offloader.offload(params=False, grads=True, optimizer=False)["grads_bytes"] == 0
+    assert _nbytes(model.a) == 48
+    offloader.onload()
+    stats = offloader.offload(params=True, grads=True, optimizer=False)
+    assert (stats["params_bytes"], stats["grads_bytes"], stats["bytes"]) == (48, 0, 48)
+    offloader.onload()
+    assert torch.equal(model.a, before[0]) and torch.equal(model.b, before[1])
+
+
 def _scheduler(**optim):
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([{"params": [param], "wd_mult": 1.0}], lr=0.0)

@@ -13,7 +13,9 @@ A reference model holds parameters and logits only. A rollout server reserves
 `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
 Colocated, the peak is the larger of the training phase (all training states + the largest
 activations, + the rollout pool if it is not released) and the rollout phase (rollout pool +
-training states not offloaded).
+training states not offloaded). What is offloaded is `colocation.offload_plan`, the plan the
+trainer executes: nothing in split placement, parameters only for the reference model, nothing for
+the reward model.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from megarl.bridge import ModelArch
 from megarl.config import ExperimentConfig
 from megarl.config.schema import MegatronConfig
+from megarl.placement.colocation import OffloadParts, offload_plan
 from megarl.placement.planner import Plan
 
 GIB = 1024**3
@@ -71,19 +74,19 @@ class GpuEstimate:
 
 
 def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, seq: int, micro: int,
-                trains: bool) -> RoleMemory:
+                trains: bool, offload: OffloadParts) -> RoleMemory:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     params = stage_params(arch, pp) / tp
     weight_bytes = params * DTYPE_BYTES[dtype]
     logits = seq * micro * arch.vocab_size / tp * 4
     if not trains:
-        return RoleMemory(name, int(weight_bytes), int(weight_bytes) if m.param_offload else 0, int(logits))
+        return RoleMemory(name, int(weight_bytes), int(weight_bytes) if offload.params else 0, int(logits))
     grads = params * 4
     optimizer = params * (8 + (0 if dtype == "float32" else 4))
     if m.use_distributed_optimizer:
         optimizer /= dp
-    offloadable = (weight_bytes if m.param_offload else 0) + (grads if m.grad_offload else 0) + (
-        optimizer if m.optimizer_offload else 0)
+    offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
+        optimizer if offload.optimizer else 0)
     acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts))
 
@@ -94,18 +97,22 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     dtype = arr.model.dtype
     seq = config.data.max_prompt_length + config.data.max_response_length
     micro = arr.actor.ppo_micro_batch_size_per_gpu or 1
+    offloads = offload_plan(config, plan.roles)
     roles = []
     if "actor" in plan.roles:
-        roles.append(_train_role("actor", arch, arr.actor.megatron, plan.roles["actor"].dp, dtype, seq, micro, True))
+        roles.append(_train_role("actor", arch, arr.actor.megatron, plan.roles["actor"].dp, dtype, seq, micro, True,
+                                 offloads.get("actor", OffloadParts())))
     if "ref" in plan.roles:
         roles.append(_train_role("ref", arch, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
-                                 arr.ref.log_prob_micro_batch_size_per_gpu or 1, False))
+                                 arr.ref.log_prob_micro_batch_size_per_gpu or 1, False, offloads.get("ref", OffloadParts())))
     if "critic" in plan.roles:
         roles.append(_train_role("critic", arch, config.critic.megatron, plan.roles["critic"].dp, dtype, seq,
-                                 config.critic.ppo_micro_batch_size_per_gpu or 1, True))
+                                 config.critic.ppo_micro_batch_size_per_gpu or 1, True,
+                                 offloads.get("critic", OffloadParts())))
     if "reward_model" in plan.roles:
         roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
-                                 dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False))
+                                 dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False,
+                                 offloads.get("reward_model", OffloadParts())))
     gpu_memory = int(placement.gpu_memory_gib * GIB)
     states = sum(r.states for r in roles)
     train_phase = states + max((r.activations for r in roles), default=0)

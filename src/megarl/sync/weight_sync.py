@@ -22,7 +22,8 @@ unless `groups` is given; the world group is torch.distributed's default group, 
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
-   `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after).
+   `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after;
+   with `resume_kv_cache=False` the caller resumes it, after freeing what the push needed).
 4. The outcome and the metrics are broadcast to every rank: all return the same metrics, or all
    raise the same `WeightSyncError` naming the failed servers.
 
@@ -76,6 +77,8 @@ class SyncConfig:
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
     hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
     colocated: bool = False  # the servers share the actor's GPUs: resume their memory around the push
+    resume_kv_cache: bool = True  # colocated: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
+    #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # weight-update group collectives and each server call
 
     def __post_init__(self):
@@ -344,7 +347,7 @@ class WeightSync:
                                 "commit")
             outcome.errors = [error] if error else []
         outcome.errors += self._end_sessions()
-        if not outcome.errors and self.config.colocated:
+        if not outcome.errors and self.config.colocated and self.config.resume_kv_cache:
             try:
                 on_all(self.servers, lambda s: s.resume_memory_occupation(MEMORY_AFTER_PUSH))
             except ServerError as e:

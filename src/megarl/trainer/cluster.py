@@ -1,6 +1,12 @@
 """Everything the controller drives, brought up from a plan: the training roles' engine groups,
-the rollout fleet, and the weight sync between them. Also the colocation hooks (what to release
-and resume around training) and checkpoint save/load across roles.
+the rollout fleet, and the weight sync between them. Also the colocation hooks (what to release,
+offload, onload and resume around training; the plan is `placement.colocation.offload_plan`) and
+checkpoint save/load across roles.
+
+Colocated, the servers start first and release their memory (SGLang sizes its KV cache from the
+memory free when it starts), then the engines initialise, then a first push gives the servers
+their weights (version 0, the model the servers started from) and the planned roles offload
+before the servers resume their KV cache.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import ray  # noqa: E402
 from megarl import checkpoint  # noqa: E402
 from megarl.config import ExperimentConfig  # noqa: E402
 from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
+from megarl.placement.colocation import offload_plan  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
@@ -54,28 +61,41 @@ class Cluster:
         self.colocated = config.placement.mode == "colocate"
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
+        self.offload_plan = offload_plan(config, self.plan.roles)  # {role: OffloadParts}, colocated only
+        self.offloaded: set[str] = set()  # roles whose planned parts are off the device now
+        self._offload_totals = dict.fromkeys(("offload_s", "onload_s", "offload_bytes", "offload_freed_bytes"), 0.0)
         try:
             roles = self.plan.roles
+            if self.colocated:  # the servers size their memory before the engines take theirs
+                self._start_rollout(roles["rollout"])
+                self.rollout.release_memory()
             d = self.devices
             self.actor = EngineGroup(roles["actor"], self.pools, config, d)
             self.ref = EngineGroup(roles["ref"], self.pools, config, d) if "ref" in roles else None
             self.critic = EngineGroup(roles["critic"], self.pools, config, d) if "critic" in roles else None
             self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config, d)
                                  if "reward_model" in roles else None)
-            self.rollout = RolloutFleet(roles["rollout"], self.pools, config, colocated=self.colocated,
-                                        single_node=self.plan.cluster.nnodes == 1,
-                                        on_restart=self._resync_restarted_rollout)
+            if not self.colocated:
+                self._start_rollout(roles["rollout"])
             self._make_sync(self.rollout.urls)
+            if self.colocated:  # the released servers get their weights back, the engines make room for generation
+                self._push(version=self.weight_version)
+                self.offload_metrics()  # start-up moves are not a step's
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_rollout(self, role) -> None:
+        self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated,
+                                    single_node=self.plan.cluster.nnodes == 1,
+                                    on_restart=self._resync_restarted_rollout)
 
     def _make_sync(self, urls: list[str]) -> None:
         r, transport = self.config.actor_rollout_ref.rollout, self.devices.weight_sync_transport
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
-            colocated=self.colocated, hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            colocated=self.colocated, resume_kv_cache=False, hf_assets_dir=self.config.actor_rollout_ref.model.path,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
         self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)
@@ -84,20 +104,67 @@ class Cluster:
         """Rollout servers restarted (the fleet calls this while they are out of the router): a new
         weight sync over `urls` (the old weight-update groups held the dead process), and the
         actor's weights pushed again at the current version (the policy did not change), so the
-        restarted servers answer with the same weights and version as the others."""
+        restarted servers answer with the same weights and version as the others. (Colocated, a
+        restart before the engines exist needs nothing: the first push follows them.)"""
+        if self.actor is None:
+            return
         self._make_sync(urls)
-        if self.weight_version > 0:
+        if self.rollout.weight_version is not None:  # a push happened (colocated: at start, version 0)
+            self.onload(["actor"])  # the push reads the actor's parameters
             self.actor.workers.call("push_weights", self.weight_version, timeout_s=3600)
+            self.before_generation()
 
     # ------------------------------------------------------------------ phases
     def before_training(self) -> None:
-        """Colocated: free the rollout servers' memory for the training phase. The weight push
-        resumes it (weights before the push, KV cache after), so there is no `after_training`."""
+        """Colocated: free the rollout servers' memory for the training phase, then bring back
+        every offloaded role. The weight push resumes the servers' weights, and `before_generation`
+        (after the push) their KV cache, so there is no `after_training`."""
         if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
             self.rollout.release_memory()
+        self.onload(list(self.offload_plan))
+
+    def before_generation(self) -> None:
+        """Colocated, after a push: every role offloads what `offload_plan` says, then the servers
+        resume their KV cache (offloading first keeps the training states and the KV cache from
+        holding the GPUs at once)."""
+        if not self.colocated:
+            return
+        self.offload()
+        self.rollout.resume_kv_cache()
+
+    def offload(self) -> None:
+        """Move every planned role's parts off its devices (roles already offloaded are skipped)."""
+        for role, parts in self.offload_plan.items():
+            if role in self.offloaded:
+                continue
+            stats = getattr(self, role).call("offload", params=parts.params, grads=parts.grads,
+                                             optimizer=parts.optimizer)
+            self.offloaded.add(role)
+            self._offload_totals["offload_s"] += max(s["seconds"] for s in stats)
+            self._offload_totals["offload_bytes"] += sum(s["bytes"] for s in stats)
+            self._offload_totals["offload_freed_bytes"] += sum(s["freed_bytes"] for s in stats)
+
+    def onload(self, roles: list[str]) -> None:
+        """Bring `roles`' offloaded parts back to their devices (roles not offloaded are skipped)."""
+        for role in roles:
+            if role not in self.offloaded:
+                continue
+            stats = getattr(self, role).call("onload")
+            self.offloaded.discard(role)
+            self._offload_totals["onload_s"] += max(s["seconds"] for s in stats)
+
+    def offload_metrics(self) -> dict[str, float]:
+        """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,
+        the slowest rank of each role, roles one after the other), `perf/offload_bytes` (bytes
+        copied to host memory, all ranks and roles) and `perf/offload_freed_bytes` (device bytes
+        released, copied or dropped gradients). The counters restart."""
+        out = {f"perf/{k}": float(v) for k, v in self._offload_totals.items()}
+        self._offload_totals = dict.fromkeys(self._offload_totals, 0.0)
+        return out
 
     def sync_weights(self) -> dict:
-        """Push the actor's weights into every rollout server as the next version. A server found
+        """Push the actor's weights into every rollout server as the next version, then
+        (colocated) `before_generation`. A server found
         dead, before the push or after a failed one, is restarted (within `max_server_restarts`)
         and the push sent again, so every server ends at the new version; a push that fails while
         every server is alive raises its own error at once. Returns the push metrics (the same on
@@ -106,34 +173,51 @@ class Cluster:
         Restarted servers get only a new weight sync here (`_make_sync`), not the re-push at the
         current version of `_resync_restarted_rollout`: the push that follows sends every server
         the whole model, and the actor's weights are no longer those of the current version."""
+        return {**self._push(), **self.rollout.fault_metrics()}
+
+    def _push(self, version: int | None = None) -> dict:
+        """`sync_weights` without the fault counts; `version`: the servers' new version (default
+        the next one; the current one re-gives the servers the weights they had)."""
         self.rollout.recover(on_restart=self._make_sync)
+        self.onload(["actor"])  # the push reads the actor's parameters
+        target = self.weight_version + 1 if version is None else version
         while True:
             try:
-                metrics = self.actor.workers.call("push_weights", timeout_s=3600)[0]
+                metrics = self.actor.workers.call("push_weights", version, timeout_s=3600)[0]
                 break
             except WorkerGroupError as failed:
                 if self.rollout.recover(on_restart=self._make_sync) == 0:
                     raise  # every server is alive: a real failure, which a retry would repeat
                 first_rank = str(failed).splitlines()[:2][-1].strip()  # the first rank's line, without traceback
                 log.warning("the weight push to version %d failed as rollout servers died; they were restarted, "
-                            "pushing again. The failure: %s", self.weight_version + 1, first_rank)
+                            "pushing again. The failure: %s", target, first_rank)
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
-        return {**metrics, **self.rollout.fault_metrics()}
+        self.before_generation()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
-        """Every role's engine state plus the controller's, atomically (megarl.checkpoint)."""
+        """Every role's engine state plus the controller's, atomically (megarl.checkpoint).
+        Offloaded roles come back for it: the servers release their memory first, and a push at
+        the current version gives them their weights back afterwards."""
+        offloaded = bool(self.offloaded)
+        if offloaded:
+            self.before_training()
         tmp = checkpoint.begin(root, step)
         self.actor.call("save_checkpoint", str(tmp / "actor"))
         if self.critic is not None:
             self.critic.call("save_checkpoint", str(tmp / "critic"))
-        return checkpoint.commit(tmp, step, self.config, controller_state,
-                                 keep=self.config.trainer.max_actor_ckpt_to_keep)
+        saved = checkpoint.commit(tmp, step, self.config, controller_state,
+                                  keep=self.config.trainer.max_actor_ckpt_to_keep)
+        if offloaded:
+            self._push(version=self.weight_version)
+        return saved
 
     def load_checkpoint(self, directory: Path) -> dict:
         """Restore the engines from `directory`, push the weights to the servers; returns the
         controller state."""
+        self.before_training()  # offloaded roles come back (the servers release their memory first)
         self.actor.call("load_checkpoint", str(directory / "actor"))
         if self.critic is not None:
             self.critic.call("load_checkpoint", str(directory / "critic"))

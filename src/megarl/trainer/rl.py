@@ -7,7 +7,9 @@
 
 The controller owns no accelerator: it drives worker groups (Megatron engines) and the rollout
 fleet (servers behind the router) placed by the planner. Colocated and split placements run the
-same loop; colocation adds releasing the rollout servers' memory while training.
+same loop; colocation adds releasing the rollout servers' memory and onloading the training roles
+before training (`before_training`), and offloading them again after the push, before the servers
+resume their KV cache (inside `sync_weights`; see megarl.placement.colocation).
 """
 from __future__ import annotations
 
@@ -209,6 +211,7 @@ class RLTrainer:
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
         with timer("sync_weights"):
             metrics.update(cl.sync_weights())
+        metrics.update(cl.offload_metrics())
 
         metrics.update(experience.data_metrics(batch))
         metrics.update(timer.metrics())

@@ -34,6 +34,7 @@ from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
+from megarl.sync.weight_sync import MEMORY_AFTER_PUSH
 from megarl.workers.rollout_worker import RolloutWorker
 
 log = logging.getLogger("megarl.rollout")
@@ -200,6 +201,12 @@ class RolloutFleet:
         self.recover()
         for server in self.servers():
             server.release_memory_occupation()
+
+    def resume_kv_cache(self) -> None:
+        """Colocated, after a weight push and the training roles' offload: the servers take their
+        KV cache (and CUDA graphs) back; the push resumed their weights."""
+        for server in self.servers():
+            server.resume_memory_occupation(MEMORY_AFTER_PUSH)
 
     def shutdown(self) -> None:
         if self.router is not None:

@@ -142,6 +142,33 @@ def reward_model_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
         yield "reward_model.enable=true needs reward_model.model.path"
 
 
+OFFLOAD_KEYS = ("param_offload", "grad_offload", "optimizer_offload")
+
+
+def offload_only_where_it_happens(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Offload keys only where offload happens (megarl.placement.colocation): in colocated
+    placement, for the actor, reference and critic. Split pools give the rollout servers their
+    own GPUs; the reward model scores while the servers hold their memory.
+
+    Reads: placement.mode, actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron,
+    critic.megatron, reward_model.megatron
+    """
+    arr = config.actor_rollout_ref
+    sections = {"actor_rollout_ref.actor.megatron": arr.actor.megatron, "actor_rollout_ref.ref.megatron":
+                arr.ref.megatron, "critic.megatron": config.critic.megatron,
+                "reward_model.megatron": config.reward_model.megatron}
+    for prefix, m in sections.items():
+        keys = [f"{prefix}.{key}" for key in OFFLOAD_KEYS if getattr(m, key)]
+        if not keys:
+            continue
+        if config.placement.mode != "colocate":
+            yield (f"{', '.join(keys)}: offload happens only with placement.mode=colocate (split pools give the "
+                   "rollout servers their own GPUs, so nothing would be offloaded); set them to false")
+        elif prefix == "reward_model.megatron":
+            yield (f"{', '.join(keys)}: the reward model scores while the rollout servers hold their memory, so it "
+                   "is never offloaded; set them to false")
+
+
 def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """SGLang needs GPUs.
 

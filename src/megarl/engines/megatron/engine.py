@@ -235,10 +235,11 @@ class MegatronEngine:
         return metrics
 
     # ------------------------------------------------------------------ offload
-    def offload(self) -> dict:
-        """Move parameters and optimizer state to host memory and free the gradient buffers.
-        Returns {"bytes": copied to host, "freed_bytes": device bytes released, "seconds"}."""
-        return self.offloader.offload()
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        """Move the chosen parts off the device (parameters and optimizer state to host memory;
+        gradient buffers freed). Returns `Offloader.offload`'s {"bytes": copied to host,
+        "freed_bytes", "seconds", "params_bytes", "grads_bytes", "optimizer_bytes"}."""
+        return self.offloader.offload(params=params, grads=grads, optimizer=optimizer)
 
     def onload(self) -> dict:
         """Bring back what `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""

@@ -91,7 +91,15 @@ def onload(record: OffloadedStorages, device: torch.device) -> dict:
 class Offloader:
     """Offload and onload of one engine's parameters (model chunks and DDP parameter buffers),
     gradient buffers and optimizer state, on `device`. The optimizer state is looked up at each
-    `offload` (the optimizer creates it at its first step)."""
+    `offload` (the optimizer creates it at its first step).
+
+    Each storage belongs to exactly one part, the first of parameters, optimizer, gradients that
+    uses it (`storages()`), and moves only with that part. So a storage two parts share moves
+    once and stays consistent: the fp32 model's parameters are also the optimizer's (they move
+    with `params`); megatron's MXFP8 buffer is both a parameter and a gradient buffer (it moves,
+    copied, with `params`); and a storage of values is never dropped as a gradient."""
+
+    PARTS = ("params", "grads", "optimizer")
 
     def __init__(self, section: str, model_chunks: list, ddp_chunks: Optional[list], optimizer, device: torch.device):
         self.section = section
@@ -100,7 +108,8 @@ class Offloader:
         self._offloaded: Optional[OffloadedStorages] = None
 
     def storages(self) -> tuple[list, list, list]:
-        """(parameter, gradient, optimizer-state) storages on the device, each storage once."""
+        """(parameter, gradient, optimizer-state) storages on the device, each storage in one
+        list only: parameters first, then optimizer state, then gradient buffers."""
         params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         grads = []
         for chunk in self.ddp_chunks:
@@ -117,19 +126,28 @@ class Offloader:
                         state.extend(v for v in torch_opt.state.get(p, {}).values() if torch.is_tensor(v))
         param_storages = unique_storages(params, self.device)
         taken = {s.data_ptr() for s in param_storages}
-        grad_storages = [s for s in unique_storages(grads, self.device) if s.data_ptr() not in taken]
-        taken |= {s.data_ptr() for s in grad_storages}
         state_storages = [s for s in unique_storages(state, self.device) if s.data_ptr() not in taken]
+        taken |= {s.data_ptr() for s in state_storages}
+        grad_storages = [s for s in unique_storages(grads, self.device) if s.data_ptr() not in taken]
         return param_storages, grad_storages, state_storages
 
-    def offload(self) -> dict:
-        """Move parameters and optimizer state to host memory and free the gradient buffers.
-        Returns {"bytes": copied to host, "freed_bytes": device bytes released, "seconds"}."""
-        if self._offloaded is not None:
-            return {"bytes": 0, "freed_bytes": 0, "seconds": 0.0}
-        params, grads, state = self.storages()
-        self._offloaded, stats = offload(params + state, grads, self.device)
-        return stats
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        """Move the chosen parts off the device: parameters and optimizer state are copied to host
+        memory, gradient buffers freed (they come back zeroed). Returns {"bytes": copied to host,
+        "freed_bytes": device bytes released, "seconds", and "params_bytes", "grads_bytes",
+        "optimizer_bytes": device bytes released per part}. A no-op (zeros) while offloaded or
+        when no part is chosen. Any offloaded part makes the engine refuse to compute until `onload`."""
+        zero = {"bytes": 0, "freed_bytes": 0, "seconds": 0.0, **{f"{p}_bytes": 0 for p in self.PARTS}}
+        if self._offloaded is not None or not (params or grads or optimizer):
+            return zero
+        param_storages, grad_storages, state_storages = self.storages()
+        param_storages = param_storages if params else []
+        grad_storages = grad_storages if grads else []
+        state_storages = state_storages if optimizer else []
+        per_part = {f"{name}_bytes": sum(s.nbytes() for s in storages) for name, storages in
+                    (("params", param_storages), ("grads", grad_storages), ("optimizer", state_storages))}
+        self._offloaded, stats = offload(param_storages + state_storages, grad_storages, self.device)
+        return {**stats, **per_part}
 
     def onload(self) -> dict:
         """Bring back what `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""
