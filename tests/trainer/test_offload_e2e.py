@@ -52,9 +52,9 @@ class Recorder:
 
 
 class RecordingEngineGroup(EngineGroup):
-    def __init__(self, role, pools, config, **kwargs):
+    def __init__(self, role, pools, config, *args, **kwargs):
         Recorder.events.append(("init", role.name, Recorder.server_memory()))
-        super().__init__(role, pools, config, **kwargs)
+        super().__init__(role, pools, config, *args, **kwargs)
         call = self.workers.call
 
         def recording(method, *args, **kw):
