@@ -171,7 +171,7 @@ class WeightSync:
             backend = c.backend or ("nccl" if torch.cuda.is_available() else "gloo")
             return DistributedTransport(self.servers, stage, backend, c.master_address, c.timeout_s)
         if c.transport == "tensor":
-            return TensorTransport(self.servers)
+            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size())  # actor rank = plan order
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
 
     # ------------------------------------------------------------------ the push
