@@ -29,6 +29,7 @@ import base64
 import binascii
 import io
 import pickle
+import os
 import threading
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
@@ -39,12 +40,34 @@ import torch.multiprocessing as torch_mp
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 _STRATEGY_LOCK = threading.Lock()
+_FDS_CLOSED_ON_EXEC = False
+
+
+def _keep_fds_from_shm_manager() -> None:
+    """Mark this process's descriptors above stderr close-on-exec, once, before its first share.
+
+    The first file-name share starts torch's `torch_shm_manager` daemon by fork + exec; it inherits
+    every inheritable descriptor and lives while any process that opened a shared file (the
+    rollout servers) stays connected. A parent waiting for one of our descriptors to close (a
+    multiprocessing sentinel, a pipe) would otherwise wait for the servers to exit."""
+    global _FDS_CLOSED_ON_EXEC
+    if _FDS_CLOSED_ON_EXEC or not os.path.isdir("/proc/self/fd"):
+        return
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+    _FDS_CLOSED_ON_EXEC = True
 
 
 @contextmanager
 def file_system_sharing():
     """Share CPU storage by file name within the block (torch reads the strategy when it shares)."""
     with _STRATEGY_LOCK:
+        _keep_fds_from_shm_manager()
         previous = torch_mp.get_sharing_strategy()
         torch_mp.set_sharing_strategy("file_system")
         try:
@@ -104,6 +127,10 @@ def deserialize(payload: Any) -> Any:
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"a serialized_named_tensors entry is not valid base64: {e}") from None
     try:
+        if b"sglang.srt.utils.patch_torch" in raw:  # CUDA handles naming GPUs by UUID: SGLang's patched rebuild,
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # which needs its patch applied
+
+            monkey_patch_torch_reductions()
         return _RestrictedUnpickler(io.BytesIO(raw)).load()
     except Exception as e:  # unpickling runs torch's rebuild functions: any failure is the payload's
         raise ValueError(f"a serialized_named_tensors entry could not be unpickled: {type(e).__name__}: {e}") from None
