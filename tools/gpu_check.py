@@ -20,6 +20,13 @@ Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if an
      is exactly 0 when the old log-probs come from the same weights).
   4. offload / onload of parameters, gradients and optimizer state: bytes, seconds, GB/s, and
      log-probs after onload bit-identical to before.
+  5. colocated weight push through the tensor transport (TP 1): the tiny Qwen2 actor changed by
+     an update, megarl's engine server on the same machine, `WeightSync` with transport=tensor
+     inside a begin/end_weight_update session; the server's greedy log-probs equal the actor's
+     recomputed ones after the push (and differed before), and the push's bucket copies are
+     released after it (device memory allocated before == after, on CPU no shared-memory file
+     left). On GPU the payload is SGLang's flattened bucket of CUDA IPC handles, so SGLang must be
+     installed (`pip install -e '.[gpu]'`): without it this check fails, saying so.
 
 `--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
 script itself; its figures mean nothing (`--cpu --dtype bfloat16` checks the bf16 path).
@@ -289,6 +296,82 @@ def check_1b(model_dir: Path, args) -> dict:
     return result
 
 
+def check_tensor_push(workdir: Path, cpu: bool) -> dict:
+    """Check 5: the actor (this process) pushes into megarl's engine server (a child process,
+    stopped by PID) through /update_weights_from_tensor."""
+    from megarl.data.batch import Batch
+    from megarl.data.tiny_model import make_tiny_model
+    from megarl.engines.megatron.roles import ActorEngine
+    from megarl.net import free_port
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.control import ServerControl
+    from megarl.rollout.launch import cpu_server_command
+    from megarl.rollout.process import ServerProcess
+    from megarl.rollout.protocol import SamplingParams
+    from megarl.sync import SyncConfig, WeightSync
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = make_tiny_model("qwen2", workdir / "tiny-push", layers=2, hidden=128, heads=4, kv_heads=2, seed=5)
+    engine = ActorEngine(experiment_config(model_dir, "float32", 4, 2), sequence_layout="padded")
+    port = free_port("127.0.0.1")
+    server = ServerProcess("gpu-check-engine-server", cpu_server_command(str(model_dir), port, num_threads=2),
+                           f"http://127.0.0.1:{port}", log_path=str(workdir / "engine-server.log"),
+                           startup_timeout_s=180)
+    server.start()
+    try:
+        prompts = [[1, 10, 11, 12], [1, 20, 5, 30, 7], [1, 40, 41]]
+
+        def difference_to_actor() -> float:
+            out = RolloutClient(server.url, max_retries=0).generate(
+                prompts, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+            samples = [s[0] for s in out.samples]
+            batch = Batch.from_token_lists(prompts, [s.token_ids for s in samples])
+            ours = engine.compute_log_prob(batch, 1.0)["log_probs"]
+            theirs = torch.zeros_like(ours)
+            for i, s in enumerate(samples):
+                theirs[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+            return (ours - theirs)[batch["response_mask"].bool()].abs().max().item()
+
+        result = {"same_weights_max_abs": difference_to_actor()}
+        with torch.no_grad():  # an "update": seeded noise on every parameter
+            g = torch.Generator().manual_seed(0)
+            for chunk in engine.model_chunks:
+                for param in chunk.parameters():
+                    param.add_((torch.randn(param.shape, generator=g) * 0.05).to(param.device, param.dtype))
+        result["before_push_max_abs"] = difference_to_actor()
+        control = ServerControl(server.url)
+        control.release_memory_occupation()  # the colocated server's state during training
+        sync = WeightSync(engine.model_chunks, engine.weight_map, [server.url],
+                          SyncConfig(transport="tensor", bucket_bytes=64 * 1024, colocated=True, timeout_s=120))
+        shm_before = _shared_memory_files()
+        synchronize()
+        allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        during: set = set()  # the copies held while the stream runs (CPU: files in /dev/shm)
+        metrics = sync.push(progress=lambda stage, bucket: during.update(_shared_memory_files() - shm_before))
+        synchronize()
+        allocated_after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        result.update({k: metrics[k] for k in ("sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets")})
+        result["device_allocated_before_after"] = (allocated_before, allocated_after)
+        result["shared_memory_files_during_push"] = len(during)
+        result["shared_memory_files_left"] = sorted(_shared_memory_files() - shm_before)
+        result["server_weight_version"] = control.weight_version()
+        result["after_push_max_abs"] = difference_to_actor()
+        sync.close()
+        result["pass"] = (result["after_push_max_abs"] < 1e-3 and result["before_push_max_abs"] > 1e-2
+                          and allocated_after == allocated_before and not result["shared_memory_files_left"]
+                          and (torch.cuda.is_available() or len(during) > 0)
+                          and result["server_weight_version"] == "1")
+        return result
+    finally:
+        server.stop(timeout_s=15)
+
+
+def _shared_memory_files() -> set:
+    """This process's torch shared-memory files (CPU tensors shared by file name)."""
+    prefix = f"torch_{os.getpid()}_"
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
 def report(name: str, run) -> bool:
     print(f"\n=== {name}", flush=True)
     t = time.perf_counter()
@@ -326,6 +409,7 @@ def main() -> int:
         ok &= report(f"build ~1B llama (random, {args.dtype})",
                      lambda: {"path": str(build_1b_model(workdir, args.cpu, args.dtype))})
         ok &= report("~1B llama: equivalence, step time, MFU, offload", lambda: check_1b(model_dir, args))
+        ok &= report("colocated TP1 weight push through the tensor transport", lambda: check_tensor_push(workdir, args.cpu))
     dist.destroy_process_group()
     print(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - start:.1f} s")
     return 0 if ok else 1

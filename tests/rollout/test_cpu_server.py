@@ -197,3 +197,80 @@ def test_update_weights_from_distributed_over_gloo(control, client, tiny_model_d
     assert_matches_hf(result, PROMPTS, reference, 1.0, helpers)
     assert control.weight_version() == "2"
     control.update_weights_from_disk(tiny_model_dir, weight_version="default")
+
+
+def shm_file(tensor):
+    """The /dev/shm path of a CPU tensor shared by file name (torch's `file_system` strategy)."""
+    _, name, _ = tensor.untyped_storage()._share_filename_cpu_()
+    return "/dev/shm" + (name.decode() if isinstance(name, bytes) else name)
+
+
+@pytest.fixture
+def sync_control(server):
+    from megarl.sync.servers import SyncServer
+
+    return SyncServer(server.url, api_key=KEY)
+
+
+def test_update_weights_from_tensor_with_shared_cpu_tensors(sync_control, client, tiny_model_dir, tmp_path, helpers):
+    """SGLang 0.5.23's request: one base64 payload per TP rank, load_format null = (name, tensor)
+    pairs; only inside a begin/end session; the shared memory is gone once both sides dropped it."""
+    import gc
+    import os
+
+    from megarl.rollout import tensor_payload
+    from megarl.rollout.weight_group import flatten_tensors, unflatten_tensors, bucket_layout
+
+    new_model = helpers.load_hf(helpers.make_tiny_model(tmp_path / "step3", seed=3))
+    named = sorted([(n, p.detach().to(torch.bfloat16 if "mlp" in n else torch.float32))
+                    for n, p in new_model.state_dict().items()], key=lambda item: -item[1].element_size())
+    flat, fields = flatten_tensors(named)
+    copy = tensor_payload.shared_cpu_copy(flat)
+    payload = tensor_payload.serialize(unflatten_tensors(copy, bucket_layout(**fields)))
+    path = shm_file(copy)
+    assert os.path.exists(path)
+
+    with pytest.raises(ServerError, match="between begin_weight_update"):
+        sync_control.update_weights_from_tensor([payload])
+    sync_control.begin_weight_update()
+    try:
+        with pytest.raises(ServerError, match="TP size 1 and needs one per TP rank"):
+            sync_control.update_weights_from_tensor([payload, payload])
+        sync_control.update_weights_from_tensor([payload], load_format=None, weight_version="3")
+    finally:
+        sync_control.end_weight_update()
+    del copy, payload
+    gc.collect()
+    assert not os.path.exists(path)  # the server dropped its view after loading, the sender its copy
+
+    reference = helpers.load_hf(tiny_model_dir)
+    reference.load_state_dict({n: t.float() for n, t in named})
+    result = client.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert_matches_hf(result, PROMPTS, reference, 1.0, helpers)
+    assert sync_control.weight_version() == "3"
+    sync_control.update_weights_from_disk(tiny_model_dir, weight_version="default")
+
+
+def test_update_weights_from_tensor_refuses_bad_payloads(sync_control, server):
+    """Garbage, a forbidden pickle global and a wrong shape are refused with 400, naming the server;
+    the weights stay as they were."""
+    import base64
+    import pickle
+
+    from megarl.rollout import tensor_payload
+
+    evil = base64.b64encode(pickle.dumps([("x", __import__("os").getpid)])).decode()  # a callable global
+    held = torch.zeros(3, 3)  # the sender holds what it shares until the server answered
+    wrong_shape = tensor_payload.serialize([("lm_head.weight", held)])
+    sync_control.begin_weight_update()
+    try:
+        for entry, message in [("%%%not base64", "not valid base64"), (evil, "not allowed in a weight payload"),
+                               (wrong_shape, "has shape")]:
+            with pytest.raises(ServerError, match=message) as info:
+                sync_control.update_weights_from_tensor([entry])
+            assert server.url in str(info.value) and "HTTP 400" in str(info.value)
+        with pytest.raises(ServerError, match="load_format 'safetensors' is not supported"):
+            sync_control.update_weights_from_tensor([wrong_shape], load_format="safetensors")
+    finally:
+        sync_control.end_weight_update()
+    assert sync_control.weight_version() == "default"

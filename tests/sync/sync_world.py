@@ -215,6 +215,15 @@ def compare(chunks: list, vocab: int, urls: list) -> dict:
     return {"max_diff": max(diffs), "versions": versions}
 
 
+def failed_push(sync: WeightSync, progress) -> tuple:
+    """(the WeightSyncError's text or None, the version the sync holds after) of a push meant to fail."""
+    try:
+        sync.push(progress=progress)
+        return None, sync.version
+    except WeightSyncError as e:
+        return str(e), sync.version
+
+
 def servers_story(rank: int, case: dict) -> dict:
     from megarl.rollout.control import ServerControl
 
@@ -252,12 +261,7 @@ def servers_story(rank: int, case: dict) -> dict:
         if stage == 0 and bucket.index == 0:
             os.killpg(case["pids"][1], signal.SIGKILL)
 
-    try:
-        sync.push(progress=kill_second_server)
-        out["failure"] = None
-    except WeightSyncError as e:
-        out["failure"] = str(e)
-    out["version_after_failure"] = sync.version
+    out["failure"], out["version_after_failure"] = failed_push(sync, kill_second_server)
     lap("failed push")
     if rank == 0:
         out["survivor_version"] = ServerControl(urls[0]).weight_version()
@@ -293,6 +297,69 @@ def servers_story(rank: int, case: dict) -> dict:
     lap("disk push")
     out["disk"] = compare(chunks, vocab, urls)
     out["disk_dirs"] = sorted(p.name for p in Path(case["disk_dir"]).iterdir())
+    lap("disk compare")
+    out["tensor"] = tensor_story(chunks, weights, vocab, case, disk.version, lap)
+    return out
+
+
+def shm_path(tensor: torch.Tensor) -> str:
+    """Where a CPU tensor shared by file name lives (torch's `file_system` strategy)."""
+    _, name, _ = tensor.untyped_storage()._share_filename_cpu_()
+    return "/dev/shm" + (name.decode() if isinstance(name, bytes) else name)
+
+
+def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, version: int, lap) -> dict:
+    """The tensor transport, colocated: two pushes through /update_weights_from_tensor (each
+    after an update), the emitters' bucket copies alive until the stream ends and released after;
+    then a server that refuses a bucket mid-push (its session closed under it) fails the push
+    naming it, and the retry completes."""
+    import weakref
+
+    from megarl.rollout.control import ServerControl
+
+    urls = case["urls"]
+    out = {"pushes": []}
+    sync = WeightSync(chunks, weights, urls, SyncConfig(transport="tensor", bucket_bytes=case["bucket_bytes"],
+                                                       colocated=True, timeout_s=60), initial_version=version)
+    for seed in (5, 6):
+        perturb(chunks, weights, seed=seed)
+        before = compare(chunks, vocab, urls) if seed == 5 else None  # the servers are behind the update
+        if dist.get_rank() == 0:  # training: the colocated servers released their memory
+            for url in urls:
+                ServerControl(url).release_memory_occupation()
+        seen = {"in_flight": [], "refs": [], "files": set()}
+
+        def watch(stage, bucket):
+            held = sync.transport.in_flight
+            seen["in_flight"].append(len(held))
+            seen["refs"] += [weakref.ref(t) for t in held]
+            seen["files"] |= {shm_path(t) for t in held}
+
+        metrics = sync.push(progress=watch)
+        import gc
+
+        gc.collect()
+        out["pushes"].append(dict(
+            before=before, after=compare(chunks, vocab, urls), metrics=metrics, in_flight=seen["in_flight"],
+            alive_after=sum(r() is not None for r in seen["refs"]),
+            files_after=sorted(f for f in seen["files"] if os.path.exists(f)), files=len(seen["files"]),
+            held_after=None if sync.transport is None else len(sync.transport.in_flight)))
+        lap(f"tensor push {seed}")
+
+    # a server refuses a bucket: its update session is closed under the push
+    perturb(chunks, weights, seed=7)
+
+    def close_session(stage, bucket):
+        if stage == 0 and bucket.index == 0:
+            ServerControl(urls[1]).end_weight_update()
+
+    out["failure"], out["version_after_failure"] = failed_push(sync, close_session)
+    lap("tensor failed push")
+    out["retry_metrics"] = sync.push()
+    out["retry"] = compare(chunks, vocab, urls)
+    out["version"] = sync.version
+    lap("tensor retry")
+    sync.close()
     return out
 
 

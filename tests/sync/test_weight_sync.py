@@ -76,3 +76,50 @@ def test_disk_push_with_colocated_memory(story):
     assert r["disk"]["versions"] == [["4"], ["4"]]
     assert len(r["disk_dirs"]) == 1 and r["disk_dirs"][0].startswith("push-000001-")
     assert r["disk_metrics"]["sync/bytes"] == r["metrics"]["sync/bytes"]
+
+
+def test_tensor_push_makes_colocated_servers_serve_each_update(story):
+    """Two actor updates, each pushed through /update_weights_from_tensor (CPU shared memory): the
+    servers' log-probs follow the actor's, as closely as after a distributed push."""
+    _, ranks = story
+    t = ranks[0]["tensor"]
+    assert t["pushes"][0]["before"]["max_diff"] > 1e-2  # the update changed the actor; the servers were behind
+    for i, push in enumerate(t["pushes"]):
+        assert push["after"]["max_diff"] < 1e-5  # fp32 megatron (TP 2 x PP 2) vs HF noise, as after a distributed push
+        assert push["after"]["versions"] == [[str(5 + i)], [str(5 + i)]]
+        assert push["metrics"]["sync/bytes"] == ranks[0]["metrics"]["sync/bytes"]
+    assert all(rank["tensor"]["pushes"][0]["metrics"] == t["pushes"][0]["metrics"] for rank in ranks)
+
+
+def test_tensor_push_keeps_every_bucket_copy_until_the_stream_ends(story):
+    """On each emitter, the k-th bucket sent leaves k copies held (none reused); after the push no
+    copy is alive and their shared-memory files are gone."""
+    _, ranks = story
+    emitters = [r["tensor"] for r in ranks if r["tensor"]["pushes"][0]["held_after"] is not None]
+    assert len(emitters) == 2  # one per pipeline stage
+    for t in emitters:
+        for push in t["pushes"]:
+            assert push["in_flight"] == list(range(1, len(push["in_flight"]) + 1)) and push["in_flight"]
+            assert push["alive_after"] == 0 and push["held_after"] == 0
+            assert push["files"] == len(push["in_flight"]) and push["files_after"] == []
+
+
+def test_tensor_push_refused_by_a_server_fails_naming_it_and_the_retry_completes(story):
+    case, ranks = story
+    refused = case["urls"][1]
+    for rank in ranks:
+        t = rank["tensor"]
+        assert t["failure"] is not None and refused in t["failure"] and "begin_weight_update" in t["failure"]
+        assert t["version_after_failure"] == 6
+    t = ranks[0]["tensor"]
+    assert t["retry"]["max_diff"] < 1e-5
+    assert t["retry"]["versions"] == [["7"], ["7"]] and t["version"] == 7
+
+
+def test_report_log_prob_differences(story):
+    """Not a check: the figures of this run, printed for the record (pytest -s)."""
+    _, ranks = story
+    r = ranks[0]
+    print("max |server - actor| log-prob: same weights", r["initial"]["max_diff"], "distributed", r["after"]["max_diff"],
+          "disk", r["disk"]["max_diff"], "tensor", [p["after"]["max_diff"] for p in r["tensor"]["pushes"]],
+          "tensor retry", r["tensor"]["retry"]["max_diff"], "seconds", r["seconds"])

@@ -83,7 +83,8 @@ def test_the_gpu_check_script_runs_its_bf16_path_on_cpu(tmp_path):
     """tools/gpu_check.py is only run for real on a lent GPU; `--cpu --dtype bfloat16` keeps every
     code path of it working here (tiny sizes: the figures mean nothing, the checks must pass)."""
     r = subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), "--cpu", "--dtype", "bfloat16"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                       capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "ALL PASS" in r.stdout and "build ~1B llama (random, bfloat16): PASS" in r.stdout
     assert "'first_update_ppo_kl': 0.0" in r.stdout
+    assert "colocated TP1 weight push through the tensor transport: PASS" in r.stdout

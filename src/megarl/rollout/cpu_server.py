@@ -6,8 +6,10 @@ Serves the subset of SGLang 0.5.23's endpoints megarl drives, with SGLang's path
 status codes and state rules: `/generate`, `/health`, `/health_generate`, `/model_info`,
 `/server_info` (and their deprecated `/get_*` names), `/flush_cache`, `/abort_request`,
 `/init_weights_update_group`, `/destroy_weights_update_group`, `/begin_weight_update`,
-`/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_disk`,
-`/release_memory_occupation`, `/resume_memory_occupation`. Bad requests get HTTP 400 with
+`/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_tensor`,
+`/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`. Tensor and
+distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
+as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
 `{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
 unless told otherwise. With `--api-key`, every endpoint but `/health*` needs `Authorization: Bearer KEY`.
 """
@@ -30,6 +32,7 @@ from pydantic import BaseModel
 
 import megarl
 from megarl.rollout.cpu_engine import CPUEngine, Sequence
+from megarl.rollout import tensor_payload
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
 from megarl.rollout.weight_group import (
     destroy_process_group,
@@ -62,6 +65,18 @@ class UpdateWeightsFromDistributedReq(BaseModel):
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
     load_format: Optional[str] = None
+
+
+class UpdateWeightsFromTensorReq(BaseModel):
+    """SGLang 0.5.23 `UpdateWeightsFromTensorReqInput` (managers/io_struct.py), HTTP form."""
+
+    serialized_named_tensors: list[str]  # base64, one per TP rank (rank r reads entry r)
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
 
 
 class UpdateWeightsFromDiskReq(BaseModel):
@@ -336,6 +351,33 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
             return _result(False, f"Failed to receive weights: {e}")
         try:
             count = await asyncio.to_thread(engine.load_weights, tensors)
+        except BadRequestError as e:
+            return _result(False, f"Failed to update parameter online: {e}")
+        return after_update(req.weight_version, req.flush_cache, f"Succeeded to update {count} parameters online.")
+
+    def load_tensor_payload(entry: str, load_format: Optional[str]) -> int:
+        """Deserialise this rank's entry and load it; the shared tensors are dropped on return."""
+        try:
+            tensor_payload.check_load_format(load_format)
+            tensors = tensor_payload.named_tensors(tensor_payload.deserialize(entry), load_format)
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
+        return engine.load_weights(tensors)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateWeightsFromTensorReq):
+        if not sync.session_open:
+            return _result(
+                False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        tp_size = 1
+        if len(req.serialized_named_tensors) != tp_size:
+            return _result(False, f"serialized_named_tensors has {len(req.serialized_named_tensors)} entries; this "
+                                  f"server has TP size {tp_size} and needs one per TP rank")
+        if req.abort_all_requests:
+            engine.abort(abort_all=True)
+        try:
+            count = await asyncio.to_thread(load_tensor_payload, req.serialized_named_tensors[0], req.load_format)
         except BadRequestError as e:
             return _result(False, f"Failed to update parameter online: {e}")
         return after_update(req.weight_version, req.flush_cache, f"Succeeded to update {count} parameters online.")

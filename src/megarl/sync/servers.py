@@ -17,19 +17,23 @@ class SyncServer(ServerControl):
     def update_weights_from_tensor(
         self,
         serialized_named_tensors: list[str],
-        load_format: Optional[str] = "flattened_bucket",
+        load_format: Optional[str] = None,
         weight_version: Optional[str] = None,
         flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
-        """One payload per TP rank of the server (rank i reads entry i), SGLang's serialisation."""
+        """SGLang 0.5.23's request (`UpdateWeightsFromTensorReqInput`): one base64 payload per TP
+        rank of the server (rank r reads entry r); `load_format` null (name, tensor) pairs or
+        "flattened_bucket". Must run inside begin_weight_update() ... end_weight_update()."""
         self._call(
             "POST",
             "/update_weights_from_tensor",
             {
                 "serialized_named_tensors": serialized_named_tensors,
                 "load_format": load_format,
-                "weight_version": weight_version,
                 "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests,
+                "weight_version": weight_version,
             },
         )
 

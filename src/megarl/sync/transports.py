@@ -15,9 +15,9 @@ the only call that sets the servers' weight version. A transport method that fai
   rank 0, server i's TP ranks follow), then per bucket `/update_weights_from_distributed`
   (`flattened_bucket`) on every server *concurrently with* one `broadcast` of the bucket's bytes
   (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
-- `TensorTransport` (colocated, GPU only, SGLang imported lazily): per bucket
-  `/update_weights_from_tensor` with SGLang's `FlattenedTensorBucket` serialised as CUDA IPC
-  handles. The servers must be on this emitter's node.
+- `TensorTransport` (colocated): per bucket `/update_weights_from_tensor`; on GPU SGLang's
+  `flattened_bucket` as CUDA IPC handles (SGLang needed), on CPU (name, tensor) pairs in shared
+  memory. Each bucket's copy lives until the stream ends.
 - `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
   one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
 """
@@ -39,8 +39,10 @@ import torch.distributed as dist
 from megarl.bridge.convert import copy_hf_assets
 from megarl.bridge.safetensors_io import INDEX_FILE, save_safetensors
 from megarl.net import free_port
+from megarl.rollout import tensor_payload
 from megarl.rollout.control import ServerError
-from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
+from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group, unflatten_tensors
+from megarl.sync.colocation import ColocationError, planner_colocated_peers
 from megarl.sync.resharder import HFBucket
 from megarl.sync.servers import SyncServer, on_all, wait_all
 
@@ -161,53 +163,117 @@ class DistributedTransport:
 
 
 class TensorTransport:
-    """Colocated servers read each bucket straight from this GPU's memory (CUDA IPC)."""
+    """Colocated servers read each bucket from this process's memory (`/update_weights_from_tensor`).
+
+    Every bucket is copied into fresh memory (the resharder reuses its buffer for the next bucket)
+    and that copy is kept until the stream is over: SGLang answers once its copies are enqueued,
+    not done, so a buffer is never overwritten or handed back while the server may still read it.
+
+    - GPU (CUDA IPC; needs SGLang: `pip install -e '.[gpu]'`): SGLang's `flattened_bucket` with
+      its `FlattenedTensorMetadata`, serialised after `monkey_patch_torch_reductions()` (GPUs named
+      by UUID). Entry r of the request must be a handle to a copy on server TP rank r's own GPU
+      (`sync.colocation`). This emitter serialises its own copy only, so every server TP rank must
+      sit on this emitter's GPU (one TP-1 server, an actor of one rank); other layouts raise (the
+      relay that gives each colocated actor rank its own copy to serialise is not built yet).
+      `finish_stream` synchronises the device before the copies are dropped, then
+      `torch.cuda.ipc_collect()` frees the blocks the servers have released. (torch's IPC refcount
+      keeps a block whose consumer still holds it; the consumer syncs its stream before releasing:
+      torch/csrc/StorageSharing.cpp.)
+    - CPU: `load_format` null, (name, tensor) views into a shared-memory copy of the bucket
+      (`rollout.tensor_payload`, no SGLang needed); every TP rank may read the same copy, so the
+      servers only need to be on this host. The copy's file is released when the stream ends.
+    """
 
     uses_session = True
 
-    def __init__(self, servers: Sequence[SyncServer]):
-        self.servers = list(servers)
+    def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1):
+        """`rank`, `world_size`: this emitter's rank in the actor's world and its size (on GPU,
+        the planner's colocated layout says which actor rank sits on each server GPU)."""
+        self.servers, self.rank, self.world_size = list(servers), rank, world_size
+        self.on_gpu = torch.cuda.is_available()
         self._tp_sizes: Optional[dict[str, int]] = None
-        self._in_flight = None  # SGLang may still copy from the last bucket after its call returns
+        self._held: list[torch.Tensor] = []  # this stream's bucket copies, alive until finish_stream
+
+    @property
+    def in_flight(self) -> tuple[torch.Tensor, ...]:
+        """The bucket copies the servers may still read (every bucket sent in this stream)."""
+        return tuple(self._held)
 
     def open_stream(self, push_id: str) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "the tensor transport passes CUDA IPC handles; it needs a GPU (use 'distributed' or 'disk')"
-            )
-        if self._tp_sizes is None:
-            self._tp_sizes = dict(zip([s.url for s in self.servers], server_tp_sizes(self.servers)))
+        self._release()
+        if self._tp_sizes is not None:
+            return
+        sizes = server_tp_sizes(self.servers)
+        if self.on_gpu:
+            _sglang_serialisation()  # fail here, before any bucket, if SGLang is missing
+            peers = planner_colocated_peers(sizes, self.world_size)
+            elsewhere = [f"{s.url} TP rank {r} (actor rank {k}'s GPU)" for s, row in zip(self.servers, peers)
+                         for r, k in enumerate(row) if k != self.rank]
+            if elsewhere:
+                raise ColocationError(
+                    f"the tensor transport sends a handle to this emitter's (actor rank {self.rank}) GPU copy, and "
+                    f"a CUDA IPC handle opens only on its own GPU; these server ranks sit on other GPUs: "
+                    f"{', '.join(elsewhere)}. Giving each colocated actor rank its own copy to serialise is not "
+                    "implemented yet: use one actor rank and one TP-1 server, or the 'disk' transport"
+                )
+        self._tp_sizes = dict(zip([s.url for s in self.servers], sizes))
 
     def send(self, bucket: HFBucket, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        try:
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-            monkey_patch_torch_reductions()  # IPC handles name GPUs by UUID, whatever CUDA_VISIBLE_DEVICES says
-        except ImportError:
-            pass
-        packed = FlattenedTensorBucket(named_tensors=bucket.named_tensors())
-        payload = MultiprocessingSerializer.serialize(
-            {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}, output_str=True
-        )
+        if self.on_gpu:
+            if not bucket.flat.is_cuda:
+                raise RuntimeError(f"bucket {bucket.index} is on {bucket.flat.device}: onload the actor before a push")
+            serializer, metadata_class = _sglang_serialisation()
+            copy = bucket.flat.clone()  # fresh memory: the resharder overwrites bucket.flat next
+            metadata = [metadata_class(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
+                                       end_idx=s.end, numel=s.end - s.start) for s in bucket.slots]
+            payload = serializer.serialize({"flattened_tensor": copy, "metadata": metadata}, output_str=True)
+            load_format = "flattened_bucket"
+        else:
+            copy = tensor_payload.shared_cpu_copy(bucket.flat)
+            payload = tensor_payload.serialize(unflatten_tensors(copy, list(bucket.slots)))
+            load_format = None
+        self._held.append(copy)  # before the call: a server may read it even if the call then fails
         on_all(self.servers, lambda s: s.update_weights_from_tensor(
-            [payload] * self._tp_sizes[s.url], "flattened_bucket", weight_version, flush_cache))
-        self._in_flight = packed
+            [payload] * self._tp_sizes[s.url], load_format, weight_version, flush_cache))
 
     def finish_stream(self) -> None:
-        torch.cuda.synchronize()
-        self._in_flight = None
-        torch.cuda.ipc_collect()
+        self._release()
 
     def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
-        self.send(bucket, weight_version=weight_version, flush_cache=True)
-        self.finish_stream()
+        try:
+            self.send(bucket, weight_version=weight_version, flush_cache=True)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop this stream's copies: every server has answered (or failed) for each of them."""
+        if not self._held:
+            return
+        if self.on_gpu:
+            torch.cuda.synchronize()  # this process's work on the copies is done
+        self._held.clear()
+        if self.on_gpu:
+            torch.cuda.ipc_collect()
 
     def reset(self) -> None:
-        self._in_flight = None
+        self._release()
         self._tp_sizes = None
+
+
+def _sglang_serialisation():
+    """(SGLang's `MultiprocessingSerializer`, its `FlattenedTensorMetadata`), with torch's CUDA
+    reductions patched to name GPUs by UUID (the server's CUDA_VISIBLE_DEVICES may differ)."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError as e:
+        raise RuntimeError(
+            "the tensor transport on GPU serialises CUDA IPC handles with SGLang's own classes (its server "
+            f"accepts no others); install the GPU extras: pip install -e '.[gpu]' ({type(e).__name__}: {e})"
+        ) from e
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer, FlattenedTensorMetadata
 
 
 class DiskTransport:

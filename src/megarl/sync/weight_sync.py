@@ -205,7 +205,7 @@ class WeightSync:
         if c.transport == "distributed":
             return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.timeout_s)
         if c.transport == "tensor":
-            return TensorTransport(self.servers)
+            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size())  # actor rank = plan order
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
 
     # ------------------------------------------------------------------ the push
