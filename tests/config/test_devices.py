@@ -51,9 +51,15 @@ def test_cuda_training_groups_send_cuda_tensors_over_nccl_and_cpu_objects_over_g
     assert by_device == {"cpu": "gloo", "cuda": "nccl"}
 
 
-def test_cuda_colocated_auto_sends_ipc_handles_without_a_weight_update_group():
+def test_cuda_colocated_auto_sends_ipc_handles_on_one_gpu_and_pushes_through_disk_on_more():
     d = decide_devices("auto", True, "colocate", "sglang", "auto")
     assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, {})
+    d = decide_devices("auto", True, "colocate", "sglang", "auto", nnodes=1, gpus=8)
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, {})
+
+
+def test_cpu_colocated_tensor_shares_memory_on_one_machine():
+    assert decide_devices("cpu", False, "colocate", "cpu", "tensor", gpus=2) == Devices("cpu", "gloo", "tensor", None)
 
 
 def test_cuda_split_auto_broadcasts_over_nccl_with_sglangs_nccl_environment():
@@ -106,22 +112,24 @@ def test_auto_device_names_what_it_resolved_to():
     assert decide_devices("auto", False, "colocate", "cpu", "distributed").weight_sync_backend == "gloo"
 
 
-@pytest.mark.parametrize("device,cuda,mode,engine,says", [
-    ("cpu", True, "colocate", "cpu", "runs on CPU"),  # CUDA IPC needs CUDA tensors
-    ("auto", False, "colocate", "cpu", "runs on CPU"),
-    ("cuda", True, "split", "sglang", "needs placement.mode=colocate, not split"),  # IPC: same GPUs only
-    ("cuda", True, "colocate", "cpu", "needs actor_rollout_ref.rollout.name=sglang"),  # no tensor endpoint
+@pytest.mark.parametrize("device,cuda,mode,engine,nodes,gpus,says", [
+    ("cuda", True, "split", "sglang", 1, 8, "needs placement.mode=colocate, not split"),  # IPC: same GPUs only
+    ("cpu", False, "split", "cpu", 1, 2, "needs placement.mode=colocate, not split"),  # shared memory: same processes' machine
+    ("cuda", True, "colocate", "cpu", 1, 1, "needs actor_rollout_ref.rollout.name=sglang"),  # CPU tensors only
+    ("cuda", True, "colocate", "sglang", 1, 2, "on 2 GPUs"),  # each server rank's own copy: not built
+    ("auto", False, "colocate", "cpu", 2, 4, "trainer.nnodes=2"),  # one machine's shared memory
 ])
-def test_the_tensor_transport_is_refused_where_ipc_handles_cannot_be_opened(device, cuda, mode, engine, says):
+def test_the_tensor_transport_is_refused_where_its_handles_cannot_be_opened(device, cuda, mode, engine, nodes, gpus,
+                                                                         says):
     with pytest.raises(ConfigError) as info:
-        decide_devices(device, cuda, mode, engine, "tensor")
+        decide_devices(device, cuda, mode, engine, "tensor", nnodes=nodes, gpus=gpus)
     assert str(info.value).startswith(f"{KEY}=tensor") and says in str(info.value)
 
 
 def test_devices_from_config_reads_the_four_keys():
     config = load_config(None, REQUIRED + ["placement.mode=split", "placement.rollout_gpus=4",
                                            "trainer.device=cuda"])
-    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto")
+    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto", gpus=8)
 
 
 # ------------------------------------------------------------------------------------- config time
@@ -145,10 +153,10 @@ def test_config_time_rule_refuses_colocated_distributed_on_explicit_cuda_naming_
 def test_config_time_rule_refuses_tensor_where_neither_device_can_run_it():
     with pytest.raises(ConfigError, match="needs placement.mode=colocate, not split"):
         load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "placement.mode=split", "placement.rollout_gpus=4"])
-    with pytest.raises(ConfigError, match=r"trainer\.device=cpu runs on CPU"):
-        load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cpu",
-                                            "actor_rollout_ref.rollout.name=cpu"])
-    load_and_validate(None, REQUIRED + [f"{KEY}=tensor"])  # colocated, auto: fine on a GPU machine
+    with pytest.raises(ConfigError, match="tensor on 8 GPUs"):  # REQUIRED: one node of 8
+        load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cuda"])
+    load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu"])
+    load_and_validate(None, REQUIRED + [f"{KEY}=tensor"])  # auto: a CPU machine runs it (shared memory)
 
 
 # ------------------------------------------------------------------------------------- local GPU

@@ -47,10 +47,11 @@ class Devices:
 
 
 def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollout_engine: str,
-                   transport: str) -> Devices:
+                   transport: str, *, nnodes: int = 1, gpus: int = 1) -> Devices:
     """`device`: trainer.device (auto|cuda|cpu); `placement_mode`: placement.mode (colocate|split);
     `rollout_engine`: actor_rollout_ref.rollout.name (sglang|cpu); `transport`:
-    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk)."""
+    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk); `nnodes` and
+    `gpus`: trainer.nnodes and the GPUs of all nodes."""
     if device == "cuda" and not cuda_available:
         raise ConfigError("trainer.device=cuda, but this machine has no CUDA GPU (torch.cuda.is_available() is "
                           "False); use trainer.device=cpu or auto")
@@ -59,23 +60,35 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
     colocated = placement_mode == "colocate"
 
     if transport == "auto":
-        # The CPU engine has only the distributed and disk endpoints; colocated on GPUs, a
-        # distributed group is impossible (below), so the servers get CUDA IPC handles.
-        transport = "tensor" if on_cuda and colocated and rollout_engine == "sglang" else "distributed"
+        # Colocated on GPUs a distributed group is impossible (below): the servers get CUDA IPC
+        # handles, where megarl can serialise them (one GPU, see the tensor rules), else a disk push.
+        if on_cuda and colocated and rollout_engine == "sglang":
+            transport = "tensor" if gpus == 1 else "disk"
+        else:
+            transport = "distributed"
     if transport == "tensor":
-        # CUDA IPC handles open only on the GPUs of the same machine (torch.multiprocessing, "CUDA
-        # in multiprocessing"), and SGLang's tensor path hands each server TP rank the copy on its
-        # own GPU (sglang/srt/managers/tp_worker.py::deserialize_own_rank): colocated GPUs only.
-        if not on_cuda:
-            raise ConfigError(f"{TRANSPORT_KEY}=tensor sends CUDA IPC handles, but {where} runs on CPU; "
-                              f"use {TRANSPORT_KEY}=distributed, disk or auto")
+        # The tensor transport hands each server TP rank a handle to a copy of the weights it can
+        # open: CUDA IPC handles open only on the GPU of the memory they name (torch.multiprocessing,
+        # "CUDA in multiprocessing"; SGLang's TP rank r reads entry r,
+        # sglang/srt/managers/tp_worker.py::deserialize_own_rank), CPU tensors are shared through
+        # shared memory of one machine (torch.multiprocessing, file_system strategy).
         if not colocated:
-            raise ConfigError(f"{TRANSPORT_KEY}=tensor sends CUDA IPC handles, which the rollout servers can open "
-                              f"only on the trainer's own GPUs: it needs placement.mode=colocate, not "
-                              f"{placement_mode}; use {TRANSPORT_KEY}=distributed or auto")
-        if rollout_engine != "sglang":
-            raise ConfigError(f"{TRANSPORT_KEY}=tensor needs actor_rollout_ref.rollout.name=sglang: the CPU engine "
-                              f"({rollout_engine}) has no /update_weights_from_tensor; use distributed or disk")
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor hands the rollout servers handles to the trainer's own "
+                              f"memory: it needs placement.mode=colocate, not {placement_mode}; use "
+                              f"{TRANSPORT_KEY}=distributed or auto")
+        if on_cuda and rollout_engine != "sglang":
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor on GPUs needs actor_rollout_ref.rollout.name=sglang: the CPU "
+                              f"engine ({rollout_engine}) reads CPU tensors only; use distributed or disk")
+        if on_cuda and gpus > 1:
+            # Every server TP rank needs a copy serialised by the actor rank on its own GPU
+            # (sync/colocation.py maps them); megarl's TensorTransport sends the stage emitter's copy
+            # only, which only a one-GPU layout can open.
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor on {gpus} GPUs (trainer.nnodes x trainer.n_gpus_per_node): "
+                              "each rollout server TP rank needs a CUDA IPC copy made on its own GPU, which megarl "
+                              f"builds only for one GPU so far; use {TRANSPORT_KEY}=disk or auto (disk here)")
+        if not on_cuda and nnodes > 1:
+            raise ConfigError(f"{TRANSPORT_KEY}=tensor on CPU shares tensors through one machine's shared memory, "
+                              f"but trainer.nnodes={nnodes}; use {TRANSPORT_KEY}=distributed or auto")
     if transport == "distributed" and on_cuda and colocated and rollout_engine == "sglang":
         # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected : rank X
         # and rank Y both on CUDA device", NVIDIA/Megatron-LM#661); colocated, a server TP rank
@@ -83,7 +96,8 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
         raise ConfigError(f"{TRANSPORT_KEY}=distributed cannot run with placement.mode=colocate on GPUs ({where}): "
                           "NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU detected\"), and "
                           "colocated a rollout server's TP rank shares the emitting trainer rank's GPU; use "
-                          f"{TRANSPORT_KEY}=tensor (or auto) or disk, or placement.mode=split")
+                          f"{TRANSPORT_KEY}=auto (tensor on one GPU, disk on more), tensor or disk, or "
+                          "placement.mode=split")
 
     sync_backend = None
     if transport == "distributed":
@@ -104,8 +118,9 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
     """`decide_devices` on the config's keys."""
     r = config.actor_rollout_ref.rollout
-    return decide_devices(config.trainer.device, cuda_available, config.placement.mode, r.name,
-                          r.weight_sync_transport)
+    t = config.trainer
+    return decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
+                          nnodes=t.nnodes, gpus=t.nnodes * t.n_gpus_per_node)
 
 
 def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:
