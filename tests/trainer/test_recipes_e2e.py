@@ -364,3 +364,16 @@ def test_agent_reinforce_pp_credits_the_first_turn_of_a_successful_episode(ray_s
             assert torch.allclose(first_turn, second_turn[:1].expand_as(first_turn), atol=1e-6)
             seen += 1
     assert seen > 0, "no episode succeeded in its second turn: the check would be vacuous"
+
+
+# ------------------------------------------------------------------------------ weight-sync transports
+def test_grpo_with_the_tensor_transport_serves_the_pushed_weights(ray_session, tiny_assets, tmp_path):
+    """Colocated on CPU, `weight_sync_transport=tensor` shares each bucket with the CPU engine through
+    shared memory (`/update_weights_from_tensor`, SGLang's request shape). Step 2 generates with the
+    weights pushed after step 1's update: the servers' log-probs of what they sampled equal the
+    actor's (run_recipe's check, < 1e-4 in fp32), so the pushed weights are the actor's."""
+    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.weight_sync_transport=tensor", steps=2)
+    assert run.config.actor_rollout_ref.rollout.weight_sync_transport == "tensor"
+    m = run.metrics
+    assert m["sync/bytes"] > 0 and m["sync/weight_version"] == 2, m
+    assert m["actor/grad_norm"] > 0  # step 2's samples came from weights that step 1 changed
