@@ -12,6 +12,7 @@ from engine_world import config, init_world, reset_layout, share_in_replica, tra
 LORA = ("actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.alpha=8",
         "actor_rollout_ref.actor.optim.lr=1e-2")  # a large LR: adapters move visibly in two updates
 UPDATES, SAVE_AFTER = 3, 2
+CHECKPOINT = f"global_step_{SAVE_AFTER}"  # a megarl experiment checkpoint's actor directory
 
 
 def lora_config(model_dir, world: int, tp: int, pp: int, *extra: str):
@@ -96,9 +97,11 @@ def _resume(cfg, batch, checkpoint_dir, old_log_probs) -> dict:
     actor = ActorEngine(cfg)
     actor.load_checkpoint(checkpoint_dir)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+    loaded = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(old_log_probs)
     metrics = [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)]
-    return {"updates": actor.updates, "metrics": metrics, "adapters": full_adapters(actor)}
+    return {"updates": actor.updates, "metrics": metrics, "adapters": full_adapters(actor),
+            "loaded_log_probs": loaded and loaded["log_probs"], "dp_rank": actor.dp_rank}
 
 
 def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str) -> dict:
@@ -107,9 +110,9 @@ def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str
     model = models["qwen2"]
     out = {}
     out["tp1"] = _train(lora_config(model, world_size, 1, 1), batch, base_cfg=config(model, world_size, 1, 1),
-                        export_dir=f"{out_dir}/merged_hf", checkpoint_dir=f"{out_dir}/actor")
+                        export_dir=f"{out_dir}/merged_hf", checkpoint_dir=f"{out_dir}/{CHECKPOINT}/actor")
     reset_layout()
-    out["tp1_resumed"] = _resume(lora_config(model, world_size, 1, 1), batch, f"{out_dir}/actor",
+    out["tp1_resumed"] = _resume(lora_config(model, world_size, 1, 1), batch, f"{out_dir}/{CHECKPOINT}/actor",
                                  out["tp1"]["init_log_probs"])
     reset_layout()
     out["tp2"] = _train(lora_config(model, world_size, 2, 1), batch, base_cfg=config(model, world_size, 2, 1))

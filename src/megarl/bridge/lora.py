@@ -94,12 +94,51 @@ def peft_config(targets, rank: int, alpha: float, base_model: str) -> dict:
 
 
 def merge_into_hf(hf: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
-    """Add scale x B A (computed in float32) to every adapted HF weight of `hf`, in place.
-    `adapters`: full tensors by megatron adapter name."""
+    """Add scale x B A (computed in float32) to every adapted HF weight present in `hf`, in
+    place. `adapters`: full tensors by megatron adapter name."""
     for name, a in adapters.items():
         adapter = parse(name)
-        if adapter.factor != "A":
+        if adapter.factor != "A" or adapter.hf_base not in hf:
             continue
         b = adapters[AdapterName(adapter.layer, adapter.target, "B").mcore]
         base = hf[adapter.hf_base]
         hf[adapter.hf_base] = (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
+
+
+def read_adapters(reader) -> dict[str, torch.Tensor]:
+    """{global adapter name: full tensor} of a `torch_dist` checkpoint (a `TorchDistReader`); its
+    layer-stacked keys ([L, ...]) are split per layer. Empty when it holds no adapters."""
+    out = {}
+    for key, entry in reader.tensors.items():
+        m = _NAME.match(key)
+        if m is None or key.startswith("optimizer."):
+            continue
+        if m.group(1) is not None:
+            out[key] = reader.read(key)
+            continue
+        stacked = reader.read(key)
+        for layer in range(entry.global_shape[0]):
+            out[key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)] = stacked[layer].clone()
+    return out
+
+
+def write_peft_adapter(adapters: dict[str, torch.Tensor], out_dir, rank: int, alpha: float, base_model: str):
+    """Write `adapters` (global megatron names, full tensors) as a PEFT LoRA adapter in `out_dir`:
+    `adapter_config.json` and `adapter_model.safetensors` (float32 contiguous tensors)."""
+    import json
+    from pathlib import Path
+
+    from megarl.bridge.convert import atomic_output_dir
+    from megarl.bridge.safetensors_io import save_safetensors
+
+    if not adapters:
+        raise ValueError("no LoRA adapters to write")
+    names = [parse(n) for n in adapters]
+    wrong = [n.mcore for n in names if adapters[n.mcore].shape[0 if n.factor == "A" else 1] != rank]
+    if wrong:
+        raise ValueError(f"adapters {wrong[:3]} do not have rank {rank}")
+    with atomic_output_dir(out_dir) as tmp:
+        save_safetensors({n.peft: adapters[n.mcore].contiguous() for n in names}, Path(tmp) / "adapter_model.safetensors")
+        config = peft_config({n.target for n in names}, rank, alpha, base_model)
+        (Path(tmp) / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)
