@@ -90,6 +90,7 @@ TINY = {
     "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.use_kl_in_reward": True},
     "reinforce_pp_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline",
                               "algorithm.use_kl_in_reward": True},
+    "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3},
     "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
              "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
              "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
