@@ -28,7 +28,7 @@ from megarl.engines.megatron.model import (
     transformer_engine_available,
     vocab_rows_of,
 )
-from megarl.engines.megatron.lora import LoraSpec, attach_lora, merged
+from megarl.engines.megatron.lora import LoraSpec, attach_lora, builds_with_transformer_engine, merged
 from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
@@ -87,7 +87,7 @@ class MegatronEngine:
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
-        uses_te = transformer_engine_available()
+        uses_te = builds_with_transformer_engine(transformer_engine_available(), lora is not None)
         self.sequence_layout: Layout = sequence_layout or ("packed" if uses_te else "padded")
         if self.sequence_layout == "packed" and not uses_te:
             raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")

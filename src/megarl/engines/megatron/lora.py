@@ -144,6 +144,13 @@ class LoraAdapter(torch.nn.Module):
         )
 
 
+def builds_with_transformer_engine(te_available: bool, lora: bool) -> bool:
+    """Whether a role's layers are transformer-engine's. TE fuses the input norm into linear_qkv /
+    linear_fc1 (its LayerNormColumnParallelLinear), whose input is then the un-normalised hidden
+    state the adapter must not see: a LoRA role uses megatron's local layer spec, on GPUs too."""
+    return te_available and not lora
+
+
 KINDS = {"self_attention.linear_qkv": "qkv", "mlp.linear_fc1": "fc1",
          "self_attention.linear_proj": "row", "mlp.linear_fc2": "row"}
 
