@@ -115,7 +115,7 @@ def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str
     out["tp1_resumed"] = _resume(lora_config(model, world_size, 1, 1), batch, f"{out_dir}/{CHECKPOINT}/actor",
                                  out["tp1"]["init_log_probs"])
     reset_layout()
-    out["tp2"] = _train(lora_config(model, world_size, 2, 1), batch, base_cfg=config(model, world_size, 2, 1))
+    out["tp2"] = _train(lora_config(model, world_size, 2, 1), batch)
     reset_layout()
     out["pp2"] = _train(lora_config(model, world_size, 1, 2), batch)
     reset_layout()
