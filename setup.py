@@ -27,7 +27,7 @@ CORE = [
 # GPU-only: never imported on CPU code paths (imports are lazy).
 GPU = ["sglang==0.5.23", "transformer-engine[pytorch]"]
 
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2"]
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2", "peft>=0.21"]  # peft: the LoRA export oracle
 
 setup(
     name="megarl",

@@ -83,12 +83,17 @@ def _submit(args) -> int:
 def _export(args) -> int:
     from megarl.bridge import ConversionError
     from megarl.bridge.convert import progress_bar
-    from megarl.checkpoint import export_hf
+    from megarl.checkpoint import export_hf, export_lora
+    from megarl.config import ConfigError
 
     try:
+        if args.lora:
+            out = export_lora(args.checkpoint, args.out)
+            print(f"wrote the actor's LoRA adapter (PEFT format) to {out}")
+            return 0
         with progress_bar("export actor -> hf") as show:
             out = export_hf(args.checkpoint, args.out, on_progress=show)
-    except ConversionError as error:
+    except (ConversionError, ConfigError, ValueError) as error:
         print(f"megarl export: {error}", file=sys.stderr)
         return 2
     print(f"wrote the actor as an HF checkpoint to {out}")
@@ -160,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a global_step_N directory, or an experiment directory (its newest "
                         "complete checkpoint)")
     export.add_argument("--out", help="output directory (default: <checkpoint>/actor_hf); must not exist or be empty")
+    kind = export.add_mutually_exclusive_group()
+    kind.add_argument("--lora", action="store_true", help="a LoRA run: write its adapter in PEFT format "
+                      "(adapter_config.json + adapter_model.safetensors; default --out <checkpoint>/actor_lora)")
+    kind.add_argument("--merged", action="store_true", help="a LoRA run: write base + adapters merged as a full HF "
+                      "checkpoint (what export does for a LoRA run without --lora)")
     export.set_defaults(func=_export, overrides=[])
     return parser
 

@@ -13,10 +13,11 @@ from megarl.config import load_and_validate
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "configs/recipes"
 MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
-          "Qwen/Qwen2.5-14B-Instruct": RECIPES / "models/qwen2.5-14b-instruct"}
+          "Qwen/Qwen2.5-14B-Instruct": RECIPES / "models/qwen2.5-14b-instruct",
+          "Qwen/Qwen2.5-32B-Instruct": RECIPES / "models/qwen2.5-32b-instruct"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-            "dpo", "grpo_2node"}
+            "dpo", "grpo_2node", "grpo_lora_32b"}
 
 
 def test_every_algorithm_has_a_recipe():
@@ -78,6 +79,30 @@ def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
             "trainer env NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0\n") in out
 
 
+def test_lora_recipe_fits_where_full_fine_tuning_of_the_same_32b_model_does_not(capsys):
+    """`megarl plan` of the 32B LoRA recipe, and of the same recipe with LoRA off, side by side:
+    the frozen base holds bf16 weights only, so the actor's states shrink from
+    params/TP x (2 + 4 + 12) bytes to params/TP x 2 + adapters/GPU x 18 (hand-computed below)."""
+    path = RECIPES / "grpo_lora_32b.yaml"
+    model = f"actor_rollout_ref.model.path={MODELS['Qwen/Qwen2.5-32B-Instruct']}"
+    peaks, actor_states = {}, {}
+    for rank in (32, 0):
+        code = megarl_main(["plan", "--config", str(path), model, f"actor_rollout_ref.model.lora.rank={rank}"])
+        out = capsys.readouterr().out
+        peaks[rank] = float(re.search(r"peak per GPU: ([\d.]+) GiB", out).group(1))
+        actor_states[rank] = float(re.search(r"actor +states +([\d.]+) GiB", out).group(1))
+        assert (code == 0) == (rank == 32), out
+    assert peaks[32] <= 80 < peaks[0]
+    # hand count: Qwen2.5-32B at TP 8; per layer A [32, in] whole on column-parallel targets, B / 8; the
+    # row-parallel o/down split A / 8 with B whole
+    h, f, q, kv, r, tp = 5120, 27648, 5120, 1024, 32, 8
+    per_layer = (r * h * 5 + (q + 2 * kv + 2 * f) * r / tp) + (r * q / tp + h * r) + (r * f / tp + h * r)
+    adapters = 64 * per_layer
+    base = (64 * (h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h) + 2 * 152064 * h + h) / tp
+    assert actor_states[32] == pytest.approx(((base + adapters) * 2 + adapters * 16) / 2**30, abs=0.01)
+    assert actor_states[0] == pytest.approx(base * 18 / 2**30, abs=0.01)
+
+
 # Tiny recipes: what each changes relative to configs/tiny/grpo.yaml.
 TINY = {
     "ppo": {"algorithm.adv_estimator": "gae", "critic.enable": True, "actor_rollout_ref.rollout.n": 1},
@@ -90,6 +115,7 @@ TINY = {
     "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.use_kl_in_reward": True},
     "reinforce_pp_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline",
                               "algorithm.use_kl_in_reward": True},
+    "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3},
     "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
              "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
              "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},

@@ -20,6 +20,7 @@ import torch
 
 from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.lora import is_lora_param, merge_into_hf, read_adapters
 from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
 from megarl.bridge.safetensors_io import (
     HFCheckpointReader,
@@ -237,7 +238,8 @@ def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap,
             raise ConversionError(
                 f"{reader.dir}: {key} stacks {reader.tensors[key].global_shape[0]} layers, but the config has {a.num_layers} {hint}"
             )
-    extra = [k for k in reader.tensors if k.startswith(_MODEL_PREFIXES) and k not in used and not is_extra_state(k)]
+    extra = [k for k in reader.tensors if k.startswith(_MODEL_PREFIXES) and k not in used and not is_extra_state(k)
+             and not is_lora_param(k)]  # LoRA adapters: convert_torch_dist_to_hf merges or refuses them
     if extra:
         raise ConversionError(f"{reader.dir}: model tensors the config does not explain: {sorted(extra)[:5]} {hint}")
 
@@ -248,11 +250,14 @@ def convert_torch_dist_to_hf(
     hf_config_dir: Optional[str | Path] = None,
     max_shard_bytes: int = 5 * 2**30,
     on_progress: Optional[OnProgress] = None,
+    lora_scale: Optional[float] = None,
 ) -> ConversionSummary:
     """Write the megatron `torch_dist` checkpoint `ckpt` (a checkpoint root or an iteration
     directory) as an HF checkpoint at `out`: sharded safetensors with an index, config.json and
     the tokenizer files. The config and tokenizer come from `hf_config_dir`, else from the
-    `hf/` directory the HF -> megatron conversion stored in the checkpoint."""
+    `hf/` directory the HF -> megatron conversion stored in the checkpoint. A checkpoint with LoRA
+    adapters is written merged (W + lora_scale x B A, scale = alpha / rank of its run), and
+    refused without `lora_scale`."""
     reader = TorchDistReader(ckpt)
     assets = Path(hf_config_dir) if hf_config_dir is not None else reader.dir / HF_ASSETS_DIR
     if not (assets / "config.json").is_file():
@@ -266,12 +271,18 @@ def convert_torch_dist_to_hf(
     if len(dtypes) > 1:
         raise ConversionError(f"{reader.dir}: parameters have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
+    adapters = read_adapters(reader)
+    if adapters and lora_scale is None:
+        raise ConversionError(f"{reader.dir}: holds LoRA adapters; give their scale (alpha / rank) to merge them")
     sizes = {n: torch.Size(weights.mcore_shape(n)).numel() * dtype.itemsize for n in weights.mcore_names()}
     counter = _ProgressCounter(sizes, on_progress)
     with atomic_output_dir(out) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         for name in weights.mcore_names():
-            for hf_name, tensor in weights.to_hf(name, reader.read(name)):
+            hf = dict(weights.to_hf(name, reader.read(name)))
+            if adapters:
+                merge_into_hf(hf, adapters, lora_scale)
+            for hf_name, tensor in hf.items():
                 writer.add(hf_name, tensor)
             counter(name)
         writer.close()

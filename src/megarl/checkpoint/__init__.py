@@ -146,9 +146,28 @@ def export_hf(checkpoint_dir: str | Path, out: Optional[str | Path] = None, on_p
     directory = resolve_checkpoint(checkpoint_dir)
     config = load_config(directory / "config.yaml")
     out = Path(out) if out is not None else directory / "actor_hf"
+    lora = config.actor_rollout_ref.model.lora
     convert_torch_dist_to_hf(directory / "actor", out, config.actor_rollout_ref.model.path,
-                             on_progress=on_progress)
+                             on_progress=on_progress, lora_scale=lora.alpha / lora.rank if lora.rank > 0 else None)
     return out
+
+
+def export_lora(checkpoint_dir: str | Path, out: Optional[str | Path] = None) -> Path:
+    """Write the actor's LoRA adapters of a checkpoint as a PEFT adapter (`adapter_config.json`,
+    `adapter_model.safetensors`) for the run's base model; `out` defaults to `<checkpoint>/actor_lora`."""
+    from megarl.bridge.lora import read_adapters, write_peft_adapter
+    from megarl.bridge.torch_dist_io import TorchDistReader
+    from megarl.config import load_config
+
+    directory = resolve_checkpoint(checkpoint_dir)
+    config = load_config(directory / "config.yaml")
+    lora = config.actor_rollout_ref.model.lora
+    if lora.rank <= 0:
+        raise ConfigError(f"{directory}: the run trained full weights (actor_rollout_ref.model.lora.rank=0), "
+                          "it has no adapter to export; use megarl export without --lora")
+    out = Path(out) if out is not None else directory / "actor_lora"
+    adapters = read_adapters(TorchDistReader(directory / "actor"))
+    return write_peft_adapter(adapters, out, lora.rank, lora.alpha, config.actor_rollout_ref.model.path)
 
 
 def load_controller_state(directory: Path) -> dict:

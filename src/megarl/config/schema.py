@@ -132,6 +132,20 @@ class OptimConfig:
 # --------------------------------------------------------------------------------------------
 # actor_rollout_ref.*
 # --------------------------------------------------------------------------------------------
+# PEFT's names of the linear layers a LoRA adapter can target (megatron: q/k/v -> linear_qkv,
+# o -> linear_proj, gate/up -> linear_fc1, down -> linear_fc2); "all-linear" means all seven
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # adapter rank r; 0: no LoRA (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # only 0 is supported (megarl.config.rules.lora)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT names, or ["all-linear"]
+    sync: Literal["merged", "adapter"] = "merged"  # merged: push base + scale x B A as full weights
+
+
 @dataclass
 class ModelConfig:
     path: str = ""  # HF checkpoint directory (or hub id on machines that can download)
@@ -140,6 +154,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)  # free-form HF config overrides
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the actor's adapters (the reference stays the base)
 
 
 @dataclass

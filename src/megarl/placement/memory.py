@@ -9,6 +9,9 @@ Training role, per GPU (mixed precision with megatron DDP and Adam):
   activations     seq x micro x hidden x 34 bytes per layer / TP (sequence-parallel layout, flash
                   attention), x layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
                   plus fp32 logits seq x micro x vocab / TP x 4
+With LoRA (`actor_rollout_ref.model.lora.rank` > 0) the actor's base weights are frozen: they hold
+parameters only (no gradient buffer, no optimizer state), and gradients and Adam states are those
+of the adapters (`lora_params`), whose activations are not counted apart (rank << hidden).
 A reference model holds parameters and logits only. A rollout server reserves
 `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
 Colocated, the peak is the larger of the training phase (all training states + the largest
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from megarl.bridge import ModelArch
 from megarl.config import ExperimentConfig
+from megarl.config.rules.lora import lora_targets
 from megarl.config.schema import MegatronConfig
 from megarl.placement.colocation import OffloadParts, offload_plan
 from megarl.placement.planner import Plan
@@ -52,12 +56,31 @@ def stage_params(arch: ModelArch, pp: int) -> int:
     return layers + embed + arch.hidden_size  # first or last stage: one vocab matrix each
 
 
+def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int) -> int:
+    """Adapter parameters of one rank of the largest pipeline stage: per target A [r, in] and
+    B [out, r]; a column-parallel base (q/k/v, gate/up) splits B over TP, a row-parallel one
+    (o, down) splits A (megarl.bridge.lora)."""
+    from megarl.bridge.lora import TARGETS
+
+    q, kv, h, f = (arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels,
+                   arch.hidden_size, arch.ffn_hidden_size)
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h),
+              "up_proj": (f, h), "down_proj": (h, f)}  # (out, in)
+    per_layer = 0
+    for target in targets:
+        out, inp = shapes[target]
+        column = TARGETS[target][1]
+        per_layer += rank * inp + out * rank / tp if column else rank * inp / tp + out * rank
+    return int(math.ceil(arch.num_layers / pp) * per_layer)
+
+
 @dataclass
 class RoleMemory:
     role: str
     states: int  # parameters + gradients + optimizer: held across phases
     offloadable: int  # part of `states` moved to host when the role offloads
     activations: int  # transient, during its own forward/backward
+    trainable: int | None = None  # LoRA: adapter parameters on this GPU (the rest frozen); None: all train
 
 
 @dataclass
@@ -74,13 +97,19 @@ class GpuEstimate:
 
 
 def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, seq: int, micro: int,
-                trains: bool, offload: OffloadParts) -> RoleMemory:
+                trains: bool, offload: OffloadParts, trainable: int | None = None) -> RoleMemory:
+    """`trainable`: parameters with gradients and optimizer state on this GPU (LoRA's adapters,
+    held in `dtype` beside the frozen base); None: all of them."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     params = stage_params(arch, pp) / tp
-    weight_bytes = params * DTYPE_BYTES[dtype]
     logits = seq * micro * arch.vocab_size / tp * 4
     if not trains:
+        weight_bytes = params * DTYPE_BYTES[dtype]
         return RoleMemory(name, int(weight_bytes), int(weight_bytes) if offload.params else 0, int(logits))
+    if trainable is not None:
+        params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
+    else:
+        weight_bytes = params * DTYPE_BYTES[dtype]
     grads = params * 4
     optimizer = params * (8 + (0 if dtype == "float32" else 4))
     if m.use_distributed_optimizer:
@@ -88,7 +117,7 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
     acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
-    return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts))
+    return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable)
 
 
 def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstimate:
@@ -100,8 +129,12 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     offloads = offload_plan(config, plan.roles)
     roles = []
     if "actor" in plan.roles:
-        roles.append(_train_role("actor", arch, arr.actor.megatron, plan.roles["actor"].dp, dtype, seq, micro, True,
-                                 offloads.get("actor", OffloadParts())))
+        m, lora = arr.actor.megatron, arr.model.lora
+        trainable = None if lora.rank <= 0 else lora_params(
+            arch, lora.rank, lora_targets(lora.target_modules), m.tensor_model_parallel_size,
+            m.pipeline_model_parallel_size)
+        roles.append(_train_role("actor", arch, m, plan.roles["actor"].dp, dtype, seq, micro, True,
+                                 offloads.get("actor", OffloadParts()), trainable))
     if "ref" in plan.roles:
         roles.append(_train_role("ref", arch, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
                                  arr.ref.log_prob_micro_batch_size_per_gpu or 1, False, offloads.get("ref", OffloadParts())))
@@ -140,6 +173,9 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
                      f"  offloadable {gib(r.offloadable):>12}")
+        if r.trainable is not None:
+            lines.append(f"  {'':<13} LoRA: {r.trainable / 1e6:.1f} M trainable parameters per GPU; the frozen base "
+                         "holds no gradients or optimizer state")
     if "rollout" in plan.roles:
         lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (KV cache for a whole step's "
                      f"responses on one server of TP {plan.roles['rollout'].tp}: {gib(est.kv_cache_needed_per_server)})")

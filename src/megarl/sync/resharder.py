@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap, canonical_name
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.lora import is_lora_param
 from megarl.bridge.mapping import TPSplit, tp_split
 from megarl.bridge.sharding import layer_index, shift_layer, unshard_tp
 from megarl.rollout.weight_group import TensorSlot, bucket_layout, dtype_name, unflatten_tensors
@@ -65,6 +66,8 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
             layer = layer_index(local_name)
             if layer is not None:
                 name = shift_layer(local_name, model.decoder.layers[layer].layer_number - 1 - layer)
+            if is_lora_param(name):
+                continue  # adapters are pushed merged into their base weights (engines.megatron.lora.merged)
             name = canonical_name(name)
             if weights.is_tied_output_copy(name):
                 continue

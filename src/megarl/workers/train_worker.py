@@ -41,5 +41,6 @@ class TrainWorker(RankedWorker):
         """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send.
         `version`: the servers' new weight_version (default the last one + 1). The metrics include
         `sync/weight_version`, the version the servers now hold."""
-        metrics = self.weight_sync.push(version)
+        with self.engine.weights_for_sync():  # with LoRA: base weights merged with their adapters
+            metrics = self.weight_sync.push(version)
         return {**metrics, "sync/weight_version": float(self.weight_sync.version)}

@@ -30,6 +30,7 @@ from megarl.config.rules.gpus import (
     placement_pools,
     rollout_servers_fit_nodes,
 )
+from megarl.config.rules.lora import lora_settings
 from megarl.config.rules.values import (
     agent_settings,
     dpo_ranges,
@@ -58,6 +59,7 @@ RULES: list[Rule] = [
     reward_model_holds_a_sequence,
     filter_groups_has_groups,
     importance_cap_range,
+    lora_settings,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,
     warmup_fits_schedule,

@@ -28,6 +28,7 @@ from megarl.engines.megatron.model import (
     transformer_engine_available,
     vocab_rows_of,
 )
+from megarl.engines.megatron.lora import LoraSpec, attach_lora, builds_with_transformer_engine, merged
 from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
@@ -68,6 +69,7 @@ class MegatronEngine:
         optim_cfg=None,
         recompute: bool = False,
         sequence_layout: Optional[Layout] = None,
+        lora: Optional[LoraSpec] = None,
     ):
         from megatron.core import parallel_state
 
@@ -85,7 +87,7 @@ class MegatronEngine:
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
-        uses_te = transformer_engine_available()
+        uses_te = builds_with_transformer_engine(transformer_engine_available(), lora is not None)
         self.sequence_layout: Layout = sequence_layout or ("packed" if uses_te else "padded")
         if self.sequence_layout == "packed" and not uses_te:
             raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")
@@ -97,6 +99,11 @@ class MegatronEngine:
             load_hf_weights(self.model_chunks, self.weight_map, self.layout, source.path, value_head, megatron_cfg.seed)
         else:
             checkpoint_io.load_torch_dist_weights(self.model_chunks, source.path)
+        self.lora = lora
+        self.lora_adapters = [] if lora is None else attach_lora(
+            self.model_chunks, self.weight_map.arch, lora, self.layout.tp,
+            parallel_state.get_tensor_model_parallel_rank(), megatron_cfg.seed, self.params_dtype, self.device,
+        )
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
         if optim_cfg is not None:
@@ -233,6 +240,11 @@ class MegatronEngine:
         metrics["tokens"] = counts["num_tokens"]
         metrics["skipped_updates"] = 0.0 if finite else 1.0
         return metrics
+
+    def weights_for_sync(self):
+        """A context in which the model chunks hold the weights to push or export: with LoRA, the
+        base weights merged with their adapters (restored exactly on exit); else the weights as they are."""
+        return merged(self.lora_adapters)
 
     # ------------------------------------------------------------------ offload
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:

@@ -27,6 +27,7 @@ from megarl.config.validate import resolve
 from megarl.data.batch import Batch
 from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_log_probs, token_values
+from megarl.engines.megatron.lora import LoraSpec
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.sequences import Layout, MicroBatch
 
@@ -55,6 +56,13 @@ def _sequence_sums(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (log_probs.double() * mask).sum(1)
 
 
+def lora_spec(lora) -> Optional[LoraSpec]:
+    """The actor's adapters from `actor_rollout_ref.model.lora` (None when its rank is 0)."""
+    from megarl.config.rules.lora import lora_targets
+
+    return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules)) if lora.rank > 0 else None
+
+
 class ActorEngine(MegatronEngine):
     """The policy: log-probs of sampled responses and PPO/GRPO-family updates
     (`actor_rollout_ref.actor`, model `actor_rollout_ref.model`)."""
@@ -74,6 +82,7 @@ class ActorEngine(MegatronEngine):
             optim_cfg=arr.actor.optim,
             recompute=arr.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
+            lora=lora_spec(arr.model.lora),
         )
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
@@ -228,8 +237,9 @@ class ActorEngine(MegatronEngine):
         """Every rank: write the current weights as an HF checkpoint (megarl.sync.export)."""
         from megarl.sync.export import export_hf
 
-        return str(export_hf(self.model_chunks, self.weight_map, out_dir, self.config.actor_rollout_ref.model.path,
-                             bucket_megabytes * 2**20))
+        with self.weights_for_sync():  # with LoRA: the merged weights
+            return str(export_hf(self.model_chunks, self.weight_map, out_dir, self.config.actor_rollout_ref.model.path,
+                                 bucket_megabytes * 2**20))
 
 
 class RefEngine(MegatronEngine):

@@ -1,0 +1,34 @@
+"""`actor_rollout_ref.model.lora` is checked at load time (megarl.config.rules.lora)."""
+import pytest
+
+from megarl.config import ConfigError, load_and_validate
+from megarl.config.rules.lora import lora_targets
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+KEY = "actor_rollout_ref.model.lora"
+
+
+def test_lora_is_off_by_default_and_all_linear_names_the_seven_peft_targets():
+    config = load_and_validate(None, REQUIRED)
+    assert config.actor_rollout_ref.model.lora.rank == 0
+    assert lora_targets(["all-linear"]) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert lora_targets(["down_proj", "q_proj"]) == ("q_proj", "down_proj")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{KEY}.rank=-1"], f"{KEY}.rank=-1: must be >= 0"),
+    ([f"{KEY}.rank=8", f"{KEY}.alpha=0"], f"{KEY}.alpha=0.0: must be positive"),
+    ([f"{KEY}.rank=8", f"{KEY}.dropout=0.1"], f"{KEY}.dropout=0.1: LoRA dropout is not supported yet"),
+    ([f"{KEY}.rank=8", f"{KEY}.target_modules=[q_proj,qkv_proj]"], f"{KEY}.target_modules: unknown ['qkv_proj']"),
+    ([f"{KEY}.rank=8", f"{KEY}.target_modules=[]"], f"{KEY}.target_modules is empty"),
+    ([f"{KEY}.rank=8", f"{KEY}.sync=adapter"], f"{KEY}.sync=adapter: adapter-only weight sync is not built yet"),
+])
+def test_bad_lora_settings_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_and_validate(None, REQUIRED + overrides)
+    assert message in str(info.value)
+
+
+def test_a_valid_lora_config_loads():
+    config = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.target_modules=[q_proj,v_proj]"])
+    assert config.actor_rollout_ref.model.lora.target_modules == ["q_proj", "v_proj"]

@@ -1,0 +1,63 @@
+"""LoRA parts without a process group: the fused-layer layout of the adapters' merged weights
+against the bridge's own HF -> megatron transforms, the PEFT names, and the TE decision."""
+import torch
+
+from megarl.bridge import arch_from_hf_config, load_hf_config
+from megarl.bridge.lora import AdapterName, is_lora_param, parse
+from megarl.bridge.sharding import shard_tp
+from megarl.bridge.transforms import merge_gate_up, merge_qkv
+from megarl.engines.megatron.lora import LoraAdapter, LoraSpec, builds_with_transformer_engine
+
+
+def _adapter(arch, kind, targets, tp, tp_rank):
+    spec = LoraSpec(rank=3, alpha=6.0, targets=tuple(targets))
+    adapter = LoraAdapter(kind, 1, targets, spec, arch, tp, tp_rank, seed=0, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(tp_rank)
+    with torch.no_grad():
+        for name, p in adapter.named_parameters():  # B is 0 at init: give every factor values
+            p.copy_(torch.randn(p.shape, generator=g))
+    return adapter
+
+
+def test_merged_qkv_and_fc1_deltas_follow_the_bridges_layout(tiny_models):
+    arch = arch_from_hf_config(load_hf_config(tiny_models["qwen2"]))
+    nh, ng, d = arch.num_attention_heads, arch.num_query_groups, arch.kv_channels
+    for tp in (1, 2):
+        for rank in range(tp):
+            qkv = _adapter(arch, "qkv", ["q_proj", "v_proj"], tp, rank)  # k not adapted: its rows stay 0
+            full = {}
+            for t in ("q_proj", "v_proj"):
+                a, b = qkv.factors(t)
+                full[t] = 2.0 * b @ a  # this rank's rows of scale x B A in HF order
+            k_rows = torch.zeros(ng // tp * d, arch.hidden_size)
+            # the bridge's merge_qkv on this rank's groups (TP splits whole query groups) is the oracle
+            expected = merge_qkv(full["q_proj"], k_rows, full["v_proj"], nh // tp, ng // tp, d)
+            torch.testing.assert_close(qkv.delta_weight(), expected)
+            fc1 = _adapter(arch, "fc1", ["gate_proj", "up_proj"], tp, rank)
+            gate, up = (2.0 * fc1.factors(t)[1] @ fc1.factors(t)[0] for t in ("gate_proj", "up_proj"))
+            torch.testing.assert_close(fc1.delta_weight(), merge_gate_up(gate, up))
+
+
+def test_row_parallel_adapters_split_a_and_start_the_same_at_every_tp(tiny_models):
+    arch = arch_from_hf_config(load_hf_config(tiny_models["qwen2"]))
+    spec = LoraSpec(rank=3, alpha=6.0, targets=("down_proj",))
+    whole = LoraAdapter("row", 1, ["down_proj"], spec, arch, 1, 0, 0, torch.float32, torch.device("cpu"))
+    for rank in range(2):
+        half = LoraAdapter("row", 1, ["down_proj"], spec, arch, 2, rank, 0, torch.float32, torch.device("cpu"))
+        assert torch.equal(half.down_proj_A, shard_tp(AdapterName(1, "down_proj", "A").tp, whole.down_proj_A, 2, rank))
+        assert half.down_proj_A.shape == (3, arch.ffn_hidden_size // 2) and half.down_proj_A.partition_dim == 1
+        assert torch.equal(half.down_proj_B, torch.zeros(arch.hidden_size, 3))  # B = 0: the model starts as the base
+
+
+def test_names():
+    name = "module.decoder.layers.7.self_attention.linear_qkv_lora.k_proj_B"
+    assert is_lora_param(name) and not is_lora_param("decoder.layers.7.self_attention.linear_qkv.weight")
+    assert parse(name).peft == "base_model.model.model.layers.7.self_attn.k_proj.lora_B.weight"
+    assert parse(name).hf_base == "model.layers.7.self_attn.k_proj.weight"
+
+
+def test_a_lora_role_never_uses_transformer_engine_layers():
+    assert builds_with_transformer_engine(True, lora=False)
+    assert not builds_with_transformer_engine(True, lora=True)
+    assert not builds_with_transformer_engine(False, lora=False)
