@@ -68,7 +68,8 @@ class Rollout:
 def _sample_state(s: Sample) -> dict:
     return {"token_ids": list(s.token_ids), "logprobs": None if s.logprobs is None else list(s.logprobs),
             "finish_reason": s.finish_reason, "matched": s.matched, "text": s.text,
-            "weight_version": s.weight_version}
+            "weight_version": s.weight_version,
+            "weight_versions": None if s.weight_versions is None else list(s.weight_versions)}
 
 
 # generate(index, version, prompt_indices or None: the sampler's next batch) -> Rollout
