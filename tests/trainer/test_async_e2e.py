@@ -95,9 +95,10 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
 
 
-def test_fully_async_never_trains_past_max_staleness(split_cluster):
+def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster):
     cluster, trainer, out = split_cluster
-    run = new_trainer(trainer, {"total_training_steps": 4, "save_freq": -1}, mode="fully_async", max_staleness=2)
+    keys = {"total_training_steps": 4, "experiment_name": "fully_async"}
+    run = new_trainer(trainer, keys, mode="fully_async", max_staleness=2)
     seen = spy_on_rollouts(run)
     tracker = Recorder()
     run.fit(tracker)
@@ -105,4 +106,17 @@ def test_fully_async_never_trains_past_max_staleness(split_cluster):
     assert max(staleness) <= 2 and all(tracker.rows[s]["async/dropped_samples"] == 0 for s in (1, 2, 3, 4))
     # The gate: rollout j started at a version of at least j - 2; trained at version j.
     assert all(version >= index - 2 for index, version, _ in seen)
-    assert staleness == [float(i - v) for i, v, _ in seen]
+    assert staleness == [float(i - v) for i, v, _ in seen[:4]]
+
+    # Resumed from step 2's checkpoint, the batches it had generated are trained exactly as in
+    # the uninterrupted run (which versions generate the later ones depends on timings).
+    resumed = new_trainer(trainer, keys, mode="fully_async", max_staleness=2)
+    resumed.load_state_dict(cluster.load_checkpoint(dict(complete_checkpoints(out / "megarl-tiny" / "fully_async"))[2]))
+    buffered = [(r.index, r.version) for r in resumed.producer.ready]
+    assert buffered and buffered == [(i, v) for i, v, _ in seen if i in dict(buffered)]
+    again = Recorder()
+    resumed.fit(again)
+    assert sorted(again.rows) == [3, 4]
+    for index, _ in buffered:
+        step = index + 1
+        assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
