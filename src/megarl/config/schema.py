@@ -368,6 +368,19 @@ class PlacementConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """How generation overlaps training (verl's `async_training.*` in spirit; see
+    megarl.trainer.async_rollout). sync: generate -> train -> push, strictly in turn.
+    one_step_off: step k+1's batch generates with weights k while step k trains (staleness 1).
+    fully_async: a producer generates batches whenever the servers are free, at most
+    `max_staleness` weight versions ahead of training; split placement only."""
+
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    max_staleness: int = 1  # weight versions (updates) a trained sample may lag the actor; fully_async
+    stale_samples: Literal["drop", "regenerate"] = "drop"  # a batch past the bound: dropped, or generated again
+
+
+@dataclass
 class ExperimentConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -377,3 +390,4 @@ class ExperimentConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

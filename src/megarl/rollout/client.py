@@ -39,6 +39,7 @@ class Sample:
     matched: int | str | None  # the stop token id or stop string, for "stop"
     text: str
     weight_version: Optional[str]
+    weight_versions: Optional[list[str]] = None  # per token, for a partial rollout continued across versions
 
     @classmethod
     def from_sglang(cls, output: dict[str, Any]) -> Sample:
@@ -106,8 +107,11 @@ class RolloutClient:
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         abort_urls: Optional[list[str]] = None,
+        continue_aborted: bool = False,
     ):
-        """`abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`)."""
+        """`abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
+        `continue_aborted` (partial rollouts): a sample the server aborted (`/pause_generation`)
+        is continued from its tokens instead of generated again (`_continue`)."""
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.max_concurrency = max_concurrency
@@ -116,6 +120,7 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self.max_backoff_s = max_backoff_s
         self.abort_urls = abort_urls or [self.url]
+        self.continue_aborted = continue_aborted
         self._aborting = threading.Event()
 
     # ---------------------------------------------------------------- public API
@@ -195,6 +200,9 @@ class RolloutClient:
                 sent = time.monotonic()
                 try:
                     samples = await self._attempt(session, index, payload, sampling.n)
+                    if self.continue_aborted:
+                        samples = [await self._continue(session, index, prompt, sampling, j, s, return_logprob)
+                                   for j, s in enumerate(samples)]
                 except _Retry as e:
                     if attempts > self.max_retries:
                         why = f"gave up after {attempts} attempts: {e}"
@@ -238,5 +246,36 @@ class RolloutClient:
             status_code = aborts[0].get("status_code")
             if status_code is not None and 400 <= status_code < 500:
                 raise RolloutRequestError(index, status_code, aborts[0].get("message", "aborted"))
-            raise _Retry(f"aborted by the server: {aborts[0].get('message')}")  # not ours: regenerate
+            if not self.continue_aborted:
+                raise _Retry(f"aborted by the server: {aborts[0].get('message')}")  # not ours: regenerate
         return samples
+
+    async def _continue(self, session: aiohttp.ClientSession, index: int, prompt: list[int],
+                        sampling: SamplingParams, j: int, sample: Sample, return_logprob: bool) -> Sample:
+        """Partial rollouts (as AReaL and verl do it over SGLang): sample `j`, aborted by a pause, is
+        sent again as prompt + its tokens for the tokens it still lacks; the request waits at the
+        server until `/continue_generation`, so the rest comes from the weights pushed meanwhile.
+        Log-probs are each token's own, from the weights that sampled it; `weight_versions` holds
+        each token's version when they differ (`weight_version`: the last part's)."""
+        versions = [sample.weight_version] * len(sample.token_ids)
+        retries = 0
+        while sample.finish_reason == "abort" and not self._aborting.is_set():
+            left = sampling.max_new_tokens - len(sample.token_ids)
+            if left <= 0:
+                break
+            seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
+            payload = {"input_ids": list(prompt) + list(sample.token_ids), "return_logprob": return_logprob,
+                       "sampling_params": replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed).to_json()}
+            try:
+                (part,) = await self._attempt(session, index, payload, 1)
+            except _Retry:
+                retries += 1
+                if retries > self.max_retries:
+                    raise
+                await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** (retries - 1)))
+                continue
+            versions += [part.weight_version] * len(part.token_ids)
+            logprobs = None if sample.logprobs is None or part.logprobs is None else sample.logprobs + part.logprobs
+            sample = Sample(sample.token_ids + part.token_ids, logprobs, part.finish_reason, part.matched,
+                            sample.text + part.text, part.weight_version)
+        return replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample

@@ -93,6 +93,14 @@ class ServerControl:
     def abort(self, rid: str) -> None:
         self._call("POST", "/abort_request", {"rid": rid})
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's `/pause_generation`: "abort" returns running requests' tokens so far (finish_reason
+        abort); requests sent until `continue_generation` wait. Weight updates may run meanwhile."""
+        self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
     # ---------------------------------------------------------------- memory
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         """Free GPU memory (`weights`, `kv_cache`, `cuda_graph`; None = all). The server must be idle."""

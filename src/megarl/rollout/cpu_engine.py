@@ -168,6 +168,7 @@ class CPUEngine:
         self.context_length = context_length or self.config.max_position_embeddings
         self.max_running_requests = max_running_requests
         self.weight_version = weight_version
+        self.paused = False  # /pause_generation: no batch starts until /continue_generation
         self.released: set[str] = set()
         self.num_finished = 0
         self.last_gen_throughput = 0.0  # generated tokens/s of the last batch
@@ -254,8 +255,29 @@ class CPUEngine:
             self._finish(seq, finish_abort("Aborted before the request started running."))
         return len(hit)
 
+    def pause_generation(self, mode: str) -> None:
+        """SGLang 0.5.23 `/pause_generation` (`managers/tokenizer_manager.py::pause_generation`):
+        mode "abort" aborts every request, running ones return their tokens so far with
+        finish_reason abort, and requests sent while paused wait for `continue_generation`;
+        weight updates may run meanwhile. SGLang's "retract" and "in_place" keep requests to
+        resume them with their KV cache, which this engine does not hold: refused."""
+        if mode != "abort":
+            raise BadRequestError(f"pause_generation mode {mode!r}: megarl's CPU engine implements 'abort' only")
+        with self._cond:
+            self.paused = True
+        self.abort(abort_all=True)
+
+    def continue_generation(self) -> None:
+        """SGLang 0.5.23 `/continue_generation`: waiting requests run again."""
+        with self._cond:
+            self.paused = False
+            self._cond.notify_all()
+
     def is_idle(self) -> bool:
-        return self.num_waiting == 0 and self.num_running == 0
+        """Nothing running or queued. While paused, requests sent since wait outside the scheduler
+        in SGLang (`tokenizer_manager.py`: `is_pause_cond`), so they do not count (a weight update
+        may flush the cache then)."""
+        return self.num_running == 0 and (self.paused or self.num_waiting == 0)
 
     @property
     def num_waiting(self) -> int:
@@ -336,7 +358,7 @@ class CPUEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopped:
+                while (not self._waiting or self.paused) and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return

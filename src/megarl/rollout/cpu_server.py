@@ -22,7 +22,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import uvicorn
@@ -94,6 +94,29 @@ class BeginWeightUpdateReq(BaseModel):
 class AbortReq(BaseModel):
     rid: str = ""
     abort_all: bool = False
+
+
+class PauseGenerationReq(BaseModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"  # SGLang 0.5.23 `PauseGenerationReqInput`
+
+
+class ContinueGenerationReq(BaseModel):
+    torch_empty_cache: bool = True  # SGLang 0.5.23 `ContinueGenerationReqInput` (nothing to free on CPU)
+
+
+def add_pause_routes(app: FastAPI, engine: CPUEngine) -> None:
+    """SGLang 0.5.23's `/pause_generation` and `/continue_generation` (`entrypoints/http_server.py`):
+    same request fields and replies (partial rollouts: abort, update the weights, continue)."""
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationReq):
+        engine.pause_generation(req.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(req: Optional[ContinueGenerationReq] = None):
+        engine.continue_generation()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 class ApiKeyMiddleware:
@@ -394,6 +417,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
             req.weight_version, req.flush_cache, "Succeeded to update model weights.", num_paused_requests=0
         )
 
+    add_pause_routes(app, engine)
     return app
 
 

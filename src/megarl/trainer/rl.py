@@ -10,6 +10,10 @@ fleet (servers behind the router) placed by the planner. Colocated and split pla
 same loop; colocation adds releasing the rollout servers' memory and onloading the training roles
 before training (`before_training`), and offloading them again after the push, before the servers
 resume their KV cache (inside `sync_weights`; see megarl.placement.colocation).
+
+With `async_training.mode` one_step_off or fully_async, a producer thread generates the coming
+steps' batches while this one trains (megarl.trainer.async_rollout): the step takes its batch from
+the producer instead of generating it, and the push waits for the generation running.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
+from megarl.trainer.async_rollout import Rollout, RolloutProducer
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
 
@@ -109,6 +114,10 @@ class RLTrainer:
             from megarl.agents.runner import AgentRunner
 
             self.agent = AgentRunner.from_config(config, cluster.rollout.client, tokenizer, score_fn)
+        a = config.async_training
+        self.producer = None if a.mode == "sync" else RolloutProducer(
+            self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
+            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -135,6 +144,31 @@ class RLTrainer:
                 self.score(baseline)
                 batch["reward_baselines"] = baseline["scores"].repeat_interleave(rollout.n)
                 metrics["reward/remax_baseline_mean"] = baseline["scores"].mean().item()
+        return batch, metrics
+
+    def generate_rollout(self, index: int, version: int, prompt_indices: list[int] | None = None) -> Rollout:
+        """Async modes, in the producer thread: rollout `index` (step `index`'s batch: the sampler's
+        next prompts, or `prompt_indices`, with the uids and seeds the synchronous step would use)
+        from the servers at weight `version`."""
+        c = self.config
+        prompts = self.train_data.take(self.sampler.next_batch() if prompt_indices is None else prompt_indices)
+        uid_prefix = f"s{index}"
+        seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
+        start = time.perf_counter()
+        result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
+        return Rollout(index, uid_prefix, [p.index for p in prompts], result.samples, version,
+                       result.metrics.as_dict(), time.perf_counter() - start)
+
+    def take_rollout(self, timer: Timer) -> tuple:
+        """Async modes: the producer's next rollout as a scored batch: (batch, metrics).
+        `timing/generate_s` is the time this step waited for it."""
+        with timer("generate"):
+            rollout, metrics = self.producer.take()
+        batch = experience.experience_batch(self.train_data.take(rollout.prompt_indices), rollout.samples,
+                                            uid_prefix=rollout.uid_prefix)
+        metrics.update(rollout.metrics)
+        with timer("reward"):
+            metrics.update(self.score(batch))
         return batch, metrics
 
     def score(self, batch: Batch) -> dict:
@@ -181,7 +215,7 @@ class RLTrainer:
         rollout = c.actor_rollout_ref.rollout
         step_start = time.perf_counter()
 
-        batch, metrics = self.collect_experience(timer)
+        batch, metrics = self.collect_experience(timer) if self.producer is None else self.take_rollout(timer)
         cl.before_training()
 
         with timer("old_log_prob"):
@@ -209,8 +243,13 @@ class RLTrainer:
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
+        if self.producer is not None:
+            with timer("wait_rollout"):  # the push lands between generations
+                self.producer.pause()
         with timer("sync_weights"):
             metrics.update(cl.sync_weights())
+        if self.producer is not None:
+            self.producer.pushed(self.step + 1)
         metrics.update(cl.offload_metrics())
 
         metrics.update(experience.data_metrics(batch))
@@ -261,7 +300,7 @@ class RLTrainer:
         if t.val_before_train and self.val_data is not None and self.step == 0:
             tracker.log(self.validate(), step=self.step)
         metrics = {}
-        with StopRequest() as stop:
+        with StopRequest() as stop, self._producer_stopped():
             while self.step < self.total_steps:
                 stop.step = self.step
                 metrics = self.train_step()
@@ -276,6 +315,15 @@ class RLTrainer:
                     raise Preempted(stop.signum, self.step, str(saved or self.save_checkpoint()))
         return metrics
 
+    @contextmanager
+    def _producer_stopped(self):
+        """The producer thread (async modes) ends with the loop, however it ends."""
+        try:
+            yield
+        finally:
+            if self.producer is not None:
+                self.producer.stop()
+
     def save_checkpoint(self) -> Path:
         return self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
 
@@ -284,14 +332,20 @@ class RLTrainer:
         return Path(t.default_local_dir) / t.project_name / t.experiment_name
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "torch_rng": torch.get_rng_state()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "torch_rng": torch.get_rng_state()}
+        if self.producer is not None:  # the generated batches not trained on yet, with their versions
+            state["async"] = self.producer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["torch_rng"])
+        if self.producer is not None:  # the servers now hold the checkpoint's weights: version `step`
+            self.producer.load_state_dict(state.get("async") or {"next_index": self.step, "extra": 0, "ready": []})
+            self.producer.pushed(self.step)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from megarl.config.rules.async_modes import async_modes_fit_the_loop
 from megarl.config.rules.choices import (
     filter_groups_has_groups,
     gae_has_critic,
@@ -71,6 +72,7 @@ RULES: list[Rule] = [
     rollout_engine_fits_device,
     weight_sync_transport_fits_devices,
     placement_pools,
+    async_modes_fit_the_loop,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     batch_arithmetic,

@@ -1,0 +1,33 @@
+"""Rules of the asynchronous training modes (`async_training.*`, megarl.trainer.async_rollout)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.schema import ExperimentConfig
+
+
+def async_modes_fit_the_loop(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Overlapping generation with training needs servers of their own (split placement: colocated,
+    the servers release their memory while the engines train, so nothing could overlap), one batch
+    of prompts per step (no DAPO rounds, no ReMax greedy baseline, no agent episodes) and, in
+    fully_async, a staleness bound of at least one version.
+
+    Reads: async_training.mode, async_training.max_staleness, placement.mode,
+    algorithm.filter_groups.enable, algorithm.adv_estimator, actor_rollout_ref.rollout.agent.path
+    """
+    a = config.async_training
+    if a.mode == "sync":
+        return
+    if config.placement.mode != "split":
+        yield (f"async_training.mode={a.mode} overlaps generation with training: it needs placement.mode=split "
+               f"(with placement.rollout_gpus=N), not placement.mode={config.placement.mode}")
+    if a.mode == "fully_async" and a.max_staleness < 1:
+        yield (f"async_training.max_staleness={a.max_staleness}: fully_async needs at least 1 (weight versions); "
+               "0 is async_training.mode=sync")
+    if config.algorithm.filter_groups.enable:
+        yield f"algorithm.filter_groups.enable=true is not supported with async_training.mode={a.mode} (use sync)"
+    if config.algorithm.adv_estimator == "remax":
+        yield f"algorithm.adv_estimator=remax is not supported with async_training.mode={a.mode} (use sync)"
+    if config.actor_rollout_ref.rollout.agent.path:
+        yield f"actor_rollout_ref.rollout.agent.path is not supported with async_training.mode={a.mode} (use sync)"

@@ -1,0 +1,42 @@
+"""The async_training keys at load time (rule `async_modes_fit_the_loop`)."""
+import pytest
+
+from megarl.config import ConfigError, load_and_validate
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+SPLIT = ["placement.mode=split", "placement.rollout_gpus=4"]
+
+
+def errors(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_and_validate(None, REQUIRED + list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_overlap_needs_split_placement_and_the_error_names_the_keys(mode):
+    message = errors(f"async_training.mode={mode}")
+    assert f"async_training.mode={mode}" in message and "placement.mode=split" in message
+    assert load_and_validate(None, REQUIRED + SPLIT + [f"async_training.mode={mode}"]).async_training.mode == mode
+
+
+def test_sync_stays_the_default_and_needs_nothing():
+    assert load_and_validate(None, REQUIRED).async_training.mode == "sync"
+
+
+def test_fully_async_needs_a_staleness_bound_of_one_version_or_more():
+    assert "async_training.max_staleness=0" in errors(*SPLIT, "async_training.mode=fully_async",
+                                                      "async_training.max_staleness=0")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
+    ("algorithm.adv_estimator=remax", "algorithm.adv_estimator=remax"),
+])
+def test_loops_of_more_than_one_batch_per_step_are_refused(override, key):
+    assert key in errors(*SPLIT, "async_training.mode=one_step_off", override)
+
+
+def test_an_unknown_mode_or_policy_is_refused():
+    assert "async_training.mode" in errors(*SPLIT, "async_training.mode=async")
+    assert "async_training.stale_samples" in errors(*SPLIT, "async_training.stale_samples=keep")

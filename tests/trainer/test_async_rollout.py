@@ -1,0 +1,133 @@
+"""The rollout producer's schedule on its own (megarl.trainer.async_rollout): the versions that
+generate each rollout, the staleness bound, dropping or regenerating stale rollouts, and its
+checkpoint state. The generation is a plain function here (no servers): it records the version
+it was given and returns that many samples; the servers' side is tested in test_async_e2e.py."""
+import io
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.rollout.client import Sample
+from megarl.trainer.async_rollout import Rollout, RolloutProducer
+
+
+class Generation:
+    """generate(index, version, prompt_indices): one prompt per rollout, its prompt index the
+    rollout index unless given; sleeps `seconds` (the servers' time)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, index, version, prompt_indices):
+        self.calls.append((index, version, prompt_indices))
+        time.sleep(self.seconds)
+        sample = Sample([index, version], [-0.5, -0.25], "length", None, "ab", str(version))
+        return Rollout(index, f"s{index}", prompt_indices or [index], [[sample, sample]], version, generate_s=self.seconds)
+
+
+def run(producer: RolloutProducer, steps: int, train_s: float) -> list[dict]:
+    """The controller's side of `steps` steps: take, train (sleep), pause, push."""
+    metrics = []
+    try:
+        for step in range(steps):
+            rollout, m = producer.take()
+            assert rollout.index == step
+            time.sleep(train_s)
+            producer.pause()
+            producer.pushed(step + 1)
+            metrics.append(m)
+    finally:
+        producer.stop()
+    return metrics
+
+
+@pytest.mark.parametrize("gen_s,train_s", [(0.0, 0.05), (0.05, 0.0)])
+def test_one_step_off_generates_rollout_j_with_version_j_minus_1_whatever_the_timings(gen_s, train_s):
+    generation = Generation(gen_s)
+    producer = RolloutProducer(generation, max_staleness=1, fill_window=True, limit=5)
+    metrics = run(producer, 5, train_s)
+    assert [(i, v) for i, v, _ in generation.calls] == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_fully_async_runs_ahead_up_to_max_staleness_and_never_past_it():
+    generation = Generation(0.0)  # generation faster than training: the gate alone holds it back
+    producer = RolloutProducer(generation, max_staleness=2, limit=6)
+    metrics = run(producer, 6, 0.05)
+    assert [(i, v) for i, v, _ in generation.calls] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 2), (5, 3)]
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert all(m["async/dropped_samples"] == 0 for m in metrics)
+
+
+def test_fully_async_with_slow_generation_trains_fresher_rollouts():
+    generation = Generation(0.05)
+    producer = RolloutProducer(generation, max_staleness=3, limit=4)
+    metrics = run(producer, 4, 0.0)
+    assert all(0 <= m["async/staleness_max"] <= 3 for m in metrics)
+    assert all(index - version <= 3 for index, version, _ in generation.calls)
+
+
+def stale_producer(stale_samples: str, generation: Generation) -> RolloutProducer:
+    """A producer resumed at version 5 with max_staleness 2 from a checkpoint that holds rollout 3,
+    generated at version 0 (e.g. saved by a run with a larger bound)."""
+    producer = RolloutProducer(generation, max_staleness=2, stale_samples=stale_samples, limit=8)
+    old = Generation()(3, 0, [42])
+    producer.load_state_dict({"next_index": 4, "extra": 0, "ready": [old.state_dict()]})
+    producer.pushed(5)
+    return producer
+
+
+def test_a_rollout_past_the_bound_is_dropped_and_counted():
+    generation = Generation()
+    producer = stale_producer("drop", generation)
+    try:
+        rollout, metrics = producer.take()
+    finally:
+        producer.stop()
+    assert metrics["async/dropped_samples"] == 2 and metrics["async/staleness_max"] == 0.0
+    assert (rollout.index, rollout.version) == (4, 5) and producer.limit == 9
+
+
+def test_a_rollout_past_the_bound_is_regenerated_with_its_prompts():
+    generation = Generation()
+    producer = stale_producer("regenerate", generation)
+    try:
+        rollout, metrics = producer.take()
+    finally:
+        producer.stop()
+    assert generation.calls[0] == (3, 5, [42])  # same rollout, same prompts, current weights
+    assert (rollout.index, rollout.version, rollout.prompt_indices) == (3, 5, [42])
+    assert metrics["async/regenerated_samples"] == 2 and metrics["async/staleness_max"] == 0.0
+
+
+def test_the_state_round_trips_through_a_weights_only_checkpoint():
+    generation = Generation()
+    producer = RolloutProducer(generation, max_staleness=2, fill_window=True, limit=4)  # pause: 1 and 2 done
+    producer.take()
+    producer.pause()
+    producer.pushed(1)
+    state = producer.state_dict()
+    producer.stop()
+    buffer = io.BytesIO()
+    torch.save({"async": state}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["async"]
+    assert loaded == state and [r["index"] for r in state["ready"]] == [1, 2]
+    again = RolloutProducer(generation, max_staleness=2, limit=4)
+    again.load_state_dict(loaded)
+    assert [(r.index, r.version, r.samples[0][0].weight_version) for r in again.ready] == [(1, 0, "0"), (2, 0, "0")]
+
+
+def test_a_failed_generation_surfaces_in_the_controller():
+    def broken(index, version, prompt_indices):
+        raise ConnectionError("server gone")
+
+    producer = RolloutProducer(broken, max_staleness=1, limit=2, wait_timeout_s=30)
+    try:
+        with pytest.raises(RuntimeError, match="server gone"):
+            producer.take()
+    finally:
+        producer.stop()
+    assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
