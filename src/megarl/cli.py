@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megarl.config import load_and_validate, load_config, to_yaml
-from megarl.config.args import add_experiment_args, entry_point
+from megarl.config import load_and_validate, load_config, to_yaml, validate
+from megarl.config.args import add_experiment_args, entry_point, experiment_file
 
 
 def _config_show(args) -> int:
     config = load_config(args.config, args.overrides)
     if not args.no_validate:
-        config = load_and_validate(args.config, args.overrides)
+        config = validate(config)
     sys.stdout.write(to_yaml(config))
     return 0
 
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(args.overrides) + extra  # overrides given after an option
+    if hasattr(args, "config"):
+        args.config = experiment_file(args)
     return args.func(args)
 
 

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from megarl.config import batch_plan, load_and_validate
-from megarl.config.args import add_experiment_args, entry_point
+from megarl.config.args import add_experiment_args, entry_point, experiment_file
 from megarl.trainer.preflight import check_environment
 
 
@@ -40,7 +40,7 @@ def describe(config) -> str:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(experiment_file(args), args.overrides)
     print(describe(config))
     if args.dry_run:
         print("config OK (dry run: stopping after validation)")

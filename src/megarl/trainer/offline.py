@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 
 from megarl.config import ExperimentConfig, load_and_validate
-from megarl.config.args import add_experiment_args
+from megarl.config.args import add_experiment_args, experiment_file
 from megarl.trainer.preflight import check_environment
 
 
@@ -47,7 +47,7 @@ def offline_main(prog: str, description: str, run: str, argv: list[str] | None) 
     add_experiment_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
     args = parser.parse_intermixed_args(argv)
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(experiment_file(args), args.overrides)
     if args.dry_run:
         print("config OK (dry run: stopping after validation)")
         return 0
