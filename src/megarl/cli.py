@@ -18,6 +18,7 @@ def _config_show(args) -> int:
 
 def _plan(args) -> int:
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.bridge.hub import local_model_dir
     from megarl.config.devices import devices_from_config
     from megarl.placement import format_gpu_map, plan_from_config
     from megarl.placement.from_config import offline_plan
@@ -32,9 +33,10 @@ def _plan(args) -> int:
         print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
     if args.trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
         print(devices_from_config(config, cuda_available=config.trainer.device != "cpu").summary())
-    model_dir = config.actor_rollout_ref.model.path
-    try:
-        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model_dir}/config.json")
+    model = config.actor_rollout_ref.model.path
+    try:  # a hub id: its config.json alone, into the HF cache
+        model_dir = local_model_dir(model, "actor_rollout_ref.model.path", allow_patterns=["config.json"])
+        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
     except (ConversionError, OSError) as error:
         print(f"memory estimate skipped: {error}")
         return 0
@@ -115,17 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")
     add_experiment_args(train)
-    train.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    train.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     train.set_defaults(func=_trainer("main_ppo"))
 
     sft = sub.add_parser("sft", help="run supervised fine-tuning (same as python -m megarl.trainer.main_sft)")
     add_experiment_args(sft)
-    sft.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    sft.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     sft.set_defaults(func=_trainer("main_sft"))
 
     dpo = sub.add_parser("dpo", help="run offline DPO (same as python -m megarl.trainer.main_dpo)")
     add_experiment_args(dpo)
-    dpo.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    dpo.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     dpo.set_defaults(func=_trainer("main_dpo"))
 
     check = sub.add_parser("check-cluster", help="check the running Ray cluster against the config's placement plan "

@@ -69,13 +69,15 @@ def test_other_unknown_keys_are_still_errors():
 def _megarl_python_as_python3(tmp_path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # keeps the venv's sys.prefix
+    (bin_dir / "python3").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
 
 
 def test_verl_megatron_example_script_validates(tmp_path):
-    """verl's run_qwen2-7b_math_megatron.sh, unchanged but for the module name: the config validates
-    (what stops it here is only this machine: no data, no model, no GPU)."""
+    """verl's run_qwen2-7b_math_megatron.sh, unchanged but for the module name: the config validates;
+    what stops its dry run here is only this machine (no data, the model not in the HF cache, no GPU)."""
     r = subprocess.run(["bash", str(HERE / "verl/run_qwen2-7b_math_megatron.sh"), "--dry-run"], cwd=tmp_path,
                        env=_megarl_python_as_python3(tmp_path), capture_output=True, text=True, timeout=120)
     assert "config OK" in r.stdout, r.stderr
@@ -83,6 +85,9 @@ def test_verl_megatron_example_script_validates(tmp_path):
     assert "1024 prompts x n=5 = 5120 responses" in r.stdout
     assert "actor_rollout_ref.rollout.mode (verl key" in r.stderr
     assert "--config-name=ppo_megatron_trainer.yaml: verl's packaged base config" in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"data.train_files: file not found: {tmp_path}/data/gsm8k/train.parquet" in r.stderr
+    assert "'Qwen/Qwen2-7B-Instruct': HF_HUB_OFFLINE=1 and it is not in the HF cache" in r.stderr
 
 
 def test_config_path_and_name_read_a_local_file(tmp_path):

@@ -52,7 +52,6 @@ VERL_KEYS: dict[str, VerlKey] = {
     "trainer.default_hdfs_dir": VerlKey("megarl writes checkpoints to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": VerlKey("megarl keeps checkpoints (see trainer.max_actor_ckpt_to_keep)"),
     "ray_init.*": VerlKey("megarl starts or joins Ray itself (megarl.launch)"),
-    "data.return_raw_chat": VerlKey("megarl's rollout always sends the chat through the tokenizer's chat template"),
     # verl's newer name for the learning-rate schedule
     "actor_rollout_ref.actor.optim.lr_scheduler_type": VerlKey(
         "megarl names the schedule warmup_style", "actor_rollout_ref.actor.optim.warmup_style"),
@@ -67,6 +66,8 @@ VERL_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
     ("actor_rollout_ref.actor.strategy", "fsdp"): ("megatron", _FSDP),
     ("actor_rollout_ref.actor.strategy", "fsdp2"): ("megatron", _FSDP),
     ("critic.strategy", "fsdp"): ("megatron", _FSDP),
+    # verl scripts pass `data.return_raw_chat=$return_raw_chat` with the variable unset: Hydra reads ''
+    ("data.return_raw_chat", ""): (False, "an empty value is false, as in verl"),
 }
 
 

@@ -9,13 +9,13 @@ import sys
 
 from megarl.config import batch_plan, load_and_validate
 from megarl.config.args import add_experiment_args, entry_point, experiment_file
-from megarl.trainer.preflight import check_environment
+from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, check_environment
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megarl.trainer.main_ppo", description=__doc__)
     add_experiment_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     return parser
 
 
@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     config = load_and_validate(experiment_file(args), args.overrides)
     print(describe(config))
+    print("config OK; checking data, model and this machine")
+    config = check_environment(config, "rl")  # seconds, before Ray or any server starts
     if args.dry_run:
-        print("config OK (dry run: stopping after validation)")
+        print(DRY_RUN_OK)
         return 0
-    check_environment(config)
     from megarl.algos.dapo import DynamicSamplingExhausted
     from megarl.placement.worker_group import WorkerGroupError
     from megarl.rewards.batch import RewardFunctionError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megarl.config import ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
-from megarl.trainer.preflight import check_environment
+from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
 
 
 def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
@@ -40,18 +40,19 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
         tracker.finish()
 
 
-def offline_main(prog: str, description: str, run: str, argv: list[str] | None) -> int:
+def offline_main(prog: str, description: str, run: str, argv: list[str] | None, kind: Kind) -> int:
     """`prog [--config X.yaml] [--dry-run] key.path=value ...`: validate, check the machine, then
     call `run` ("module:function", imported only then) with the config."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_experiment_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     args = parser.parse_intermixed_args(argv)
     config = load_and_validate(experiment_file(args), args.overrides)
+    print("config OK; checking data, model and this machine")
+    config = check_environment(config, kind)  # seconds, before Ray starts
     if args.dry_run:
-        print("config OK (dry run: stopping after validation)")
+        print(DRY_RUN_OK)
         return 0
-    check_environment(config)
     module, function = run.split(":")
     getattr(importlib.import_module(module), function)(config)
     return 0
