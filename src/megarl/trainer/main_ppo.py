@@ -9,6 +9,7 @@ import sys
 
 from megarl.config import batch_plan, load_and_validate
 from megarl.config.args import add_experiment_args, entry_point, experiment_file
+from megarl.trainer.failures import run_and_report
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, check_environment
 
 
@@ -47,25 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(DRY_RUN_OK)
         return 0
-    from megarl.algos.dapo import DynamicSamplingExhausted
-    from megarl.placement.worker_group import WorkerGroupError
-    from megarl.rewards.batch import RewardFunctionError
-    from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from megarl.trainer.rl import NonFiniteTrainingError
-    from megarl.trainer.rollout_fleet import RolloutServerLost
-
-    try:
-        run(config)
-    except Preempted as stopped:
-        print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
-              file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
-    except (WorkerGroupError, RolloutServerLost, RewardFunctionError, NonFiniteTrainingError,
-            DynamicSamplingExhausted) as error:
-        print(f"megarl: the run stopped: {error}\nmegarl: with trainer.resume_mode=auto the next run continues from "
-              "the last checkpoint", file=sys.stderr)
-        return 1
-    return 0
+    return run_and_report(run, config)
 
 
 def run(config) -> dict:

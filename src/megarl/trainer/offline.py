@@ -53,6 +53,7 @@ def offline_main(prog: str, description: str, run: str, argv: list[str] | None, 
     if args.dry_run:
         print(DRY_RUN_OK)
         return 0
+    from megarl.trainer.failures import run_and_report
+
     module, function = run.split(":")
-    getattr(importlib.import_module(module), function)(config)
-    return 0
+    return run_and_report(getattr(importlib.import_module(module), function), config)
