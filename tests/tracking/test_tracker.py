@@ -78,11 +78,39 @@ def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
     assert matplotlib.image.imread(plot).shape[:2] == (height, width)  # the file holds this figure
 
 
-def test_console_prints_one_plain_line_per_step_when_not_a_terminal():
-    out = io.StringIO()
-    console = ConsoleLogger(total_steps=10, stream=out)
+def test_console_prints_one_plain_line_per_step_with_progress_and_eta_when_not_a_terminal():
+    """Off a terminal (a Slurm log) each line says how far the run is and how long is left."""
+    out, now = io.StringIO(), [1000.0]
+    console = ConsoleLogger(total_steps=10, stream=out, clock=lambda: now[0])
+    now[0] += 30.0  # validation before training
+    console.log({"val/score": 0.5}, step=0)
+    now[0] += 120.0  # steps 1-4 took 2 minutes in all, with the validation: 150 s for 4 steps
     console.log({"reward/mean": 0.25, "timing/step_s": 1.5, "other/x": 3.0}, step=4)
-    assert out.getvalue() == "step 4: reward/mean=0.25 timing/step_s=1.5\n"
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 0/10 (0%), elapsed 0:00:30: val/score=0.5"
+    # ETA: 150 s / 4 steps x 6 steps left = 225 s
+    assert lines[1] == "step 4/10 (40%), elapsed 0:02:30, ETA 0:03:45: reward/mean=0.25 timing/step_s=1.5"
+
+
+def test_a_resumed_run_counts_its_rate_from_the_step_it_resumed_at():
+    out, now = io.StringIO(), [0.0]
+    console = ConsoleLogger(total_steps=200, stream=out, clock=lambda: now[0])
+    now[0] = 10.0
+    console.log({"reward/mean": 1.0}, step=101)  # resumed after step 100
+    now[0] = 20.0
+    console.log({"reward/mean": 1.0}, step=102)
+    assert out.getvalue().splitlines()[1] == "step 102/200 (51%), elapsed 0:00:20, ETA 0:16:20: reward/mean=1"
+
+
+def test_the_end_of_run_summary_is_short_and_the_full_table_is_in_a_file(tmp_path):
+    tracker = Tracker([], "p", "e", log_dir=tmp_path)
+    for step in (1, 2):
+        tracker.log({"reward/mean": 0.1 * step, **{f"perf/m{i}": float(i) for i in range(80)}}, step=step)
+    tracker.finish()
+    short = tracker.summary().splitlines()
+    assert len(short) == 3 and short[1].startswith("reward/mean") and "0.2" in short[1]
+    assert short[2] == f"all 81 metrics: {tmp_path / 'summary.txt'}"
+    assert len((tmp_path / "summary.txt").read_text().splitlines()) == 82
 
 
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):

@@ -37,7 +37,11 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
         return out
     finally:
         trainer.shutdown()
-        tracker.finish()
+        plot = tracker.finish()
+        if tracker.history:
+            print(tracker.summary())
+        if plot:
+            print(f"plot: {plot}")
 
 
 def offline_main(prog: str, description: str, run: str, argv: list[str] | None, kind: Kind) -> int:
