@@ -24,14 +24,20 @@ def _plan(args) -> int:
     from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
 
+    from megarl.trainer.inputs import trainer_of_data
+
     config = load_and_validate(args.config, args.overrides)
-    plan = plan_from_config(config) if args.trainer == "rl" else offline_plan(config, with_ref=args.trainer == "dpo")
+    trainer = args.trainer
+    if trainer is None:
+        trainer, why = trainer_of_data(config)
+        print(f"planning for the {trainer} trainer ({why}; --trainer rl|sft|dpo chooses)")
+    plan = plan_from_config(config) if trainer == "rl" else offline_plan(config, with_ref=trainer == "dpo")
     print(format_gpu_map(plan))
     for role in plan.roles.values():
         shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
                  else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
-        print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
-    if args.trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
+        print(f"{role.name}: {shape}, {gpu_share(role.gpu_fraction)}")
+    if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
         print(devices_from_config(config, cuda_available=config.trainer.device != "cpu").summary())
     model = config.actor_rollout_ref.model.path
     try:  # a hub id: its config.json alone, into the HF cache
@@ -43,6 +49,16 @@ def _plan(args) -> int:
     est = estimate(plan, config, arch)
     print(format_estimate(est, plan, arch))
     return 0 if est.fits else 1
+
+
+def gpu_share(fraction: float) -> str:
+    """'1 GPU per rank', or '1/3 of a GPU per rank (3 ranks share each GPU)'."""
+    from fractions import Fraction
+
+    share = Fraction(fraction).limit_denominator(64)
+    if share >= 1:
+        return f"{share} GPU per rank"
+    return f"{share} of a GPU per rank ({share.denominator} ranks share each GPU)"
 
 
 def _trainer(module: str):
@@ -110,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the GPU map and a per-GPU memory estimate; non-zero if impossible")
     add_experiment_args(plan)
-    plan.add_argument("--trainer", choices=["rl", "sft", "dpo"], default="rl",
+    plan.add_argument("--trainer", choices=["rl", "sft", "dpo"], default=None,
                       help="which trainer's roles to plan: rl (actor, rollout servers, and ref/critic/reward model "
-                           "as the config needs them), sft (the actor alone) or dpo (actor and frozen reference)")
+                           "as the config needs them), sft (the actor alone) or dpo (actor and frozen reference); "
+                           "default: read from the columns of data.train_files, else rl")
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")

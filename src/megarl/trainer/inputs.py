@@ -123,3 +123,23 @@ def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Opt
         return (f"trainer.n_gpus_per_node={t.n_gpus_per_node}, but this machine shows {visible} CUDA GPU(s) "
                 "(CUDA_VISIBLE_DEVICES); lower trainer.n_gpus_per_node or run on a larger node")
     return None
+
+
+def trainer_of_data(config: ExperimentConfig) -> tuple[Kind, str]:
+    """(trainer, why) from the columns of the first readable data.train_files footer: DPO pairs have
+    data.chosen_key and data.rejected_key, SFT examples data.response_key; anything else is RL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = config.data
+    for name in d.train_files:
+        try:
+            columns = pq.read_schema(name).names
+        except (pa.ArrowException, OSError):
+            continue
+        if d.chosen_key in columns and d.rejected_key in columns:
+            return "dpo", f"{name} has '{d.chosen_key}' and '{d.rejected_key}' columns"
+        if d.response_key in columns:
+            return "sft", f"{name} has a '{d.response_key}' column"
+        return "rl", f"{name} has neither response nor preference columns"
+    return "rl", "no data.train_files to read the trainer from"
