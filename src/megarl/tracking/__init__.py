@@ -2,7 +2,7 @@
 
     tracker = Tracker(["console", "tensorboard"], "megarl", "exp1", log_dir="outputs/exp1", total_steps=300)
     tracker.log({"reward/mean": 0.4, "timing/step_s": 1.2}, step=1)
-    tracker.finish()   # summary table + PNG plot of the run's curves
+    tracker.finish()   # summary table + PNG plot of the run's curves (RL, SFT or DPO panels)
 
 Metric names are `group/name`; values are floats. The console shows a live progress bar on a
 terminal and otherwise one plain line per step with `step k/N`, elapsed time and ETA (CI logs,
@@ -120,6 +120,7 @@ class Tracker:
                  total_steps: int | None = None, config: dict | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.title = f"{project}/{experiment}"
         self.history: list[dict] = []
         self.backends = []
         for name in loggers:
@@ -169,4 +170,4 @@ class Tracker:
         if not self.history:
             return None
         (self.log_dir / "summary.txt").write_text(self.full_summary() + "\n")
-        return plot_history(self.history, self.log_dir / "curves.png")
+        return plot_history(self.history, self.log_dir / "curves.png", title=self.title)
