@@ -8,7 +8,7 @@ import pytest
 
 from megarl.config import load_and_validate
 from megarl.placement.worker_group import WorkerGroupError
-from megarl.trainer.failures import console_lines, run_and_report
+from megarl.trainer.failures import INTERRUPTED, console_lines, run_and_report
 from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
 # The shape WorkerGroup._gather gives a failed call: one item per rank, each with Ray's remote
@@ -76,7 +76,8 @@ def test_ctrl_c_is_a_stop_request_and_a_second_one_stops_at_once():
 
 def test_ctrl_c_outside_the_loop_and_a_preempted_run_exit_cleanly(tmp_path, capsys):
     assert run_and_report(_fail(KeyboardInterrupt()), _config(tmp_path)) == 130
-    assert capsys.readouterr().err == "megarl: interrupted (Ctrl-C) outside the training loop; the interruption saved nothing\n"
+    assert capsys.readouterr().err == INTERRUPTED + "\n"
+    assert INTERRUPTED.startswith("megarl: interrupted (Ctrl-C); the interruption saved nothing")
     stopped = Preempted(signal.SIGINT, 5, "/ckpt/global_step_5")
     assert run_and_report(_fail(stopped), _config(tmp_path)) == PREEMPTED_EXIT_CODE
     assert "stopped by SIGINT after step 5: checkpoint /ckpt/global_step_5" in capsys.readouterr().err

@@ -48,7 +48,6 @@ VERL_KEYS: dict[str, VerlKey] = {
         "megarl's servers load the HF checkpoint at start and receive every update by weight sync"),
     "actor_rollout_ref.rollout.enforce_eager": VerlKey("SGLang decides CUDA graphs itself"),
     "actor_rollout_ref.rollout.max_num_batched_tokens": VerlKey("SGLang sizes its batches from its memory budget"),
-    "actor_rollout_ref.rollout.ref.*": VerlKey("the reference model's settings live in actor_rollout_ref.ref"),
     "trainer.default_hdfs_dir": VerlKey("megarl writes checkpoints to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": VerlKey("megarl keeps checkpoints (see trainer.max_actor_ckpt_to_keep)"),
     "ray_init.*": VerlKey("megarl starts or joins Ray itself (megarl.launch)"),
@@ -66,6 +65,9 @@ VERL_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
     ("actor_rollout_ref.actor.strategy", "fsdp"): ("megatron", _FSDP),
     ("actor_rollout_ref.actor.strategy", "fsdp2"): ("megatron", _FSDP),
     ("critic.strategy", "fsdp"): ("megatron", _FSDP),
+    ("critic.strategy", "fsdp2"): ("megatron", _FSDP),
+    ("reward_model.strategy", "fsdp"): ("megatron", _FSDP),
+    ("reward_model.strategy", "fsdp2"): ("megatron", _FSDP),
     # verl scripts pass `data.return_raw_chat=$return_raw_chat` with the variable unset: Hydra reads ''
     ("data.return_raw_chat", ""): (False, "an empty value is false, as in verl"),
 }

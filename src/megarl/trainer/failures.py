@@ -14,7 +14,9 @@ from megarl.checkpoint import complete_checkpoints
 from megarl.config import ConfigError
 from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
-ITEM = "  - "  # WorkerGroupError and the other run errors list one failure per line with this prefix
+ITEM = "  - "
+INTERRUPTED = ("megarl: interrupted (Ctrl-C); the interruption saved nothing (an RL run checkpoints on Ctrl-C "
+               "once its training loop has started)")  # WorkerGroupError and the other run errors list one failure per line with this prefix
 
 
 def console_lines(message: str) -> list[str]:
@@ -56,7 +58,7 @@ def report_failure(error: BaseException, run_dir: Path) -> str:
 
 def run_and_report(run, config) -> int:
     """Exit status of `run(config)`: 0; 75 after a stop signal (SIGTERM, SIGUSR1, Ctrl-C); 130 for
-    Ctrl-C outside the training loop; 1 after a failure, reported in a few lines (megarl.trainer.failures)."""
+    Ctrl-C before the RL loop started or in an SFT/DPO run; 1 after a failure, reported in a few lines (megarl.trainer.failures)."""
     t = config.trainer
     try:
         run(config)
@@ -64,9 +66,8 @@ def run_and_report(run, config) -> int:
         print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
-    except KeyboardInterrupt:  # before the loop installed its handler: nothing trained, nothing to save
-        print("megarl: interrupted (Ctrl-C) outside the training loop; the interruption saved nothing",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # before the RL loop installed its handler, or an SFT/DPO run
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     except ConfigError:
         raise  # one message, exit status 2 (entry_point)
