@@ -126,3 +126,11 @@ def test_a_hub_id_resolves_through_the_hf_cache_for_the_dry_run_and_plan(tiny_as
     assert "memory estimate skipped" not in out and "parameters" in out, out
     with pytest.raises(ConversionError, match="'tiny-org/absent': HF_HUB_OFFLINE=1 and it is not in the HF cache"):
         local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
+    # online, but the hub does not answer (a compute node without internet): the same kind of message
+    from megarl.net import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port('127.0.0.1')}")
+    with pytest.raises(ConversionError, match="'tiny-org/absent': the Hugging Face hub cannot be reached from here "
+                                              "and it is not in the HF cache"):
+        local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
