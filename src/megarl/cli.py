@@ -4,43 +4,61 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megarl.config import load_and_validate, load_config, to_yaml
-from megarl.config.args import add_experiment_args, entry_point
+from megarl.config import load_and_validate, load_config, to_yaml, validate
+from megarl.config.args import add_experiment_args, entry_point, experiment_file
 
 
 def _config_show(args) -> int:
     config = load_config(args.config, args.overrides)
     if not args.no_validate:
-        config = load_and_validate(args.config, args.overrides)
+        config = validate(config)
     sys.stdout.write(to_yaml(config))
     return 0
 
 
 def _plan(args) -> int:
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.bridge.hub import local_model_dir
     from megarl.config.devices import devices_from_config
     from megarl.placement import format_gpu_map, plan_from_config
     from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
 
+    from megarl.trainer.inputs import trainer_of_data
+
     config = load_and_validate(args.config, args.overrides)
-    plan = plan_from_config(config) if args.trainer == "rl" else offline_plan(config, with_ref=args.trainer == "dpo")
+    trainer = args.trainer
+    if trainer is None:
+        trainer, why = trainer_of_data(config)
+        print(f"planning for the {trainer} trainer ({why}; --trainer rl|sft|dpo chooses)")
+    plan = plan_from_config(config) if trainer == "rl" else offline_plan(config, with_ref=trainer == "dpo")
     print(format_gpu_map(plan))
     for role in plan.roles.values():
         shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
                  else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
-        print(f"{role.name}: {shape}, {role.gpu_fraction:g} GPU per rank")
-    if args.trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
+        print(f"{role.name}: {shape}, {gpu_share(role.gpu_fraction)}")
+    if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
         print(devices_from_config(config, cuda_available=config.trainer.device != "cpu").summary())
-    model_dir = config.actor_rollout_ref.model.path
-    try:
-        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model_dir}/config.json")
+    model = config.actor_rollout_ref.model.path
+    try:  # a hub id: its config.json alone, into the HF cache
+        model_dir = local_model_dir(model, "actor_rollout_ref.model.path", allow_patterns=["config.json"])
+        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
     except (ConversionError, OSError) as error:
         print(f"memory estimate skipped: {error}")
         return 0
     est = estimate(plan, config, arch)
     print(format_estimate(est, plan, arch))
     return 0 if est.fits else 1
+
+
+def gpu_share(fraction: float) -> str:
+    """'1 GPU per rank', or '1/3 of a GPU per rank (3 ranks share each GPU)'."""
+    from fractions import Fraction
+
+    share = Fraction(fraction).limit_denominator(64)
+    if share >= 1:
+        return f"{share} GPU per rank"
+    return f"{share} of a GPU per rank ({share.denominator} ranks share each GPU)"
 
 
 def _trainer(module: str):
@@ -113,24 +131,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the GPU map and a per-GPU memory estimate; non-zero if impossible")
     add_experiment_args(plan)
-    plan.add_argument("--trainer", choices=["rl", "sft", "dpo"], default="rl",
+    plan.add_argument("--trainer", choices=["rl", "sft", "dpo"], default=None,
                       help="which trainer's roles to plan: rl (actor, rollout servers, and ref/critic/reward model "
-                           "as the config needs them), sft (the actor alone) or dpo (actor and frozen reference)")
+                           "as the config needs them), sft (the actor alone) or dpo (actor and frozen reference); "
+                           "default: read from the columns of data.train_files, else rl")
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="run an RL experiment (same as python -m megarl.trainer.main_ppo)")
     add_experiment_args(train)
-    train.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    train.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     train.set_defaults(func=_trainer("main_ppo"))
 
     sft = sub.add_parser("sft", help="run supervised fine-tuning (same as python -m megarl.trainer.main_sft)")
     add_experiment_args(sft)
-    sft.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    sft.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     sft.set_defaults(func=_trainer("main_sft"))
 
     dpo = sub.add_parser("dpo", help="run offline DPO (same as python -m megarl.trainer.main_dpo)")
     add_experiment_args(dpo)
-    dpo.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    dpo.add_argument("--dry-run", action="store_true", help="validate and check data, model and GPUs, then stop "
+                       "before Ray starts")
     dpo.set_defaults(func=_trainer("main_dpo"))
 
     check = sub.add_parser("check-cluster", help="check the running Ray cluster against the config's placement plan "
@@ -182,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(args.overrides) + extra  # overrides given after an option
+    if hasattr(args, "config"):
+        args.config = experiment_file(args)
     return args.func(args)
 
 

@@ -190,4 +190,4 @@ def test_megarl_plan_without_a_local_model_prints_the_map_and_skips_the_estimate
                         "actor_rollout_ref.rollout.n=4"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "gpu7: [shared] actor rank 7, rollout server 7" in r.stdout
-    assert "memory estimate skipped:" in r.stdout and "config.json: not found" in r.stdout
+    assert "memory estimate skipped:" in r.stdout and "not a local HF checkpoint directory (no config.json there)" in r.stdout

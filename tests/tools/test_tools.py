@@ -29,14 +29,14 @@ def test_quickstart_model_and_data_satisfy_the_quickstart_config(tmp_path, monke
     model = run_tool("make_tiny_model.py", "--arch", "qwen2", "--out", "outputs/quickstart/model", cwd=tmp_path)
     assert model.returncode == 0, model.stderr
     data = run_tool(
-        "make_dataset.py", "--task", "add", "--out", "outputs/quickstart/data", "--train-size", "500", "--sft-size", "100",
+        "make_dataset.py", "--task", "add", "--out", "outputs/quickstart/data", "--train-size", "500", "--sft-size", "128",
         cwd=tmp_path,
     )
     assert data.returncode == 0, data.stderr
     assert "train: outputs/quickstart/data/train.parquet" in data.stdout
 
     monkeypatch.chdir(tmp_path)
-    check_environment(load_and_validate(REPO / "configs" / "quickstart_sft.yaml"))
+    check_environment(load_and_validate(REPO / "configs" / "quickstart_sft.yaml"), "sft")
     config = load_and_validate(REPO / "configs" / "quickstart.yaml", ["actor_rollout_ref.model.path=outputs/quickstart/model"])
     check_environment(config)  # the model directory and the data files are where the configs say
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path, local_files_only=True)

@@ -42,6 +42,37 @@ def test_tensorboard_jsonl_and_summary(tmp_path):
     assert "reward/mean" in summary and "0.3" in summary
 
 
+def tensorboard_smoothing(values, weight=0.8):
+    """TensorBoard's 'Smoothing' (its default 0.8), written out: a debiased EMA whose first point is
+    the first value."""
+    last, num_accum, out = 0.0, 0, []
+    for value in values:
+        last = last * weight + (1 - weight) * value
+        num_accum += 1
+        out.append(last / (1 - weight**num_accum))
+    return out
+
+
+def test_sft_and_dpo_runs_plot_their_own_metrics(tmp_path, saved_figures):
+    """Issue 26 item 8: SFT's plot was five empty RL panels."""
+    sft = Tracker([], "proj", "sft-run", log_dir=tmp_path / "sft")
+    for step in (1, 2, 3):
+        sft.log({"sft/nll": 2.0 / step, "sft/grad_norm": 1.0, "sft/lr": 1e-4, "timing/step_s": 0.1}, step=step)
+    sft.log({"val/nll": 1.0}, step=3)
+    sft.finish()
+    dpo = Tracker([], "proj", "dpo-run", log_dir=tmp_path / "dpo")
+    dpo.log({"dpo/loss": 0.69, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.5}, step=1)
+    dpo.finish()
+    (sft_figure, _), (dpo_figure, _) = saved_figures
+    assert [ax.get_title() for ax in sft_figure.axes] == ["NLL (train, nats/token)", "NLL (validation, nats/token)",
+                                                          "gradient norm", "learning rate"]
+    assert all(ax.get_lines() for ax in sft_figure.axes)  # every panel drawn
+    assert list(sft_figure.axes[0].get_lines()[0].get_ydata()) == pytest.approx([2.0, 1.0, 2 / 3])
+    assert sft_figure._suptitle.get_text() == "proj/sft-run"
+    assert [ax.get_title() for ax in dpo_figure.axes][0] == "DPO loss (train)"
+    assert dpo_figure._suptitle.get_text() == "proj/dpo-run"
+
+
 def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
     """The curves in the saved figure are the values TensorBoard recorded, panel by panel."""
     import matplotlib.image
@@ -70,19 +101,49 @@ def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
         if metric is None:  # never logged: an empty panel
             assert lines == []
             continue
-        [line] = lines
+        raw, smooth = lines  # the per-step values and a smoothed line over them
         steps, values = zip(*recorded[metric])
-        assert list(line.get_xdata()) == list(steps), title
-        assert list(line.get_ydata()) == pytest.approx(values, abs=1e-6), title  # TensorBoard stores float32
+        assert list(raw.get_xdata()) == list(steps) == list(smooth.get_xdata()), title
+        assert list(raw.get_ydata()) == pytest.approx(values, abs=1e-6), title  # TensorBoard stores float32
+        assert list(smooth.get_ydata()) == pytest.approx(tensorboard_smoothing(values), abs=1e-6), title
+    assert figure._suptitle.get_text() == "proj/exp"  # the run
     width, height = (figure.get_size_inches() * dpi).round().astype(int)
     assert matplotlib.image.imread(plot).shape[:2] == (height, width)  # the file holds this figure
 
 
-def test_console_prints_one_plain_line_per_step_when_not_a_terminal():
-    out = io.StringIO()
-    console = ConsoleLogger(total_steps=10, stream=out)
+def test_console_prints_one_plain_line_per_step_with_progress_and_eta_when_not_a_terminal():
+    """Off a terminal (a Slurm log) each line says how far the run is and how long is left."""
+    out, now = io.StringIO(), [1000.0]
+    console = ConsoleLogger(total_steps=10, stream=out, clock=lambda: now[0])
+    now[0] += 30.0  # validation before training
+    console.log({"val/score": 0.5}, step=0)
+    now[0] += 120.0  # steps 1-4 took 2 minutes in all, with the validation: 150 s for 4 steps
     console.log({"reward/mean": 0.25, "timing/step_s": 1.5, "other/x": 3.0}, step=4)
-    assert out.getvalue() == "step 4: reward/mean=0.25 timing/step_s=1.5\n"
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 0/10 (0%), elapsed 0:00:30: val/score=0.5"
+    # ETA: 150 s / 4 steps x 6 steps left = 225 s
+    assert lines[1] == "step 4/10 (40%), elapsed 0:02:30, ETA 0:03:45: reward/mean=0.25 timing/step_s=1.5"
+
+
+def test_a_resumed_run_counts_its_rate_from_the_step_it_resumed_at():
+    out, now = io.StringIO(), [0.0]
+    console = ConsoleLogger(total_steps=200, stream=out, clock=lambda: now[0])
+    now[0] = 10.0
+    console.log({"reward/mean": 1.0}, step=101)  # resumed after step 100
+    now[0] = 20.0
+    console.log({"reward/mean": 1.0}, step=102)
+    assert out.getvalue().splitlines()[1] == "step 102/200 (51%), elapsed 0:00:20, ETA 0:16:20: reward/mean=1"
+
+
+def test_the_end_of_run_summary_is_short_and_the_full_table_is_in_a_file(tmp_path):
+    tracker = Tracker([], "p", "e", log_dir=tmp_path)
+    for step in (1, 2):
+        tracker.log({"reward/mean": 0.1 * step, **{f"perf/m{i}": float(i) for i in range(80)}}, step=step)
+    tracker.finish()
+    short = tracker.summary().splitlines()
+    assert len(short) == 3 and short[1].startswith("reward/mean") and "0.2" in short[1]
+    assert short[2] == f"all 81 metrics: {tmp_path / 'summary.txt'}"
+    assert len((tmp_path / "summary.txt").read_text().splitlines()) == 82
 
 
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
         "actor_rollout_ref.rollout.dtype=float32", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "data.max_prompt_length=16", "data.max_response_length=96",
-        "actor_rollout_ref.rollout.max_server_restarts=1",
+        "actor_rollout_ref.rollout.max_server_restarts=1", f"trainer.default_local_dir={tmp_path}",
     ])
     plan = plan_from_config(config)
     pools = create_pools(plan, timeout_s=60)

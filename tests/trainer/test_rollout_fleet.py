@@ -1,5 +1,6 @@
 """Rollout servers placed by the plan as Ray actors, behind the real router; a killed server is
-restarted by the fleet before the next generation, and the fleet stops every process it started."""
+restarted by the fleet before the next generation, and the fleet stops every process it started.
+Their logs are in the run's logs/ directory (issue 26 item 10)."""
 import os
 import signal
 import time
@@ -21,7 +22,8 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=cpu", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.dtype=float32", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "data.max_prompt_length=16", "data.max_response_length=8",
+        "data.max_prompt_length=16", "data.max_response_length=8", f"trainer.default_local_dir={tmp_path}",
+        "trainer.project_name=p", "trainer.experiment_name=e",
     ])
     plan = plan_from_config(config)
     pools = create_pools(plan, timeout_s=60)
@@ -45,6 +47,14 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
         assert now["restarts"] == 1 and now["running"] and now["pid"] != statuses[1]["pid"]
         assert sum(len(s.token_ids) for row in result.samples for s in row) == 6 * 2 * 3
         pids = [s["pid"] for s in fleet.workers.call("status", timeout_s=30)]
+        logs = tmp_path / "p/e/logs"
+        assert [s["log_path"] for s in fleet.workers.call("status", timeout_s=30)] == [
+            str(logs / "rollout-0.log"), str(logs / "rollout-1.log")]
+        assert fleet.router.process.log_path == str(logs / "sglang-router.log")
+        # one header line per start: the router's log says what it is, the restarted server's shows both starts
+        assert (logs / "sglang-router.log").read_text().startswith("# megarl: ")
+        assert "sglang-router started: " in (logs / "sglang-router.log").read_text()
+        assert (logs / "rollout-1.log").read_text().count("rollout-1 started: ") == 2
     finally:
         fleet.shutdown()
         pools.remove()
@@ -63,3 +73,9 @@ def test_the_nodes_of_a_multi_node_server_meet_at_its_node_0_address():
     assert args == [MultiNode(2, 0, "10.0.0.1:29500"), MultiNode(2, 1, "10.0.0.1:29500"), None,
                     MultiNode(2, 0, "10.0.0.3:29501"), MultiNode(2, 1, "10.0.0.3:29501")]
     assert multi_node_args([[0], [1]], {}) == [None, None]
+
+
+def test_the_log_header_hides_the_api_key():
+    from megarl.rollout.process import _without_secrets
+
+    assert _without_secrets(["router", "--api-key", "s3cret", "--port", "1"]) == ["router", "--api-key", "***", "--port", "1"]

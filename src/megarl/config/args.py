@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import sys
+from pathlib import Path
 
 from megarl.config.errors import ConfigError
 
@@ -21,6 +22,35 @@ def add_experiment_args(parser: argparse.ArgumentParser) -> None:
         help="dotted overrides, e.g. algorithm.adv_estimator=grpo trainer.logger=['console','tensorboard']; "
         "+key=value adds a key inside a free-form dict",
     )
+    # Hydra's options, as every verl script writes them (--config-path=config --config-name='ppo_megatron_trainer.yaml')
+    parser.add_argument("--config-path", "-cp", metavar="DIR", help="verl/Hydra style: the directory of --config-name")
+    parser.add_argument("--config-name", "-cn", metavar="NAME", help="verl/Hydra style: a YAML file in --config-path "
+                        "(verl's own ppo_trainer / ppo_megatron_trainer mean megarl's defaults)")
+
+
+# verl's packaged base configs: megarl's schema defaults play their part.
+VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def experiment_file(args: argparse.Namespace) -> str | None:
+    """The YAML experiment file the arguments name: --config, or Hydra's --config-path/--config-name
+    (the name with or without .yaml, in the path relative to the working directory). A verl base
+    config name that is not a file here means megarl's defaults, with one warning line."""
+    config_name, config_path = getattr(args, "config_name", None), getattr(args, "config_path", None)
+    if args.config or not config_name:
+        if config_path and not config_name:
+            raise ConfigError(f"--config-path={config_path} needs --config-name (or use --config FILE.yaml)")
+        return args.config
+    name = config_name if config_name.endswith((".yaml", ".yml")) else f"{config_name}.yaml"
+    candidate = Path(config_path or ".") / name
+    if candidate.is_file():
+        return str(candidate)
+    if Path(name).stem in VERL_BASE_CONFIGS:
+        logging.getLogger("megarl.config").warning(
+            "--config-name=%s: verl's packaged base config; megarl's schema defaults stand in for it (%s is not a file)",
+            config_name, candidate)
+        return None
+    raise ConfigError(f"--config-path/--config-name: config file not found: {candidate}")
 
 
 QUIET_LOGGERS = ("httpx", "httpcore", "openai")

@@ -20,6 +20,7 @@ import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import ExperimentConfig
+from megarl.config.verl_compat import map_verl_values, pop_verl_keys, verl_key, warn_key
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 _DEFAULTS_KEY = "defaults"  # a YAML file's list of base files, merged before the file itself
@@ -163,7 +164,8 @@ def parse_override(text: str) -> tuple[list[str], Any, bool]:
     body = text[1:] if add else text
     key, sep, raw = body.partition("=")
     if not sep or not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", key):
-        raise ConfigError(f"override '{text}': expected key.path=value (e.g. trainer.nnodes=2)")
+        hint = " (a YAML experiment file goes after --config)" if text.endswith((".yaml", ".yml")) else ""
+        raise ConfigError(f"override '{text}': expected key.path=value (e.g. trainer.nnodes=2){hint}")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -355,6 +357,16 @@ def build(cls, tree: dict, prefix: str, origins: dict, errors: list):
     return cls(**kwargs)
 
 
+def _verl_override(text: str) -> str | None:
+    """`text`, or its rewrite for a verl key of megarl.config.verl_compat (None: dropped), warning once."""
+    path, _, _ = parse_override(text)
+    entry = verl_key(".".join(path))
+    if entry is None:
+        return text
+    warn_key(".".join(path), entry, f"override '{text}'")
+    return None if entry.target is None else f"{entry.target}={text.partition('=')[2]}"
+
+
 def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
     """Defaults, then the YAML experiment (if any), then overrides; typed and interpolated.
 
@@ -364,12 +376,16 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
     tree = dataclasses.asdict(ExperimentConfig())
     if config_file is not None:
         tree = _merge(tree, read_yaml_experiment(config_file, origins), {}, "")
+        pop_verl_keys(tree, origins)  # verl's keys megarl accepts (megarl.config.verl_compat), one warning each
     errors: list[str] = []
     for text in overrides:
         try:
-            apply_override(tree, text, origins)
+            text = _verl_override(text)
+            if text is not None:
+                apply_override(tree, text, origins)
         except ConfigError as exc:
             errors.append(str(exc))
+    map_verl_values(tree, origins)
     tree = _interpolate(tree, tree, "", errors)
     config = build(ExperimentConfig, tree, "", origins, errors)
     if errors:

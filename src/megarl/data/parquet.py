@@ -130,8 +130,9 @@ def read_rows(
     prompt_key: str = "prompt",
     reward_fn_key: str = "data_source",
     response_key: Optional[str] = None,
+    limit: Optional[int] = None,
 ) -> list[PromptRow]:
-    """All rows of `files` in order, validated.
+    """All rows of `files` in order (the first `limit` rows of each file when given: a quick check), validated.
 
     RL data (response_key None) needs columns `prompt_key`, `reward_fn_key` and `reward_model`;
     SFT data needs `prompt_key` and `response_key` (a string column). `ability` and `extra_info`
@@ -177,7 +178,10 @@ def read_rows(
         columns = {name: check for name, check in optional.items() if name in present}
         columns.update(checks)
         try:
-            table = parquet.read(columns=list(columns))
+            if limit is None:
+                table = parquet.read(columns=list(columns))
+            else:
+                table = pa.Table.from_batches([next(parquet.iter_batches(batch_size=limit, columns=list(columns)))])
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{path}: cannot read columns {list(columns)} ({exc})")
             continue

@@ -242,15 +242,26 @@ def check_cluster(plan: Plan, timeout_s: float = 120.0, log=print) -> None:
 
 def check_running_cluster(config: ExperimentConfig, node_names: tuple[str, ...] = (), timeout_s: float = 180.0,
                           log=print) -> int:
-    """`megarl check-cluster`: connect to the running cluster (RAY_ADDRESS, else the newest cluster
-    under RAY_TMPDIR), plan with the given node names (default: the Slurm names on the Ray nodes'
-    labels), print the plan and check it. Returns 0, or CLUSTER_FAILURE_EXIT."""
+    """`megarl check-cluster`: connect to the cluster at RAY_ADDRESS (what megarl's launchers set;
+    never whichever Ray happens to run on this machine), plan with the given node names (default:
+    the Slurm names on the Ray nodes' labels), print the plan and check it. Returns 0, or
+    CLUSTER_FAILURE_EXIT with one line saying why."""
     address = os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        log("cluster check FAILED: RAY_ADDRESS is not set. megarl check-cluster checks the cluster a megarl "
+            "launcher started (launch/local.sh and slurm/megarl.sbatch set RAY_ADDRESS for the experiment); "
+            "to check another, set RAY_ADDRESS=<head ip>:<port>")
+        return CLUSTER_FAILURE_EXIT
     host, _, port = address.rpartition(":")
     if port.isdigit() and not accepts_connections(host, int(port)):
         log(f"cluster check FAILED: no Ray cluster answers at RAY_ADDRESS={address}")
         return CLUSTER_FAILURE_EXIT
-    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError) as error:
+        log(f"cluster check FAILED: cannot join the Ray cluster at RAY_ADDRESS={address}: "
+            f"{(str(error).splitlines() or [''])[0]}")
+        return CLUSTER_FAILURE_EXIT
     try:
         names = tuple(node_names) or slurm_names_in_rank_order(config.trainer.nnodes)
         plan = plan_from_config(config, node_names=names)

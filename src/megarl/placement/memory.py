@@ -167,9 +167,18 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     return GpuEstimate(roles, reserved, int(kv_needed), int(peak), gpu_memory)
 
 
+def _count(n: int) -> str:
+    """'14.770 B', '302.1 M', '12,345'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.3f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"
+
+
 def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-    lines = [f"model: {total_params(arch) / 1e9:.3f} B parameters ({arch.num_layers} layers, hidden {arch.hidden_size})"]
+    lines = [f"model: {_count(total_params(arch))} parameters ({arch.num_layers} layers, hidden {arch.hidden_size})"]
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
                      f"  offloadable {gib(r.offloadable):>12}")
@@ -177,8 +186,11 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
             lines.append(f"  {'':<13} LoRA: {r.trainable / 1e6:.1f} M trainable parameters per GPU; the frozen base "
                          "holds no gradients or optimizer state")
     if "rollout" in plan.roles:
-        lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (KV cache for a whole step's "
-                     f"responses on one server of TP {plan.roles['rollout'].tp}: {gib(est.kv_cache_needed_per_server)})")
+        lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (SGLang's static pool: weights "
+                     "and KV cache)")
+        lines.append(f"  a whole step's responses at once would need {gib(est.kv_cache_needed_per_server)} of KV cache "
+                     f"per GPU of a TP {plan.roles['rollout'].tp} server; SGLang runs what its pool holds and queues the "
+                     "rest (slower, not a failure; not part of the verdict)")
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"peak per GPU: {gib(est.peak)} of {gib(est.gpu_memory)} (placement.gpu_memory_gib): {verdict}")
     return "\n".join(lines)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional
 
 from megarl.rollout.control import ServerControl, ServerError
@@ -66,6 +69,11 @@ def _fate_sharing():
     return _die_with_parent if on_linux_main else None
 
 
+def _without_secrets(command: list[str]) -> list[str]:
+    """`command` with the value of --api-key replaced by ***."""
+    return [("***" if i > 0 and command[i - 1] == "--api-key" else arg) for i, arg in enumerate(command)]
+
+
 class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message quotes its log."""
 
@@ -112,7 +120,13 @@ class ServerProcess:
         with self._lock:
             if self.is_running():
                 raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log_file:
+                # a header per start: the file says what it logs even when the process itself is quiet
+                # (the router at --log-level warn writes nothing while all is well)
+                log_file.write(f"# megarl: {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name} started: "
+                               f"{shlex.join(_without_secrets(self.command))}\n".encode())
+                log_file.flush()
                 self._proc = subprocess.Popen(
                     self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
                     preexec_fn=_fate_sharing(),

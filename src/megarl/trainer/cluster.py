@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 # Ray reads its auth mode when it is imported: set the default for a cluster started here first.
@@ -204,12 +205,14 @@ class Cluster:
         offloaded = bool(self.offloaded)
         if offloaded:
             self.before_training()
+        started = time.monotonic()
         tmp = checkpoint.begin(root, step)
         self.actor.call("save_checkpoint", str(tmp / "actor"))
         if self.critic is not None:
             self.critic.call("save_checkpoint", str(tmp / "critic"))
         saved = checkpoint.commit(tmp, step, self.config, controller_state,
                                   keep=self.config.trainer.max_actor_ckpt_to_keep)
+        log.info("checkpoint of step %d saved to %s (%.1f s)", step, saved, time.monotonic() - started)
         if offloaded:
             self._push(version=self.weight_version)
         return saved

@@ -14,7 +14,7 @@ from megarl.trainer.offline import offline_main
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return offline_main("python -m megarl.trainer.main_dpo", __doc__, "megarl.trainer.dpo:run_dpo", argv)
+    return offline_main("python -m megarl.trainer.main_dpo", __doc__, "megarl.trainer.dpo:run_dpo", argv, "dpo")
 
 
 if __name__ == "__main__":

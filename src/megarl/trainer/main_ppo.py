@@ -8,14 +8,15 @@ import argparse
 import sys
 
 from megarl.config import batch_plan, load_and_validate
-from megarl.config.args import add_experiment_args, entry_point
-from megarl.trainer.preflight import check_environment
+from megarl.config.args import add_experiment_args, entry_point, experiment_file
+from megarl.trainer.failures import run_and_report
+from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, check_environment
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megarl.trainer.main_ppo", description=__doc__)
     add_experiment_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     return parser
 
 
@@ -40,31 +41,14 @@ def describe(config) -> str:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(experiment_file(args), args.overrides)
     print(describe(config))
+    print("config OK; checking data, model and this machine")
+    config = check_environment(config, "rl")  # seconds, before Ray or any server starts
     if args.dry_run:
-        print("config OK (dry run: stopping after validation)")
+        print(DRY_RUN_OK)
         return 0
-    check_environment(config)
-    from megarl.algos.dapo import DynamicSamplingExhausted
-    from megarl.placement.worker_group import WorkerGroupError
-    from megarl.rewards.batch import RewardFunctionError
-    from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from megarl.trainer.rl import NonFiniteTrainingError
-    from megarl.trainer.rollout_fleet import RolloutServerLost
-
-    try:
-        run(config)
-    except Preempted as stopped:
-        print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
-              file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
-    except (WorkerGroupError, RolloutServerLost, RewardFunctionError, NonFiniteTrainingError,
-            DynamicSamplingExhausted) as error:
-        print(f"megarl: the run stopped: {error}\nmegarl: with trainer.resume_mode=auto the next run continues from "
-              "the last checkpoint", file=sys.stderr)
-        return 1
-    return 0
+    return run_and_report(run, config)
 
 
 def run(config) -> dict:

@@ -13,7 +13,7 @@ from megarl.trainer.offline import offline_main
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return offline_main("python -m megarl.trainer.main_sft", __doc__, "megarl.trainer.sft:run_sft", argv)
+    return offline_main("python -m megarl.trainer.main_sft", __doc__, "megarl.trainer.sft:run_sft", argv, "sft")
 
 
 if __name__ == "__main__":

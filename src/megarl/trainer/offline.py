@@ -10,8 +10,8 @@ import importlib
 from pathlib import Path
 
 from megarl.config import ExperimentConfig, load_and_validate
-from megarl.config.args import add_experiment_args
-from megarl.trainer.preflight import check_environment
+from megarl.config.args import add_experiment_args, experiment_file
+from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
 
 
 def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
@@ -37,21 +37,27 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
         return out
     finally:
         trainer.shutdown()
-        tracker.finish()
+        plot = tracker.finish()
+        if tracker.history:
+            print(tracker.summary())
+        if plot:
+            print(f"plot: {plot}")
 
 
-def offline_main(prog: str, description: str, run: str, argv: list[str] | None) -> int:
+def offline_main(prog: str, description: str, run: str, argv: list[str] | None, kind: Kind) -> int:
     """`prog [--config X.yaml] [--dry-run] key.path=value ...`: validate, check the machine, then
     call `run` ("module:function", imported only then) with the config."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_experiment_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="stop after validating the config")
+    parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     args = parser.parse_intermixed_args(argv)
-    config = load_and_validate(args.config, args.overrides)
+    config = load_and_validate(experiment_file(args), args.overrides)
+    print("config OK; checking data, model and this machine")
+    config = check_environment(config, kind)  # seconds, before Ray starts
     if args.dry_run:
-        print("config OK (dry run: stopping after validation)")
+        print(DRY_RUN_OK)
         return 0
-    check_environment(config)
+    from megarl.trainer.failures import run_and_report
+
     module, function = run.split(":")
-    getattr(importlib.import_module(module), function)(config)
-    return 0
+    return run_and_report(getattr(importlib.import_module(module), function), config)

@@ -1,5 +1,5 @@
-"""Stopping on request: SIGTERM (what Slurm and the launchers send) or SIGUSR1 (Slurm's warning
-before the time limit) asks the run to checkpoint and stop.
+"""Stopping on request: SIGTERM (what Slurm and the launchers send), SIGUSR1 (Slurm's warning
+before the time limit) or SIGINT (Ctrl-C) asks the run to checkpoint and stop.
 
 The first signal sets a flag the loop reads between steps: the current step finishes, a
 checkpoint is written, and the run exits with PREEMPTED_EXIT_CODE (75, EX_TEMPFAIL: "try again"),
@@ -16,7 +16,7 @@ from typing import Optional
 log = logging.getLogger("megarl.trainer")
 
 PREEMPTED_EXIT_CODE = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGINT: Ctrl-C
 
 
 class Preempted(Exception):

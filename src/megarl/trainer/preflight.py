@@ -10,48 +10,44 @@ from pathlib import Path
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.config.devices import Devices, devices_from_config
+from megarl.trainer.inputs import Kind, data_problems, gpu_count_problem, model_inputs, schedule_problems
 
 
-def _is_local_hf_checkpoint(path: str) -> bool:
-    return (Path(path) / "config.json").is_file()
+DRY_RUN_HELP = ("validate the config and check data, model, tokenizer, schedule and GPUs as the run would, "
+                "then stop before Ray starts")
+DRY_RUN_OK = "dry run OK: config, data, model and machine checked (stopping before Ray starts)"
 
 
-def check_environment(config: ExperimentConfig) -> None:
-    """Raise ConfigError listing every missing file or device the run would need."""
-    problems = []
-    for key, files in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
-        for f in files:
-            if not Path(f).is_file():
-                problems.append(f"{key}: file not found: {f}")
-    model = config.actor_rollout_ref.model.path
-    if model and not _is_local_hf_checkpoint(model):
-        problems.append(
-            f"actor_rollout_ref.model.path={model!r}: not a local HF checkpoint directory (no config.json there). "
-            "Download it first (e.g. huggingface-cli download <id> --local-dir DIR) and pass the directory"
-        )
+def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> ExperimentConfig:
+    """Check data, model, tokenizer, schedule and devices for trainer `kind` ("rl", "sft", "dpo");
+    return the config with hub ids replaced by their HF-cache directories. Raises ConfigError
+    listing every problem. Runs in seconds, before Ray or any server starts (--dry-run runs it too)."""
+    problems, train_rows = data_problems(config, kind)
+    problems += schedule_problems(config, kind, train_rows)
+    model_problems, config = model_inputs(config)
+    problems += model_problems
     rm = config.reward_model
-    if rm.enable and rm.model.path:
-        if not _is_local_hf_checkpoint(rm.model.path):
-            problems.append(f"reward_model.model.path={rm.model.path!r}: not a local HF checkpoint directory "
-                            "(no config.json there)")
-        else:
-            from megarl.engines.megatron.reward_model import check_tokenizer
+    if kind == "rl" and rm.enable and rm.model.path and not model_problems:
+        from megarl.engines.megatron.reward_model import check_tokenizer
 
-            try:
-                check_tokenizer(config)
-            except NotImplementedError as error:
-                problems.append(str(error))
+        try:
+            check_tokenizer(config)
+        except NotImplementedError as error:
+            problems.append(str(error))
     reward_fn = config.custom_reward_function.path
-    if reward_fn and not Path(reward_fn).is_file():
+    if kind == "rl" and reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")
 
     try:
-        resolve_devices(config)
+        devices = resolve_devices(config)
     except ConfigError as problem:
         problems.append(str(problem))
-    if config.actor_rollout_ref.rollout.name == "sglang":
-        import torch
+        devices = None
+    import torch
 
+    cuda = devices is not None and devices.device == "cuda"
+    problems += [p for p in [gpu_count_problem(config, cuda, torch.cuda.device_count() if cuda else 0)] if p]
+    if kind == "rl" and config.actor_rollout_ref.rollout.name == "sglang":
         if not torch.cuda.is_available():
             problems.append("actor_rollout_ref.rollout.name=sglang needs a CUDA GPU, and this machine has no CUDA GPU; "
                             "on CPU use trainer.device=cpu actor_rollout_ref.rollout.name=cpu")
@@ -59,6 +55,7 @@ def check_environment(config: ExperimentConfig) -> None:
             problems.append("actor_rollout_ref.rollout.name=sglang: sglang is not installed (pip install -e .[gpu])")
     if problems:
         raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))
+    return config
 
 
 def resolve_devices(config: ExperimentConfig) -> Devices:

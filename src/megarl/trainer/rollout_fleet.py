@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 from megarl.net import free_port
@@ -56,6 +57,18 @@ def multi_node_args(members: list[list[int]], addresses: dict[int, str]) -> list
     return out
 
 
+def run_logs_dir(config) -> Path:
+    """<trainer.default_local_dir>/<project>/<experiment>/logs, absolute (Ray workers have their own
+    working directory): where the servers' and the router's logs go, beside metrics.jsonl."""
+    t = config.trainer
+    return (Path(t.default_local_dir) / t.project_name / t.experiment_name / "logs").resolve()
+
+
+def server_log_name(server: int, node: Optional[MultiNode]) -> str:
+    """rollout-<server>.log, or rollout-<server>-node<k>.log for node k of a multi-node server."""
+    return f"rollout-{server}" + (f"-node{node.node_rank}" if node is not None else "") + ".log"
+
+
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
                  single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
@@ -78,14 +91,15 @@ class RolloutFleet:
         try:
             bind = "127.0.0.1" if single_node else None
             path = config.actor_rollout_ref.model.path
+            logs = run_logs_dir(config)
             urls = self.workers.call_each(
-                "start", [(path, bind, startup_timeout_s, None, node, server) for server, node in
-                          zip(self.server_of, self._multi_node_args())],
+                "start", [(path, bind, startup_timeout_s, str(logs / server_log_name(server, node)), node, server)
+                          for server, node in zip(self.server_of, self._multi_node_args())],
                 timeout_s=startup_timeout_s + 60)
             self.urls = [urls[ranks[0]] for ranks in self.members]
             # The router runs on the driver's node and listens on loopback: only this client calls it.
             self.router = Router(self.urls, free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"),
-                                 api_key=api_key)
+                                 api_key=api_key, log_path=str(logs / "sglang-router.log"))
             self.router.start(timeout_s=120)
         except BaseException:
             self.shutdown()

@@ -1,0 +1,145 @@
+"""Quick checks of a run's inputs, before any process starts: data files (parquet footers and the
+first rows of each file), the model's config.json and tokenizer files, the step schedule the data
+allows, and the GPUs this machine shows. Each problem is one line naming the key to fix.
+
+Each check reads kilobytes, not the data set: a 100 GB parquet file costs its footer and one batch.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal, Optional
+
+from megarl.config import ExperimentConfig
+
+Kind = Literal["rl", "sft", "dpo"]
+FIRST_ROWS = 64  # rows read from the head of each data file
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _file_problem(key: str, name: str) -> Optional[str]:
+    path = Path(name)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.parquet"))[:3]
+        example = f" (it holds {', '.join(inside)}{', ...' if len(inside) == 3 else ''})" if inside else ""
+        return f"{key}: {name} is a directory{example}; list the parquet files, e.g. {key}=\"[{name}/a.parquet]\""
+    if not path.is_file():
+        return f"{key}: file not found: {name}"
+    return None
+
+
+def data_problems(config: ExperimentConfig, kind: Kind) -> tuple[list[str], int]:
+    """(problems, rows in data.train_files by their footers) for the columns trainer `kind` reads."""
+    import pyarrow.parquet as pq
+
+    from megarl.data.errors import DataError
+    from megarl.data.parquet import read_rows
+
+    d = config.data
+    response_key = {"rl": None, "sft": d.response_key, "dpo": d.chosen_key}[kind]
+    problems, train_rows = [], 0
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        present = []
+        for name in files:
+            problem = _file_problem(key, name)
+            problems.extend([problem] if problem else [])
+            present += [] if problem else [name]
+        if not present:
+            continue
+        try:
+            read_rows(present, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key, response_key=response_key,
+                      limit=FIRST_ROWS)
+        except DataError as error:
+            problems += [f"{key}: {line.strip()[2:]}" for line in str(error).splitlines()[1:]]
+            continue
+        for name in present:
+            footer = pq.ParquetFile(name)
+            if kind == "dpo" and d.rejected_key not in footer.schema_arrow.names:
+                problems.append(f"{key}: {name}: missing column '{d.rejected_key}' (data.rejected_key)")
+            if key == "data.train_files":
+                train_rows += footer.metadata.num_rows
+    return problems, train_rows
+
+
+def schedule_problems(config: ExperimentConfig, kind: Kind, train_rows: int) -> list[str]:
+    """The data holds at least one batch (rows by the footers, before length filtering)."""
+    d = config.data
+    batch, key = (d.prompts_per_generation, "data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
+    if kind != "rl":
+        batch, key = d.train_batch_size, "data.train_batch_size"
+    if 0 < train_rows < batch:
+        return [f"data.train_files hold {train_rows} rows, fewer than one batch ({key}={batch}): the run would "
+                "have no step to take; lower the batch size or add data"]
+    return []
+
+
+def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]:
+    """(problems, config with every hub id replaced by its directory in the HF cache) for the
+    actor, critic and reward model checkpoints and the tokenizer."""
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.bridge.hub import is_hub_id, local_model_dir
+
+    problems: list[str] = []
+
+    def checked(key: str, path: Optional[str], architecture: bool = True) -> Optional[str]:
+        if not path:
+            return path
+        try:
+            local = local_model_dir(path, key)
+            if architecture:
+                arch_from_hf_config(load_hf_config(local), f"{key}={path!r}: config.json")
+        except ConversionError as error:
+            problems.append(str(error))
+            return path
+        return str(local)
+
+    arr, c, rm = config.actor_rollout_ref, config.critic, config.reward_model
+    model = checked("actor_rollout_ref.model.path", arr.model.path)
+    critic = model if c.model.path == arr.model.path else (checked("critic.model.path", c.model.path)
+                                                           if c.enable else c.model.path)
+    reward = checked("reward_model.model.path", rm.model.path) if rm.enable else rm.model.path
+    tokenizer, tok_key = config.data.tokenizer, "data.tokenizer"
+    if tokenizer and is_hub_id(tokenizer):
+        tokenizer = checked(tok_key, tokenizer, architecture=False)
+    elif not tokenizer:
+        tokenizer, tok_key = model, "actor_rollout_ref.model.path"
+    if tokenizer and Path(tokenizer).is_dir() and not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+        problems.append(f"{tok_key}: no tokenizer files in {tokenizer} (one of {', '.join(TOKENIZER_FILES)})")
+    resolved = replace(
+        config,
+        data=replace(config.data, tokenizer=tokenizer if config.data.tokenizer else None),
+        actor_rollout_ref=replace(arr, model=replace(arr.model, path=model)),
+        critic=replace(c, model=replace(c.model, path=critic)),
+        reward_model=replace(rm, model=replace(rm.model, path=reward)),
+    )
+    return problems, resolved
+
+
+def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Optional[str]:
+    """On one CUDA node, the run needs trainer.n_gpus_per_node visible GPUs. (Several nodes: the
+    controller sees only its own; launch/check.py checks the whole cluster.)"""
+    t = config.trainer
+    if cuda and t.nnodes == 1 and visible < t.n_gpus_per_node:
+        return (f"trainer.n_gpus_per_node={t.n_gpus_per_node}, but this machine shows {visible} CUDA GPU(s) "
+                "(CUDA_VISIBLE_DEVICES); lower trainer.n_gpus_per_node or run on a larger node")
+    return None
+
+
+def trainer_of_data(config: ExperimentConfig) -> tuple[Kind, str]:
+    """(trainer, why) from the columns of the first readable data.train_files footer: DPO pairs have
+    data.chosen_key and data.rejected_key, SFT examples data.response_key; anything else is RL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = config.data
+    for name in d.train_files:
+        try:
+            columns = pq.read_schema(name).names
+        except (pa.ArrowException, OSError):
+            continue
+        if d.chosen_key in columns and d.rejected_key in columns:
+            return "dpo", f"{name} has '{d.chosen_key}' and '{d.rejected_key}' columns"
+        if d.response_key in columns:
+            return "sft", f"{name} has a '{d.response_key}' column"
+        return "rl", f"{name} has neither response nor preference columns"
+    return "rl", "no data.train_files to read the trainer from"

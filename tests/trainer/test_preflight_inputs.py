@@ -1,0 +1,136 @@
+"""The checks a run makes before Ray starts (and --dry-run makes too): data footers and first rows,
+the model's config and tokenizer (a hub id through the HF cache), the schedule the data allows and
+the GPUs this machine shows. Issue 26 items 1, 3 and 4: each bad input below used to pass --dry-run
+and fail 35-76 s into the run, after the cluster was up."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megarl.config import ConfigError, load_and_validate
+from megarl.trainer.inputs import gpu_count_problem
+from megarl.trainer.preflight import check_environment
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = ["trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu", "trainer.n_gpus_per_node=2",
+       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=2"]
+ROW = {"data_source": "add", "prompt": [{"role": "user", "content": "1+1="}], "ability": "math",
+       "reward_model": {"style": "rule", "ground_truth": "2"}}
+
+
+def _config(model, train, *more):
+    return load_and_validate(None, CPU + [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", *more])
+
+
+def _problems(config, kind="rl") -> str:
+    with pytest.raises(ConfigError) as info:
+        check_environment(config, kind)
+    return str(info.value)
+
+
+def test_bad_data_is_named_by_file_row_and_column_before_anything_starts(tiny_assets, tmp_path):
+    good = tiny_assets / "data/train.parquet"
+    (tmp_path / "random.parquet").write_bytes(os.urandom(4096))
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in ROW.items() if k != "prompt"}] * 3),
+                   tmp_path / "no_prompt.parquet")
+    pq.write_table(pa.Table.from_pylist([ROW]).slice(0, 0), tmp_path / "empty.parquet")
+    pq.write_table(pa.Table.from_pylist([ROW, {**ROW, "reward_model": {"style": "rule", "ground_truth": None}}]),
+                   tmp_path / "null_truth.parquet")
+    files = [tmp_path / n for n in ("random.parquet", "no_prompt.parquet", "empty.parquet", "null_truth.parquet")]
+    config = _config(tiny_assets / "model", "[" + ",".join(map(str, files)) + "]")
+    started = time.monotonic()
+    text = _problems(config)
+    seconds = time.monotonic() - started
+    assert f"data.train_files: {tmp_path}/random.parquet: not a readable parquet file" in text
+    assert f"{tmp_path}/no_prompt.parquet: missing column(s) 'prompt'" in text
+    assert f"{tmp_path}/empty.parquet: the file has no rows" in text
+    assert f"{tmp_path}/null_truth.parquet: row 1, column 'reward_model': 'ground_truth' is missing or null" in text
+    assert seconds < 30, seconds  # reads footers and first rows: well under a second unloaded
+    check_environment(_config(tiny_assets / "model", good))  # the control: good data passes
+
+
+def test_a_directory_as_data_and_too_few_rows_for_a_batch(tiny_assets):
+    text = _problems(_config(tiny_assets / "model", tiny_assets / "data"))
+    assert f"data.train_files: {tiny_assets}/data is a directory (it holds train.parquet, val.parquet)" in text
+    text = _problems(_config(tiny_assets / "model", tiny_assets / "data/val.parquet", "data.train_batch_size=32",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=32"))
+    assert "data.train_files hold 16 rows, fewer than one batch (data.train_batch_size=32)" in text
+
+
+def test_sft_data_needs_its_response_column(tiny_assets):
+    text = _problems(_config(tiny_assets / "model", tiny_assets / "data/train.parquet"), "sft")
+    assert "missing column(s) 'response'" in text
+
+
+def test_model_config_and_tokenizer_are_checked(tiny_assets, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_assets / "model", broken)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink()
+    text = _problems(_config(broken, tiny_assets / "data/train.parquet"))
+    assert f"actor_rollout_ref.model.path: no tokenizer files in {broken}" in text
+    (broken / "config.json").write_text('{"model_type": "gpt2"}')
+    text = _problems(_config(broken, tiny_assets / "data/train.parquet"))
+    assert "`model_type`='gpt2' is not supported" in text
+
+
+def test_gpu_count_on_one_node():
+    """Pure rule: on one CUDA node the run needs trainer.n_gpus_per_node visible GPUs; on CPU the GPUs
+    are Ray's logical ones; several nodes are checked by `megarl check-cluster`."""
+    config = load_and_validate(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"])
+    assert "trainer.n_gpus_per_node=8, but this machine shows 2 CUDA GPU(s)" in gpu_count_problem(config, True, 2)
+    assert gpu_count_problem(config, True, 8) is None
+    assert gpu_count_problem(config, False, 0) is None
+
+
+def _fake_hub_cache(hf_home: Path, repo_id: str, model_dir: Path) -> Path:
+    """The HF cache layout huggingface_hub reads offline: hub/models--org--name/{refs/main,snapshots/<sha>/}."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(model_dir, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    return repo / "snapshots" / sha
+
+
+def test_a_hub_id_resolves_through_the_hf_cache_for_the_dry_run_and_plan(tiny_assets, tmp_path, monkeypatch, capsys):
+    snapshot = _fake_hub_cache(tmp_path / "hf", "tiny-org/tiny-qwen2", tiny_assets / "model")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    args = [*CPU, "actor_rollout_ref.model.path=tiny-org/tiny-qwen2", f"data.train_files={tiny_assets}/data/train.parquet"]
+    r = subprocess.run([sys.executable, "-m", "megarl.trainer.main_ppo", *args, "--dry-run"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dry run OK" in r.stdout
+
+    # in this process: huggingface_hub read HF_HOME at import, so point its cache constant at the fake hub
+    import huggingface_hub.constants
+
+    from megarl.bridge import ConversionError
+    from megarl.bridge.hub import local_model_dir
+    from megarl.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    # the run gets the config with the cached snapshot's directory in place of the id
+    config = check_environment(load_and_validate(None, args))
+    assert config.actor_rollout_ref.model.path == str(snapshot)
+    main(["plan", *args])
+    out = capsys.readouterr().out
+    assert "memory estimate skipped" not in out and "parameters" in out, out
+    with pytest.raises(ConversionError, match="'tiny-org/absent': HF_HUB_OFFLINE=1 and it is not in the HF cache"):
+        local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
+    # online, but the hub does not answer (a compute node without internet): the same kind of message
+    from megarl.net import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port('127.0.0.1')}")
+    with pytest.raises(ConversionError, match="'tiny-org/absent': the Hugging Face hub cannot be reached from here "
+                                              "and it is not in the HF cache"):
+        local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
