@@ -30,6 +30,7 @@ from megarl.config.rules.gpus import (
     placement_pools,
     rollout_servers_fit_nodes,
 )
+from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.values import (
     agent_settings,
     dpo_ranges,
@@ -68,6 +69,7 @@ RULES: list[Rule] = [
     offload_only_where_it_happens,
     rollout_engine_fits_device,
     weight_sync_transport_fits_devices,
+    weight_check_needs_cpu_engine,
     placement_pools,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
