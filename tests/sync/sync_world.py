@@ -301,6 +301,30 @@ def servers_story(rank: int, case: dict) -> dict:
     out["tensor"] = tensor_story(chunks, weights, vocab, case, disk.version, lap)
     load_hf(chunks, weights, layout, hf_dir)  # the actor holds the HF checkpoint again, the servers an update
     out["checked"] = checked_story(chunks, weights, case, out["tensor"]["version"], lap)
+    out["split"] = split_story(case, out["checked"]["version"], lap)
+    return out
+
+
+def split_story(case: dict, version: int, lap) -> dict:
+    """DP replicas share the push: TP 2 on 4 ranks (DP 2), an update pushed with the equality check
+    on; each emitter records the buckets it sent (the coordinator also keeps the last one back)."""
+    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
+    reinit_model_parallel(2, 1)
+    layout = ParallelLayout(2, 1)
+    weights = weight_map(hf_dir, 2, 64)
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, hf_dir)
+    perturb(chunks, weights, seed=9)
+    sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
+                                                       bucket_bytes=case["bucket_bytes"], check_weights=True),
+                      initial_version=version)
+    sent = []
+    metrics = sync.push(progress=lambda stage, bucket: sent.append(bucket.index))
+    lap("split push")
+    g = sync.groups
+    out = dict(dp_rank=g.dp_rank, emitter=g.is_emitter, coordinator=g.is_coordinator, sent=sent,
+               count=len(sync.resharder.plan()), metrics=metrics, version=sync.version)
+    sync.close()
     return out
 
 

@@ -157,6 +157,26 @@ def test_equality_check_catches_a_corrupted_bucket_naming_tensor_and_servers(sto
     assert ranks[0]["checked"]["retry_metrics"]["sync/checked_tensors"] > 0
 
 
+def test_dp_replicas_share_the_push_with_disjoint_buckets(story):
+    """TP 2 x DP 2: both replicas' emitters send, each a disjoint share of the buckets, together
+    every bucket once (the coordinator's held last bucket included), and the servers then hold
+    exactly the tensors sent (the equality check passed on every tensor)."""
+    _, ranks = story
+    runs = [r["split"] for r in ranks]
+    emitters = [r for r in runs if r["emitter"]]
+    assert sorted(r["dp_rank"] for r in emitters) == [0, 1]
+    assert all(r["sent"] == [] for r in runs if not r["emitter"])
+    count = runs[0]["count"]
+    assert count >= 4
+    shares = [set(r["sent"]) | ({count - 1} if r["coordinator"] else set()) for r in emitters]
+    assert all(len(share) >= count // 2 for share in shares)  # each replica sends half the buckets
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(range(count))
+    m = runs[0]["metrics"]
+    assert m["sync/senders"] == 2 and m["sync/stages"] == 1 and m["sync/buckets"] == count
+    assert m["sync/checked_tensors"] == ranks[0]["checked"]["metrics"]["sync/checked_tensors"]
+    assert all(r["metrics"] == m for r in runs) and runs[0]["version"] == ranks[0]["checked"]["version"] + 1
+
+
 def test_report_log_prob_differences(story):
     """Not a check: the figures of this run, printed for the record (pytest -s)."""
     _, ranks = story

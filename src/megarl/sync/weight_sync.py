@@ -12,9 +12,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    and tensor transports). The outcome is broadcast to all ranks; a failure stops everyone here.
    A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
    emitters then form new weight-update groups.
-2. stream, DP replica 0 only, every stage in parallel: the TP ranks gather their shards to the
-   stage's emitter (`Resharder`), which pushes each HF bucket through its transport. With PP > 1
-   the emitters take turns at the servers (`SendLock`, lock.py: a server runs one update at a
+2. stream, every stage in parallel, and with DP > 1 (`split_across_dp`) every data-parallel replica
+   for its own share of each stage's buckets (`groups.py`; else replica 0 alone): the TP ranks
+   gather their shards to their emitter (`Resharder`), which pushes each HF bucket through its
+   transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a server runs one update at a
    time, and stages sending at once can deadlock): each send, and the forming of a stage's
    weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
@@ -86,6 +87,7 @@ class SyncConfig:
     #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # weight-update group collectives and each server call
     check_weights: bool = False  # after the commit, compare the servers' checksums with the tensors sent
+    split_across_dp: bool = True  # DP > 1: every replica sends a disjoint share of the buckets (else replica 0 all)
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -106,6 +108,7 @@ class StageReport:
     """What one stage's emitter did in a push (seconds are wall time on that emitter)."""
 
     stage: int
+    replica: int = 0  # data-parallel replica of this emitter
     buckets: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -128,7 +131,8 @@ def summarize(reports: Sequence[StageReport], seconds: float, prepare_s: float, 
         "sync/bytes": float(total_bytes),
         "sync/gb_per_s": total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "sync/buckets": float(sum(r.buckets for r in reports)),
-        "sync/stages": float(len(reports)),
+        "sync/stages": float(len({r.stage for r in reports})),
+        "sync/senders": float(len(reports)),  # emitters: stages x sending replicas
         "sync/prepare_s": prepare_s,
         "sync/commit_s": commit_s,
         "sync/slowest_stage": float(slowest.stage),
@@ -175,7 +179,7 @@ class WeightSync:
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
         self.config = config
-        self.groups = groups or ParallelGroups.from_parallel_state()
+        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp)
         self.groups.check()
         self.weights = weights
         self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype)
@@ -187,10 +191,10 @@ class WeightSync:
         self._held: Optional[HFBucket] = None
 
     def _make_send_lock(self) -> Optional[SendLock]:
-        """PP > 1: the lock the stages' emitters hold while sending (lock.py), hosted by the
-        coordinator; every rank takes part in sharing its address. None with one stage."""
+        """More than one emitter: the lock they hold while sending (lock.py), hosted by the
+        coordinator; every rank takes part in sharing its address. None with one emitter."""
         g = self.groups
-        if g.pp_size == 1:
+        if g.pp_size * g.bucket_share()[1] == 1:
             return None
         lock, box = None, [None]
         if g.is_coordinator:
@@ -199,7 +203,7 @@ class WeightSync:
             box = [(address, port)]
         dist.broadcast_object_list(box, src=g.coordinator_rank(), group=g.world_group)
         if g.is_emitter and not g.is_coordinator:
-            lock = SendLock.join(*box[0], f"pipeline stage {g.pp_rank}", self.config.timeout_s)
+            lock = SendLock.join(*box[0], self._label(), self.config.timeout_s)
         return lock
 
     def _at_servers(self, step: Callable[[], None]) -> None:
@@ -245,7 +249,7 @@ class WeightSync:
         report = self._stream(decision, progress) if g.gathers else None
         reports = None
         if g.is_emitter:
-            reports = [None] * g.pp_size if g.is_coordinator else None
+            reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None
             dist.gather_object(report, reports, dst=dist.get_global_rank(g.emitter_group, 0), group=g.emitter_group)
         outcome = None
         if g.is_coordinator:
@@ -320,7 +324,7 @@ class WeightSync:
         """Run this stage's resharder; on the emitter, push every bucket (the coordinator keeps
         its last one in `self._held`), hashing each first if check_weights."""
         g = self.groups
-        report = StageReport(stage=g.pp_rank)
+        report = StageReport(stage=g.pp_rank, replica=g.dp_rank)
         started = time.perf_counter()
         check_dtype = server_dtype(decision.check_dtype) if self.config.check_weights else None
         if g.is_emitter:
@@ -365,10 +369,14 @@ class WeightSync:
             return [f"check_weights: {e}"]
         return [problem for server, ranks in zip(self.servers, held) for problem in mismatches(server.url, sent, ranks)]
 
+    def _label(self) -> str:
+        g = self.groups
+        return f"pipeline stage {g.pp_rank}" + (f" (DP replica {g.dp_rank})" if g.split_dp else "")
+
     def _guard(self, step: Callable[[], None], where: Optional[str] = None) -> Optional[str]:
         """None, or the error of `step()` as text: reported to the coordinator while this rank keeps
         its collectives going."""
-        where = where or f"pipeline stage {self.groups.pp_rank}"
+        where = where or self._label()
         try:
             step()
         except Exception as e:
