@@ -15,9 +15,9 @@ unless `groups` is given; the world group is torch.distributed's default group, 
 2. stream, every stage in parallel, and with DP > 1 (`split_across_dp`) every data-parallel replica
    for its own share of each stage's buckets (`groups.py`; else replica 0 alone): the TP ranks
    gather their shards to their emitter (`Resharder`), which pushes each HF bucket through its
-   transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a server runs one update at a
-   time, and stages sending at once can deadlock): each send, and the forming of a stage's
-   weight-update group, holds the lock; gathering and converting do not. The
+   transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a
+   server runs one update at a time, and emitters sending at once can deadlock): each send, and
+   the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
    peers still gather) but sends nothing more.
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
