@@ -64,6 +64,8 @@ def test_resolve_fills_derived_defaults():
         (["data.gen_batch_size=24"], "data.gen_batch_size=24 differs from data.train_batch_size=1024, which only DAPO"),
         (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
          "needs actor_rollout_ref.actor.megatron.pipeline_model_parallel_size > 1"),
+        (["actor_rollout_ref.rollout.check_weight_update=true"],
+         "actor_rollout_ref.rollout.check_weight_update=true needs actor_rollout_ref.rollout.name=cpu (got 'sglang')"),
     ],
 )
 def test_impossible_values(overrides, expected):

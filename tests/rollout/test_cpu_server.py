@@ -61,6 +61,39 @@ def test_model_info(control, tiny_model_dir):
     assert control.server_info()["context_length"] == 256
 
 
+def test_weights_checker_answers_sglang_checksums_of_the_loaded_checkpoint(server, tiny_model_dir):
+    """/weights_checker "checksum": SGLang 0.5.23's answer shape (http_server.py check_weights,
+    io_struct.py ChecksumInfo / ParallelismInfo) and, per HF tensor of the checkpoint the server
+    loaded, SGLang's CPU hash (mm_utils.tensor_hash: first 8 bytes of sha256, big-endian, 16 hex
+    digits) computed here from the safetensors file; an unknown action is refused with HTTP 400."""
+    import hashlib
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    answer = requests.post(server.url + "/weights_checker", json={"action": "checksum"}, headers=headers,
+                           timeout=30).json()
+    assert set(answer) == {"success", "message", "ranks", "per_engine_checksum"} and answer["success"] is True
+    (rank,) = answer["ranks"]
+    assert set(rank) == {"checksums", "per_gpu_checksum", "parallelism_info"}
+    assert [set(p) for p in rank["parallelism_info"]] == [
+        {"role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank", "size"}]
+    expected = {}
+    for file in Path(tiny_model_dir).glob("*.safetensors"):
+        for name, tensor in load_file(file).items():
+            digest = hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
+            expected[name] = digest[:8].hex()
+    assert rank["checksums"] == expected  # no rotary cache, every weight, bit for bit
+    overall = hashlib.sha256()
+    for name in sorted(expected):
+        overall.update(name.encode() + expected[name].encode())
+    assert rank["per_gpu_checksum"] == overall.hexdigest()
+    assert answer["per_engine_checksum"] == hashlib.sha256(overall.hexdigest().encode()).hexdigest()
+    refused = requests.post(server.url + "/weights_checker", json={"action": "snapshot"}, headers=headers, timeout=30)
+    assert refused.status_code == 400 and refused.json()["success"] is False
+
+
 def test_generate_n_samples_with_honest_logprobs(client, tiny_hf, helpers):
     result = client.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.9, n=3))
     assert [len(s) for s in result.samples] == [3, 3, 3]

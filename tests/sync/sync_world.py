@@ -299,6 +299,77 @@ def servers_story(rank: int, case: dict) -> dict:
     out["disk_dirs"] = sorted(p.name for p in Path(case["disk_dir"]).iterdir())
     lap("disk compare")
     out["tensor"] = tensor_story(chunks, weights, vocab, case, disk.version, lap)
+    load_hf(chunks, weights, layout, hf_dir)  # the actor holds the HF checkpoint again, the servers an update
+    out["checked"] = checked_story(chunks, weights, case, out["tensor"]["version"], lap)
+    out["split"] = split_story(case, out["checked"]["version"], lap)
+    return out
+
+
+def split_story(case: dict, version: int, lap) -> dict:
+    """DP replicas share the push: TP 2 on 4 ranks (DP 2), an update pushed with the equality check
+    on; each emitter records the buckets it sent (the coordinator also keeps the last one back)."""
+    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
+    reinit_model_parallel(2, 1)
+    layout = ParallelLayout(2, 1)
+    weights = weight_map(hf_dir, 2, 64)
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, hf_dir)
+    perturb(chunks, weights, seed=9)
+    sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
+                                                       bucket_bytes=case["bucket_bytes"], check_weights=True),
+                      initial_version=version)
+    sent = []
+    metrics = sync.push(progress=lambda stage, bucket: sent.append(bucket.index))
+    lap("split push")
+    g = sync.groups
+    out = dict(dp_rank=g.dp_rank, emitter=g.is_emitter, coordinator=g.is_coordinator, sent=sent,
+               count=len(sync.resharder.plan()), metrics=metrics, version=sync.version)
+    sync.close()
+    return out
+
+
+def server_checksums(urls: list) -> list:
+    """Each server's {HF name: checksum} from /weights_checker (rank 0 asks; None elsewhere)."""
+    from megarl.sync.servers import SyncServer
+
+    return [SyncServer(u).weights_checksums()[0] for u in urls] if dist.get_rank() == 0 else None
+
+
+def checked_story(chunks: list, weights: WeightMap, case: dict, version: int, lap) -> dict:
+    """The equality check (`check_weights`) on distributed pushes: an update-free push of the HF
+    checkpoint passes it (the servers' checksums, recorded before and after, are compared with HF's
+    own save_pretrained by the test); a bucket corrupted on stage 1's emitter after it was hashed
+    fails the push on every rank naming the tensor and both servers; the next push passes."""
+    urls = case["urls"]
+    out = {"before": server_checksums(urls)}
+    sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
+                                                       bucket_bytes=case["bucket_bytes"], check_weights=True),
+                      initial_version=version)
+    out["metrics"] = sync.push()
+    out["after"] = server_checksums(urls)
+    lap("checked push")
+
+    perturb(chunks, weights, seed=8)
+    out["corrupted"] = None
+    if sync.groups.is_emitter and sync.groups.pp_rank == 1:  # after hashing, before the wire
+        send = sync.transport.send
+
+        def corrupt_first_bucket(bucket, *args, **kwargs):
+            if bucket.index == 0:
+                name, tensor = bucket.named_tensors()[0]
+                tensor.view(-1)[0] += 1.0
+                out["corrupted"] = name
+            return send(bucket, *args, **kwargs)
+
+        sync.transport.send = corrupt_first_bucket
+    out["failure"], out["version_after_failure"] = failed_push(sync, None)
+    lap("corrupted push")
+    if sync.transport is not None:
+        vars(sync.transport).pop("send", None)  # the transport's own send again
+    out["retry_metrics"] = sync.push()
+    out["version"] = sync.version
+    lap("checked retry")
+    sync.close()
     return out
 
 

@@ -116,6 +116,67 @@ def test_tensor_push_refused_by_a_server_fails_naming_it_and_the_retry_completes
     assert t["retry"]["versions"] == [["7"], ["7"]] and t["version"] == 7
 
 
+def hf_checksums(hf_dir, out_dir) -> dict:
+    """The oracle: HF's own save_pretrained of the checkpoint, each tensor hashed here as SGLang
+    does on CPU (mm_utils.tensor_hash: first 8 bytes of sha256 of the bytes, 16 hex digits)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).save_pretrained(out_dir)
+    return {name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()[:8].hex()
+            for file in sorted(out_dir.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+
+def test_pushed_tensors_equal_hf_save_pretrained_of_the_same_weights(story, tmp_path):
+    """After an update-free push of the HF checkpoint (TP 2 x PP 2 -> HF), every server holds, bit for
+    bit, what transformers' save_pretrained writes of it; before the push they held an update."""
+    case, ranks = story
+    expected = hf_checksums(case["hf_dir"], tmp_path)
+    c = ranks[0]["checked"]
+    for before, after in zip(c["before"], c["after"]):
+        assert after == expected
+        assert sum(before[name] != digest for name, digest in expected.items()) == len(expected)
+    assert c["metrics"]["sync/checked_tensors"] == len(expected) and c["metrics"]["sync/check_s"] > 0
+
+
+def test_equality_check_catches_a_corrupted_bucket_naming_tensor_and_servers(story):
+    """Negative control: stage 1's emitter corrupts its first bucket after hashing it; every rank's
+    push fails naming that tensor on each server; the next push (no corruption) passes the check."""
+    case, ranks = story
+    (corrupted,) = [r["checked"]["corrupted"] for r in ranks if r["checked"]["corrupted"]]
+    version = ranks[0]["checked"]["version_after_failure"]
+    for rank in ranks:
+        failure = rank["checked"]["failure"]
+        assert failure is not None and "not the actor's" in failure
+        for url in case["urls"]:
+            assert f"{url}: tensor {corrupted}: the server holds checksum" in failure
+        assert rank["checked"]["version_after_failure"] == version
+        assert rank["checked"]["version"] == version + 1  # the retry pushed the version that failed
+    assert ranks[0]["checked"]["retry_metrics"]["sync/checked_tensors"] > 0
+
+
+def test_dp_replicas_share_the_push_with_disjoint_buckets(story):
+    """TP 2 x DP 2: both replicas' emitters send, each a disjoint share of the buckets, together
+    every bucket once (the coordinator's held last bucket included), and the servers then hold
+    exactly the tensors sent (the equality check passed on every tensor)."""
+    _, ranks = story
+    runs = [r["split"] for r in ranks]
+    emitters = [r for r in runs if r["emitter"]]
+    assert sorted(r["dp_rank"] for r in emitters) == [0, 1]
+    assert all(r["sent"] == [] for r in runs if not r["emitter"])
+    count = runs[0]["count"]
+    assert count >= 4
+    shares = [set(r["sent"]) | ({count - 1} if r["coordinator"] else set()) for r in emitters]
+    assert all(len(share) >= count // 2 for share in shares)  # each replica sends half the buckets
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(range(count))
+    m = runs[0]["metrics"]
+    assert m["sync/senders"] == 2 and m["sync/stages"] == 1 and m["sync/buckets"] == count
+    assert m["sync/checked_tensors"] == ranks[0]["checked"]["metrics"]["sync/checked_tensors"]
+    assert all(r["metrics"] == m for r in runs) and runs[0]["version"] == ranks[0]["checked"]["version"] + 1
+
+
 def test_report_log_prob_differences(story):
     """Not a check: the figures of this run, printed for the record (pytest -s)."""
     _, ranks = story

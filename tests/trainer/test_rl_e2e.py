@@ -57,6 +57,7 @@ def check_steps(rows: list[dict], steps: int, phases=PHASES) -> list[dict]:
             assert row[f"timing/{phase}_s"] > 0, phase
         assert row["rollout/samples"] == 8 * 4
         assert row["sync/bytes"] > 0 and row["sync/buckets"] >= 1
+        assert row["sync/checked_tensors"] > 0  # tiny/grpo.yaml: the servers' checksums equal the tensors sent
         assert row["actor/tokens"] > 0
     assert "val/score" in rows[0] and rows[0]["step"] == 0  # validation before training
     assert "val/score" in train[-1]

@@ -11,6 +11,10 @@ every emitter's bytes and times (`emitters`). The stages of a PP layout run in p
 time is its slowest stage's, and its fraction is its throughput over the clone's. `--device cuda`
 times the same on the GPU (layouts without TP: the processes form a gloo world).
 
+A layout `TPxPPxDP` (DP > 1) is timed twice: replica 0 resharding every bucket (`split_dp`
+off, megarl before DP sharing) and every replica resharding its own share (`split_dp` on, the
+default of `SyncConfig.split_across_dp`); a layout's time is then its slowest emitter's.
+
 With `--push`, also times `WeightSync.push()` into one freshly started server of an HF checkpoint
 of the same model: end-to-end GB/s, wire included. `--server sglang --device cuda` is the GPU check
 of the transports against real SGLang (one GPU, layout 1x1; the distributed transport then uses
@@ -18,6 +22,7 @@ gloo, as NCCL cannot join a server on the trainer's own GPU); it prints the serv
 next to the actor's, which must agree (to the served dtype) after the push.
 
     .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 2x1 1x2 2x2 --bucket-mb 64 256 1024
+    .venv/bin/python tools/bench/weight_sync.py --layouts 1x1x2 1x1x4 --bucket-mb 64   # DP sharing
     python tools/bench/weight_sync.py --layouts 1x1 --push --server sglang --device cuda --dtype bfloat16 \
         --transport tensor        # GPU: also --transport distributed, --transport disk
 """
@@ -77,18 +82,19 @@ def timed(repeats: int, run) -> list[float]:
     return times
 
 
-def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict) -> list[dict]:
+def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict,
+                 split_dp: bool = False) -> list[dict]:
     import torch.distributed as dist
 
     from megarl.sync import ParallelGroups, Resharder
 
-    tp, pp = layout
+    tp, pp = layout[:2]
     init_gloo_model_parallel(rank, world_size, port, tp=tp, pp=pp)
     arch = arch_from_hf_config(config)
     weights = WeightMap(arch, padded_vocab_size(arch.vocab_size, 128, tp))
     dtype = getattr(torch, args["dtype"])
     chunks = [c.to(args["device"]) for c in build_chunks(weights, ParallelLayout(tp, pp), dtype)]
-    groups = ParallelGroups.from_parallel_state()
+    groups = ParallelGroups.from_parallel_state(split_dp=split_dp)
     results = []
     for bucket_mb in args["bucket_mbs"]:
         resharder = Resharder(chunks, weights, groups, bucket_mb * 2**20)
@@ -208,27 +214,32 @@ def main() -> None:
     config = hf_config(args)
     rows = []
     load_before = load_average()
+    runs = []
     for text in args.layouts:
         layout = tuple(int(x) for x in text.split("x"))
-        ranks = run_gloo_workers(reshard_rank, layout[0] * layout[1], args=(config, layout, vars(args)), timeout_s=3600)
+        dp = layout[2] if len(layout) > 2 else 1
+        runs += [(text, layout, dp, split) for split in ([False, True] if dp > 1 else [False])]
+    for text, layout, dp, split in runs:
+        ranks = run_gloo_workers(reshard_rank, layout[0] * layout[1] * dp, args=(config, layout, vars(args), split),
+                                 timeout_s=3600)
         for i, bucket_mb in enumerate(args.bucket_mbs):
             emitters = [r[i] for r in ranks if r[i]["emitter"]]
             slowest = max(emitters, key=lambda r: r["reshard_s"])
             total = sum(r["bytes"] for r in emitters)
             gbps = total / slowest["reshard_s"] / 1e9
             clone_gbps = slowest["bytes"] / slowest["clone_s"] / 1e9
-            rows.append(dict(layout=text, bucket_mb=bucket_mb, bytes=total, gb=total / 1e9, reshard_gb_per_s=gbps,
+            rows.append(dict(layout=text, senders="all replicas" if split else "replica 0", bucket_mb=bucket_mb, bytes=total, gb=total / 1e9, reshard_gb_per_s=gbps,
                              clone_gb_per_s=clone_gbps, warm_copy_gb_per_s=slowest["bytes"] / slowest["warm_copy_s"] / 1e9,
                              fraction_of_clone=gbps / clone_gbps, buckets=sum(r["buckets"] for r in emitters),
                              peak_buffer_gb=slowest["peak_buffer_bytes"] / 1e9,
                              **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")},
                              emitters=[{k: r[k] for k in ("stage", "bytes", "reshard_times_s", "clone_times_s",
                                                           "warm_copy_times_s")} for r in emitters]))
-        if args.push:
+        if args.push and dp == 1:
             rows[-1]["push"] = run_push(config, layout, args)
     print(f"model: hidden {args.hidden}, {args.layers} layers, ffn {config['intermediate_size']}, vocab {args.vocab}, "
           f"{args.dtype}; best of {args.repeats}; the stages of a PP layout run in parallel")
-    print_table(rows, [("layout", "TPxPP", "s"), ("bucket_mb", "bucket MiB", "d"), ("gb", "GB", ".3f"),
+    print_table(rows, [("layout", "TPxPP[xDP]", "s"), ("senders", "senders", "s"), ("bucket_mb", "bucket MiB", "d"), ("gb", "GB", ".3f"),
                        ("buckets", "buckets", "d"), ("reshard_s", "reshard s", ".3f"), ("reshard_gb_per_s", "GB/s", ".2f"),
                        ("clone_gb_per_s", "clone GB/s", ".2f"), ("warm_copy_gb_per_s", "copy_ GB/s", ".2f"),
                        ("fraction_of_clone", "fraction", ".2f"), ("gather_s", "gather s", ".3f"),

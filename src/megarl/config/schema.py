@@ -254,6 +254,9 @@ class RolloutConfig:
     # auto: tensor (CUDA IPC) colocated on GPUs with SGLang, else distributed (NCCL on GPUs, gloo on CPU);
     # megarl.config.devices decides it
     weight_sync_transport: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    # after every push, compare each server's per-tensor checksums (SGLang's /weights_checker) with the
+    # HF tensors the actor sent; a difference stops the run naming tensor and server. CPU engine only.
+    check_weight_update: bool = False
     # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
     # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
     # Costs generation speed (README, "Checkpoints, resume"). The CPU engine always honours seeds.

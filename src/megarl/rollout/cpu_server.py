@@ -7,7 +7,8 @@ status codes and state rules: `/generate`, `/health`, `/health_generate`, `/mode
 `/server_info` (and their deprecated `/get_*` names), `/flush_cache`, `/abort_request`,
 `/init_weights_update_group`, `/destroy_weights_update_group`, `/begin_weight_update`,
 `/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_tensor`,
-`/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`. Tensor and
+`/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`,
+`/weights_checker` (the "checksum" action: `rollout.weights_checker`). Tensor and
 distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
 as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
 `{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
@@ -32,7 +33,7 @@ from pydantic import BaseModel
 
 import megarl
 from megarl.rollout.cpu_engine import CPUEngine, Sequence
-from megarl.rollout import tensor_payload
+from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
 from megarl.rollout.weight_group import (
     destroy_process_group,
@@ -418,6 +419,24 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         )
 
     add_pause_routes(app, engine)
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def check_weights(request: Request):
+        req = weights_checker.CheckWeightsReq(**(await _json_body(request, required=False)))
+        if req.action != "checksum":
+            return _result(False, f"Unsupported action={req.action!r}: the CPU engine answers 'checksum' only")
+
+        def checksums() -> dict:
+            engine._check_weights_resident()
+            with engine._model_lock:
+                return weights_checker.checksum_response(weights_checker.model_tensors(engine.model),
+                                                         req.skip_tensor_list)
+
+        try:
+            return await asyncio.to_thread(checksums)
+        except BadRequestError as e:
+            return _result(False, str(e))
+
     return app
 
 

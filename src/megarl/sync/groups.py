@@ -2,17 +2,23 @@
 
 Every rank of the actor's worker group takes part in `WeightSync.push`, in one of four roles:
 
-- **gatherer**: a rank of data-parallel replica 0 (context-parallel rank 0 too). It sends its
-  tensor-parallel shards to its stage's emitter, bucket by bucket, over its TP group.
-- **emitter**: the gatherer with TP rank 0 of each pipeline stage. It receives the shards of its
-  stage, converts them to HF tensors and pushes them to the rollout servers, in parallel with the
-  emitters of the other stages.
-- **coordinator**: the emitter of stage 0, which is global rank 0 (its TP, PP, DP and CP
-  coordinates are all 0). It opens and closes the update on the servers and commits the version.
-- every other rank (DP replicas > 0) only waits for the outcome: they hold the same weights.
+- **gatherer**: a rank of a sending replica. It sends its tensor-parallel shards to its stage's
+  emitter in that replica, bucket by bucket, over its TP group.
+- **emitter**: the gatherer with TP rank 0 (one per stage and sending replica). It receives the
+  shards, converts them to HF tensors and pushes them to the rollout servers, in parallel with
+  the other emitters (which take turns at the servers).
+- **coordinator**: the emitter of stage 0 in replica 0, which is global rank 0 (its TP, PP, DP
+  and CP coordinates are all 0). It opens and closes the update on the servers and commits the version.
+- every rank of a replica that does not send only waits for the outcome: it holds the same weights.
 
-The emitters of all stages form megatron's pipeline-parallel group of the ranks with TP = DP = 0,
-so that group carries the stage reports to the coordinator.
+The replicas (data x context parallel) hold the same weights. With `split_dp` every replica sends:
+replica d sends the buckets k of each stage with (count - 1 - k) % dp_size == d (`bucket_share`),
+so replica 0 sends each stage's last bucket (the coordinator keeps stage 0's for the commit).
+Without it (or with one replica) replica 0 sends everything.
+
+The emitters form `emitter_group`, which carries their reports to the coordinator: with one
+sending replica, megatron's pipeline-parallel group of the ranks with TP = DP = 0; with several,
+a group of every TP-rank-0 rank, made when the groups are read (`from_parallel_state`).
 """
 from __future__ import annotations
 
@@ -32,10 +38,12 @@ class ParallelGroups:
     dp_rank: int  # rank among the replicas that hold the same shards (data x context parallel)
     emitter_group: Any  # on emitters: the group of all stages' emitters (pipeline rank order); else None
     world_group: Any = None  # every rank that calls push; None: torch.distributed's default group
+    dp_size: int = 1  # replicas that hold the same shards (data x context parallel)
+    split_dp: bool = False  # every replica sends its share of the buckets (emitter_group: all their emitters)
 
     @property
     def gathers(self) -> bool:
-        return self.dp_rank == 0
+        return self.split_dp or self.dp_rank == 0
 
     @property
     def is_emitter(self) -> bool:
@@ -43,7 +51,16 @@ class ParallelGroups:
 
     @property
     def is_coordinator(self) -> bool:
-        return self.is_emitter and self.pp_rank == 0
+        return self.is_emitter and self.pp_rank == 0 and self.dp_rank == 0
+
+    def bucket_share(self) -> tuple[int, int]:
+        """(this replica's share, number of shares) of each stage's buckets."""
+        return (self.dp_rank, self.dp_size) if self.split_dp else (0, 1)
+
+    def owns(self, index: int, count: int) -> bool:
+        """Whether this replica sends bucket `index` of a stage's `count` (the last one: replica 0)."""
+        share, shares = self.bucket_share()
+        return (count - 1 - index) % shares == share
 
     @property
     def tp_emitter_rank(self) -> int:
@@ -64,13 +81,23 @@ class ParallelGroups:
             )
 
     @classmethod
-    def from_parallel_state(cls, world_group: Optional[Any] = None) -> "ParallelGroups":
-        """The groups of megatron's initialised `parallel_state` (read on this rank)."""
+    def from_parallel_state(cls, world_group: Optional[Any] = None, split_dp: bool = False) -> "ParallelGroups":
+        """The groups of megatron's initialised `parallel_state` (read on this rank). With
+        `split_dp` and more than one replica, every rank of `world_group` must call this together
+        (it makes the emitters' group)."""
         from megatron.core import parallel_state as ps
 
         tp_size = ps.get_tensor_model_parallel_world_size()
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        if split_dp and dp_size > 1:
+            return cls(
+                tp_group=ps.get_tensor_model_parallel_group(), tp_rank=tp_rank, tp_size=tp_size,
+                pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                dp_rank=dp_rank, emitter_group=_tp_rank_zero_group(tp_rank, world_group), world_group=world_group,
+                dp_size=dp_size, split_dp=True,
+            )
         return cls(
             tp_group=ps.get_tensor_model_parallel_group(),
             tp_rank=tp_rank,
@@ -80,4 +107,15 @@ class ParallelGroups:
             dp_rank=dp_rank,
             emitter_group=ps.get_pipeline_model_parallel_group() if dp_rank == 0 and tp_rank == 0 else None,
             world_group=world_group,
+            dp_size=dp_size,
         )
+
+
+def _tp_rank_zero_group(tp_rank: int, world_group: Optional[Any]) -> Any:
+    """The group of every rank of `world_group` with TP rank 0, in global rank order (the
+    coordinator, global rank 0 of the world group, first); None on the other ranks. Collective."""
+    flags = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(flags, (dist.get_rank(), tp_rank == 0), group=world_group)
+    members = sorted(rank for rank, zero in flags if zero)
+    group = dist.new_group(members)  # every rank of the default group takes part in new_group
+    return group if tp_rank == 0 else None

@@ -1,7 +1,8 @@
 """The resharder: a rank's megatron shards -> full HF-named tensors, in buckets.
 
 Each pipeline stage works on its own layers, independently of the other stages (no funnel through
-one rank). Within a stage (data-parallel replica 0 only):
+one rank). Within a stage, in each sending data-parallel replica (`ParallelGroups`: replica 0, or
+every replica for its own share of the buckets):
 
 1. `local_params` lists the rank's parameters under their global TE-spelled megatron names
    (`module.` prefixes stripped, local layer index -> `layer_number - 1`); a tied embedding's
@@ -155,8 +156,8 @@ def _plan(group: list[LocalParam], weights: WeightMap, tp_size: int, dtype: Opti
 class HFBucket:
     """One bucket of full HF tensors, packed in `flat` (uint8) as `slots` say."""
 
-    index: int  # within this pipeline stage's buckets
-    count: int  # buckets of this stage
+    index: int  # within this pipeline stage's buckets (all replicas' shares)
+    count: int  # buckets of this stage (all replicas' shares)
     flat: torch.Tensor
     slots: tuple[TensorSlot, ...]
 
@@ -214,9 +215,9 @@ class _Buffers:
 
 
 class Resharder:
-    """Streams this stage's HF buckets. All TP ranks of DP replica 0 iterate `buckets()` together
-    (they run the gathers); only the emitter (TP rank 0) receives buckets, the others get none.
-    Other DP replicas get none and take part in nothing.
+    """Streams this stage's HF buckets (this replica's share of them). All TP ranks of a sending
+    replica iterate `buckets()` together (they run the gathers); only the emitter (TP rank 0)
+    receives buckets, the others get none. Replicas that do not send get none and take part in nothing.
 
     A caller must exhaust the iterator on every gathering rank, even after its own failure,
     or the stage's other TP ranks block in their next gather. A bucket's memory is reused for the
@@ -237,21 +238,23 @@ class Resharder:
         self.timings = t = ReshardTimings()
         if not self.groups.gathers:
             return
-        plans = self.plan()
-        if not plans:
+        every = self.plan()
+        mine = [(k, plan) for k, plan in enumerate(every) if self.groups.owns(k, len(every))]
+        if not mine:
             return
+        plans = [plan for _, plan in mine]
         buffers = _Buffers(plans, self.groups.tp_size, self.groups.is_emitter, plans[0].params[0].param.tensor.device)
         t.peak_buffer_bytes = buffers.nbytes
         work = self._start_gather(plans[0], buffers)
-        for k, plan in enumerate(plans):
+        for i, (k, plan) in enumerate(mine):
             started = time.perf_counter()
             if work is not None:
                 work.wait()
             waited = time.perf_counter()
             t.gather_s += waited - started
-            bucket = self._convert(plan, buffers, k, len(plans)) if self.groups.is_emitter else None
+            bucket = self._convert(plan, buffers, k, len(every)) if self.groups.is_emitter else None
             # the rows are converted: the next bucket's gather overlaps this bucket's push
-            work = self._start_gather(plans[k + 1], buffers) if k + 1 < len(plans) else None
+            work = self._start_gather(plans[i + 1], buffers) if i + 1 < len(plans) else None
             if bucket is not None:
                 t.convert_s += time.perf_counter() - waited
                 t.buckets += 1

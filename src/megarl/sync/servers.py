@@ -12,7 +12,14 @@ from megarl.rollout.control import ServerControl, ServerError
 
 
 class SyncServer(ServerControl):
-    """`ServerControl` plus `/update_weights_from_tensor`, which only the colocated transport uses."""
+    """`ServerControl` plus `/update_weights_from_tensor`, which only the colocated transport uses,
+    and `/weights_checker`, which only the equality check (`sync.weight_check`) uses."""
+
+    def weights_checksums(self) -> list[dict[str, str]]:
+        """SGLang 0.5.23's `/weights_checker` with action "checksum" (`rollout.weights_checker`
+        has the request and answer): per TP rank of the server, {tensor name: 16 hex digits}."""
+        answer = self._call("POST", "/weights_checker", {"action": "checksum"})
+        return [rank["checksums"] for rank in answer["ranks"]]
 
     def update_weights_from_tensor(
         self,

@@ -12,11 +12,12 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    and tensor transports). The outcome is broadcast to all ranks; a failure stops everyone here.
    A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
    emitters then form new weight-update groups.
-2. stream, DP replica 0 only, every stage in parallel: the TP ranks gather their shards to the
-   stage's emitter (`Resharder`), which pushes each HF bucket through its transport. With PP > 1
-   the emitters take turns at the servers (`SendLock`, lock.py: a server runs one update at a
-   time, and stages sending at once can deadlock): each send, and the forming of a stage's
-   weight-update group, holds the lock; gathering and converting do not. The
+2. stream, every stage in parallel, and with DP > 1 (`split_across_dp`) every data-parallel replica
+   for its own share of each stage's buckets (`groups.py`; else replica 0 alone): the TP ranks
+   gather their shards to their emitter (`Resharder`), which pushes each HF bucket through its
+   transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a
+   server runs one update at a time, and emitters sending at once can deadlock): each send, and
+   the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
    peers still gather) but sends nothing more.
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
@@ -24,6 +25,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
    `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after;
    with `resume_kv_cache=False` the caller resumes it, after freeing what the push needed).
+   With `check_weights`, before `/end_weight_update` every server's `/weights_checker` checksums
+   are compared with those the emitters computed of the HF tensors they sent (`weight_check.py`);
+   a difference fails the push naming the tensor and the server (the servers then report the new
+   version with wrong weights: push again before generating).
 4. The outcome and the metrics are broadcast to every rank: all return the same metrics, or all
    raise the same `WeightSyncError` naming the failed servers.
 
@@ -55,6 +60,7 @@ from megarl.sync.groups import ParallelGroups
 from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
 from megarl.sync.servers import SyncServer, on_all
+from megarl.sync.weight_check import bucket_checksums, mismatches, server_dtype
 from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTransport, Transport, route_address
 
 log = logging.getLogger("megarl.sync")
@@ -80,6 +86,8 @@ class SyncConfig:
     resume_kv_cache: bool = True  # colocated: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
     #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # weight-update group collectives and each server call
+    check_weights: bool = False  # after the commit, compare the servers' checksums with the tensors sent
+    split_across_dp: bool = True  # DP > 1: every replica sends a disjoint share of the buckets (else replica 0 all)
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -100,6 +108,7 @@ class StageReport:
     """What one stage's emitter did in a push (seconds are wall time on that emitter)."""
 
     stage: int
+    replica: int = 0  # data-parallel replica of this emitter
     buckets: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -107,6 +116,8 @@ class StageReport:
     convert_s: float = 0.0  # merging shards, HF conversion, packing
     send_s: float = 0.0  # in the transport
     peak_buffer_bytes: int = 0
+    checksums: dict[str, str] = field(default_factory=dict)  # check_weights: {HF name: checksum} of what it sent
+    check_s: float = 0.0  # hashing them
     error: Optional[str] = None
     result: Any = None  # the transport's finish_stream() result
 
@@ -120,7 +131,8 @@ def summarize(reports: Sequence[StageReport], seconds: float, prepare_s: float, 
         "sync/bytes": float(total_bytes),
         "sync/gb_per_s": total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "sync/buckets": float(sum(r.buckets for r in reports)),
-        "sync/stages": float(len(reports)),
+        "sync/stages": float(len({r.stage for r in reports})),
+        "sync/senders": float(len(reports)),  # emitters: stages x sending replicas
         "sync/prepare_s": prepare_s,
         "sync/commit_s": commit_s,
         "sync/slowest_stage": float(slowest.stage),
@@ -141,6 +153,8 @@ class _Outcome:
     attempt: int = 0
     push_id: str = ""  # unique name of this attempt (the disk transport's directory)
     reconnect: bool = False  # a server does not hold the last pushed version (it restarted): form new groups
+    check_dtype: Optional[str] = None  # check_weights: the servers' dtype, in which the emitters hash
+    check_failed: bool = False  # the commit went through but a server's weights differ from those sent
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -165,7 +179,7 @@ class WeightSync:
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
         self.config = config
-        self.groups = groups or ParallelGroups.from_parallel_state()
+        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp)
         self.groups.check()
         self.weights = weights
         self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype)
@@ -177,10 +191,10 @@ class WeightSync:
         self._held: Optional[HFBucket] = None
 
     def _make_send_lock(self) -> Optional[SendLock]:
-        """PP > 1: the lock the stages' emitters hold while sending (lock.py), hosted by the
-        coordinator; every rank takes part in sharing its address. None with one stage."""
+        """More than one emitter: the lock they hold while sending (lock.py), hosted by the
+        coordinator; every rank takes part in sharing its address. None with one emitter."""
         g = self.groups
-        if g.pp_size == 1:
+        if g.pp_size * g.bucket_share()[1] == 1:
             return None
         lock, box = None, [None]
         if g.is_coordinator:
@@ -189,7 +203,7 @@ class WeightSync:
             box = [(address, port)]
         dist.broadcast_object_list(box, src=g.coordinator_rank(), group=g.world_group)
         if g.is_emitter and not g.is_coordinator:
-            lock = SendLock.join(*box[0], f"pipeline stage {g.pp_rank}", self.config.timeout_s)
+            lock = SendLock.join(*box[0], self._label(), self.config.timeout_s)
         return lock
 
     def _at_servers(self, step: Callable[[], None]) -> None:
@@ -221,7 +235,7 @@ class WeightSync:
             attempt = self.attempts + 1
             decision = _Outcome(version=str(self.version + 1 if version is None else version), attempt=attempt,
                                 push_id=f"{attempt:06d}-{uuid.uuid4().hex[:8]}")
-            decision.errors, decision.reconnect = self._prepare_servers()
+            decision.errors, decision.reconnect, decision.check_dtype = self._prepare_servers()
             decision.metrics["prepare_s"] = time.perf_counter() - started
         decision = self._from_coordinator(decision)
         self.attempts = decision.attempt
@@ -232,10 +246,10 @@ class WeightSync:
                 f"weight sync to version {decision.version} could not start: {'; '.join(decision.errors)}"
             )
 
-        report = self._stream(decision.push_id, progress) if g.gathers else None
+        report = self._stream(decision, progress) if g.gathers else None
         reports = None
         if g.is_emitter:
-            reports = [None] * g.pp_size if g.is_coordinator else None
+            reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None
             dist.gather_object(report, reports, dst=dist.get_global_rank(g.emitter_group, 0), group=g.emitter_group)
         outcome = None
         if g.is_coordinator:
@@ -244,6 +258,12 @@ class WeightSync:
         if outcome.errors:
             if self.transport is not None:
                 self.transport.reset()
+            if outcome.check_failed:
+                raise WeightSyncError(
+                    f"weight sync to version {outcome.version}: the servers' weights are not the actor's (they "
+                    f"report version {outcome.version} nonetheless); push again before generating: "
+                    f"{'; '.join(outcome.errors)}"
+                )
             raise WeightSyncError(
                 f"weight sync to version {outcome.version} failed; servers that did not get every tensor keep "
                 f"their previous weight_version; push again to retry: {'; '.join(outcome.errors)}"
@@ -262,28 +282,34 @@ class WeightSync:
         dist.broadcast_object_list(box, src=self.groups.coordinator_rank(), group=self.groups.world_group)
         return box[0]
 
-    def _prepare_servers(self) -> tuple[list[str], bool]:
-        """(errors, whether a server lost the last pushed version, i.e. restarted)."""
-        colocated, session = self.config.colocated, self.transport.uses_session
+    def _prepare_servers(self) -> tuple[list[str], bool, Optional[str]]:
+        """(errors, whether a server lost the last pushed version, i.e. restarted, the servers'
+        dtype if check_weights)."""
+        colocated, session, check = self.config.colocated, self.transport.uses_session, self.config.check_weights
 
-        def prepare(server: SyncServer) -> str:
+        def prepare(server: SyncServer) -> tuple[str, Optional[str]]:
             if not server.health():
                 raise ServerError(f"{server.url}/health: not healthy")
             version = server.weight_version()
+            dtype = server.server_info()["dtype"] if check else None
             if not colocated:
                 server.flush_cache()
             else:
                 server.resume_memory_occupation(["weights"])
             if session:
                 server.begin_weight_update()
-            return version
+            return version, dtype
 
         try:
-            versions = on_all(self.servers, prepare)
+            answers = on_all(self.servers, prepare)
         except ServerError as e:
             self._end_sessions()
-            return [str(e)], True
-        return [], any(v != str(self.version) for v in versions)
+            return [str(e)], True, None
+        dtypes = sorted({dtype for _, dtype in answers if dtype is not None})
+        if len(dtypes) > 1:
+            self._end_sessions()
+            return [f"check_weights: the servers hold different dtypes {dtypes}"], False, None
+        return [], any(v != str(self.version) for v, _ in answers), dtypes[0] if dtypes else None
 
     def _end_sessions(self) -> list[str]:
         if not self.transport.uses_session:
@@ -294,19 +320,24 @@ class WeightSync:
             return [str(e)]
         return []
 
-    def _stream(self, push_id: str, progress: Optional[Progress]) -> Optional[StageReport]:
+    def _stream(self, decision: _Outcome, progress: Optional[Progress]) -> Optional[StageReport]:
         """Run this stage's resharder; on the emitter, push every bucket (the coordinator keeps
-        its last one in `self._held`)."""
+        its last one in `self._held`), hashing each first if check_weights."""
         g = self.groups
-        report = StageReport(stage=g.pp_rank)
+        report = StageReport(stage=g.pp_rank, replica=g.dp_rank)
         started = time.perf_counter()
+        check_dtype = server_dtype(decision.check_dtype) if self.config.check_weights else None
         if g.is_emitter:
-            report.error = self._guard(lambda: self._at_servers(lambda: self.transport.open_stream(push_id)))
+            report.error = self._guard(lambda: self._at_servers(lambda: self.transport.open_stream(decision.push_id)))
         for bucket in self.resharder.buckets():  # emitters only get buckets; every TP rank must iterate
             report.buckets += 1
             report.bytes += bucket.nbytes
             if report.error is not None:
                 continue
+            if self.config.check_weights:
+                hashed = time.perf_counter()
+                report.checksums.update(bucket_checksums(bucket, check_dtype))
+                report.check_s += time.perf_counter() - hashed
             if g.is_coordinator and bucket.is_last:
                 self._held = bucket
                 continue
@@ -327,10 +358,25 @@ class WeightSync:
         report.gather_s, report.convert_s, report.peak_buffer_bytes = t.gather_s, t.convert_s, t.peak_buffer_bytes
         return report if g.is_emitter else None
 
+    def _check_servers(self, reports: list[StageReport]) -> list[str]:
+        """Coordinator, after the commit: every server's checksums against every stage's."""
+        sent: dict[str, str] = {}
+        for r in reports:
+            sent.update(r.checksums)
+        try:
+            held = on_all(self.servers, lambda s: s.weights_checksums())
+        except ServerError as e:
+            return [f"check_weights: {e}"]
+        return [problem for server, ranks in zip(self.servers, held) for problem in mismatches(server.url, sent, ranks)]
+
+    def _label(self) -> str:
+        g = self.groups
+        return f"pipeline stage {g.pp_rank}" + (f" (DP replica {g.dp_rank})" if g.split_dp else "")
+
     def _guard(self, step: Callable[[], None], where: Optional[str] = None) -> Optional[str]:
         """None, or the error of `step()` as text: reported to the coordinator while this rank keeps
         its collectives going."""
-        where = where or f"pipeline stage {self.groups.pp_rank}"
+        where = where or self._label()
         try:
             step()
         except Exception as e:
@@ -346,6 +392,12 @@ class WeightSync:
             error = self._guard(lambda: self.transport.commit(held, [r.result for r in reports], decision.version),
                                 "commit")
             outcome.errors = [error] if error else []
+        if not outcome.errors and self.config.check_weights:
+            checked = time.perf_counter()
+            outcome.errors = self._check_servers(reports)
+            outcome.check_failed = bool(outcome.errors)
+            decision.metrics["check_s"] = time.perf_counter() - checked + max(r.check_s for r in reports)
+            decision.metrics["checked_tensors"] = float(sum(len(r.checksums) for r in reports))
         outcome.errors += self._end_sessions()
         if not outcome.errors and self.config.colocated and self.config.resume_kv_cache:
             try:
@@ -354,6 +406,9 @@ class WeightSync:
                 outcome.errors.append(str(e))
         commit_s = time.perf_counter() - commit_started
         outcome.metrics = summarize(reports, time.perf_counter() - started, decision.metrics["prepare_s"], commit_s)
+        if self.config.check_weights:  # slowest stage's hashing + asking the servers and comparing
+            outcome.metrics["sync/check_s"] = decision.metrics.get("check_s", 0.0)
+            outcome.metrics["sync/checked_tensors"] = decision.metrics.get("checked_tensors", 0.0)
         if outcome.errors:
             log.error("weight sync to version %s failed: %s", decision.version, "; ".join(outcome.errors))
         else:

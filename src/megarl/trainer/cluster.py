@@ -97,6 +97,7 @@ class Cluster:
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
             colocated=self.colocated, resume_kv_cache=False, hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            check_weights=r.check_weight_update,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
         self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)

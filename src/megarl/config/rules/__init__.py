@@ -32,6 +32,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.values import (
     agent_settings,
     dpo_ranges,
@@ -71,6 +72,7 @@ RULES: list[Rule] = [
     offload_only_where_it_happens,
     rollout_engine_fits_device,
     weight_sync_transport_fits_devices,
+    weight_check_needs_cpu_engine,
     placement_pools,
     async_modes_fit_the_loop,
     rollout_servers_fit_nodes,
