@@ -211,7 +211,7 @@ def load_hf_weights(chunks, weights: WeightMap, layout: RoleLayout, hf_dir: Path
             if value_head and local == VALUE_HEAD:
                 shard = _value_head_init(reader, param.shape, seed)
             else:
-                source = EMBEDDING if weights.is_tied_output_copy(name) else canonical_name(name)
+                source = EMBEDDING if weights.is_tied_output_copy(name) else weights.canonical(name)
                 shard = shard_tp(tp_split(source), weights.to_mcore(source, reader.read), tp, tp_rank)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ConversionError(
