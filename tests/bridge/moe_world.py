@@ -7,6 +7,7 @@ shape), runs a forward pass and returns its state dict and, on the reporting ran
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -93,4 +94,22 @@ def world(rank: int, world_size: int, port: int, cases: dict) -> dict:
                 vocab = weights.arch.vocab_size
                 result["logit_diffs"][(name, t)] = (logits[..., :vocab] - case["hf_logits"]).abs().max().item()
         result["seconds"][str(t)] = round(time.monotonic() - started, 1)
+
+    # negative controls (qwen3_moe at TP1/EP2): each breaks one thing the logits test must catch
+    layout, case = layout_of(LAYOUTS[0]), cases["qwen3_moe"]
+    _reinit(layout)
+    weights = weights_for(case["hf_dir"], 1)
+    shards = shard_model(weights, full_tensors(weights, hf["qwen3_moe"]), layout)
+    key, other = rank_key(layout), layout.key(0, 0, 0, 1 - ps.get_expert_model_parallel_rank())
+    controls = {
+        "experts_on_the_wrong_ep_rank": (weights, {**shards[key], **{k: v for k, v in shards[other].items() if "experts" in k}}),
+        "unnormalised_top_k": (dataclasses.replace(weights, arch=dataclasses.replace(
+            weights.arch, moe=dataclasses.replace(weights.arch.moe, norm_topk_prob=False))), shards[key]),
+    }
+    result["negative_diffs"] = {}
+    for control, (control_weights, sd) in controls.items():
+        chunks = _build(control_weights, layout)
+        chunks[0].load_state_dict({**chunks[0].state_dict(), **sd}, strict=True)
+        logits = forward_logits(chunks, case["input_ids"])
+        result["negative_diffs"][control] = (logits[..., :100] - case["hf_logits"]).abs().max().item()
     return result

@@ -53,7 +53,8 @@ def moe_run(tmp_path_factory):
         cases[variant] = dict(hf_dir=root / variant, input_ids=INPUT_IDS, hf_logits=logits(model))
     ranks = run_gloo_workers(world, 4, args=(cases,), timeout_s=400)
     print("MoE megatron world, rank 0, seconds since start:", ranks[0]["seconds"])
-    merged = {field: {k: v for r in ranks for k, v in r[field].items()} for field in ("state_dicts", "logit_diffs")}
+    merged = {field: {k: v for r in ranks for k, v in r[field].items()}
+              for field in ("state_dicts", "logit_diffs", "negative_diffs")}
     return cases, merged
 
 
@@ -77,6 +78,15 @@ def test_moe_megatron_logits_equal_hf_logits(variant, layout, moe_run):
     """HF's own model (experts fused in memory) is the oracle; fp32, 1e-5."""
     _, result = moe_run
     assert result["logit_diffs"][(variant, layout)] <= 1e-5
+
+
+@pytest.mark.parametrize("control", ["experts_on_the_wrong_ep_rank", "unnormalised_top_k"])
+def test_moe_negative_controls_break_the_logit_test(control, moe_run):
+    """Experts loaded on the other EP rank, or Qwen3's renormalised top-k routed without
+    renormalisation: the same load and forward path then misses HF's logits by far."""
+    _, result = moe_run
+    assert result["logit_diffs"][("qwen3_moe", (1, 1, 2, 0))] <= 1e-5
+    assert result["negative_diffs"][control] > 1e-3
 
 
 def test_moe_layouts_megatron_gets_wrong_are_rejected():
