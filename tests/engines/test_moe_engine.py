@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.engines.megatron.cpu import run_gloo_workers
@@ -38,3 +39,24 @@ def test_moe_engine_step0_reference_equals_actor_and_updates_train(moe_run):
     assert first["actor/ppo_kl"] == 0.0
     assert math.isfinite(first["actor/grad_norm"]) and first["actor/grad_norm"] > 0
     assert second["actor/ppo_kl"] != 0.0  # the first update moved the policy
+
+
+def test_moe_engine_tp2_log_probs_and_resharded_weights_equal_hf(moe_run):
+    """TP2 / EP1: log-probs equal HF's; the resharder gathers every expert's TP shards into the
+    HF names and tensors of the checkpoint, bit for bit (the weights a push sends)."""
+    model_dir, ranks = moe_run
+    hf_log_probs, _, _ = hf_reference(model_dir, ragged_batch(8), TEMPERATURE)
+    scored = [r["tp2_scored"] for r in ranks if r["tp2_scored"] is not None]
+    assert len(scored) == 1
+    close(scored[0]["log_probs"], hf_log_probs)
+    synced = [r["tp2_synced"] for r in ranks if r["tp2_synced"] is not None]
+    assert len(synced) == 1
+    hf = load_file(model_dir / "model.safetensors")
+    assert synced[0].keys() == hf.keys() - {"lm_head.weight"}
+    for name, tensor in synced[0].items():
+        assert torch.equal(tensor, hf[name]), name
+
+
+def test_moe_engine_refuses_to_sync_expert_parallel_weights(moe_run):
+    _, ranks = moe_run
+    assert all("expert_model_parallel_size=2" in r["ep2_sync_refused"] for r in ranks)
