@@ -215,7 +215,7 @@ def _refuse_expert_parallel(model_chunks: Sequence[torch.nn.Module]) -> None:
     """Raise on every rank of an expert-parallel model: each EP rank holds only its experts, and
     gathering them across EP ranks is not implemented (a sync would send half a model)."""
     for chunk in model_chunks:
-        ep = getattr(unwrap(chunk).config, "expert_model_parallel_size", 1)
+        ep = getattr(getattr(unwrap(chunk), "config", None), "expert_model_parallel_size", 1)
         if ep > 1:
             raise NotImplementedError(
                 f"weight sync of an expert-parallel model (expert_model_parallel_size={ep}) is not implemented: "
