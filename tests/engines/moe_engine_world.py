@@ -34,6 +34,12 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     del actor
     reset_layout()
 
+    # TP1 / EP1 (every rank holds all experts, DP 2): the same two updates, for comparison
+    actor = ActorEngine(config(model_dir, world_size, 1, 1, None, None, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}"))
+    out["ep1_updates"] = [actor.update_policy(mine) for _ in range(2)]
+    del actor
+    reset_layout()
+
     # TP2 / EP1 (experts split over TP): log-probs, and the resharder's HF tensors
     actor = ActorEngine(config(model_dir, world_size, 2, 1, None, None))
     out["tp2_scored"] = actor.compute_log_prob(batch, TEMPERATURE, with_entropy=True)

@@ -60,3 +60,13 @@ def test_moe_engine_tp2_log_probs_and_resharded_weights_equal_hf(moe_run):
 def test_moe_engine_refuses_to_sync_expert_parallel_weights(moe_run):
     _, ranks = moe_run
     assert all("expert_model_parallel_size=2" in r["ep2_sync_refused"] for r in ranks)
+
+
+def test_moe_engine_updates_at_ep2_equal_updates_at_ep1(moe_run):
+    """The same two PPO updates with the experts spread over 2 EP ranks and with every expert on
+    every rank: expert gradients are reduced over the right ranks (loss, grad norm, KL agree)."""
+    _, ranks = moe_run
+    for rank in ranks:
+        for ep2, ep1 in zip(rank["updates"], rank["ep1_updates"]):
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+                assert ep2[key] == pytest.approx(ep1[key], rel=1e-4, abs=1e-7), key
