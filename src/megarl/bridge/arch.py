@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.moe import MoESpec, moe_from_hf_config
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Family:
     qk_layernorm: bool  # per-head RMSNorm on q and k, before RoPE
     must_be_false: tuple[str, ...]  # HF fields with no exact megatron-core equivalent when true
     sliding_window_field: bool  # `sliding_window` (when set) is applied to every layer
+    moe: Optional[str] = None  # MoE naming scheme (megarl.bridge.moe): "qwen", "mixtral"; None: dense
 
 
 FAMILIES: dict[str, Family] = {
@@ -34,6 +36,10 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", "MistralForCausalLM", False, False, (), True),
         Family("qwen2", "Qwen2ForCausalLM", True, False, ("use_sliding_window",), False),
         Family("qwen3", "Qwen3ForCausalLM", False, True, ("attention_bias", "use_sliding_window"), False),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", True, False, ("use_sliding_window",), False, moe="qwen"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, ("attention_bias", "use_sliding_window"), False,
+               moe="qwen"),
+        Family("mixtral", "MixtralForCausalLM", False, False, (), True, moe="mixtral"),
     )
 }
 
@@ -52,7 +58,7 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 
 @dataclass(frozen=True)
 class ModelArch:
-    """A dense decoder as both sides need it. Sizes are counts; `kv_channels` is the head dim."""
+    """A decoder (dense, or MoE with `moe`) as both sides need it. Sizes are counts; `kv_channels` is the head dim."""
 
     model_type: str
     num_layers: int
@@ -73,6 +79,7 @@ class ModelArch:
     # a reward model (HF *ForSequenceClassification, num_labels=1): the scalar head `score.weight`
     # [1, H] (megatron `output_layer.weight` [1, H]) replaces the LM head
     score_head: bool = False
+    moe: Optional[MoESpec] = None  # experts of every layer's MLP; None: a dense MLP of ffn_hidden_size
 
     @property
     def family(self) -> Family:
@@ -199,6 +206,8 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
     elif not isinstance(head_dim, int) or head_dim <= 0:
         raise ConversionError(f"{source}: `head_dim` must be a positive integer, got {head_dim!r}")
     theta, scaling = _rope(config, source)
+    if family.moe == "qwen" and family.qkv_bias and config.get("qkv_bias") is False:
+        raise ConversionError(f"{source}: `qkv_bias`=false is not supported for model_type {model_type!r}")
     window = config.get("sliding_window") if family.sliding_window_field else None
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ConversionError(f"{source}: `sliding_window` must be a positive integer or null, got {window!r}")
@@ -220,4 +229,5 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         qk_layernorm=family.qk_layernorm,
         sliding_window=window,
         score_head=_score_head(config, source),
+        moe=moe_from_hf_config(config, family.moe, source) if family.moe else None,
     )

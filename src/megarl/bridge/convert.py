@@ -140,7 +140,15 @@ def copy_hf_assets(src: Path, dst: Path, dtype: Optional[torch.dtype] = None, ar
 
 
 def _arch_of(config_dir: Path) -> ModelArch:
-    return arch_from_hf_config(load_hf_config(config_dir), source=str(config_dir / "config.json"))
+    arch = arch_from_hf_config(load_hf_config(config_dir), source=str(config_dir / "config.json"))
+    if arch.moe is not None:
+        # megatron saves SequentialMLP experts under per-layer keys with an expert axis, which
+        # torch_dist_io does not map yet; engines load MoE models from the HF directory directly
+        raise ConversionError(
+            f"{config_dir / 'config.json'}: {arch.model_type} is a mixture-of-experts model; torch_dist conversion "
+            "of MoE checkpoints is not supported yet (megarl loads the HF checkpoint directly)"
+        )
+    return arch
 
 
 # ------------------------------------------------------------------------------------------ HF -> megatron

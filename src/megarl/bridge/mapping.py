@@ -12,7 +12,7 @@ offline converters and the live resharder stream a layer at a time with them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable, Literal, Optional
 
@@ -20,6 +20,8 @@ import torch
 
 from megarl.bridge.arch import ModelArch
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.moe import expert_index, hf_expert, hf_router
+from megarl.bridge.moe import hf_shape as moe_hf_shape
 from megarl.bridge.transforms import merge_gate_up, merge_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
 
 
@@ -34,13 +36,14 @@ class TPSplit:
 COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPSplit(0, stride=2)
 
 Transform = Literal["identity", "qkv", "gate_up", "vocab"]
-Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied", "score_head"]
+Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied", "score_head", "dense_mlp", "moe_qwen",
+                    "moe_mixtral", "moe", "shared_expert"]
 
 
 @dataclass(frozen=True)
 class ParamRule:
-    mcore: str  # global megatron name, TE spelling; "{i}" is the layer index
-    hf: tuple[str, ...]  # HF names in the order `transform` produces them; "{i}" is the layer index
+    mcore: str  # global megatron name, TE spelling; "{i}" is the layer index, "{e}" the (global) expert index
+    hf: tuple[str, ...]  # HF names in the order `transform` produces them; "{i}" layer, "{e}" expert
     transform: Transform
     tp: TPSplit
     condition: Condition = "always"
@@ -50,13 +53,27 @@ class ParamRule:
     def per_layer(self) -> bool:
         return "{i}" in self.mcore
 
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.mcore
+
+    def for_expert(self, e: int) -> "ParamRule":
+        """This rule with the expert index `e` filled in (names keep their "{i}")."""
+        return replace(self, mcore=self.mcore.replace("{e}", str(e)), hf=tuple(h.replace("{e}", str(e)) for h in self.hf))
+
     def applies(self, arch: ModelArch) -> bool:
+        moe = arch.moe
         return {
             "always": True,
             "qkv_bias": arch.qkv_bias,
             "qk_layernorm": arch.qk_layernorm,
             "untied": not arch.tie_word_embeddings and not arch.score_head,
             "score_head": arch.score_head,
+            "dense_mlp": moe is None,
+            "moe": moe is not None,
+            "moe_qwen": moe is not None and moe.scheme == "qwen",
+            "moe_mixtral": moe is not None and moe.scheme == "mixtral",
+            "shared_expert": moe is not None and moe.shared_expert,
         }[self.condition]
 
 
@@ -78,10 +95,32 @@ RULES: tuple[ParamRule, ...] = (
               "qk_layernorm"),
     ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "identity", ROW),
     ParamRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), "identity",
-              REPLICATED, local_alias=_L + "pre_mlp_layernorm.weight"),
+              REPLICATED, "dense_mlp", local_alias=_L + "pre_mlp_layernorm.weight"),
     ParamRule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up",
-              GLU_COLUMN),
-    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "identity", ROW),
+              GLU_COLUMN, "dense_mlp"),
+    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "identity", ROW, "dense_mlp"),
+    # MoE layers (megarl.bridge.moe): a separate pre-MLP norm, a router, experts, maybe a shared expert.
+    # Expert splits are over expert-TP ranks (the sharding functions use ETP for them).
+    ParamRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "identity", REPLICATED,
+              "moe"),
+    *(
+        rule
+        for scheme in ("qwen", "mixtral")
+        for rule in (
+            ParamRule(_L + "mlp.router.weight", (hf_router(scheme),), "identity", REPLICATED, f"moe_{scheme}"),
+            ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+                      (hf_expert(scheme, "gate"), hf_expert(scheme, "up")), "gate_up", GLU_COLUMN, f"moe_{scheme}"),
+            ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (hf_expert(scheme, "down"),),
+                      "identity", ROW, f"moe_{scheme}"),
+        )
+    ),
+    ParamRule(_L + "mlp.shared_experts.linear_fc1.weight",
+              (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up",
+              GLU_COLUMN, "shared_expert"),
+    ParamRule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_expert.down_proj.weight",), "identity",
+              ROW, "shared_expert"),
+    ParamRule(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "identity",
+              REPLICATED, "shared_expert"),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "identity", REPLICATED),
     ParamRule(OUTPUT_LAYER, ("lm_head.weight",), "vocab", COLUMN, "untied"),
     # a reward model's scalar head takes the output layer's place, whole on every TP rank
@@ -93,12 +132,17 @@ HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+    escaped = re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
+    return re.compile(escaped + "$")
 
 
-_MCORE_PATTERNS = [(_pattern(r.mcore), r) for r in RULES] + [
-    (_pattern(r.local_alias), r) for r in RULES if r.local_alias
-]
+# MoE rules last: without an arch, `pre_mlp_layernorm` is the dense local alias (`canonical_name`)
+_MOE_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "shared_expert")
+_MCORE_PATTERNS = (
+    [(_pattern(r.mcore), r) for r in RULES if r.condition not in _MOE_CONDITIONS]
+    + [(_pattern(r.local_alias), r) for r in RULES if r.local_alias]
+    + [(_pattern(r.mcore), r) for r in RULES if r.condition in _MOE_CONDITIONS]
+)
 
 
 def is_extra_state(name: str) -> bool:
@@ -112,7 +156,8 @@ def _matching_rules(name: str) -> list[tuple[ParamRule, Optional[int]]]:
     for pattern, rule in _MCORE_PATTERNS:
         m = pattern.match(bare)
         if m:
-            found.append((rule, int(m.group("i")) if rule.per_layer else None))
+            bound = rule.for_expert(int(m.group("e"))) if rule.per_expert else rule
+            found.append((bound, int(m.group("i")) if rule.per_layer else None))
     if not found:
         raise ConversionError(f"megatron parameter {name!r} has no HF mapping")
     return found
@@ -165,8 +210,10 @@ class WeightMap:
 
     def mcore_names(self) -> list[str]:
         """Every global megatron parameter name (TE spelling), in checkpoint order: embedding,
-        layer 0 .. L-1, final norm, output layer (absent when tied)."""
-        layer_rules = [r for r in self.rules() if r.per_layer]
+        layer 0 .. L-1 (MoE experts by global index), final norm, output layer (absent when tied)."""
+        experts = range(self.arch.moe.num_experts) if self.arch.moe else ()
+        layer_rules = [b for r in self.rules() if r.per_layer for b in ([r.for_expert(e) for e in experts]
+                                                                        if r.per_expert else [r])]
         per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules]
         after = [r.mcore for r in self.rules() if not r.per_layer and r.mcore != EMBEDDING]
         return [EMBEDDING, *per_layer, *after]
@@ -184,8 +231,17 @@ class WeightMap:
         return self.arch.lm_head_tied and strip_module_prefix(mcore_name) == OUTPUT_LAYER
 
     def tp_split(self, mcore_name: str) -> TPSplit:
-        """How `mcore_name` is split across TP ranks in this model (a score head is replicated)."""
+        """How `mcore_name` is split across TP ranks in this model (a score head is replicated);
+        for an expert, across expert-TP ranks."""
         return self._rule(mcore_name)[0].tp
+
+    def canonical(self, mcore_name: str) -> str:
+        """The global TE spelling of `mcore_name` in this model (`canonical_name`, but an MoE
+        layer's `pre_mlp_layernorm` stays itself). A tied output-layer copy keeps its name."""
+        if self.is_tied_output_copy(mcore_name):
+            return OUTPUT_LAYER
+        rule, layer = self._rule(mcore_name)
+        return rule.mcore.format(i=layer)
 
     def _rule(self, mcore_name: str) -> tuple[ParamRule, Optional[int]]:
         matches = [(r, i) for r, i in _matching_rules(mcore_name) if r.applies(self.arch)]
@@ -194,6 +250,10 @@ class WeightMap:
         rule, layer = matches[0]
         if layer is not None and layer >= self.arch.num_layers:
             raise ConversionError(f"megatron parameter {mcore_name!r}: layer {layer} >= num_layers {self.arch.num_layers}")
+        e = expert_index(mcore_name)
+        if e is not None:
+            if e >= self.arch.moe.num_experts:
+                raise ConversionError(f"megatron parameter {mcore_name!r}: expert {e} >= num_experts {self.arch.moe.num_experts}")
         return rule, layer
 
     # ---------------------------------------------------------------- shapes
@@ -201,6 +261,10 @@ class WeightMap:
         """The shape `arch` gives the HF tensor `hf_name` (one of `hf_names()`)."""
         a = self.arch
         d, hid = a.kv_channels, a.hidden_size
+        if a.moe is not None:
+            shape = moe_hf_shape(a.moe, hid, hf_name)
+            if shape is not None:
+                return shape
         suffix = hf_name.rsplit(".", 2)[-2:]
         shapes = {
             ("embed_tokens", "weight"): (a.vocab_size, hid),

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megarl.bridge.arch import ModelArch
+from megarl.bridge.moe import transformer_config_kwargs as moe_kwargs
 from megarl.bridge.sharding import ParallelLayout, check_layout
 
 
@@ -21,7 +22,7 @@ def transformer_config_kwargs(
     add training settings (recompute, sequence parallel, fusions on GPU) on top.
     """
     check_layout(arch, layout)
-    return dict(
+    kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -47,6 +48,10 @@ def transformer_config_kwargs(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
     )
+    if arch.moe is not None:
+        kwargs.update(moe_kwargs(arch.moe), expert_model_parallel_size=layout.ep,
+                      expert_tensor_parallel_size=layout.expert_tp)
+    return kwargs
 
 
 def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
@@ -66,12 +71,19 @@ def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
 
 
 def layer_spec(arch: ModelArch, transformer_engine: bool = False):
-    """The megatron-core layer spec: local modules (CPU and tests) or transformer-engine ones."""
+    """The megatron-core layer spec: local modules (CPU and tests) or transformer-engine ones.
+    MoE layers use megatron's SequentialMLP (one MLP per expert, `local_experts.<k>.linear_fc1`) in
+    both; grouped GEMM would name expert weights `experts.linear_fc1.weight<k>`, which the bridge
+    does not map yet."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    experts = arch.moe.num_experts if arch.moe else None
     if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm
+        )
+    return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm,
+                                    normalization="RMSNorm")

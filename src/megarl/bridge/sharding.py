@@ -6,6 +6,13 @@ from 0. With an even split, chunk (p, v) holds `L / (pp * vpp)` layers starting 
 lives in chunk (0, 0), the final norm and output layer in chunk (pp-1, vpp-1); with tied
 embeddings and more than one chunk, the last chunk keeps its own copy of the embedding as
 `output_layer.weight`.
+
+MoE: with expert parallelism (EP) each rank holds `num_experts / ep` experts, numbered locally
+from 0 (`local_experts.<k>` is global expert `ep_rank * num_experts / ep + k`); an expert's
+weights are split over expert-TP (ETP) ranks, which are the TP ranks when ETP = TP and absent
+when ETP = 1 (megatron-core 0.16.1 `parallel_state` orders both `tp-...`). Dense parameters are
+the same on every EP rank. A rank's state dict is keyed (pp_rank, vp_stage, tp_rank), plus
+ep_rank when EP > 1 (`rank_keys`).
 """
 from __future__ import annotations
 
@@ -20,12 +27,13 @@ from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import (
     EMBEDDING,
     OUTPUT_LAYER,
+    REPLICATED,
     TPSplit,
     WeightMap,
-    canonical_name,
     is_extra_state,
     match_mcore,
 )
+from megarl.bridge.moe import expert_index, shift_expert
 
 Spelling = Literal["te", "local"]
 
@@ -35,13 +43,35 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # model chunks per pipeline rank (1: no virtual pipeline)
+    ep: int = 1  # expert parallel: ranks the experts of a layer are spread over
+    etp: int = 0  # expert tensor parallel: 1, or 0 meaning TP (megatron's default)
 
     def __post_init__(self):
-        for field in ("tp", "pp", "vpp"):
+        for field in ("tp", "pp", "vpp", "ep"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ConversionError(f"parallel layout: {field} must be a positive integer, got {getattr(self, field)!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ConversionError("parallel layout: vpp > 1 needs pp > 1 (megatron's interleaved schedule)")
+        if self.etp not in (0, 1, self.tp):
+            raise ConversionError(f"parallel layout: etp={self.etp} must be 1 or tp={self.tp}")
+        if self.expert_tp != self.tp and self.ep == 1:
+            # megatron-core 0.16.1 marks expert weights as expert parameters only when EP > 1
+            # (tensor_parallel/layers.py:829/886): with EP = 1 and ETP != TP, DP ranks holding
+            # different expert shards would average their gradients (moe-on-cpu.md).
+            raise ConversionError(f"parallel layout: etp={self.etp} differs from tp={self.tp} with ep=1, which "
+                                  "megatron-core trains wrongly; use etp=tp or ep > 1")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert-TP size: ranks one expert's weights are split over."""
+        return self.etp or self.tp
+
+    def rank_keys(self) -> list[tuple[int, ...]]:
+        """Every state-dict key: (pp_rank, vp_stage, tp_rank), with ep_rank appended when EP > 1."""
+        return [self.key(p, v, t, e) for p, v in self.chunks() for t in range(self.tp) for e in range(self.ep)]
+
+    def key(self, pp_rank: int, vp_stage: int, tp_rank: int, ep_rank: int = 0) -> tuple[int, ...]:
+        return (pp_rank, vp_stage, tp_rank, ep_rank) if self.ep > 1 else (pp_rank, vp_stage, tp_rank)
 
     def chunks(self) -> list[tuple[int, int]]:
         """(pp_rank, vp_stage) of every model chunk."""
@@ -54,7 +84,8 @@ class ParallelLayout:
         return pp_rank == self.pp - 1 and vp_stage == self.vpp - 1
 
     def __str__(self) -> str:
-        return f"TP={self.tp} PP={self.pp} VPP={self.vpp}"
+        experts = f" EP={self.ep} ETP={self.expert_tp}" if self.ep > 1 or self.etp else ""
+        return f"TP={self.tp} PP={self.pp} VPP={self.vpp}{experts}"
 
 
 def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
@@ -64,10 +95,22 @@ def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
         raise ConversionError(
             f"{layout}: num_hidden_layers={arch.num_layers} is not a multiple of pp*vpp={chunks}"
         )
-    for field, value in (
-        ("num_attention_heads", arch.num_attention_heads),
-        ("intermediate_size", arch.ffn_hidden_size),
-    ):
+    moe = arch.moe
+    tp_fields = [("num_attention_heads", arch.num_attention_heads)]
+    if moe is None:
+        tp_fields.append(("intermediate_size", arch.ffn_hidden_size))
+        if layout.ep > 1:
+            raise ConversionError(f"{layout}: expert parallelism (ep={layout.ep}) needs an MoE model; "
+                                  f"{arch.model_type} is dense")
+    else:
+        if moe.shared_expert:
+            tp_fields.append(("shared_expert_intermediate_size", moe.shared_expert_ffn_hidden_size))
+        if moe.num_experts % layout.ep:
+            raise ConversionError(f"{layout}: num_experts={moe.num_experts} is not a multiple of ep={layout.ep}")
+        if moe.expert_ffn_hidden_size % layout.expert_tp:
+            raise ConversionError(f"{layout}: the expert MLP width {moe.expert_ffn_hidden_size} is not a multiple "
+                                  f"of the expert TP size {layout.expert_tp}")
+    for field, value in tp_fields:
         if value % layout.tp:
             raise ConversionError(f"{layout}: {field}={value} is not a multiple of tp={layout.tp}")
     ng = arch.num_query_groups
@@ -102,6 +145,18 @@ def local_spelling(te_name: str) -> str:
     return rule.local_alias.format(i=layer) if rule.local_alias else te_name
 
 
+def experts_per_rank(weights: WeightMap, layout: ParallelLayout) -> int:
+    return weights.arch.moe.num_experts // layout.ep if weights.arch.moe else 0
+
+
+def expert_split(weights: WeightMap, layout: ParallelLayout, name: str) -> TPSplit:
+    """How a global megatron name is split over the TP ranks: an expert over its ETP ranks, which
+    are the TP ranks (ETP = TP) or none (ETP = 1: replicated on the TP ranks)."""
+    if expert_index(name) is not None and layout.expert_tp == 1:
+        return REPLICATED
+    return weights.tp_split(EMBEDDING if weights.is_tied_output_copy(name) else name)
+
+
 # ------------------------------------------------------------------------------------------ TP
 def shard_tp(split: TPSplit, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s piece of a full tensor."""
@@ -129,16 +184,22 @@ def unshard_tp(split: TPSplit, shards: list[torch.Tensor], name: str = "tensor")
 
 
 # ------------------------------------------------------------------------------------------ PP / VPP
-def chunk_param_names(weights: WeightMap, layout: ParallelLayout, pp_rank: int, vp_stage: int) -> list[str]:
-    """Global TE names of the parameters chunk (pp_rank, vp_stage) holds, in checkpoint order.
-    Includes the tied-embedding copy `output_layer.weight` of the last chunk when there is one."""
+def chunk_param_names(
+    weights: WeightMap, layout: ParallelLayout, pp_rank: int, vp_stage: int, ep_rank: int = 0
+) -> list[str]:
+    """Global TE names of the parameters chunk (pp_rank, vp_stage) holds on EP rank `ep_rank`, in
+    checkpoint order. Includes the tied-embedding copy `output_layer.weight` of the last chunk
+    when there is one."""
     arch = weights.arch
     first, last = layout.is_first(pp_rank, vp_stage), layout.is_last(pp_rank, vp_stage)
     start = layer_offset(arch.num_layers, layout, pp_rank, vp_stage)
     stop = start + arch.num_layers // (layout.pp * layout.vpp)
+    per_rank = experts_per_rank(weights, layout)
     names = []
     for name in weights.mcore_names():
-        layer = layer_index(name)
+        layer, expert = layer_index(name), expert_index(name)
+        if expert is not None and not ep_rank * per_rank <= expert < (ep_rank + 1) * per_rank:
+            continue
         if layer is not None:
             if start <= layer < stop:
                 names.append(name)
@@ -156,63 +217,88 @@ def _full_tensor(full: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     return full[key]
 
 
+def local_name(weights: WeightMap, layout: ParallelLayout, name: str, layer_shift: int, ep_rank: int) -> str:
+    """The chunk-local name of global `name`: layer index minus `layer_shift`, expert index local to `ep_rank`."""
+    local = shift_layer(name, -layer_shift)
+    if expert_index(name) is not None:
+        local = shift_expert(local, -ep_rank * experts_per_rank(weights, layout))
+    return local
+
+
 def shard_model(
     weights: WeightMap,
     full: Mapping[str, torch.Tensor],
     layout: ParallelLayout,
     spelling: Spelling = "local",
-) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
     """Split full megatron tensors (global TE names, padded vocab) into every rank's chunk state
-    dicts: {(pp_rank, vp_stage, tp_rank): {local name: tensor}}, with local layer indices and the
-    requested spelling, as a live `GPTModel` of that chunk names its parameters."""
+    dicts: {layout.key(pp_rank, vp_stage, tp_rank, ep_rank): {local name: tensor}}, with local
+    layer (and expert) indices and the requested spelling, as a live `GPTModel` of that chunk
+    names its parameters."""
     check_layout(weights.arch, layout)
     out = {}
     for pp_rank, vp_stage in layout.chunks():
         offset = layer_offset(weights.arch.num_layers, layout, pp_rank, vp_stage)
-        names = chunk_param_names(weights, layout, pp_rank, vp_stage)
-        for tp_rank in range(layout.tp):
-            sd = {}
-            for name in names:
-                local = shift_layer(name, -offset)
-                if spelling == "local":
-                    local = local_spelling(local)
-                split = weights.tp_split(EMBEDDING if weights.is_tied_output_copy(name) else name)
-                sd[local] = shard_tp(split, _full_tensor(full, name), layout.tp, tp_rank)
-            out[(pp_rank, vp_stage, tp_rank)] = sd
+        for ep_rank in range(layout.ep):
+            names = chunk_param_names(weights, layout, pp_rank, vp_stage, ep_rank)
+            for tp_rank in range(layout.tp):
+                sd = {}
+                for name in names:
+                    local = local_name(weights, layout, name, offset, ep_rank)
+                    if spelling == "local":
+                        local = local_spelling(local)
+                    sd[local] = shard_tp(expert_split(weights, layout, name), _full_tensor(full, name), layout.tp, tp_rank)
+                out[layout.key(pp_rank, vp_stage, tp_rank, ep_rank)] = sd
     return out
 
 
 def merge_model(
     weights: WeightMap,
-    shards: Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]],
+    shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
     layout: ParallelLayout,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of `shard_model`: every rank's chunk state dict -> full tensors under global TE
-    names. Accepts TE or local spelling and `module.` prefixes, ignores `_extra_state` entries and
-    drops a tied output-layer copy after checking it equals the embedding."""
-    missing = [key for key in ((p, v, t) for p, v in layout.chunks() for t in range(layout.tp)) if key not in shards]
+    """Inverse of `shard_model`: ranks' chunk state dicts -> full tensors under global TE names.
+
+    `shards` needs, per chunk, every TP rank (for dense parameters) and every EP rank with each of
+    its expert-TP ranks (for experts), but not every (tp, ep) pair: with ETP = 1 megatron places
+    EP ranks independently of TP ranks. Copies held by several ranks must agree. Accepts TE or
+    local spelling and `module.` prefixes, ignores `_extra_state` entries and drops a tied
+    output-layer copy after checking it equals the embedding."""
+    missing = sorted({(p, v, t) for p, v in layout.chunks() for t in range(layout.tp)} - {tuple(k[:3]) for k in shards})
     if missing:
         raise ConversionError(f"{layout}: no state dict for (pp, vp, tp) rank(s) {missing}")
     full: dict[str, torch.Tensor] = {}
     tied_copy = None
     for pp_rank, vp_stage in layout.chunks():
         offset = layer_offset(weights.arch.num_layers, layout, pp_rank, vp_stage)
-        per_rank = [
-            {canonical_name(k): v for k, v in shards[(pp_rank, vp_stage, t)].items() if not is_extra_state(k)}
-            for t in range(layout.tp)
-        ]
-        expected = chunk_param_names(weights, layout, pp_rank, vp_stage)
-        local_expected = {shift_layer(n, -offset) for n in expected}
-        for t, sd in enumerate(per_rank):
-            if set(sd) != local_expected:
+        held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (tp, ep) -> canonical local state dict
+        for key, sd in shards.items():
+            if tuple(key[:2]) == (pp_rank, vp_stage):
+                tp_rank, ep_rank = key[2], key[3] if len(key) > 3 else 0
+                held[(tp_rank, ep_rank)] = {weights.canonical(k): v for k, v in sd.items() if not is_extra_state(k)}
+        pieces: dict[str, dict[int, list[torch.Tensor]]] = {}  # global name -> tp rank -> copies
+        for (tp_rank, ep_rank), sd in held.items():
+            expected = {local_name(weights, layout, n, offset, ep_rank): n
+                        for n in chunk_param_names(weights, layout, pp_rank, vp_stage, ep_rank)}
+            if set(sd) != set(expected):
                 raise ConversionError(
-                    f"chunk (pp={pp_rank}, vp={vp_stage}, tp={t}): parameters {sorted(set(sd) ^ local_expected)} "
-                    f"differ from what {layout} expects"
+                    f"chunk (pp={pp_rank}, vp={vp_stage}, tp={tp_rank}, ep={ep_rank}): parameters "
+                    f"{sorted(set(sd) ^ set(expected))} differ from what {layout} expects"
                 )
-        for local in per_rank[0]:
-            name = shift_layer(local, offset)
-            split = weights.tp_split(EMBEDDING if weights.is_tied_output_copy(name) else name)
-            tensor = unshard_tp(split, [sd[local] for sd in per_rank], name)
+            for local, name in expected.items():
+                pieces.setdefault(name, {}).setdefault(tp_rank, []).append(sd[local])
+        expected_names = {n for ep in range(layout.ep) for n in chunk_param_names(weights, layout, pp_rank, vp_stage, ep)}
+        if set(pieces) != expected_names:
+            raise ConversionError(f"chunk (pp={pp_rank}, vp={vp_stage}) of {layout}: no state dict holds "
+                                  f"{sorted(expected_names - set(pieces))[:3]}")
+        for name, by_tp in pieces.items():
+            split = expert_split(weights, layout, name)
+            for tp_rank, copies in by_tp.items():
+                if any(not torch.equal(c, copies[0]) for c in copies[1:]):
+                    raise ConversionError(f"{name}: the copies held by the ranks of tp rank {tp_rank} differ")
+            if split.dim is not None and sorted(by_tp) != list(range(layout.tp)):
+                raise ConversionError(f"{name}: state dicts of tp ranks {sorted(by_tp)} given, {layout} needs all")
+            tensor = unshard_tp(split, [by_tp[t][0] for t in sorted(by_tp)], name)
             if weights.is_tied_output_copy(name):
                 tied_copy = tensor
             else:

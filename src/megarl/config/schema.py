@@ -107,6 +107,10 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # MoE models: experts of a layer spread over EP ranks; each expert split over ETP ranks
+    # (null: TP, megatron's default). Ignored by dense models (EP must then be 1).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     param_offload: bool = False

@@ -19,9 +19,12 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
@@ -36,7 +39,14 @@ ARCHITECTURES = {
     "llama": (LlamaConfig, {}),
     "qwen3": (Qwen3Config, {"use_sliding_window": False}),  # per-head q/k RMSNorm
     "mistral": (MistralConfig, {"sliding_window": None}),
+    # mixture-of-experts: 8 experts, top-2 routing, every layer MoE (expert width: `intermediate`)
+    "qwen3_moe": (Qwen3MoeConfig, {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2,
+                                   "norm_topk_prob": True}),  # as Qwen3-30B-A3B
+    "qwen2_moe": (Qwen2MoeConfig, {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2,
+                                   "norm_topk_prob": False}),  # plus a shared expert (sigmoid-gated)
+    "mixtral": (MixtralConfig, {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}),
 }
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,7 +89,8 @@ def make_tiny_model(
     generation_config.json) and the character tokenizer (tokenizer.json, tokenizer_config.json,
     chat_template.jinja) to out_dir; return out_dir.
 
-    head_dim: default hidden // heads. intermediate: MLP width, default 2 * hidden. vocab: the
+    head_dim: default hidden // heads. intermediate: MLP width, default 2 * hidden (MoE: each
+    expert's width; Qwen2-MoE's shared expert is twice that). vocab: the
     embedding rows, default the tokenizer's 47; more pads the vocabulary (ids past 46 are never
     produced by the tokenizer), as real checkpoints pad to a multiple of 64 or 128. Same seed,
     same weights.
@@ -100,10 +111,15 @@ def make_tiny_model(
         raise ValueError(f"vocab ({vocab}) must be at least the tokenizer's {len(tokenizer)} tokens")
 
     config_class, arch_kwargs = ARCHITECTURES[arch]
+    ffn = 2 * hidden if intermediate is None else intermediate
+    if arch in MOE_ARCHITECTURES and arch != "mixtral":  # Qwen MoE name their expert width apart
+        arch_kwargs = {**arch_kwargs, "moe_intermediate_size": ffn}
+        if arch == "qwen2_moe":
+            arch_kwargs["shared_expert_intermediate_size"] = 2 * ffn
     config = config_class(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden if intermediate is None else intermediate,
+        intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

@@ -2,7 +2,9 @@
 queue, not a profiler. All figures are bytes unless a name says GiB.
 
 Training role, per GPU (mixed precision with megatron DDP and Adam):
-  parameters      stage_params / TP x dtype bytes (2 for bf16/fp16, 4 for fp32)
+  parameters      stage_params / TP x dtype bytes (2 for bf16/fp16, 4 for fp32); MoE experts are
+                  split over EP x ETP ranks instead of TP (and their optimizer over the expert-DP
+                  ranks, TP x DP / (EP x ETP))
   gradients       stage_params / TP x 4 (fp32 grad buffer)
   optimizer       stage_params / TP x (8 for Adam m, v + 4 fp32 master copy unless fp32) / DP if the
                   distributed optimizer is on
@@ -36,10 +38,33 @@ GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def layer_params(arch: ModelArch) -> int:
-    """Parameters of one decoder layer: attention, gated MLP, two norms (biases ignored)."""
+def expert_layer_params(arch: ModelArch, experts: int = 0) -> int:
+    """Parameters of `experts` routed experts of one layer (gated MLPs); 0 for a dense model."""
+    return 3 * arch.hidden_size * arch.moe.expert_ffn_hidden_size * experts if arch.moe else 0
+
+
+def dense_layer_params(arch: ModelArch) -> int:
+    """Parameters of one decoder layer outside its routed experts: attention, two norms, and the
+    gated MLP (dense) or router + shared expert and its gate (MoE); biases ignored."""
     q, kv, h = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels, arch.hidden_size
-    return h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size + 2 * h
+    attention = h * q + 2 * h * kv + q * h + 2 * h
+    if arch.moe is None:
+        return attention + 3 * h * arch.ffn_hidden_size
+    shared = 3 * h * arch.moe.shared_expert_ffn_hidden_size + (h if arch.moe.shared_expert else 0)
+    return attention + arch.moe.num_experts * h + shared
+
+
+def layer_params(arch: ModelArch) -> int:
+    """Parameters of one decoder layer (all experts of an MoE layer)."""
+    return dense_layer_params(arch) + expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
+
+
+def active_params(arch: ModelArch) -> int:
+    """Parameters one token passes through: every expert layer counts only its top-k experts."""
+    topk = arch.moe.topk if arch.moe else 0
+    per_layer = dense_layer_params(arch) + expert_layer_params(arch, topk)
+    embed = arch.vocab_size * arch.hidden_size
+    return arch.num_layers * per_layer + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
 
 
 def total_params(arch: ModelArch) -> int:
@@ -48,8 +73,9 @@ def total_params(arch: ModelArch) -> int:
 
 
 def stage_params(arch: ModelArch, pp: int) -> int:
-    """Parameters of the largest pipeline stage (embedding on the first, output layer on the last)."""
-    layers = math.ceil(arch.num_layers / pp) * layer_params(arch)
+    """Parameters of the largest pipeline stage (embedding on the first, output layer on the last),
+    routed experts excluded (`stage_expert_params`)."""
+    layers = math.ceil(arch.num_layers / pp) * dense_layer_params(arch)
     embed = arch.vocab_size * arch.hidden_size
     if pp == 1:
         return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
@@ -72,6 +98,11 @@ def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int) -> int:
         column = TARGETS[target][1]
         per_layer += rank * inp + out * rank / tp if column else rank * inp / tp + out * rank
     return int(math.ceil(arch.num_layers / pp) * per_layer)
+
+
+def stage_expert_params(arch: ModelArch, pp: int) -> int:
+    """Routed-expert parameters of the largest pipeline stage (0 for a dense model)."""
+    return math.ceil(arch.num_layers / pp) * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
 
 
 @dataclass
@@ -101,19 +132,24 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     """`trainable`: parameters with gradients and optimizer state on this GPU (LoRA's adapters,
     held in `dtype` beside the frozen base); None: all of them."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    params = stage_params(arch, pp) / tp
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    expert_params = stage_expert_params(arch, pp) / (ep * etp)
+    dense_params = stage_params(arch, pp) / tp
+    params = dense_params + expert_params
     logits = seq * micro * arch.vocab_size / tp * 4
     if not trains:
         weight_bytes = params * DTYPE_BYTES[dtype]
         return RoleMemory(name, int(weight_bytes), int(weight_bytes) if offload.params else 0, int(logits))
-    if trainable is not None:
+    if trainable is not None:  # LoRA: the adapters' gradients and optimizer states, over DP
         params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
+        dense_params, expert_params = trainable, 0
     else:
         weight_bytes = params * DTYPE_BYTES[dtype]
     grads = params * 4
-    optimizer = params * (8 + (0 if dtype == "float32" else 4))
-    if m.use_distributed_optimizer:
-        optimizer /= dp
+    per_param = 8 + (0 if dtype == "float32" else 4)
+    optimizer = params * per_param
+    if m.use_distributed_optimizer:  # dense states over DP, expert states over expert-DP = TP x DP / (EP x ETP)
+        optimizer = dense_params * per_param / dp + expert_params * per_param / max(1, tp * dp // (ep * etp))
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
     acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
@@ -179,6 +215,8 @@ def _count(n: int) -> str:
 def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     lines = [f"model: {_count(total_params(arch))} parameters ({arch.num_layers} layers, hidden {arch.hidden_size})"]
+    if arch.moe:
+        lines[0] += f", {_count(active_params(arch))} active ({arch.moe.topk} of {arch.moe.num_experts} experts per token)"
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
                      f"  offloadable {gib(r.offloadable):>12}")

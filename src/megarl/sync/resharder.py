@@ -30,7 +30,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.bridge import WeightMap, canonical_name
+from megarl.bridge import WeightMap
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.lora import is_lora_param
 from megarl.bridge.mapping import TPSplit, tp_split
@@ -58,7 +58,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp_size: int) -> list[LocalParam]:
     """This rank's parameters, chunk by chunk in registration order, under global names.
 
-    Checks each shard's shape against the full shape the bridge expects for this TP size."""
+    Checks each shard's shape against the full shape the bridge expects for this TP size. MoE
+    experts are split over TP like the dense MLP (with EP = 1 expert TP is TP)."""
     out = []
     for chunk in model_chunks:
         model = unwrap(chunk)
@@ -69,7 +70,7 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
                 name = shift_layer(local_name, model.decoder.layers[layer].layer_number - 1 - layer)
             if is_lora_param(name):
                 continue  # adapters are pushed merged into their base weights (engines.megatron.lora.merged)
-            name = canonical_name(name)
+            name = weights.canonical(name)
             if weights.is_tied_output_copy(name):
                 continue
             split = tp_split(name)
@@ -214,6 +215,18 @@ class _Buffers:
         return sum(b.numel() for b in (self.send, self.rows, self.flat) if b is not None)
 
 
+def _refuse_expert_parallel(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Raise on every rank of an expert-parallel model: each EP rank holds only its experts, and
+    gathering them across EP ranks is not implemented (a sync would send half a model)."""
+    for chunk in model_chunks:
+        ep = getattr(getattr(unwrap(chunk), "config", None), "expert_model_parallel_size", 1)
+        if ep > 1:
+            raise NotImplementedError(
+                f"weight sync of an expert-parallel model (expert_model_parallel_size={ep}) is not implemented: "
+                "each EP rank holds only its experts; use actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"
+            )
+
+
 class Resharder:
     """Streams this stage's HF buckets (this replica's share of them). All TP ranks of a sending
     replica iterate `buckets()` together (they run the gathers); only the emitter (TP rank 0)
@@ -227,6 +240,7 @@ class Resharder:
                  bucket_bytes: int, dtype: Optional[torch.dtype] = None):
         """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's."""
         self.model_chunks, self.weights, self.groups = list(model_chunks), weights, groups
+        _refuse_expert_parallel(self.model_chunks)
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.timings = ReshardTimings()
 

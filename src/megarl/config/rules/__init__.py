@@ -25,6 +25,7 @@ from megarl.config.rules.choices import (
 )
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.devices import weight_sync_transport_fits_devices
+from megarl.config.rules.experts import expert_parallel_fits_role
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -77,6 +78,7 @@ RULES: list[Rule] = [
     async_modes_fit_the_loop,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
+    expert_parallel_fits_role,
     batch_arithmetic,
 ]
 

@@ -34,7 +34,8 @@ from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import EMBEDDING, canonical_name, tp_split
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
-from megarl.bridge.sharding import layer_offset, shard_tp, shift_layer
+from megarl.bridge.moe import expert_index, shift_expert
+from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 
@@ -163,7 +164,7 @@ def build_chunks(
             pre_process=layout.bridge_layout.is_first(pp_rank, v), post_process=last,
             vp_stage=v if layout.vpp > 1 else None,
         )
-        _mark_tensor_parallel(chunk)
+        _mark_tensor_parallel(chunk, layout.expert_tp)
         if value_head and last:
             chunk.output_layer = torch.nn.Linear(arch.hidden_size, 1, bias=False, dtype=params_dtype)
         # megatron's local norms (torch.nn.RMSNorm) ignore params_dtype and are created in float32;
@@ -173,25 +174,33 @@ def build_chunks(
     return chunks, config
 
 
-def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:
+def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:
     """Tag TP-sharded parameters as megatron's initialisation would (`tensor_model_parallel`,
     `partition_dim`, `partition_stride`). With `perform_initialization=False` megatron-core 0.16
-    skips the tagging, and untagged shards count only on TP rank 0 in the gradient norm."""
+    skips the tagging, and untagged shards count only on TP rank 0 in the gradient norm. Experts
+    are sharded only when the expert TP size is above 1."""
     for name, param in chunk.named_parameters():
         split = tp_split(name)
-        if split.dim is not None:
+        if split.dim is not None and (expert_index(name) is None or expert_tp > 1):
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split.dim, 1
 
 
 def _local_params(chunks, layout: RoleLayout, num_layers: int):
-    """(local name, global name, parameter) of every parameter of this rank's chunks."""
+    """(local name, global name, parameter) of every parameter of this rank's chunks; an expert's
+    global name has its global expert index."""
     from megatron.core import parallel_state
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    experts_here = None
     for v, chunk in enumerate(chunks):
         offset = layer_offset(num_layers, layout.bridge_layout, pp_rank, v)
         for name, param in chunk.named_parameters():
-            yield name, shift_layer(name, offset), param
+            global_name = shift_layer(name, offset)
+            if expert_index(name) is not None:
+                experts_here = experts_here or chunk.config.num_moe_experts // layout.ep
+                global_name = shift_expert(global_name, ep_rank * experts_here)
+            yield name, global_name, param
 
 
 def load_hf_weights(chunks, weights: WeightMap, layout: RoleLayout, hf_dir: Path, value_head: bool, seed: int) -> None:
@@ -211,8 +220,9 @@ def load_hf_weights(chunks, weights: WeightMap, layout: RoleLayout, hf_dir: Path
             if value_head and local == VALUE_HEAD:
                 shard = _value_head_init(reader, param.shape, seed)
             else:
-                source = EMBEDDING if weights.is_tied_output_copy(name) else canonical_name(name)
-                shard = shard_tp(tp_split(source), weights.to_mcore(source, reader.read), tp, tp_rank)
+                source = EMBEDDING if weights.is_tied_output_copy(name) else weights.canonical(name)
+                split = expert_split(weights, layout.bridge_layout, source)
+                shard = shard_tp(split, weights.to_mcore(source, reader.read), tp, tp_rank)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ConversionError(
                     f"{hf_dir}: {name} has shape {list(shard.shape)} for this rank, the model wants {list(param.shape)}"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.bridge.sharding import ParallelLayout
 from megarl.engines.megatron.cpu import apply_cpu_shims
+from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
 
 log = logging.getLogger("megarl.engines")
 
@@ -28,10 +29,16 @@ class RoleLayout:
     tp: int
     pp: int
     vpp: int  # model chunks per pipeline rank; 1 without virtual pipeline
+    ep: int = 1  # expert parallel (MoE models)
+    etp: Optional[int] = None  # expert tensor parallel; None: tp
 
     @property
     def bridge_layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tp, self.pp, self.vpp)
+        return ParallelLayout(self.tp, self.pp, self.vpp, ep=self.ep, etp=self.etp or 0)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     @property
     def vpp_or_none(self) -> Optional[int]:
@@ -54,7 +61,7 @@ def role_layout(megatron_cfg, section: str) -> RoleLayout:
         )
     if vpp > 1 and pp == 1:
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
-    return RoleLayout(tp, pp, vpp)
+    return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size)
 
 
 def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> None:
@@ -65,6 +72,7 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> Non
 
     if not torch.cuda.is_available():
         apply_cpu_shims()
+    apply_moe_cpu_shims()  # CPU only, but for a megatron bug without transformer-engine (moe_cpu.py)
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: the worker group must call init_process_group over the "
@@ -81,18 +89,23 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> Non
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if current != (layout.tp, layout.pp, layout.vpp):
+        if current != (layout.tp, layout.pp, layout.vpp, layout.ep, layout.expert_tp):
             raise RuntimeError(
                 f"{section}: megatron's parallel state is already initialised in this process as TP={current[0]} "
-                f"PP={current[1]} VPP={current[2]}, but this role wants TP={layout.tp} PP={layout.pp} "
-                f"VPP={layout.vpp}; roles sharing a process must share a layout"
+                f"PP={current[1]} VPP={current[2]} EP={current[3]} ETP={current[4]}, but this role wants TP={layout.tp} "
+                f"PP={layout.pp} VPP={layout.vpp} EP={layout.ep} ETP={layout.expert_tp}; roles sharing a process must "
+                "share a layout"
             )
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp_or_none,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
         )
         if dist.get_rank() == 0:
             log.info("%s: process group backends %s", section,

@@ -1,0 +1,140 @@
+"""Mixture-of-experts in the bridge: the MoE part of an HF config, and the HF names of experts.
+
+Supported: Qwen3-MoE and Qwen2-MoE (HF `mlp.gate`, `mlp.experts.<e>.{gate,up,down}_proj`; Qwen2-MoE
+adds `mlp.shared_expert.*` and the sigmoid gate `mlp.shared_expert_gate`) and Mixtral
+(`block_sparse_moe.gate`, `block_sparse_moe.experts.<e>.{w1,w3,w2}`). These are the names
+`save_pretrained` writes and hub checkpoints hold; transformers 5 fuses a layer's experts in
+memory (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]) but never on disk.
+
+megatron-core routing equivalences (transformer/moe/moe_utils.py `topk_routing_with_score_function`):
+HF softmax over all experts -> top-k -> renormalise (`norm_topk_prob=True`, and always in Mixtral) is
+megatron's top-k on the logits then softmax over the k (`moe_router_pre_softmax=False`); HF without
+renormalisation (`norm_topk_prob=False`) is `moe_router_pre_softmax=True`. The Qwen2-MoE shared
+expert, scaled by sigmoid(x . shared_expert_gate), is megatron's `moe_shared_expert_gate=True`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from megarl.bridge.errors import ConversionError
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE part of a decoder (every layer is an MoE layer). Sizes are counts."""
+
+    scheme: str  # HF naming: "qwen" (mlp.experts.<e>.gate_proj) or "mixtral" (block_sparse_moe.experts.<e>.w1)
+    num_experts: int
+    topk: int
+    expert_ffn_hidden_size: int  # one expert's MLP width
+    shared_expert_ffn_hidden_size: int  # 0: no shared expert
+    norm_topk_prob: bool  # top-k probabilities renormalised to sum 1
+    aux_loss_coef: float  # HF `router_aux_loss_coef` (the model's own; training uses the config's)
+
+    @property
+    def shared_expert(self) -> bool:
+        return self.shared_expert_ffn_hidden_size > 0
+
+
+def _count(config: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConversionError(f"{source}: `{key}` must be a positive integer, got {value!r}")
+            return value
+    raise ConversionError(f"{source}: `{keys[0]}` is missing (an MoE config needs it)")
+
+
+def moe_from_hf_config(config: Mapping[str, Any], scheme: str, source: str) -> MoESpec:
+    """Read the MoE fields of an HF config of naming `scheme`; reject what megatron cannot express."""
+    if scheme == "mixtral":
+        experts = _count(config, ("num_local_experts",), source)
+        ffn = _count(config, ("intermediate_size",), source)
+        shared, norm_topk = 0, True  # MixtralSparseMoeBlock always renormalises the top-k weights
+        if config.get("router_jitter_noise"):
+            raise ConversionError(f"{source}: `router_jitter_noise`={config['router_jitter_noise']} is not supported (0 only)")
+    else:
+        # hub Qwen3-MoE configs say `num_experts`; transformers 5 writes `num_local_experts`
+        experts = _count(config, ("num_experts", "num_local_experts"), source)
+        ffn = _count(config, ("moe_intermediate_size",), source)
+        shared = config.get("shared_expert_intermediate_size") or 0
+        norm_topk = bool(config.get("norm_topk_prob", False))
+        step = config.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise ConversionError(f"{source}: `decoder_sparse_step`={step} is not supported (1: every layer is MoE)")
+        if config.get("mlp_only_layers"):
+            raise ConversionError(f"{source}: `mlp_only_layers`={config['mlp_only_layers']} is not supported (dense "
+                                  "layers among MoE layers); only [] is")
+    topk = _count(config, ("num_experts_per_tok",), source)
+    if topk > experts:
+        raise ConversionError(f"{source}: `num_experts_per_tok`={topk} exceeds the {experts} experts")
+    return MoESpec(scheme, experts, topk, ffn, int(shared), norm_topk, float(config.get("router_aux_loss_coef", 0.0)))
+
+
+# ------------------------------------------------------------------------------------------ names
+_PREFIX = {"qwen": "model.layers.{i}.mlp.", "mixtral": "model.layers.{i}.block_sparse_moe."}
+_EXPERT_PROJ = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def hf_router(scheme: str) -> str:
+    return _PREFIX[scheme] + "gate.weight"
+
+
+def hf_expert(scheme: str, which: str) -> str:
+    """HF name template ("{i}" layer, "{e}" expert) of an expert's `gate`, `up` or `down` projection."""
+    proj = dict(zip(("gate", "up", "down"), _EXPERT_PROJ[scheme]))[which]
+    return _PREFIX[scheme] + "experts.{e}." + proj + ".weight"
+
+
+EXPERT_MCORE = re.compile(r"(?:^|\.)mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def expert_index(mcore_name: str) -> Optional[int]:
+    """The expert index in a megatron name (`...mlp.experts.local_experts.<e>...`), else None."""
+    m = EXPERT_MCORE.search(mcore_name)
+    return int(m.group(1)) if m else None
+
+
+def shift_expert(mcore_name: str, offset: int) -> str:
+    """Add `offset` to the expert index of a megatron expert name (local <-> global numbering)."""
+    return EXPERT_MCORE.sub(lambda m: m.group(0).replace(f".{m.group(1)}.", f".{int(m.group(1)) + offset}."),
+                            mcore_name, count=1)
+
+
+_HF_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_HF_SHARED = re.compile(r"\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def hf_shape(moe: MoESpec, hidden: int, hf_name: str) -> Optional[tuple[int, ...]]:
+    """The shape of an MoE HF tensor (router, expert, shared expert), None for other tensors."""
+    if hf_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        return (moe.num_experts, hidden)
+    if hf_name.endswith("mlp.shared_expert_gate.weight"):
+        return (1, hidden)
+    for pattern, ffn in ((_HF_EXPERT, moe.expert_ffn_hidden_size), (_HF_SHARED, moe.shared_expert_ffn_hidden_size)):
+        m = pattern.search(hf_name)
+        if m:
+            return (hidden, ffn) if m.group(1) in ("down_proj", "w2") else (ffn, hidden)
+    return None
+
+
+def transformer_config_kwargs(moe: MoESpec) -> dict[str, Any]:
+    """megatron `TransformerConfig` MoE arguments for `moe` (no load-balancing loss: callers that
+    train set `moe_router_load_balancing_type` and the coefficients)."""
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,  # SequentialMLP: the local spec; grouped GEMM is a TE/GPU choice
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
