@@ -12,8 +12,12 @@ PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && test -x "$$p/bin/pyt
 VENV312   := .venv312
 PY312     := $(VENV312)/bin/python
 STAMP312  := $(VENV312)/.megarl-installed
-# The megatron-touching tests, run again on the second line (why each is here: Makefile.md? no: README "Tested versions").
-PY312_TESTS ?= tests/bridge tests/engines tests/sync tests/tools/test_tools.py \
+# The tests that touch megatron-core, run again on the second line (README "Tested versions"):
+# bridge (HF <-> megatron-core mapping, torch_dist I/O), engines (GPTModel, schedules, optimizer,
+# offload, checkpoints, the CPU shims), sync (the resharder over megatron's groups), the conversion
+# tools, packaging (this line's lock), and two end-to-end runs: GRPO colocated (the whole RL loop)
+# and resume (megatron's distributed checkpoints of model and optimizer).
+PY312_TESTS ?= tests/bridge tests/engines tests/sync tests/tools/test_tools.py tests/test_packaging.py \
 	tests/trainer/test_rl_e2e.py::test_grpo_colocated tests/trainer/test_resume_e2e.py
 
 .PHONY: install test demo clean install-py312 test-py312 lock
@@ -31,6 +35,11 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The GPU locks of both lines (resolves with each line's pip; installs nothing): requirements/gpu-py3*.lock
+lock: install install-py312
+	$(PY) tools/lock_gpu.py --python $(PY)
+	$(PY312) tools/lock_gpu.py --python $(PY312)
 
 # Installs the second line once (reinstalls when setup.py changes) and runs its test set.
 $(STAMP312): setup.py

@@ -1,6 +1,6 @@
 """Resolve megarl's GPU install (`pip install -e '.[gpu]'`) for one Python and write it as a lock.
 
-    python tools/lock_gpu.py --python python3.12 --out requirements/gpu-py312.lock
+    python tools/lock_gpu.py --python python3.12      # writes requirements/gpu-py312.lock
     make lock        # both tested lines (requirements/gpu-py311.lock, requirements/gpu-py312.lock)
 
 Runs `<python> -m pip install --dry-run --ignore-installed --report` on this checkout: pip resolves
@@ -53,10 +53,11 @@ def lock_text(python_version: str, pins: list[tuple[str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", default=sys.executable, help="the interpreter to resolve for")
-    parser.add_argument("--out", required=True, help="the lock file to write")
+    parser.add_argument("--out", help="the lock file to write (default: requirements/gpu-py3X.lock for that Python)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for pip (default 1800)")
     args = parser.parse_args(argv)
     version, pins = resolve(args.python, args.timeout)
+    args.out = args.out or ROOT / "requirements" / f"gpu-py{''.join(version.split('.')[:2])}.lock"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(lock_text(version, pins))
     print(f"{args.out}: {len(pins)} distributions for Python {version}")
