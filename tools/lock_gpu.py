@@ -22,22 +22,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def gpu_requirements() -> list[str]:
+    """setup.py's GPU extra, as requirement strings (read without running setup.py)."""
+    import ast
+
+    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "GPU":
+            return ast.literal_eval(node.value)
+    raise SystemExit("setup.py has no GPU list")
+
+
 def resolve(python: str, timeout_s: float) -> tuple[str, list[tuple[str, str]]]:
-    """(the interpreter's version, [(name, version)] of the resolved install set, megarl excluded)."""
+    """(the interpreter's version, [(name, version)] of the resolved install set, megarl excluded).
+
+    transformer-engine's `pytorch` extra is one source package, transformer-engine-torch, pinned
+    by transformer-engine to its own version; pip cannot read its metadata without building it
+    (nvcc and a CUDA torch), so it is resolved without that extra and added at TE's version."""
     version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
                              capture_output=True, text=True, check=True).stdout.strip()
+    from packaging.requirements import Requirement
+
+    reqs, te_torch = [], False
+    for line in gpu_requirements():
+        req = Requirement(line)
+        if req.name == "transformer-engine" and "pytorch" in req.extras:
+            te_torch = True
+            req.extras.discard("pytorch")
+        reqs.append(str(req))
     with tempfile.TemporaryDirectory(prefix="megarl-lock-") as tmp:
         report = Path(tmp) / "report.json"
         env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
         cmd = [python, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
-               "--report", str(report), "-e", f"{ROOT}[gpu]"]
+               "--report", str(report), "-e", str(ROOT), *reqs]
         result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
         if result.returncode != 0:
             raise SystemExit(f"pip could not resolve megarl[gpu] for Python {version}:\n{result.stderr[-4000:]}")
         installs = json.loads(report.read_text())["install"]
-    pins = sorted((i["metadata"]["name"], i["metadata"]["version"]) for i in installs
-                  if i["metadata"]["name"].lower() != "megarl")
-    return version, sorted(pins, key=lambda p: p[0].lower())
+    pins = {i["metadata"]["name"]: i["metadata"]["version"] for i in installs if i["metadata"]["name"].lower() != "megarl"}
+    if te_torch:
+        pins["transformer_engine_torch"] = pins["transformer_engine"]
+    return version, sorted(pins.items(), key=lambda p: p[0].lower())
 
 
 def lock_text(python_version: str, pins: list[tuple[str, str]]) -> str:
