@@ -5,7 +5,22 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megarl-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo clean
+# The second tested line: Python 3.12 with the newest megatron-core it resolves (0.19.x). The
+# interpreter comes from pyenv when it has a 3.12, else `python3.12` on PATH. PyPI has no CPU
+# build of torch for 3.12, so this venv gets the CUDA build of torch 2.13.0 (it runs on the CPU).
+PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && test -x "$$p/bin/python3.12" && echo "$$p/bin/python3.12" || echo python3.12)
+VENV312   := .venv312
+PY312     := $(VENV312)/bin/python
+STAMP312  := $(VENV312)/.megarl-installed
+# The tests that touch megatron-core, run again on the second line (README "Tested versions"):
+# bridge (HF <-> megatron-core mapping, torch_dist I/O), engines (GPTModel, schedules, optimizer,
+# offload, checkpoints, the CPU shims), sync (the resharder over megatron's groups), the conversion
+# tools, packaging (this line's lock), and two end-to-end runs: GRPO colocated (the whole RL loop)
+# and resume (megatron's distributed checkpoints of model and optimizer).
+PY312_TESTS ?= tests/bridge tests/engines tests/sync tests/tools/test_tools.py tests/test_packaging.py \
+	tests/trainer/test_rl_e2e.py::test_grpo_colocated tests/trainer/test_resume_e2e.py
+
+.PHONY: install test demo clean install-py312 test-py312 lock
 
 # Installs once; reinstalls only when setup.py changes. torch==2.13.0 is the CPU build on
 # these machines; asking for it first keeps pip from pulling a multi-GB CUDA build.
@@ -21,8 +36,26 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The GPU locks of both lines (resolves with each line's pip; installs nothing): requirements/gpu-py3*.lock
+lock: install install-py312
+	$(PY) tools/lock_gpu.py --python $(PY)
+	$(PY312) tools/lock_gpu.py --python $(PY312)
+
+# Installs the second line once (reinstalls when setup.py changes) and runs its test set.
+$(STAMP312): setup.py
+	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
+	$(PY312) -m pip install -q --upgrade pip
+	$(PY312) -m pip install -q torch==2.13.0
+	$(PY312) -m pip install -q -e '.[test]'
+	touch $(STAMP312)
+
+install-py312: $(STAMP312)
+
+test-py312: install-py312
+	$(PY312) -m pytest $(PY312_TESTS) $(PYTEST_ARGS)
+
 demo: install
 	$(PY) -m megarl.demo
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info outputs
+	rm -rf $(VENV) $(VENV312) build src/*.egg-info outputs

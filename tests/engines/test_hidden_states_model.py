@@ -1,23 +1,42 @@
-"""`HiddenStatesGPTModel` overrides megatron-core's private `GPTModel._postprocess` (0.16 has no
-public way to get the final hidden states). These tests fail loudly when megatron changes what
-that override relies on: the method and its `hidden_states` parameter, and that the hidden
-states it receives are the final norm's output, which megatron's own output layer turns into
-its logits."""
+"""`HiddenStatesGPTModel` returns the final hidden states instead of logits: through megatron-core's
+public `forward(output_processor=...)` hook on 0.19, and by overriding the private
+`GPTModel._postprocess` on 0.16, which has no public way. These tests fail loudly when megatron
+changes what either way relies on: the hook on the versions that have it, the private method and
+its `hidden_states` parameter on the others, and that the hidden states returned are the final
+norm's output, which megatron's own output layer turns into its logits."""
 import inspect
 
 import pytest
 import torch
 from hidden_states_world import hidden_states_world
+from packaging.version import Version
 
-from megarl.engines.megatron.cpu import run_gloo_workers
-from megarl.engines.megatron.model import check_postprocess_hook
+from megarl.engines.megatron.cpu import megatron_core_version, run_gloo_workers
+from megarl.engines.megatron.model import check_postprocess_hook, has_output_processor
 
 
-def test_installed_gpt_model_has_the_postprocess_the_override_relies_on():
+def test_installed_gpt_model_has_the_hook_the_model_relies_on():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    assert list(inspect.signature(GPTModel._postprocess).parameters)[:2] == ["self", "hidden_states"]
-    check_postprocess_hook(GPTModel)
+    if Version(megatron_core_version()) >= Version("0.19"):  # the public hook appeared in 0.19
+        assert has_output_processor(GPTModel)
+        assert "output_processor" in inspect.signature(GPTModel._postprocess).parameters
+    else:
+        assert not has_output_processor(GPTModel)
+        assert list(inspect.signature(GPTModel._postprocess).parameters)[:2] == ["self", "hidden_states"]
+        check_postprocess_hook(GPTModel)
+
+
+def test_the_public_hook_is_detected_from_the_forward_signature():
+    class WithHook:
+        def forward(self, input_ids, *, output_processor=None):
+            return input_ids
+
+    class WithoutHook:
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    assert has_output_processor(WithHook) and not has_output_processor(WithoutHook)
 
 
 def test_a_gpt_model_without_that_postprocess_is_refused_by_name():

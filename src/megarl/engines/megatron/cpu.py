@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths it runs.
 `apply_cpu_shims()` patches exactly those places, and only when CUDA is unavailable; with CUDA it
-does nothing. Each shim names the megatron-core 0.16.1 line that needs it, and
+does nothing. Each shim names the megatron-core 0.16.1 line that needs it (0.19.2 where only that release needs
+it: `SHIM_SINCE`), and
 `tests/engines/test_cpu_shims.py` shows, for each one, a scenario that fails without it.
 
 The shims touch megatron-core internals, so they are pinned: on a CPU-only machine,
@@ -30,7 +31,7 @@ import torch
 
 from megarl.net import free_port
 
-VERIFIED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+VERIFIED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")  # the tested lines (README "Tested versions")
 
 
 class UnverifiedMegatronVersion(RuntimeError):
@@ -38,9 +39,13 @@ class UnverifiedMegatronVersion(RuntimeError):
 
 
 def megatron_core_version() -> str:
-    from megatron.core import package_info
+    """The installed megatron-core release, e.g. "0.19.2", from its distribution metadata.
 
-    return package_info.__version__
+    Not `megatron.core.package_info.__version__`: since 0.19 it appends the short hash of any git
+    checkout around the installed package ("0.19.2+31555cf" for a venv inside a repository)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("megatron-core")
 
 
 def check_shims_verified(version: str) -> None:
@@ -242,6 +247,29 @@ def _shim_tensor_cuda() -> None:
     torch.Tensor.cuda = tensor_cuda
 
 
+def _shim_current_stream() -> None:
+    """`torch.cuda.current_stream()` returns a CPU stand-in whose waits are no-ops (CPU work is
+    synchronous: there is nothing to wait for). megatron-core >= 0.19 only.
+
+    Needed by 0.19.2 distributed/param_and_grad_buffer.py:632 `current_stream =
+    torch.cuda.current_stream()` in `start_grad_sync` (every megatron DDP gradient sync; it waits
+    on CUDA-graph events, which the CPU never records).
+    """
+
+    class CpuStream:
+        def wait_event(self, event) -> None:
+            pass
+
+        def wait_stream(self, stream) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    stream = CpuStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: stream
+
+
 CPU_SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "synchronize": _shim_synchronize,
@@ -249,13 +277,26 @@ CPU_SHIMS: dict[str, Callable[[], None]] = {
     "cuda_factories": _shim_cuda_factories,
     "tensor_type_names": _shim_tensor_type_names,
     "tensor_cuda": _shim_tensor_cuda,
+    "current_stream": _shim_current_stream,
 }
+# The megatron-core release that first needs a shim (the others: every verified release).
+SHIM_SINCE = {"current_stream": "0.19"}
+
+
+def shims_for(version: str) -> tuple[str, ...]:
+    """The CPU shims megatron-core `version` needs, in `CPU_SHIMS` order."""
+    from packaging.version import Version
+
+    return tuple(n for n in CPU_SHIMS if Version(version) >= Version(SHIM_SINCE.get(n, "0")))
+
+
 _REPEATABLE = {"cuda_factories"}  # reaches megatron modules imported since the last call
 _applied: set[str] = set()
 
 
 def apply_cpu_shims(names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
-    """Apply the CPU shims (all of `CPU_SHIMS`, or the named subset) when CUDA is unavailable.
+    """Apply the CPU shims (those the installed megatron-core needs, `shims_for`, or the named
+    subset) when CUDA is unavailable.
 
     Idempotent; call it again after importing more megatron modules. Returns the names applied so
     far in this process (empty with CUDA). Raises `UnverifiedMegatronVersion` on a CPU-only machine
@@ -263,11 +304,12 @@ def apply_cpu_shims(names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
     """
     if torch.cuda.is_available():
         return ()
-    selected = list(CPU_SHIMS) if names is None else list(names)
-    unknown = [n for n in selected if n not in CPU_SHIMS]
+    unknown = [n for n in names or () if n not in CPU_SHIMS]
     if unknown:
         raise ValueError(f"unknown CPU shim(s) {unknown}; known: {list(CPU_SHIMS)}")
-    check_shims_verified(megatron_core_version())
+    version = megatron_core_version()
+    check_shims_verified(version)
+    selected = shims_for(version) if names is None else list(names)
     for name in selected:
         if name not in _applied or name in _REPEATABLE:
             CPU_SHIMS[name]()

@@ -9,12 +9,14 @@ megatron-saved model) is loaded with `dist_checkpointing`, resharded to this ran
 
 The chunks are `HiddenStatesGPTModel`s: their last stage returns the final hidden states (after
 the final norm), and `megarl.engines.megatron.heads` applies the output layer or the value head.
-megatron-core 0.16 has no public way to get them: `GPTModel.forward` runs the decoder (whose last
-stage applies the final norm) and returns `self._postprocess(hidden_states=..., ...)`, which
-applies the output layer; we override that private method. (megatron-core 0.19 adds a public
-`forward(output_processor=...)` hook, absent from 0.16.) `check_postprocess_hook` refuses a
-version whose `_postprocess` lost that parameter; tests/engines/test_hidden_states_model.py checks
-that the output is what megatron's own output layer would read.
+megatron-core 0.19 has a public hook for that: `GPTModel.forward(output_processor=...)` calls the
+processor with the decoder output instead of applying the output layer, and we pass one that
+returns it. megatron-core 0.16 has none: `GPTModel.forward` runs the decoder (whose last stage
+applies the final norm) and returns `self._postprocess(hidden_states=..., ...)`, which applies the
+output layer; there we override that private method, and `check_postprocess_hook` refuses a
+version whose `_postprocess` lost that parameter. `has_output_processor` picks the way;
+tests/engines/test_hidden_states_model.py checks that the output is what megatron's own output
+layer would read.
 """
 from __future__ import annotations
 
@@ -88,9 +90,14 @@ def read_arch(source: ModelSource, override_config: Mapping[str, Any], key: str)
     return arch_from_hf_config(hf_config, source=f"{source.config_dir / 'config.json'} ({key})")
 
 
+def has_output_processor(gpt_model_class) -> bool:
+    """Whether `GPTModel.forward` takes the public `output_processor` hook (megatron-core >= 0.19)."""
+    return "output_processor" in inspect.signature(gpt_model_class.forward).parameters
+
+
 def check_postprocess_hook(gpt_model_class) -> None:
     """Raise unless `gpt_model_class._postprocess` takes the decoder output as `hidden_states`
-    (its first parameter), which is what `HiddenStatesGPTModel` relies on."""
+    (its first parameter), which the 0.16 `HiddenStatesGPTModel` relies on."""
     from megarl.engines.megatron.cpu import megatron_core_version
 
     method = getattr(gpt_model_class, "_postprocess", None)
@@ -98,21 +105,38 @@ def check_postprocess_hook(gpt_model_class) -> None:
     if params != ["self", "hidden_states"]:
         found = "no _postprocess" if params is None else f"_postprocess{inspect.signature(method)}"
         raise RuntimeError(
-            f"megatron-core {megatron_core_version()}: GPTModel has {found}, but megarl's HiddenStatesGPTModel "
-            "overrides _postprocess(self, hidden_states, **kwargs) to return the final hidden states (as megatron-core "
-            "0.16.1 and 0.19 define it); adapt megarl.engines.megatron.model to this version"
+            f"megatron-core {megatron_core_version()}: GPTModel has {found} and no forward(output_processor=...), "
+            "but megarl's HiddenStatesGPTModel overrides _postprocess(self, hidden_states, **kwargs) to return the "
+            "final hidden states (as megatron-core 0.16.1 defines it); adapt megarl.engines.megatron.model to this version"
         )
+
+
+def _return_hidden_states(*, hidden_states, **_):
+    """megatron-core's `output_processor`: the decoder output [s, b, H], untouched."""
+    return hidden_states
 
 
 def _gpt_model_class():
     from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if has_output_processor(GPTModel):
+
+        class HiddenStatesGPTModel(GPTModel):
+            """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
+            final norm) instead of logits, through megatron-core's public `output_processor`
+            hook; the output layer stays a parameter holder that the heads use."""
+
+            def forward(self, *args, **kwargs):
+                return super().forward(*args, output_processor=_return_hidden_states, **kwargs)
+
+        return HiddenStatesGPTModel
 
     check_postprocess_hook(GPTModel)
 
     class HiddenStatesGPTModel(GPTModel):
         """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
         final norm) instead of logits; the output layer stays a parameter holder that the heads
-        use. (Overrides the private `GPTModel._postprocess`; see the module docstring.)"""
+        use. (Overrides the private `GPTModel._postprocess` of megatron-core 0.16; see the module docstring.)"""
 
         def _postprocess(self, hidden_states, **kwargs):
             return hidden_states
