@@ -9,7 +9,7 @@ from megarl.bridge import ConversionError, ParallelLayout, arch_from_hf_config, 
 from megarl.bridge.moe import moe_from_hf_config
 from megarl.engines.megatron.cpu import run_gloo_workers
 from moe_world import CASES, layout_of, weights_for, world
-from tiny_hf import INPUT_IDS, hf_tensors, logits, save_tokenizer
+from tiny_hf import INPUT_IDS, hf_tensors, logits, randomise_norms_and_biases, save_tokenizer
 
 pytestmark = pytest.mark.slow  # one 4-process megatron world for the module
 
@@ -33,13 +33,7 @@ def make_moe_model(variant: str, seed: int):
     config = getattr(transformers, class_name)(**{**COMMON, **kwargs})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return randomise_norms_and_biases(model).eval()
 
 
 @pytest.fixture(scope="module")

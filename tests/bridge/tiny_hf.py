@@ -46,13 +46,18 @@ def make_model(variant: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(variant, **overrides), attn_implementation="eager")
+    return randomise_norms_and_biases(model).eval()
+
+
+def randomise_norms_and_biases(model):
+    """Norm weights ~ 1 + 0.1 N(0, 1) and biases ~ 0.1 N(0, 1), in place, from torch's global RNG."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return model
 
 
 def save_tokenizer(out_dir: Path) -> None:
