@@ -33,9 +33,10 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
-from megarl.trainer.async_rollout import Rollout, RolloutProducer
+from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutProducer
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
+from megarl.trainer.rollout_fleet import GenerationInterrupted
 
 log = logging.getLogger("megarl.trainer")
 
@@ -117,7 +118,8 @@ class RLTrainer:
         a = config.async_training
         self.producer = None if a.mode == "sync" else RolloutProducer(
             self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
-            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps)
+            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps,
+            recover=cluster.rollout.recover)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -146,16 +148,22 @@ class RLTrainer:
                 metrics["reward/remax_baseline_mean"] = baseline["scores"].mean().item()
         return batch, metrics
 
-    def generate_rollout(self, index: int, version: int, prompt_indices: list[int] | None = None) -> Rollout:
+    def generate_rollout(self, index: int, version: int, prompt_indices: list[int] | None = None,
+                         partial=None) -> Rollout:
         """Async modes, in the producer thread: rollout `index` (step `index`'s batch: the sampler's
         next prompts, or `prompt_indices`, with the uids and seeds the synchronous step would use)
-        from the servers at weight `version`."""
+        from the servers at weight `version`. Dead servers are not restarted here (the controller
+        may be training): `RolloutInterrupted`, finished later by passing its `partial` back."""
         c = self.config
         prompts = self.train_data.take(self.sampler.next_batch() if prompt_indices is None else prompt_indices)
         uid_prefix = f"s{index}"
         seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
         start = time.perf_counter()
-        result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
+        try:
+            result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds,
+                                                   recover=False, partial=partial)
+        except GenerationInterrupted as cut:
+            raise RolloutInterrupted([p.index for p in prompts], cut) from cut
         return Rollout(index, uid_prefix, [p.index for p in prompts], result.samples, version,
                        result.metrics.as_dict(), time.perf_counter() - start)
 
