@@ -2,6 +2,10 @@
 one CPU-engine server on the other): which weights generated which batch, as the servers
 themselves report it (`meta_info.weight_version`); exact resume from a checkpoint that holds a
 generated, not yet trained batch; the staleness bound of fully_async."""
+import os
+import signal
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,3 +124,68 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
     for index, _ in buffered:
         step = index + 1
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
+
+
+def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
+    """SIGKILL the server process `pid` as soon as it reports requests running (mid-generation)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_and_nothing_is_lost(split_cluster):
+    """The server dies while the producer generates rollout 2 and the controller trains step 1:
+    it is restarted by the controller (not the producer thread), the lost requests are resent, and
+    the trained batches are those of the uninterrupted schedule, each prompt once."""
+    from megarl.data.sampler import EpochSampler
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    run = new_trainer(trainer, {"experiment_name": "server_death", "save_freq": -1})
+    fleet = cluster.rollout
+    fleet.client.max_retries = 1  # give up on the dead server quickly (the fleet's own logic is under test)
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    restarts_before, killers, generate = fleet.restarts[0], [], run.producer._generate
+    restarting_threads = []
+    recover = fleet.recover
+
+    def recording_recover(*args, **kwargs):
+        restarting_threads.append(threading.current_thread() is threading.main_thread())
+        return recover(*args, **kwargs)
+
+    resumed = []
+
+    def killing(index, version, prompt_indices, partial=None):
+        resumed.append(partial is not None)
+        if index == 2 and partial is None:
+            killers.append(threading.Thread(target=kill_once_busy, args=(ServerControl(victim["url"]), victim["pid"])))
+            killers[-1].start()
+        return generate(index, version, prompt_indices, partial)
+
+    trained, take = [], run.take_rollout
+
+    def recording_take(timer):
+        batch, metrics = take(timer)
+        trained.append(list(batch["uid"]))
+        return batch, metrics
+
+    run.producer._generate, run.take_rollout, fleet.recover = killing, recording_take, recording_recover
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.recover, fleet.client.max_retries = recover, 5
+        for killer in killers:
+            killer.join(timeout=60)
+    now = fleet.workers.call("status", timeout_s=30)[0]
+    assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
+    assert resumed.count(True) == 1  # rollout 2 was cut short and finished after the restart
+    assert restarting_threads and all(restarting_threads)  # only the controller's thread restarts servers
+    # The oracle: the sampler's batches of an uninterrupted run, step by step, each prompt once.
+    sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
+    n = run.config.actor_rollout_ref.rollout.n
+    expected = [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
+    assert trained == expected
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
