@@ -55,6 +55,7 @@ def split_cluster(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "async_training.mode=one_step_off",
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.prompt_length=72",  # servers' context 80: room for the partial rollout's 64 tokens
         f"custom_reward_function.path={Path(__file__).with_name('varied_reward.py')}",
     ) as (cluster, trainer):
         yield cluster, trainer, out
@@ -188,4 +189,72 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     n = run.config.actor_rollout_ref.rollout.n
     expected = [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
     assert trained == expected
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster):
+    """A push interrupts rollout 1 mid-generation (/pause_generation abort, push, /continue_generation):
+    its samples continue with the new weights, the tokens carry both versions in the trained batch,
+    the rollout log-probs are the servers' own (per token, from the weights that sampled it), and
+    training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it running."""
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    c = trainer.config
+    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
+        c.actor_rollout_ref.rollout, response_length=64)))  # long enough to be caught mid-generation
+    from megarl.trainer.rl import RLTrainer
+
+    run = RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name="partial",
+                                                    save_freq=-1),
+                            async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
+                                                   partial_rollout=True)),
+                    cluster, trainer.tokenizer, trainer.score_fn)
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    push_due, generate, produced = threading.Event(), run.producer._generate, {}
+    fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
+
+    def late(index, version, prompt_indices, partial=None):
+        if index == 1:
+            assert push_due.wait(300), "step 0 never reached its push"
+        produced[index] = generate(index, version, prompt_indices, partial)
+        return produced[index]
+
+    pause, pauses = fleet.pause_generation, []
+
+    def pause_once_running():
+        if not pauses:
+            push_due.set()
+            deadline = time.monotonic() + 120
+            while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "rollout 1 never ran"
+                time.sleep(0.005)
+            time.sleep(0.5)  # some tokens from the first weights (tens of ms each here)
+        pauses.append(time.monotonic())
+        pause()
+
+    trained, take = {}, run.take_rollout
+
+    def recording_take(timer):
+        batch, metrics = take(timer)
+        trained[len(trained)] = (batch, metrics)
+        return batch, metrics
+
+    run.producer._generate, fleet.pause_generation, run.take_rollout = late, pause_once_running, recording_take
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.pause_generation, fleet.client.continue_aborted = pause, False
+    assert len(pauses) == STEPS  # every push paused the servers
+    batch, metrics = trained[1]
+    crossing = [v for v in batch["weight_versions"] if len(set(v)) > 1]
+    assert crossing and all(v[0] == "default" and v[-1] == "1" for v in crossing)  # version 0 first, then 1
+    assert metrics["async/partial_rollouts"] == len(crossing)
+    assert tracker.rows[2]["async/partial_rollouts"] == len(crossing)
+    assert tracker.rows[2]["async/rollout_version"] == 0.0  # the rollout keeps the version it started with
+    samples = [s for per_prompt in produced[1].samples for s in per_prompt]
+    for row, s in enumerate(samples):  # the correction's rollout log-probs are the servers' own, per token
+        assert len(s.logprobs) == len(s.token_ids) == len(batch["weight_versions"][row])
+        assert batch["rollout_log_probs"][row, :len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))

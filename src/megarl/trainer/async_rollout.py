@@ -26,6 +26,11 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
   are sent again with their seeds, the answers it had are kept, so every prompt is trained once.
   Its `version` stays that of its first part (the oldest weights in it: the staleness bound holds).
 
+- Partial rollouts (`interrupt_running`, fully_async with `partial_rollout`): `pause()` stops new
+  starts only; the controller aborts the running generation at the servers, pushes, and lets it
+  continue with the new weights (its samples then carry per-token `weight_versions`; the
+  rollout's `version` stays the one it started with). A checkpoint waits for it to finish.
+
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (versions, per sample),
 `async/dropped_samples`, `async/buffered_rollouts`, and `timing/generate_hidden_s`: seconds of
 the taken rollout's generation that ran while the controller did something else.
@@ -100,12 +105,13 @@ class RolloutProducer:
 
     def __init__(self, generate: GenerateFn, *, max_staleness: int, stale_samples: str = "drop",
                  fill_window: bool = False, version: int = 0, limit: int, wait_timeout_s: float = 3600.0,
-                 recover: Callable[[], int] = lambda: 0):
+                 recover: Callable[[], int] = lambda: 0, interrupt_running: bool = False):
         """`limit`: rollouts never go past this index (the run's total steps); `version`: the
         servers' weight version now; `fill_window`: `pause()` waits until every rollout the gate
         allows has run (one_step_off's fixed schedule); `recover()`: restarts dead servers (with
-        the current weights), called by `take()` on the controller's thread while parked."""
-        self._generate, self._recover = generate, recover
+        the current weights), called by `take()` on the controller's thread while parked;
+        `interrupt_running`: `pause()` does not wait for the running generation (partial rollouts)."""
+        self._generate, self._recover, self.interrupt_running = generate, recover, interrupt_running
         self.max_staleness, self.stale_samples, self.fill_window = max_staleness, stale_samples, fill_window
         self.version, self.limit, self.wait_timeout_s = version, limit, wait_timeout_s
         self.next_index = version  # the next rollout to produce (rollout j for step j)
@@ -225,7 +231,8 @@ class RolloutProducer:
             if self.fill_window and self._thread is not None:
                 waited += self._wait(lambda: not self._busy and not self._may_start(), "rollout window")
             self._paused = True
-            waited += self._wait(lambda: not self._busy, "running rollout")
+            if not self.interrupt_running:
+                waited += self._wait(lambda: not self._busy, "running rollout")
             if self.ready:
                 self.ready[-1].waited_s += waited
             return waited
@@ -244,10 +251,10 @@ class RolloutProducer:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Call while paused (between a push and the next take): nothing is being generated."""
+        """Call while paused (between a push and the next take); a generation still running (partial
+        rollouts) is waited for, so the state holds it whole."""
         with self._cond:
-            if self._busy:
-                raise RuntimeError("the rollout producer's state was asked for while it generates")
+            self._wait(lambda: not self._busy, "running rollout")
             # an interrupted rollout is saved as its prompts: a resumed run generates it whole
             interrupted = None if self._interrupted is None else {
                 "index": self._interrupted[0], "version": self._interrupted[1],

@@ -119,7 +119,7 @@ class RLTrainer:
         self.producer = None if a.mode == "sync" else RolloutProducer(
             self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
             stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps,
-            recover=cluster.rollout.recover)
+            recover=cluster.rollout.recover, interrupt_running=a.partial_rollout)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -174,6 +174,9 @@ class RLTrainer:
             rollout, metrics = self.producer.take()
         batch = experience.experience_batch(self.train_data.take(rollout.prompt_indices), rollout.samples,
                                             uid_prefix=rollout.uid_prefix)
+        samples = [s for per_prompt in rollout.samples for s in per_prompt]  # in batch order
+        batch["weight_versions"] = [s.weight_versions or [s.weight_version] * len(s.token_ids) for s in samples]
+        metrics["async/partial_rollouts"] = float(sum(s.weight_versions is not None for s in samples))
         metrics.update(rollout.metrics)
         with timer("reward"):
             metrics.update(self.score(batch))
@@ -252,10 +255,17 @@ class RLTrainer:
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
         if self.producer is not None:
-            with timer("wait_rollout"):  # the push lands between generations
+            with timer("wait_rollout"):  # the push lands between generations, or interrupts one
                 self.producer.pause()
         with timer("sync_weights"):
-            metrics.update(cl.sync_weights())
+            interrupt = self.producer is not None and self.producer.interrupt_running
+            if interrupt:  # the running requests abort and wait; they continue with the new weights
+                cl.rollout.pause_generation()
+            try:
+                metrics.update(cl.sync_weights())
+            finally:
+                if interrupt:
+                    cl.rollout.continue_generation()
         if self.producer is not None:
             self.producer.pushed(self.step + 1)
         metrics.update(cl.offload_metrics())

@@ -78,7 +78,7 @@ class RolloutFleet:
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = r.max_server_restarts
         self.on_restart = on_restart
-        self.weight_version: Optional[str] = None  # of the last push; every kept sample must carry it
+        self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
         self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env)
@@ -103,7 +103,18 @@ class RolloutFleet:
             raise
         self.restarts = [0] * len(self.urls)  # per server, over the run
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
-                                    max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s)
+                                    max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
+                                    continue_aborted=config.async_training.partial_rollout)
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        """The last push's version (None: nothing pushed yet); kept samples carry it, or one pushed
+        during their generation (partial rollouts)."""
+        return self._versions[-1]
+
+    @weight_version.setter
+    def weight_version(self, version: Optional[str]) -> None:
+        self._versions.append(version)
 
     def _multi_node_args(self) -> list[Optional[MultiNode]]:
         """Per worker rank: its `MultiNode` (None for a server within one node); the node-0 actor
@@ -122,7 +133,7 @@ class RolloutFleet:
         (a thread that must not push weights: the async producer) nothing is restarted: prompts
         lost to a dead server raise `GenerationInterrupted`, and `partial=` that error finishes
         the same prompts later, sending only the lost ones (answers kept carry their version)."""
-        started = time.monotonic()
+        started, since = time.monotonic(), len(self._versions) - 1
         if recover:
             self.recover()
         n = len(prompts)
@@ -137,7 +148,8 @@ class RolloutFleet:
             lost = {}
             for j, i in enumerate(todo):
                 attempts[i] += part.records[j].attempts
-                why = part.failed.get(j) or stale_reason(part.samples[j], self.weight_version)
+                # answers from the weights current at the start, or pushed since (partial rollouts)
+                why = part.failed.get(j) or stale_reason(part.samples[j], self.weight_version, self._versions[since:-1])
                 if why is None:
                     samples[i], records[i] = part.samples[j], part.records[j]
                 else:
@@ -222,6 +234,16 @@ class RolloutFleet:
 
     def servers(self) -> list[ServerControl]:
         return [ServerControl(url, self.api_key) for url in self.urls]
+
+    def pause_generation(self) -> None:
+        """Partial rollouts, before a push: every server aborts its running requests (the client
+        sends them on, to wait at the server) and holds new ones until `continue_generation`."""
+        for server in self.servers():
+            server.pause_generation("abort")
+
+    def continue_generation(self) -> None:
+        for server in self.servers():
+            server.continue_generation()
 
     def release_memory(self) -> None:
         """Colocated: free the servers' weights and KV cache while training runs (the weight push
