@@ -210,3 +210,16 @@ def test_an_interrupted_rollout_is_checkpointed_as_its_prompts():
         again.stop()
     assert (rollout.index, rollout.prompt_indices) == (0, [0, 100])
     assert servers.calls[before] == (0, 0, [0, 100], None)  # generated whole from its prompts
+
+
+def test_a_regeneration_cut_by_a_dead_server_is_finished_after_a_restart_on_the_controllers_thread():
+    servers = DyingServers(dies_at=3)
+    producer = stale_producer("regenerate", servers)
+    producer._recover = servers.recover
+    try:
+        rollout, _ = producer.take()
+    finally:
+        producer.stop()
+    assert (rollout.index, rollout.prompt_indices, rollout.version) == (3, [42], 5)
+    assert servers.calls[:2] == [(3, 5, [42], None), (3, 5, [42], "answers to prompt 0")]
+    assert servers.recoveries == [(True, False)]

@@ -200,7 +200,11 @@ class RolloutProducer:
                     self._paused = True  # the servers serve this one alone
                     self._wait(lambda: not self._busy, "idle producer")
                     start = time.perf_counter()
-                    fresh = self._generate(rollout.index, self.version, rollout.prompt_indices)
+                    try:
+                        fresh = self._generate(rollout.index, self.version, rollout.prompt_indices)
+                    except RolloutInterrupted as cut:  # on this thread, not training: restart, finish it
+                        self._recover()
+                        fresh = self._generate(rollout.index, self.version, cut.prompt_indices, cut.partial)
                     fresh.waited_s = time.perf_counter() - start
                     self._paused = False
                     self._cond.notify_all()

@@ -13,7 +13,8 @@ resume their KV cache (inside `sync_weights`; see megarl.placement.colocation).
 
 With `async_training.mode` one_step_off or fully_async, a producer thread generates the coming
 steps' batches while this one trains (megarl.trainer.async_rollout): the step takes its batch from
-the producer instead of generating it, and the push waits for the generation running.
+the producer instead of generating it, and the push waits for the generation running (with
+`async_training.partial_rollout`, interrupts it: pause, push, continue with the new weights).
 """
 from __future__ import annotations
 
