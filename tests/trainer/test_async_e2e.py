@@ -192,12 +192,17 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
 
 
-def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster):
+def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster, monkeypatch):
     """A push interrupts rollout 1 mid-generation (/pause_generation abort, push, /continue_generation):
     its samples continue with the new weights, the tokens carry both versions in the trained batch,
     the rollout log-probs are the servers' own (per token, from the weights that sampled it), and
-    training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it running."""
+    training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it
+    running; responses are 64 tokens (ignore_eos), so it is caught mid-generation."""
     from megarl.rollout.control import ServerControl
+    from megarl.trainer import rl
+
+    sampling = rl.sampling_params
+    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
 
     cluster, trainer, _ = split_cluster
     c = trainer.config
@@ -229,7 +234,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
             while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
                 assert time.monotonic() < deadline, "rollout 1 never ran"
                 time.sleep(0.005)
-            time.sleep(0.5)  # some tokens from the first weights (tens of ms each here)
+            time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
         pauses.append(time.monotonic())
         pause()
 
@@ -249,8 +254,11 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     assert len(pauses) == STEPS  # every push paused the servers
     batch, metrics = trained[1]
     crossing = [v for v in batch["weight_versions"] if len(set(v)) > 1]
-    assert crossing and all(v[0] == "default" and v[-1] == "1" for v in crossing)  # version 0 first, then 1
-    assert metrics["async/partial_rollouts"] == len(crossing)
+    pushed = str(int(tracker.rows[1]["sync/weight_version"]))  # step 0's push, the one that interrupted
+    for v in crossing:  # the servers' weights before the push, then the pushed ones
+        switch = v.index(pushed)
+        assert 0 < switch and len(set(v[:switch])) == 1 and set(v[switch:]) == {pushed}
+    assert crossing and metrics["async/partial_rollouts"] == len(crossing)
     assert tracker.rows[2]["async/partial_rollouts"] == len(crossing)
     assert tracker.rows[2]["async/rollout_version"] == 0.0  # the rollout keeps the version it started with
     samples = [s for per_prompt in produced[1].samples for s in per_prompt]
