@@ -26,7 +26,7 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
   are sent again with their seeds, the answers it had are kept, so every prompt is trained once.
   Its `version` stays that of its first part (the oldest weights in it: the staleness bound holds).
 
-- Partial rollouts (`interrupt_running`, fully_async with `partial_rollout`): `pause()` stops new
+- Partial rollouts (fully_async with `partial_rollout`): `pause(interrupt=True)` stops new
   starts only; the controller aborts the running generation at the servers, pushes, and lets it
   continue with the new weights (its samples then carry per-token `weight_versions`; the
   rollout's `version` stays the one it started with). A checkpoint waits for it to finish.
@@ -105,13 +105,12 @@ class RolloutProducer:
 
     def __init__(self, generate: GenerateFn, *, max_staleness: int, stale_samples: str = "drop",
                  fill_window: bool = False, version: int = 0, limit: int, wait_timeout_s: float = 3600.0,
-                 recover: Callable[[], int] = lambda: 0, interrupt_running: bool = False):
+                 recover: Callable[[], int] = lambda: 0):
         """`limit`: rollouts never go past this index (the run's total steps); `version`: the
         servers' weight version now; `fill_window`: `pause()` waits until every rollout the gate
         allows has run (one_step_off's fixed schedule); `recover()`: restarts dead servers (with
-        the current weights), called by `take()` on the controller's thread while parked;
-        `interrupt_running`: `pause()` does not wait for the running generation (partial rollouts)."""
-        self._generate, self._recover, self.interrupt_running = generate, recover, interrupt_running
+        the current weights), called by `take()` on the controller's thread while parked."""
+        self._generate, self._recover = generate, recover
         self.max_staleness, self.stale_samples, self.fill_window = max_staleness, stale_samples, fill_window
         self.version, self.limit, self.wait_timeout_s = version, limit, wait_timeout_s
         self.next_index = version  # the next rollout to produce (rollout j for step j)
@@ -226,16 +225,17 @@ class RolloutProducer:
         self._counts = dict.fromkeys(self._counts, 0)
         return rollout, metrics
 
-    def pause(self) -> float:
+    def pause(self, interrupt: bool = False) -> float:
         """Before a weight push: no new generation starts, the running one finishes (with
-        `fill_window`, every one the gate allows at this version runs first). Returns the seconds
-        waited, counted as waited on the newest rollout."""
+        `fill_window`, every one the gate allows at this version runs first; with `interrupt`,
+        partial rollouts, it runs on across the push). Returns the seconds waited, counted as
+        waited on the newest rollout."""
         with self._cond:
             waited = 0.0
             if self.fill_window and self._thread is not None:
                 waited += self._wait(lambda: not self._busy and not self._may_start(), "rollout window")
             self._paused = True
-            if not self.interrupt_running:
+            if not interrupt:
                 waited += self._wait(lambda: not self._busy, "running rollout")
             if self.ready:
                 self.ready[-1].waited_s += waited

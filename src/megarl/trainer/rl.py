@@ -120,7 +120,7 @@ class RLTrainer:
         self.producer = None if a.mode == "sync" else RolloutProducer(
             self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
             stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps,
-            recover=cluster.rollout.recover, interrupt_running=a.partial_rollout)
+            recover=cluster.rollout.recover)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -255,11 +255,13 @@ class RLTrainer:
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
+        # Partial rollouts: the push interrupts the generation in flight, unless a server is dead (the
+        # push restarts it, which needs idle servers: then the generation parks first, as without).
+        interrupt = c.async_training.partial_rollout and not cl.rollout.dead_servers()
         if self.producer is not None:
             with timer("wait_rollout"):  # the push lands between generations, or interrupts one
-                self.producer.pause()
+                self.producer.pause(interrupt)
         with timer("sync_weights"):
-            interrupt = self.producer is not None and self.producer.interrupt_running
             if interrupt:  # the running requests abort and wait; they continue with the new weights
                 cl.rollout.pause_generation()
             try:
