@@ -10,7 +10,7 @@ Per mode (steps after the first): mean s/step, and the hidden share of generatio
 In sync mode nothing is hidden (share 0). The modes run one after the other, with load averages
 recorded before and after each run: on a machine shared with other work the figures say so.
 
-    .venv/bin/python tools/bench/async_modes.py --steps 6
+    .venv/bin/python tools/bench/async_modes.py --steps 12
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def mode_summary(run: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12, help="more than the quickstart's 10 warm-up steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--sft-steps", type=int, default=240, help="megarl SFT warm-up steps (made once per --workdir)")
