@@ -40,3 +40,12 @@ def test_loops_of_more_than_one_batch_per_step_are_refused(override, key):
 def test_an_unknown_mode_or_policy_is_refused():
     assert "async_training.mode" in errors(*SPLIT, "async_training.mode=async")
     assert "async_training.stale_samples" in errors(*SPLIT, "async_training.stale_samples=keep")
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_partial_rollouts_belong_to_fully_async(mode):
+    message = errors(*SPLIT, f"async_training.mode={mode}", "async_training.partial_rollout=true")
+    assert "async_training.partial_rollout=true" in message and "async_training.mode=fully_async" in message
+    config = load_and_validate(None, REQUIRED + SPLIT + ["async_training.mode=fully_async",
+                                                         "async_training.partial_rollout=true"])
+    assert config.async_training.partial_rollout

@@ -25,6 +25,12 @@ def test_stale_reason_keeps_only_the_current_weight_version():
     assert stale_reason([sample(None, finish="abort")], "3") is None  # aborted: no weights used
 
 
+def test_stale_reason_keeps_the_versions_pushed_during_a_partial_rollout():
+    assert stale_reason([sample("2"), sample("3")], "3", ["2"]) is None  # one finished before the push
+    assert stale_reason([sample("1")], "3", ["2"]) == "answered with weight_version '1', expected one of ['2', '3']"
+    assert stale_reason([sample("default")], "1", [None]) is None  # started before any push
+
+
 def test_keep_going_returns_the_prompts_that_got_no_answer():
     with socket.socket() as s:  # a port nobody listens on: every attempt is refused
         s.bind(("127.0.0.1", 0))

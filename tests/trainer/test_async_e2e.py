@@ -2,6 +2,10 @@
 one CPU-engine server on the other): which weights generated which batch, as the servers
 themselves report it (`meta_info.weight_version`); exact resume from a checkpoint that holds a
 generated, not yet trained batch; the staleness bound of fully_async."""
+import os
+import signal
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,6 +55,7 @@ def split_cluster(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "async_training.mode=one_step_off",
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.prompt_length=72",  # servers' context 80: room for the partial rollout's 64 tokens
         f"custom_reward_function.path={Path(__file__).with_name('varied_reward.py')}",
     ) as (cluster, trainer):
         yield cluster, trainer, out
@@ -120,3 +125,144 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
     for index, _ in buffered:
         step = index + 1
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
+
+
+def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
+    """SIGKILL the server process `pid` as soon as it reports requests running (mid-generation)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_and_nothing_is_lost(split_cluster):
+    """The server dies while the producer generates rollout 2 and the controller trains step 1:
+    it is restarted by the controller (not the producer thread), the lost requests are resent, and
+    the trained batches are those of the uninterrupted schedule, each prompt once."""
+    from megarl.data.sampler import EpochSampler
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    run = new_trainer(trainer, {"experiment_name": "server_death", "save_freq": -1})
+    fleet = cluster.rollout
+    fleet.client.max_retries = 1  # give up on the dead server quickly (the fleet's own logic is under test)
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    restarts_before, killers, generate = fleet.restarts[0], [], run.producer._generate
+    restarting_threads = []
+    recover = fleet.recover
+
+    def recording_recover(*args, **kwargs):
+        restarting_threads.append(threading.current_thread() is threading.main_thread())
+        return recover(*args, **kwargs)
+
+    resumed = []
+
+    def killing(index, version, prompt_indices, partial=None):
+        resumed.append(partial is not None)
+        if index == 2 and partial is None:
+            killers.append(threading.Thread(target=kill_once_busy, args=(ServerControl(victim["url"]), victim["pid"])))
+            killers[-1].start()
+        return generate(index, version, prompt_indices, partial)
+
+    trained, take = [], run.take_rollout
+
+    def recording_take(timer):
+        batch, metrics = take(timer)
+        trained.append(list(batch["uid"]))
+        return batch, metrics
+
+    run.producer._generate, run.take_rollout, fleet.recover = killing, recording_take, recording_recover
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.recover, fleet.client.max_retries = recover, 5
+        for killer in killers:
+            killer.join(timeout=60)
+    now = fleet.workers.call("status", timeout_s=30)[0]
+    assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
+    assert resumed.count(True) == 1  # rollout 2 was cut short and finished after the restart
+    assert restarting_threads and all(restarting_threads)  # only the controller's thread restarts servers
+    # The oracle: the sampler's batches of an uninterrupted run, step by step, each prompt once.
+    sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
+    n = run.config.actor_rollout_ref.rollout.n
+    expected = [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
+    assert trained == expected
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster, monkeypatch):
+    """A push interrupts rollout 1 mid-generation (/pause_generation abort, push, /continue_generation):
+    its samples continue with the new weights, the tokens carry both versions in the trained batch,
+    the rollout log-probs are the servers' own (per token, from the weights that sampled it), and
+    training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it
+    running; responses are 64 tokens (ignore_eos), so it is caught mid-generation."""
+    from megarl.rollout.control import ServerControl
+    from megarl.trainer import rl
+
+    sampling = rl.sampling_params
+    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
+
+    cluster, trainer, _ = split_cluster
+    c = trainer.config
+    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
+        c.actor_rollout_ref.rollout, response_length=64)))  # long enough to be caught mid-generation
+    from megarl.trainer.rl import RLTrainer
+
+    run = RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name="partial",
+                                                    save_freq=-1),
+                            async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
+                                                   partial_rollout=True)),
+                    cluster, trainer.tokenizer, trainer.score_fn)
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    push_due, generate, produced = threading.Event(), run.producer._generate, {}
+    fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
+
+    def late(index, version, prompt_indices, partial=None):
+        if index == 1:
+            assert push_due.wait(300), "step 0 never reached its push"
+        produced[index] = generate(index, version, prompt_indices, partial)
+        return produced[index]
+
+    pause, pauses = fleet.pause_generation, []
+
+    def pause_once_running():
+        if not pauses:
+            push_due.set()
+            deadline = time.monotonic() + 120
+            while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "rollout 1 never ran"
+                time.sleep(0.005)
+            time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
+        pauses.append(time.monotonic())
+        pause()
+
+    trained, take = {}, run.take_rollout
+
+    def recording_take(timer):
+        batch, metrics = take(timer)
+        trained[len(trained)] = (batch, metrics)
+        return batch, metrics
+
+    run.producer._generate, fleet.pause_generation, run.take_rollout = late, pause_once_running, recording_take
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.pause_generation, fleet.client.continue_aborted = pause, False
+    assert len(pauses) == STEPS  # every push paused the servers
+    batch, metrics = trained[1]
+    crossing = [v for v in batch["weight_versions"] if len(set(v)) > 1]
+    pushed = str(int(tracker.rows[1]["sync/weight_version"]))  # step 0's push, the one that interrupted
+    for v in crossing:  # the servers' weights before the push, then the pushed ones
+        switch = v.index(pushed)
+        assert 0 < switch and len(set(v[:switch])) == 1 and set(v[switch:]) == {pushed}
+    assert crossing and metrics["async/partial_rollouts"] == len(crossing)
+    assert tracker.rows[2]["async/partial_rollouts"] == len(crossing)
+    assert tracker.rows[2]["async/rollout_version"] == 0.0  # the rollout keeps the version it started with
+    samples = [s for per_prompt in produced[1].samples for s in per_prompt]
+    for row, s in enumerate(samples):  # the correction's rollout log-probs are the servers' own, per token
+        assert len(s.logprobs) == len(s.token_ids) == len(batch["weight_versions"][row])
+        assert batch["rollout_log_probs"][row, :len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))

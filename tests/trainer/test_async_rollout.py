@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.rollout.client import Sample
-from megarl.trainer.async_rollout import Rollout, RolloutProducer
+from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutProducer
 
 
 class Generation:
@@ -131,3 +131,95 @@ def test_a_failed_generation_surfaces_in_the_controller():
     finally:
         producer.stop()
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+class DyingServers:
+    """A generation whose server dies during rollout `dies_at` (first attempt): it raises
+    `RolloutInterrupted` with its first prompt answered; `recover()` restarts the server and
+    records who called it and whether the controller was training then."""
+
+    def __init__(self, dies_at: int):
+        self.dies_at, self.dead, self.training = dies_at, False, False
+        self.calls, self.recoveries = [], []
+
+    def __call__(self, index, version, prompt_indices, partial=None):
+        self.calls.append((index, version, prompt_indices, partial))
+        if index == self.dies_at and partial is None:
+            self.dead = True
+            raise RolloutInterrupted(prompt_indices or [index, 100 + index], "answers to prompt 0")
+        assert not self.dead, "generation sent to a dead server"
+        sample = Sample([index, version], [-0.5, -0.25], "length", None, "ab", str(version))
+        return Rollout(index, f"s{index}", prompt_indices or [index, 100 + index], [[sample], [sample]], version)
+
+    def recover(self) -> int:
+        self.recoveries.append((threading.current_thread() is threading.main_thread(), self.training))
+        restarted, self.dead = int(self.dead), False
+        return restarted
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_a_dead_server_is_restarted_by_the_controller_when_idle_and_the_rollout_finished(mode):
+    servers = DyingServers(dies_at=2)
+    producer = RolloutProducer(servers, max_staleness=1 if mode == "one_step_off" else 2,
+                               fill_window=mode == "one_step_off", limit=5, recover=servers.recover)
+    taken = []
+    try:
+        for step in range(5):
+            rollout, _ = producer.take()
+            taken.append((rollout.index, rollout.prompt_indices, rollout.version))
+            servers.training = True
+            time.sleep(0.02)
+            servers.training = False
+            producer.pause()
+            producer.pushed(step + 1)
+    finally:
+        producer.stop()
+    # every rollout trained once, in order, with the prompts of the uninterrupted schedule
+    assert [(i, p) for i, p, _ in taken] == [(i, [i, 100 + i]) for i in range(5)]
+    # restarted on the controller's thread while it was not training; the producer never did
+    assert servers.recoveries and all(main and not training for main, training in servers.recoveries)
+    resumed = [c for c in servers.calls if c[3] is not None]
+    assert len(resumed) == 1 and resumed[0][0] == 2 and resumed[0][2] == [2, 102]
+    assert resumed[0][3] == "answers to prompt 0"  # its answers so far, passed back
+    first = next(c for c in servers.calls if c[0] == 2)
+    assert dict((i, v) for i, _, v in taken)[2] == first[1]  # it keeps the version of its first part
+
+
+def test_an_interrupted_rollout_is_checkpointed_as_its_prompts():
+    servers = DyingServers(dies_at=0)
+    producer = RolloutProducer(servers, max_staleness=1, limit=2, recover=servers.recover, wait_timeout_s=30)
+    producer._paused = False  # let the producer start rollout 0 without taking it
+    with producer._cond:
+        producer._cond.notify_all()
+    producer._thread = threading.Thread(target=producer._run, daemon=True)
+    producer._thread.start()
+    try:
+        with producer._cond:
+            assert producer._cond.wait_for(lambda: producer._parked, timeout=30)
+        producer.pause()  # returns at once: nothing generates while parked
+        state = producer.state_dict()
+    finally:
+        producer.stop()
+    assert state["interrupted"] == {"index": 0, "version": 0, "prompt_indices": [0, 100]}
+    again = RolloutProducer(servers, max_staleness=1, limit=2, recover=servers.recover)
+    again.load_state_dict(state)
+    servers.dead, before = False, len(servers.calls)
+    try:
+        rollout, _ = again.take()
+    finally:
+        again.stop()
+    assert (rollout.index, rollout.prompt_indices) == (0, [0, 100])
+    assert servers.calls[before] == (0, 0, [0, 100], None)  # generated whole from its prompts
+
+
+def test_a_regeneration_cut_by_a_dead_server_is_finished_after_a_restart_on_the_controllers_thread():
+    servers = DyingServers(dies_at=3)
+    producer = stale_producer("regenerate", servers)
+    producer._recover = servers.recover
+    try:
+        rollout, _ = producer.take()
+    finally:
+        producer.stop()
+    assert (rollout.index, rollout.prompt_indices, rollout.version) == (3, [42], 5)
+    assert servers.calls[:2] == [(3, 5, [42], None), (3, 5, [42], "answers to prompt 0")]
+    assert servers.recoveries == [(True, False)]

@@ -385,6 +385,9 @@ class AsyncTrainingConfig:
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
     max_staleness: int = 1  # weight versions (updates) a trained sample may lag the actor; fully_async
     stale_samples: Literal["drop", "regenerate"] = "drop"  # a batch past the bound: dropped, or generated again
+    # fully_async: a push aborts the running generation (/pause_generation), and its samples continue
+    # with the new weights after it (per-token versions), instead of the push waiting for it
+    partial_rollout: bool = False
 
 
 @dataclass

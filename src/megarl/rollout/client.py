@@ -17,6 +17,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -71,14 +72,18 @@ class RolloutResult:
     failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why it got no answer (keep_going)
 
 
-def stale_reason(samples: list[Sample], weight_version: Optional[str]) -> Optional[str]:
+def stale_reason(samples: list[Sample], weight_version: Optional[str],
+                 earlier: Sequence[Optional[str]] = ()) -> Optional[str]:
     """Why a prompt's samples may not be kept: one was generated with weights other than
-    `weight_version` (None: nothing pushed yet, any version goes). Aborted samples carry none."""
-    if weight_version is None:
+    `weight_version` or `earlier` (versions pushed while they generated: partial rollouts).
+    None among them: nothing pushed yet, any version goes. Aborted samples carry none."""
+    if weight_version is None or None in earlier:
         return None
+    ok = {weight_version, *earlier}
     for s in samples:
-        if s.finish_reason != "abort" and s.weight_version != weight_version:
-            return f"answered with weight_version {s.weight_version!r}, expected {weight_version!r}"
+        if s.finish_reason != "abort" and s.weight_version not in ok:
+            expected = repr(weight_version) if not earlier else f"one of {sorted(ok)}"
+            return f"answered with weight_version {s.weight_version!r}, expected {expected}"
     return None
 
 

@@ -17,6 +17,20 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
 - A rollout past the bound (possible only after resuming with a smaller K) is dropped and
   counted, or generated again with the current weights (`stale_samples`).
 
+- A server that dies mid-generation is not restarted by the producer (a restart re-pushes the
+  actor's weights, which the controller may be updating): the generation raises
+  `RolloutInterrupted` with its answers so far and the producer parks. The controller restarts
+  the dead servers where nothing else runs: at the push (`pause()` returns at once when the
+  producer is parked, and the push restarts dead servers first) or in `take()` (the `recover`
+  callback, between the push and training). The parked rollout then resumes: its lost prompts
+  are sent again with their seeds, the answers it had are kept, so every prompt is trained once.
+  Its `version` stays that of its first part (the oldest weights in it: the staleness bound holds).
+
+- Partial rollouts (fully_async with `partial_rollout`): `pause(interrupt=True)` stops new
+  starts only; the controller aborts the running generation at the servers, pushes, and lets it
+  continue with the new weights (its samples then carry per-token `weight_versions`; the
+  rollout's `version` stays the one it started with). A checkpoint waits for it to finish.
+
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (versions, per sample),
 `async/dropped_samples`, `async/buffered_rollouts`, and `timing/generate_hidden_s`: seconds of
 the taken rollout's generation that ran while the controller did something else.
@@ -72,19 +86,31 @@ def _sample_state(s: Sample) -> dict:
             "weight_versions": None if s.weight_versions is None else list(s.weight_versions)}
 
 
-# generate(index, version, prompt_indices or None: the sampler's next batch) -> Rollout
-GenerateFn = Callable[[int, int, Optional[list[int]]], Rollout]
+class RolloutInterrupted(Exception):
+    """Raised by a `GenerateFn` whose servers died mid-generation: `prompt_indices` (the rollout's
+    prompts) and `partial` (its answers so far) are passed back to finish it after a restart."""
+
+    def __init__(self, prompt_indices: list[int], partial):
+        super().__init__(f"rollout of prompts {prompt_indices} interrupted by a dead rollout server")
+        self.prompt_indices, self.partial = prompt_indices, partial
+
+
+# generate(index, version, prompt_indices or None: the sampler's next batch, partial=None) -> Rollout;
+# `partial`: a `RolloutInterrupted.partial` to finish
+GenerateFn = Callable[..., Rollout]
 
 
 class RolloutProducer:
     """The buffer and the thread that fills it (see the module docstring)."""
 
     def __init__(self, generate: GenerateFn, *, max_staleness: int, stale_samples: str = "drop",
-                 fill_window: bool = False, version: int = 0, limit: int, wait_timeout_s: float = 3600.0):
+                 fill_window: bool = False, version: int = 0, limit: int, wait_timeout_s: float = 3600.0,
+                 recover: Callable[[], int] = lambda: 0):
         """`limit`: rollouts never go past this index (the run's total steps); `version`: the
         servers' weight version now; `fill_window`: `pause()` waits until every rollout the gate
-        allows has run (one_step_off's fixed schedule)."""
-        self._generate = generate
+        allows has run (one_step_off's fixed schedule); `recover()`: restarts dead servers (with
+        the current weights), called by `take()` on the controller's thread while parked."""
+        self._generate, self._recover = generate, recover
         self.max_staleness, self.stale_samples, self.fill_window = max_staleness, stale_samples, fill_window
         self.version, self.limit, self.wait_timeout_s = version, limit, wait_timeout_s
         self.next_index = version  # the next rollout to produce (rollout j for step j)
@@ -95,10 +121,14 @@ class RolloutProducer:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self._counts = {"dropped_samples": 0, "regenerated_samples": 0}
+        # (index, version, RolloutInterrupted) of a generation a dead server cut short;
+        # `_parked`: it waits for the controller to restart the servers
+        self._interrupted: Optional[tuple[int, int, RolloutInterrupted]] = None
+        self._parked = False
 
     # ---------------------------------------------------------------- the producer thread
     def _may_start(self) -> bool:
-        return (not self._paused and self.next_index < self.limit
+        return (not self._paused and not self._parked and self.next_index < self.limit
                 and self.next_index - self.version <= self.max_staleness)
 
     def _run(self) -> None:
@@ -108,8 +138,19 @@ class RolloutProducer:
                 if self._stopped:
                     return
                 index, version, self._busy = self.next_index, self.version, True
+                interrupted, self._interrupted = self._interrupted, None
             try:
-                rollout = self._generate(index, version, None)
+                if interrupted is None:
+                    rollout = self._generate(index, version, None)
+                else:  # finish it with the servers' current weights; it keeps its first version
+                    index, first_version, cut = interrupted
+                    rollout = self._generate(index, version, cut.prompt_indices, cut.partial)
+                    rollout.version = version = first_version
+            except RolloutInterrupted as cut:
+                with self._cond:
+                    self._interrupted, self._parked, self._busy = (index, version, cut), True, False
+                    self._cond.notify_all()
+                continue
             except BaseException as error:  # handed to the controller at its next take/pause
                 with self._cond:
                     self._error, self._busy = error, False
@@ -142,7 +183,13 @@ class RolloutProducer:
             self._paused = False
             self._cond.notify_all()
             while True:
-                waited = self._wait(lambda: bool(self.ready), "rollout")
+                waited = self._wait(lambda: bool(self.ready) or self._parked, "rollout")
+                if self._parked:  # the producer waits; the controller is not training: restart here
+                    self._recover()
+                    self._parked = False
+                    self._cond.notify_all()
+                    if not self.ready:
+                        continue
                 rollout = self.ready.popleft()
                 rollout.waited_s += waited
                 if self.version - rollout.version <= self.max_staleness:
@@ -152,7 +199,11 @@ class RolloutProducer:
                     self._paused = True  # the servers serve this one alone
                     self._wait(lambda: not self._busy, "idle producer")
                     start = time.perf_counter()
-                    fresh = self._generate(rollout.index, self.version, rollout.prompt_indices)
+                    try:
+                        fresh = self._generate(rollout.index, self.version, rollout.prompt_indices)
+                    except RolloutInterrupted as cut:  # on this thread, not training: restart, finish it
+                        self._recover()
+                        fresh = self._generate(rollout.index, self.version, cut.prompt_indices, cut.partial)
                     fresh.waited_s = time.perf_counter() - start
                     self._paused = False
                     self._cond.notify_all()
@@ -174,16 +225,18 @@ class RolloutProducer:
         self._counts = dict.fromkeys(self._counts, 0)
         return rollout, metrics
 
-    def pause(self) -> float:
+    def pause(self, interrupt: bool = False) -> float:
         """Before a weight push: no new generation starts, the running one finishes (with
-        `fill_window`, every one the gate allows at this version runs first). Returns the seconds
-        waited, counted as waited on the newest rollout."""
+        `fill_window`, every one the gate allows at this version runs first; with `interrupt`,
+        partial rollouts, it runs on across the push). Returns the seconds waited, counted as
+        waited on the newest rollout."""
         with self._cond:
             waited = 0.0
             if self.fill_window and self._thread is not None:
                 waited += self._wait(lambda: not self._busy and not self._may_start(), "rollout window")
             self._paused = True
-            waited += self._wait(lambda: not self._busy, "running rollout")
+            if not interrupt:
+                waited += self._wait(lambda: not self._busy, "running rollout")
             if self.ready:
                 self.ready[-1].waited_s += waited
             return waited
@@ -202,12 +255,16 @@ class RolloutProducer:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Call while paused (between a push and the next take): nothing is being generated."""
+        """Call while paused (between a push and the next take); a generation still running (partial
+        rollouts) is waited for, so the state holds it whole."""
         with self._cond:
-            if self._busy:
-                raise RuntimeError("the rollout producer's state was asked for while it generates")
+            self._wait(lambda: not self._busy, "running rollout")
+            # an interrupted rollout is saved as its prompts: a resumed run generates it whole
+            interrupted = None if self._interrupted is None else {
+                "index": self._interrupted[0], "version": self._interrupted[1],
+                "prompt_indices": list(self._interrupted[2].prompt_indices)}
             return {"next_index": self.next_index, "extra": self._extra,
-                    "ready": [r.state_dict() for r in self.ready]}
+                    "ready": [r.state_dict() for r in self.ready], "interrupted": interrupted}
 
     def load_state_dict(self, state: dict) -> None:
         with self._cond:
@@ -215,3 +272,7 @@ class RolloutProducer:
             self.limit += state["extra"] - self._extra
             self._extra = state["extra"]
             self.ready = deque(Rollout.from_state(r) for r in state["ready"])
+            cut = state.get("interrupted")
+            self._interrupted = None if cut is None else (
+                cut["index"], cut["version"], RolloutInterrupted(list(cut["prompt_indices"]), None))
+            self._parked = False

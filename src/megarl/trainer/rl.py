@@ -13,7 +13,8 @@ resume their KV cache (inside `sync_weights`; see megarl.placement.colocation).
 
 With `async_training.mode` one_step_off or fully_async, a producer thread generates the coming
 steps' batches while this one trains (megarl.trainer.async_rollout): the step takes its batch from
-the producer instead of generating it, and the push waits for the generation running.
+the producer instead of generating it, and the push waits for the generation running (with
+`async_training.partial_rollout`, interrupts it: pause, push, continue with the new weights).
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
-from megarl.trainer.async_rollout import Rollout, RolloutProducer
+from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutProducer
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
+from megarl.trainer.rollout_fleet import GenerationInterrupted
 
 log = logging.getLogger("megarl.trainer")
 
@@ -117,7 +119,8 @@ class RLTrainer:
         a = config.async_training
         self.producer = None if a.mode == "sync" else RolloutProducer(
             self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
-            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps)
+            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps,
+            recover=cluster.rollout.recover)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -146,16 +149,22 @@ class RLTrainer:
                 metrics["reward/remax_baseline_mean"] = baseline["scores"].mean().item()
         return batch, metrics
 
-    def generate_rollout(self, index: int, version: int, prompt_indices: list[int] | None = None) -> Rollout:
+    def generate_rollout(self, index: int, version: int, prompt_indices: list[int] | None = None,
+                         partial=None) -> Rollout:
         """Async modes, in the producer thread: rollout `index` (step `index`'s batch: the sampler's
         next prompts, or `prompt_indices`, with the uids and seeds the synchronous step would use)
-        from the servers at weight `version`."""
+        from the servers at weight `version`. Dead servers are not restarted here (the controller
+        may be training): `RolloutInterrupted`, finished later by passing its `partial` back."""
         c = self.config
         prompts = self.train_data.take(self.sampler.next_batch() if prompt_indices is None else prompt_indices)
         uid_prefix = f"s{index}"
         seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
         start = time.perf_counter()
-        result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
+        try:
+            result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds,
+                                                   recover=False, partial=partial)
+        except GenerationInterrupted as cut:
+            raise RolloutInterrupted([p.index for p in prompts], cut) from cut
         return Rollout(index, uid_prefix, [p.index for p in prompts], result.samples, version,
                        result.metrics.as_dict(), time.perf_counter() - start)
 
@@ -166,6 +175,9 @@ class RLTrainer:
             rollout, metrics = self.producer.take()
         batch = experience.experience_batch(self.train_data.take(rollout.prompt_indices), rollout.samples,
                                             uid_prefix=rollout.uid_prefix)
+        samples = [s for per_prompt in rollout.samples for s in per_prompt]  # in batch order
+        batch["weight_versions"] = [s.weight_versions or [s.weight_version] * len(s.token_ids) for s in samples]
+        metrics["async/partial_rollouts"] = float(sum(s.weight_versions is not None for s in samples))
         metrics.update(rollout.metrics)
         with timer("reward"):
             metrics.update(self.score(batch))
@@ -243,11 +255,20 @@ class RLTrainer:
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
+        # Partial rollouts: the push interrupts the generation in flight, unless a server is dead (the
+        # push restarts it, which needs idle servers: then the generation parks first, as without).
+        interrupt = c.async_training.partial_rollout and not cl.rollout.dead_servers()
         if self.producer is not None:
-            with timer("wait_rollout"):  # the push lands between generations
-                self.producer.pause()
+            with timer("wait_rollout"):  # the push lands between generations, or interrupts one
+                self.producer.pause(interrupt)
         with timer("sync_weights"):
-            metrics.update(cl.sync_weights())
+            if interrupt:  # the running requests abort and wait; they continue with the new weights
+                cl.rollout.pause_generation()
+            try:
+                metrics.update(cl.sync_weights())
+            finally:
+                if interrupt:
+                    cl.rollout.continue_generation()
         if self.producer is not None:
             self.producer.pushed(self.step + 1)
         metrics.update(cl.offload_metrics())

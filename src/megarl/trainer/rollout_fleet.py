@@ -45,6 +45,17 @@ class RolloutServerLost(RuntimeError):
     """A rollout server died more often than `max_server_restarts` allows, or did not come back."""
 
 
+class GenerationInterrupted(RuntimeError):
+    """`generate(..., recover=False)` lost prompts to a dead server: the answers so far, to be
+    passed back as `generate(..., partial=)` once the caller has had the server restarted.
+    `samples[i]`, `records[i]`: prompt i's (None while it has no answer); `attempts[i]`: requests
+    sent for it so far."""
+
+    def __init__(self, samples: list, records: list, attempts: list[int], lost: dict[int, str]):
+        super().__init__(f"{len(lost)} prompt(s) lost to a dead rollout server")
+        self.samples, self.records, self.attempts, self.lost = samples, records, attempts, lost
+
+
 def multi_node_args(members: list[list[int]], addresses: dict[int, str]) -> list[Optional[MultiNode]]:
     """Per worker rank, its `MultiNode`: `members[i]` are server i's worker ranks, node rank 0
     first; `addresses[head]` the dist-init address its node-0 rank picked. None for a server on
@@ -80,7 +91,7 @@ class RolloutFleet:
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = r.max_server_restarts
         self.on_restart = on_restart
-        self.weight_version: Optional[str] = None  # of the last push; every kept sample must carry it
+        self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
         self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env)
@@ -106,7 +117,18 @@ class RolloutFleet:
             raise
         self.restarts = [0] * len(self.urls)  # per server, over the run
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
-                                    max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s)
+                                    max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
+                                    continue_aborted=config.async_training.partial_rollout)
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        """The last push's version (None: nothing pushed yet); kept samples carry it, or one pushed
+        during their generation (partial rollouts)."""
+        return self._versions[-1]
+
+    @weight_version.setter
+    def weight_version(self, version: Optional[str]) -> None:
+        self._versions.append(version)
 
     def _multi_node_args(self) -> list[Optional[MultiNode]]:
         """Per worker rank: its `MultiNode` (None for a server within one node); the node-0 actor
@@ -116,17 +138,23 @@ class RolloutFleet:
         return multi_node_args(self.members, dict(zip(heads, addresses)))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 seeds: Optional[list[int]] = None) -> RolloutResult:
+                 seeds: Optional[list[int]] = None, *, recover: bool = True,
+                 partial: Optional[GenerationInterrupted] = None) -> RolloutResult:
         """`sampling.n` samples per prompt, all from live servers at `weight_version`. `seeds`:
         per-prompt sampling seeds (see RolloutClient.agenerate); a prompt sent again keeps its seed.
         Records count every attempt a prompt took, over the client's retries and the fleet's.
-        Servers found dead before, during or after are restarted (`recover`)."""
-        started = time.monotonic()
-        self.recover()
-        samples: list = [None] * len(prompts)
-        records: list = [None] * len(prompts)
-        attempts = [0] * len(prompts)
-        todo = list(range(len(prompts)))
+        Servers found dead before, during or after are restarted (`recover`). With `recover=False`
+        (a thread that must not push weights: the async producer) nothing is restarted: prompts
+        lost to a dead server raise `GenerationInterrupted`, and `partial=` that error finishes
+        the same prompts later, sending only the lost ones (answers kept carry their version)."""
+        started, since = time.monotonic(), len(self._versions) - 1
+        if recover:
+            self.recover()
+        n = len(prompts)
+        samples: list = list(partial.samples) if partial else [None] * n
+        records: list = list(partial.records) if partial else [None] * n
+        attempts = list(partial.attempts) if partial else [0] * n
+        todo = [i for i in range(n) if samples[i] is None]
         while todo:
             part = self.client.generate([prompts[i] for i in todo], sampling,
                                         seeds=[seeds[i] for i in todo] if seeds is not None else None,
@@ -134,7 +162,8 @@ class RolloutFleet:
             lost = {}
             for j, i in enumerate(todo):
                 attempts[i] += part.records[j].attempts
-                why = part.failed.get(j) or stale_reason(part.samples[j], self.weight_version)
+                # answers from the weights current at the start, or pushed since (partial rollouts)
+                why = part.failed.get(j) or stale_reason(part.samples[j], self.weight_version, self._versions[since:-1])
                 if why is None:
                     samples[i], records[i] = part.samples[j], part.records[j]
                 else:
@@ -143,15 +172,26 @@ class RolloutFleet:
                 break
             log.warning("%d of %d prompts got no usable answer (e.g. prompt %d: %s)", len(lost), len(todo),
                         *next(iter(lost.items())))
+            if not recover:
+                if not self.dead_servers():
+                    index, why = next(iter(lost.items()))
+                    raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
+                raise GenerationInterrupted(samples, records, attempts, lost)
             if self.recover() == 0:
                 index, why = next(iter(lost.items()))
                 raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
             todo = sorted(lost)
-        self.recover()  # a server that died while the router sent its work elsewhere
+        if recover:
+            self.recover()  # a server that died while the router sent its work elsewhere
         records = [replace(r, attempts=a) for r, a in zip(records, attempts)]
         metrics = summarize(records, time.monotonic() - started)
         self._faults["rollout_requests_retried"] += metrics.retried_requests
         return RolloutResult(samples, metrics, records)
+
+    def dead_servers(self) -> list[int]:
+        """The servers with a dead process (asks each worker; restarts nothing)."""
+        statuses = self.workers.call("status", timeout_s=60)
+        return sorted({self.server_of[k] for k, status in enumerate(statuses) if not status["running"]})
 
     def recover(self, on_restart: Optional[Callable[[list[str]], None]] = None) -> int:
         """Restart every server whose process died; returns how many. Call it only while no
@@ -208,6 +248,16 @@ class RolloutFleet:
 
     def servers(self) -> list[ServerControl]:
         return [ServerControl(url, self.api_key) for url in self.urls]
+
+    def pause_generation(self) -> None:
+        """Partial rollouts, before a push: every server aborts its running requests (the client
+        sends them on, to wait at the server) and holds new ones until `continue_generation`."""
+        for server in self.servers():
+            server.pause_generation("abort")
+
+    def continue_generation(self) -> None:
+        for server in self.servers():
+            server.continue_generation()
 
     def release_memory(self) -> None:
         """Colocated: free the servers' weights and KV cache while training runs (the weight push

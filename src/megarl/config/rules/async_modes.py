@@ -11,12 +11,16 @@ def async_modes_fit_the_loop(config: ExperimentConfig, sizes: DerivedSizes) -> I
     """Overlapping generation with training needs servers of their own (split placement: colocated,
     the servers release their memory while the engines train, so nothing could overlap), one batch
     of prompts per step (no DAPO rounds, no ReMax greedy baseline, no agent episodes) and, in
-    fully_async, a staleness bound of at least one version.
+    fully_async, a staleness bound of at least one version. Partial rollouts (a push interrupting
+    the generation in flight) belong to fully_async (one_step_off's fixed schedule waits for it).
 
-    Reads: async_training.mode, async_training.max_staleness, placement.mode,
+    Reads: async_training.mode, async_training.max_staleness, async_training.partial_rollout, placement.mode,
     algorithm.filter_groups.enable, algorithm.adv_estimator, actor_rollout_ref.rollout.agent.path
     """
     a = config.async_training
+    if a.partial_rollout and a.mode != "fully_async":
+        yield (f"async_training.partial_rollout=true needs async_training.mode=fully_async, not "
+               f"async_training.mode={a.mode}")
     if a.mode == "sync":
         return
     if config.placement.mode != "split":
