@@ -6,7 +6,7 @@ from megarl.bridge import arch_from_hf_config, load_hf_config
 from megarl.bridge.lora import AdapterName, is_lora_param, parse
 from megarl.bridge.sharding import shard_tp
 from megarl.bridge.transforms import merge_gate_up, merge_qkv
-from megarl.engines.megatron.lora import LoraAdapter, LoraSpec, builds_with_transformer_engine
+from megarl.engines.megatron.lora import LoraAdapter, LoraSpec, builds_with_transformer_engine, refuse_expert_targets
 
 
 def _adapter(arch, kind, targets, tp, tp_rank):
@@ -61,3 +61,16 @@ def test_a_lora_role_never_uses_transformer_engine_layers():
     assert builds_with_transformer_engine(True, lora=False)
     assert not builds_with_transformer_engine(True, lora=True)
     assert not builds_with_transformer_engine(False, lora=False)
+
+
+def test_lora_on_the_experts_of_a_moe_model_is_refused_naming_the_key(tmp_path, tiny_models):
+    import pytest
+
+    from megarl.data.tiny_model import make_tiny_model
+
+    make_tiny_model("qwen3_moe", tmp_path / "moe", seed=0)
+    moe = arch_from_hf_config(load_hf_config(tmp_path / "moe"))
+    with pytest.raises(NotImplementedError, match=r"lora.target_modules: \['gate_proj', 'down_proj'\]"):
+        refuse_expert_targets(moe, ("q_proj", "gate_proj", "down_proj"))
+    refuse_expert_targets(moe, ("q_proj", "k_proj", "v_proj", "o_proj"))  # attention only: allowed
+    refuse_expert_targets(arch_from_hf_config(load_hf_config(tiny_models["qwen2"])), ("gate_proj", "down_proj"))

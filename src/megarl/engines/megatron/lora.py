@@ -155,11 +155,26 @@ KINDS = {"self_attention.linear_qkv": "qkv", "mlp.linear_fc1": "fc1",
          "self_attention.linear_proj": "row", "mlp.linear_fc2": "row"}
 
 
+def refuse_expert_targets(arch: ModelArch, targets: Sequence[str]) -> None:
+    """Raise when `targets` name MLP projections of a mixture-of-experts model: its MLP is a router
+    and expert MLPs (megatron's MoELayer has no linear_fc1 / linear_fc2 of its own), which megarl's
+    LoRA does not adapt."""
+    mlp = [t for t in targets if TARGETS[t][0].startswith("mlp.")]
+    if arch.moe is not None and mlp:
+        raise NotImplementedError(
+            f"actor_rollout_ref.model.lora.target_modules: {mlp} would adapt the experts of a mixture-of-experts "
+            f"model ({arch.moe.num_experts} experts per layer), which megarl's LoRA does not do yet; target the "
+            "attention projections only: [q_proj, k_proj, v_proj, o_proj]"
+        )
+
+
 def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, spec: LoraSpec, tp: int, tp_rank: int,
                 seed: int, dtype: torch.dtype, device: torch.device) -> list[tuple[LoraAdapter, torch.nn.Module]]:
     """Freeze every parameter of `chunks` and add the adapters of `spec.targets` to every layer.
     Returns (adapter, base linear layer) pairs."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    refuse_expert_targets(arch, spec.targets)
 
     for chunk in chunks:
         for param in chunk.parameters():
