@@ -25,7 +25,7 @@ def test_each_architecture_round_trips(tmp_path, arch):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).is_file(), name
     model, tokenizer = load(out)
-    assert model.config.model_type == arch and type(model).__name__.lower().startswith(arch)
+    assert model.config.model_type == arch and type(model).__name__.lower().startswith(arch.replace("_", ""))
     c = model.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (3, 64, 4, 2, 24)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)

@@ -1,7 +1,6 @@
 """How a run says it stopped (issue 26 items 5 and 6): one line per failing rank, the remote
 tracebacks in <run>/logs/failure.txt, the resume hint only when a checkpoint exists; Ctrl-C asks
 for a checkpoint like SIGTERM, a second one stops at once."""
-import os
 import signal
 
 import pytest
@@ -65,13 +64,16 @@ def test_the_resume_hint_names_the_last_complete_checkpoint(tmp_path, capsys):
 
 
 def test_ctrl_c_is_a_stop_request_and_a_second_one_stops_at_once():
+    # raise_signal signals this thread and runs the Python handler before it returns. The handler
+    # restored is whatever the process had (SIG_IGN once an earlier test's library ignored SIGINT).
+    before = signal.getsignal(signal.SIGINT)
     with StopRequest() as stop:
-        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the step goes on
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: the step goes on
         assert stop.signum == signal.SIGINT
         stop.step = 3
         with pytest.raises(Preempted, match="stopped by SIGINT after step 3: no new checkpoint"):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 def test_ctrl_c_outside_the_loop_and_a_preempted_run_exit_cleanly(tmp_path, capsys):
