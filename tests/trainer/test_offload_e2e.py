@@ -34,8 +34,8 @@ WITH_REF = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor
 # (`training/rollout_*`): the CPU engine's numbers move in the last bits with how it batched the
 # concurrent requests, which timing decides (the sampled tokens do not).
 TIMED = ("timing/", "throughput/", "perf/", "sync/seconds", "sync/gb_per_s", "sync/prepare_s", "sync/commit_s",
-         "sync/slowest", "rollout/wall_s", "rollout/longest_sample_s", "rollout/tokens_per_s", "rollout/latency",
-         "training/rollout_")
+         "sync/check_s", "sync/slowest", "rollout/wall_s", "rollout/longest_sample_s", "rollout/tokens_per_s",
+         "rollout/latency", "training/rollout_")
 
 
 class Recorder:
