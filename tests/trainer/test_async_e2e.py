@@ -135,6 +135,20 @@ def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def record_takes(run, keep) -> list:
+    """Make `run.take_rollout` append `keep(batch, metrics)` of every batch it hands the step, in
+    order, to the list returned."""
+    kept, take = [], run.take_rollout
+
+    def recording_take(timer):
+        batch, metrics = take(timer)
+        kept.append(keep(batch, metrics))
+        return batch, metrics
+
+    run.take_rollout = recording_take
+    return kept
+
+
 def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_and_nothing_is_lost(split_cluster):
     """The server dies while the producer generates rollout 2 and the controller trains step 1:
     it is restarted by the controller (not the producer thread), the lost requests are resent, and
@@ -164,14 +178,8 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
             killers[-1].start()
         return generate(index, version, prompt_indices, partial)
 
-    trained, take = [], run.take_rollout
-
-    def recording_take(timer):
-        batch, metrics = take(timer)
-        trained.append(list(batch["uid"]))
-        return batch, metrics
-
-    run.producer._generate, run.take_rollout, fleet.recover = killing, recording_take, recording_recover
+    trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
+    run.producer._generate, fleet.recover = killing, recording_recover
     tracker = Recorder()
     try:
         run.fit(tracker)
@@ -238,14 +246,8 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
         pauses.append(time.monotonic())
         pause()
 
-    trained, take = {}, run.take_rollout
-
-    def recording_take(timer):
-        batch, metrics = take(timer)
-        trained[len(trained)] = (batch, metrics)
-        return batch, metrics
-
-    run.producer._generate, fleet.pause_generation, run.take_rollout = late, pause_once_running, recording_take
+    trained = record_takes(run, lambda batch, metrics: (batch, metrics))
+    run.producer._generate, fleet.pause_generation = late, pause_once_running
     tracker = Recorder()
     try:
         run.fit(tracker)

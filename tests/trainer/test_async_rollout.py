@@ -79,24 +79,25 @@ def stale_producer(stale_samples: str, generation: Generation) -> RolloutProduce
     return producer
 
 
-def test_a_rollout_past_the_bound_is_dropped_and_counted():
-    generation = Generation()
-    producer = stale_producer("drop", generation)
+def take_from_stale_producer(stale_samples: str, generation: Generation):
+    """(producer, rollout, metrics): one `take()` from `stale_producer`, the producer stopped after."""
+    producer = stale_producer(stale_samples, generation)
     try:
-        rollout, metrics = producer.take()
+        return (producer, *producer.take())
     finally:
         producer.stop()
+
+
+def test_a_rollout_past_the_bound_is_dropped_and_counted():
+    generation = Generation()
+    producer, rollout, metrics = take_from_stale_producer("drop", generation)
     assert metrics["async/dropped_samples"] == 2 and metrics["async/staleness_max"] == 0.0
     assert (rollout.index, rollout.version) == (4, 5) and producer.limit == 9
 
 
 def test_a_rollout_past_the_bound_is_regenerated_with_its_prompts():
     generation = Generation()
-    producer = stale_producer("regenerate", generation)
-    try:
-        rollout, metrics = producer.take()
-    finally:
-        producer.stop()
+    _, rollout, metrics = take_from_stale_producer("regenerate", generation)
     assert generation.calls[0] == (3, 5, [42])  # same rollout, same prompts, current weights
     assert (rollout.index, rollout.version, rollout.prompt_indices) == (3, 5, [42])
     assert metrics["async/regenerated_samples"] == 2 and metrics["async/staleness_max"] == 0.0
