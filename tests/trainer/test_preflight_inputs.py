@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import ConfigError, load_and_validate
-from megarl.trainer.inputs import gpu_count_problem
+from megarl.trainer.inputs import expert_parallel_push_problem, gpu_count_problem
 from megarl.trainer.preflight import check_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,3 +134,12 @@ def test_a_hub_id_resolves_through_the_hf_cache_for_the_dry_run_and_plan(tiny_as
     with pytest.raises(ConversionError, match="'tiny-org/absent': the Hugging Face hub cannot be reached from here "
                                               "and it is not in the HF cache"):
         local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
+
+
+def test_an_expert_parallel_rl_actor_is_refused_before_the_run_not_at_its_first_push(tiny_assets):
+    model, train = tiny_assets / "model", tiny_assets / "data/train.parquet"
+    ep2 = _config(model, train, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2")
+    problem = expert_parallel_push_problem(ep2, "rl")
+    assert problem and problem.startswith("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2:")
+    assert expert_parallel_push_problem(ep2, "sft") is None and expert_parallel_push_problem(ep2, "dpo") is None
+    assert expert_parallel_push_problem(_config(model, train), "rl") is None

@@ -73,6 +73,18 @@ def schedule_problems(config: ExperimentConfig, kind: Kind, train_rows: int) -> 
     return []
 
 
+def expert_parallel_push_problem(config: ExperimentConfig, kind: Kind) -> Optional[str]:
+    """An RL actor with expert parallelism: its weights cannot be pushed to the rollout servers yet
+    (each EP rank holds only its experts and megarl.sync.resharder does not gather them), so the
+    run would stop at its first push, after the cluster is up. SFT and DPO push nothing."""
+    ep = config.actor_rollout_ref.actor.megatron.expert_model_parallel_size
+    if kind != "rl" or ep <= 1:
+        return None
+    return (f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}: pushing an expert-parallel actor's "
+            "weights to the rollout servers is not implemented yet (the resharder does not gather experts across "
+            "EP ranks); use 1 for RL (SFT and DPO train with EP > 1)")
+
+
 def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]:
     """(problems, config with every hub id replaced by its directory in the HF cache) for the
     actor, critic and reward model checkpoints and the tokenizer."""

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.config.devices import Devices, devices_from_config
-from megarl.trainer.inputs import Kind, data_problems, gpu_count_problem, model_inputs, schedule_problems
+from megarl.trainer.inputs import (
+    Kind,
+    data_problems,
+    expert_parallel_push_problem,
+    gpu_count_problem,
+    model_inputs,
+    schedule_problems,
+)
 
 
 DRY_RUN_HELP = ("validate the config and check data, model, tokenizer, schedule and GPUs as the run would, "
@@ -24,6 +31,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     listing every problem. Runs in seconds, before Ray or any server starts (--dry-run runs it too)."""
     problems, train_rows = data_problems(config, kind)
     problems += schedule_problems(config, kind, train_rows)
+    problems += [p for p in [expert_parallel_push_problem(config, kind)] if p]
     model_problems, config = model_inputs(config)
     problems += model_problems
     rm = config.reward_model
