@@ -30,9 +30,16 @@ def running(control: ServerControl) -> bool:
     return control.server_info()["internal_states"][0]["num_running_requests"] > 0
 
 
-def interrupted(control: ServerControl, new_dir, sampling: SamplingParams):
-    """One sample generated while, once it runs, the server is paused, given `new_dir`'s weights
-    (version "1") and continued. Returns the sample."""
+def generation_s(control: ServerControl, sampling: SamplingParams) -> float:
+    """Wall seconds of one uninterrupted generation of PROMPT on this machine, now."""
+    start = time.monotonic()
+    RolloutClient(control.url).generate([PROMPT], sampling)
+    return time.monotonic() - start
+
+
+def interrupted(control: ServerControl, new_dir, sampling: SamplingParams, pause_after_s: float):
+    """One sample generated while, `pause_after_s` after it is seen running, the server is paused,
+    given `new_dir`'s weights (version "1") and continued. Returns the sample."""
     client = RolloutClient(server_url := control.url, continue_aborted=True)
     box = {}
     thread = threading.Thread(target=lambda: box.update(result=client.generate([PROMPT], sampling)))
@@ -41,7 +48,7 @@ def interrupted(control: ServerControl, new_dir, sampling: SamplingParams):
     while not running(control):
         assert time.monotonic() < deadline and thread.is_alive(), f"never seen running at {server_url}"
         time.sleep(0.005)
-    time.sleep(0.5)  # some tokens from the first weights (tens of ms each here)
+    time.sleep(pause_after_s)  # some tokens from the first weights, not all of them
     control.pause_generation("abort")
     control.update_weights_from_disk(new_dir, weight_version="1")  # allowed while paused
     time.sleep(0.3)
@@ -56,8 +63,11 @@ def test_a_paused_sample_continues_with_the_new_weights(server, tiny_model_dir, 
     new_dir = helpers.make_tiny_model(tmp_path / "step1", seed=1)
     sampling = SamplingParams(max_new_tokens=TOKENS, temperature=1.0, ignore_eos=True, sampling_seed=3)
     try:
-        for _ in range(3):  # a loaded machine may start the request late: no token before the pause
-            sample = interrupted(control, new_dir, sampling)
+        # The pause must land mid-generation on a fast quiet machine (240 tokens in well under a
+        # second) and on a loaded one: pause a third of the way through a measured generation,
+        # measured again before each retry (the load changes).
+        for _ in range(3):
+            sample = interrupted(control, new_dir, sampling, generation_s(control, sampling) / 3)
             if sample.weight_versions is not None:
                 break
             control.update_weights_from_disk(tiny_model_dir, weight_version="default")
