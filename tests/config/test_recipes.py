@@ -14,10 +14,11 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "configs/recipes"
 MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen2.5-14B-Instruct": RECIPES / "models/qwen2.5-14b-instruct",
-          "Qwen/Qwen2.5-32B-Instruct": RECIPES / "models/qwen2.5-32b-instruct"}
+          "Qwen/Qwen2.5-32B-Instruct": RECIPES / "models/qwen2.5-32b-instruct",
+          "Qwen/Qwen3-30B-A3B": RECIPES / "models/qwen3-30b-a3b"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-            "dpo", "grpo_2node", "grpo_lora_32b"}
+            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b"}
 
 
 def test_every_algorithm_has_a_recipe():
@@ -77,6 +78,26 @@ def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
     assert "model: 14.770 B parameters" in out
     assert ("device cuda, training groups cpu:gloo,cuda:nccl, weight sync distributed over nccl, "
             "trainer env NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0\n") in out
+
+
+def test_moe_recipe_spreads_the_experts_over_eight_ep_ranks_and_fits_only_with_offload(capsys):
+    """Qwen3-30B-A3B on 2 x 8 GPUs: EP 8 (ETP 1) on TP 1 x PP 2, total and active parameters
+    from its config.json (model card: 30.5 B, 3.3 B activated; tests/placement/test_moe_memory.py
+    counts them by hand); the actor's training states must leave the GPUs while SGLang generates."""
+    path = RECIPES / "grpo_qwen3_30b_a3b.yaml"
+    config = load_and_validate(path)
+    m = config.actor_rollout_ref.actor.megatron
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size) == (1, 2, 8, 1)
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
+    model = f"actor_rollout_ref.model.path={model_dir(path)}"
+    assert megarl_main(["plan", "--config", str(path), model]) == 0
+    out = capsys.readouterr().out
+    assert "model: 30.532 B parameters (48 layers, hidden 2048), 3.353 B active (8 of 128 experts per token)" in out
+    off = ["actor_rollout_ref.actor.megatron.param_offload=false", "actor_rollout_ref.actor.megatron.grad_offload=false",
+           "actor_rollout_ref.actor.megatron.optimizer_offload=false"]
+    assert megarl_main(["plan", "--config", str(path), model, *off]) != 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_lora_recipe_fits_where_full_fine_tuning_of_the_same_32b_model_does_not(capsys):

@@ -1,6 +1,6 @@
 """The body of the MoE engine check: 2 spawned gloo processes, an actor and a reference engine of
-a tiny Qwen3-MoE at TP1 / EP2 (each rank holds 4 of the 8 experts of every layer, DP 2), then
-an actor at TP2 / EP1 (each expert split over the TP ranks) and its weight-sync resharder."""
+a tiny Qwen3-MoE at TP1 / EP2 (each rank holds 4 of the 8 experts of every layer, DP 2) and its
+weight-sync resharder, then an actor at TP2 / EP1 (each expert split over the TP ranks) and its resharder."""
 from __future__ import annotations
 
 import torch
@@ -20,17 +20,14 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
     cfg = config(model_dir, world_size, 1, 1, None, None, *EP2, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}")
     actor = ActorEngine(cfg)
+    out = {"ep2_synced": resharded(actor)}  # the loaded checkpoint, gathered across the EP ranks
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, TEMPERATURE, with_entropy=True)
     ref = RefEngine(cfg).compute_ref_log_prob(mine, TEMPERATURE)
     mine["old_log_probs"] = share_in_replica(scored["log_probs"])
     updates = [actor.update_policy(mine) for _ in range(2)]
-    out = {"dp_rank": actor.dp_rank, "scored": scored, "ref_equal": torch.equal(ref["ref_log_probs"], scored["log_probs"]),
-           "updates": updates}
-    try:
-        list(Resharder(actor.model_chunks, actor.weight_map, ParallelGroups.from_parallel_state(), 1 << 16).buckets())
-    except NotImplementedError as e:
-        out["ep2_sync_refused"] = str(e)
+    out.update({"dp_rank": actor.dp_rank, "scored": scored, "updates": updates,
+                "ref_equal": torch.equal(ref["ref_log_probs"], scored["log_probs"])})
     del actor
     reset_layout()
 
@@ -43,9 +40,14 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     # TP2 / EP1 (experts split over TP): log-probs, and the resharder's HF tensors
     actor = ActorEngine(config(model_dir, world_size, 2, 1, None, None))
     out["tp2_scored"] = actor.compute_log_prob(batch, TEMPERATURE, with_entropy=True)
+    out["tp2_synced"] = resharded(actor)
+    return out
+
+
+def resharded(actor) -> dict:
+    """The HF tensors the actor's weight-sync resharder emits (on the emitter; None elsewhere)."""
     groups = ParallelGroups.from_parallel_state()
     synced = {}
     for bucket in Resharder(actor.model_chunks, actor.weight_map, groups, 1 << 16).buckets():
         synced.update({name: tensor.clone() for name, tensor in bucket.named_tensors()})
-    out["tp2_synced"] = synced if groups.is_emitter else None
-    return out
+    return synced if groups.is_emitter else None

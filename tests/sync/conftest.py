@@ -19,6 +19,8 @@ from megarl.net import free_port  # noqa: E402
 from megarl.rollout.launch import cpu_server_command  # noqa: E402
 from megarl.rollout.process import ProcessMonitor, ServerProcess  # noqa: E402
 from sync_world import (  # noqa: E402
+    EXPERT_BUCKET_BYTES,
+    EXPERT_MODEL,
     RESHARD_BUCKET_BYTES,
     RESHARD_DIVISIBLE_BY,
     RESHARD_LAYOUTS,
@@ -58,14 +60,18 @@ def reshard_cases(root: Path):
 
 @pytest.fixture(scope="session")
 def sync_run(tmp_path_factory):
-    """(offline conversions, story case, per-rank results of sync_world.world)."""
+    """(offline conversions, story case, per-rank results of sync_world.world, expert case)."""
     root = tmp_path_factory.mktemp("sync")
     story_model = make_tiny_model("qwen2", root / "story-model", seed=0)  # q/k/v bias, tied embeddings
+    # the expert checks: the actor loads one MoE checkpoint, its server starts with another (other seed)
+    expert_model = make_tiny_model(out_dir=root / "moe-model", seed=11, **EXPERT_MODEL)
+    expert_served = make_tiny_model(out_dir=root / "moe-served", seed=12, **EXPERT_MODEL)
     servers: list[ServerProcess] = []
     monitor = None
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             starts = [pool.submit(start_server, story_model, root, f"sync-server-{i}") for i in range(2)]
+            starts.append(pool.submit(start_server, expert_served, root, "sync-moe-server"))
             try:
                 cases, offline = reshard_cases(root)
             finally:
@@ -74,13 +80,15 @@ def sync_run(tmp_path_factory):
             if failed:
                 raise failed[0]
         monitor = ProcessMonitor(servers, interval_s=0.5).start()
-        story = dict(layout=STORY_LAYOUT, hf_dir=str(story_model), urls=[s.url for s in servers],
-                     pids=[s.pid for s in servers], bucket_bytes=STORY_BUCKET_BYTES, disk_dir=str(root / "disk-sync"))
+        story = dict(layout=STORY_LAYOUT, hf_dir=str(story_model), urls=[s.url for s in servers[:2]],
+                     pids=[s.pid for s in servers[:2]], bucket_bytes=STORY_BUCKET_BYTES, disk_dir=str(root / "disk-sync"))
         reshard = dict(cases=cases, layouts=RESHARD_LAYOUTS, bucket_bytes=RESHARD_BUCKET_BYTES)
-        ranks = run_gloo_workers(world, 4, args=(reshard, story), timeout_s=600)
-        print(f"sync world: resharder checks {ranks[0]['reshard_s']} s; servers story, seconds since its start:",
-              ranks[0]["servers"]["seconds"])
-        yield offline, story, ranks
+        experts = dict(hf_dir=str(expert_model), url=servers[2].url, bucket_bytes=EXPERT_BUCKET_BYTES,
+                       disk_dir=str(root / "moe-disk-sync"))
+        ranks = run_gloo_workers(world, 4, args=(reshard, story, experts), timeout_s=600)
+        print(f"sync world: resharder checks {ranks[0]['reshard_s']} s, expert checks {ranks[0]['experts_s']} s; "
+              "servers story, seconds since its start:", ranks[0]["servers"]["seconds"])
+        yield offline, story, ranks, experts
     finally:
         if monitor is not None:
             monitor.stop()

@@ -2,7 +2,9 @@
 on), reused for every check so that processes start and import megatron once.
 
 `reshard_checks`: the resharder's HF tensors at several layouts, for comparison with the offline
-conversion. `servers_story`: an actor update, syncs into CPU-engine servers (distributed, a failed
+conversion. `expert_checks`: the same for a tiny Qwen3-MoE with expert parallelism (and a copy with
+two experts swapped, the negative control), then a disk push of it at TP1/EP2 into a CPU-engine
+server and the log-probs on both sides. `servers_story`: an actor update, syncs into CPU-engine servers (distributed, a failed
 one and its retry, disk + colocated), and log-probs of the servers against the actor's.
 """
 from __future__ import annotations
@@ -45,6 +47,10 @@ RESHARD_MODELS = {
 }
 RESHARD_DIVISIBLE_BY = 8  # vocab 47 -> 48 / 48 / 64 rows at TP 1 / 2 / 4: padding is always there to drop
 RESHARD_BUCKET_BYTES = 48 * 1024  # several buckets per stage; fc1 (64 KiB gathered) gets a bucket of its own
+# the expert checks: (tp, pp, ep, etp), etp 0 meaning etp = tp; the first is also the push's layout
+EXPERT_LAYOUTS = [(1, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 0), (1, 2, 2, 0)]
+EXPERT_MODEL = dict(arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32, tie=False)
+EXPERT_BUCKET_BYTES = 32 * 1024  # a layer's 8 experts gather to 192 KiB: several expert buckets per layer
 # the servers story: TP=2 x PP=2, ~5 buckets per stage, so a server can die between two of them
 STORY_LAYOUT = (2, 2)
 STORY_BUCKET_BYTES = 64 * 1024
@@ -85,7 +91,8 @@ def load_hf(chunks: list, weights: WeightMap, layout: ParallelLayout, hf_dir: Pa
     shards = shard_model(weights, full, layout)
     for v, chunk in enumerate(chunks):
         sd = dict(chunk.state_dict())
-        sd.update(shards[(ps.get_pipeline_model_parallel_rank(), v, ps.get_tensor_model_parallel_rank())])
+        sd.update(shards[layout.key(ps.get_pipeline_model_parallel_rank(), v, ps.get_tensor_model_parallel_rank(),
+                                    ps.get_expert_model_parallel_rank())])
         chunk.load_state_dict(sd, strict=True)
 
 
@@ -121,19 +128,91 @@ def reshard_checks(rank: int, cases: dict, layouts: list, bucket_bytes: int) -> 
             load_hf(chunks, weights, layout, case["hf_dir"])
             if case.get("ddp"):
                 chunks = wrap_ddp(chunks)
-            groups = ParallelGroups.from_parallel_state()
-            resharder = Resharder(chunks, weights, groups, bucket_bytes, case.get("wire_dtype"))
-            tensors, counts = {}, []
-            for bucket in resharder.buckets():
-                counts.append((bucket.index, bucket.count))
-                for hf_name, tensor in bucket.named_tensors():
-                    assert hf_name not in tensors, hf_name
-                    tensors[hf_name] = tensor.clone()
+            run = run_resharder(chunks, weights, bucket_bytes, case.get("wire_dtype"))
             out[(name, str(layout))] = dict(
-                rank=rank, dp_rank=groups.dp_rank, emitter=groups.is_emitter, tensors=tensors, buckets=counts,
-                peak_buffer_bytes=resharder.timings.peak_buffer_bytes,
+                run, rank=rank,
                 largest_param_bytes=max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp)),
             )
+    return out
+
+
+def expert_layout_of(t: tuple) -> ParallelLayout:
+    tp, pp, ep, etp = t
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp)
+
+
+def reinit_experts(layout: ParallelLayout) -> None:
+    """Switch megatron's parallel state to `layout`, expert parallelism included."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps = _ps()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def swap_local_experts(chunks: list) -> None:
+    """Swap the weights of local experts 0 and 1 of the first layer of the first chunk (every rank)."""
+    experts = unwrap(chunks[0]).decoder.layers[0].mlp.experts.local_experts
+    with torch.no_grad():
+        for a, b in zip(experts[0].parameters(), experts[1].parameters()):
+            saved = a.clone()
+            a.copy_(b)
+            b.copy_(saved)
+
+
+def run_resharder(chunks: list, weights: WeightMap, bucket_bytes: int, dtype=None) -> dict:
+    """What this rank's resharder emits: HF tensors (copies), bucket numbers, its buffers."""
+    groups = ParallelGroups.from_parallel_state()
+    resharder = Resharder(chunks, weights, groups, bucket_bytes, dtype)
+    tensors, counts = {}, []
+    for bucket in resharder.buckets():
+        counts.append((bucket.index, bucket.count))
+        for hf_name, tensor in bucket.named_tensors():
+            assert hf_name not in tensors, hf_name
+            tensors[hf_name] = tensor.clone()
+    return dict(dp_rank=groups.dp_rank, emitter=groups.is_emitter, tensors=tensors, buckets=counts,
+                peak_buffer_bytes=resharder.timings.peak_buffer_bytes)
+
+
+def expert_checks(rank: int, case: dict) -> dict:
+    """{str(layout): this rank's resharder output} at EXPERT_LAYOUTS, the negative control, and
+    the push story at the first layout."""
+    from megarl.engines.megatron.cpu import apply_cpu_shims
+
+    hf_dir, out = Path(case["hf_dir"]), {}
+    for t in EXPERT_LAYOUTS:
+        layout = expert_layout_of(t)
+        reinit_experts(layout)
+        weights = weight_map(hf_dir, layout.tp, RESHARD_DIVISIBLE_BY)
+        chunks = build_chunks(weights, layout, torch.float32)
+        apply_cpu_shims()  # reach the MoE modules imported by the build
+        load_hf(chunks, weights, layout, hf_dir)
+        out[str(layout)] = run_resharder(chunks, weights, case["bucket_bytes"])
+        if t == EXPERT_LAYOUTS[0]:
+            swap_local_experts(chunks)
+            out["swapped"] = run_resharder(chunks, weights, case["bucket_bytes"])
+            swap_local_experts(chunks)
+            out["push"] = expert_push(chunks, weights, case)
+    return out
+
+
+def expert_push(chunks: list, weights: WeightMap, case: dict) -> dict:
+    """The server serves another checkpoint of the same MoE (other seed); a disk push of the
+    actor's weights (each DP replica its share of the dense buckets, replica 0 the expert ones);
+    log-probs before and after."""
+    vocab, urls = weights.arch.vocab_size, [case["url"]]
+    out = {"before": compare(chunks, vocab, urls)}
+    sync = WeightSync(chunks, weights, urls, SyncConfig(
+        transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=case["hf_dir"],
+        timeout_s=60))
+    out["metrics"] = sync.push()
+    out["after"] = compare(chunks, vocab, urls)
+    g = sync.groups
+    out["roles"] = dict(emitter=g.is_emitter, dp_rank=g.dp_rank, gathers_experts=g.gathers_experts,
+                        emits_experts=g.emits_experts)
+    sync.close()
     return out
 
 
@@ -434,10 +513,15 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
     return out
 
 
-def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict) -> dict:
+def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict, experts: dict) -> dict:
+    from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
+
     init_gloo_model_parallel(rank, world_size, port, timeout_s=300)
+    apply_moe_cpu_shims()
     started = time.monotonic()
     out = {"reshard": reshard_checks(rank, **reshard)}
     out["reshard_s"] = round(time.monotonic() - started, 1)
+    out["experts"] = expert_checks(rank, experts)
+    out["experts_s"] = round(time.monotonic() - started - out["reshard_s"], 1)
     out["servers"] = servers_story(rank, servers)
     return out

@@ -1,8 +1,11 @@
 """Pure parts of the weight sync: bucket planning, configuration checks, metrics (no processes)."""
+import re
+
 import pytest
 import torch
 
 from megarl.bridge import WeightMap, arch_from_hf_config, tp_split
+from megarl.bridge.mapping import REPLICATED
 from megarl.rollout.weight_group import bucket_layout
 from megarl.sync import SyncConfig, plan_buckets
 from megarl.sync.resharder import ROW_ALIGN, LocalParam, gathered_bytes
@@ -99,3 +102,39 @@ def test_metrics_name_the_slowest_stage():
 
 def test_master_address_is_the_route_to_the_servers():
     assert route_address("http://127.0.0.1:30000") == "127.0.0.1"
+
+
+MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "norm_topk_prob": True, "head_dim": 16}
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, 1), (2, 4, 1), (2, 2, 2)])
+def test_expert_buckets_come_last_and_name_every_ep_ranks_copy(tp, ep, etp):
+    """EP rank 0's shards (local experts 0..E/ep-1 under their global names there): the dense
+    buckets first, then expert buckets of at most `limit` bytes gathered from all EP x ETP ranks,
+    whose HF slots hold each local expert once per EP rank; together every HF tensor once."""
+    weights = WeightMap(arch_from_hf_config(MOE), padded_vocab_size=64)
+    per_rank, params = 8 // ep, []
+    for p in shards(weights, tp):
+        m = re.search(r"local_experts\.(\d+)\.", p.name)
+        if m is None:
+            params.append(p)
+        elif int(m.group(1)) < per_rank:
+            split = p.split if etp > 1 else REPLICATED
+            shape = list(weights.mcore_shape(p.name))
+            if split.dim is not None:
+                shape[split.dim] //= etp
+            params.append(LocalParam(p.name, torch.zeros(shape), split, expert=True))
+    limit = 20_000
+    plans = plan_buckets(params, weights, tp, limit, ep_size=ep, etp_size=etp)
+    kinds = [plan.expert for plan in plans]
+    assert kinds == sorted(kinds) and kinds[-1]  # dense first, then experts
+    for plan in (p for p in plans if p.expert):
+        assert (plan.ranks, plan.ep_size) == (ep * etp, ep)
+        assert sum(gathered_bytes(p.param, tp, ep, etp) for p in plan.params) <= limit or len(plan.params) == 1
+        experts = {int(re.search(r"\.experts\.(\d+)\.", s.name).group(1)) for s in plan.hf_slots}
+        local = {int(re.search(r"local_experts\.(\d+)\.", p.param.name).group(1)) for p in plan.params}
+        assert experts == {r * per_rank + k for r in range(ep) for k in local}
+        assert all(p.gather_offset is not None for p in plan.params)
+    names = [s.name for plan in plans for s in plan.hf_slots]
+    assert sorted(names) == sorted(weights.hf_names())

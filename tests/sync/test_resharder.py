@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # the shared 4-process megatron world with two se
 
 
 def runs_of(sync_run, model, layout):
-    _, _, ranks = sync_run
+    _, _, ranks, _ = sync_run
     return [rank["reshard"][(model, str(layout))] for rank in ranks]
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # the shared 4-process megatron world with two se
 
 @pytest.fixture(scope="module")
 def story(sync_run):
-    _, case, ranks = sync_run
+    _, case, ranks, _ = sync_run
     return case, [rank["servers"] for rank in ranks]
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import ConfigError, load_and_validate
-from megarl.trainer.inputs import expert_parallel_push_problem, gpu_count_problem
+from megarl.trainer.inputs import gpu_count_problem
 from megarl.trainer.preflight import check_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,10 +136,17 @@ def test_a_hub_id_resolves_through_the_hf_cache_for_the_dry_run_and_plan(tiny_as
         local_model_dir("tiny-org/absent", "actor_rollout_ref.model.path")
 
 
-def test_an_expert_parallel_rl_actor_is_refused_before_the_run_not_at_its_first_push(tiny_assets):
-    model, train = tiny_assets / "model", tiny_assets / "data/train.parquet"
-    ep2 = _config(model, train, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2")
-    problem = expert_parallel_push_problem(ep2, "rl")
-    assert problem and problem.startswith("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2:")
-    assert expert_parallel_push_problem(ep2, "sft") is None and expert_parallel_push_problem(ep2, "dpo") is None
-    assert expert_parallel_push_problem(_config(model, train), "rl") is None
+def test_an_expert_parallel_rl_actor_passes_the_checks_and_a_tensor_parallel_moe_actor_does_not(tiny_assets, tmp_path):
+    """The resharder gathers experts across EP ranks (tests/sync/test_expert_sync.py): an RL actor
+    with expert_model_parallel_size=2 is no longer refused before the run. An MoE actor at TP 2 is
+    (a dense one is not)."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32)
+    train = tiny_assets / "data/train.parquet"
+    config = check_environment(_config(moe, train, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"))
+    assert config.actor_rollout_ref.actor.megatron.expert_model_parallel_size == 2
+    # TP 2: megatron-core trains MoE layers with TP > 1 only with sequence parallelism, not supported yet
+    tp2 = _problems(_config(moe, train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: the model is a mixture of experts" in tp2
+    check_environment(_config(tiny_assets / "model", train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))

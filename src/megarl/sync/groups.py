@@ -16,6 +16,12 @@ replica d sends the buckets k of each stage with (count - 1 - k) % dp_size == d 
 so replica 0 sends each stage's last bucket (the coordinator keeps stage 0's for the commit).
 Without it (or with one replica) replica 0 sends everything.
 
+Experts with expert parallelism (EP > 1): each EP rank holds only its experts, so the expert
+parameters travel apart from the dense ones, over megatron's expert-tensor-and-model-parallel group
+(`expert_group`, EP x expert-TP ranks, group rank = etp_rank + etp_size * ep_rank) of expert-data-
+parallel replica 0 (`gathers_experts`), to that group's rank 0: the stage's replica-0 emitter (TP,
+DP and EP ranks 0). Those buckets come last in a stage and are sent by replica 0 even with `split_dp`.
+
 The emitters form `emitter_group`, which carries their reports to the coordinator: with one
 sending replica, megatron's pipeline-parallel group of the ranks with TP = DP = 0; with several,
 a group of every TP-rank-0 rank, made when the groups are read (`from_parallel_state`).
@@ -40,6 +46,26 @@ class ParallelGroups:
     world_group: Any = None  # every rank that calls push; None: torch.distributed's default group
     dp_size: int = 1  # replicas that hold the same shards (data x context parallel)
     split_dp: bool = False  # every replica sends its share of the buckets (emitter_group: all their emitters)
+    ep_size: int = 1  # expert parallel; with 1 experts travel with the dense parameters over the TP group
+    etp_size: int = 1  # expert tensor parallel (ranks one expert is split over), used when ep_size > 1
+    expert_group: Any = None  # ep_size > 1: the expert-tensor-and-model-parallel group (ep_size * etp_size ranks)
+    expert_group_rank: int = 0  # this rank's rank in expert_group (= etp_rank + etp_size * ep_rank)
+    expert_dp_rank: int = 0  # expert-data-parallel replica; replica 0 gathers the experts
+
+    @property
+    def gathers_experts(self) -> bool:
+        """Whether this rank takes part in the expert gathers (EP > 1, expert-DP replica 0)."""
+        return self.ep_size > 1 and self.expert_dp_rank == 0
+
+    @property
+    def emits_experts(self) -> bool:
+        """Whether this rank receives and converts the expert buckets (rank 0 of its expert group)."""
+        return self.gathers_experts and self.expert_group_rank == 0
+
+    @property
+    def takes_part(self) -> bool:
+        """Whether this rank runs the resharder in a push (dense or expert gathers)."""
+        return self.gathers or self.gathers_experts
 
     @property
     def gathers(self) -> bool:
@@ -71,8 +97,17 @@ class ParallelGroups:
         """Global rank of the coordinator: rank 0 of the world group."""
         return 0 if self.world_group is None else dist.get_global_rank(self.world_group, 0)
 
+    @property
+    def expert_emitter_rank(self) -> int:
+        """Global rank of rank 0 of this rank's expert group (ep_size > 1)."""
+        return dist.get_global_rank(self.expert_group, 0)
+
     def check(self) -> None:
-        """The coordinator must be rank 0 of the world group (object broadcasts start there)."""
+        """The coordinator must be rank 0 of the world group (object broadcasts start there), and
+        the expert buckets' receiver must be a replica-0 emitter (it pushes them)."""
+        if self.emits_experts and not (self.is_emitter and self.dp_rank == 0):
+            raise ValueError(f"weight sync: rank {dist.get_rank()} is rank 0 of its expert group but not the "
+                             "TP-rank-0 rank of data-parallel replica 0 that emits its stage")
         rank = dist.get_rank(self.world_group)
         if self.is_coordinator != (rank == 0):
             raise ValueError(
@@ -91,12 +126,13 @@ class ParallelGroups:
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        experts = _expert_fields(ps)
         if split_dp and dp_size > 1:
             return cls(
                 tp_group=ps.get_tensor_model_parallel_group(), tp_rank=tp_rank, tp_size=tp_size,
                 pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
                 dp_rank=dp_rank, emitter_group=_tp_rank_zero_group(tp_rank, world_group), world_group=world_group,
-                dp_size=dp_size, split_dp=True,
+                dp_size=dp_size, split_dp=True, **experts,
             )
         return cls(
             tp_group=ps.get_tensor_model_parallel_group(),
@@ -108,7 +144,25 @@ class ParallelGroups:
             emitter_group=ps.get_pipeline_model_parallel_group() if dp_rank == 0 and tp_rank == 0 else None,
             world_group=world_group,
             dp_size=dp_size,
+            **experts,
         )
+
+
+def _expert_fields(ps) -> dict[str, Any]:
+    """The expert fields of `ParallelGroups` from megatron's `parallel_state` (EP = 1: none).
+    Raises if the expert group's rank order is not etp_rank + etp_size * ep_rank, the order the
+    resharder reads the gathered rows in (megatron-core 0.16.1 orders expert ranks `tp-ep-dp-pp`)."""
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return {}
+    etp, ep_rank, etp_rank = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+                              ps.get_expert_tensor_parallel_rank())
+    group_rank = ps.get_expert_tensor_and_model_parallel_rank()
+    if group_rank != etp_rank + etp * ep_rank:
+        raise RuntimeError(f"weight sync: rank {group_rank} in the expert-tensor-and-model-parallel group is not "
+                           f"etp_rank {etp_rank} + {etp} x ep_rank {ep_rank}; the resharder cannot order its rows")
+    return dict(ep_size=ep, etp_size=etp, expert_group=ps.get_expert_tensor_and_model_parallel_group(),
+                expert_group_rank=group_rank, expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 
 def _tp_rank_zero_group(tp_rank: int, world_group: Optional[Any]) -> Any:

@@ -17,6 +17,14 @@ every replica for its own share of the buckets):
    HF tensors (cast to the wire dtype, if one is set) into one flat byte buffer, laid out as
    SGLang's `flattened_bucket`.
 
+Experts at EP > 1 (`groups.py`): each rank lists its local experts under their local index, which
+is the global index on EP rank 0, so every rank of an expert group plans the same expert buckets
+(after the dense ones). Per expert bucket, every rank of the expert group (EP x expert-TP ranks)
+sends its shards of those local experts to the group's rank 0, the stage's emitter, which merges
+each expert over its expert-TP rows and names row (ep, etp)'s copy of local expert k global expert
+`ep * experts_per_rank + k`. A bucket holds at most `bucket_bytes` of experts from all EP ranks
+together, so no rank ever holds more than one bucket of other ranks' experts.
+
 Extra memory, allocated once per pass and reused by every bucket: on the emitter, one bucket of
 gathered shards, one bucket of HF tensors and its own share of a bucket (1/TP), plus the
 conversion's per-parameter temporaries; on the other TP ranks, their share of a bucket.
@@ -33,7 +41,8 @@ import torch.distributed as dist
 from megarl.bridge import WeightMap
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.lora import is_lora_param
-from megarl.bridge.mapping import TPSplit, tp_split
+from megarl.bridge.mapping import REPLICATED, TPSplit, tp_split
+from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import layer_index, shift_layer, unshard_tp
 from megarl.rollout.weight_group import TensorSlot, bucket_layout, dtype_name, unflatten_tensors
 from megarl.sync.groups import ParallelGroups
@@ -43,9 +52,10 @@ ROW_ALIGN = 16  # bytes; every gathered row and every tensor in it starts aligne
 
 @dataclass(frozen=True)
 class LocalParam:
-    name: str  # global megatron name, TE spelling
+    name: str  # global megatron name, TE spelling (an expert at EP > 1: its expert index is the local one)
     tensor: torch.Tensor  # this rank's shard of it (the live parameter, detached)
-    split: TPSplit
+    split: TPSplit  # over the TP ranks (an expert at EP > 1: over its expert-TP ranks)
+    expert: bool = False  # an expert at EP > 1: gathered over the expert group, not the TP group
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -55,11 +65,14 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp_size: int) -> list[LocalParam]:
-    """This rank's parameters, chunk by chunk in registration order, under global names.
+def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp_size: int,
+                 ep_size: int = 1, etp_size: int = 1) -> list[LocalParam]:
+    """This rank's parameters, chunk by chunk in registration order, under global names (experts
+    at EP > 1: local expert index).
 
     Checks each shard's shape against the full shape the bridge expects for this TP size. MoE
-    experts are split over TP like the dense MLP (with EP = 1 expert TP is TP)."""
+    experts are split over TP like the dense MLP with EP = 1 (expert TP is TP then), over
+    `etp_size` ranks with EP > 1 (replicated on the TP ranks when it is 1)."""
     out = []
     for chunk in model_chunks:
         model = unwrap(chunk)
@@ -73,16 +86,19 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
             name = weights.canonical(name)
             if weights.is_tied_output_copy(name):
                 continue
-            split = tp_split(name)
+            expert = ep_size > 1 and expert_index(name) is not None
+            split, ranks = tp_split(name), tp_size
+            if expert:
+                split, ranks = (tp_split(name) if etp_size > 1 else REPLICATED), etp_size
             expected = list(weights.mcore_shape(name))
             if split.dim is not None:
-                expected[split.dim] //= tp_size
+                expected[split.dim] //= ranks
             if list(param.shape) != expected:
                 raise ConversionError(
                     f"{local_name} ({name}): local shape {list(param.shape)} does not match {expected}, the "
-                    f"bridge's full shape {list(weights.mcore_shape(name))} at TP={tp_size}"
+                    f"bridge's full shape {list(weights.mcore_shape(name))} split over {ranks} rank(s)"
                 )
-            out.append(LocalParam(name, param.detach(), split))
+            out.append(LocalParam(name, param.detach(), split, expert))
     return out
 
 
@@ -99,58 +115,78 @@ class PlannedParam:
 @dataclass(frozen=True)
 class BucketPlan:
     params: tuple[PlannedParam, ...]
-    row_bytes: int  # bytes each TP rank sends (its TP-split shards, padded to ROW_ALIGN)
+    row_bytes: int  # bytes each rank of the gather sends (its split shards, padded to ROW_ALIGN)
     hf_slots: tuple[TensorSlot, ...]  # where each HF tensor goes in the bucket's flat buffer
+    ranks: int = 1  # ranks of the gather: TP, or (expert bucket) EP x expert-TP
+    ep_size: int = 1  # expert bucket: row r is EP rank r // (ranks // ep_size)'s; 1: a dense bucket
+    expert: bool = False  # gathered over the expert group
 
     @property
     def hf_bytes(self) -> int:
         return self.hf_slots[-1].end
 
 
-def gathered_bytes(param: LocalParam, tp_size: int) -> int:
-    """Bytes of the full (TP-gathered) megatron tensor."""
+def gathered_bytes(param: LocalParam, tp_size: int, ep_size: int = 1, etp_size: int = 1) -> int:
+    """Bytes of the gathered megatron tensor(s): the full TP-gathered one; for an expert at EP > 1,
+    the full tensors of that local expert on all `ep_size` EP ranks."""
     local = param.tensor.numel() * param.tensor.element_size()
+    if param.expert:
+        return local * ep_size * (etp_size if param.split.dim is not None else 1)
     return local if param.split.dim is None else local * tp_size
 
 
 def plan_buckets(
     params: Sequence[LocalParam], weights: WeightMap, tp_size: int, bucket_bytes: int,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None, ep_size: int = 1, etp_size: int = 1,
 ) -> list[BucketPlan]:
     """Pack `params` in order into buckets of at most `bucket_bytes` gathered bytes (a larger
-    parameter gets a bucket of its own). The HF tensors get `dtype` (None: their parameter's).
-    Within a bucket, the gathered row and the HF buffer hold wider dtypes first, so every tensor
-    starts aligned for its dtype."""
+    parameter gets a bucket of its own): the dense parameters first, then the experts at EP > 1
+    (`LocalParam.expert`). The HF tensors get `dtype` (None: their parameter's). Within a bucket,
+    the gathered row and the HF buffer hold wider dtypes first, so every tensor starts aligned for
+    its dtype."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    groups: list[list[LocalParam]] = []
-    size = 0
-    for param in params:
-        nbytes = gathered_bytes(param, tp_size)
-        if not groups or size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(param)
-        size += nbytes
-    return [_plan(group, weights, tp_size, dtype) for group in groups]
+    plans = []
+    for expert in (False, True):
+        groups: list[list[LocalParam]] = []
+        size = 0
+        for param in (p for p in params if p.expert == expert):
+            nbytes = gathered_bytes(param, tp_size, ep_size, etp_size)
+            if not groups or size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(param)
+            size += nbytes
+        ranks, ep = (ep_size * etp_size, ep_size) if expert else (tp_size, 1)
+        plans += [_plan(group, weights, ranks, ep, expert, dtype) for group in groups]
+    return plans
 
 
-def _plan(group: list[LocalParam], weights: WeightMap, tp_size: int, dtype: Optional[torch.dtype]) -> BucketPlan:
+def expert_copies(weights: WeightMap, name: str, ep_size: int) -> list[str]:
+    """Global names of local expert `name` (its index as on EP rank 0) on each of the `ep_size` EP ranks."""
+    per_rank = weights.arch.moe.num_experts // ep_size
+    return [shift_expert(name, ep * per_rank) for ep in range(ep_size)]
+
+
+def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, ep_size: int, expert: bool,
+          dtype: Optional[torch.dtype]) -> BucketPlan:
     offsets: dict[str, int] = {}
     row = 0
     for param in sorted(group, key=lambda p: -p.tensor.element_size()):
-        if param.split.dim is not None and tp_size > 1:
+        if ranks > 1 and (expert or param.split.dim is not None):
             offsets[param.name] = row
             row += param.tensor.numel() * param.tensor.element_size()
     hf = sorted(
-        [(hf_name, dtype or param.tensor.dtype) for param in group for hf_name in weights.hf_names_of(param.name)],
+        [(hf_name, dtype or param.tensor.dtype) for param in group
+         for name in (expert_copies(weights, param.name, ep_size) if expert else [param.name])
+         for hf_name in weights.hf_names_of(name)],
         key=lambda item: -item[1].itemsize,
     )
     slots = bucket_layout(
         [n for n, _ in hf], [dtype_name(d) for _, d in hf], [list(weights.hf_shape(n)) for n, _ in hf]
     )
     planned = tuple(PlannedParam(p, offsets.get(p.name)) for p in group)
-    return BucketPlan(planned, _align(row), tuple(slots))
+    return BucketPlan(planned, _align(row), tuple(slots), ranks, ep_size, expert)
 
 
 @dataclass
@@ -198,66 +234,63 @@ class _Buffers:
     """The byte buffers of one pass, sized for its largest bucket and reused by every bucket:
     fresh memory for each bucket would cost page faults on a CPU (on a GPU the caching allocator
     reuses blocks anyway). `send`: this rank's shards of a bucket; `rows`: the gathered shards of
-    every TP rank (emitter); `flat`: the HF tensors (emitter)."""
+    every rank of a gather (emitter); `flat`: the HF tensors (emitter)."""
 
-    def __init__(self, plans: Sequence[BucketPlan], tp_size: int, is_emitter: bool, device: torch.device):
-        row_bytes = max(p.row_bytes for p in plans)
+    def __init__(self, plans: Sequence[tuple[BucketPlan, bool]], device: torch.device):
+        """`plans`: (plan, whether this rank emits it) of every bucket this rank takes part in."""
+        emitted = [p for p, emits in plans if emits]
 
-        def buffer(nbytes: int, needed: bool) -> Optional[torch.Tensor]:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device) if needed and nbytes else None
+        def buffer(nbytes: int) -> Optional[torch.Tensor]:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
-        self.send = buffer(row_bytes, True)
-        self.rows = buffer(tp_size * row_bytes, is_emitter)
-        self.flat = buffer(max(p.hf_bytes for p in plans), is_emitter)
+        self.send = buffer(max(p.row_bytes for p, _ in plans))
+        self.rows = buffer(max((p.ranks * p.row_bytes for p in emitted), default=0))
+        self.flat = buffer(max((p.hf_bytes for p in emitted), default=0))
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in (self.send, self.rows, self.flat) if b is not None)
 
 
-def _refuse_expert_parallel(model_chunks: Sequence[torch.nn.Module]) -> None:
-    """Raise on every rank of an expert-parallel model: each EP rank holds only its experts, and
-    gathering them across EP ranks is not implemented (a sync would send half a model)."""
-    for chunk in model_chunks:
-        ep = getattr(getattr(unwrap(chunk), "config", None), "expert_model_parallel_size", 1)
-        if ep > 1:
-            raise NotImplementedError(
-                f"weight sync of an expert-parallel model (expert_model_parallel_size={ep}) is not implemented: "
-                "each EP rank holds only its experts; use actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"
-            )
-
-
 class Resharder:
     """Streams this stage's HF buckets (this replica's share of them). All TP ranks of a sending
-    replica iterate `buckets()` together (they run the gathers); only the emitter (TP rank 0)
-    receives buckets, the others get none. Replicas that do not send get none and take part in nothing.
+    replica iterate `buckets()` together (they run the gathers), and with EP > 1 every rank of
+    expert-DP replica 0 (the expert gathers); only the emitter (TP rank 0 of a sending replica)
+    receives buckets, the others get none. Ranks that gather nothing get none and take part in nothing.
 
     A caller must exhaust the iterator on every gathering rank, even after its own failure,
-    or the stage's other TP ranks block in their next gather. A bucket's memory is reused for the
+    or the other ranks of its gathers block in their next one. A bucket's memory is reused for the
     next one: a caller that keeps tensors past the next iteration must copy them."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], weights: WeightMap, groups: ParallelGroups,
                  bucket_bytes: int, dtype: Optional[torch.dtype] = None):
         """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's."""
         self.model_chunks, self.weights, self.groups = list(model_chunks), weights, groups
-        _refuse_expert_parallel(self.model_chunks)
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.timings = ReshardTimings()
 
     def plan(self) -> list[BucketPlan]:
-        params = local_params(self.model_chunks, self.weights, self.groups.tp_size)
-        return plan_buckets(params, self.weights, self.groups.tp_size, self.bucket_bytes, self.dtype)
+        g = self.groups
+        params = local_params(self.model_chunks, self.weights, g.tp_size, g.ep_size, g.etp_size)
+        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.ep_size, g.etp_size)
+
+    def _takes_part(self, plan: BucketPlan, index: int, count: int) -> bool:
+        g = self.groups
+        return g.gathers_experts if plan.expert else g.gathers and g.owns(index, count)
+
+    def _emits(self, plan: BucketPlan) -> bool:
+        return self.groups.emits_experts if plan.expert else self.groups.is_emitter
 
     def buckets(self) -> Iterator[HFBucket]:
         self.timings = t = ReshardTimings()
-        if not self.groups.gathers:
+        if not self.groups.takes_part:
             return
         every = self.plan()
-        mine = [(k, plan) for k, plan in enumerate(every) if self.groups.owns(k, len(every))]
+        mine = [(k, plan) for k, plan in enumerate(every) if self._takes_part(plan, k, len(every))]
         if not mine:
             return
         plans = [plan for _, plan in mine]
-        buffers = _Buffers(plans, self.groups.tp_size, self.groups.is_emitter, plans[0].params[0].param.tensor.device)
+        buffers = _Buffers([(plan, self._emits(plan)) for plan in plans], plans[0].params[0].param.tensor.device)
         t.peak_buffer_bytes = buffers.nbytes
         work = self._start_gather(plans[0], buffers)
         for i, (k, plan) in enumerate(mine):
@@ -266,7 +299,7 @@ class Resharder:
                 work.wait()
             waited = time.perf_counter()
             t.gather_s += waited - started
-            bucket = self._convert(plan, buffers, k, len(every)) if self.groups.is_emitter else None
+            bucket = self._convert(plan, buffers, k, len(every)) if self._emits(plan) else None
             # the rows are converted: the next bucket's gather overlaps this bucket's push
             work = self._start_gather(plans[i + 1], buffers) if i + 1 < len(plans) else None
             if bucket is not None:
@@ -277,7 +310,8 @@ class Resharder:
 
     # ---------------------------------------------------------------- internals
     def _start_gather(self, plan: BucketPlan, buffers: _Buffers):
-        """Send this rank's TP-split shards of `plan` to the emitter (async); None if there are none."""
+        """Send this rank's shards of `plan` to the emitter (async) over the TP group (expert
+        bucket: the expert group); None if there are none."""
         g = self.groups
         gathered = [p for p in plan.params if p.gather_offset is not None]
         if not gathered:
@@ -287,27 +321,32 @@ class Resharder:
             tensor = planned.param.tensor
             start = planned.gather_offset
             send[start : start + tensor.numel() * tensor.element_size()].copy_(tensor.reshape(-1).view(torch.uint8))
-        rows = list(self._rows(plan, buffers)) if g.is_emitter else None
+        rows = list(self._rows(plan, buffers)) if self._emits(plan) else None
+        if plan.expert:
+            return dist.gather(send, rows, dst=g.expert_emitter_rank, group=g.expert_group, async_op=True)
         return dist.gather(send, rows, dst=g.tp_emitter_rank, group=g.tp_group, async_op=True)
 
     def _rows(self, plan: BucketPlan, buffers: _Buffers) -> torch.Tensor:
-        """[tp, row_bytes]: row r holds TP rank r's shards of `plan` (emitter)."""
-        return buffers.rows[: self.groups.tp_size * plan.row_bytes].view(self.groups.tp_size, plan.row_bytes)
+        """[ranks, row_bytes]: row r holds rank r's shards of `plan` (TP rank, or expert-group rank) (emitter)."""
+        return buffers.rows[: plan.ranks * plan.row_bytes].view(plan.ranks, plan.row_bytes)
 
     def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int) -> HFBucket:
         flat = buffers.flat[: plan.hf_bytes]
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
         rows = self._rows(plan, buffers) if buffers.rows is not None else None
+        per_ep = plan.ranks // plan.ep_size  # rows of one EP rank: its expert-TP ranks (dense bucket: TP ranks)
         for planned in plan.params:
             param = planned.param
-            if planned.gather_offset is None:
-                full = param.tensor
-            else:
-                n = param.tensor.numel() * param.tensor.element_size()
-                start = planned.gather_offset
-                pieces = [rows[r, start : start + n].view(param.tensor.dtype).view(param.tensor.shape)
-                          for r in range(self.groups.tp_size)]
-                full = unshard_tp(param.split, pieces, param.name)
-            for hf_name, tensor in self.weights.to_hf(param.name, full):
-                targets[hf_name].copy_(tensor)
+            names = expert_copies(self.weights, param.name, plan.ep_size) if plan.expert else [param.name]
+            for ep, name in enumerate(names):
+                if planned.gather_offset is None:
+                    full = param.tensor
+                else:
+                    n = param.tensor.numel() * param.tensor.element_size()
+                    start = planned.gather_offset
+                    pieces = [rows[r, start : start + n].view(param.tensor.dtype).view(param.tensor.shape)
+                              for r in range(ep * per_ep, (ep + 1) * per_ep)]
+                    full = unshard_tp(param.split, pieces, name)
+                for hf_name, tensor in self.weights.to_hf(name, full):
+                    targets[hf_name].copy_(tensor)
         return HFBucket(index, count, flat, plan.hf_slots)

@@ -246,7 +246,7 @@ class WeightSync:
                 f"weight sync to version {decision.version} could not start: {'; '.join(decision.errors)}"
             )
 
-        report = self._stream(decision, progress) if g.gathers else None
+        report = self._stream(decision, progress) if g.takes_part else None
         reports = None
         if g.is_emitter:
             reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None

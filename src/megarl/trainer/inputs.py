@@ -73,18 +73,6 @@ def schedule_problems(config: ExperimentConfig, kind: Kind, train_rows: int) -> 
     return []
 
 
-def expert_parallel_push_problem(config: ExperimentConfig, kind: Kind) -> Optional[str]:
-    """An RL actor with expert parallelism: its weights cannot be pushed to the rollout servers yet
-    (each EP rank holds only its experts and megarl.sync.resharder does not gather them), so the
-    run would stop at its first push, after the cluster is up. SFT and DPO push nothing."""
-    ep = config.actor_rollout_ref.actor.megatron.expert_model_parallel_size
-    if kind != "rl" or ep <= 1:
-        return None
-    return (f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}: pushing an expert-parallel actor's "
-            "weights to the rollout servers is not implemented yet (the resharder does not gather experts across "
-            "EP ranks); use 1 for RL (SFT and DPO train with EP > 1)")
-
-
 def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]:
     """(problems, config with every hub id replaced by its directory in the HF cache) for the
     actor, critic and reward model checkpoints and the tokenizer."""
@@ -125,6 +113,29 @@ def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]
         reward_model=replace(rm, model=replace(rm.model, path=reward)),
     )
     return problems, resolved
+
+
+def moe_tensor_parallel_problem(config: ExperimentConfig) -> Optional[str]:
+    """An MoE actor with TP > 1: megatron-core trains an MoE layer with tensor parallelism only
+    with sequence parallelism (transformer/moe/moe_layer.py raises in training mode), which the
+    megarl engine does not support yet, so the first update would fail after the cluster is up.
+    Call with the config `model_inputs` resolved (a local model directory)."""
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+
+    arr = config.actor_rollout_ref
+    tp = arr.actor.megatron.tensor_model_parallel_size
+    if tp <= 1:
+        return None
+    try:
+        moe = arch_from_hf_config(load_hf_config(arr.model.path)).moe
+    except (ConversionError, OSError):
+        return None  # model_inputs names the problem
+    if moe is None:
+        return None
+    return (f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}: the model is a mixture of experts, "
+            "and megatron-core trains MoE layers with TP > 1 only with sequence parallelism "
+            "(actor_rollout_ref.actor.megatron.sequence_parallel), which the megarl engine does not support yet; "
+            "use tensor_model_parallel_size=1 with pipeline and expert parallelism (expert_model_parallel_size)")
 
 
 def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Optional[str]:

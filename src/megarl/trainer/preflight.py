@@ -13,9 +13,9 @@ from megarl.config.devices import Devices, devices_from_config
 from megarl.trainer.inputs import (
     Kind,
     data_problems,
-    expert_parallel_push_problem,
     gpu_count_problem,
     model_inputs,
+    moe_tensor_parallel_problem,
     schedule_problems,
 )
 
@@ -31,9 +31,10 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     listing every problem. Runs in seconds, before Ray or any server starts (--dry-run runs it too)."""
     problems, train_rows = data_problems(config, kind)
     problems += schedule_problems(config, kind, train_rows)
-    problems += [p for p in [expert_parallel_push_problem(config, kind)] if p]
     model_problems, config = model_inputs(config)
     problems += model_problems
+    if not model_problems:
+        problems += [p for p in [moe_tensor_parallel_problem(config)] if p]
     rm = config.reward_model
     if kind == "rl" and rm.enable and rm.model.path and not model_problems:
         from megarl.engines.megatron.reward_model import check_tokenizer

@@ -1,0 +1,88 @@
+"""Weight sync of a mixture-of-experts actor with expert parallelism, in real megatron-core.
+
+The shared gloo world (conftest `sync_run`, sync_world.expert_checks) loads a tiny Qwen3-MoE (8
+experts, top-2) into `GPTModel` chunks at TP1/EP2, TP2/EP2/ETP1, TP2/EP2/ETP2 and PP2/EP2 and runs
+the resharder with buckets smaller than one layer's experts. The oracle is the checkpoint's own
+`model.safetensors`, as transformers' `save_pretrained` wrote it, read with safetensors: every HF
+tensor, per expert, bit for bit. Then a disk push at TP1/EP2 (DP 4: the replicas share the dense
+buckets, expert-DP replica 0 gathers the experts) into a CPU-engine server that started with
+another checkpoint, and log-probs of its greedy samples against the actor's.
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sync_world import EXPERT_BUCKET_BYTES, EXPERT_LAYOUTS, expert_layout_of
+
+pytestmark = pytest.mark.slow  # part of the shared 4-process megatron world (conftest sync_run)
+
+
+@pytest.fixture(scope="module")
+def experts(sync_run):
+    _, _, ranks, case = sync_run
+    return load_file(f"{case['hf_dir']}/model.safetensors"), [rank["experts"] for rank in ranks]
+
+
+def emitted(runs: list) -> dict:
+    """The union of every emitter's HF tensors (each name emitted once)."""
+    out = {}
+    for run in runs:
+        if not run["emitter"]:
+            assert run["tensors"] == {} and run["buckets"] == [], "a rank that is no emitter emitted"
+        for name, tensor in run["tensors"].items():
+            assert name not in out, f"{name} emitted twice"
+            out[name] = tensor
+    return out
+
+
+@pytest.mark.parametrize("layout", EXPERT_LAYOUTS, ids=lambda t: "TP%d-PP%d-EP%d-ETP%d" % t)
+def test_expert_parallel_resharder_equals_the_hf_checkpoint_bit_for_bit(layout, experts):
+    oracle, ranks = experts
+    tensors = emitted([rank[str(expert_layout_of(layout))] for rank in ranks])
+    assert tensors.keys() == oracle.keys()
+    assert any(".experts.7.down_proj." in name for name in tensors)  # HF per-expert names, every expert
+    for name, tensor in oracle.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+
+
+def test_expert_buckets_are_numbered_and_never_hold_all_experts(experts):
+    _, ranks = experts
+    # 2 layers x 8 experts x (fc1 [64, 64] + fc2 [64, 32]) fp32, gathered from all EP ranks
+    all_experts = 2 * 8 * (64 * 64 + 64 * 32) * 4
+    for layout in EXPERT_LAYOUTS:
+        for run in (rank[str(expert_layout_of(layout))] for rank in ranks):
+            if not run["emitter"]:
+                continue
+            count = len(run["buckets"])
+            assert count > 4 and run["buckets"] == [(i, count) for i in range(count)]
+            # send share + gathered rows + HF buffer of one bucket; the largest gathered parameter
+            # (an expert's fc1 from both EP ranks, 32 KiB) fits a bucket
+            assert 0 < run["peak_buffer_bytes"] <= 3 * EXPERT_BUCKET_BYTES < all_experts / 2
+
+
+def test_swapping_two_experts_fails_the_oracle_for_exactly_those_experts(experts):
+    """Negative control: local experts 0 and 1 of layer 0 swapped on every rank (global 0, 1 on EP
+    rank 0 and 4, 5 on EP rank 1) at TP1/EP2."""
+    oracle, ranks = experts
+    tensors = emitted([rank["swapped"] for rank in ranks])
+    differ = {name for name, tensor in oracle.items() if not torch.equal(tensors[name], tensor)}
+    swapped = {f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (0, 1, 4, 5)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    assert differ == swapped
+    assert torch.equal(tensors["model.layers.0.mlp.experts.0.up_proj.weight"],
+                       oracle["model.layers.0.mlp.experts.1.up_proj.weight"])
+
+
+def test_expert_parallel_push_makes_the_server_serve_the_actor(experts):
+    _, ranks = experts
+    push = [rank["push"] for rank in ranks]
+    r = push[0]
+    assert r["before"]["max_diff"] > 1e-2  # the server holds another checkpoint
+    assert r["after"]["max_diff"] <= 1e-4, r["after"]
+    assert r["after"]["versions"] == [["1"]]
+    assert r["metrics"]["sync/senders"] == 4  # DP 4: every replica's emitter sends dense buckets
+    roles = [p["roles"] for p in push]
+    assert [x["emits_experts"] for x in roles] == [True, False, False, False]
+    assert [x["gathers_experts"] for x in roles] == [True, True, False, False]  # expert-DP replica 0: EP ranks 0, 1
+    print("expert sync (TP1/EP2, disk): log-prob gap before", r["before"]["max_diff"], "after", r["after"]["max_diff"])
+
