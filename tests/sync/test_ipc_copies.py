@@ -17,7 +17,7 @@ STREAM = [(0, 0), (0, 1), (2, 0), (2, 1)]  # (emitter, bucket) in the relay's or
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_gloo_workers(relay_world, 4, timeout_s=120)
+    return run_gloo_workers(relay_world, 4, timeout_s=120, start_method="fork")  # imports done: no 4 x 20 s
 
 
 def check_entries(record: dict, server: int, emitter: int, index: int, pids: list[int]) -> None:
