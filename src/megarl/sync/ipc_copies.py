@@ -104,8 +104,13 @@ def entries_for(peers: Sequence[Sequence[int]], by_rank: Sequence[object]) -> En
 
 
 class IpcRelay:
-    """Every actor rank's part in per-TP-rank copies. Make one on every rank of `world_group`
-    together (collective: it makes a group with the sync's timeout); `run` on every rank per push."""
+    """Every actor rank's part in per-TP-rank copies. Make one on every rank together (collective
+    over `world_group`, and `new_group` over the default group: a group of the world's ranks with
+    the sync's timeout); `run` on every rank per push, `release` after its outcome.
+
+    Memory: an emitter keeps its stage's copies from its `send`s until its turn; during emitter
+    e's turn every rank holds a copy of each bucket e relayed so far (on GPU, one stage's
+    weights), plus the commit bucket's until `release`."""
 
     def __init__(self, is_emitter: bool, on_gpu: bool, timeout_s: float, world_group=None):
         flags = [None] * dist.get_world_size(world_group)
