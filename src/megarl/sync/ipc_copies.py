@@ -160,6 +160,8 @@ class IpcRelay:
             copy = item.flat if item is not None else _empty_copy(nbytes, self.on_gpu)
             (self._commit if commit else self._turn).append(copy)  # held before anything can fail
             dist.broadcast(copy, src=emitter, group=self.group)
+            if copy.is_cuda:  # the bytes are in place before a handle leaves (the server reads on its own stream)
+                torch.cuda.current_stream().synchronize()
             entry = None
             if any(self.rank in row for row in peers):
                 try:
