@@ -19,7 +19,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    server runs one update at a time, and emitters sending at once can deadlock): each send, and
    the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
-   peers still gather) but sends nothing more.
+   peers still gather) but sends nothing more. Tensor transport with per-TP-rank copies: the
+   emitters only keep their buckets here; then every rank takes part in the relay
+   (`ipc_copies.py`: one emitter at a time, each colocated rank serialises its own copy, the
+   emitter posts), the coordinator's last bucket included (its entries wait for the commit).
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
@@ -445,4 +448,3 @@ class WeightSync:
                 m["sync/slowest_stage_gather_s"], m["sync/slowest_stage_convert_s"], m["sync/slowest_stage_send_s"],
             )
         return outcome
-
