@@ -26,7 +26,8 @@ Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if an
      recomputed ones after the push (and differed before), and the push's bucket copies are
      released after it (device memory allocated before == after, on CPU no shared-memory file
      left). On GPU the payload is SGLang's flattened bucket of CUDA IPC handles, so SGLang must be
-     installed (`pip install -e '.[gpu]'`): without it this check fails, saying so.
+     installed (`pip install -e '.[gpu]'`): without it this check fails, saying so. The bucket goes
+     through the same per-TP-rank relay as on more GPUs (`sync/ipc_copies.py`), with one rank.
 
 `--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
 script itself; its figures mean nothing (`--cpu --dtype bfloat16` checks the bf16 path).

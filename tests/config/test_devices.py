@@ -11,6 +11,7 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 from megarl.config import ConfigError, load_and_validate, load_config
 from megarl.config.devices import Devices, decide_devices, devices_from_config, visible_gpu_index
 from megarl.placement import plan_from_config
+from megarl.sync.colocation import colocated_peers
 
 KEY = "actor_rollout_ref.rollout.weight_sync_transport"
 REPO = Path(__file__).resolve().parents[2]
@@ -51,15 +52,23 @@ def test_cuda_training_groups_send_cuda_tensors_over_nccl_and_cpu_objects_over_g
     assert by_device == {"cpu": "gloo", "cuda": "nccl"}
 
 
-def test_cuda_colocated_auto_sends_ipc_handles_on_one_gpu_and_pushes_through_disk_on_more():
-    d = decide_devices("auto", True, "colocate", "sglang", "auto")
+@pytest.mark.parametrize("gpus,rollout_tp", [(1, 1), (2, 1), (8, 2), (8, 4)])
+def test_cuda_colocated_auto_sends_ipc_handles_made_on_each_server_gpu(gpus, rollout_tp):
+    """A CUDA IPC handle opens only on its own GPU and SGLang's TP rank r opens entry r
+    (tp_worker.py::deserialize_own_rank): every server GPU needs exactly one actor rank on it to
+    serialise entry r. Oracle: the real planner's GPU map of the colocated config."""
+    config = load_config(None, REQUIRED + [f"trainer.n_gpus_per_node={gpus}",
+                                           f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}"])
+    plan = plan_from_config(config)
+    rollout = plan.roles["rollout"]
+    peers = colocated_peers(plan.roles["actor"].devices, [rollout.server_devices(s) for s in range(rollout.dp)])
+    assert sorted(k for row in peers for k in row) == list(range(gpus))  # every GPU: one server rank, one actor rank
+    d = devices_from_config(config, True)
     assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, {})
-    d = decide_devices("auto", True, "colocate", "sglang", "auto", nnodes=1, gpus=8)
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, {})
 
 
 def test_cpu_colocated_tensor_shares_memory_on_one_machine():
-    assert decide_devices("cpu", False, "colocate", "cpu", "tensor", gpus=2) == Devices("cpu", "gloo", "tensor", None)
+    assert decide_devices("cpu", False, "colocate", "cpu", "tensor") == Devices("cpu", "gloo", "tensor", None)
 
 
 def test_cuda_split_auto_broadcasts_over_nccl_with_sglangs_nccl_environment():
@@ -112,24 +121,28 @@ def test_auto_device_names_what_it_resolved_to():
     assert decide_devices("auto", False, "colocate", "cpu", "distributed").weight_sync_backend == "gloo"
 
 
-@pytest.mark.parametrize("device,cuda,mode,engine,nodes,gpus,says", [
-    ("cuda", True, "split", "sglang", 1, 8, "needs placement.mode=colocate, not split"),  # IPC: same GPUs only
-    ("cpu", False, "split", "cpu", 1, 2, "needs placement.mode=colocate, not split"),  # shared memory: same processes' machine
-    ("cuda", True, "colocate", "cpu", 1, 1, "needs actor_rollout_ref.rollout.name=sglang"),  # CPU tensors only
-    ("cuda", True, "colocate", "sglang", 1, 2, "on 2 GPUs"),  # each server rank's own copy: not built
-    ("auto", False, "colocate", "cpu", 2, 4, "trainer.nnodes=2"),  # one machine's shared memory
+@pytest.mark.parametrize("device,cuda,mode,engine,nodes,says", [
+    ("cuda", True, "split", "sglang", 1, "needs placement.mode=colocate, not split"),  # IPC: same GPUs only
+    ("cpu", False, "split", "cpu", 1, "needs placement.mode=colocate, not split"),  # shared memory: same processes' machine
+    ("cuda", True, "colocate", "cpu", 1, "needs actor_rollout_ref.rollout.name=sglang"),  # CPU tensors only
+    ("auto", False, "colocate", "cpu", 2, "trainer.nnodes=2"),  # one machine's shared memory
 ])
-def test_the_tensor_transport_is_refused_where_its_handles_cannot_be_opened(device, cuda, mode, engine, nodes, gpus,
-                                                                         says):
+def test_the_tensor_transport_is_refused_where_its_handles_cannot_be_opened(device, cuda, mode, engine, nodes, says):
     with pytest.raises(ConfigError) as info:
-        decide_devices(device, cuda, mode, engine, "tensor", nnodes=nodes, gpus=gpus)
+        decide_devices(device, cuda, mode, engine, "tensor", nnodes=nodes)
     assert str(info.value).startswith(f"{KEY}=tensor") and says in str(info.value)
+
+
+def test_the_tensor_transport_runs_colocated_on_several_gpus_and_nodes():
+    # each server TP rank's copy is made by the actor rank on its GPU (sync/ipc_copies.py), on every node
+    d = decide_devices("cuda", True, "colocate", "sglang", "tensor", nnodes=2)
+    assert (d.weight_sync_transport, d.weight_sync_backend) == ("tensor", None)
 
 
 def test_devices_from_config_reads_the_four_keys():
     config = load_config(None, REQUIRED + ["placement.mode=split", "placement.rollout_gpus=4",
                                            "trainer.device=cuda"])
-    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto", gpus=8)
+    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto")
 
 
 # ------------------------------------------------------------------------------------- config time
@@ -153,8 +166,7 @@ def test_config_time_rule_refuses_colocated_distributed_on_explicit_cuda_naming_
 def test_config_time_rule_refuses_tensor_where_neither_device_can_run_it():
     with pytest.raises(ConfigError, match="needs placement.mode=colocate, not split"):
         load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "placement.mode=split", "placement.rollout_gpus=4"])
-    with pytest.raises(ConfigError, match="tensor on 8 GPUs"):  # REQUIRED: one node of 8
-        load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cuda"])
+    load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cuda"])  # colocated on one node of 8
     load_and_validate(None, REQUIRED + [f"{KEY}=tensor", "trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu"])
     load_and_validate(None, REQUIRED + [f"{KEY}=tensor"])  # auto: a CPU machine runs it (shared memory)
 

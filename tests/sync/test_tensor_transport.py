@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from megarl.sync.transports import _sglang_serialisation
+from megarl.sync.ipc_copies import sglang_serialisation as _sglang_serialisation
 
 
 def test_gpu_serialisation_needs_sglang_and_says_how_to_install_it():

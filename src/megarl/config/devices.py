@@ -47,11 +47,11 @@ class Devices:
 
 
 def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollout_engine: str,
-                   transport: str, *, nnodes: int = 1, gpus: int = 1) -> Devices:
+                   transport: str, *, nnodes: int = 1) -> Devices:
     """`device`: trainer.device (auto|cuda|cpu); `placement_mode`: placement.mode (colocate|split);
     `rollout_engine`: actor_rollout_ref.rollout.name (sglang|cpu); `transport`:
-    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk); `nnodes` and
-    `gpus`: trainer.nnodes and the GPUs of all nodes."""
+    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk); `nnodes`:
+    trainer.nnodes."""
     if device == "cuda" and not cuda_available:
         raise ConfigError("trainer.device=cuda, but this machine has no CUDA GPU (torch.cuda.is_available() is "
                           "False); use trainer.device=cpu or auto")
@@ -61,17 +61,21 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
 
     if transport == "auto":
         # Colocated on GPUs a distributed group is impossible (below): the servers get CUDA IPC
-        # handles, where megarl can serialise them (one GPU, see the tensor rules), else a disk push.
+        # handles. The planner's colocated layout puts actor rank g and one server TP rank on every
+        # GPU g of the pool (sync/colocation.py::planner_colocated_peers), so every TP rank gets a
+        # copy serialised by the actor rank on its own GPU (sync/ipc_copies.py), on any number of GPUs.
         if on_cuda and colocated and rollout_engine == "sglang":
-            transport = "tensor" if gpus == 1 else "disk"
+            transport = "tensor"
         else:
             transport = "distributed"
     if transport == "tensor":
         # The tensor transport hands each server TP rank a handle to a copy of the weights it can
         # open: CUDA IPC handles open only on the GPU of the memory they name (torch.multiprocessing,
         # "CUDA in multiprocessing"; SGLang's TP rank r reads entry r,
-        # sglang/srt/managers/tp_worker.py::deserialize_own_rank), CPU tensors are shared through
-        # shared memory of one machine (torch.multiprocessing, file_system strategy).
+        # sglang/srt/managers/tp_worker.py::deserialize_own_rank), so entry r is serialised by the
+        # actor rank colocated with TP rank r, which only colocated placement has (split: none);
+        # CPU tensors are shared through shared memory of one machine (torch.multiprocessing,
+        # file_system strategy).
         if not colocated:
             raise ConfigError(f"{TRANSPORT_KEY}=tensor hands the rollout servers handles to the trainer's own "
                               f"memory: it needs placement.mode=colocate, not {placement_mode}; use "
@@ -79,13 +83,6 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
         if on_cuda and rollout_engine != "sglang":
             raise ConfigError(f"{TRANSPORT_KEY}=tensor on GPUs needs actor_rollout_ref.rollout.name=sglang: the CPU "
                               f"engine ({rollout_engine}) reads CPU tensors only; use distributed or disk")
-        if on_cuda and gpus > 1:
-            # Every server TP rank needs a copy serialised by the actor rank on its own GPU
-            # (sync/colocation.py maps them); megarl's TensorTransport sends the stage emitter's copy
-            # only, which only a one-GPU layout can open.
-            raise ConfigError(f"{TRANSPORT_KEY}=tensor on {gpus} GPUs (trainer.nnodes x trainer.n_gpus_per_node): "
-                              "each rollout server TP rank needs a CUDA IPC copy made on its own GPU, which megarl "
-                              f"builds only for one GPU so far; use {TRANSPORT_KEY}=disk or auto (disk here)")
         if not on_cuda and nnodes > 1:
             raise ConfigError(f"{TRANSPORT_KEY}=tensor on CPU shares tensors through one machine's shared memory, "
                               f"but trainer.nnodes={nnodes}; use {TRANSPORT_KEY}=distributed or auto")
@@ -96,7 +93,7 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
         raise ConfigError(f"{TRANSPORT_KEY}=distributed cannot run with placement.mode=colocate on GPUs ({where}): "
                           "NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU detected\"), and "
                           "colocated a rollout server's TP rank shares the emitting trainer rank's GPU; use "
-                          f"{TRANSPORT_KEY}=auto (tensor on one GPU, disk on more), tensor or disk, or "
+                          f"{TRANSPORT_KEY}=auto (tensor here), tensor or disk, or "
                           "placement.mode=split")
 
     sync_backend = None
@@ -120,7 +117,7 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     r = config.actor_rollout_ref.rollout
     t = config.trainer
     return decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
-                          nnodes=t.nnodes, gpus=t.nnodes * t.n_gpus_per_node)
+                          nnodes=t.nnodes)
 
 
 def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:

@@ -16,8 +16,9 @@ the only call that sets the servers' weight version. A transport method that fai
   (`flattened_bucket`) on every server *concurrently with* one `broadcast` of the bucket's bytes
   (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
 - `TensorTransport` (colocated): per bucket `/update_weights_from_tensor`; on GPU SGLang's
-  `flattened_bucket` as CUDA IPC handles (SGLang needed), on CPU (name, tensor) pairs in shared
-  memory. Each bucket's copy lives until the stream ends.
+  `flattened_bucket` as CUDA IPC handles (SGLang needed), entry r serialised by the actor rank on
+  TP rank r's GPU (relayed after the stream by `ipc_copies`, with every actor rank); on CPU
+  (name, tensor) pairs in shared memory. Each bucket's copy lives until the stream ends.
 - `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
   one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
 """
@@ -39,10 +40,10 @@ import torch.distributed as dist
 from megarl.bridge.convert import copy_hf_assets
 from megarl.bridge.safetensors_io import INDEX_FILE, save_safetensors
 from megarl.net import free_port
-from megarl.rollout import tensor_payload
 from megarl.rollout.control import ServerError
-from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group, unflatten_tensors
+from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
 from megarl.sync.colocation import ColocationError, planner_colocated_peers
+from megarl.sync.ipc_copies import Entries, Outgoing, fresh_copy, serialise_copy, sglang_serialisation
 from megarl.sync.resharder import HFBucket
 from megarl.sync.servers import SyncServer, on_all, wait_all
 
@@ -163,90 +164,112 @@ class DistributedTransport:
 
 
 class TensorTransport:
-    """Colocated servers read each bucket from this process's memory (`/update_weights_from_tensor`).
+    """Colocated servers read each bucket from the trainer's memory (`/update_weights_from_tensor`).
 
     Every bucket is copied into fresh memory (the resharder reuses its buffer for the next bucket)
     and that copy is kept until the stream is over: SGLang answers once its copies are enqueued,
     not done, so a buffer is never overwritten or handed back while the server may still read it.
 
-    - GPU (CUDA IPC; needs SGLang: `pip install -e '.[gpu]'`): SGLang's `flattened_bucket` with
-      its `FlattenedTensorMetadata`, serialised after `monkey_patch_torch_reductions()` (GPUs named
-      by UUID). Entry r of the request must be a handle to a copy on server TP rank r's own GPU
-      (`sync.colocation`). This emitter serialises its own copy only, so every server TP rank must
-      sit on this emitter's GPU (one TP-1 server, an actor of one rank); other layouts raise (the
-      relay that gives each colocated actor rank its own copy to serialise is not built yet).
-      `finish_stream` synchronises the device before the copies are dropped, then
-      `torch.cuda.ipc_collect()` frees the blocks the servers have released. (torch's IPC refcount
-      keeps a block whose consumer still holds it; the consumer syncs its stream before releasing:
-      torch/csrc/StorageSharing.cpp.)
-    - CPU: `load_format` null, (name, tensor) views into a shared-memory copy of the bucket
-      (`rollout.tensor_payload`, no SGLang needed); every TP rank may read the same copy, so the
-      servers only need to be on this host. The copy's file is released when the stream ends.
+    - Per-TP-rank copies (always on GPU; on CPU when the planner's colocated layout holds, i.e. the
+      servers' TP ranks are the actor's ranks one to one): entry r of a request must be serialised
+      by the actor rank on server TP rank r's own GPU (`sync.colocation`). `send` only keeps a copy;
+      after the stream every actor rank takes part in `ipc_copies.IpcRelay`, which gives each
+      colocated rank its own copy to serialise and posts the requests (`outgoing`). On GPU that is
+      SGLang's `flattened_bucket` of CUDA IPC handles (SGLang needed: `pip install -e '.[gpu]'`),
+      serialised after `monkey_patch_torch_reductions()` (GPUs named by UUID); a copy is dropped
+      after `torch.cuda.synchronize()`, then `torch.cuda.ipc_collect()` frees the blocks the servers
+      released (torch's IPC refcount keeps a block whose consumer still holds it:
+      torch/csrc/StorageSharing.cpp). A GPU layout the planner would not make raises.
+    - One shared copy (CPU, other layouts): `load_format` null, (name, tensor) views into a
+      shared-memory copy of the bucket (`rollout.tensor_payload`, no SGLang needed), posted at each
+      `send`; every TP rank may read the same copy, so the servers only need to be on this host.
     """
 
     uses_session = True
 
     def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1):
-        """`rank`, `world_size`: this emitter's rank in the actor's world and its size (on GPU,
-        the planner's colocated layout says which actor rank sits on each server GPU)."""
+        """`rank`, `world_size`: this emitter's rank in the actor's world and its size (the
+        planner's colocated layout says which actor rank sits on each server GPU)."""
         self.servers, self.rank, self.world_size = list(servers), rank, world_size
         self.on_gpu = torch.cuda.is_available()
         self._tp_sizes: Optional[dict[str, int]] = None
-        self._held: list[torch.Tensor] = []  # this stream's bucket copies, alive until finish_stream
+        self.peers: Optional[list[list[int]]] = None  # per-TP-rank copies: peers[s][r] serialises entry r of server s
+        self._held: list[torch.Tensor] = []  # one shared copy: this stream's copies, alive until finish_stream
+        self._pending: list[Outgoing] = []  # per-TP-rank copies: this stream's buckets, relayed after it
+        self._commit_entries: Optional[Entries] = None
 
     @property
     def in_flight(self) -> tuple[torch.Tensor, ...]:
         """The bucket copies the servers may still read (every bucket sent in this stream)."""
-        return tuple(self._held)
+        return tuple(self._held) + tuple(item.flat for item in self._pending)
 
     def open_stream(self, push_id: str) -> None:
         self._release()
+        self._pending, self._commit_entries = [], None
         if self._tp_sizes is not None:
             return
         sizes = server_tp_sizes(self.servers)
         if self.on_gpu:
-            _sglang_serialisation()  # fail here, before any bucket, if SGLang is missing
-            peers = planner_colocated_peers(sizes, self.world_size)
-            elsewhere = [f"{s.url} TP rank {r} (actor rank {k}'s GPU)" for s, row in zip(self.servers, peers)
-                         for r, k in enumerate(row) if k != self.rank]
-            if elsewhere:
-                raise ColocationError(
-                    f"the tensor transport sends a handle to this emitter's (actor rank {self.rank}) GPU copy, and "
-                    f"a CUDA IPC handle opens only on its own GPU; these server ranks sit on other GPUs: "
-                    f"{', '.join(elsewhere)}. Giving each colocated actor rank its own copy to serialise is not "
-                    "implemented yet: use one actor rank and one TP-1 server, or the 'disk' transport"
-                )
+            sglang_serialisation()  # fail here, before any bucket, if SGLang is missing
+        try:
+            self.peers = planner_colocated_peers(sizes, self.world_size)
+        except ColocationError as e:
+            if self.on_gpu:  # a CUDA IPC handle opens only on its own GPU: no other copy will do
+                raise ColocationError(f"the tensor transport cannot give every server TP rank a copy on its own "
+                                      f"GPU: {e}; use the 'disk' transport") from None
+            self.peers = None  # CPU: one shared-memory copy serves every TP rank of this host
         self._tp_sizes = dict(zip([s.url for s in self.servers], sizes))
 
     def send(self, bucket: HFBucket, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
-        if self.on_gpu:
-            if not bucket.flat.is_cuda:
-                raise RuntimeError(f"bucket {bucket.index} is on {bucket.flat.device}: onload the actor before a push")
-            serializer, metadata_class = _sglang_serialisation()
-            copy = bucket.flat.clone()  # fresh memory: the resharder overwrites bucket.flat next
-            metadata = [metadata_class(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
-                                       end_idx=s.end, numel=s.end - s.start) for s in bucket.slots]
-            payload = serializer.serialize({"flattened_tensor": copy, "metadata": metadata}, output_str=True)
-            load_format = "flattened_bucket"
-        else:
-            copy = tensor_payload.shared_cpu_copy(bucket.flat)
-            payload = tensor_payload.serialize(unflatten_tensors(copy, list(bucket.slots)))
-            load_format = None
+        if self.on_gpu and not bucket.flat.is_cuda:
+            raise RuntimeError(f"bucket {bucket.index} is on {bucket.flat.device}: onload the actor before a push")
+        copy = fresh_copy(bucket.flat)  # the resharder overwrites bucket.flat next
+        if self.peers is not None:
+            self._pending.append(Outgoing(copy, bucket.slots, self.peers, self._post))
+            return
         self._held.append(copy)  # before the call: a server may read it even if the call then fails
+        payload, load_format = serialise_copy(copy, bucket.slots)
         on_all(self.servers, lambda s: s.update_weights_from_tensor(
             [payload] * self._tp_sizes[s.url], load_format, weight_version, flush_cache))
+
+    def outgoing(self, commit_bucket: Optional[HFBucket] = None) -> list[Outgoing]:
+        """Per-TP-rank copies: this stream's buckets for the relay (then the coordinator's last
+        bucket, whose entries `commit` posts); empty with one shared copy."""
+        if self.peers is None:
+            return []
+        items, self._pending = self._pending, []
+        if commit_bucket is not None:
+            items.append(Outgoing(fresh_copy(commit_bucket.flat), commit_bucket.slots, self.peers,
+                                  self._keep_for_commit, commit=True))
+        return items
+
+    def _post(self, entries: Entries, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
+        """One request per server: entry r for its TP rank r."""
+        load_format = "flattened_bucket" if self.on_gpu else None
+        by_url = {s.url: row for s, row in zip(self.servers, entries)}
+        on_all(self.servers, lambda s: s.update_weights_from_tensor(by_url[s.url], load_format, weight_version,
+                                                                     flush_cache))
+
+    def _keep_for_commit(self, entries: Entries) -> None:
+        self._commit_entries = entries
 
     def finish_stream(self) -> None:
         self._release()
 
     def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
+        if self.peers is not None:
+            if self._commit_entries is None:
+                raise RuntimeError("commit: the last bucket was not relayed to the colocated ranks")
+            entries, self._commit_entries = self._commit_entries, None
+            self._post(entries, weight_version=weight_version, flush_cache=True)
+            return
         try:
             self.send(bucket, weight_version=weight_version, flush_cache=True)
         finally:
             self._release()
 
     def _release(self) -> None:
-        """Drop this stream's copies: every server has answered (or failed) for each of them."""
+        """Drop this stream's shared copies: every server has answered (or failed) for each of them."""
         if not self._held:
             return
         if self.on_gpu:
@@ -257,23 +280,8 @@ class TensorTransport:
 
     def reset(self) -> None:
         self._release()
-        self._tp_sizes = None
-
-
-def _sglang_serialisation():
-    """(SGLang's `MultiprocessingSerializer`, its `FlattenedTensorMetadata`), with torch's CUDA
-    reductions patched to name GPUs by UUID (the server's CUDA_VISIBLE_DEVICES may differ)."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-    except ImportError as e:
-        raise RuntimeError(
-            "the tensor transport on GPU serialises CUDA IPC handles with SGLang's own classes (its server "
-            f"accepts no others); install the GPU extras: pip install -e '.[gpu]' ({type(e).__name__}: {e})"
-        ) from e
-    monkey_patch_torch_reductions()
-    return MultiprocessingSerializer, FlattenedTensorMetadata
+        self._pending, self._commit_entries = [], None
+        self._tp_sizes = self.peers = None
 
 
 class DiskTransport:

@@ -19,7 +19,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    server runs one update at a time, and emitters sending at once can deadlock): each send, and
    the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
-   peers still gather) but sends nothing more.
+   peers still gather) but sends nothing more. Tensor transport with per-TP-rank copies: the
+   emitters only keep their buckets here; then every rank takes part in the relay
+   (`ipc_copies.py`: one emitter at a time, each colocated rank serialises its own copy, the
+   emitter posts), the coordinator's last bucket included (its entries wait for the commit).
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
@@ -57,6 +60,7 @@ import torch.distributed as dist
 from megarl.bridge import WeightMap
 from megarl.rollout.control import ServerError
 from megarl.sync.groups import ParallelGroups
+from megarl.sync.ipc_copies import IpcRelay
 from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
 from megarl.sync.servers import SyncServer, on_all
@@ -187,6 +191,9 @@ class WeightSync:
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0
         self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
+        # tensor transport: every rank serialises its own copy of each bucket (ipc_copies); collective
+        self.relay = (IpcRelay(self.groups.is_emitter, torch.cuda.is_available(), config.timeout_s,
+                               self.groups.world_group) if config.transport == "tensor" else None)
         self.send_lock: Optional[SendLock] = self._make_send_lock()
         self._held: Optional[HFBucket] = None
 
@@ -247,6 +254,8 @@ class WeightSync:
             )
 
         report = self._stream(decision, progress) if g.takes_part else None
+        if self.relay is not None:
+            self._relay(report)
         reports = None
         if g.is_emitter:
             reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None
@@ -255,6 +264,8 @@ class WeightSync:
         if g.is_coordinator:
             outcome = self._commit(reports, decision, started)
         outcome = self._from_coordinator(outcome)
+        if self.relay is not None:
+            self.relay.release()  # the commit was answered (or failed)
         if outcome.errors:
             if self.transport is not None:
                 self.transport.reset()
@@ -357,6 +368,22 @@ class WeightSync:
         t = self.resharder.timings
         report.gather_s, report.convert_s, report.peak_buffer_bytes = t.gather_s, t.convert_s, t.peak_buffer_bytes
         return report if g.is_emitter else None
+
+    def _relay(self, report: Optional[StageReport]) -> None:
+        """Every rank, tensor transport: the emitters' buckets reach every colocated rank, which
+        serialise their own copies (`ipc_copies`); an emitter whose stream failed relays nothing.
+        A failed request or serialisation becomes the emitter's error; a collective's (timeout) raises."""
+        g = self.groups
+        outgoing = []
+        if g.is_emitter and report.error is None:
+            report.error = self._guard(lambda: outgoing.extend(
+                self.transport.outgoing(self._held if g.is_coordinator else None)))
+        started = time.perf_counter()
+        error = self.relay.run(outgoing)
+        if report is not None:
+            report.error = report.error or (error and f"{self._label()}: {error}")
+            report.send_s += time.perf_counter() - started
+            report.seconds += time.perf_counter() - started
 
     def _check_servers(self, reports: list[StageReport]) -> list[str]:
         """Coordinator, after the commit: every server's checksums against every stage's."""

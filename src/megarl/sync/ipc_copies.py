@@ -1,0 +1,188 @@
+"""Per-TP-rank copies of each bucket for the colocated tensor transport.
+
+SGLang 0.5.23's TP worker r opens entry r of `serialized_named_tensors`, and entry r must be
+serialised by the process whose copy of the bucket lives on r's own GPU (a CUDA IPC handle opens
+only there; `sync/colocation.py`). So the bucket an emitter gathered reaches every actor rank
+colocated with a server TP rank, each serialises its own copy, and the emitter posts the request
+with entry r from actor rank `peers[s][r]`.
+
+The relay runs once per push, after every rank's resharder pass, on every rank of the actor's
+world, one emitter's turn after another in global-rank order (the same order on every rank: the
+collectives line up without threads). An emitter's turn, per bucket it held back:
+
+    header   broadcast_object from the emitter: the bucket's slots, size and `peers`; None ends the turn
+    bytes    broadcast of the bucket's bytes: each rank receives into its own copy (its current
+             GPU over NCCL on CUDA; a shared-memory file over gloo on CPU)
+    entries  each rank in `peers` serialises its copy (SGLang's flattened bucket of CUDA IPC handles
+             on GPU, torch.multiprocessing file names on CPU); gather_object to the emitter
+    deliver  the emitter posts the request (or keeps the entries, for the commit)
+
+A failure (a serialisation on any rank, a server refusing a request) ends that emitter's turn and
+comes back as its error; every collective runs on a group made with the sync's timeout. The copies
+of a turn live until the turn ends, when the servers have answered every request made from them;
+the commit bucket's live until `release()` after the push's outcome is known.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout import tensor_payload
+from megarl.rollout.control import ServerError
+from megarl.rollout.weight_group import TensorSlot, unflatten_tensors
+
+Entries = list[list[str]]  # entries[s][r]: server s's TP rank r's serialised copy
+
+
+@dataclass
+class Outgoing:
+    """One bucket an emitter relays: its bytes (this emitter's own copy), their layout, and what
+    to do with the entries (post them, or keep them for the commit; may raise)."""
+
+    flat: torch.Tensor
+    slots: tuple[TensorSlot, ...]
+    peers: list[list[int]]  # peers[s][r]: the actor rank on server s's TP rank r's GPU (`colocation`)
+    deliver: Callable[[Entries], None]
+    commit: bool = False  # the coordinator's last bucket: its copies live until release()
+
+
+def sglang_serialisation():
+    """(SGLang's `MultiprocessingSerializer`, its `FlattenedTensorMetadata`), with torch's CUDA
+    reductions patched to name GPUs by UUID (the server's CUDA_VISIBLE_DEVICES may differ)."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError as e:
+        raise RuntimeError(
+            "the tensor transport on GPU serialises CUDA IPC handles with SGLang's own classes (its server "
+            f"accepts no others); install the GPU extras: pip install -e '.[gpu]' ({type(e).__name__}: {e})"
+        ) from e
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer, FlattenedTensorMetadata
+
+
+def serialise_copy(copy: torch.Tensor, slots: Sequence[TensorSlot]) -> tuple[str, Optional[str]]:
+    """(entry, load_format) of one copy of a bucket, as this process shares it: a CUDA copy as
+    SGLang's `flattened_bucket` of IPC handles, a CPU copy (in shared memory) as (name, tensor)
+    views with load_format null."""
+    if copy.is_cuda:
+        serializer, metadata_class = sglang_serialisation()
+        metadata = [metadata_class(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
+                                   end_idx=s.end, numel=s.end - s.start) for s in slots]
+        return serializer.serialize({"flattened_tensor": copy, "metadata": metadata}, output_str=True), \
+            "flattened_bucket"
+    return tensor_payload.serialize(unflatten_tensors(copy, list(slots))), None
+
+
+def fresh_copy(flat: torch.Tensor) -> torch.Tensor:
+    """A copy of `flat` in memory of its own that a server may open: a clone on its GPU, a
+    shared-memory file on CPU."""
+    return flat.clone() if flat.is_cuda else tensor_payload.shared_cpu_copy(flat)
+
+
+def _empty_copy(nbytes: int, on_gpu: bool) -> torch.Tensor:
+    """Memory for a received copy: on this process's current GPU, or a shared-memory file."""
+    if on_gpu:
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    with tensor_payload.file_system_sharing():
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+
+def entries_for(peers: Sequence[Sequence[int]], by_rank: Sequence[object]) -> Entries:
+    """entries[s][r] = the entry serialised by actor rank peers[s][r]; raises on a rank's error
+    (a string starting 'error: ') or a missing entry."""
+    failed = sorted({f"actor rank {k}: {by_rank[k][len('error: '):]}" for row in peers for k in row
+                     if isinstance(by_rank[k], str) and by_rank[k].startswith("error: ")})
+    if failed:
+        raise RuntimeError(f"serialising the colocated copies failed: {'; '.join(failed)}")
+    return [[by_rank[k] for k in row] for row in peers]
+
+
+class IpcRelay:
+    """Every actor rank's part in per-TP-rank copies. Make one on every rank together (collective
+    over `world_group`, and `new_group` over the default group: a group of the world's ranks with
+    the sync's timeout); `run` on every rank per push, `release` after its outcome.
+
+    Memory: an emitter keeps its stage's copies from its `send`s until its turn; during emitter
+    e's turn every rank holds a copy of each bucket e relayed so far (on GPU, one stage's
+    weights), plus the commit bucket's until `release`."""
+
+    def __init__(self, is_emitter: bool, on_gpu: bool, timeout_s: float, world_group=None):
+        flags = [None] * dist.get_world_size(world_group)
+        dist.all_gather_object(flags, (dist.get_rank(), is_emitter), group=world_group)
+        members = [rank for rank, _ in flags]  # global ranks in world-group order: group rank = actor rank
+        self.group = dist.new_group(members, timeout=timedelta(seconds=timeout_s))
+        self.emitters = sorted(rank for rank, emits in flags if emits)  # global ranks: the turns' order
+        self.rank = dist.get_rank(self.group)
+        self.on_gpu = on_gpu
+        self._turn: list[torch.Tensor] = []  # the copies of the running turn
+        self._commit: list[torch.Tensor] = []  # the commit bucket's copy, alive until release()
+
+    @property
+    def in_flight(self) -> tuple[torch.Tensor, ...]:
+        """This rank's copies a server may still read."""
+        return tuple(self._turn + self._commit)
+
+    def run(self, outgoing: Sequence[Outgoing] = ()) -> Optional[str]:
+        """Every rank: every emitter's turn in order; `outgoing` are this rank's buckets if it is
+        an emitter (empty: nothing to relay, e.g. its stream failed). Returns this rank's error
+        (an emitter's: a failed delivery or serialisation anywhere in its turn), or None."""
+        error = None
+        for emitter in self.emitters:
+            mine = emitter == dist.get_rank()
+            try:
+                turn_error = self._turn_of(emitter, list(outgoing) if mine else None)
+            finally:
+                self._drop(self._turn)
+            if mine:
+                error = turn_error
+        return error
+
+    def release(self) -> None:
+        """Drop the commit bucket's copy (every rank, once the commit was answered)."""
+        self._drop(self._commit)
+
+    def _turn_of(self, emitter: int, outgoing: Optional[list[Outgoing]]) -> Optional[str]:
+        """One emitter's turn; `outgoing` on that emitter (None elsewhere)."""
+        error = None
+        while True:
+            item = outgoing.pop(0) if outgoing and error is None else None
+            header = [None if item is None else (item.slots, item.flat.numel(), item.peers, item.commit)]
+            dist.broadcast_object_list(header, src=emitter, group=self.group)
+            if header[0] is None:
+                return error
+            slots, nbytes, peers, commit = header[0]
+            copy = item.flat if item is not None else _empty_copy(nbytes, self.on_gpu)
+            (self._commit if commit else self._turn).append(copy)  # held before anything can fail
+            dist.broadcast(copy, src=emitter, group=self.group)
+            if copy.is_cuda:  # the bytes are in place before a handle leaves (the server reads on its own stream)
+                torch.cuda.current_stream().synchronize()
+            entry = None
+            if any(self.rank in row for row in peers):
+                try:
+                    entry, _ = serialise_copy(copy, slots)
+                except Exception as e:  # reported to the emitter, which ends its turn
+                    entry = f"error: {type(e).__name__}: {e}"
+            by_rank = [None] * dist.get_world_size(self.group) if item is not None else None
+            dist.gather_object(entry, by_rank, dst=emitter, group=self.group)
+            if item is not None:
+                try:
+                    item.deliver(entries_for(peers, by_rank))
+                except Exception as e:  # ServerError names the server
+                    error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
+
+    def _drop(self, copies: list[torch.Tensor]) -> None:
+        """Free copies the servers answered for (on GPU: after this process's work on them is done,
+        then the IPC blocks the servers released)."""
+        if not copies:
+            return
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        copies.clear()
+        if self.on_gpu:
+            torch.cuda.ipc_collect()
