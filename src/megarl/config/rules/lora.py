@@ -12,10 +12,11 @@ ALL_LINEAR = "all-linear"
 def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """A LoRA rank >= 0; with LoRA on (rank > 0): a positive alpha, PEFT target names megarl
     maps onto megatron's layers, no dropout (the engine's exactness checks assume none), and
-    merged weight sync (adapter-only sync is not built yet). The reference model and the
-    critic are never adapted: the reference is the frozen base, the critic trains all weights.
+    with adapter-only sync no weight-equality check (it checksums base tensors, which that sync
+    never sends). The reference model and the critic are never adapted: the reference is the
+    frozen base, the critic trains all weights.
 
-    Reads: actor_rollout_ref.model.lora
+    Reads: actor_rollout_ref.model.lora, actor_rollout_ref.rollout.check_weight_update
     """
     lora = config.actor_rollout_ref.model.lora
     key = "actor_rollout_ref.model.lora"
@@ -34,9 +35,9 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
     elif unknown:
         yield (f"{key}.target_modules: unknown {unknown}; choose from {list(LORA_TARGETS)} or "
                f"[{ALL_LINEAR}] (PEFT names; megarl maps them onto megatron's fused layers)")
-    if lora.sync != "merged":
-        yield (f"{key}.sync={lora.sync}: adapter-only weight sync is not built yet; use merged (the servers get "
-               "base + alpha/rank x B A as full weights)")
+    if lora.sync == "adapter" and config.actor_rollout_ref.rollout.check_weight_update:
+        yield (f"{key}.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true: the check compares the "
+               "base weights a push sends, and adapter-only sync sends none; turn the check off or use sync=merged")
 
 
 def lora_targets(target_modules) -> tuple[str, ...]:

@@ -78,7 +78,7 @@ class LoraAdapter(torch.nn.Module):
     def __init__(self, kind: str, layer: int, targets: Sequence[str], spec: LoraSpec, arch: ModelArch,
                  tp: int, tp_rank: int, seed: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.kind, self.targets, self.scale = kind, tuple(targets), spec.scale
+        self.kind, self.targets, self.scale, self.layer = kind, tuple(targets), spec.scale, layer
         self.arch, self.tp = arch, tp
         self.splits = {}
         for target in self.targets:
