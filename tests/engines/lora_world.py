@@ -48,6 +48,16 @@ def full_adapters(actor) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in part.items()}
 
 
+def _adapter_sync_gather(actor):
+    """What adapter-only sync would write (megarl.sync.adapter_sync), on pipeline rank 0."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.sync.adapter_sync import gather_full_adapters
+
+    return gather_full_adapters(actor.lora_adapters, ps.get_tensor_model_parallel_group(),
+                                ps.get_pipeline_model_parallel_group())
+
+
 def _layer_of(actor, adapter) -> int:
     for chunk in actor.model_chunks:
         for layer in chunk.decoder.layers:
@@ -86,6 +96,7 @@ def _train(cfg, batch, *, base_cfg=None, export_dir=None, checkpoint_dir=None) -
     scored = actor.compute_log_prob(mine, 1.0)
     out["final_log_probs"] = scored and scored["log_probs"]
     out["adapters"] = full_adapters(actor)
+    out["sync_adapters"] = _adapter_sync_gather(actor)
     if export_dir is not None:
         actor.export_hf(export_dir)  # through the resharder, the weights merged
         out["restored_after_export"] = all(torch.equal(after[n], p) for n, p in _params(actor).items())

@@ -61,6 +61,20 @@ def test_only_adapters_have_gradients_and_change(layout, lora_run):
         assert run["changed"] == sorted(f"0.{n}" for n in run["trainable"])  # every adapter moved, no base weight
 
 
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_adapter_sync_gathers_every_stage_and_tp_shard_on_the_first_stage(layout, lora_run):
+    """`sync.adapter_sync.gather_full_adapters` (what an adapter push writes) holds every layer's
+    full factors on pipeline rank 0: those the test gathers its own way (`full_adapters`)."""
+    gathered = [rank[layout]["sync_adapters"] for rank in lora_run[0]]
+    first = [g for g in gathered if g is not None]
+    assert len(first) == (1 if layout == "pp2" else 2)  # pipeline rank 0 only
+    expected = lora_run[0][0][layout]["adapters"]
+    for adapters in first:
+        assert sorted(adapters) == sorted(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(adapters[name], tensor.float()), name
+
+
 def test_a_lora_critic_trains_only_its_adapters_and_its_value_head(lora_run):
     """`critic.model.lora`: the backbone is frozen, the adapters and the (new) value head train."""
     for rank in lora_run[0]:

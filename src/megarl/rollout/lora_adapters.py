@@ -113,6 +113,8 @@ class LoraAdapters:
                 raise BadRequestError(f"Failed to load LoRA adapter {name}: {module} with A {tuple(a.shape)}, B "
                                       f"{tuple(b.shape)} does not fit the served model")
         with self._lock:
+            if name in self.loaded:  # loaded meanwhile by another call
+                raise BadRequestError(f"Failed to load LoRA adapter {name} because it is already loaded")
             self.loaded[name] = adapter
             self.known[name] = adapter.path
 
