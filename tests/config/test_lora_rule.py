@@ -18,10 +18,13 @@ def test_lora_is_off_by_default_and_all_linear_names_the_seven_peft_targets():
 @pytest.mark.parametrize("overrides, message", [
     ([f"{KEY}.rank=-1"], f"{KEY}.rank=-1: must be >= 0"),
     ([f"{KEY}.rank=8", f"{KEY}.alpha=0"], f"{KEY}.alpha=0.0: must be positive"),
-    ([f"{KEY}.rank=8", f"{KEY}.dropout=0.1"], f"{KEY}.dropout=0.1: LoRA dropout is not supported yet"),
+    ([f"{KEY}.rank=8", f"{KEY}.dropout=1.0"], f"{KEY}.dropout=1.0: must be in [0, 1)"),
     ([f"{KEY}.rank=8", f"{KEY}.target_modules=[q_proj,qkv_proj]"], f"{KEY}.target_modules: unknown ['qkv_proj']"),
     ([f"{KEY}.rank=8", f"{KEY}.target_modules=[]"], f"{KEY}.target_modules is empty"),
-    ([f"{KEY}.rank=8", f"{KEY}.sync=adapter"], f"{KEY}.sync=adapter: adapter-only weight sync is not built yet"),
+    ([f"{KEY}.rank=8", f"{KEY}.sync=adapter", "actor_rollout_ref.rollout.check_weight_update=true"],
+     f"{KEY}.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true"),
+    (["critic.model.lora.rank=8", "critic.model.lora.alpha=0"], "critic.model.lora.alpha=0.0: must be positive"),
+    (["critic.model.lora.rank=8", "critic.model.lora.sync=adapter"], "critic.model.lora.sync=adapter: the critic"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -32,3 +35,5 @@ def test_bad_lora_settings_are_refused_naming_the_key(overrides, message):
 def test_a_valid_lora_config_loads():
     config = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.target_modules=[q_proj,v_proj]"])
     assert config.actor_rollout_ref.model.lora.target_modules == ["q_proj", "v_proj"]
+    adapter = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.sync=adapter"])
+    assert adapter.actor_rollout_ref.model.lora.sync == "adapter"

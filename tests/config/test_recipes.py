@@ -136,7 +136,8 @@ TINY = {
     "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.use_kl_in_reward": True},
     "reinforce_pp_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline",
                               "algorithm.use_kl_in_reward": True},
-    "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3},
+    "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3,
+                  "actor_rollout_ref.model.lora.sync": "adapter", "actor_rollout_ref.rollout.check_weight_update": False},
     "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
              "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
              "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -173,3 +174,22 @@ def test_dpo_plan_holds_the_policy_and_the_reference_and_no_rollout(capsys):
     assert not re.search(r"\bref\b", sft) and "rollout" not in sft
     peak = lambda out: float(re.search(r"peak per GPU: ([\d.]+) GiB", out).group(1))  # noqa: E731
     assert peak(sft) < peak(dpo)  # the reference's weights and activations
+
+
+def test_a_lora_critic_holds_optimizer_states_for_its_adapters_and_value_head_only(capsys):
+    """`critic.model.lora` in `megarl plan`: the critic's frozen backbone holds bf16 weights only;
+    fp32 gradients (4 bytes) and Adam states (12 bytes, the distributed optimizer's share of DP 8)
+    are those of its adapters and its [1, H] value head."""
+    path = RECIPES / "grpo_lora_32b.yaml"
+    model = f"actor_rollout_ref.model.path={MODELS['Qwen/Qwen2.5-32B-Instruct']}"
+    states = {}
+    for rank in (32, 0):
+        megarl_main(["plan", "--config", str(path), model, "algorithm.adv_estimator=gae", "critic.enable=true",
+                     f"critic.model.lora.rank={rank}"])
+        out = capsys.readouterr().out
+        states[rank] = float(re.search(r"critic +states +([\d.]+) GiB", out).group(1)) * 2**30
+    h, f, q, kv, r = 5120, 27648, 5120, 1024, 32  # Qwen2.5-32B; the critic at TP 1: every factor whole
+    adapters = 64 * (r * h * 5 + (q + 2 * kv + 2 * f) * r + (r * q + h * r) + (r * f + h * r))
+    base = states[0] / (2 + 4 + 12 / 8)  # full fine-tuning: bf16 weight, fp32 gradient, Adam over DP 8
+    trainable = adapters + h
+    assert states[32] == pytest.approx((base + adapters) * 2 + trainable * (4 + 12 / 8), abs=0.011 * 2**30)

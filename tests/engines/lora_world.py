@@ -2,7 +2,8 @@
 
 The same PPO updates of the LoRA actor at TP1 (DP2), TP2 (DP1) and PP2 (DP1), on one batch; at
 TP1 also the base actor's log-probs, the merged HF export, a checkpoint after update 2 and a
-resumed engine. Ranks return what the test compares with HF / PEFT.
+resumed engine; then two value updates of a LoRA critic at TP2. Ranks return what the test
+compares with HF / PEFT.
 """
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def full_adapters(actor) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in part.items()}
 
 
+def _adapter_sync_gather(actor):
+    """What adapter-only sync would write (megarl.sync.adapter_sync), on pipeline rank 0."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.sync.adapter_sync import gather_full_adapters
+
+    return gather_full_adapters(actor.lora_adapters, ps.get_tensor_model_parallel_group(),
+                                ps.get_pipeline_model_parallel_group())
+
+
 def _layer_of(actor, adapter) -> int:
     for chunk in actor.model_chunks:
         for layer in chunk.decoder.layers:
@@ -85,6 +96,7 @@ def _train(cfg, batch, *, base_cfg=None, export_dir=None, checkpoint_dir=None) -
     scored = actor.compute_log_prob(mine, 1.0)
     out["final_log_probs"] = scored and scored["log_probs"]
     out["adapters"] = full_adapters(actor)
+    out["sync_adapters"] = _adapter_sync_gather(actor)
     if export_dir is not None:
         actor.export_hf(export_dir)  # through the resharder, the weights merged
         out["restored_after_export"] = all(torch.equal(after[n], p) for n, p in _params(actor).items())
@@ -104,6 +116,27 @@ def _resume(cfg, batch, checkpoint_dir, old_log_probs) -> dict:
             "loaded_log_probs": loaded and loaded["log_probs"], "dp_rank": actor.dp_rank}
 
 
+def _critic(cfg, batch) -> dict:
+    """A LoRA critic's trainable parameters and what two value updates changed."""
+    from megarl.engines.megatron.roles import CriticEngine
+
+    critic = CriticEngine(cfg)
+    mine = batch.chunk(critic.dp_size)[critic.dp_rank]
+    values = critic.compute_values(mine)
+    mine["values"] = share_in_replica(values and values["values"])
+    before = _params(critic)
+    metrics = [critic.update_critic(mine) for _ in range(2)]
+    after = _params(critic)
+    return {
+        "trainable": sorted(n for c in critic.model_chunks for n, p in c.named_parameters() if p.requires_grad),
+        "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
+        "grad_buffer_numel": sum(b.grad_data.numel() for c in critic._ddp_chunks for b in c.buffers),
+        "trainable_numel": sum(p.numel() for c in critic.model_chunks for p in c.parameters() if p.requires_grad),
+        "adapter_numel": sum(p.numel() for a, _ in critic.lora_adapters for p in a.parameters()),
+        "metrics": metrics,
+    }
+
+
 def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str) -> dict:
     init_world(rank, world_size, port)
     batch = training_batch()
@@ -118,5 +151,8 @@ def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str
     out["tp2"] = _train(lora_config(model, world_size, 2, 1), batch)
     reset_layout()
     out["pp2"] = _train(lora_config(model, world_size, 1, 2), batch)
+    reset_layout()
+    out["critic_tp2"] = _critic(config(model, world_size, 2, 1, None, None, "critic.model.lora.rank=4",
+                                       "critic.model.lora.alpha=8", "critic.optim.lr=1e-2"), batch)
     reset_layout()
     return out

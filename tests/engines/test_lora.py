@@ -61,6 +61,33 @@ def test_only_adapters_have_gradients_and_change(layout, lora_run):
         assert run["changed"] == sorted(f"0.{n}" for n in run["trainable"])  # every adapter moved, no base weight
 
 
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_adapter_sync_gathers_every_stage_and_tp_shard_on_the_first_stage(layout, lora_run):
+    """`sync.adapter_sync.gather_full_adapters` (what an adapter push writes) holds every layer's
+    full factors on pipeline rank 0: those the test gathers its own way (`full_adapters`)."""
+    gathered = [rank[layout]["sync_adapters"] for rank in lora_run[0]]
+    first = [g for g in gathered if g is not None]
+    assert len(first) == (1 if layout == "pp2" else 2)  # pipeline rank 0 only
+    expected = lora_run[0][0][layout]["adapters"]
+    for adapters in first:
+        assert sorted(adapters) == sorted(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(adapters[name], tensor.float()), name
+
+
+def test_a_lora_critic_trains_only_its_adapters_and_its_value_head(lora_run):
+    """`critic.model.lora`: the backbone is frozen, the adapters and the (new) value head train."""
+    for rank in lora_run[0]:
+        run = rank["critic_tp2"]
+        head = [n for n in run["trainable"] if not is_lora_param(n)]
+        assert head == ["output_layer.weight"], run["trainable"]
+        assert len(run["trainable"]) > 1
+        # DDP's gradient buffers (the all-reduce) and the optimizer hold exactly these
+        assert run["grad_buffer_numel"] == run["trainable_numel"] == run["adapter_numel"] + 64  # head [1, H=64]
+        assert run["changed"] == sorted(f"0.{n}" for n in run["trainable"])  # all of them moved, nothing else
+        assert all(m["critic/grad_norm"] > 0 for m in run["metrics"]), run["metrics"]
+
+
 def test_tp2_and_pp2_updates_equal_tp1(lora_run):
     ranks, _ = lora_run
     tp1 = dp_gather(ranks, "tp1", "final_log_probs")

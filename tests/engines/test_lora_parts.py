@@ -74,3 +74,51 @@ def test_lora_on_the_experts_of_a_moe_model_is_refused_naming_the_key(tmp_path, 
         refuse_expert_targets(moe, ("q_proj", "gate_proj", "down_proj"))
     refuse_expert_targets(moe, ("q_proj", "k_proj", "v_proj", "o_proj"))  # attention only: allowed
     refuse_expert_targets(arch_from_hf_config(load_hf_config(tiny_models["qwen2"])), ("gate_proj", "down_proj"))
+
+
+def test_dropout_is_peft_lora_dropout_in_training_and_off_in_eval(tiny_models, monkeypatch):
+    """`lora.dropout`: in a training pass the adapter adds s B A dropout(x) with the mask PEFT's
+    own LoRA layer draws from the same generator state (the oracle: `peft` on an nn.Linear with
+    the same factors); in eval mode (the engine's log-prob passes) it adds s B A x exactly."""
+    from megatron.core.tensor_parallel import mappings
+    from peft import LoraConfig, get_peft_model
+
+    def tp1_mapping_double(x):  # megatron's TP mappings at TP1 (no process group here): identities
+        return x
+
+    monkeypatch.setattr(mappings, "reduce_from_tensor_model_parallel_region", tp1_mapping_double)
+    monkeypatch.setattr(mappings, "copy_to_tensor_model_parallel_region", tp1_mapping_double)
+    arch = arch_from_hf_config(load_hf_config(tiny_models["qwen2"]))
+    spec = LoraSpec(rank=3, alpha=6.0, targets=("o_proj",), dropout=0.4)
+    adapter = LoraAdapter("row", 1, ["o_proj"], spec, arch, 1, 0, 0, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        adapter.o_proj_B.copy_(torch.randn(adapter.o_proj_B.shape, generator=torch.Generator().manual_seed(3)))
+    a, b = adapter.factors("o_proj")
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = torch.nn.Linear(a.shape[1], b.shape[0], bias=False)
+
+    peft = get_peft_model(One(), LoraConfig(r=3, lora_alpha=6.0, lora_dropout=0.4, target_modules=["o_proj"]))
+    layer = peft.base_model.model.o_proj
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(a)
+        layer.lora_B["default"].weight.copy_(b)
+    x = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(4))
+    base = layer.base_layer(x).detach()
+
+    for training in (True, False):
+        adapter.train(training)
+        peft.train(training)
+        torch.manual_seed(11)
+        ours = adapter(x).detach()
+        torch.manual_seed(11)
+        theirs = layer(x).detach() - base
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        exact = 2.0 * (x @ a.T) @ b.T
+        if training:
+            assert (ours - exact).abs().max() > 1e-3  # the mask changed the output
+        else:
+            assert torch.equal(ours, adapter(x).detach())  # eval is deterministic
+            torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-6)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launch import MultiNode, sglang_server_command
+from megarl.rollout.launch import LoraServing, MultiNode, sglang_server_command
 
 SGLANG_VERSION = "0.5.23"
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "outputs" / ".cache" / f"sglang-{SGLANG_VERSION}-wheel"
-SWITCH, VALUE, UNKNOWN = "switch", "value", "unknown"
+SWITCH, VALUE, VALUES, UNKNOWN = "switch", "value", "values", "unknown"  # VALUES: nargs "*" or "+"
 
 
 def sglang_wheel() -> Path:
@@ -77,6 +77,8 @@ def _field_flags(tree: ast.Module) -> dict[str, str]:
                 names += [_constant(e) for e in arg["aliases"].elts]
             if "action" in arg:
                 kind = UNKNOWN
+            elif _constant(arg.get("nargs")) in ("*", "+"):
+                kind = VALUES
             else:
                 text = ast.unparse(inner).replace(" ", "")
                 kind = SWITCH if text in ("bool", "Optional[bool]", "bool|None") else VALUE
@@ -115,11 +117,14 @@ def flag_problems(command: list[str], flags: dict[str, str]) -> list[str]:
     """What in a `-m sglang.launch_server` command SGLang's parser would not take as megarl means it."""
     args = command[command.index("sglang.launch_server") + 1:]
     problems = []
+    last_flag = None
     for i, token in enumerate(args):
         if not token.startswith("--"):
-            if i == 0 or not args[i - 1].startswith("--") or flags.get(args[i - 1]) == SWITCH:
+            after_flag = i > 0 and args[i - 1].startswith("--") and flags.get(args[i - 1]) != SWITCH
+            if not (after_flag or flags.get(last_flag) == VALUES):
                 problems.append(f"{token!r} is not a flag's value")
             continue
+        last_flag = token
         kind = flags.get(token)
         if kind is None:
             problems.append(f"{token} is not a flag of sglang {SGLANG_VERSION}")
@@ -127,7 +132,7 @@ def flag_problems(command: list[str], flags: dict[str, str]) -> list[str]:
         has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
         if kind == SWITCH and has_value:
             problems.append(f"{token} is a switch but is given {args[i + 1]!r}")
-        if kind == VALUE and not has_value:
+        if kind in (VALUE, VALUES) and not has_value:
             problems.append(f"{token} needs a value")
     return problems
 
@@ -136,7 +141,7 @@ def every_command() -> dict[str, list[str]]:
     """sglang_server_command on each of its code paths (and all together)."""
     full = dict(host="10.0.0.1", tp_size=16, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
-                multi_node=MultiNode(2, 1, "10.0.0.1:29500"))
+                multi_node=MultiNode(2, 1, "10.0.0.1:29500"), lora=LoraServing(8, ("q_proj", "down_proj")))
     commands = {"defaults": sglang_server_command("/m", 30000)}
     for key, value in full.items():
         commands[key] = sglang_server_command("/m", 30000, **{key: value})
@@ -165,6 +170,8 @@ def test_the_oracle_reads_sglangs_own_definitions(flags):
                  "--enable-weights-cpu-backup"):
         assert flags[flag] == SWITCH, flag
     assert "--radix-eviction-policy-explicitly-set" not in flags  # Arg(no_cli=True)
+    assert flags["--enable-lora"] == SWITCH and flags["--max-lora-rank"] == VALUE
+    assert flags["--lora-target-modules"] == VALUES  # Arg(nargs="*")
 
 
 @pytest.mark.parametrize("path", list(every_command()))
@@ -182,6 +189,7 @@ def test_a_misspelt_or_misused_flag_is_caught(flags):
     assert flag_problems(good + ["--enable-memory-saver", "1"], flags) == [
         "--enable-memory-saver is a switch but is given '1'", "'1' is not a flag's value"]
     assert flag_problems(good + ["--nnodes"], flags) == ["--nnodes needs a value"]
+    assert flag_problems(good + ["--nnodes", "2", "3"], flags) == ["'3' is not a flag's value"]  # one value only
 
 
 # ----------------------------------------------------------------------------- endpoints

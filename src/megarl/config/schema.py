@@ -145,7 +145,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraConfig:
     rank: int = 0  # adapter rank r; 0: no LoRA (full fine-tuning)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # only 0 is supported (megarl.config.rules.lora)
+    dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input in training passes (log-prob passes: none)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT names, or ["all-linear"]
     sync: Literal["merged", "adapter"] = "merged"  # merged: push base + scale x B A as full weights
 
@@ -285,6 +285,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # None: actor_rollout_ref.model.path
     tokenizer_path: Optional[str] = None
     override_config: dict[str, Any] = field(default_factory=dict)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the critic's adapters (its value head trains whole)
 
 
 @dataclass

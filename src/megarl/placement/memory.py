@@ -11,9 +11,10 @@ Training role, per GPU (mixed precision with megatron DDP and Adam):
   activations     seq x micro x hidden x 34 bytes per layer / TP (sequence-parallel layout, flash
                   attention), x layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
                   plus fp32 logits seq x micro x vocab / TP x 4
-With LoRA (`actor_rollout_ref.model.lora.rank` > 0) the actor's base weights are frozen: they hold
-parameters only (no gradient buffer, no optimizer state), and gradients and Adam states are those
-of the adapters (`lora_params`), whose activations are not counted apart (rank << hidden).
+With LoRA (`actor_rollout_ref.model.lora.rank` or `critic.model.lora.rank` > 0) the role's base weights
+are frozen: they hold parameters only (no gradient buffer, no optimizer state), and gradients and
+Adam states are those of the adapters (`lora_params`; the critic's also of its [1, H] value head),
+whose activations are not counted apart (rank << hidden).
 A reference model holds parameters and logits only. A rollout server reserves
 `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
 Colocated, the peak is the larger of the training phase (all training states + the largest
@@ -156,6 +157,14 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable)
 
 
+def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
+    """A role's adapter parameters per GPU (None: no LoRA, every weight trains)."""
+    if lora.rank <= 0:
+        return None
+    return lora_params(arch, lora.rank, lora_targets(lora.target_modules), megatron_cfg.tensor_model_parallel_size,
+                       megatron_cfg.pipeline_model_parallel_size)
+
+
 def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstimate:
     """The busiest GPU's estimate. `config` must be validated (resolved defaults)."""
     arr, placement = config.actor_rollout_ref, config.placement
@@ -165,19 +174,19 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     offloads = offload_plan(config, plan.roles)
     roles = []
     if "actor" in plan.roles:
-        m, lora = arr.actor.megatron, arr.model.lora
-        trainable = None if lora.rank <= 0 else lora_params(
-            arch, lora.rank, lora_targets(lora.target_modules), m.tensor_model_parallel_size,
-            m.pipeline_model_parallel_size)
+        m = arr.actor.megatron
         roles.append(_train_role("actor", arch, m, plan.roles["actor"].dp, dtype, seq, micro, True,
-                                 offloads.get("actor", OffloadParts()), trainable))
+                                 offloads.get("actor", OffloadParts()), _lora_trainable(arch, arr.model.lora, m)))
     if "ref" in plan.roles:
         roles.append(_train_role("ref", arch, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
                                  arr.ref.log_prob_micro_batch_size_per_gpu or 1, False, offloads.get("ref", OffloadParts())))
     if "critic" in plan.roles:
-        roles.append(_train_role("critic", arch, config.critic.megatron, plan.roles["critic"].dp, dtype, seq,
+        m, lora = config.critic.megatron, config.critic.model.lora
+        head = arch.hidden_size if lora.rank > 0 else 0  # a LoRA critic's value head [1, H] trains too
+        trainable = _lora_trainable(arch, lora, m)
+        roles.append(_train_role("critic", arch, m, plan.roles["critic"].dp, dtype, seq,
                                  config.critic.ppo_micro_batch_size_per_gpu or 1, True,
-                                 offloads.get("critic", OffloadParts())))
+                                 offloads.get("critic", OffloadParts()), None if trainable is None else trainable + head))
     if "reward_model" in plan.roles:
         roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
                                  dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False,

@@ -126,6 +126,7 @@ class RolloutClient:
         self.max_backoff_s = max_backoff_s
         self.abort_urls = abort_urls or [self.url]
         self.continue_aborted = continue_aborted
+        self.lora_name: Optional[str] = None  # adapter-only LoRA sync: the adapter every request names
         self._aborting = threading.Event()
 
     # ---------------------------------------------------------------- public API
@@ -183,6 +184,10 @@ class RolloutClient:
                 pass  # a server that cannot be reached has nothing running for us
 
     # ---------------------------------------------------------------- one prompt
+    def _with_adapter(self, payload: dict) -> dict:
+        """`payload` naming the LoRA adapter to generate with (SGLang's `lora_path`: an adapter name), if any."""
+        return payload if self.lora_name is None else {**payload, "lora_path": self.lora_name}
+
     async def _generate_one(
         self,
         session: aiohttp.ClientSession,
@@ -194,7 +199,8 @@ class RolloutClient:
         keep_going: bool,
     ) -> tuple[list[Sample], RequestRecord, Optional[str]]:
         """(samples, record, None), or with `keep_going` ([], record, why) for a prompt that got no answer."""
-        payload = {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob}
+        payload = self._with_adapter(
+            {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob})
         attempts = 0
         async with semaphore:
             while True:
@@ -269,8 +275,9 @@ class RolloutClient:
             if left <= 0:
                 break
             seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
-            payload = {"input_ids": list(prompt) + list(sample.token_ids), "return_logprob": return_logprob,
-                       "sampling_params": replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed).to_json()}
+            payload = self._with_adapter(
+                {"input_ids": list(prompt) + list(sample.token_ids), "return_logprob": return_logprob,
+                 "sampling_params": replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed).to_json()})
             try:
                 (part,) = await self._attempt(session, index, payload, 1)
             except _Retry:

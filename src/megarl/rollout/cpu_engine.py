@@ -33,6 +33,7 @@ from transformers import (
     GenerationConfig,
 )
 
+from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied, by_adapter
 from megarl.rollout.protocol import (
     BadRequestError,
     SamplingParams,
@@ -103,6 +104,7 @@ class Sequence:
     abort_requested: bool = False
     created_s: float = field(default_factory=time.monotonic)
     finished_s: Optional[float] = None
+    lora: Optional[LoadedAdapter] = None  # the adapter the request named (None: the base model)
 
 
 def sample_tokens(
@@ -155,6 +157,7 @@ class CPUEngine:
         random_seed: int = 0,
         weight_version: str = "default",
         batch_wait_s: float = 0.01,
+        lora: Optional[LoraAdapters] = None,
     ):
         """`batch_wait_s`: before starting a batch, wait while requests keep arriving (a burst from
         the client becomes one batch), for at most 20 such periods."""
@@ -168,6 +171,7 @@ class CPUEngine:
         self.context_length = context_length or self.config.max_position_embeddings
         self.max_running_requests = max_running_requests
         self.weight_version = weight_version
+        self.lora = lora or LoraAdapters()  # the LoRA adapters served (SGLang's --enable-lora; off by default)
         self.paused = False  # /pause_generation: no batch starts until /continue_generation
         self.released: set[str] = set()
         self.num_finished = 0
@@ -227,16 +231,19 @@ class CPUEngine:
         return_logprob: bool,
         rid: Optional[str],
         on_done: Callable[[Sequence], None],
+        lora_name: Optional[str] = None,
     ) -> list[Sequence]:
-        """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample."""
+        """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample.
+        `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model)."""
         self.check_can_generate()
         self.check_prompt(prompt_ids, sampling)
+        lora = self.lora.resolve(lora_name, self.model)
         rid = rid or f"cpu-{next(self._rids)}"
         with self._cond:
             seqs = []
             for j in range(sampling.n):
                 seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
-                seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done))
+                seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora))
             self._waiting.extend(seqs)
             self._cond.notify()
         return seqs
@@ -367,7 +374,9 @@ class CPUEngine:
                 self._running = batch
             try:
                 with self._model_lock:
-                    self._run_batch(batch)
+                    for group in by_adapter(batch):  # one LoRA adapter (or none) per forward
+                        with applied(self.model, group[0].lora):
+                            self._run_batch(group)
             except Exception as e:  # a bug must not kill the server: fail this batch, keep serving
                 log.exception("batch failed")
                 for seq in batch:

@@ -8,7 +8,8 @@ status codes and state rules: `/generate`, `/health`, `/health_generate`, `/mode
 `/init_weights_update_group`, `/destroy_weights_update_group`, `/begin_weight_update`,
 `/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_tensor`,
 `/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`,
-`/weights_checker` (the "checksum" action: `rollout.weights_checker`). Tensor and
+`/weights_checker` (the "checksum" action: `rollout.weights_checker`), `/load_lora_adapter`,
+`/unload_lora_adapter`, `/update_weight_version` (`rollout.lora_adapters`). Tensor and
 distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
 as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
 `{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
@@ -33,6 +34,7 @@ from pydantic import BaseModel
 
 import megarl
 from megarl.rollout.cpu_engine import CPUEngine, Sequence
+from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
 from megarl.rollout.weight_group import (
@@ -263,6 +265,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                 engine.check_prompt(ids, prompt.sampling)
             except BadRequestError as e:
                 raise BadRequestError(f"prompt {i}: {e}" if len(body.prompts) > 1 else str(e)) from None
+            engine.lora.resolve(prompt.lora_path, engine.model)  # an unknown adapter refuses the whole request
         loop = asyncio.get_running_loop()
         waits, rids = [], []
         for ids, prompt in zip(prompt_ids, body.prompts):
@@ -272,7 +275,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                 loop.call_soon_threadsafe(_resolve, futures[seq.index], seq)
 
             rids.append(prompt.rid or uuid.uuid4().hex)
-            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done)
+            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path)
             waits.extend(futures)
         seqs = await _wait_unless_disconnected(request, waits)
         if seqs is None:  # the client went away: stop its work, as SGLang does
@@ -419,6 +422,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         )
 
     add_pause_routes(app, engine)
+    add_lora_routes(app, engine)
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     async def check_weights(request: Request):
@@ -453,6 +457,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="gather a burst of requests into one batch")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=[], help="PEFT names, or all")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -470,6 +477,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         random_seed=args.random_seed,
         weight_version=args.weight_version,
         batch_wait_s=args.batch_wait_ms / 1000,
+        lora=LoraAdapters(args.enable_lora, args.max_lora_rank, args.lora_target_modules),
     )
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
 

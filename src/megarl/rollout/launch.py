@@ -24,6 +24,7 @@ def cpu_server_command(
     max_running_requests: int = 64,
     random_seed: int = 0,
     num_threads: Optional[int] = None,
+    lora: Optional[LoraServing] = None,
     python: str = sys.executable,
 ) -> list[str]:
     cmd = [python, "-m", "megarl.rollout.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port)]
@@ -34,7 +35,22 @@ def cpu_server_command(
         cmd += ["--context-length", str(context_length)]
     if num_threads:
         cmd += ["--num-threads", str(num_threads)]
+    if lora:
+        cmd += lora.flags()
     return cmd
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """A server that serves LoRA adapters loaded at run time (adapter-only weight sync): their
+    largest `rank` and their PEFT `targets`."""
+
+    rank: int
+    targets: tuple[str, ...]
+
+    def flags(self) -> list[str]:
+        """SGLang 0.5.23's flags (`srt/arg_groups/fields/lora.py`), which megarl's CPU server shares."""
+        return ["--enable-lora", "--max-lora-rank", str(self.rank), "--lora-target-modules", *self.targets]
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ def sglang_server_command(
     random_seed: Optional[int] = None,
     deterministic: bool = False,
     multi_node: Optional[MultiNode] = None,
+    lora: Optional[LoraServing] = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
@@ -99,6 +116,10 @@ def sglang_server_command(
         cmd += ["--context-length", str(context_length)]
     if random_seed is not None:
         cmd += ["--random-seed", str(random_seed)]
+    if lora:  # fields/lora.py: enable_lora, max_lora_rank, lora_target_modules
+        cmd += lora.flags()
+        if enable_memory_saver:  # fields/exec_.py: releasing the weights keeps them in CPU memory, as only
+            cmd += ["--enable-weights-cpu-backup"]  # adapters are pushed and the base must come back as it was
     return cmd + list(extra_args)
 
 

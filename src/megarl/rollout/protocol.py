@@ -184,6 +184,7 @@ class PromptRequest:
     sampling: SamplingParams
     return_logprob: bool = False
     rid: Optional[str] = None
+    lora_path: Optional[str] = None  # the LoRA adapter's name (SGLang's field name), None: the base model
 
 
 @dataclass(frozen=True)
@@ -237,13 +238,14 @@ def parse_generate_body(body: Any) -> GenerateBody:
     samplings = _per_prompt(body.get("sampling_params"), count, "sampling_params")
     logprobs = _per_prompt(body.get("return_logprob", False), count, "return_logprob")
     rids = _per_prompt(body.get("rid"), count, "rid")
+    loras = _per_prompt(body.get("lora_path"), count, "lora_path")
     parsed = []
     for i in range(count):
         try:
             sampling = SamplingParams.from_json(samplings[i])
         except BadRequestError as e:
             raise BadRequestError(f"prompt {i}: {e}" if batched else str(e)) from None
-        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i]))
+        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], loras[i]))
     batched = batched or any(p.sampling.n > 1 for p in parsed)
     return GenerateBody(parsed, batched)
 
@@ -261,9 +263,10 @@ def finish_abort(message: str) -> dict[str, Any]:
 
 
 def error_message(body: Any, fallback: str) -> str:
-    """The human message in an SGLang error body (`{"error": str}` or `{"error": {"message": str}}`)."""
+    """The human message in an SGLang error body (`{"error": str}`, `{"error": {"message": str}}`, or
+    LoRA's `{"error_message": str}`)."""
     if isinstance(body, dict):
-        err = body.get("error", body.get("message"))
+        err = body.get("error", body.get("message", body.get("error_message")))
         if isinstance(err, dict):
             err = err.get("message")
         if isinstance(err, str) and err:

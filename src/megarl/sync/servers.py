@@ -13,7 +13,21 @@ from megarl.rollout.control import ServerControl, ServerError
 
 class SyncServer(ServerControl):
     """`ServerControl` plus `/update_weights_from_tensor`, which only the colocated transport uses,
-    and `/weights_checker`, which only the equality check (`sync.weight_check`) uses."""
+    `/weights_checker`, which only the equality check (`sync.weight_check`) uses, and the LoRA
+    adapter calls of adapter-only sync (`sync.adapter_sync`)."""
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """SGLang 0.5.23's `LoadLoRAAdapterReqInput`: load the PEFT adapter in directory
+        `lora_path` (visible to the server) as `lora_name`. Returns its `LoRAUpdateOutput`."""
+        return self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """SGLang 0.5.23's `UnloadLoRAAdapterReqInput` (waits for the requests using it)."""
+        return self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    def update_weight_version(self, new_version: str) -> None:
+        """SGLang 0.5.23's `UpdateWeightVersionReqInput`; the server must be idle (nothing aborted)."""
+        self._call("POST", "/update_weight_version", {"new_version": new_version, "abort_all_requests": False})
 
     def weights_checksums(self) -> list[dict[str, str]]:
         """SGLang 0.5.23's `/weights_checker` with action "checksum" (`rollout.weights_checker`

@@ -25,6 +25,7 @@ from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
 from megarl.placement.colocation import offload_plan  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
+from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
 from megarl.trainer.preflight import resolve_devices  # noqa: E402
@@ -195,6 +196,7 @@ class Cluster:
                             "pushing again. The failure: %s", target, first_rank)
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
+        self.rollout.client.lora_name = served_adapter(self.config, self.weight_version)
         self.before_generation()
         return metrics
 

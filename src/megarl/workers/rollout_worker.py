@@ -17,6 +17,7 @@ import ray
 from megarl.config.devices import visible_gpu_index
 from megarl.net import free_port
 from megarl.rollout.launch import (
+    LoraServing,
     MultiNode,
     apply_env_overrides,
     cpu_server_command,
@@ -25,6 +26,16 @@ from megarl.rollout.launch import (
 )
 from megarl.rollout.process import ServerProcess, log_tail
 from megarl.workers.base import RankedWorker
+
+
+def lora_serving(config) -> Optional[LoraServing]:
+    """The LoRA adapters the servers must be able to load: those of an actor with adapter-only sync."""
+    from megarl.config.rules.lora import lora_targets
+
+    lora = config.actor_rollout_ref.model.lora
+    if lora.rank <= 0 or lora.sync != "adapter":
+        return None
+    return LoraServing(lora.rank, lora_targets(lora.target_modules))
 
 
 class RolloutWorker(RankedWorker):
@@ -59,7 +70,8 @@ class RolloutWorker(RankedWorker):
         if r.name == "cpu":
             command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
                                          context_length=context, max_running_requests=r.max_concurrent_requests,
-                                         random_seed=self.config.trainer.seed + server, num_threads=1)
+                                         random_seed=self.config.trainer.seed + server, num_threads=1,
+                                         lora=lora_serving(self.config))
             env = dict(os.environ)
         else:
             # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
@@ -70,7 +82,7 @@ class RolloutWorker(RankedWorker):
                 mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
                 api_key=self.api_key, dtype=r.dtype, context_length=context,
                 random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
-                multi_node=multi_node,
+                multi_node=multi_node, lora=lora_serving(self.config),
             )
             env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
         self.multi_node = multi_node

@@ -2,9 +2,17 @@
 role's Megatron engine."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+from pathlib import Path
+
 from megarl.workers.base import RankedWorker
 
 ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine"}
+
+
+def adapter_dir(config) -> str:
+    """Where adapter-only sync writes the actor's PEFT adapters (readable by every rollout server)."""
+    return str((Path(config.trainer.default_local_dir) / "lora_sync").absolute())
 
 
 class TrainWorker(RankedWorker):
@@ -31,9 +39,17 @@ class TrainWorker(RankedWorker):
         pushed version is `version`. Called again when the server set changed (a server restarted):
         the previous sync's weight-update groups are dropped first."""
         from megarl.sync import WeightSync
+        from megarl.sync.adapter_sync import AdapterSync
 
         if self.weight_sync is not None:
             self.weight_sync.close()
+        model = self.config.actor_rollout_ref.model
+        if model.lora.rank > 0 and model.lora.sync == "adapter":
+            self.weight_sync = AdapterSync(
+                self.engine.lora_adapters, model.lora.rank, model.lora.alpha, model.path, server_urls,
+                adapter_dir(self.config), colocated=sync_config.colocated, initial_version=version,
+                timeout_s=sync_config.timeout_s)
+            return
         self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
                                       initial_version=version)
 
@@ -41,6 +57,9 @@ class TrainWorker(RankedWorker):
         """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send.
         `version`: the servers' new weight_version (default the last one + 1). The metrics include
         `sync/weight_version`, the version the servers now hold."""
-        with self.engine.weights_for_sync():  # with LoRA: base weights merged with their adapters
+        from megarl.sync.adapter_sync import AdapterSync
+
+        adapters_only = isinstance(self.weight_sync, AdapterSync)
+        with nullcontext() if adapters_only else self.engine.weights_for_sync():  # LoRA merged: base + s B A
             metrics = self.weight_sync.push(version)
         return {**metrics, "sync/weight_version": float(self.weight_sync.version)}

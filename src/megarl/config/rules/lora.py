@@ -1,4 +1,4 @@
-"""Rules on the actor's LoRA adapters (`actor_rollout_ref.model.lora`)."""
+"""Rules on the LoRA adapters of the actor (`actor_rollout_ref.model.lora`) and the critic (`critic.model.lora`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,23 +10,35 @@ ALL_LINEAR = "all-linear"
 
 
 def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """A LoRA rank >= 0; with LoRA on (rank > 0): a positive alpha, PEFT target names megarl
-    maps onto megatron's layers, no dropout (the engine's exactness checks assume none), and
-    merged weight sync (adapter-only sync is not built yet). The reference model and the
-    critic are never adapted: the reference is the frozen base, the critic trains all weights.
+    """For the actor's and the critic's adapters each: a LoRA rank >= 0; with LoRA on (rank > 0):
+    a positive alpha, PEFT target names megarl maps onto megatron's layers, a dropout
+    probability in [0, 1). The actor with adapter-only sync: no weight-equality
+    check (it checksums base tensors, which that sync never sends). The critic pushes nothing:
+    its `sync` stays merged. The reference model is never adapted (it is the frozen base).
 
-    Reads: actor_rollout_ref.model.lora
+    Reads: actor_rollout_ref.model.lora, critic.model.lora, actor_rollout_ref.rollout.check_weight_update
     """
-    lora = config.actor_rollout_ref.model.lora
-    key = "actor_rollout_ref.model.lora"
+    actor = config.actor_rollout_ref.model.lora
+    yield from _adapter_settings(actor, "actor_rollout_ref.model.lora")
+    if actor.rank > 0 and actor.sync == "adapter" and config.actor_rollout_ref.rollout.check_weight_update:
+        yield ("actor_rollout_ref.model.lora.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true: "
+               "the check compares the base weights a push sends, and adapter-only sync sends none; turn the check "
+               "off or use sync=merged")
+    critic = config.critic.model.lora
+    yield from _adapter_settings(critic, "critic.model.lora")
+    if critic.rank > 0 and critic.sync != "merged":
+        yield f"critic.model.lora.sync={critic.sync}: the critic pushes no weights; leave it merged"
+
+
+def _adapter_settings(lora, key: str) -> Iterator[str]:
     if lora.rank < 0:
         yield f"{key}.rank={lora.rank}: must be >= 0 (0 turns LoRA off)"
     if lora.rank <= 0:
         return
     if lora.alpha <= 0:
         yield f"{key}.alpha={lora.alpha}: must be positive (the adapter output is scaled by alpha / rank)"
-    if lora.dropout != 0:
-        yield f"{key}.dropout={lora.dropout}: LoRA dropout is not supported yet; set it to 0"
+    if not 0 <= lora.dropout < 1:
+        yield f"{key}.dropout={lora.dropout}: must be in [0, 1) (the probability of zeroing an adapter input)"
     targets = list(lora.target_modules)
     unknown = [t for t in targets if t not in LORA_TARGETS and t != ALL_LINEAR]
     if not targets:
@@ -34,9 +46,6 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
     elif unknown:
         yield (f"{key}.target_modules: unknown {unknown}; choose from {list(LORA_TARGETS)} or "
                f"[{ALL_LINEAR}] (PEFT names; megarl maps them onto megatron's fused layers)")
-    if lora.sync != "merged":
-        yield (f"{key}.sync={lora.sync}: adapter-only weight sync is not built yet; use merged (the servers get "
-               "base + alpha/rank x B A as full weights)")
 
 
 def lora_targets(target_modules) -> tuple[str, ...]:

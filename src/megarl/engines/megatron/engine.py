@@ -28,7 +28,8 @@ from megarl.engines.megatron.model import (
     transformer_engine_available,
     vocab_rows_of,
 )
-from megarl.engines.megatron.lora import LoraSpec, attach_lora, builds_with_transformer_engine, merged
+from megarl.engines.megatron.lora import (LoraSpec, attach_lora, builds_with_transformer_engine, merged,
+                                          unfreeze_value_head)
 from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
@@ -104,6 +105,8 @@ class MegatronEngine:
             self.model_chunks, self.weight_map.arch, lora, self.layout.tp,
             parallel_state.get_tensor_model_parallel_rank(), megatron_cfg.seed, self.params_dtype, self.device,
         )
+        if lora is not None and value_head:
+            unfreeze_value_head(self.model_chunks)
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
         if optim_cfg is not None:

@@ -46,6 +46,7 @@ class LoraSpec:
     rank: int
     alpha: float
     targets: tuple[str, ...]  # PEFT names
+    dropout: float = 0.0  # on the adapter's input, in training passes only (PEFT's lora_dropout)
 
     @property
     def scale(self) -> float:
@@ -78,7 +79,8 @@ class LoraAdapter(torch.nn.Module):
     def __init__(self, kind: str, layer: int, targets: Sequence[str], spec: LoraSpec, arch: ModelArch,
                  tp: int, tp_rank: int, seed: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.kind, self.targets, self.scale = kind, tuple(targets), spec.scale
+        self.kind, self.targets, self.scale, self.layer = kind, tuple(targets), spec.scale, layer
+        self.dropout = spec.dropout
         self.arch, self.tp = arch, tp
         self.splits = {}
         for target in self.targets:
@@ -102,12 +104,20 @@ class LoraAdapter(torch.nn.Module):
 
         if self.kind == "row":
             a, b = self.factors(self.targets[0])
-            return F.linear(reduce_from_tensor_model_parallel_region(F.linear(x, a)), b) * self.scale
+            return F.linear(reduce_from_tensor_model_parallel_region(F.linear(self._drop(x), a)), b) * self.scale
         parts = {}
         for target in self.targets:
             a, b = self.factors(target)
-            parts[target] = F.linear(copy_to_tensor_model_parallel_region(F.linear(x, a)), b)
+            parts[target] = F.linear(copy_to_tensor_model_parallel_region(F.linear(self._drop(x), a)), b)
         return self._assemble(parts, x) * self.scale
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """PEFT's lora_dropout, one mask per target, in training passes only (the engine's
+        log-prob passes run in eval mode: exact). The mask comes from the default generator,
+        which megatron seeds alike on every TP rank: a column-parallel base's whole input gets
+        the same mask on every rank, as its rows of B need; a row-parallel base's slices get
+        masks drawn alike per rank (each element still dropped with probability p)."""
+        return F.dropout(x, self.dropout, training=True) if self.dropout > 0 and self.training else x
 
     def delta_weight(self) -> torch.Tensor:
         """s B A [out_local, in_local] in float32: what merging adds to this rank's base weight."""
@@ -202,6 +212,15 @@ def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, spec: LoraSp
                 base.register_forward_hook(_add_adapter_output(adapter))
                 attached.append((adapter, base))
     return attached
+
+
+def unfreeze_value_head(chunks: Sequence[torch.nn.Module]) -> None:
+    """A LoRA critic: its value head (the last stage's [1, H] `output_layer`, new to the model)
+    trains whole beside the adapters; `attach_lora` froze it with the base."""
+    for chunk in chunks:
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(head, torch.nn.Linear) and head.out_features == 1:
+            head.weight.requires_grad_(True)
 
 
 def _add_adapter_output(adapter: LoraAdapter):

@@ -57,10 +57,10 @@ def _sequence_sums(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def lora_spec(lora) -> Optional[LoraSpec]:
-    """The actor's adapters from `actor_rollout_ref.model.lora` (None when its rank is 0)."""
+    """A role's adapters from its `model.lora` (None when its rank is 0)."""
     from megarl.config.rules.lora import lora_targets
 
-    return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules)) if lora.rank > 0 else None
+    return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules), lora.dropout) if lora.rank > 0 else None
 
 
 class ActorEngine(MegatronEngine):
@@ -289,6 +289,7 @@ class CriticEngine(MegatronEngine):
             optim_cfg=config.critic.optim,
             recompute=config.actor_rollout_ref.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
+            lora=lora_spec(config.critic.model.lora),
         )
 
     def _value_weight(self) -> torch.Tensor:
