@@ -33,6 +33,7 @@ from transformers import (
     GenerationConfig,
 )
 
+from megarl.rollout.checkpoint_names import checkpoint_tensor
 from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied, by_adapter
 from megarl.rollout.protocol import (
     BadRequestError,
@@ -320,19 +321,21 @@ class CPUEngine:
             raise BadRequestError("weights are released; call /resume_memory_occupation with tags ['weights'] first")
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model (cast to its dtype); all-or-nothing. Returns the count."""
+        """Copy tensors named as in a checkpoint (per-expert names too: `checkpoint_names`) into the
+        model, cast to its dtype; all-or-nothing. Returns the count."""
         self._check_weights_resident()
-        targets = self.model.state_dict(keep_vars=True)
-        for name, tensor in named_tensors:
-            if name not in targets:
+        state = self.model.state_dict()  # detached, sharing the parameters' storage
+        targets = [checkpoint_tensor(state, name) for name, _ in named_tensors]
+        for (name, tensor), target in zip(named_tensors, targets):
+            if target is None:
                 raise BadRequestError(f"unknown weight name {name!r} for {type(self.model).__name__}")
-            if tuple(tensor.shape) != tuple(targets[name].shape):
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise BadRequestError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(targets[name].shape)}"
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
         with self._model_lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                targets[name].data.copy_(tensor)
+            for (_, tensor), target in zip(named_tensors, targets):
+                target.copy_(tensor)
         return len(named_tensors)
 
     def load_weights_from_disk(self, model_path: str) -> None:

@@ -14,8 +14,8 @@ the tensor's bytes (contiguous, row-major), its first 8 bytes read big-endian, w
 digits (`utils/weight_checker.py` `_hash_tensor`). SGLang hashes a CUDA tensor with a Triton kernel
 instead, so only CPU-resident tensors hash alike. The tensors hashed are the model's parameters and
 buffers, less its non-persistent buffers (`_NON_PERSISTENT_BUFFER_PATTERNS`: rotary caches), named
-as the model names them: for the CPU engine, a transformers model, the HF names (a tied output
-layer appears once, as the embedding). Real SGLang names its own fused, TP-sharded parameters
+as the model names them: for the CPU engine, a transformers model, the HF checkpoint names (a tied
+output layer appears once, as the embedding; fused MoE experts appear per expert). Real SGLang names its own fused, TP-sharded parameters
 (`qkv_proj`, `gate_up_proj`), which is why megarl compares per-tensor checksums with the CPU engine
 only (config rule `weight_check_needs_cpu_engine`).
 """
@@ -26,6 +26,8 @@ from typing import Iterable, Literal, Optional
 
 import torch
 from pydantic import BaseModel
+
+from megarl.rollout.checkpoint_names import checkpoint_named_tensors
 
 NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 
@@ -70,5 +72,8 @@ def checksum_response(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What SGLang's checker walks: `named_parameters()` then `named_buffers()` (tied tensors once)."""
-    return list(model.named_parameters()) + list(model.named_buffers())
+    """What SGLang's checker walks: `named_parameters()` then `named_buffers()` (tied tensors once),
+    under checkpoint names: a transformers model's fused MoE experts as each expert's matrices, the
+    names the trainer pushed and hashed (`checkpoint_names`)."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return list(checkpoint_named_tensors(named, mixtral=getattr(model.config, "model_type", "") == "mixtral"))

@@ -1,0 +1,67 @@
+"""Checkpoint names of a transformers model's tensors, for the CPU engine's weight updates and checker.
+
+transformers 5 holds a mixture-of-experts layer's experts fused in memory (`mlp.experts.gate_up_proj`
+[E, 2F, H] with each expert's gate rows before its up rows, `mlp.experts.down_proj` [E, H, F]) and
+names Mixtral's router `mlp.gate`; checkpoints, `save_pretrained` and megarl's weight pushes name
+every expert's matrices (`mlp.experts.<e>.{gate,up,down}_proj.weight`, Mixtral
+`block_sparse_moe.experts.<e>.{w1,w3,w2}.weight` and `block_sparse_moe.gate.weight`). SGLang loads
+those names into its own fused parameters; these two functions do the same for the CPU engine: a
+pushed per-expert tensor lands in its slice of the fused parameter, and the weights checker reports
+checkpoint names, which are what the trainer hashed. Dense models pass through unchanged.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Optional
+
+import torch
+
+_EXPERT = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_MIXTRAL_ROUTER = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def checkpoint_tensor(state: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """The tensor of `state` (a model's `state_dict()`) that checkpoint name `name` denotes: the tensor
+    itself, or a view into the fused expert parameter (writing into it writes the model). None if the
+    model has no such tensor."""
+    if name in state:
+        return state[name]
+    router = _MIXTRAL_ROUTER.match(name)
+    if router:
+        return state.get(f"{router['layer']}.mlp.gate.weight")
+    expert = _EXPERT.match(name)
+    if not expert:
+        return None
+    e, part, fused_prefix = int(expert["expert"]), _PART[expert["proj"]], f"{expert['layer']}.mlp.experts."
+    fused = state.get(fused_prefix + ("down_proj" if part == "down" else "gate_up_proj"))
+    if fused is None or fused.dim() != 3 or e >= fused.shape[0]:
+        return None
+    if part == "down":
+        return fused[e]
+    rows = fused.shape[1] // 2
+    return fused[e, :rows] if part == "gate" else fused[e, rows:]
+
+
+def checkpoint_named_tensors(named: Iterable[tuple[str, torch.Tensor]],
+                             mixtral: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` (the model's own names) under checkpoint names: each fused expert parameter as its
+    experts' matrices (views), Mixtral's in-memory names as its checkpoints'. `mixtral`: the model's
+    `config.model_type == "mixtral"`."""
+    for name, tensor in named:
+        layer, _, leaf = name.rpartition(".mlp.")
+        if layer and leaf in ("experts.gate_up_proj", "experts.down_proj") and tensor.dim() == 3:
+            block = "block_sparse_moe" if mixtral else "mlp"
+            parts = ("down",) if leaf == "experts.down_proj" else ("gate", "up")
+            for e in range(tensor.shape[0]):
+                for index, part in enumerate(parts):
+                    proj = _MIXTRAL_NAMES[part] if mixtral else f"{part}_proj"
+                    rows = tensor.shape[1] // len(parts)
+                    yield f"{layer}.{block}.experts.{e}.{proj}.weight", tensor[e, index * rows:(index + 1) * rows]
+        elif mixtral and layer and leaf == "gate.weight":
+            yield f"{layer}.block_sparse_moe.gate.weight", tensor
+        else:
+            yield name, tensor
