@@ -53,6 +53,7 @@ def split_cluster(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory
     with tiny_grpo_cluster(
         tiny_assets, out, "placement.mode=split", "placement.rollout_gpus=1",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "async_training.mode=one_step_off",
+        "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",  # the off-policy correction async modes need
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.prompt_length=72",  # servers' context 80: room for the partial rollout's 64 tokens
