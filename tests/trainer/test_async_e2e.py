@@ -101,6 +101,54 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
 
 
+def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninterrupted_batches(split_cluster):
+    """A real SIGTERM to this process while the producer generates rollout 2 and step 2 trains
+    (the test_resume_e2e path, in process: a subprocess run costs minutes of start-up here): the
+    step finishes, the push waits for rollout 2, the checkpoint holds it, and the resumed run
+    trains step 3 on it. Steps 2 and 3 (metrics and uids) equal an uninterrupted run's."""
+    from megarl.checkpoint import find_resume_dir
+    from megarl.trainer.preemption import Preempted
+
+    cluster, trainer, out = split_cluster
+    reference = new_trainer(trainer, {"experiment_name": "sigterm_reference"})
+    expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
+    expected = Recorder()
+    reference.fit(expected)
+    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "sigterm_reference"))[1]
+
+    keys = {"experiment_name": "sigterm", "save_freq": -1, "resume_mode": "auto"}  # only the stop's checkpoint
+    stopped = new_trainer(trainer, keys)
+    stopped.load_state_dict(cluster.load_checkpoint(step_1))
+    generate, signalled = stopped.producer._generate, []
+
+    def signalling(index, version, prompt_indices, partial=None):
+        if index == 2 and not signalled:  # the producer thread, while the controller trains step 2
+            signalled.append(threading.current_thread() is not threading.main_thread())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(index, version, prompt_indices, partial)
+
+    stopped.producer._generate = signalling
+    uids = record_takes(stopped, lambda batch, metrics: list(batch["uid"]))
+    first = Recorder()
+    with pytest.raises(Preempted) as stop:
+        stopped.fit(first)
+    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
+    assert sorted(first.rows) == [2]  # the step it was in finished; the next did not start
+    resume_dir = find_resume_dir(stopped.config)  # what main_ppo resumes from (`latest`)
+    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+
+    resumed = new_trainer(trainer, keys)
+    resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
+    assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 1)]  # weights no checkpoint holds
+    uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
+    second = Recorder()
+    resumed.fit(second)
+    assert sorted(second.rows) == [3]
+    assert uids + uids_after == expected_uids[1:]
+    assert compared(first.rows[2]) == compared(expected.rows[2])
+    assert compared(second.rows[3]) == compared(expected.rows[3])
+
+
 def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster):
     cluster, trainer, out = split_cluster
     keys = {"total_training_steps": 4, "experiment_name": "fully_async"}
