@@ -249,6 +249,23 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
 
 
+def partial_run(trainer, monkeypatch, name: str):
+    """A fully_async controller with partial rollouts (max_staleness 1) on the fixture's cluster,
+    whose responses are 64 tokens (ignore_eos): long enough to be caught mid-generation."""
+    from megarl.trainer import rl
+
+    sampling = rl.sampling_params
+    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
+    c = trainer.config
+    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
+        c.actor_rollout_ref.rollout, response_length=64)))
+    return rl.RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name=name,
+                                                        save_freq=-1),
+                                async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
+                                                       partial_rollout=True)),
+                        trainer.cluster, trainer.tokenizer, trainer.score_fn)
+
+
 def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster, monkeypatch):
     """A push interrupts rollout 1 mid-generation (/pause_generation abort, push, /continue_generation):
     its samples continue with the new weights, the tokens carry both versions in the trained batch,
@@ -256,22 +273,9 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it
     running; responses are 64 tokens (ignore_eos), so it is caught mid-generation."""
     from megarl.rollout.control import ServerControl
-    from megarl.trainer import rl
-
-    sampling = rl.sampling_params
-    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
 
     cluster, trainer, _ = split_cluster
-    c = trainer.config
-    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
-        c.actor_rollout_ref.rollout, response_length=64)))  # long enough to be caught mid-generation
-    from megarl.trainer.rl import RLTrainer
-
-    run = RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name="partial",
-                                                    save_freq=-1),
-                            async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
-                                                   partial_rollout=True)),
-                    cluster, trainer.tokenizer, trainer.score_fn)
+    run = partial_run(trainer, monkeypatch, "partial")
     fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
     push_due, generate, produced = threading.Event(), run.producer._generate, {}
     fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
@@ -293,7 +297,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
                 time.sleep(0.005)
             time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
         pauses.append(time.monotonic())
-        pause()
+        return pause()
 
     trained = record_takes(run, lambda batch, metrics: (batch, metrics))
     run.producer._generate, fleet.pause_generation = late, pause_once_running
@@ -316,4 +320,62 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     for row, s in enumerate(samples):  # the correction's rollout log-probs are the servers' own, per token
         assert len(s.logprobs) == len(s.token_ids) == len(batch["weight_versions"][row])
         assert batch["rollout_log_probs"][row, :len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_check(split_cluster, monkeypatch):
+    """The server is killed by PID just after step 0's dead-server check found it alive, while
+    rollout 1 runs on it: the push's /pause_generation finds it dead, so the push waits for the
+    generation instead (cut short, it parks), restarts the server and pushes; step 1 sends only
+    the lost prompts again. Each prompt is trained once, in the uninterrupted schedule's batches."""
+    from megarl.data.sampler import EpochSampler
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    run = partial_run(trainer, monkeypatch, "partial_death")
+    fleet = cluster.rollout
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    control, restarts_before = ServerControl(victim["url"]), fleet.restarts[0]
+    running, generate, resumed = threading.Event(), run.producer._generate, []
+
+    def late(index, version, prompt_indices, partial=None):
+        resumed.append((index, partial is not None))
+        if index == 1 and partial is None:  # starts only once step 0 is at its push
+            assert running.wait(300), "step 0 never reached its push"
+        return generate(index, version, prompt_indices, partial)
+
+    dead_servers, pause, paused = fleet.dead_servers, fleet.pause_generation, []
+
+    def killed_after_the_check():
+        found = dead_servers()
+        if threading.current_thread() is threading.main_thread() and not running.is_set():
+            running.set()  # the check of step 0's push: rollout 1 starts; kill its server once it runs
+            kill_once_busy(control, victim["pid"])
+            deadline = time.monotonic() + 60
+            while not dead_servers():
+                assert time.monotonic() < deadline, "the killed server still reads as running"
+        return found
+
+    def recording_pause():
+        paused.append(pause())
+        return paused[-1]
+
+    trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
+    run.producer._generate, fleet.dead_servers, fleet.pause_generation = late, killed_after_the_check, recording_pause
+    fleet.client.continue_aborted, fleet.client.max_retries = True, 1
+    max_restarts, fleet.max_restarts = fleet.max_restarts, fleet.max_restarts + 1  # other tests restart it too
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.dead_servers, fleet.pause_generation = dead_servers, pause
+        fleet.client.continue_aborted, fleet.client.max_retries, fleet.max_restarts = False, 5, max_restarts
+    now = fleet.workers.call("status", timeout_s=30)[0]
+    assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
+    assert paused == [False, True, True]  # step 0's push found the server dead; the later ones paused
+    assert (1, True) in resumed  # rollout 1 was cut short and finished after the restart
+    sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
+    n = run.config.actor_rollout_ref.rollout.n
+    assert trained == [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
