@@ -2,6 +2,7 @@
 one CPU-engine server on the other): which weights generated which batch, as the servers
 themselves report it (`meta_info.weight_version`); exact resume from a checkpoint that holds a
 generated, not yet trained batch; the staleness bound of fully_async."""
+import asyncio
 import os
 import signal
 import threading
@@ -249,18 +250,20 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
 
 
-def partial_run(trainer, monkeypatch, name: str):
+def partial_run(trainer, monkeypatch, name: str, data=None, **trainer_keys):
     """A fully_async controller with partial rollouts (max_staleness 1) on the fixture's cluster,
-    whose responses are 64 tokens (ignore_eos): long enough to be caught mid-generation."""
+    whose training responses are 64 tokens (ignore_eos): long enough to be caught mid-generation.
+    `data`: another `data` config; `trainer_keys`: more `trainer.*` keys."""
     from megarl.trainer import rl
 
     sampling = rl.sampling_params
-    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
+    monkeypatch.setattr(rl, "sampling_params", lambda config, validation=False: replace(
+        sampling(config, validation), ignore_eos=not validation))
     c = trainer.config
-    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
+    config = replace(c, data=data or c.data, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
         c.actor_rollout_ref.rollout, response_length=64)))
-    return rl.RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name=name,
-                                                        save_freq=-1),
+    keys = {"total_training_steps": STEPS, "experiment_name": name, "save_freq": -1, **trainer_keys}
+    return rl.RLTrainer(replace(config, trainer=replace(c.trainer, **keys),
                                 async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
                                                        partial_rollout=True)),
                         trainer.cluster, trainer.tokenizer, trainer.score_fn)
@@ -379,3 +382,87 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
     n = run.config.actor_rollout_ref.rollout.n
     assert trained == [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_window(split_cluster, monkeypatch):
+    """Step 0's push aborts rollout 1 mid-generation; its samples are continued only once the
+    validation after step 1 has begun, so both run on the server together. Validation runs
+    between steps, never inside a push's /pause_generation .. /continue_generation window: none
+    of its answers is aborted or spans two weight versions, all are from the weights just pushed,
+    and the continued samples end with those weights."""
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    c = trainer.config
+    val_file = str(Path(c.data.train_files[0]).with_name("val.parquet"))
+    run = partial_run(trainer, monkeypatch, "partial_validation", replace(c.data, val_files=[val_file]),
+                      total_training_steps=2, test_freq=1)
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    timeline, validations = [], []  # (event, time); (server version, answers) per validation
+    push_due, validating, continued = threading.Event(), threading.Event(), threading.Event()
+    generate_rollout, pause, resume, generate = run.producer._generate, fleet.pause_generation, \
+        fleet.continue_generation, fleet.generate
+    continue_sample = fleet.client._continue
+
+    def late(index, version, prompt_indices, partial=None):
+        if index == 1:  # starts only once step 0 is at its push
+            assert push_due.wait(300), "step 0 never reached its push"
+        return generate_rollout(index, version, prompt_indices, partial)
+
+    def pause_once_running():
+        if not push_due.is_set():
+            push_due.set()
+            deadline = time.monotonic() + 120
+            while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "rollout 1 never ran"
+                time.sleep(0.005)
+        timeline.append(("pause", time.monotonic()))
+        return pause()
+
+    def recording_continue():
+        resume()
+        timeline.append(("continue", time.monotonic()))
+
+    async def continue_during_validation(session, index, prompt, sampling, j, sample, return_logprob):
+        if sample.finish_reason == "abort":  # aborted by step 0's push: wait for the validation
+            deadline = time.monotonic() + 300
+            while not validating.is_set():
+                assert time.monotonic() < deadline, "no validation started"
+                await asyncio.sleep(0.005)
+            continued.set()
+        return await continue_sample(session, index, prompt, sampling, j, sample, return_logprob)
+
+    def validation_generate(prompts, sampling, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return generate(prompts, sampling, *args, **kwargs)  # the producer's
+        timeline.append(("validation", time.monotonic()))
+        validating.set()
+        if len(validations) == 0:
+            assert continued.wait(300), "rollout 1 was not continued"
+        result = generate(prompts, sampling, *args, **kwargs)
+        timeline.append(("validated", time.monotonic()))
+        validations.append((fleet.weight_version, result.samples))
+        return result
+
+    trained = record_takes(run, lambda batch, metrics: batch["weight_versions"])
+    run.producer._generate, fleet.generate, fleet.client._continue = late, validation_generate, continue_during_validation
+    fleet.pause_generation, fleet.continue_generation = pause_once_running, recording_continue
+    fleet.client.continue_aborted = True
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.pause_generation, fleet.continue_generation, fleet.generate = pause, resume, generate
+        fleet.client.continue_aborted, fleet.client._continue = False, continue_sample
+    events = [name for name, _ in timeline]
+    # per step: its push (pause, continue), then its validation (greedy, then one sampled)
+    assert events == ["pause", "continue", "validation", "validated", "validation", "validated"] * 2, events
+    pushed = str(int(tracker.rows[1]["sync/weight_version"]))
+    for version, samples in validations:
+        answers = [s for per_prompt in samples for s in per_prompt]
+        assert answers and all(s.finish_reason != "abort" and s.weight_versions is None for s in answers)
+        assert {s.weight_version for s in answers} == {version}
+    assert validations[0][0] == pushed and "val/score" in tracker.rows[1] and "val/score" in tracker.rows[2]
+    # rollout 1 (trained at step 2), started before step 0's push, ended with the pushed weights
+    assert tracker.rows[2]["async/rollout_version"] == 0.0
+    assert all(v[-1] == pushed and len(set(v)) <= 2 for v in trained[1])

@@ -86,15 +86,21 @@ def main() -> None:
     args = p.parse_args()
 
     warm = warm_start(args.workdir, args.sft_steps)
+    settings = vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}
     runs = []
     for seed in args.seeds:
         for mode in args.modes:
             print(f"{mode} seed {seed} ...", flush=True)
             name = f"async-{mode}-seed{seed}"
-            run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+            try:
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+            except RuntimeError as failed:  # e.g. Ray's start-up timing out on a loaded machine: once more
+                print(f"  failed, running it again: {str(failed).splitlines()[-1]}", flush=True)
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
             metrics = Path(args.workdir).resolve() / "runs" / "quickstart" / name / "logs" / "metrics.jsonl"
             runs.append({"mode": mode, "seed": seed, **run, **mode_summary(run), **off_policy_summary(metrics)})
             r = runs[-1]
+            write_result("async_modes", {"settings": settings, "warm_start": warm, "runs": runs}, args.out)  # so far
             print(f"  s/step {r['s_per_step']:.3f}, hidden {r['hidden_share']:.0%}, greedy val "
                   f"{r['val_score_before']:.3f} -> {r['val_score']:.3f}, load (1 min) {r['load_before']['1m']:.1f} "
                   f"before, {r['load_after']['1m']:.1f} after", flush=True)
@@ -106,8 +112,7 @@ def main() -> None:
                           ("hidden_share", "hidden", ".0%"), ("val_gain", "val gain", "+.3f"),
                           ("val_gain_min", "min", "+.3f"), ("val_gain_max", "max", "+.3f"),
                           ("tis_weight_mean", "TIS w", ".3f")])
-    write_result("async_modes", {"settings": vars(args) | {"workdir": str(args.workdir), "out": str(args.out)},
-                                 "warm_start": warm, "runs": runs, "by_mode": summary}, args.out)
+    write_result("async_modes", {"settings": settings, "warm_start": warm, "runs": runs, "by_mode": summary}, args.out)
 
 
 if __name__ == "__main__":
