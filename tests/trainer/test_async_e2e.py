@@ -445,7 +445,8 @@ def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_wi
         return result
 
     trained = record_takes(run, lambda batch, metrics: batch["weight_versions"])
-    run.producer._generate, fleet.generate, fleet.client._continue = late, validation_generate, continue_during_validation
+    run.producer._generate, fleet.generate = late, validation_generate
+    fleet.client._continue = continue_during_validation
     fleet.pause_generation, fleet.continue_generation = pause_once_running, recording_continue
     fleet.client.continue_aborted = True
     tracker = Recorder()

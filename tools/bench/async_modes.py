@@ -46,7 +46,8 @@ def mode_summary(run: dict) -> dict:
     hidden = sum(steady(run["phases_s"].get("generate_hidden", zeros)))
     waited = sum(steady(run["phases_s"].get("generate_wait", run["phases_s"].get("generate", zeros))))
     return {"s_per_step": sum(step) / len(step), "s_per_step_median": statistics.median(step),
-            "hidden_share": hidden / (hidden + waited) if hidden + waited else 0.0, "val_score": run["val_score"], "val_gain": run["val_score"] - run["val_score_before"]}
+            "hidden_share": hidden / (hidden + waited) if hidden + waited else 0.0,
+            "val_score": run["val_score"], "val_gain": run["val_score"] - run["val_score_before"]}
 
 
 def off_policy_summary(metrics_jsonl: Path) -> dict:
