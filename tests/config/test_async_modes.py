@@ -5,6 +5,7 @@ from megarl.config import ConfigError, load_and_validate
 
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
 SPLIT = ["placement.mode=split", "placement.rollout_gpus=4"]
+TIS = ["actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"]
 
 
 def errors(*overrides: str) -> str:
@@ -17,7 +18,7 @@ def errors(*overrides: str) -> str:
 def test_overlap_needs_split_placement_and_the_error_names_the_keys(mode):
     message = errors(f"async_training.mode={mode}")
     assert f"async_training.mode={mode}" in message and "placement.mode=split" in message
-    assert load_and_validate(None, REQUIRED + SPLIT + [f"async_training.mode={mode}"]).async_training.mode == mode
+    assert load_and_validate(None, REQUIRED + SPLIT + TIS + [f"async_training.mode={mode}"]).async_training.mode == mode
 
 
 def test_sync_stays_the_default_and_needs_nothing():
@@ -46,6 +47,16 @@ def test_an_unknown_mode_or_policy_is_refused():
 def test_partial_rollouts_belong_to_fully_async(mode):
     message = errors(*SPLIT, f"async_training.mode={mode}", "async_training.partial_rollout=true")
     assert "async_training.partial_rollout=true" in message and "async_training.mode=fully_async" in message
-    config = load_and_validate(None, REQUIRED + SPLIT + ["async_training.mode=fully_async",
+    config = load_and_validate(None, REQUIRED + SPLIT + TIS + ["async_training.mode=fully_async",
                                                          "async_training.partial_rollout=true"])
     assert config.async_training.partial_rollout
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_async_modes_need_the_off_policy_correction(mode):
+    """Trained at version v on samples of version v - 1 or older: without truncated importance
+    sampling the gradient is the behaviour policy's; sync mode does not need it."""
+    message = errors(*SPLIT, f"async_training.mode={mode}")
+    assert f"async_training.mode={mode}" in message and "actor_rollout_ref.actor.tis_imp_ratio_cap" in message
+    assert load_and_validate(None, REQUIRED + SPLIT + TIS + [f"async_training.mode={mode}"])
+    assert load_and_validate(None, REQUIRED + SPLIT).actor_rollout_ref.actor.tis_imp_ratio_cap == -1

@@ -2,6 +2,7 @@
 one CPU-engine server on the other): which weights generated which batch, as the servers
 themselves report it (`meta_info.weight_version`); exact resume from a checkpoint that holds a
 generated, not yet trained batch; the staleness bound of fully_async."""
+import asyncio
 import os
 import signal
 import threading
@@ -53,6 +54,7 @@ def split_cluster(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory
     with tiny_grpo_cluster(
         tiny_assets, out, "placement.mode=split", "placement.rollout_gpus=1",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "async_training.mode=one_step_off",
+        "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",  # the off-policy correction async modes need
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.prompt_length=72",  # servers' context 80: room for the partial rollout's 64 tokens
@@ -98,6 +100,54 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
     assert [(index, version) for index, version, _ in seen_after] == [(2, 1)]
     for step in (2, 3):
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
+
+
+def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninterrupted_batches(split_cluster):
+    """A real SIGTERM to this process while the producer generates rollout 2 and step 2 trains
+    (the test_resume_e2e path, in process: a subprocess run costs minutes of start-up here): the
+    step finishes, the push waits for rollout 2, the checkpoint holds it, and the resumed run
+    trains step 3 on it. Steps 2 and 3 (metrics and uids) equal an uninterrupted run's."""
+    from megarl.checkpoint import find_resume_dir
+    from megarl.trainer.preemption import Preempted
+
+    cluster, trainer, out = split_cluster
+    reference = new_trainer(trainer, {"experiment_name": "sigterm_reference"})
+    expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
+    expected = Recorder()
+    reference.fit(expected)
+    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "sigterm_reference"))[1]
+
+    keys = {"experiment_name": "sigterm", "save_freq": -1, "resume_mode": "auto"}  # only the stop's checkpoint
+    stopped = new_trainer(trainer, keys)
+    stopped.load_state_dict(cluster.load_checkpoint(step_1))
+    generate, signalled = stopped.producer._generate, []
+
+    def signalling(index, version, prompt_indices, partial=None):
+        if index == 2 and not signalled:  # the producer thread, while the controller trains step 2
+            signalled.append(threading.current_thread() is not threading.main_thread())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(index, version, prompt_indices, partial)
+
+    stopped.producer._generate = signalling
+    uids = record_takes(stopped, lambda batch, metrics: list(batch["uid"]))
+    first = Recorder()
+    with pytest.raises(Preempted) as stop:
+        stopped.fit(first)
+    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
+    assert sorted(first.rows) == [2]  # the step it was in finished; the next did not start
+    resume_dir = find_resume_dir(stopped.config)  # what main_ppo resumes from (`latest`)
+    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+
+    resumed = new_trainer(trainer, keys)
+    resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
+    assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 1)]  # weights no checkpoint holds
+    uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
+    second = Recorder()
+    resumed.fit(second)
+    assert sorted(second.rows) == [3]
+    assert uids + uids_after == expected_uids[1:]
+    assert compared(first.rows[2]) == compared(expected.rows[2])
+    assert compared(second.rows[3]) == compared(expected.rows[3])
 
 
 def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster):
@@ -200,6 +250,25 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
 
 
+def partial_run(trainer, monkeypatch, name: str, data=None, **trainer_keys):
+    """A fully_async controller with partial rollouts (max_staleness 1) on the fixture's cluster,
+    whose training responses are 64 tokens (ignore_eos): long enough to be caught mid-generation.
+    `data`: another `data` config; `trainer_keys`: more `trainer.*` keys."""
+    from megarl.trainer import rl
+
+    sampling = rl.sampling_params
+    monkeypatch.setattr(rl, "sampling_params", lambda config, validation=False: replace(
+        sampling(config, validation), ignore_eos=not validation))
+    c = trainer.config
+    config = replace(c, data=data or c.data, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
+        c.actor_rollout_ref.rollout, response_length=64)))
+    keys = {"total_training_steps": STEPS, "experiment_name": name, "save_freq": -1, **trainer_keys}
+    return rl.RLTrainer(replace(config, trainer=replace(c.trainer, **keys),
+                                async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
+                                                       partial_rollout=True)),
+                        trainer.cluster, trainer.tokenizer, trainer.score_fn)
+
+
 def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_cluster, monkeypatch):
     """A push interrupts rollout 1 mid-generation (/pause_generation abort, push, /continue_generation):
     its samples continue with the new weights, the tokens carry both versions in the trained batch,
@@ -207,22 +276,9 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     training proceeds. Rollout 1 starts only when step 0 reaches its push, so the push finds it
     running; responses are 64 tokens (ignore_eos), so it is caught mid-generation."""
     from megarl.rollout.control import ServerControl
-    from megarl.trainer import rl
-
-    sampling = rl.sampling_params
-    monkeypatch.setattr(rl, "sampling_params", lambda config: replace(sampling(config), ignore_eos=True))
 
     cluster, trainer, _ = split_cluster
-    c = trainer.config
-    config = replace(c, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
-        c.actor_rollout_ref.rollout, response_length=64)))  # long enough to be caught mid-generation
-    from megarl.trainer.rl import RLTrainer
-
-    run = RLTrainer(replace(config, trainer=replace(c.trainer, total_training_steps=STEPS, experiment_name="partial",
-                                                    save_freq=-1),
-                            async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
-                                                   partial_rollout=True)),
-                    cluster, trainer.tokenizer, trainer.score_fn)
+    run = partial_run(trainer, monkeypatch, "partial")
     fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
     push_due, generate, produced = threading.Event(), run.producer._generate, {}
     fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
@@ -244,7 +300,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
                 time.sleep(0.005)
             time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
         pauses.append(time.monotonic())
-        pause()
+        return pause()
 
     trained = record_takes(run, lambda batch, metrics: (batch, metrics))
     run.producer._generate, fleet.pause_generation = late, pause_once_running
@@ -268,3 +324,146 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
         assert len(s.logprobs) == len(s.token_ids) == len(batch["weight_versions"][row])
         assert batch["rollout_log_probs"][row, :len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
     assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_check(split_cluster, monkeypatch):
+    """The server is killed by PID just after step 0's dead-server check found it alive, while
+    rollout 1 runs on it: the push's /pause_generation finds it dead, so the push waits for the
+    generation instead (cut short, it parks), restarts the server and pushes; step 1 sends only
+    the lost prompts again. Each prompt is trained once, in the uninterrupted schedule's batches."""
+    from megarl.data.sampler import EpochSampler
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    run = partial_run(trainer, monkeypatch, "partial_death")
+    fleet = cluster.rollout
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    control, restarts_before = ServerControl(victim["url"]), fleet.restarts[0]
+    running, generate, resumed = threading.Event(), run.producer._generate, []
+
+    def late(index, version, prompt_indices, partial=None):
+        resumed.append((index, partial is not None))
+        if index == 1 and partial is None:  # starts only once step 0 is at its push
+            assert running.wait(300), "step 0 never reached its push"
+        return generate(index, version, prompt_indices, partial)
+
+    dead_servers, pause, paused = fleet.dead_servers, fleet.pause_generation, []
+
+    def killed_after_the_check():
+        found = dead_servers()
+        if threading.current_thread() is threading.main_thread() and not running.is_set():
+            running.set()  # the check of step 0's push: rollout 1 starts; kill its server once it runs
+            kill_once_busy(control, victim["pid"])
+            deadline = time.monotonic() + 60
+            while not dead_servers():
+                assert time.monotonic() < deadline, "the killed server still reads as running"
+        return found
+
+    def recording_pause():
+        paused.append(pause())
+        return paused[-1]
+
+    trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
+    run.producer._generate, fleet.dead_servers, fleet.pause_generation = late, killed_after_the_check, recording_pause
+    fleet.client.continue_aborted, fleet.client.max_retries = True, 1
+    max_restarts, fleet.max_restarts = fleet.max_restarts, fleet.max_restarts + 1  # other tests restart it too
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.dead_servers, fleet.pause_generation = dead_servers, pause
+        fleet.client.continue_aborted, fleet.client.max_retries, fleet.max_restarts = False, 5, max_restarts
+    now = fleet.workers.call("status", timeout_s=30)[0]
+    assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
+    assert paused == [False, True, True]  # step 0's push found the server dead; the later ones paused
+    assert (1, True) in resumed  # rollout 1 was cut short and finished after the restart
+    sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
+    n = run.config.actor_rollout_ref.rollout.n
+    assert trained == [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_window(split_cluster, monkeypatch):
+    """Step 0's push aborts rollout 1 mid-generation; its samples are continued only once the
+    validation after step 1 has begun, so both run on the server together. Validation runs
+    between steps, never inside a push's /pause_generation .. /continue_generation window: none
+    of its answers is aborted or spans two weight versions, all are from the weights just pushed,
+    and the continued samples end with those weights."""
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    c = trainer.config
+    val_file = str(Path(c.data.train_files[0]).with_name("val.parquet"))
+    run = partial_run(trainer, monkeypatch, "partial_validation", replace(c.data, val_files=[val_file]),
+                      total_training_steps=2, test_freq=1)
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    timeline, validations = [], []  # (event, time); (server version, answers) per validation
+    push_due, validating, continued = threading.Event(), threading.Event(), threading.Event()
+    generate_rollout, pause, resume, generate = run.producer._generate, fleet.pause_generation, \
+        fleet.continue_generation, fleet.generate
+    continue_sample = fleet.client._continue
+
+    def late(index, version, prompt_indices, partial=None):
+        if index == 1:  # starts only once step 0 is at its push
+            assert push_due.wait(300), "step 0 never reached its push"
+        return generate_rollout(index, version, prompt_indices, partial)
+
+    def pause_once_running():
+        if not push_due.is_set():
+            push_due.set()
+            deadline = time.monotonic() + 120
+            while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "rollout 1 never ran"
+                time.sleep(0.005)
+        timeline.append(("pause", time.monotonic()))
+        return pause()
+
+    def recording_continue():
+        resume()
+        timeline.append(("continue", time.monotonic()))
+
+    async def continue_during_validation(session, index, prompt, sampling, j, sample, return_logprob):
+        if sample.finish_reason == "abort":  # aborted by step 0's push: wait for the validation
+            deadline = time.monotonic() + 300
+            while not validating.is_set():
+                assert time.monotonic() < deadline, "no validation started"
+                await asyncio.sleep(0.005)
+            continued.set()
+        return await continue_sample(session, index, prompt, sampling, j, sample, return_logprob)
+
+    def validation_generate(prompts, sampling, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return generate(prompts, sampling, *args, **kwargs)  # the producer's
+        timeline.append(("validation", time.monotonic()))
+        validating.set()
+        if len(validations) == 0:
+            assert continued.wait(300), "rollout 1 was not continued"
+        result = generate(prompts, sampling, *args, **kwargs)
+        timeline.append(("validated", time.monotonic()))
+        validations.append((fleet.weight_version, result.samples))
+        return result
+
+    trained = record_takes(run, lambda batch, metrics: batch["weight_versions"])
+    run.producer._generate, fleet.generate = late, validation_generate
+    fleet.client._continue = continue_during_validation
+    fleet.pause_generation, fleet.continue_generation = pause_once_running, recording_continue
+    fleet.client.continue_aborted = True
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.pause_generation, fleet.continue_generation, fleet.generate = pause, resume, generate
+        fleet.client.continue_aborted, fleet.client._continue = False, continue_sample
+    events = [name for name, _ in timeline]
+    # per step: its push (pause, continue), then its validation (greedy, then one sampled)
+    assert events == ["pause", "continue", "validation", "validated", "validation", "validated"] * 2, events
+    pushed = str(int(tracker.rows[1]["sync/weight_version"]))
+    for version, samples in validations:
+        answers = [s for per_prompt in samples for s in per_prompt]
+        assert answers and all(s.finish_reason != "abort" and s.weight_versions is None for s in answers)
+        assert {s.weight_version for s in answers} == {version}
+    assert validations[0][0] == pushed and "val/score" in tracker.rows[1] and "val/score" in tracker.rows[2]
+    # rollout 1 (trained at step 2), started before step 0's push, ended with the pushed weights
+    assert tracker.rows[2]["async/rollout_version"] == 0.0
+    assert all(v[-1] == pushed and len(set(v)) <= 2 for v in trained[1])

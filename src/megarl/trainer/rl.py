@@ -256,14 +256,17 @@ class RLTrainer:
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
         # Partial rollouts: the push interrupts the generation in flight, unless a server is dead (the
-        # push restarts it, which needs idle servers: then the generation parks first, as without).
+        # push restarts it, which needs idle servers: then the generation parks first, as without),
+        # also when it dies after this check, found by the pause.
         interrupt = c.async_training.partial_rollout and not cl.rollout.dead_servers()
         if self.producer is not None:
             with timer("wait_rollout"):  # the push lands between generations, or interrupts one
                 self.producer.pause(interrupt)
+                # the running requests abort and wait; they continue with the new weights
+                if interrupt and not cl.rollout.pause_generation():
+                    interrupt = False
+                    self.producer.pause()
         with timer("sync_weights"):
-            if interrupt:  # the running requests abort and wait; they continue with the new weights
-                cl.rollout.pause_generation()
             try:
                 metrics.update(cl.sync_weights())
             finally:

@@ -29,7 +29,7 @@ from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
 from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
-from megarl.rollout.control import ServerControl
+from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
@@ -249,11 +249,27 @@ class RolloutFleet:
     def servers(self) -> list[ServerControl]:
         return [ServerControl(url, self.api_key) for url in self.urls]
 
-    def pause_generation(self) -> None:
+    def pause_generation(self) -> bool:
         """Partial rollouts, before a push: every server aborts its running requests (the client
-        sends them on, to wait at the server) and holds new ones until `continue_generation`."""
+        sends them on, to wait at the server) and holds new ones until `continue_generation`.
+        Returns False, with the servers it had paused continued again, when one cannot be reached
+        because its process died (after the caller's check): the push must then wait for the
+        generation, which the dead server cuts short, and restart it first, as without partial
+        rollouts. An unreachable server still alive raises."""
+        paused = []
         for server in self.servers():
-            server.pause_generation("abort")
+            try:
+                server.pause_generation("abort")
+            except ServerError:
+                if not self.dead_servers():
+                    raise
+                log.warning("rollout server %s died before the push could pause it: the push waits for the "
+                            "generation in flight instead, and restarts the server", server.url)
+                for other in paused:
+                    other.continue_generation()
+                return False
+            paused.append(server)
+        return True
 
     def continue_generation(self) -> None:
         for server in self.servers():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from megarl.config.rules.async_modes import async_modes_fit_the_loop
+from megarl.config.rules.async_modes import async_modes_correct_off_policy, async_modes_fit_the_loop
 from megarl.config.rules.choices import (
     filter_groups_has_groups,
     gae_has_critic,
@@ -76,6 +76,7 @@ RULES: list[Rule] = [
     weight_check_needs_cpu_engine,
     placement_pools,
     async_modes_fit_the_loop,
+    async_modes_correct_off_policy,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     expert_parallel_fits_role,

@@ -35,3 +35,19 @@ def async_modes_fit_the_loop(config: ExperimentConfig, sizes: DerivedSizes) -> I
         yield f"algorithm.adv_estimator=remax is not supported with async_training.mode={a.mode} (use sync)"
     if config.actor_rollout_ref.rollout.agent.path:
         yield f"actor_rollout_ref.rollout.agent.path is not supported with async_training.mode={a.mode} (use sync)"
+
+
+def async_modes_correct_off_policy(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """In one_step_off and fully_async the trainer recomputes the old log-probs under its current
+    weights, but the batch was sampled by older ones (1..max_staleness versions): without the
+    importance weight min(exp(old - rollout), cap) per token, the policy gradient is that of the
+    behaviour policy, not the trained one (NeMo-RL's async GRPO likewise requires
+    `use_importance_sampling_correction`; AReaL's decoupled loss, verl's `rollout_correction`).
+    So the async modes need truncated importance sampling on.
+
+    Reads: async_training.mode, actor_rollout_ref.actor.tis_imp_ratio_cap
+    """
+    mode, cap = config.async_training.mode, config.actor_rollout_ref.actor.tis_imp_ratio_cap
+    if mode != "sync" and cap <= 0:
+        yield (f"async_training.mode={mode} trains on samples from older weights: it needs the off-policy "
+               f"correction actor_rollout_ref.actor.tis_imp_ratio_cap >= 1 (e.g. 2.0), not {cap}")
