@@ -184,6 +184,8 @@ class PromptRequest:
     sampling: SamplingParams
     return_logprob: bool = False
     rid: Optional[str] = None
+    return_routed_experts: bool = False  # see megarl.rollout.routed_experts
+    routed_experts_start_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,13 +239,21 @@ def parse_generate_body(body: Any) -> GenerateBody:
     samplings = _per_prompt(body.get("sampling_params"), count, "sampling_params")
     logprobs = _per_prompt(body.get("return_logprob", False), count, "return_logprob")
     rids = _per_prompt(body.get("rid"), count, "rid")
+    routed = _per_prompt(body.get("return_routed_experts", False), count, "return_routed_experts")
+    starts = _per_prompt(body.get("routed_experts_start_len", 0), count, "routed_experts_start_len")
     parsed = []
     for i in range(count):
         try:
             sampling = SamplingParams.from_json(samplings[i])
         except BadRequestError as e:
             raise BadRequestError(f"prompt {i}: {e}" if batched else str(e)) from None
-        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i]))
+        start = starts[i]
+        # SGLang 0.5.23 refuses a start outside [0, prompt tokens] (srt/managers/scheduler.py,
+        # handle_generate_request: the request is aborted); here with HTTP 400
+        if bool(routed[i]) and not (isinstance(start, int) and 0 <= start <= len(prompts[i])):
+            raise BadRequestError(f"routed_experts_start_len={start!r} must be an int in [0, {len(prompts[i])}] "
+                                  "(the number of input tokens)")
+        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], bool(routed[i]), start))
     batched = batched or any(p.sampling.n > 1 for p in parsed)
     return GenerateBody(parsed, batched)
 
