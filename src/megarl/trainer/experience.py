@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
+from megarl.algos.expert_load import expert_load
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import Prompt
@@ -159,6 +160,17 @@ def data_metrics(batch: Batch) -> dict:
         metrics.update({"advantages/mean": adv.mean().item(), "advantages/max": adv.max().item(),
                         "advantages/min": adv.min().item()})
     return metrics
+
+
+def expert_load_metrics(batch: Batch, num_experts: int) -> dict:
+    """`megarl.algos.expert_load` of the routes the batch carries (routing replay: the rollout's,
+    which the actor replays), over every routed prompt and response token; {} without routes."""
+    if "routed_experts" not in batch:
+        return {}
+    prompt = batch["prompt_routed_experts"][batch["prompt_mask"].bool()]
+    response = batch["routed_experts"][batch.response_tokens().bool()]
+    response = response[(response >= 0).all(-1).all(-1)]  # the last token has no route
+    return expert_load(torch.cat([prompt, response]), num_experts)
 
 
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
