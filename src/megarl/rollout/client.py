@@ -130,9 +130,13 @@ class RolloutClient:
         abort_urls: Optional[list[str]] = None,
         continue_aborted: bool = False,
         routed_experts: Optional[tuple[int, int]] = None,
+        server_urls: Optional[list[str]] = None,
     ):
         """`routed_experts`: (layers, top_k) of an MoE model whose routes every sample brings back
-        (routing replay; the servers run with `--enable-return-routed-experts`).
+        (routing replay; the servers run with `--enable-return-routed-experts`). `server_urls`:
+        send prompt i's requests to server i % len straight, not through `url`: sglang-router
+        0.3.2 (the newest) drops `return_routed_experts` from the requests it forwards (its
+        GenerateRequest has no such field), so routing replay goes around it.
         `abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
         `continue_aborted` (partial rollouts): a sample the server aborted (`/pause_generation`)
         is continued from its tokens instead of generated again (`_continue`)."""
@@ -146,6 +150,7 @@ class RolloutClient:
         self.abort_urls = abort_urls or [self.url]
         self.continue_aborted = continue_aborted
         self.routed_experts = routed_experts
+        self.server_urls = server_urls or []  # the fleet's own list: a restarted server's new URL shows
         self._aborting = threading.Event()
 
     # ---------------------------------------------------------------- public API
@@ -250,8 +255,9 @@ class RolloutClient:
     async def _attempt(
         self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
     ) -> list[Sample]:
+        url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
         try:
-            async with session.post(self.url + "/generate", json=payload) as resp:
+            async with session.post(url + "/generate", json=payload) as resp:
                 status, raw = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None

@@ -40,6 +40,7 @@ from megarl.rollout.protocol import (
     finish_length,
     finish_stop,
 )
+from megarl.rollout.fused_experts import memory_slot
 from megarl.rollout.routed_experts import RouteRecorder
 
 log = logging.getLogger(__name__)
@@ -331,16 +332,18 @@ class CPUEngine:
         """Copy HF-named tensors into the model (cast to its dtype); all-or-nothing. Returns the count."""
         self._check_weights_resident()
         targets = self.model.state_dict(keep_vars=True)
+        slots = []  # (parameter name, index into it, tensor): experts go into fused tensors
         for name, tensor in named_tensors:
-            if name not in targets:
+            slot = (name, ()) if name in targets else memory_slot(name, targets)
+            if slot is None:
                 raise BadRequestError(f"unknown weight name {name!r} for {type(self.model).__name__}")
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise BadRequestError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(targets[name].shape)}"
-                )
+            expected = tuple(targets[slot[0]][slot[1]].shape)
+            if tuple(tensor.shape) != expected:
+                raise BadRequestError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {expected}")
+            slots.append((*slot, tensor))
         with self._model_lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                targets[name].data.copy_(tensor)
+            for name, index, tensor in slots:
+                targets[name].data[index] = tensor
         return len(named_tensors)
 
     def load_weights_from_disk(self, model_path: str) -> None:

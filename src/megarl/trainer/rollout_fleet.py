@@ -120,7 +120,8 @@ class RolloutFleet:
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
                                     continue_aborted=config.async_training.partial_rollout,
-                                    routed_experts=_replayed_routes(config))
+                                    routed_experts=_replayed_routes(config),
+                                    server_urls=self.urls if _replayed_routes(config) else None)
 
     @property
     def weight_version(self) -> Optional[str]:
