@@ -1,6 +1,7 @@
 """Expert-load metrics of a step, against a hand count of HF's own routing on a tiny forward."""
 from collections import Counter
 
+import pytest
 import torch
 
 from megarl.data.batch import Batch
@@ -36,3 +37,18 @@ def test_expert_load_equals_a_hand_count_of_hf_routing(tmp_path):
     assert metrics["moe/tokens_per_expert_max"] == max(per_layer_max)
     assert abs(metrics["moe/load_imbalance"] - sum(m / mean for m in per_layer_max) / 2) < 1e-12
     assert expert_load_metrics(Batch.from_token_lists(prompts, responses), experts) == {}
+
+
+def test_replay_needs_an_moe_model(tmp_path):
+    from megarl.config import ConfigError, load_and_validate
+    from megarl.trainer.routing import routed_experts_layout
+
+    def layout(arch):
+        model = make_tiny_model(arch, tmp_path / arch, layers=2, hidden=32, heads=2, kv_heads=1, intermediate=16)
+        return routed_experts_layout(load_and_validate(None, [
+            "data.train_files=/d.parquet", f"actor_rollout_ref.model.path={model}", "trainer.nnodes=1",
+            "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.router_replay.mode=R3"]))
+
+    assert layout("qwen3_moe") == (2, 2, 8)  # layers, top_k, experts of the tiny Qwen3-MoE
+    with pytest.raises(ConfigError, match="router_replay.mode=R3 needs an MoE model"):
+        layout("qwen2")
