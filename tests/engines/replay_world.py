@@ -51,8 +51,12 @@ def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     out = {"routes": [[s.routed_experts for s in per] for per in samples], "batch": batch}
     for mode in ("R3", "disabled"):
         cfg = config(model_dir, world_size, 1, 1, None, None, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
-                     f"actor_rollout_ref.actor.router_replay.mode={mode}")
+                     f"actor_rollout_ref.actor.router_replay.mode={mode}",
+                     "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01",
+                     "actor_rollout_ref.actor.megatron.moe_z_loss_coeff=0.001")
         actor = ActorEngine(cfg)
+        tc = actor.transformer_config
+        out[f"{mode}_router_losses"] = (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff)
         log_probs = actor.compute_log_prob(batch, TEMPERATURE)["log_probs"]
         out[mode] = {"log_probs": log_probs, **rollout_mismatch(log_probs, batch["rollout_log_probs"], mask)}
         if mode == "R3":

@@ -34,7 +34,8 @@ def test_replayed_log_probs_equal_the_rollouts_and_step0_ppo_kl_is_zero(tmp_path
     assert replayed["training/rollout_log_probs_diff_max"] <= 1e-5
     assert free["training/rollout_log_probs_diff_max"] > 1e-3  # routes differ: the gap replay removes
     assert replayed["update"]["actor/ppo_kl"] == 0.0
-    assert replayed["update"]["actor/grad_norm"] > 0
+    assert replayed["update"]["actor/grad_norm"] > 0  # with the router losses of the config:
+    assert out["R3_router_losses"] == out["disabled_router_losses"] == ("aux_loss", 0.01, 0.001)
 
 
 def test_routes_reach_megatrons_router_rows_in_its_token_order():
