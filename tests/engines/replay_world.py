@@ -26,7 +26,8 @@ def rollout(model_dir: str, n: int = 2, max_new_tokens: int = 8):
     done, seqs = threading.Semaphore(0), []
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=TEMPERATURE, n=n, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
-        engine.submit(prompt, sampling, True, f"p{i}", lambda s: (seqs.append(s), done.release()), 0)
+        engine.submit(prompt, sampling, True, f"p{i}", lambda s: (seqs.append(s), done.release()),
+                      routed_experts_start_len=0)
     for _ in range(n * len(PROMPTS)):
         assert done.acquire(timeout=120)
     engine.shutdown()

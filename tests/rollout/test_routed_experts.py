@@ -25,7 +25,8 @@ def generate(engine, requests):
     done, seqs = threading.Semaphore(0), []
     total = 0
     for i, (prompt, sampling, start) in enumerate(requests):
-        engine.submit(prompt, sampling, True, f"r{i}", lambda s: (seqs.append(s), done.release()), start)
+        engine.submit(prompt, sampling, True, f"r{i}", lambda s: (seqs.append(s), done.release()),
+                      routed_experts_start_len=start)
         total += sampling.n
     for _ in range(total):
         assert done.acquire(timeout=120)

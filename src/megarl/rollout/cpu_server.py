@@ -276,7 +276,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
 
             rids.append(prompt.rid or uuid.uuid4().hex)
             start = prompt.routed_experts_start_len if prompt.return_routed_experts and engine.return_routed_experts else None
-            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, start)
+            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done,
+                          routed_experts_start_len=start)
             waits.extend(futures)
         seqs = await _wait_unless_disconnected(request, waits)
         if seqs is None:  # the client went away: stop its work, as SGLang does
