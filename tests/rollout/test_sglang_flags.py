@@ -141,7 +141,8 @@ def every_command() -> dict[str, list[str]]:
     """sglang_server_command on each of its code paths (and all together)."""
     full = dict(host="10.0.0.1", tp_size=16, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
-                multi_node=MultiNode(2, 1, "10.0.0.1:29500"), lora=LoraServing(8, ("q_proj", "down_proj")))
+                return_routed_experts=True, multi_node=MultiNode(2, 1, "10.0.0.1:29500"),
+                lora=LoraServing(8, ("q_proj", "down_proj")))
     commands = {"defaults": sglang_server_command("/m", 30000)}
     for key, value in full.items():
         commands[key] = sglang_server_command("/m", 30000, **{key: value})

@@ -400,3 +400,27 @@ def test_grpo_lora_trains_adapters_and_serves_them_adapter_only(ray_session, tin
     mask = second["response_mask"].bool()
     assert (second["old_log_probs"] - second["ref_log_probs"])[mask].abs().max() > 1e-3
     assert (second["rollout_log_probs"] - second["old_log_probs"])[mask].abs().max() < 1e-4
+
+
+def test_grpo_moe_replays_the_rollouts_routes(ray_session, tiny_assets, tmp_path):
+    """configs/tiny/grpo_moe.yaml: a tiny Qwen3-MoE with routing replay. The CPU engine's routes
+    come back with every sample and ride in the batch ([B, R, layers, top_k], -1 on the last
+    token, which was never an input); the actor scores with them: its log-probs equal the
+    rollout's at both steps (the second after a push), the one update of a step (the whole batch
+    is one mini-batch) starts from ppo_kl exactly 0, and the expert-load metrics are logged."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe_model", seed=0)
+    run = run_recipe("grpo_moe", tiny_assets, tmp_path, f"actor_rollout_ref.model.path={moe}", steps=2)
+    m = run.metrics
+    assert m["training/rollout_log_probs_diff_max"] <= TOL and m["sync/weight_version"] == 2, m
+    assert m["actor/ppo_kl"] == 0.0 and m["actor/grad_norm"] > 0, m
+    assert m["moe/tokens_per_expert_max"] >= m["moe/tokens_per_expert_mean"] > 0 and m["moe/load_imbalance"] >= 1
+    first, second = run.actor_batches
+    routes, mask = first["routed_experts"], first["response_mask"].bool()
+    assert routes.shape[2:] == (2, 2)  # layers, top_k
+    last = mask.sum(1) - 1
+    assert (routes[torch.arange(len(first)), last] == -1).all()
+    assert ((routes >= 0) & (routes < 8))[mask].sum() == (mask.sum() - len(first)) * 4
+    assert first["prompt_routed_experts"].shape[:2] == first["prompt_ids"].shape
+    assert (first["old_log_probs"] - first["rollout_log_probs"])[mask].abs().max() <= TOL

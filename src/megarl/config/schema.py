@@ -112,6 +112,10 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    # MoE router losses (megatron TransformerConfig's names): load-balancing (aux) loss and z-loss
+    # coefficients; 0 / null: off. Only training roles use them.
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
     use_distributed_optimizer: bool = True
     param_offload: bool = False
     grad_offload: bool = False
@@ -167,6 +171,15 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """Routing replay for MoE models (verl's `actor_rollout_ref.actor.router_replay.mode`):
+    "R3" replays the experts the rollout engine routed each token to in the actor's log-prob and
+    update passes; "disabled": the trainer routes on its own."""
+
+    mode: Literal["disabled", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["megatron"] = "megatron"
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
@@ -188,6 +201,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal[KL_TYPES] = "low_var_kl"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

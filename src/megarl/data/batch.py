@@ -3,6 +3,7 @@
 Layout, for B samples:
 
     prompt_ids, prompt_mask      [B, P]       left-padded: real tokens at the right end
+    prompt_routed_experts        [B, P, ...]  per prompt token (routing replay), left-padded likewise
     response_ids, response_mask  [B, R]       right-padded: real tokens from column 0 (mask 1 = real)
     any other tensor, ndim >= 2  [B, R, ...]  per response token: log-probs, advantages, values, ...
     any tensor, ndim == 1        [B]          per sample: rewards, scores, ...
@@ -17,7 +18,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+PROMPT_KEYS = ("prompt_ids", "prompt_mask", "prompt_routed_experts")
 
 
 class Batch:
@@ -51,7 +52,7 @@ class Batch:
         widths: dict[str, dict[str, int]] = {"prompt": {}, "response": {}}
         for key, t in self.tensors.items():
             if key in PROMPT_KEYS:
-                if t.dim() != 2:
+                if t.dim() != 2 and (key != "prompt_routed_experts" or t.dim() < 2):
                     raise ValueError(f"Batch: '{key}' must be [batch, prompt_len], got shape {tuple(t.shape)}")
                 widths["prompt"][key] = t.shape[1]
             elif t.dim() >= 2:

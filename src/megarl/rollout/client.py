@@ -26,6 +26,7 @@ import aiohttp
 from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.metrics import RequestRecord, RolloutMetrics, summarize
 from megarl.rollout.protocol import SamplingParams, error_message
+from megarl.rollout.routed_experts import decode_routed_experts
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -41,9 +42,13 @@ class Sample:
     text: str
     weight_version: Optional[str]
     weight_versions: Optional[list[str]] = None  # per token, for a partial rollout continued across versions
+    # routing replay: [prompt + len(token_ids) - 1, layers, top_k] int32, the experts every input
+    # position was routed to (SGLang's rows, megarl.rollout.routed_experts); None if not asked
+    routed_experts: Any = None
 
     @classmethod
-    def from_sglang(cls, output: dict[str, Any]) -> Sample:
+    def from_sglang(cls, output: dict[str, Any], routes_shape: Optional[tuple[int, int, int]] = None) -> Sample:
+        """`routes_shape`: (rows, layers, top_k) of the routed experts asked for (None: not asked)."""
         meta = output["meta_info"]
         finish = meta.get("finish_reason") or {}
         entries = meta.get("output_token_logprobs")
@@ -57,11 +62,22 @@ class Sample:
             matched=finish.get("matched"),
             text=output.get("text") or "",
             weight_version=meta.get("weight_version"),
+            routed_experts=_routes(meta, routes_shape),
         )
 
     @classmethod
     def aborted(cls) -> Sample:
         return cls([], [], "abort", None, "", None)
+
+
+def _routes(meta: dict[str, Any], shape: Optional[tuple[int, int, int]]):
+    if shape is None or shape[0] <= 0:
+        return None
+    if "routed_experts" not in meta:
+        if (meta.get("finish_reason") or {}).get("type") == "abort":
+            return None  # aborted before it ran
+        raise ValueError("the server returned no routed_experts (start SGLang with --enable-return-routed-experts)")
+    return decode_routed_experts(meta["routed_experts"], shape[0]).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -113,8 +129,15 @@ class RolloutClient:
         max_backoff_s: float = 10.0,
         abort_urls: Optional[list[str]] = None,
         continue_aborted: bool = False,
+        routed_experts: Optional[tuple[int, int]] = None,
+        server_urls: Optional[list[str]] = None,
     ):
-        """`abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
+        """`routed_experts`: (layers, top_k) of an MoE model whose routes every sample brings back
+        (routing replay; the servers run with `--enable-return-routed-experts`). `server_urls`:
+        send prompt i's requests to server i % len straight, not through `url`: sglang-router
+        0.3.2 (the newest) drops `return_routed_experts` from the requests it forwards (its
+        GenerateRequest has no such field), so routing replay goes around it.
+        `abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
         `continue_aborted` (partial rollouts): a sample the server aborted (`/pause_generation`)
         is continued from its tokens instead of generated again (`_continue`)."""
         self.url = url.rstrip("/")
@@ -127,6 +150,8 @@ class RolloutClient:
         self.abort_urls = abort_urls or [self.url]
         self.continue_aborted = continue_aborted
         self.lora_name: Optional[str] = None  # adapter-only LoRA sync: the adapter every request names
+        self.routed_experts = routed_experts
+        self.server_urls = server_urls or []  # the fleet's own list: a restarted server's new URL shows
         self._aborting = threading.Event()
 
     # ---------------------------------------------------------------- public API
@@ -201,6 +226,8 @@ class RolloutClient:
         """(samples, record, None), or with `keep_going` ([], record, why) for a prompt that got no answer."""
         payload = self._with_adapter(
             {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob})
+        if self.routed_experts is not None:
+            payload["return_routed_experts"] = True
         attempts = 0
         async with semaphore:
             while True:
@@ -234,8 +261,9 @@ class RolloutClient:
     async def _attempt(
         self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
     ) -> list[Sample]:
+        url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
         try:
-            async with session.post(self.url + "/generate", json=payload) as resp:
+            async with session.post(url + "/generate", json=payload) as resp:
                 status, raw = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None
@@ -251,7 +279,7 @@ class RolloutClient:
         outputs = body if isinstance(body, list) else [body]
         if len(outputs) != n:
             raise RolloutRequestError(index, status, f"expected {n} outputs, got {len(outputs)}")
-        samples = [Sample.from_sglang(o) for o in outputs]
+        samples = [Sample.from_sglang(o, self._routes_shape(payload, o)) for o in outputs]
         aborts = [o["meta_info"]["finish_reason"] for o, s in zip(outputs, samples) if s.finish_reason == "abort"]
         if aborts and not self._aborting.is_set():
             status_code = aborts[0].get("status_code")
@@ -260,6 +288,13 @@ class RolloutClient:
             if not self.continue_aborted:
                 raise _Retry(f"aborted by the server: {aborts[0].get('message')}")  # not ours: regenerate
         return samples
+
+    def _routes_shape(self, payload: dict[str, Any], output: dict[str, Any]) -> Optional[tuple[int, int, int]]:
+        """(rows, layers, top_k) of an answer's routes: positions [start_len, input + output - 1)."""
+        if self.routed_experts is None:
+            return None
+        rows = len(payload["input_ids"]) + len(output["output_ids"]) - 1 - payload.get("routed_experts_start_len", 0)
+        return (rows, *self.routed_experts)
 
     async def _continue(self, session: aiohttp.ClientSession, index: int, prompt: list[int],
                         sampling: SamplingParams, j: int, sample: Sample, return_logprob: bool) -> Sample:
@@ -278,6 +313,9 @@ class RolloutClient:
             payload = self._with_adapter(
                 {"input_ids": list(prompt) + list(sample.token_ids), "return_logprob": return_logprob,
                  "sampling_params": replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed).to_json()})
+            if self.routed_experts is not None:  # the routes of the positions not routed yet
+                start = 0 if sample.routed_experts is None else len(payload["input_ids"]) - 1
+                payload.update(return_routed_experts=True, routed_experts_start_len=start)
             try:
                 (part,) = await self._attempt(session, index, payload, 1)
             except _Retry:
@@ -288,6 +326,16 @@ class RolloutClient:
                 continue
             versions += [part.weight_version] * len(part.token_ids)
             logprobs = None if sample.logprobs is None or part.logprobs is None else sample.logprobs + part.logprobs
+            routes = _concat_routes(sample.routed_experts, part.routed_experts)
             sample = Sample(sample.token_ids + part.token_ids, logprobs, part.finish_reason, part.matched,
-                            sample.text + part.text, part.weight_version)
+                            sample.text + part.text, part.weight_version, routed_experts=routes)
         return replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample
+
+
+def _concat_routes(first, rest):
+    """A partial rollout's routes: the first part's, then the continuation's (None: none yet)."""
+    import torch
+
+    if first is None or rest is None:
+        return rest if first is None else first
+    return torch.cat([first, rest])

@@ -42,6 +42,7 @@ from megarl.rollout.protocol import (
     finish_length,
     finish_stop,
 )
+from megarl.rollout.routed_experts import RouteRecorder
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,13 @@ class Sequence:
     created_s: float = field(default_factory=time.monotonic)
     finished_s: Optional[float] = None
     lora: Optional[LoadedAdapter] = None  # the adapter the request named (None: the base model)
+    routed_experts_start_len: Optional[int] = None  # None: routes not asked for (return_routed_experts)
+    routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] per forward it was in
+
+    def routed_experts(self) -> torch.Tensor:
+        """[positions, layers, top_k]: the routes of the positions [routed_experts_start_len,
+        prompt + output - 1) (SGLang's rows: see megarl.rollout.routed_experts)."""
+        return torch.cat(self.routes)[self.routed_experts_start_len :]
 
 
 def sample_tokens(
@@ -159,13 +167,17 @@ class CPUEngine:
         weight_version: str = "default",
         batch_wait_s: float = 0.01,
         lora: Optional[LoraAdapters] = None,
+        return_routed_experts: bool = False,
     ):
         """`batch_wait_s`: before starting a batch, wait while requests keep arriving (a burst from
-        the client becomes one batch), for at most 20 such periods."""
+        the client becomes one batch), for at most 20 such periods. `return_routed_experts`:
+        SGLang's `--enable-return-routed-experts` (record the router's choices; MoE models)."""
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)
         self.model = load_causal_lm(model_path, self.dtype)
         self.config = self.model.config
+        self.return_routed_experts = return_routed_experts
+        self._route_recorder = RouteRecorder(self.model) if return_routed_experts else None
         self.tokenizer = load_tokenizer_if_present(model_path)
         self.eos_token_ids = eos_token_ids(model_path, self.config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -233,9 +245,11 @@ class CPUEngine:
         rid: Optional[str],
         on_done: Callable[[Sequence], None],
         lora_name: Optional[str] = None,
+        routed_experts_start_len: Optional[int] = None,
     ) -> list[Sequence]:
         """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample.
-        `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model)."""
+        `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model).
+        `routed_experts_start_len`: record routes (None: not asked, or not enabled)."""
         self.check_can_generate()
         self.check_prompt(prompt_ids, sampling)
         lora = self.lora.resolve(lora_name, self.model)
@@ -244,7 +258,8 @@ class CPUEngine:
             seqs = []
             for j in range(sampling.n):
                 seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
-                seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora))
+                seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora,
+                                     routed_experts_start_len=routed_experts_start_len))
             self._waiting.extend(seqs)
             self._cond.notify()
         return seqs
@@ -353,6 +368,9 @@ class CPUEngine:
         with self._model_lock:
             self.model = new_model
             self.model_path = model_path
+            if self._route_recorder is not None:
+                self._route_recorder.remove()
+                self._route_recorder = RouteRecorder(new_model)
 
     # ---------------------------------------------------------------- scheduler
     def is_alive(self) -> bool:
@@ -435,6 +453,17 @@ class CPUEngine:
         )
         return out.logits[:, -1, :].float()
 
+    def _record_routes(self, active: list[Sequence], input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """After a forward on `input_ids` [B, T]: append each asking sequence's routes at its real
+        (mask 1) positions of the last T columns."""
+        if self._route_recorder is None:
+            return
+        routes = self._route_recorder.take(*input_ids.shape)
+        real = mask[:, -input_ids.shape[1]:].bool()
+        for row, seq in enumerate(active):
+            if seq.routed_experts_start_len is not None:
+                seq.routes.append(routes[row][real[row]])
+
     @torch.no_grad()
     def _run_batch(self, batch: list[Sequence]) -> None:
         active = []
@@ -457,6 +486,7 @@ class CPUEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.config)
         logits = self._forward(input_ids, mask, positions, cache)
+        self._record_routes(active, input_ids, mask)
         last_pos = positions[:, -1]
         temperatures = torch.tensor([float(s.sampling.temperature) for s in active])
         top_ps = torch.tensor([float(s.sampling.top_p) for s in active])
@@ -492,4 +522,5 @@ class CPUEngine:
             mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype)], dim=1)
             last_pos = last_pos + 1
             logits = self._forward(tokens[:, None], mask, last_pos[:, None], cache)
+            self._record_routes(active, tokens[:, None], mask)
         self.last_gen_throughput = generated / max(time.monotonic() - started, 1e-9)

@@ -37,6 +37,7 @@ from megarl.rollout.cpu_engine import CPUEngine, Sequence
 from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
+from megarl.rollout.routed_experts import SERVER_FLAG, encode_routed_experts
 from megarl.rollout.weight_group import (
     destroy_process_group,
     init_custom_process_group,
@@ -164,6 +165,8 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     }
     if seq.return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+    if seq.routed_experts_start_len is not None and seq.routes:
+        meta["routed_experts"] = encode_routed_experts(seq.routed_experts())
     return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
 
 
@@ -275,7 +278,9 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                 loop.call_soon_threadsafe(_resolve, futures[seq.index], seq)
 
             rids.append(prompt.rid or uuid.uuid4().hex)
-            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path)
+            start = prompt.routed_experts_start_len if prompt.return_routed_experts and engine.return_routed_experts else None
+            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path,
+                          routed_experts_start_len=start)
             waits.extend(futures)
         seqs = await _wait_unless_disconnected(request, waits)
         if seqs is None:  # the client went away: stop its work, as SGLang does
@@ -461,6 +466,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-lora-rank", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=[], help="PEFT names, or all")
     p.add_argument("--log-level", default="warning")
+    p.add_argument(SERVER_FLAG, action="store_true", help="record routed experts (MoE; SGLang's flag)")
     return p.parse_args(argv)
 
 
@@ -478,6 +484,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         weight_version=args.weight_version,
         batch_wait_s=args.batch_wait_ms / 1000,
         lora=LoraAdapters(args.enable_lora, args.max_lora_rank, args.lora_target_modules),
+        return_routed_experts=args.enable_return_routed_experts,
     )
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+# SGLang 0.5.23 `srt/arg_groups/fields/exec_.py`: enable_return_routed_experts (routing replay)
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
 
 def cpu_server_command(
     model_path: str,
@@ -25,8 +28,10 @@ def cpu_server_command(
     random_seed: int = 0,
     num_threads: Optional[int] = None,
     lora: Optional[LoraServing] = None,
+    return_routed_experts: bool = False,
     python: str = sys.executable,
 ) -> list[str]:
+    """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`)."""
     cmd = [python, "-m", "megarl.rollout.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--dtype", dtype, "--max-running-requests", str(max_running_requests), "--random-seed", str(random_seed)]
     if api_key:
@@ -37,6 +42,8 @@ def cpu_server_command(
         cmd += ["--num-threads", str(num_threads)]
     if lora:
         cmd += lora.flags()
+    if return_routed_experts:
+        cmd += [ROUTED_EXPERTS_FLAG]
     return cmd
 
 
@@ -86,6 +93,7 @@ def sglang_server_command(
     context_length: Optional[int] = None,
     random_seed: Optional[int] = None,
     deterministic: bool = False,
+    return_routed_experts: bool = False,
     multi_node: Optional[MultiNode] = None,
     lora: Optional[LoraServing] = None,
     extra_args: Sequence[str] = (),
@@ -96,7 +104,8 @@ def sglang_server_command(
     process's CUDA_VISIBLE_DEVICES (`megarl.config.devices.visible_gpu_index`); `tp_size` is the server's whole TP size, over
     all its nodes with `multi_node`. `deterministic`: SGLang's `--enable-deterministic-inference`,
     the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
-    `sampling/sampling_batch_info.py`). Every flag here is one of SGLang 0.5.23's own
+    `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
+    (`--enable-return-routed-experts`, fields/exec_.py). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
     the wheel."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
@@ -110,6 +119,8 @@ def sglang_server_command(
         cmd += ["--enable-memory-saver"]
     if deterministic:  # fields/exec_.py: enable_deterministic_inference
         cmd += ["--enable-deterministic-inference"]
+    if return_routed_experts:  # fields/exec_.py: enable_return_routed_experts
+        cmd += [ROUTED_EXPERTS_FLAG]
     if api_key:
         cmd += ["--api-key", api_key]
     if context_length:

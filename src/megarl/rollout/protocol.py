@@ -185,6 +185,8 @@ class PromptRequest:
     return_logprob: bool = False
     rid: Optional[str] = None
     lora_path: Optional[str] = None  # the LoRA adapter's name (SGLang's field name), None: the base model
+    return_routed_experts: bool = False  # see megarl.rollout.routed_experts
+    routed_experts_start_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -239,13 +241,22 @@ def parse_generate_body(body: Any) -> GenerateBody:
     logprobs = _per_prompt(body.get("return_logprob", False), count, "return_logprob")
     rids = _per_prompt(body.get("rid"), count, "rid")
     loras = _per_prompt(body.get("lora_path"), count, "lora_path")
+    routed = _per_prompt(body.get("return_routed_experts", False), count, "return_routed_experts")
+    starts = _per_prompt(body.get("routed_experts_start_len", 0), count, "routed_experts_start_len")
     parsed = []
     for i in range(count):
         try:
             sampling = SamplingParams.from_json(samplings[i])
         except BadRequestError as e:
             raise BadRequestError(f"prompt {i}: {e}" if batched else str(e)) from None
-        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], loras[i]))
+        start = starts[i]
+        # SGLang 0.5.23 refuses a start outside [0, prompt tokens] (srt/managers/scheduler.py,
+        # handle_generate_request: the request is aborted); here with HTTP 400
+        if bool(routed[i]) and not (isinstance(start, int) and 0 <= start <= len(prompts[i])):
+            raise BadRequestError(f"routed_experts_start_len={start!r} must be an int in [0, {len(prompts[i])}] "
+                                  "(the number of input tokens)")
+        parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], lora_path=loras[i],
+                                    return_routed_experts=bool(routed[i]), routed_experts_start_len=start))
     batched = batched or any(p.sampling.n > 1 for p in parsed)
     return GenerateBody(parsed, batched)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
+from megarl.algos.expert_load import expert_load
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import Prompt
@@ -34,7 +35,33 @@ def experience_batch(prompts: Sequence[Prompt], responses: Sequence[Sequence[Any
     )
     width = batch.response_length
     batch["rollout_log_probs"] = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs], dtype=torch.float32)
+    routes = [s.routed_experts for samples in responses for s in samples]
+    if any(r is not None for r in routes):
+        batch["prompt_routed_experts"], batch["routed_experts"] = routed_experts_grids(
+            routes, batch["prompt_mask"], batch["response_mask"])
     return batch
+
+
+def routed_experts_grids(routes: Sequence[Any], prompt_mask: torch.Tensor,
+                         response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing replay: each sample's routes [P_i + R_i - 1, layers, top_k] (the rollout's, one row
+    per input position) as `prompt_routed_experts` [B, P, layers, top_k] (left-padded like
+    prompt_ids) and `routed_experts` [B, R, layers, top_k] (aligned with response_ids). The last
+    response token was never an input at generation, so it has no route: -1 there; 0 at padding."""
+    if any(r is None for r in routes):
+        raise ValueError("routing replay: some samples came back without routed experts")
+    b, width = response_mask.shape
+    prompt = torch.zeros(b, prompt_mask.shape[1], *routes[0].shape[1:], dtype=torch.int32)
+    response = torch.zeros(b, width, *routes[0].shape[1:], dtype=torch.int32)
+    for i, r in enumerate(routes):
+        p, n = int(prompt_mask[i].sum()), int(response_mask[i].sum())
+        if r.shape[0] != p + n - 1:
+            raise ValueError(f"sample {i}: {r.shape[0]} routed positions for {p} prompt + {n} response tokens "
+                             f"(expected {p + n - 1})")
+        r = torch.cat([r.to(torch.int32), r.new_full((1, *r.shape[1:]), -1, dtype=torch.int32)])  # + the last token
+        prompt[i, prompt.shape[1] - p:] = r[:p]
+        response[i, :n] = r[p:]
+    return prompt, response
 
 
 def score(batch: Batch, score_fn: Callable, tokenizer, config: ExperimentConfig, max_workers: int = 1) -> dict:
@@ -133,6 +160,17 @@ def data_metrics(batch: Batch) -> dict:
         metrics.update({"advantages/mean": adv.mean().item(), "advantages/max": adv.max().item(),
                         "advantages/min": adv.min().item()})
     return metrics
+
+
+def expert_load_metrics(batch: Batch, num_experts: int) -> dict:
+    """`megarl.algos.expert_load` of the routes the batch carries (routing replay: the rollout's,
+    which the actor replays), over every routed prompt and response token; {} without routes."""
+    if "routed_experts" not in batch:
+        return {}
+    prompt = batch["prompt_routed_experts"][batch["prompt_mask"].bool()]
+    response = batch["routed_experts"][batch.response_tokens().bool()]
+    response = response[(response >= 0).all(-1).all(-1)]  # the last token has no route
+    return expert_load(torch.cat([prompt, response]), num_experts)
 
 
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.config.devices import Devices, devices_from_config
+from megarl.trainer.routing import routed_experts_layout
 from megarl.trainer.inputs import (
     Kind,
     data_problems,
@@ -35,6 +36,11 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     problems += model_problems
     if not model_problems:
         problems += [p for p in [moe_tensor_parallel_problem(config)] if p]
+    if kind == "rl" and not model_problems:
+        try:
+            routed_experts_layout(config)
+        except ConfigError as problem:
+            problems.append(str(problem))
     rm = config.reward_model
     if kind == "rl" and rm.enable and rm.model.path and not model_problems:
         from megarl.engines.megatron.reward_model import check_tokenizer

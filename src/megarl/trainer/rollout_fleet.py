@@ -36,6 +36,7 @@ from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
 from megarl.sync.weight_sync import MEMORY_AFTER_PUSH
+from megarl.trainer.routing import routed_experts_layout
 from megarl.workers.rollout_worker import RolloutWorker
 
 log = logging.getLogger("megarl.rollout")
@@ -118,7 +119,9 @@ class RolloutFleet:
         self.restarts = [0] * len(self.urls)  # per server, over the run
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
-                                    continue_aborted=config.async_training.partial_rollout)
+                                    continue_aborted=config.async_training.partial_rollout,
+                                    routed_experts=_replayed_routes(config),
+                                    server_urls=self.urls if _replayed_routes(config) else None)
 
     @property
     def weight_version(self) -> Optional[str]:
@@ -297,3 +300,9 @@ class RolloutFleet:
                 self.workers.call("stop", timeout_s=60)
             finally:
                 self.workers.shutdown()
+
+
+def _replayed_routes(config) -> Optional[tuple[int, int]]:
+    """(layers, top_k) of the routes every sample brings back for routing replay, else None."""
+    layout = routed_experts_layout(config)
+    return None if layout is None else layout[:2]

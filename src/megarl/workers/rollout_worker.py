@@ -15,6 +15,7 @@ from typing import Optional
 import ray
 
 from megarl.config.devices import visible_gpu_index
+from megarl.config.rules.router_replay import replays_routes
 from megarl.net import free_port
 from megarl.rollout.launch import (
     LoraServing,
@@ -71,7 +72,8 @@ class RolloutWorker(RankedWorker):
             command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
                                          context_length=context, max_running_requests=r.max_concurrent_requests,
                                          random_seed=self.config.trainer.seed + server, num_threads=1,
-                                         lora=lora_serving(self.config))
+                                         lora=lora_serving(self.config),
+                                         return_routed_experts=replays_routes(self.config))
             env = dict(os.environ)
         else:
             # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
@@ -82,7 +84,8 @@ class RolloutWorker(RankedWorker):
                 mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
                 api_key=self.api_key, dtype=r.dtype, context_length=context,
                 random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
-                multi_node=multi_node, lora=lora_serving(self.config),
+                return_routed_experts=replays_routes(self.config), multi_node=multi_node,
+                lora=lora_serving(self.config),
             )
             env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
         self.multi_node = multi_node

@@ -33,6 +33,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.router_replay import router_replay_fits
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.values import (
     agent_settings,
@@ -80,6 +81,7 @@ RULES: list[Rule] = [
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     expert_parallel_fits_role,
+    router_replay_fits,
     batch_arithmetic,
 ]
 

@@ -23,6 +23,7 @@ from megarl.engines.megatron.model import (
     ModelSource,
     backbone_arch,
     build_chunks,
+    moe_settings,
     load_hf_weights,
     read_arch,
     transformer_engine_available,
@@ -33,6 +34,7 @@ from megarl.engines.megatron.lora import (LoraSpec, attach_lora, builds_with_tra
 from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
+from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, set_replay
 from megarl.engines.megatron.schedule import Head, run_schedule
 from megarl.engines.megatron.sequences import Layout, MicroBatch, fixed_shape, make_micro_batch, micro_batch_groups
 from megarl.engines.megatron.training import (
@@ -71,6 +73,7 @@ class MegatronEngine:
         recompute: bool = False,
         sequence_layout: Optional[Layout] = None,
         lora: Optional[LoraSpec] = None,
+        router_replay: bool = False,
     ):
         from megatron.core import parallel_state
 
@@ -95,7 +98,9 @@ class MegatronEngine:
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, recompute=recompute, transformer_engine=uses_te,
+            moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section),
         )
+        self._routers = replay_routers(self.model_chunks) if router_replay else []
         if source.kind == "hf":
             load_hf_weights(self.model_chunks, self.weight_map, self.layout, source.path, value_head, megatron_cfg.seed)
         else:
@@ -154,7 +159,9 @@ class MegatronEngine:
             multiple_of=self.layout.pp if interleaved else 1,
         )
         shape = fixed_shape(batch, groups, self.sequence_layout) if interleaved else None
-        return [make_micro_batch(batch, g, self.sequence_layout, self.arch.vocab_size, self.device, data_keys, shape)
+        routes = bool(self._routers) and all(k in batch for k in REPLAY_KEYS)
+        return [make_micro_batch(batch, g, self.sequence_layout, self.arch.vocab_size, self.device, data_keys, shape,
+                                 with_routes=routes)
                 for g in groups]
 
     def run(self, micro_batches: list[MicroBatch], head: Head, forward_only: bool) -> list[dict]:
@@ -163,7 +170,11 @@ class MegatronEngine:
         list of outputs comes back there ([] on other stages). Without `forward_only` the loss is
         back-propagated (gradients accumulate in DDP buffers)."""
         self.offloader.check_onloaded()
-        return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only)
+        replay = (lambda mb: set_replay(self._routers, mb.routes)) if self._routers else None
+        try:
+            return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only, replay)
+        finally:
+            set_replay(self._routers, None)
 
     def output_weight(self) -> torch.Tensor:
         """The output layer (this rank's vocabulary rows) of the last stage; the embedding when tied."""

@@ -26,7 +26,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -153,9 +153,11 @@ def build_chunks(
     value_head: bool,
     recompute: bool,
     transformer_engine: bool,
+    moe_settings: Optional[dict] = None,
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
-    megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head."""
+    megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head.
+    `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -170,6 +172,7 @@ def build_chunks(
         batch_p2p_comm=layout.vpp == 1,
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
     )
+    kwargs.update(moe_settings or {})
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = TransformerConfig(**kwargs)
@@ -196,6 +199,25 @@ def build_chunks(
         # and stays float32)
         chunks.append(chunk.to(device=device, dtype=params_dtype))
     return chunks, config
+
+
+def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: str) -> dict:
+    """`TransformerConfig` arguments from a role's `megatron` section for an MoE model: the
+    load-balancing loss (megatron's "aux_loss" type, `moe_aux_loss_coeff`), the z-loss
+    (`moe_z_loss_coeff`), and `moe_enable_routing_replay` for routing replay. A dense model takes
+    none of them; replay on a dense model is refused naming the key."""
+    if arch.moe is None:
+        if router_replay:
+            raise ValueError("actor_rollout_ref.actor.router_replay.mode=R3 needs an MoE model "
+                             f"({section}'s model has no experts); set it to disabled")
+        return {}
+    aux = float(megatron_cfg.moe_aux_loss_coeff)
+    out: dict = {"moe_enable_routing_replay": router_replay}
+    if aux > 0:
+        out.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux)
+    if megatron_cfg.moe_z_loss_coeff:
+        out["moe_z_loss_coeff"] = float(megatron_cfg.moe_z_loss_coeff)
+    return out
 
 
 def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:

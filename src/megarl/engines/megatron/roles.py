@@ -83,6 +83,7 @@ class ActorEngine(MegatronEngine):
             recompute=arr.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
             lora=lora_spec(arr.model.lora),
+            router_replay=arr.actor.router_replay.mode == "R3",
         )
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -14,12 +14,14 @@ from megarl.engines.megatron.sequences import MicroBatch
 Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forward_only: bool) -> list:
+def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forward_only: bool,
+                 before_forward: Optional[Callable[[MicroBatch], None]] = None) -> list:
     """Run `micro_batches` through the model `chunks` (one per virtual stage; DDP-wrapped to
     train). On the last pipeline stage `head` gets each micro-batch's hidden states at its
     response positions; the list of its outputs comes back there ([] on other stages). Without
     `forward_only`, megatron back-propagates each loss divided by the number of micro-batches
-    (gradients accumulate in the DDP buffers)."""
+    (gradients accumulate in the DDP buffers). `before_forward(mb)` runs before each micro-batch's
+    forward on each chunk (routing replay sets the routers' targets there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
@@ -27,6 +29,8 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forw
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        if before_forward is not None:
+            before_forward(mb)
         hidden = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                        packed_seq_params=mb.packed_seq_params)
         return hidden, functools.partial(_apply_head, head, mb)

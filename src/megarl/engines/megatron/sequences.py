@@ -24,6 +24,7 @@ import torch
 from megarl.data.batch import Batch
 from megarl.data.packing import pack
 from megarl.data.partition import token_budget_micro_batches
+from megarl.engines.megatron.replay import micro_batch_routes
 
 Layout = Literal["padded", "packed"]
 
@@ -40,6 +41,7 @@ class MicroBatch:
     token_index: torch.Tensor  # [N] int64: row of the flattened hidden states [S*b or T, H] per real response token
     targets: torch.Tensor  # [N] int64: the real response tokens, row-major
     data: dict[str, torch.Tensor] = field(default_factory=dict)  # the batch's other tensors, these rows
+    routes: Optional[torch.Tensor] = None  # [L, S*b or T, K] routing replay (megarl.engines.megatron.replay)
 
     @property
     def num_tokens(self) -> int:
@@ -110,11 +112,13 @@ def make_micro_batch(
     device: torch.device,
     data_keys: Sequence[str] = (),
     shape: Optional[tuple[int, int]] = None,
+    with_routes: bool = False,
 ) -> MicroBatch:
     """The micro-batch of `batch`'s samples `rows`; `data_keys` are the extra tensors (old
     log-probs, advantages, ...) the head needs, copied to `device`. With `shape` (see
     `fixed_shape`) the inputs are padded to exactly that size: padded layout, extra all-padding
-    sequences and columns; packed layout, one extra padding sequence (no response, never scored)."""
+    sequences and columns; packed layout, one extra padding sequence (no response, never scored).
+    `with_routes`: the batch's routed experts laid out for megatron's routers (routing replay)."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
     part = batch.select(index)
     packed = pack(part)  # checks that prompt/response tokens are one run each
@@ -139,6 +143,7 @@ def make_micro_batch(
         position_ids = torch.arange(longest).expand(sequences, -1).contiguous()
         flat = predict_at * sequences + torch.arange(b)[:, None]  # hidden states are [S, sequences, H]
         packed_seq_params = None
+        route_args = (packed.position_ids, sample_of_token, longest, sequences)
     elif layout == "packed":
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -152,6 +157,7 @@ def make_micro_batch(
             qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
             max_seqlen_q=max(packed.max_seqlen, filler), max_seqlen_kv=max(packed.max_seqlen, filler),
         )
+        route_args = (None, None, total, 1)
     else:
         raise ValueError(f"unknown sequence layout {layout!r}; choose 'padded' or 'packed'")
     data = {}
@@ -168,4 +174,5 @@ def make_micro_batch(
         token_index=flat[response_mask].to(device),
         targets=part["response_ids"][response_mask].long().to(device),
         data=data,
+        routes=micro_batch_routes(part, *route_args) if with_routes else None,
     )

@@ -1,0 +1,72 @@
+"""Routing replay ("R3") in megarl's megatron engine: the rollout's routed experts forced on
+megatron-core's routers (`transformer/moe/router_replay.py`, `moe_enable_routing_replay`).
+
+The batch carries `prompt_routed_experts` [B, P, L, K] and `routed_experts` [B, R, L, K]
+(megarl.trainer.experience.routed_experts_grids; -1: no route recorded, the last response
+token). A micro-batch's routes are laid out as megatron's routers see their tokens: the router
+flattens the hidden states [S, b, H] (padded) or [T, 1, H] (packed) to rows s * b + j, so
+`MicroBatch.routes` is [L, S * b or T, K]. Positions without a recorded route (padding, the last
+response token) get experts 0..K-1: their outputs never reach a scored token (causal attention,
+no token dropping), so any distinct experts do.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.data.batch import Batch
+
+REPLAY_KEYS = ("prompt_routed_experts", "routed_experts")
+
+
+def token_routes(part: Batch) -> torch.Tensor:
+    """[T_real, L, K] int64: the routes of `part`'s real tokens (prompt then response of sample 0,
+    then sample 1, ...): the order of `megarl.data.packing.pack`. Unknown routes -> 0..K-1."""
+    real = torch.cat([part["prompt_mask"], part.response_tokens()], 1).bool()
+    routes = torch.cat([part["prompt_routed_experts"], part["routed_experts"]], 1)[real].long()
+    unknown = (routes < 0).any(-1)
+    routes[unknown] = torch.arange(routes.shape[-1])
+    return routes
+
+
+def micro_batch_routes(part: Batch, positions: Optional[torch.Tensor], samples: Optional[torch.Tensor],
+                       rows: int, sequences: int) -> torch.Tensor:
+    """[L, rows * sequences, K] int64 for megatron's routers. Padded layout: the routes of real
+    token (sample j, position s) go to row s * sequences + j (`positions`, `samples` per real
+    token, `rows` = S). Packed layout (`positions` None): real tokens first, in order, in a
+    sequence of `rows` tokens (`sequences` = 1)."""
+    routes = token_routes(part)
+    layers, k = routes.shape[1:]
+    out = torch.arange(k).repeat(rows * sequences, layers, 1)
+    if positions is None:
+        out[: routes.shape[0]] = routes
+    else:
+        out[positions * sequences + samples] = routes
+    return out.transpose(0, 1).contiguous()
+
+
+def replay_routers(chunks: list) -> list[tuple[int, object]]:
+    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
+    found = []
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            replay = getattr(getattr(getattr(layer, "mlp", None), "router", None), "router_replay", None)
+            if replay is not None:
+                found.append((layer.layer_number - 1, replay))
+    return found
+
+
+def set_replay(routers: list[tuple[int, object]], routes: Optional[torch.Tensor]) -> None:
+    """Force `routes` [L, tokens, K] on the routers for the next forward (REPLAY_FORWARD; a full
+    recomputation in the backward pass of the same micro-batch sees the same target), or, with
+    None, let them route on their own. One target per router: set it before each forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for layer, replay in routers:
+        replay.clear_indices()
+        if routes is None:
+            replay.clear_router_replay_action()
+        else:
+            replay.set_target_indices(routes[layer])
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

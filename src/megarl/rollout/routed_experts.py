@@ -1,0 +1,72 @@
+"""Routed experts (routing replay, "R3"): which experts each token was routed to at generation.
+
+SGLang 0.5.23's contract, followed by the CPU engine and read by the client:
+- the server runs with `--enable-return-routed-experts` (`srt/arg_groups/fields/exec_.py`:
+  `enable_return_routed_experts`); without it no routes are returned;
+- a `/generate` request asks with `return_routed_experts: true` and may give
+  `routed_experts_start_len` (`srt/managers/io_struct.py`: `GenerateReqInput`), an absolute
+  position in [0, prompt tokens] (the scheduler aborts the request otherwise:
+  `srt/managers/scheduler.py`, `handle_generate_request`);
+- the answer's `meta_info["routed_experts"]` is base64 of int32 (`srt/managers/detokenizer_manager.py`:
+  `_b64_encode_per_request`; decoded by `srt/state_capturer/routed_experts.py`:
+  `extract_routed_experts_from_meta_info`), shape (tokens, num_hidden_layers, num_experts_per_tok)
+  in C order, rows for the sequence positions [start_len, prompt + output - 1)
+  (`srt/managers/scheduler_components/batch_result_processor.py`: `_maybe_collect_routed_experts`,
+  `srt/state_capturer/base.py`: `get_topk`): every token that went through the model as an input,
+  prompt included; the last output token is sampled but never fed in, so it has no row.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megarl.rollout.launch import ROUTED_EXPERTS_FLAG as SERVER_FLAG  # noqa: F401 (the server flag)
+
+
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """(tokens, layers, top_k) integer tensor -> SGLang's base64 of its int32 bytes (C order)."""
+    return base64.b64encode(routes.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode_routed_experts(encoded: str, tokens: int) -> torch.Tensor:
+    """SGLang's base64 string -> int32 tensor (tokens, layers * top_k); the caller knows `tokens`
+    (prompt + output - 1 - start_len) and splits the rest into (layers, top_k)."""
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if tokens == 0 or flat.size % tokens:
+        raise ValueError(f"routed_experts holds {flat.size} int32 values, not a multiple of {tokens} tokens")
+    return torch.from_numpy(flat.copy()).reshape(tokens, -1)
+
+
+def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The HF model's router modules in layer order (transformers 5: `*TopKRouter`, whose forward
+    returns (logits, weights, indices [tokens, top_k]): Qwen3-MoE, Qwen2-MoE and Mixtral)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RouteRecorder:
+    """Forward hooks on an HF MoE model's routers: after a forward on a [B, T] input, `take(B, T)`
+    returns [B, T, layers, top_k] int32, the experts each token was routed to in each layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        routers = hf_routers(model)
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router (*TopKRouter) to record routes from")
+        self._per_layer: list[Optional[torch.Tensor]] = [None] * len(routers)
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, layer: int):
+        def record(_module, _inputs, outputs):
+            self._per_layer[layer] = outputs[2].detach().to(torch.int32)
+        return record
+
+    def take(self, batch: int, length: int) -> torch.Tensor:
+        routes = torch.stack(self._per_layer, dim=1)  # [B*T, layers, top_k]
+        self._per_layer = [None] * len(self._per_layer)
+        return routes.reshape(batch, length, *routes.shape[1:])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
