@@ -2,8 +2,10 @@
 
 This is the model side of the CPU stand-in for an SGLang server (`cpu_server.py` puts it behind
 SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences,
-prefills them together (left-padded), then decodes them step by step, dropping finished rows from
-the KV cache. New requests wait for the running batch to finish.
+prefills them together (left-padded), then decodes them step by step over a KV cache allocated once
+per batch (`kv_cache.py`), dropping finished rows from it. Each decode step is one forward of the HF
+model over [B, 1] tokens (forward hooks on its modules see every step), one batched sample, and
+tensor checks for stop ids and lengths. New requests wait for the running batch to finish.
 
 Log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
 before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
