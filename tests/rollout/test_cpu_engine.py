@@ -106,7 +106,7 @@ def test_abort_stops_running_and_waiting_samples(engine):
     done = threading.Semaphore(0)
     long = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, n=2)
     seqs = engine.submit(PROMPTS[0], long, True, "long", lambda s: done.release())
-    while not any(s.output_ids for s in seqs):
+    while engine.decode_step == 0:  # tokens reach the Sequence when it finishes
         threading.Event().wait(0.005)
     assert engine.abort(rid="long") == 2
     assert done.acquire(timeout=30) and done.acquire(timeout=30)
@@ -154,12 +154,36 @@ def test_load_weights_is_all_or_nothing(engine):
 
 def test_sample_tokens_filters_but_reports_unfiltered_logprob():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2)
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    gens = {i: torch.Generator().manual_seed(i) for i in range(2)}
     tokens, logprobs = sample_tokens(logits, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 1.0]),
                                      torch.tensor([1, 1]), gens, torch.Generator())
     assert tokens.tolist() == [0, 0]  # top_k = 1 leaves only the argmax
     expected = torch.log_softmax(logits / torch.tensor([[1.0], [0.5]]), -1)[:, 0]
     assert torch.allclose(logprobs, expected)
+
+
+def test_sample_tokens_draws_what_per_row_multinomial_draws():
+    # The oracle is torch.multinomial itself, called per row as the engine used to: seeded rows on
+    # their own generators, the other sampled rows in one call on the shared one, greedy rows none.
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    temperatures = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 0.5])
+    top_ps, top_ks = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 0.8]), torch.tensor([50, 50, 50, 7, 50, 50])
+    seeds = {0: 11, 1: 12, 3: 13}  # row 1 is greedy: its generator must not draw
+    gens = {r: torch.Generator().manual_seed(s) for r, s in seeds.items()}
+    ref_gens = {r: torch.Generator().manual_seed(s) for r, s in seeds.items()}
+    shared, ref_shared = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(20):
+        tokens, _ = sample_tokens(logits, temperatures, top_ps, top_ks, gens, shared)
+        probs = torch.softmax(logits / temperatures.clamp(min=1e-9)[:, None], -1)
+        sorted_p, order = probs.sort(-1, descending=True)
+        cut = (torch.arange(50)[None] >= top_ks[:, None]) | (sorted_p.cumsum(-1) - sorted_p > top_ps[:, None])
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(cut, 0.0))
+        expected = logits.argmax(-1)
+        expected[[2, 4, 5]] = torch.multinomial(probs[[2, 4, 5]], 1, generator=ref_shared)[:, 0]
+        for row in (0, 3):
+            expected[row] = torch.multinomial(probs[row], 1, generator=ref_gens[row])[0]
+        assert tokens.tolist() == expected.tolist()
+    assert torch.equal(gens[1].get_state(), torch.Generator().manual_seed(12).get_state())
 
 
 @pytest.fixture(scope="module")

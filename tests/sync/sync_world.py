@@ -3,7 +3,7 @@ on), reused for every check so that processes start and import megatron once.
 
 `reshard_checks`: the resharder's HF tensors at several layouts, for comparison with the offline
 conversion. `expert_checks`: the same for a tiny Qwen3-MoE with expert parallelism (and a copy with
-two experts swapped, the negative control), then a disk push of it at TP1/EP2 into a CPU-engine
+two experts swapped, the negative control), then a checked distributed push of it at TP1/EP2 into a CPU-engine
 server and the log-probs on both sides. `servers_story`: an actor update, syncs into CPU-engine servers (distributed, a failed
 one and its retry, disk + colocated), and log-probs of the servers against the actor's.
 """
@@ -199,14 +199,14 @@ def expert_checks(rank: int, case: dict) -> dict:
 
 
 def expert_push(chunks: list, weights: WeightMap, case: dict) -> dict:
-    """The server serves another checkpoint of the same MoE (other seed); a disk push of the
-    actor's weights (each DP replica its share of the dense buckets, replica 0 the expert ones);
-    log-probs before and after."""
+    """The server serves another checkpoint of the same MoE (other seed); a distributed push of the
+    actor's weights (each DP replica its share of the dense buckets, replica 0 the expert ones, in
+    per-expert names), checked tensor by tensor against the server's checksums; log-probs before
+    and after."""
     vocab, urls = weights.arch.vocab_size, [case["url"]]
     out = {"before": compare(chunks, vocab, urls)}
     sync = WeightSync(chunks, weights, urls, SyncConfig(
-        transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=case["hf_dir"],
-        timeout_s=60))
+        transport="distributed", backend="gloo", bucket_bytes=case["bucket_bytes"], check_weights=True, timeout_s=60))
     out["metrics"] = sync.push()
     out["after"] = compare(chunks, vocab, urls)
     g = sync.groups

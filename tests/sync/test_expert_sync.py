@@ -4,7 +4,8 @@ The shared gloo world (conftest `sync_run`, sync_world.expert_checks) loads a ti
 experts, top-2) into `GPTModel` chunks at TP1/EP2, TP2/EP2/ETP1, TP2/EP2/ETP2 and PP2/EP2 and runs
 the resharder with buckets smaller than one layer's experts. The oracle is the checkpoint's own
 `model.safetensors`, as transformers' `save_pretrained` wrote it, read with safetensors: every HF
-tensor, per expert, bit for bit. Then a disk push at TP1/EP2 (DP 4: the replicas share the dense
+tensor, per expert, bit for bit. Then a distributed push at TP1/EP2, checked tensor by tensor
+against the server's checksums (DP 4: the replicas share the dense
 buckets, expert-DP replica 0 gathers the experts) into a CPU-engine server that started with
 another checkpoint, and log-probs of its greedy samples against the actor's.
 """
@@ -74,15 +75,16 @@ def test_swapping_two_experts_fails_the_oracle_for_exactly_those_experts(experts
 
 
 def test_expert_parallel_push_makes_the_server_serve_the_actor(experts):
-    _, ranks = experts
+    hf, ranks = experts
     push = [rank["push"] for rank in ranks]
     r = push[0]
     assert r["before"]["max_diff"] > 1e-2  # the server holds another checkpoint
     assert r["after"]["max_diff"] <= 1e-4, r["after"]
+    assert r["metrics"]["sync/checked_tensors"] == len(hf)  # every checkpoint tensor, each expert's too
     assert r["after"]["versions"] == [["1"]]
     assert r["metrics"]["sync/senders"] == 4  # DP 4: every replica's emitter sends dense buckets
     roles = [p["roles"] for p in push]
     assert [x["emits_experts"] for x in roles] == [True, False, False, False]
     assert [x["gathers_experts"] for x in roles] == [True, True, False, False]  # expert-DP replica 0: EP ranks 0, 1
-    print("expert sync (TP1/EP2, disk): log-prob gap before", r["before"]["max_diff"], "after", r["after"]["max_diff"])
+    print("expert sync (TP1/EP2, distributed, checked): log-prob gap before", r["before"]["max_diff"], "after", r["after"]["max_diff"])
 

@@ -8,8 +8,11 @@ has exactly `--max-new-tokens` tokens), same number of torch threads. Three ways
 * `engine`:       `CPUEngine` in-process (batched sampling with a KV cache, log-probs computed);
 * `engine_http`:  the CPU engine as a server (`cpu_server`), driven through `RolloutClient`.
 
-Each is run once to warm up, then `--repeats` times; the best run is reported, with the load
-averages before and after, in outputs/bench/rollout_engine.json.
+Each is run once to warm up, then `--repeats` rounds of all three in turn (interleaved, so load
+from other processes hits each alike). Reported per method: the best round's wall seconds, the
+spread of the per-round speed ratio vs `hf_generate`, and CPU seconds (this process's for the first
+two; the server's plus the client's for HTTP), which move less than wall time on a shared machine;
+with the load averages before and after, in outputs/bench/rollout_engine.json.
 
     .venv/bin/python tools/bench/rollout_engine.py --hidden 64 --layers 2 --vocab 128
 """
@@ -21,10 +24,12 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-from bench_common import DEFAULT_OUT, load_average, print_table, write_result
+from bench_common import DEFAULT_OUT, load_average, print_table, spread, write_result
 
 from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
@@ -50,40 +55,38 @@ def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(2, vocab, (count, length), generator=g).tolist()
 
 
-def time_hf_generate(model, prompts, n, max_new_tokens) -> float:
+def run_hf_generate(model, prompts, n, max_new_tokens) -> float:
     batch = torch.tensor([p for p in prompts for _ in range(n)])  # equal lengths: no padding needed
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config)
-    elapsed = time.perf_counter() - start
     assert out.shape[1] == batch.shape[1] + max_new_tokens
-    return elapsed
 
 
-def time_engine(engine, prompts, sampling) -> float:
+def run_engine(engine, prompts, sampling) -> None:
     done = threading.Semaphore(0)
-    start = time.perf_counter()
     groups = [engine.submit(p, sampling, True, None, lambda s: done.release()) for p in prompts]
     for _ in range(sum(len(g) for g in groups)):
         assert done.acquire(timeout=3600)
-    elapsed = time.perf_counter() - start
     assert all(len(s.output_ids) == sampling.max_new_tokens for g in groups for s in g)
-    return elapsed
 
 
-def time_http(client, prompts, sampling) -> float:
-    start = time.perf_counter()
+def run_http(client, prompts, sampling) -> None:
     result = client.generate(prompts, sampling)
-    elapsed = time.perf_counter() - start
     assert result.metrics.response_tokens == len(prompts) * sampling.n * sampling.max_new_tokens
-    return elapsed
 
 
-def best_of(repeats, fn) -> float:
-    fn()  # warm-up
-    return min(fn() for _ in range(repeats))
+def cpu_seconds(pids: tuple[int, ...]) -> float:
+    """User + system CPU seconds so far of these processes (all their threads)."""
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+
+
+def measure(fn, pids: tuple[int, ...]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of `pids`) of one call of `fn`."""
+    cpu, start = cpu_seconds(pids), time.perf_counter()
+    fn()
+    return time.perf_counter() - start, cpu_seconds(pids) - cpu
 
 
 def main() -> None:
@@ -108,36 +111,49 @@ def main() -> None:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n, ignore_eos=True)
         tokens = args.prompts * args.n * args.max_new_tokens
         batch = args.prompts * args.n
-        results = {}
-
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         params = sum(t.numel() for t in model.parameters())
-        results["hf_generate"] = best_of(
-            args.repeats, lambda: time_hf_generate(model, prompts, args.n, args.max_new_tokens)
-        )
-
         engine = CPUEngine(model_dir, max_running_requests=batch)
-        results["engine"] = best_of(args.repeats, lambda: time_engine(engine, prompts, sampling))
-        engine.shutdown()
-
         port = free_port("127.0.0.1")
         command = cpu_server_command(model_dir, port, max_running_requests=batch, num_threads=args.threads)
         server = ServerProcess("bench-cpu-server", command, f"http://127.0.0.1:{port}", startup_timeout_s=300)
         server.start()
+        me = (psutil.Process().pid,)
         try:
             client = RolloutClient(server.url, max_concurrency=args.prompts)
-            results["engine_http"] = best_of(args.repeats, lambda: time_http(client, prompts, sampling))
+            methods = {
+                "hf_generate": (lambda: run_hf_generate(model, prompts, args.n, args.max_new_tokens), me),
+                "engine": (lambda: run_engine(engine, prompts, sampling), me),
+                "engine_http": (lambda: run_http(client, prompts, sampling), (*me, server.pid)),
+            }
+            runs = {name: [] for name in methods}
+            for round_ in range(args.repeats + 1):  # round 0 warms up
+                for name, (fn, pids) in methods.items():
+                    wall, cpu = measure(fn, pids)
+                    if round_:
+                        runs[name].append((wall, cpu))
         finally:
             server.stop()
+            engine.shutdown()
 
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({params / 1e6:.2f} M params), "
           f"float32, {args.threads} torch threads")
     print(f"batch: {args.prompts} prompts x n={args.n} = {batch} sequences, prompt {args.prompt_len} tokens, "
           f"{args.max_new_tokens} new tokens each ({tokens} generated tokens)")
-    rows = [{"method": name, "seconds": seconds, "tokens_per_s": tokens / seconds,
-             "speed_vs_hf_generate": results["hf_generate"] / seconds} for name, seconds in results.items()]
-    print_table(rows, [("method", "method", "s"), ("seconds", "seconds", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
-                       ("speed_vs_hf_generate", "vs hf", ".2f")])
+    hf = runs["hf_generate"]
+    rows = []
+    for name, values in runs.items():
+        wall, cpu = min(w for w, _ in values), min(c for _, c in values)
+        ratios = [h / w for (h, _), (w, _) in zip(hf, values)]
+        rows.append({"method": name, "seconds": wall, "tokens_per_s": tokens / wall,
+                     "speed_vs_hf_generate": min(w for w, _ in hf) / wall, "ratio_per_round": spread(ratios),
+                     "cpu_seconds": cpu, "cpu_vs_hf_generate": min(c for _, c in hf) / cpu, "runs": values})
+    for row in rows:
+        row["ratio_min"], row["ratio_max"] = row["ratio_per_round"]["min"], row["ratio_per_round"]["max"]
+    print_table(rows, [("method", "method", "s"), ("seconds", "best s", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
+                       ("speed_vs_hf_generate", "vs hf", ".2f"), ("ratio_min", "round min", ".2f"),
+                       ("ratio_max", "round max", ".2f"), ("cpu_seconds", "cpu s", ".2f"),
+                       ("cpu_vs_hf_generate", "cpu vs hf", ".2f")])
     write_result("rollout_engine", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
                                     "parameters": params, "generated_tokens": tokens, "load_before": load_before,
                                     "load_after": load_average(), "rows": rows}, args.out)

@@ -2,8 +2,10 @@
 
 This is the model side of the CPU stand-in for an SGLang server (`cpu_server.py` puts it behind
 SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences,
-prefills them together (left-padded), then decodes them step by step, dropping finished rows from
-the KV cache. New requests wait for the running batch to finish.
+prefills them together (left-padded), then decodes them step by step over a KV cache allocated once
+per batch (`kv_cache.py`), dropping finished rows from it. Each decode step is one forward of the HF
+model over [B, 1] tokens (forward hooks on its modules see every step), one batched sample, and
+tensor checks for stop ids and lengths. New requests wait for the running batch to finish.
 
 Log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
 before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
@@ -29,12 +31,12 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     GenerationConfig,
 )
 
 from megarl.rollout.checkpoint_names import checkpoint_tensor
 from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied, by_adapter
+from megarl.rollout.kv_cache import preallocated_cache
 from megarl.rollout.protocol import (
     BadRequestError,
     SamplingParams,
@@ -121,35 +123,47 @@ def sample_tokens(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     top_ks: torch.Tensor,
-    generators: list[Optional[torch.Generator]],
+    generators: dict[int, torch.Generator],
     shared_generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return (tokens [B], log-probs [B]).
 
     logits [B, V] float32; temperatures [B] (0 = greedy); top_ps [B]; top_ks [B] (V = off).
-    Rows with their own generator (a `sampling_seed`) draw from it, the others from `shared_generator`
-    in one call. The log-prob is that of softmax(logits / T) before top-k/top-p filtering (SGLang's
-    default).
+    `generators` maps the rows with their own generator (a `sampling_seed`) to it; the other sampled
+    rows draw from `shared_generator` in one call. The log-prob is that of softmax(logits / T) before
+    top-k/top-p filtering (SGLang's default).
+
+    Draws are those of `torch.multinomial(probs, 1)`, which for one sample takes argmax(probs / q)
+    with q ~ Exp(1) drawn as one tensor shaped like `probs` (ATen `multinomial`'s one-sample fast
+    path): the shared rows' noise is one [R, V] draw, each seeded row's one [V] draw from its own
+    generator, so tokens equal per-row `multinomial` calls while the division and argmax run batched.
     """
     greedy = temperatures == 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    sampled_rows = (~greedy).nonzero()[:, 0].tolist()
-    if sampled_rows:
+    all_greedy = bool(greedy.all())
+    if not all_greedy:
         probs = logp.exp()
         if bool((top_ks < logits.shape[-1]).any() or (top_ps < 1).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             ranks = torch.arange(logits.shape[-1])[None, :]
             cut = (ranks >= top_ks[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_ps[:, None])
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(cut, 0.0))
-        shared = [r for r in sampled_rows if generators[r] is None]
-        if shared:
-            rows = torch.tensor(shared)
-            tokens[rows] = torch.multinomial(probs[rows], 1, generator=shared_generator)[:, 0]
-        for row in sampled_rows:
-            if generators[row] is not None:
-                tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+        shared = ~greedy
+        if generators:
+            shared[list(generators)] = False
+        if bool(shared.all()):
+            noise = torch.empty_like(probs).exponential_(generator=shared_generator)
+        else:
+            noise = torch.ones_like(probs)
+            if bool(shared.any()):
+                noise[shared] = torch.empty(int(shared.sum()), probs.shape[-1]).exponential_(generator=shared_generator)
+            greedy_rows = set(greedy.nonzero()[:, 0].tolist())
+            for row, generator in generators.items():
+                if row not in greedy_rows:
+                    noise[row].exponential_(generator=generator)
+        tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -189,6 +203,7 @@ class CPUEngine:
         self.released: set[str] = set()
         self.num_finished = 0
         self.last_gen_throughput = 0.0  # generated tokens/s of the last batch
+        self.decode_step = 0  # tokens sampled so far by each row of the running batch (0: idle or prefilling)
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self.batch_wait_s = batch_wait_s
@@ -199,6 +214,7 @@ class CPUEngine:
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
         self._stopped = False
+        self._abort_epoch = 0  # bumped by every abort that hits a sequence; the decode loop polls it
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -271,6 +287,8 @@ class CPUEngine:
             hit = [s for s in unfinished if abort_all or s.rid == rid]
             for seq in hit:
                 seq.abort_requested = True
+            if hit:
+                self._abort_epoch += 1
             waiting = [s for s in self._waiting if s.abort_requested]
             for seq in waiting:
                 self._waiting.remove(seq)
@@ -406,6 +424,7 @@ class CPUEngine:
                         self._finish(seq, finish_abort(seq.error))
             with self._cond:
                 self._running = []
+                self.decode_step = 0
 
     def _wait_for_burst(self) -> None:
         """Called holding `_cond`: return once the queue stopped growing for `batch_wait_s`."""
@@ -427,23 +446,31 @@ class CPUEngine:
         self.num_finished += 1
         seq.on_done(seq)
 
-    def _check_finished(self, seq: Sequence) -> Optional[dict[str, Any]]:
+    def _finish_reason(self, seq: Sequence, output_ids: list[int], length_done: bool) -> Optional[dict[str, Any]]:
         """SGLang's order: stop string, then stop token / EOS (unless ignore_eos), then length."""
         sp = seq.sampling
         if sp.stop:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            text = self.tokenizer.decode(output_ids, skip_special_tokens=sp.skip_special_tokens)
             for stop in sp.stop:
                 if stop in text:
                     return finish_stop(stop)
-        last = seq.output_ids[-1]
+        last = output_ids[-1]
         if not sp.ignore_eos and (last in sp.stop_token_ids or last in self.eos_token_ids):
             return finish_stop(last)
-        if len(seq.output_ids) >= sp.max_new_tokens:
+        if length_done:
             return finish_length(sp.max_new_tokens)
         return None
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        out = self.model(
+    def _stop_table(self, seqs: list[Sequence]) -> Optional[torch.Tensor]:
+        """[B, S] stop ids per row (stop_token_ids and EOS; none with ignore_eos), padded with -1; None if empty."""
+        rows = [[] if s.sampling.ignore_eos else sorted({*s.sampling.stop_token_ids, *self.eos_token_ids}) for s in seqs]
+        width = max(len(r) for r in rows)
+        if width == 0:
+            return None
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
+
+    def _forward(self, model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -466,6 +493,15 @@ class CPUEngine:
 
     @torch.no_grad()
     def _run_batch(self, batch: list[Sequence]) -> None:
+        """Prefill the batch left-padded, then decode one token for every row per step.
+
+        The KV cache is preallocated for the longest prompt plus the largest `max_new_tokens`; each
+        step is one forward over [B, 1] tokens (forward hooks see every step), one batched sample, and
+        tensor checks for stop ids and lengths. Python touches a row only when it finishes, is aborted,
+        has stop strings, or has its own seed (its generator draws per step). Finished rows leave the
+        cache; tokens and log-probs are copied to the `Sequence` when it finishes.
+        """
+        abort_epoch = self._abort_epoch
         active = []
         for seq in batch:
             if seq.abort_requested:
@@ -477,50 +513,71 @@ class CPUEngine:
         if not active:
             return
         started = time.monotonic()
+        model = self.model
         width = max(len(s.prompt_ids) for s in active)
+        budget = max(s.sampling.max_new_tokens for s in active)
         input_ids = torch.zeros(len(active), width, dtype=torch.long)
-        mask = torch.zeros(len(active), width, dtype=torch.long)
+        mask = torch.ones(len(active), width + budget, dtype=torch.long)  # columns past the prompt: generated
         for row, seq in enumerate(active):
             input_ids[row, width - len(seq.prompt_ids) :] = torch.tensor(seq.prompt_ids)
-            mask[row, width - len(seq.prompt_ids) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        logits = self._forward(input_ids, mask, positions, cache)
-        self._record_routes(active, input_ids, mask)
-        last_pos = positions[:, -1]
+            mask[row, : width - len(seq.prompt_ids)] = 0
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        cache = preallocated_cache(self.config, width + budget)
+        logits = self._forward(model, input_ids, mask[:, :width], positions, cache)
+        self._record_routes(active, input_ids, mask[:, :width])
+        next_pos = positions[:, -1:] + 1
         temperatures = torch.tensor([float(s.sampling.temperature) for s in active])
         top_ps = torch.tensor([float(s.sampling.top_p) for s in active])
         top_ks = torch.tensor([s.sampling.top_k if s.sampling.top_k_enabled else self.vocab_size for s in active])
-        generators = [None if s.seed is None else torch.Generator().manual_seed(s.seed) for s in active]
-        generated = 0
-        while active:
+        max_new = torch.tensor([s.sampling.max_new_tokens for s in active])
+        stop_ids = self._stop_table(active)
+        generators = {r: torch.Generator().manual_seed(s.seed) for r, s in enumerate(active) if s.seed is not None}
+        string_rows = [r for r, s in enumerate(active) if s.sampling.stop]
+        out_ids = torch.empty(len(active), budget, dtype=torch.long)
+        out_logprobs = torch.empty(len(active), budget)
+        generated, step = 0, 0
+        while True:
             tokens, logprobs = sample_tokens(logits, temperatures, top_ps, top_ks, generators, self._shared_generator)
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-            keep = []
-            for row, seq in enumerate(active):
-                if seq.abort_requested:
-                    self._finish(seq, finish_abort("Aborted by /abort_request while running."))
-                    continue
-                seq.output_ids.append(token_list[row])
+            out_ids[:, step], out_logprobs[:, step] = tokens, logprobs
+            step = self.decode_step = step + 1
+            ended = max_new <= step
+            if stop_ids is not None:
+                ended |= (tokens[:, None] == stop_ids).any(dim=-1)
+            ended_rows = set(ended.nonzero()[:, 0].tolist()) if bool(ended.any()) else set()
+            for row in string_rows:
+                if row not in ended_rows and self._finish_reason(active[row], out_ids[row, :step].tolist(), False):
+                    ended_rows.add(row)
+            aborted_rows = set()
+            if self._abort_epoch != abort_epoch:  # an /abort_request since the last look: find its rows
+                abort_epoch = self._abort_epoch
+                aborted_rows = {r for r, s in enumerate(active) if s.abort_requested}
+            generated += len(active) - len(aborted_rows)
+            for row in sorted(ended_rows | aborted_rows):
+                seq = active[row]
+                kept = step - 1 if row in aborted_rows else step  # an aborted row drops this step's token
+                seq.output_ids = out_ids[row, :kept].tolist()
                 if seq.return_logprob:
-                    seq.logprobs.append(logprob_list[row])
-                generated += 1
-                reason = self._check_finished(seq)
-                if reason is not None:
-                    self._finish(seq, reason)
+                    seq.logprobs = out_logprobs[row, :kept].tolist()
+                if row in aborted_rows:
+                    self._finish(seq, finish_abort("Aborted by /abort_request while running."))
                 else:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):
+                    self._finish(seq, self._finish_reason(seq, seq.output_ids, step >= seq.sampling.max_new_tokens))
+            if ended_rows or aborted_rows:
+                keep = [r for r in range(len(active)) if r not in ended_rows and r not in aborted_rows]
+                if not keep:
+                    break
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index)
+                new_row = {old: new for new, old in enumerate(keep)}
+                generators = {new_row[r]: g for r, g in generators.items() if r in new_row}
+                string_rows = [new_row[r] for r in string_rows if r in new_row]
                 active = [active[r] for r in keep]
-                mask, last_pos, tokens = mask[index], last_pos[index], tokens[index]
+                mask, next_pos, tokens, max_new = mask[index], next_pos[index], tokens[index], max_new[index]
                 temperatures, top_ps, top_ks = temperatures[index], top_ps[index], top_ks[index]
-                generators = [generators[r] for r in keep]
-            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype)], dim=1)
-            last_pos = last_pos + 1
-            logits = self._forward(tokens[:, None], mask, last_pos[:, None], cache)
-            self._record_routes(active, tokens[:, None], mask)
+                out_ids, out_logprobs = out_ids[index], out_logprobs[index]
+                if stop_ids is not None:
+                    stop_ids = stop_ids[index]
+            logits = self._forward(model, tokens[:, None], mask[:, : width + step], next_pos, cache)
+            self._record_routes(active, tokens[:, None], mask[:, : width + step])
+            next_pos = next_pos + 1
         self.last_gen_throughput = generated / max(time.monotonic() - started, 1e-9)

@@ -1,0 +1,68 @@
+"""A transformers KV cache whose full-attention layers write into buffers allocated once per batch.
+
+`DynamicLayer.update` concatenates every decode step (the whole cache is copied per token). The
+`PreallocatedLayer` here allocates [batch, kv_heads, capacity, head_dim] at the prefill and writes
+each step's keys/values in place, handing attention a view of the filled positions: same values,
+same shapes as `DynamicLayer`, no copy per token. Other layer kinds (sliding windows, indexers)
+stay as transformers builds them.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` holding at most `capacity` positions in buffers allocated at the first update."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, key_dim = key_states.shape
+        self._key_buffer = key_states.new_empty(batch, heads, self.capacity, key_dim)
+        self._value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.keys, self.values = self._key_buffer[:, :, :0], self._value_buffer[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write [batch, heads, new, dim] after the filled positions; return views of all filled ones."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {end} requested")
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (in that order), moved to the front of the same buffers."""
+        if not self.is_initialized:
+            return
+        length, rows = self.keys.shape[-2], len(indices)
+        self._key_buffer[:rows, :, :length] = self._key_buffer[indices, :, :length]
+        self._value_buffer[:rows, :, :length] = self._value_buffer[indices, :, :length]
+        self._key_buffer, self._value_buffer = self._key_buffer[:rows], self._value_buffer[:rows]
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def preallocated_cache(config, capacity: int) -> DynamicCache:
+    """A `DynamicCache` for `config` whose plain full-attention layers hold `capacity` positions each."""
+    cache = DynamicCache(config=config)
+    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
