@@ -380,19 +380,24 @@ def test_grpo_with_the_tensor_transport_serves_the_pushed_weights(ray_session, t
 
 
 # ------------------------------------------------------------------------------ LoRA
-def test_grpo_lora_trains_adapters_and_serves_them_adapter_only(ray_session, tiny_assets, tmp_path):
-    """configs/tiny/grpo_lora.yaml: the actor (TP2) trains rank-8 adapters on a frozen base and every
-    push sends only the adapters (`lora.sync=adapter`): a PEFT directory the servers load by name,
-    which every rollout request names. Step 2 samples from the adapter pushed after step 1's
-    update: the servers' log-probs equal the actor's (run_recipe's check, < 1e-4 in fp32), and
-    those differ from the step-1 policy's, so the servers apply the trained adapters. (Merged
-    sync: tests/engines/test_lora.py's push-path test.)"""
-    run = run_recipe("grpo_lora", tiny_assets, tmp_path, "actor_rollout_ref.actor.use_kl_loss=true", steps=2)
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_grpo_lora_trains_adapters_and_the_servers_serve_them(sync, ray_session, tiny_assets, tmp_path):
+    """configs/tiny/grpo_lora.yaml: the actor (TP2) trains rank-8 adapters on a frozen base. Each
+    push sends only the adapters (`lora.sync=adapter`: a PEFT directory the servers load by name,
+    which every rollout request names) or base + adapters merged (`lora.sync=merged`: the full
+    weights, the base restored after). Step 2 samples from what was pushed after step 1's update:
+    the servers' log-probs equal the actor's (run_recipe's check, < 1e-4 in fp32), and those
+    differ from the step-1 policy's, so the servers apply the trained adapters."""
+    run = run_recipe("grpo_lora", tiny_assets, tmp_path, "actor_rollout_ref.actor.use_kl_loss=true",
+                     f"actor_rollout_ref.model.lora.sync={sync}", steps=2)
     assert run.config.actor_rollout_ref.model.lora.rank == 8
-    assert run.config.actor_rollout_ref.model.lora.sync == "adapter"
+    assert run.config.actor_rollout_ref.model.lora.sync == sync
     m = run.metrics
     assert m["sync/weight_version"] == 2 and m["actor/grad_norm"] > 0, m
-    assert m["sync/adapter_tensors"] == 2 * 7 * 2, m  # 2 layers x 7 targets x (A, B)
+    if sync == "adapter":
+        assert m["sync/adapter_tensors"] == 2 * 7 * 2, m  # 2 layers x 7 targets x (A, B)
+    else:
+        assert "sync/adapter_tensors" not in m and m["sync/bytes"] > 0, m
     first, second = run.actor_batches
     # the reference is the base model: at step 1 (B = 0) the LoRA actor's log-probs equal it exactly
     assert torch.equal(first["old_log_probs"], first["ref_log_probs"])
