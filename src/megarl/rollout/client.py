@@ -209,9 +209,19 @@ class RolloutClient:
                 pass  # a server that cannot be reached has nothing running for us
 
     # ---------------------------------------------------------------- one prompt
-    def _with_adapter(self, payload: dict) -> dict:
-        """`payload` naming the LoRA adapter to generate with (SGLang's `lora_path`: an adapter name), if any."""
-        return payload if self.lora_name is None else {**payload, "lora_path": self.lora_name}
+    def _payload(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool,
+                 routed_experts_start_len: Optional[int] = None) -> dict[str, Any]:
+        """A `/generate` body for one prompt: with the LoRA adapter to generate with (SGLang's
+        `lora_path`, an adapter name) if any, and with routing replay the request for routed
+        experts (from position `routed_experts_start_len`, if given)."""
+        payload = {"input_ids": input_ids, "sampling_params": sampling.to_json(), "return_logprob": return_logprob}
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
+        if self.routed_experts is not None:
+            payload["return_routed_experts"] = True
+            if routed_experts_start_len is not None:
+                payload["routed_experts_start_len"] = routed_experts_start_len
+        return payload
 
     async def _generate_one(
         self,
@@ -224,10 +234,7 @@ class RolloutClient:
         keep_going: bool,
     ) -> tuple[list[Sample], RequestRecord, Optional[str]]:
         """(samples, record, None), or with `keep_going` ([], record, why) for a prompt that got no answer."""
-        payload = self._with_adapter(
-            {"input_ids": list(prompt), "sampling_params": sampling.to_json(), "return_logprob": return_logprob})
-        if self.routed_experts is not None:
-            payload["return_routed_experts"] = True
+        payload = self._payload(list(prompt), sampling, return_logprob)
         attempts = 0
         async with semaphore:
             while True:
@@ -310,12 +317,10 @@ class RolloutClient:
             if left <= 0:
                 break
             seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
-            payload = self._with_adapter(
-                {"input_ids": list(prompt) + list(sample.token_ids), "return_logprob": return_logprob,
-                 "sampling_params": replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed).to_json()})
-            if self.routed_experts is not None:  # the routes of the positions not routed yet
-                start = 0 if sample.routed_experts is None else len(payload["input_ids"]) - 1
-                payload.update(return_routed_experts=True, routed_experts_start_len=start)
+            input_ids = list(prompt) + list(sample.token_ids)
+            start = 0 if sample.routed_experts is None else len(input_ids) - 1  # the positions not routed yet
+            payload = self._payload(input_ids, replace(sampling, n=1, max_new_tokens=left, sampling_seed=seed),
+                                    return_logprob, routed_experts_start_len=start)
             try:
                 (part,) = await self._attempt(session, index, payload, 1)
             except _Retry:
