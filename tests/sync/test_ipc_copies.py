@@ -9,6 +9,7 @@ import torch
 
 from ipc_world import EMITTERS, SERVER_TP, bucket_tensors, relay_world
 from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.sync.ipc_copies import copies_on_gpu
 
 # the planner's colocated layout, by hand: actor rank g on GPU g; server 0 on GPU 0, server 1 on GPUs 1, 2, 3
 PEERS = [[0], [1, 2, 3]]
@@ -61,3 +62,13 @@ def test_a_refused_request_ends_that_emitters_turn_with_an_error_naming_the_serv
         assert [r["weight_version"] for r in records] == [None, None, None]
         assert [r["refused"] for r in records] == [False, False, server == 1]
     assert [r["refused"]["held_after_release"] for r in ranks] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("device_types, on_gpu", [
+    (["cuda", "cuda"], True),  # the actor trains on its GPU: CUDA IPC handles
+    (["cpu", "cpu"], False),  # trainer.device=cpu, on any host (a GPU host too): shared memory
+    (["cuda", "cpu"], True),  # some parameters on the GPU: the buckets are gathered there
+    ([], False),
+])
+def test_the_copies_live_on_the_actors_device_not_the_hosts(device_types, on_gpu):
+    assert copies_on_gpu(device_types) is on_gpu

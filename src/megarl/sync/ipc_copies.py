@@ -93,6 +93,15 @@ def _empty_copy(nbytes: int, on_gpu: bool) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+def copies_on_gpu(parameter_device_types) -> bool:
+    """Where the tensor transport's bucket copies live, from the device types of the actor's
+    parameters ("cuda", "cpu", ...): on the GPU when the actor trains there, whatever else the host
+    has. A CUDA IPC handle names GPU memory and opens only on that GPU (torch.multiprocessing, "CUDA
+    in multiprocessing"); CPU copies are shared through this host's shared memory. The parameters
+    are on their device at every push (offload brings them back first)."""
+    return "cuda" in set(parameter_device_types)
+
+
 def entries_for(peers: Sequence[Sequence[int]], by_rank: Sequence[object]) -> Entries:
     """entries[s][r] = the entry serialised by actor rank peers[s][r]; raises on a rank's error
     (a string starting 'error: ') or a missing entry."""

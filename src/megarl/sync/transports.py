@@ -187,11 +187,12 @@ class TensorTransport:
 
     uses_session = True
 
-    def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1):
+    def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1, on_gpu: bool = False):
         """`rank`, `world_size`: this emitter's rank in the actor's world and its size (the
-        planner's colocated layout says which actor rank sits on each server GPU)."""
+        planner's colocated layout says which actor rank sits on each server GPU); `on_gpu`: the
+        copies are CUDA memory (`ipc_copies.copies_on_gpu`)."""
         self.servers, self.rank, self.world_size = list(servers), rank, world_size
-        self.on_gpu = torch.cuda.is_available()
+        self.on_gpu = on_gpu
         self._tp_sizes: Optional[dict[str, int]] = None
         self.peers: Optional[list[list[int]]] = None  # per-TP-rank copies: peers[s][r] serialises entry r of server s
         self._held: list[torch.Tensor] = []  # one shared copy: this stream's copies, alive until finish_stream

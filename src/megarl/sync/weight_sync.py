@@ -60,7 +60,7 @@ import torch.distributed as dist
 from megarl.bridge import WeightMap
 from megarl.rollout.control import ServerError
 from megarl.sync.groups import ParallelGroups
-from megarl.sync.ipc_copies import IpcRelay
+from megarl.sync.ipc_copies import IpcRelay, copies_on_gpu
 from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
 from megarl.sync.servers import SyncServer, on_all
@@ -190,9 +190,11 @@ class WeightSync:
         self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0
+        # the tensor transport's copies live on the actor's device (one decision for transport and relay)
+        self.copies_on_gpu = copies_on_gpu(p.device.type for chunk in model_chunks for p in chunk.parameters())
         self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
         # tensor transport: every rank serialises its own copy of each bucket (ipc_copies); collective
-        self.relay = (IpcRelay(self.groups.is_emitter, torch.cuda.is_available(), config.timeout_s,
+        self.relay = (IpcRelay(self.groups.is_emitter, self.copies_on_gpu, config.timeout_s,
                                self.groups.world_group) if config.transport == "tensor" else None)
         self.send_lock: Optional[SendLock] = self._make_send_lock()
         self._held: Optional[HFBucket] = None
@@ -226,7 +228,8 @@ class WeightSync:
         if c.transport == "distributed":
             return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.timeout_s)
         if c.transport == "tensor":
-            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size())  # actor rank = plan order
+            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size(),  # actor rank = plan order
+                                   on_gpu=self.copies_on_gpu)
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
 
     # ------------------------------------------------------------------ the push
