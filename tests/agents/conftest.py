@@ -4,10 +4,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.launch import cpu_server_command
-from megarl.rollout.process import ServerProcess
+from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 
 @pytest.fixture(scope="session")
@@ -22,11 +21,11 @@ def tokenizer(tiny_dir):
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_dir, tmp_path_factory):
-    port = free_port("127.0.0.1")
     log = tmp_path_factory.mktemp("agents-server") / "server.log"
-    proc = ServerProcess("agents-cpu", cpu_server_command(tiny_dir, port, num_threads=1), f"http://127.0.0.1:{port}",
-                         log_path=str(log), startup_timeout_s=120)
-    proc.start()
+    proc = start_on_a_free_port(
+        lambda port: ServerProcess("agents-cpu", cpu_server_command(tiny_dir, port, num_threads=1),
+                                   f"http://127.0.0.1:{port}", log_path=str(log), startup_timeout_s=120),
+        "127.0.0.1")
     yield proc
     proc.stop()
 

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from megarl.net import free_port
 from megarl.rollout.launch import cpu_server_command
-from megarl.rollout.process import ServerProcess
+from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 VOCAB = 128
 CONTEXT = 256
@@ -46,16 +46,11 @@ def hf_logprobs(model, prompt, response, temperature):
 
 
 def start_cpu_server(model_dir, tmp_path, name, api_key=None):
-    port = free_port("127.0.0.1")
-    proc = ServerProcess(
-        name,
-        cpu_server_command(model_dir, port, api_key=api_key, num_threads=1),
-        f"http://127.0.0.1:{port}",
-        log_path=str(tmp_path / f"{name}.log"),
-        startup_timeout_s=120,
-    )
-    proc.start()
-    return proc
+    def server_on(port):
+        return ServerProcess(name, cpu_server_command(model_dir, port, api_key=api_key, num_threads=1),
+                             f"http://127.0.0.1:{port}", log_path=str(tmp_path / f"{name}.log"), startup_timeout_s=120)
+
+    return start_on_a_free_port(server_on, "127.0.0.1")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,10 @@
-"""The pure pieces of surviving a dead rollout server: how an exit is described, which answers
-carry the wrong weights, and a client that keeps going past prompts that got no answer."""
+"""Surviving a dead rollout server: how an exit is described, which answers carry the wrong
+weights, a client that keeps going past prompts that got no answer, and a server whose port was
+taken before it bound it."""
 import socket
+import sys
+
+import pytest
 
 from megarl.rollout.client import RolloutClient, Sample, stale_reason
 from megarl.rollout.process import exit_description
@@ -40,3 +44,38 @@ def test_keep_going_returns_the_prompts_that_got_no_answer():
     assert result.samples == [[], []] and sorted(result.failed) == [0, 1]
     assert "gave up after 2 attempts" in result.failed[0]
     assert [r.attempts for r in result.records] == [2, 2] and result.metrics.retried_requests == 2
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another_port(tiny_model_dir, tmp_path):
+    """A free port is only free until someone binds it. The first start gets a port another
+    process listens on: the CPU server's uvicorn says so in its log, and the server starts again on
+    a new port. A start that fails for another reason is not retried."""
+    from megarl.rollout.launch import cpu_server_command
+    from megarl.rollout.process import ServerProcess, ServerStartError, start_on_a_free_port
+
+    ports = []
+
+    def server_on(port, model=tiny_model_dir):
+        ports.append(port if ports else taken.getsockname()[1])
+        return ServerProcess("cpu-port", cpu_server_command(model, ports[-1], num_threads=1),
+                             f"http://127.0.0.1:{ports[-1]}", log_path=str(tmp_path / "cpu-port.log"),
+                             startup_timeout_s=120)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = start_on_a_free_port(server_on, "127.0.0.1")
+        try:
+            assert len(ports) == 2 and ports[0] != ports[1] and server.url == f"http://127.0.0.1:{ports[1]}"
+            assert server.is_running()
+        finally:
+            server.stop()
+    assert "address already in use" in (tmp_path / "cpu-port.log").read_text()
+
+    ports.clear()  # a start that fails for another reason (a process that exits at once): no retry
+    exits = lambda port: ServerProcess("exits", [sys.executable, "-c", "raise SystemExit(3)"],  # noqa: E731
+                                       f"http://127.0.0.1:{ports.append(port) or port}",
+                                       log_path=str(tmp_path / "exits.log"), startup_timeout_s=30)
+    with pytest.raises(ServerStartError) as failed:
+        start_on_a_free_port(exits, "127.0.0.1")
+    assert len(ports) == 1 and not failed.value.port_taken

@@ -9,12 +9,11 @@ import requests
 import torch
 
 from megarl.bridge.lora import AdapterName, write_peft_adapter
-from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerError
 from megarl.rollout.cpu_engine import CPUEngine
 from megarl.rollout.launch import LoraServing, cpu_server_command
-from megarl.rollout.process import ServerProcess
+from megarl.rollout.process import ServerProcess, start_on_a_free_port
 from megarl.rollout.protocol import BadRequestError, SamplingParams
 from megarl.sync.servers import SyncServer
 
@@ -46,11 +45,14 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = free_port("127.0.0.1")
-    command = cpu_server_command(tiny_model_dir, port, num_threads=1, lora=LoraServing(RANK, TARGETS))
-    proc = ServerProcess("cpu-lora", command, f"http://127.0.0.1:{port}",
-                         log_path=str(tmp_path_factory.mktemp("logs") / "cpu-lora.log"), startup_timeout_s=120)
-    proc.start()
+    logs = tmp_path_factory.mktemp("logs")
+
+    def server_on(port):
+        command = cpu_server_command(tiny_model_dir, port, num_threads=1, lora=LoraServing(RANK, TARGETS))
+        return ServerProcess("cpu-lora", command, f"http://127.0.0.1:{port}", log_path=str(logs / "cpu-lora.log"),
+                             startup_timeout_s=120)
+
+    proc = start_on_a_free_port(server_on, "127.0.0.1")
     yield proc
     proc.stop(timeout_s=15)
 

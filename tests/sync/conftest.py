@@ -15,9 +15,8 @@ from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_t
 from megarl.bridge.safetensors_io import HFCheckpointReader  # noqa: E402
 from megarl.data.tiny_model import make_tiny_model  # noqa: E402
 from megarl.engines.megatron.cpu import run_gloo_workers  # noqa: E402
-from megarl.net import free_port  # noqa: E402
 from megarl.rollout.launch import cpu_server_command  # noqa: E402
-from megarl.rollout.process import ProcessMonitor, ServerProcess  # noqa: E402
+from megarl.rollout.process import ProcessMonitor, ServerProcess, start_on_a_free_port  # noqa: E402
 from sync_world import (  # noqa: E402
     EXPERT_BUCKET_BYTES,
     EXPERT_MODEL,
@@ -37,11 +36,11 @@ def read_all(hf_dir):
 
 
 def start_server(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
-    port = free_port("127.0.0.1")
-    proc = ServerProcess(name, cpu_server_command(str(model_dir), port, num_threads=1), f"http://127.0.0.1:{port}",
-                         log_path=str(log_dir / f"{name}.log"), startup_timeout_s=180)
-    proc.start()
-    return proc
+    return start_on_a_free_port(
+        lambda port: ServerProcess(name, cpu_server_command(str(model_dir), port, num_threads=1),
+                                   f"http://127.0.0.1:{port}", log_path=str(log_dir / f"{name}.log"),
+                                   startup_timeout_s=180),
+        "127.0.0.1")
 
 
 def reshard_cases(root: Path):

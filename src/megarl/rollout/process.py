@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from megarl.net import free_port
 from megarl.rollout.control import ServerControl, ServerError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,15 @@ def log_tail(path: str, lines: int = 30) -> str:
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
 
@@ -75,7 +85,37 @@ def _without_secrets(command: list[str]) -> list[str]:
 
 
 class ServerStartError(RuntimeError):
-    """The server exited or never became healthy; the message quotes its log."""
+    """The server exited or never became healthy; the message quotes its log. `port_taken`: it
+    could not bind its port (another process bound it first)."""
+
+    def __init__(self, message: str, port_taken: bool = False):
+        super().__init__(message)
+        self.port_taken = port_taken
+
+
+def says_port_taken(log_text: str) -> bool:
+    """Whether a server's log says its port was already bound: uvicorn (SGLang 0.5.23's HTTP server
+    and the CPU engine's) logs "[Errno 98] error while attempting to bind on address ...: address
+    already in use"; Rust's std (sglang-router) "Address already in use (os error 98)"."""
+    return "address already in use" in log_text.lower()
+
+
+def start_on_a_free_port(make: Callable[[int], "ServerProcess"], host: str, attempts: int = 3) -> "ServerProcess":
+    """Build a server with `make(port)` on a port of `host` that was free a moment ago, and start it.
+    A free port is only free until someone binds it: when another process (a client's ephemeral
+    source port, another server) took it first, start again on a new port, at most `attempts` times."""
+    for _ in range(attempts - 1):
+        server = make(free_port(host))
+        try:
+            server.start()
+            return server
+        except ServerStartError as e:
+            if not e.port_taken:
+                raise
+            log.warning("%s: another process bound %s first; starting on another port", server.name, server.url)
+    server = make(free_port(host))
+    server.start()
+    return server
 
 
 class ServerProcess:
@@ -122,6 +162,7 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log_file:
+                logged_before = log_file.tell()  # this start's lines come after
                 # a header per start: the file says what it logs even when the process itself is quiet
                 # (the router at --log-level warn writes nothing while all is well)
                 log_file.write(f"# megarl: {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name} started: "
@@ -142,7 +183,8 @@ class ServerProcess:
             except ServerError as e:
                 self._terminate()
                 raise ServerStartError(
-                    f"{self.name} did not start: {e}\n--- {self.log_path} ---\n{log_tail(self.log_path)}"
+                    f"{self.name} did not start: {e}\n--- {self.log_path} ---\n{log_tail(self.log_path)}",
+                    port_taken=says_port_taken(_read_from(self.log_path, logged_before)),
                 ) from None
             self._wanted = True
 

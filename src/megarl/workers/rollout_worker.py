@@ -25,7 +25,7 @@ from megarl.rollout.launch import (
     sglang_env_overrides,
     sglang_server_command,
 )
-from megarl.rollout.process import ServerProcess, log_tail
+from megarl.rollout.process import ServerProcess, log_tail, start_on_a_free_port
 from megarl.workers.base import RankedWorker
 
 
@@ -64,37 +64,39 @@ class RolloutWorker(RankedWorker):
         server = self.rank if server is None else server
         r = self.config.actor_rollout_ref.rollout
         host = bind_host or ray.util.get_node_ip_address()
-        port = free_port(host)
         context = r.prompt_length + r.response_length
         if r.agent.path:  # an agent episode's later calls carry the whole trajectory so far
             context = max(context, r.agent.max_tokens_per_episode)
-        if r.name == "cpu":
-            command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
-                                         context_length=context, max_running_requests=r.max_concurrent_requests,
-                                         random_seed=self.config.trainer.seed + server, num_threads=1,
-                                         lora=lora_serving(self.config),
-                                         return_routed_experts=replays_routes(self.config))
-            env = dict(os.environ)
-        else:
-            # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
-            # raylet's GPUs, and --base-gpu-id indexes them
-            base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-            command = sglang_server_command(
-                model_path, port, host=host, tp_size=r.tensor_model_parallel_size, base_gpu_id=base_gpu,
-                mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
-                api_key=self.api_key, dtype=r.dtype, context_length=context,
-                random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
-                return_routed_experts=replays_routes(self.config), multi_node=multi_node,
-                lora=lora_serving(self.config),
-            )
-            env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
         self.multi_node = multi_node
         serves_http = multi_node is None or multi_node.node_rank == 0
         name = f"rollout-{server}" + (f"-node{multi_node.node_rank}" if multi_node else "")
-        self.process = ServerProcess(name, command, f"http://{host}:{port}", env=env,
-                                     health_path="/health" if serves_http else None,
-                                     log_path=log_path, startup_timeout_s=startup_timeout_s)
-        self.process.start()
+
+        def server_on(port: int) -> ServerProcess:
+            if r.name == "cpu":
+                command = cpu_server_command(model_path, port, host=host, api_key=self.api_key, dtype=r.dtype,
+                                             context_length=context, max_running_requests=r.max_concurrent_requests,
+                                             random_seed=self.config.trainer.seed + server, num_threads=1,
+                                             lora=lora_serving(self.config),
+                                             return_routed_experts=replays_routes(self.config))
+                env = dict(os.environ)
+            else:
+                # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
+                # raylet's GPUs, and --base-gpu-id indexes them
+                base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                command = sglang_server_command(
+                    model_path, port, host=host, tp_size=r.tensor_model_parallel_size, base_gpu_id=base_gpu,
+                    mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
+                    api_key=self.api_key, dtype=r.dtype, context_length=context,
+                    random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
+                    return_routed_experts=replays_routes(self.config), multi_node=multi_node,
+                    lora=lora_serving(self.config),
+                )
+                env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
+            return ServerProcess(name, command, f"http://{host}:{port}", env=env,
+                                 health_path="/health" if serves_http else None,
+                                 log_path=log_path, startup_timeout_s=startup_timeout_s)
+
+        self.process = start_on_a_free_port(server_on, host)
         return self.process.url
 
     def status(self) -> dict:
