@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import functools
 import importlib
+import logging
 import os
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megarl.net import free_port
+
+log = logging.getLogger(__name__)
 
 VERIFIED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")  # the tested lines (README "Tested versions")
 
@@ -387,8 +390,24 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
             dist.destroy_process_group()
 
 
+# what a gloo rank of the engines imports (megatron-core's model, optimizer, DDP and schedules; HF's
+# model classes), imported by the parent before it forks the ranks
+FORK_PRELOADED_MODULES = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
+                          "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "transformers")
+
+
+def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_threads: int) -> str:
+    """How `run_gloo_workers` starts its ranks: "fork" when forking this process is safe (each rank
+    then skips re-importing torch and megatron, about 8 s of CPU per rank), else "spawn". Fork is
+    unsafe when CUDA is initialised (PyTorch's multiprocessing notes: "The CUDA runtime does not
+    support the fork start method"), when this process is in a process group (the children would
+    share its sockets), or when other Python threads run (Python's `os.fork` documentation: a lock
+    held by another thread stays locked forever in the child)."""
+    return "fork" if not cuda_initialized and not dist_initialized and python_threads == 1 else "spawn"
+
+
 def run_gloo_workers(
-    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: str = "spawn"
+    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: Optional[str] = None
 ) -> list:
     """Run `fn(rank, world_size, master_port, *args)` in `world_size` new processes and return
     their results in rank order (each must be picklable by `torch.save`).
@@ -397,10 +416,20 @@ def run_gloo_workers(
     world_size, master_port, ...)`. A rank that raises makes this raise
     `torch.multiprocessing.ProcessRaisedException` carrying that rank's traceback (the other ranks
     are terminated); ranks still running after `timeout_s` seconds are killed and a
-    `TimeoutError` is raised. `start_method="fork"` skips re-importing torch and megatron in every
-    rank; use it only from a process with no other threads, no torch.distributed and no CUDA.
+    `TimeoutError` is raised. `start_method` None: fork when it is safe (`gloo_start_method`), else spawn.
     """
+    import threading
+
+    import torch.distributed as dist
     import torch.multiprocessing as mp
+
+    if start_method is None:
+        start_method = gloo_start_method(torch.cuda.is_initialized(), dist.is_available() and dist.is_initialized(),
+                                         threading.active_count())
+    if start_method == "fork":  # imported once here, inherited by every rank
+        for module in FORK_PRELOADED_MODULES:
+            importlib.import_module(module)
+    log.info("running %s in %d gloo rank(s), started by %s", getattr(fn, "__name__", fn), world_size, start_method)
 
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="megarl-gloo-") as result_dir:
