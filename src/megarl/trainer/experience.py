@@ -162,15 +162,11 @@ def data_metrics(batch: Batch) -> dict:
     return metrics
 
 
-def expert_load_metrics(batch: Batch, num_experts: int) -> dict:
-    """`megarl.algos.expert_load` of the routes the batch carries (routing replay: the rollout's,
-    which the actor replays), over every routed prompt and response token; {} without routes."""
-    if "routed_experts" not in batch:
-        return {}
-    prompt = batch["prompt_routed_experts"][batch["prompt_mask"].bool()]
-    response = batch["routed_experts"][batch.response_tokens().bool()]
-    response = response[(response >= 0).all(-1).all(-1)]  # the last token has no route
-    return expert_load(torch.cat([prompt, response]), num_experts)
+def expert_load_metrics(expert_counts: torch.Tensor) -> dict:
+    """`megarl.algos.expert_load` of the step's routing: `expert_counts` [B, layers, experts], the
+    tokens of each sample the actor's routers sent to each expert (with routing replay: the
+    rollout's routes, which the actor replays)."""
+    return expert_load(expert_counts.sum(0))
 
 
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -46,15 +46,21 @@ def micro_batch_routes(part: Batch, positions: Optional[torch.Tensor], samples: 
     return out.transpose(0, 1).contiguous()
 
 
-def replay_routers(chunks: list) -> list[tuple[int, object]]:
-    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
+def moe_routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
+    """(global layer index, router module) of every MoE layer of this rank's chunks."""
     found = []
     for chunk in chunks:
         for layer in chunk.decoder.layers:
-            replay = getattr(getattr(getattr(layer, "mlp", None), "router", None), "router_replay", None)
-            if replay is not None:
-                found.append((layer.layer_number - 1, replay))
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                found.append((layer.layer_number - 1, router))
     return found
+
+
+def replay_routers(chunks: list) -> list[tuple[int, object]]:
+    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
+    return [(layer, router.router_replay) for layer, router in moe_routers(chunks)
+            if getattr(router, "router_replay", None) is not None]
 
 
 def set_replay(routers: list[tuple[int, object]], routes: Optional[torch.Tensor]) -> None:
