@@ -43,7 +43,7 @@ def rollout(model_dir: str, n: int = 2, max_new_tokens: int = 8):
 
 
 def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
-    from megarl.engines.megatron.roles import ActorEngine
+    from megarl.engines.megatron.roles import ActorEngine, RefEngine
 
     init_world(rank, world_size, port)
     prompts, samples = rollout(model_dir)
@@ -54,17 +54,21 @@ def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
         cfg = config(model_dir, world_size, 1, 1, None, None, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
                      f"actor_rollout_ref.actor.router_replay.mode={mode}",
                      "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01",
-                     "actor_rollout_ref.actor.megatron.moe_z_loss_coeff=0.001")
+                     "actor_rollout_ref.actor.megatron.moe_z_loss_coeff=0.001",
+                     "actor_rollout_ref.actor.use_kl_loss=true")
         actor = ActorEngine(cfg)
         tc = actor.transformer_config
         out[f"{mode}_router_losses"] = (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff)
         log_probs = actor.compute_log_prob(batch, TEMPERATURE)["log_probs"]
         out[mode] = {"log_probs": log_probs, **rollout_mismatch(log_probs, batch["rollout_log_probs"], mask)}
         if mode == "R3":
+            batch["ref_log_probs"] = RefEngine(cfg).compute_ref_log_prob(batch, TEMPERATURE)["ref_log_probs"]
+            out[mode]["ref_log_probs"] = batch["ref_log_probs"]
             batch["old_log_probs"] = log_probs
             batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * mask
             out[mode]["update"] = actor.update_policy(batch)
-            del batch.tensors["old_log_probs"], batch.tensors["advantages"]
+            for key in ("ref_log_probs", "old_log_probs", "advantages"):
+                del batch.tensors[key]
         del actor
         reset_layout()
     return out

@@ -2,7 +2,7 @@
 log-probs equal the rollout's own (fp32, CPU) on a tiny Qwen3-MoE whose routers have near ties
 (experts 0-3 of every layer share one router row up to 1e-9 noise, so the last bits of the hidden
 states decide among them, and HF and megatron decide differently); without replay the existing
-mismatch metrics show the gap."""
+mismatch metrics show the gap. The reference model replays them too (step-0 KL exactly 0)."""
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,6 +34,11 @@ def test_replayed_log_probs_equal_the_rollouts_and_step0_ppo_kl_is_zero(tmp_path
     assert replayed["training/rollout_log_probs_diff_max"] <= 1e-5
     assert free["training/rollout_log_probs_diff_max"] > 1e-3  # routes differ: the gap replay removes
     assert replayed["update"]["actor/ppo_kl"] == 0.0
+    # the reference replays the routes too: KL(actor || ref) is exactly 0 at step 0, where the
+    # reference routing on its own (as the actor without replay does) would differ
+    assert torch.equal(replayed["ref_log_probs"], replayed["log_probs"])
+    assert replayed["update"]["actor/kl_loss"] == 0.0
+    assert (free["log_probs"] - replayed["log_probs"]).abs().max() > 1e-3
     assert replayed["update"]["actor/grad_norm"] > 0  # with the router losses of the config:
     assert out["R3_router_losses"] == out["disabled_router_losses"] == ("aux_loss", 0.01, 0.001)
 

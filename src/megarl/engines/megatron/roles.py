@@ -246,7 +246,9 @@ class ActorEngine(MegatronEngine):
 
 
 class RefEngine(MegatronEngine):
-    """The frozen reference policy (`actor_rollout_ref.ref`, same model as the actor); forward only."""
+    """The frozen reference policy (`actor_rollout_ref.ref`, same model as the actor); forward only.
+    With the actor's routing replay on, it replays the batch's routes too: KL(actor || ref) then
+    compares the two on the same routing (0 at step 0)."""
 
     def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
         config = resolve(config)
@@ -260,6 +262,7 @@ class RefEngine(MegatronEngine):
             dtype=arr.model.dtype,
             megatron_cfg=arr.ref.megatron,
             sequence_layout=sequence_layout,
+            router_replay=arr.actor.router_replay.mode == "R3",
         )
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
