@@ -31,12 +31,13 @@ def rollout(model_dir: str, n: int = 2, max_new_tokens: int = 8):
     for _ in range(n * len(PROMPTS)):
         assert done.acquire(timeout=120)
     engine.shutdown()
-    layers, topk = engine.config.num_hidden_layers, engine.config.num_experts_per_tok
+    c = engine.config
     samples = []
     for i, prompt in enumerate(PROMPTS):
         mine = sorted((s for s in seqs if s.rid == f"p{i}"), key=lambda s: s.index)
-        samples.append([Sample.from_sglang(_output(engine, s, n), (len(prompt) + len(s.output_ids) - 1, layers, topk))
-                        for s in mine])
+        samples.append([Sample.from_sglang(_output(engine, s, n), (len(prompt) + len(s.output_ids) - 1,
+                                           c.num_hidden_layers, c.num_experts_per_tok), c.num_experts)
+                        for s in mine])  # routes narrowed to uint8, as the client does
     prompts = [SimpleNamespace(index=i, input_ids=p, row=SimpleNamespace(data_source="t", ground_truth="", extra_info={}))
                for i, p in enumerate(PROMPTS)]
     return prompts, samples

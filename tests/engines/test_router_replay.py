@@ -31,6 +31,7 @@ def near_tie_moe(out_dir):
 def test_replayed_log_probs_equal_the_rollouts_and_step0_ppo_kl_is_zero(tmp_path):
     (out,) = run_gloo_workers(replay_world, 1, args=(str(near_tie_moe(tmp_path / "moe")),), timeout_s=400)
     replayed, free = out["R3"], out["disabled"]
+    assert out["batch"]["routed_experts"].dtype == torch.uint8  # 8 experts: one byte per route
     assert replayed["training/rollout_log_probs_diff_max"] <= 1e-5
     assert free["training/rollout_log_probs_diff_max"] > 1e-3  # routes differ: the gap replay removes
     assert replayed["update"]["actor/ppo_kl"] == 0.0
