@@ -1,6 +1,7 @@
 """The body of the MoE engine check: 2 spawned gloo processes, an actor and a reference engine of
 a tiny Qwen3-MoE at TP1 / EP2 (each rank holds 4 of the 8 experts of every layer, DP 2) and its
-weight-sync resharder, then an actor at TP2 / EP1 (each expert split over the TP ranks) and its resharder."""
+weight-sync resharder, then an actor at TP2 / EP1 (each expert split over the TP ranks) and its resharder,
+then an actor at PP2 (log-probs and expert counts only)."""
 from __future__ import annotations
 
 import torch
@@ -41,6 +42,11 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     actor = ActorEngine(config(model_dir, world_size, 2, 1, None, None))
     out["tp2_scored"] = actor.compute_log_prob(batch, TEMPERATURE, with_entropy=True)
     out["tp2_synced"] = resharded(actor)
+    del actor
+    reset_layout()
+
+    # PP2 (one MoE layer per stage): the expert counts of both stages reach the output rank
+    out["pp2_scored"] = ActorEngine(config(model_dir, world_size, 1, 2, None, None)).compute_log_prob(batch, TEMPERATURE)
     return out
 
 

@@ -31,19 +31,20 @@ def rollout(model_dir: str, n: int = 2, max_new_tokens: int = 8):
     for _ in range(n * len(PROMPTS)):
         assert done.acquire(timeout=120)
     engine.shutdown()
-    layers, topk = engine.config.num_hidden_layers, engine.config.num_experts_per_tok
+    c = engine.config
     samples = []
     for i, prompt in enumerate(PROMPTS):
         mine = sorted((s for s in seqs if s.rid == f"p{i}"), key=lambda s: s.index)
-        samples.append([Sample.from_sglang(_output(engine, s, n), (len(prompt) + len(s.output_ids) - 1, layers, topk))
-                        for s in mine])
+        samples.append([Sample.from_sglang(_output(engine, s, n), (len(prompt) + len(s.output_ids) - 1,
+                                           c.num_hidden_layers, c.num_experts_per_tok), c.num_experts)
+                        for s in mine])  # routes narrowed to uint8, as the client does
     prompts = [SimpleNamespace(index=i, input_ids=p, row=SimpleNamespace(data_source="t", ground_truth="", extra_info={}))
                for i, p in enumerate(PROMPTS)]
     return prompts, samples
 
 
 def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
-    from megarl.engines.megatron.roles import ActorEngine
+    from megarl.engines.megatron.roles import ActorEngine, RefEngine
 
     init_world(rank, world_size, port)
     prompts, samples = rollout(model_dir)
@@ -54,17 +55,23 @@ def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
         cfg = config(model_dir, world_size, 1, 1, None, None, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
                      f"actor_rollout_ref.actor.router_replay.mode={mode}",
                      "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01",
-                     "actor_rollout_ref.actor.megatron.moe_z_loss_coeff=0.001")
+                     "actor_rollout_ref.actor.megatron.moe_z_loss_coeff=0.001",
+                     "actor_rollout_ref.actor.use_kl_loss=true")
         actor = ActorEngine(cfg)
         tc = actor.transformer_config
         out[f"{mode}_router_losses"] = (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff)
-        log_probs = actor.compute_log_prob(batch, TEMPERATURE)["log_probs"]
-        out[mode] = {"log_probs": log_probs, **rollout_mismatch(log_probs, batch["rollout_log_probs"], mask)}
+        scored = actor.compute_log_prob(batch, TEMPERATURE)
+        log_probs = scored["log_probs"]
+        out[mode] = {"log_probs": log_probs, "expert_counts": scored["expert_counts"],
+                     **rollout_mismatch(log_probs, batch["rollout_log_probs"], mask)}
         if mode == "R3":
+            batch["ref_log_probs"] = RefEngine(cfg).compute_ref_log_prob(batch, TEMPERATURE)["ref_log_probs"]
+            out[mode]["ref_log_probs"] = batch["ref_log_probs"]
             batch["old_log_probs"] = log_probs
             batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * mask
             out[mode]["update"] = actor.update_policy(batch)
-            del batch.tensors["old_log_probs"], batch.tensors["advantages"]
+            for key in ("ref_log_probs", "old_log_probs", "advantages"):
+                del batch.tensors[key]
         del actor
         reset_layout()
     return out

@@ -1,7 +1,8 @@
 """A tiny Qwen3-MoE in the megatron engine with expert parallelism (TP1 / EP2, CPU, gloo): the
 actor's log-probs and entropies equal HF's own model (fp32), the reference model's equal the
 actor's exactly at step 0, two PPO updates train (step 0's ppo_kl is exactly 0), and the weight-sync
-resharder gathers the experts of both EP ranks into the checkpoint's HF tensors."""
+resharder gathers the experts of both EP ranks into the checkpoint's HF tensors; the expert counts
+of the actor's own routing equal a hand count of HF's routing."""
 import math
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.cpu_engine import load_causal_lm
+from megarl.trainer.experience import expert_load_metrics
 from megarl.engines.megatron.cpu import run_gloo_workers
 from engine_world import ragged_batch
 from moe_engine_world import TEMPERATURE, moe_world
@@ -77,3 +80,39 @@ def test_moe_engine_updates_at_ep2_equal_updates_at_ep1(moe_run):
         for ep2, ep1 in zip(rank["updates"], rank["ep1_updates"]):
             for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
                 assert ep2[key] == pytest.approx(ep1[key], rel=1e-4, abs=1e-7), key
+
+
+def hf_expert_counts(model_dir, batch) -> torch.Tensor:
+    """The oracle: [B, layers, experts], a hand count of HF's own routing (top-k of its router's
+    softmax, one forward per sample) over every token but each sample's last."""
+    model = load_causal_lm(str(model_dir), torch.float32)
+    c = model.config
+    counts = torch.zeros(len(batch), c.num_hidden_layers, c.num_experts, dtype=torch.int32)
+    for i in range(len(batch)):
+        ids = torch.cat([batch["prompt_ids"][i][batch["prompt_mask"][i].bool()],
+                         batch["response_ids"][i][batch["response_mask"][i].bool()]])
+        with torch.no_grad():
+            router_logits = model(input_ids=ids[None], output_router_logits=True).router_logits
+        for layer, logits in enumerate(router_logits):
+            for token in range(len(ids) - 1):
+                for expert in torch.topk(torch.softmax(logits[token], -1), c.num_experts_per_tok).indices.tolist():
+                    counts[i, layer, expert] += 1
+    return counts
+
+
+def test_moe_engine_expert_counts_equal_a_hand_count_of_hf_routing(moe_run):
+    """Replay off: the actor's routers' own choices, counted per sample over every token but the
+    last, at EP2 (DP 2: each rank its half), TP2 (one output rank) and PP2 (a layer per stage,
+    summed over the pipeline), equal HF's; the step's metrics follow from them."""
+    model_dir, ranks = moe_run
+    batch = ragged_batch(8)
+    expected = hf_expert_counts(model_dir, batch)
+    ranks = sorted(ranks, key=lambda r: r["dp_rank"])
+    assert torch.equal(torch.cat([r["scored"]["expert_counts"] for r in ranks]), expected)
+    for layout in ("tp2_scored", "pp2_scored"):
+        (scored,) = [r[layout] for r in ranks if r[layout] is not None]
+        assert torch.equal(scored["expert_counts"], expected), layout
+    tokens = int(batch.token_lengths().sum()) - len(batch)
+    metrics = expert_load_metrics(expected)
+    assert metrics["moe/tokens_per_expert_mean"] == tokens * 2 / 8  # top-2 of 8 experts
+    assert metrics["moe/tokens_per_expert_max"] == expected.sum(0).max()

@@ -2,7 +2,9 @@
 log-probs equal the rollout's own (fp32, CPU) on a tiny Qwen3-MoE whose routers have near ties
 (experts 0-3 of every layer share one router row up to 1e-9 noise, so the last bits of the hidden
 states decide among them, and HF and megatron decide differently); without replay the existing
-mismatch metrics show the gap."""
+mismatch metrics show the gap. The reference model replays them too (step-0 KL exactly 0)."""
+import itertools
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,9 +33,22 @@ def near_tie_moe(out_dir):
 def test_replayed_log_probs_equal_the_rollouts_and_step0_ppo_kl_is_zero(tmp_path):
     (out,) = run_gloo_workers(replay_world, 1, args=(str(near_tie_moe(tmp_path / "moe")),), timeout_s=400)
     replayed, free = out["R3"], out["disabled"]
+    assert out["batch"]["routed_experts"].dtype == torch.uint8  # 8 experts: one byte per route
     assert replayed["training/rollout_log_probs_diff_max"] <= 1e-5
     assert free["training/rollout_log_probs_diff_max"] > 1e-3  # routes differ: the gap replay removes
     assert replayed["update"]["actor/ppo_kl"] == 0.0
+    # the reference replays the routes too: KL(actor || ref) is exactly 0 at step 0, where the
+    # reference routing on its own (as the actor without replay does) would differ
+    assert torch.equal(replayed["ref_log_probs"], replayed["log_probs"])
+    assert replayed["update"]["actor/kl_loss"] == 0.0
+    assert (free["log_probs"] - replayed["log_probs"]).abs().max() > 1e-3
+    # expert counts: with replay, a hand count of the rollout's routes; without, the trainer's own
+    rollout_counts = torch.zeros_like(replayed["expert_counts"])
+    for i, routes in enumerate(r for per_prompt in out["routes"] for r in per_prompt):
+        for token, layer, k in itertools.product(*map(range, routes.shape)):
+            rollout_counts[i, layer, int(routes[token, layer, k])] += 1  # (a uint8 index would be a mask)
+    assert torch.equal(replayed["expert_counts"], rollout_counts)
+    assert not torch.equal(free["expert_counts"], rollout_counts)
     assert replayed["update"]["actor/grad_norm"] > 0  # with the router losses of the config:
     assert out["R3_router_losses"] == out["disabled_router_losses"] == ("aux_loss", 0.01, 0.001)
 

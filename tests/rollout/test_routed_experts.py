@@ -12,6 +12,7 @@ from megarl.rollout.client import Sample
 from megarl.rollout.cpu_engine import CPUEngine
 from megarl.rollout.cpu_server import _output
 from megarl.rollout.protocol import BadRequestError, SamplingParams, parse_generate_body
+from megarl.rollout.routed_experts import encode_routed_experts, route_dtype
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,19 @@ def test_request_fields_parse_as_sglang_reads_them():
     for start in (-1, 3):
         with pytest.raises(BadRequestError, match="routed_experts_start_len"):
             parse_generate_body({"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": start})
+
+
+def test_routes_are_narrowed_after_decoding_sglangs_int32():
+    """The wire keeps SGLang's base64 int32; the client holds the routes in the narrowest dtype for
+    the model's experts: 256 experts (0..255) fit one byte, 16 bytes of int32 become 4."""
+    assert [route_dtype(e) for e in (8, 256, 257, 384, 2**15, 2**15 + 1)] == [
+        torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int16, torch.int32]
+    hand = torch.tensor([[[255, 0]], [[7, 128]]])  # 2 positions, 1 layer, top-2
+    encoded = encode_routed_experts(hand)
+    assert len(base64.b64decode(encoded)) == 16
+    output = {"output_ids": [4, 5], "meta_info": {"routed_experts": encoded, "finish_reason": {"type": "length"}}}
+    routes = Sample.from_sglang(output, (2, 1, 2), num_experts=256).routed_experts
+    assert routes.dtype == torch.uint8 and routes.tolist() == [[[255, 0]], [[7, 128]]] and routes.nbytes == 4
+    assert Sample.from_sglang(output, (2, 1, 2)).routed_experts.dtype == torch.int32  # as sent
+    with pytest.raises(ValueError, match=r"outside \[0, 128\)"):  # the server runs another model
+        Sample.from_sglang(output, (2, 1, 2), num_experts=128)

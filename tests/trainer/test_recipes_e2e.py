@@ -409,8 +409,8 @@ def test_grpo_lora_trains_adapters_and_the_servers_serve_them(sync, ray_session,
 
 def test_grpo_moe_replays_the_rollouts_routes(ray_session, tiny_assets, tmp_path):
     """configs/tiny/grpo_moe.yaml: a tiny Qwen3-MoE with routing replay. The CPU engine's routes
-    come back with every sample and ride in the batch ([B, R, layers, top_k], -1 on the last
-    token, which was never an input); the actor scores with them: its log-probs equal the
+    come back with every sample and ride in the batch ([B, R, layers, top_k] uint8, 0 on the
+    last token, which was never an input); the actor scores with them: its log-probs equal the
     rollout's at both steps (the second after a push), the one update of a step (the whole batch
     is one mini-batch) starts from ppo_kl exactly 0, and the expert-load metrics are logged."""
     from megarl.data.tiny_model import make_tiny_model
@@ -423,9 +423,11 @@ def test_grpo_moe_replays_the_rollouts_routes(ray_session, tiny_assets, tmp_path
     assert m["moe/tokens_per_expert_max"] >= m["moe/tokens_per_expert_mean"] > 0 and m["moe/load_imbalance"] >= 1
     first, second = run.actor_batches
     routes, mask = first["routed_experts"], first["response_mask"].bool()
-    assert routes.shape[2:] == (2, 2)  # layers, top_k
+    assert routes.shape[2:] == (2, 2) and routes.dtype == torch.uint8  # layers, top_k; 8 experts: one byte each
     last = mask.sum(1) - 1
-    assert (routes[torch.arange(len(first)), last] == -1).all()
-    assert ((routes >= 0) & (routes < 8))[mask].sum() == (mask.sum() - len(first)) * 4
+    assert (routes[torch.arange(len(first)), last] == 0).all()  # never an input: no route, 0 as at padding
+    routed = mask.clone()
+    routed[torch.arange(len(first)), last] = False
+    assert (routes[mask] < 8).all() and (routes[routed][..., 0] != routes[routed][..., 1]).all()  # top-2 distinct
     assert first["prompt_routed_experts"].shape[:2] == first["prompt_ids"].shape
     assert (first["old_log_probs"] - first["rollout_log_probs"])[mask].abs().max() <= TOL

@@ -26,7 +26,7 @@ import aiohttp
 from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.metrics import RequestRecord, RolloutMetrics, summarize
 from megarl.rollout.protocol import SamplingParams, error_message
-from megarl.rollout.routed_experts import decode_routed_experts
+from megarl.rollout.routed_experts import decode_routed_experts, narrow_routes
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -42,13 +42,16 @@ class Sample:
     text: str
     weight_version: Optional[str]
     weight_versions: Optional[list[str]] = None  # per token, for a partial rollout continued across versions
-    # routing replay: [prompt + len(token_ids) - 1, layers, top_k] int32, the experts every input
-    # position was routed to (SGLang's rows, megarl.rollout.routed_experts); None if not asked
+    # routing replay: [prompt + len(token_ids) - 1, layers, top_k], the experts every input position
+    # was routed to (SGLang's rows, megarl.rollout.routed_experts), int32 as on the wire or narrowed
+    # to `route_dtype(num_experts)`; None if not asked
     routed_experts: Any = None
 
     @classmethod
-    def from_sglang(cls, output: dict[str, Any], routes_shape: Optional[tuple[int, int, int]] = None) -> Sample:
-        """`routes_shape`: (rows, layers, top_k) of the routed experts asked for (None: not asked)."""
+    def from_sglang(cls, output: dict[str, Any], routes_shape: Optional[tuple[int, int, int]] = None,
+                    num_experts: Optional[int] = None) -> Sample:
+        """`routes_shape`: (rows, layers, top_k) of the routed experts asked for (None: not asked);
+        with `num_experts` they are narrowed (`narrow_routes`), else int32 as SGLang sends them."""
         meta = output["meta_info"]
         finish = meta.get("finish_reason") or {}
         entries = meta.get("output_token_logprobs")
@@ -62,7 +65,7 @@ class Sample:
             matched=finish.get("matched"),
             text=output.get("text") or "",
             weight_version=meta.get("weight_version"),
-            routed_experts=_routes(meta, routes_shape),
+            routed_experts=_routes(meta, routes_shape, num_experts),
         )
 
     @classmethod
@@ -70,14 +73,15 @@ class Sample:
         return cls([], [], "abort", None, "", None)
 
 
-def _routes(meta: dict[str, Any], shape: Optional[tuple[int, int, int]]):
+def _routes(meta: dict[str, Any], shape: Optional[tuple[int, int, int]], num_experts: Optional[int]):
     if shape is None or shape[0] <= 0:
         return None
     if "routed_experts" not in meta:
         if (meta.get("finish_reason") or {}).get("type") == "abort":
             return None  # aborted before it ran
         raise ValueError("the server returned no routed_experts (start SGLang with --enable-return-routed-experts)")
-    return decode_routed_experts(meta["routed_experts"], shape[0]).reshape(shape)
+    routes = decode_routed_experts(meta["routed_experts"], shape[0]).reshape(shape)
+    return routes if num_experts is None else narrow_routes(routes, num_experts)
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,11 @@ class RolloutClient:
         max_backoff_s: float = 10.0,
         abort_urls: Optional[list[str]] = None,
         continue_aborted: bool = False,
-        routed_experts: Optional[tuple[int, int]] = None,
+        routed_experts: Optional[tuple[int, int, int]] = None,
         server_urls: Optional[list[str]] = None,
     ):
-        """`routed_experts`: (layers, top_k) of an MoE model whose routes every sample brings back
-        (routing replay; the servers run with `--enable-return-routed-experts`). `server_urls`:
+        """`routed_experts`: (layers, top_k, num_experts) of an MoE model whose routes every sample
+        brings back, narrowed (routing replay; the servers run with `--enable-return-routed-experts`). `server_urls`:
         send prompt i's requests to server i % len straight, not through `url`: sglang-router
         0.3.2 (the newest) drops `return_routed_experts` from the requests it forwards (its
         GenerateRequest has no such field), so routing replay goes around it.
@@ -286,7 +290,8 @@ class RolloutClient:
         outputs = body if isinstance(body, list) else [body]
         if len(outputs) != n:
             raise RolloutRequestError(index, status, f"expected {n} outputs, got {len(outputs)}")
-        samples = [Sample.from_sglang(o, self._routes_shape(payload, o)) for o in outputs]
+        experts = None if self.routed_experts is None else self.routed_experts[2]
+        samples = [Sample.from_sglang(o, self._routes_shape(payload, o), experts) for o in outputs]
         aborts = [o["meta_info"]["finish_reason"] for o, s in zip(outputs, samples) if s.finish_reason == "abort"]
         if aborts and not self._aborting.is_set():
             status_code = aborts[0].get("status_code")
@@ -301,7 +306,7 @@ class RolloutClient:
         if self.routed_experts is None:
             return None
         rows = len(payload["input_ids"]) + len(output["output_ids"]) - 1 - payload.get("routed_experts_start_len", 0)
-        return (rows, *self.routed_experts)
+        return (rows, *self.routed_experts[:2])
 
     async def _continue(self, session: aiohttp.ClientSession, index: int, prompt: list[int],
                         sampling: SamplingParams, j: int, sample: Sample, return_logprob: bool) -> Sample:

@@ -14,6 +14,7 @@ SGLang 0.5.23's contract, followed by the CPU engine and read by the client:
   (`srt/managers/scheduler_components/batch_result_processor.py`: `_maybe_collect_routed_experts`,
   `srt/state_capturer/base.py`: `get_topk`): every token that went through the model as an input,
   prompt included; the last output token is sampled but never fed in, so it has no row.
+The wire stays SGLang's int32; the client narrows the decoded routes (`narrow_routes`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,25 @@ def decode_routed_experts(encoded: str, tokens: int) -> torch.Tensor:
     if tokens == 0 or flat.size % tokens:
         raise ValueError(f"routed_experts holds {flat.size} int32 values, not a multiple of {tokens} tokens")
     return torch.from_numpy(flat.copy()).reshape(tokens, -1)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype megarl holds routes in (batch memory, Ray transfers): uint8 up
+    to 256 experts; beyond, int16, then int32 (torch 2.13's uint16 tensors do not pickle, so Ray
+    could not carry them). At Qwen3-30B-A3B scale (48 layers x top-8) uint8 is 384 bytes a token
+    where SGLang's int32 is 1536."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
+
+
+def narrow_routes(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Decoded routes (SGLang's int32) in `route_dtype(num_experts)`; every expert index must be
+    in [0, num_experts) (else the server runs another model)."""
+    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= num_experts):
+        raise ValueError(f"routed_experts holds expert indices in [{int(routes.min())}, {int(routes.max())}], "
+                         f"outside [0, {num_experts}) of the actor's model")
+    return routes.to(route_dtype(num_experts))
 
 
 def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -46,19 +46,21 @@ def routed_experts_grids(routes: Sequence[Any], prompt_mask: torch.Tensor,
                          response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing replay: each sample's routes [P_i + R_i - 1, layers, top_k] (the rollout's, one row
     per input position) as `prompt_routed_experts` [B, P, layers, top_k] (left-padded like
-    prompt_ids) and `routed_experts` [B, R, layers, top_k] (aligned with response_ids). The last
-    response token was never an input at generation, so it has no route: -1 there; 0 at padding."""
+    prompt_ids) and `routed_experts` [B, R, layers, top_k] (aligned with response_ids), in the
+    routes' dtype (narrow: `megarl.rollout.routed_experts.route_dtype`). The last response token
+    was never an input at generation, so it has no route: 0 there, as at padding (its place tells
+    it: `megarl.engines.megatron.replay.token_routes`)."""
     if any(r is None for r in routes):
         raise ValueError("routing replay: some samples came back without routed experts")
     b, width = response_mask.shape
-    prompt = torch.zeros(b, prompt_mask.shape[1], *routes[0].shape[1:], dtype=torch.int32)
-    response = torch.zeros(b, width, *routes[0].shape[1:], dtype=torch.int32)
+    prompt = torch.zeros(b, prompt_mask.shape[1], *routes[0].shape[1:], dtype=routes[0].dtype)
+    response = torch.zeros(b, width, *routes[0].shape[1:], dtype=routes[0].dtype)
     for i, r in enumerate(routes):
         p, n = int(prompt_mask[i].sum()), int(response_mask[i].sum())
         if r.shape[0] != p + n - 1:
             raise ValueError(f"sample {i}: {r.shape[0]} routed positions for {p} prompt + {n} response tokens "
                              f"(expected {p + n - 1})")
-        r = torch.cat([r.to(torch.int32), r.new_full((1, *r.shape[1:]), -1, dtype=torch.int32)])  # + the last token
+        r = torch.cat([r.to(prompt.dtype), r.new_zeros((1, *r.shape[1:]), dtype=prompt.dtype)])  # + the last token
         prompt[i, prompt.shape[1] - p:] = r[:p]
         response[i, :n] = r[p:]
     return prompt, response
@@ -162,15 +164,11 @@ def data_metrics(batch: Batch) -> dict:
     return metrics
 
 
-def expert_load_metrics(batch: Batch, num_experts: int) -> dict:
-    """`megarl.algos.expert_load` of the routes the batch carries (routing replay: the rollout's,
-    which the actor replays), over every routed prompt and response token; {} without routes."""
-    if "routed_experts" not in batch:
-        return {}
-    prompt = batch["prompt_routed_experts"][batch["prompt_mask"].bool()]
-    response = batch["routed_experts"][batch.response_tokens().bool()]
-    response = response[(response >= 0).all(-1).all(-1)]  # the last token has no route
-    return expert_load(torch.cat([prompt, response]), num_experts)
+def expert_load_metrics(expert_counts: torch.Tensor) -> dict:
+    """`megarl.algos.expert_load` of the step's routing: `expert_counts` [B, layers, experts], the
+    tokens of each sample the actor's routers sent to each expert (with routing replay: the
+    rollout's routes, which the actor replays)."""
+    return expert_load(expert_counts.sum(0))
 
 
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:

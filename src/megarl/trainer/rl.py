@@ -38,7 +38,6 @@ from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutPro
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.rollout_fleet import GenerationInterrupted
-from megarl.trainer.routing import routed_experts_layout
 
 log = logging.getLogger("megarl.trainer")
 
@@ -108,7 +107,6 @@ class RLTrainer:
         self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.routes_layout = routed_experts_layout(config)  # (layers, top_k, experts) with routing replay
         self.step = 0
         self.skipped_in_a_row = 0
         t = config.trainer
@@ -238,8 +236,8 @@ class RLTrainer:
             metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
             metrics.update(experience.rollout_mismatch(out["log_probs"], batch["rollout_log_probs"],
                                                        batch["response_mask"]))
-            if self.routes_layout is not None:
-                metrics.update(experience.expert_load_metrics(batch, self.routes_layout[2]))
+            if "expert_counts" in out:  # an MoE actor
+                metrics.update(experience.expert_load_metrics(out["expert_counts"]))
         if cl.ref is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]

@@ -117,11 +117,12 @@ class RolloutFleet:
             self.shutdown()
             raise
         self.restarts = [0] * len(self.urls)  # per server, over the run
+        routes = routed_experts_layout(config)  # (layers, top_k, experts) with routing replay, else None
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
                                     continue_aborted=config.async_training.partial_rollout,
-                                    routed_experts=_replayed_routes(config),
-                                    server_urls=self.urls if _replayed_routes(config) else None)
+                                    routed_experts=routes,
+                                    server_urls=self.urls if routes else None)
 
     @property
     def weight_version(self) -> Optional[str]:
@@ -300,9 +301,3 @@ class RolloutFleet:
                 self.workers.call("stop", timeout_s=60)
             finally:
                 self.workers.shutdown()
-
-
-def _replayed_routes(config) -> Optional[tuple[int, int]]:
-    """(layers, top_k) of the routes every sample brings back for routing replay, else None."""
-    layout = routed_experts_layout(config)
-    return None if layout is None else layout[:2]

@@ -17,6 +17,7 @@ import torch
 from megarl.bridge import WeightMap
 from megarl.data.batch import Batch
 from megarl.engines.megatron import checkpoint_io
+from megarl.engines.megatron.expert_counts import ExpertCounter
 from megarl.engines.megatron.metrics import broadcast_from_last_stage, reduce_over_micro_batches
 from megarl.engines.megatron.model import (
     DTYPES,
@@ -164,15 +165,20 @@ class MegatronEngine:
                                  with_routes=routes)
                 for g in groups]
 
-    def run(self, micro_batches: list[MicroBatch], head: Head, forward_only: bool) -> list[dict]:
+    def run(self, micro_batches: list[MicroBatch], head: Head, forward_only: bool,
+            counter: Optional[ExpertCounter] = None) -> list[dict]:
         """Run the micro-batches through megatron's schedule (`schedule.run_schedule`): on the last
         pipeline stage `head(mb, hidden [N, H])` returns (loss, outputs) per micro-batch, and the
         list of outputs comes back there ([] on other stages). Without `forward_only` the loss is
-        back-propagated (gradients accumulate in DDP buffers)."""
+        back-propagated (gradients accumulate in DDP buffers). `counter`: told each micro-batch
+        before its forward (an open `ExpertCounter`)."""
         self.offloader.check_onloaded()
-        replay = (lambda mb: set_replay(self._routers, mb.routes)) if self._routers else None
+        hooks = ([lambda mb: set_replay(self._routers, mb.routes)] if self._routers else []) + (
+            [counter.before_forward] if counter is not None else [])
+        before_forward = (lambda mb: [hook(mb) for hook in hooks]) if hooks else None
         try:
-            return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only, replay)
+            return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only,
+                                before_forward)
         finally:
             set_replay(self._routers, None)
 
@@ -184,12 +190,20 @@ class MegatronEngine:
         return last.output_layer.weight
 
     def forward_tokens(
-        self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str]
+        self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str], count_experts: bool = False
     ) -> Optional[dict]:
         """Forward-only pass over `batch`; `head` returns per micro-batch {"key": [b, R] tensor}
         for every name in `keys`. On output ranks: {key: [B, R] float32 on CPU}, rows in batch
-        order; None elsewhere."""
-        outputs = self.run(self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens), head, True)
+        order; None elsewhere. `count_experts` (an MoE model): also "expert_counts" [B, L, E]
+        int32, the tokens of each sample its routers sent to each expert (`expert_counts`)."""
+        micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens)
+        if count_experts and self.arch.moe is not None:
+            with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts, len(batch),
+                               self.device) as counter:
+                outputs = self.run(micro_batches, head, True, counter)
+            counts = counter.per_sample(self._ps.get_pipeline_model_parallel_group())
+        else:
+            outputs, counts = self.run(micro_batches, head, True), None
         if not self.is_output_rank:
             return None
         width = batch["response_mask"].shape[1]
@@ -197,6 +211,8 @@ class MegatronEngine:
         for out in outputs:
             for key in keys:
                 result[key][out["rows"]] = out[key].float().cpu()
+        if counts is not None:
+            result["expert_counts"] = counts
         return result
 
     # ------------------------------------------------------------------ training

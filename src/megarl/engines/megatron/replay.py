@@ -2,9 +2,9 @@
 megatron-core's routers (`transformer/moe/router_replay.py`, `moe_enable_routing_replay`).
 
 The batch carries `prompt_routed_experts` [B, P, L, K] and `routed_experts` [B, R, L, K]
-(megarl.trainer.experience.routed_experts_grids; -1: no route recorded, the last response
-token). A micro-batch's routes are laid out as megatron's routers see their tokens: the router
-flattens the hidden states [S, b, H] (padded) or [T, 1, H] (packed) to rows s * b + j, so
+(megarl.trainer.experience.routed_experts_grids; the last response token has no route recorded).
+A micro-batch's routes are laid out as megatron's routers see their tokens: the router flattens
+the hidden states [S, b, H] (padded) or [T, 1, H] (packed) to rows s * b + j, so
 `MicroBatch.routes` is [L, S * b or T, K]. Positions without a recorded route (padding, the last
 response token) get experts 0..K-1: their outputs never reach a scored token (causal attention,
 no token dropping), so any distinct experts do.
@@ -22,11 +22,12 @@ REPLAY_KEYS = ("prompt_routed_experts", "routed_experts")
 
 def token_routes(part: Batch) -> torch.Tensor:
     """[T_real, L, K] int64: the routes of `part`'s real tokens (prompt then response of sample 0,
-    then sample 1, ...): the order of `megarl.data.packing.pack`. Unknown routes -> 0..K-1."""
+    then sample 1, ...): the order of `megarl.data.packing.pack`. Each sample's last token has no
+    recorded route: it gets 0..K-1."""
     real = torch.cat([part["prompt_mask"], part.response_tokens()], 1).bool()
     routes = torch.cat([part["prompt_routed_experts"], part["routed_experts"]], 1)[real].long()
-    unknown = (routes < 0).any(-1)
-    routes[unknown] = torch.arange(routes.shape[-1])
+    last = real.sum(1).cumsum(0) - 1  # each sample's last real token, in packed order
+    routes[last[real.any(1)]] = torch.arange(routes.shape[-1])
     return routes
 
 
@@ -46,15 +47,21 @@ def micro_batch_routes(part: Batch, positions: Optional[torch.Tensor], samples: 
     return out.transpose(0, 1).contiguous()
 
 
-def replay_routers(chunks: list) -> list[tuple[int, object]]:
-    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
+def moe_routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
+    """(global layer index, router module) of every MoE layer of this rank's chunks."""
     found = []
     for chunk in chunks:
         for layer in chunk.decoder.layers:
-            replay = getattr(getattr(getattr(layer, "mlp", None), "router", None), "router_replay", None)
-            if replay is not None:
-                found.append((layer.layer_number - 1, replay))
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                found.append((layer.layer_number - 1, router))
     return found
+
+
+def replay_routers(chunks: list) -> list[tuple[int, object]]:
+    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
+    return [(layer, router.router_replay) for layer, router in moe_routers(chunks)
+            if getattr(router, "router_replay", None) is not None]
 
 
 def set_replay(routers: list[tuple[int, object]], routes: Optional[torch.Tensor]) -> None:

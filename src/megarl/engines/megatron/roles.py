@@ -87,7 +87,8 @@ class ActorEngine(MegatronEngine):
         )
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
-        """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere.
+        """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere; an MoE
+        model adds "expert_counts" [B, L, E] int32 (its routing's expert load, `MegatronEngine.forward_tokens`).
         Micro-batches: rollout.log_prob_micro_batch_size_per_gpu responses, or the actor's
         token budget (ppo_max_token_len_per_gpu) with use_dynamic_bsz."""
         rollout = self.config.actor_rollout_ref.rollout
@@ -96,6 +97,7 @@ class ActorEngine(MegatronEngine):
             batch, _log_prob_head(self, temperature, with_entropy, "log_probs"),
             max_samples=rollout.log_prob_micro_batch_size_per_gpu,
             max_tokens=self.actor.ppo_max_token_len_per_gpu if self.actor.use_dynamic_bsz else None, keys=keys,
+            count_experts=True,
         )
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
@@ -244,7 +246,9 @@ class ActorEngine(MegatronEngine):
 
 
 class RefEngine(MegatronEngine):
-    """The frozen reference policy (`actor_rollout_ref.ref`, same model as the actor); forward only."""
+    """The frozen reference policy (`actor_rollout_ref.ref`, same model as the actor); forward only.
+    With the actor's routing replay on, it replays the batch's routes too: KL(actor || ref) then
+    compares the two on the same routing (0 at step 0)."""
 
     def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
         config = resolve(config)
@@ -258,6 +262,7 @@ class RefEngine(MegatronEngine):
             dtype=arr.model.dtype,
             megatron_cfg=arr.ref.megatron,
             sequence_layout=sequence_layout,
+            router_replay=arr.actor.router_replay.mode == "R3",
         )
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:

@@ -42,6 +42,9 @@ class MicroBatch:
     targets: torch.Tensor  # [N] int64: the real response tokens, row-major
     data: dict[str, torch.Tensor] = field(default_factory=dict)  # the batch's other tensors, these rows
     routes: Optional[torch.Tensor] = None  # [L, S*b or T, K] routing replay (megarl.engines.megatron.replay)
+    # every real input token but each sample's last (the positions a rollout engine routes):
+    routed_rows: Optional[torch.Tensor] = None  # [M] int64: its row of the flattened hidden states [S*b or T]
+    routed_samples: Optional[torch.Tensor] = None  # [M] int64: its sample, an index into `rows`
 
     @property
     def num_tokens(self) -> int:
@@ -135,15 +138,17 @@ def make_micro_batch(
     b, width = response_mask.shape
     cols = torch.arange(width)
     predict_at = packed.prompt_lens[:, None] - 1 + cols[None, :]  # [b, R] sequence position predicting each token
+    sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)
+    routed = packed.position_ids < lengths[sample_of_token] - 1  # all but each sample's last token
     if layout == "padded":
         sequences, longest = shape or (b, int(lengths.max()))
         input_ids = torch.zeros(sequences, longest, dtype=torch.long)
-        sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)
         input_ids[sample_of_token, packed.position_ids] = packed.input_ids
         position_ids = torch.arange(longest).expand(sequences, -1).contiguous()
         flat = predict_at * sequences + torch.arange(b)[:, None]  # hidden states are [S, sequences, H]
         packed_seq_params = None
         route_args = (packed.position_ids, sample_of_token, longest, sequences)
+        token_rows = packed.position_ids * sequences + sample_of_token
     elif layout == "packed":
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -158,6 +163,7 @@ def make_micro_batch(
             max_seqlen_q=max(packed.max_seqlen, filler), max_seqlen_kv=max(packed.max_seqlen, filler),
         )
         route_args = (None, None, total, 1)
+        token_rows = packed.cu_seqlens_padded[sample_of_token].long() + packed.position_ids
     else:
         raise ValueError(f"unknown sequence layout {layout!r}; choose 'padded' or 'packed'")
     data = {}
@@ -175,4 +181,6 @@ def make_micro_batch(
         targets=part["response_ids"][response_mask].long().to(device),
         data=data,
         routes=micro_batch_routes(part, *route_args) if with_routes else None,
+        routed_rows=token_rows[routed].to(device),
+        routed_samples=sample_of_token[routed].to(device),
     )

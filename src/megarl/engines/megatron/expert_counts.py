@@ -1,0 +1,56 @@
+"""Expert load from the trainer's own routing: how many of each sample's tokens megatron-core's
+routers sent to each expert, per MoE layer (forward hooks on the routers; with routing replay on,
+the routes they replay).
+
+Counted tokens: every real input token but each sample's last (`MicroBatch.routed_rows`), the
+positions a rollout engine routes, so with replay the counts are those of the rollout's routes.
+A router's forward returns (probs, routing_map [tokens, experts] bool) with tokens the flattened
+hidden states' rows (megatron-core `TopKRouter.forward`). Every TP rank routes the same tokens
+(no sequence parallelism in this engine), so the last stage's TP rank 0 has its layers' counts;
+the layers of other pipeline stages arrive by a sum over the pipeline group (zeros elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.engines.megatron.replay import moe_routers
+from megarl.engines.megatron.sequences import MicroBatch
+
+
+class ExpertCounter:
+    """While open (a `with` block around a forward-only pass over a batch of B samples), counts
+    [L, B, E] int32 (L: the model's layers, E: its experts) of the routed tokens; `before_forward(mb)`
+    names the micro-batch the next forward runs on."""
+
+    def __init__(self, chunks: list, num_layers: int, num_experts: int, samples: int, device: torch.device):
+        self.counts = torch.zeros(num_layers, samples, num_experts, dtype=torch.int32, device=device)
+        self._routers = moe_routers(chunks)
+        self._mb = None
+        self._handles = []
+
+    def before_forward(self, mb: MicroBatch) -> None:
+        self._mb = mb
+
+    def _hook(self, layer: int):
+        def count(_module, _inputs, outputs):
+            mb = self._mb
+            hits = outputs[1].index_select(0, mb.routed_rows).to(torch.int32)  # [M, E]
+            self.counts[layer].index_add_(0, mb.rows.to(hits.device)[mb.routed_samples], hits)
+        return count
+
+    def __enter__(self) -> ExpertCounter:
+        self._handles = [router.register_forward_hook(self._hook(layer)) for layer, router in self._routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def per_sample(self, pipeline_group) -> torch.Tensor:
+        """[B, L, E] int32 on the CPU, every layer's counts (a sum over `pipeline_group`; every
+        rank of it calls this)."""
+        if dist.get_world_size(pipeline_group) > 1:
+            dist.all_reduce(self.counts, group=pipeline_group)
+        return self.counts.transpose(0, 1).cpu()
