@@ -467,3 +467,96 @@ def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_wi
     # rollout 1 (trained at step 2), started before step 0's push, ended with the pushed weights
     assert tracker.rows[2]["async/rollout_version"] == 0.0
     assert all(v[-1] == pushed and len(set(v)) <= 2 for v in trained[1])
+
+
+def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restarted_and_its_requests_resubmitted(
+        split_cluster, monkeypatch):
+    """Step 0's push pauses the server (abort) while rollout 1 runs on it: its requests come back
+    aborted and wait at the paused server as continuations (prompt + tokens so far). Once they
+    wait there, the server is killed by PID as the push is sent (the event: the actor's
+    push_weights call), so they are lost with it and the push fails. The push restarts the
+    server, paused as the fleet is, and the client's continuations, sent again from their tokens,
+    reach it before the second push (held until then: the event is the restarted server holding a
+    request). They wait there for the pushed weights: every token of rollout 1 is from the weights
+    it started with or the pushed ones, none from the restarted server's initial ones (negative
+    control: a restarted server not paused answers them with those), the prompts sent again are
+    counted, and each prompt is trained once, in the uninterrupted schedule's batches."""
+    from megarl.data.sampler import EpochSampler
+    from megarl.rollout.control import ServerControl
+
+    cluster, trainer, _ = split_cluster
+    run = partial_run(trainer, monkeypatch, "partial_push_death")
+    fleet = cluster.rollout
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    control = ServerControl(victim["url"])
+    if fleet.weight_version is None:  # the servers' weights must differ from those a restart loads
+        cluster.sync_weights()
+    started, restarts_before = control.weight_version(), fleet.restarts[0]
+    push_due, generate = threading.Event(), run.producer._generate
+
+    def late(index, version, prompt_indices, partial=None):
+        if index == 1 and partial is None:  # starts only once step 0 is at its push
+            assert push_due.wait(300), "step 0 never reached its push"
+        return generate(index, version, prompt_indices, partial)
+
+    def state(key: str) -> int:
+        return control.server_info()["internal_states"][0][key]
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    pause, paused = fleet.pause_generation, []
+
+    def pause_once_running():
+        if not push_due.is_set():
+            push_due.set()
+            wait_for(lambda: state("num_running_requests") > 0, "rollout 1 never ran")
+            time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
+        paused.append(pause())
+        return paused[-1]
+
+    workers, call, pushes = cluster.actor.workers, cluster.actor.workers.call, []
+
+    def killing_push(method, *args, **kwargs):
+        if method == "push_weights":
+            pushes.append(method)
+            if len(pushes) == 1:  # step 0's push, after its pause, with the continuations waiting
+                wait_for(lambda: state("num_waiting_requests") > 0, "no continuation waited at the paused server")
+                os.kill(victim["pid"], signal.SIGKILL)
+                wait_for(lambda: fleet.dead_servers(), "the killed server still reads as running")
+            elif len(pushes) == 2:  # the push again, to the restarted server: once a request reached it
+                wait_for(lambda: state("num_waiting_requests") + state("num_running_requests")
+                         + state("num_finished_requests") > 0, "nothing was sent again to the restarted server")
+        return call(method, *args, **kwargs)
+
+    trained = record_takes(run, lambda batch, metrics: (list(batch["uid"]), batch["weight_versions"], metrics))
+    run.producer._generate, fleet.pause_generation, workers.call = late, pause_once_running, killing_push
+    # partial rollouts on; continuations retried long enough to outlast the restart (backoff up to 10 s)
+    fleet.client.continue_aborted, fleet.client.max_retries = True, 12
+    max_restarts, fleet.max_restarts = fleet.max_restarts, fleet.max_restarts + 1  # other tests restart it too
+    tracker = Recorder()
+    try:
+        run.fit(tracker)
+    finally:
+        fleet.pause_generation, fleet.max_restarts = pause, max_restarts
+        fleet.client.continue_aborted, fleet.client.max_retries = False, 5
+        del workers.call
+    now = fleet.workers.call("status", timeout_s=30)[0]
+    assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
+    assert paused == [True, True, True] and len(pushes) == STEPS + 1  # step 0 pushed twice
+    sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
+    n = run.config.actor_rollout_ref.rollout.n
+    assert [uids for uids, _, _ in trained] == [
+        [f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
+    # rollout 1 (trained at step 2): the weights it started with, then the pushed ones, never others
+    pushed = str(int(tracker.rows[1]["sync/weight_version"]))
+    _, versions, metrics = trained[1]
+    assert all(set(v) <= {started, pushed} for v in versions), [sorted(set(v)) for v in versions]
+    crossing = [row for row, v in enumerate(versions) if len(set(v)) > 1]  # continued from their tokens
+    assert crossing and metrics["async/partial_rollouts"] == len(crossing)
+    assert metrics["rollout/retried_requests"] == len({row // n for row in crossing})  # sent again: counted
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
