@@ -177,6 +177,80 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
 
 
+def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(split_cluster):
+    """fully_async (max_staleness 2) stopped by a real SIGTERM while the producer generates rollout
+    3 and step 1 trains: the step finishes, the push waits for rollout 3, and the checkpoint holds
+    the buffer (rollouts 2 and 3: their tokens, rollout log-probs and versions 0 and 1, weights no
+    checkpoint holds). The resumed run trains steps 3 and 4 on them: batches and losses equal an
+    uninterrupted run's.
+
+    Which version generates a rollout after the checkpoint depends on timing in fully_async (two
+    uninterrupted runs may differ there), so both runs pin the schedule with `fill_window` (each
+    push waits until every rollout the gate allows has run, as when generation outpaces
+    training): rollout j from version max(0, j - 2) in every run. What is exact by design is what
+    the checkpoint holds: every rollout generated and not yet trained, trained as it would have been."""
+    from megarl.checkpoint import find_resume_dir
+    from megarl.trainer.preemption import Preempted
+
+    cluster, trainer, out = split_cluster
+
+    def pinned(run):
+        run.producer.fill_window = True
+        return run
+
+    keys = {"total_training_steps": 4, "experiment_name": "fully_async_sigterm_reference"}
+    reference = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
+    generated, generate = {}, reference.producer._generate
+
+    def keeping(index, version, prompt_indices, partial=None):
+        rollout = generate(index, version, prompt_indices, partial)
+        generated[index] = (version, [(s.token_ids, s.logprobs) for per_prompt in rollout.samples for s in per_prompt])
+        return rollout
+
+    reference.producer._generate = keeping
+    expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
+    expected = Recorder()
+    reference.fit(expected)
+    assert [(index, version) for index, (version, _) in sorted(generated.items())] == [(0, 0), (1, 0), (2, 0), (3, 1)]
+    assert [expected.rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "fully_async_sigterm_reference"))[1]
+
+    keys = {**keys, "experiment_name": "fully_async_sigterm", "save_freq": -1, "resume_mode": "auto"}
+    stopped = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
+    stopped.load_state_dict(cluster.load_checkpoint(step_1))
+    assert [(r.index, r.version) for r in stopped.producer.ready] == [(1, 0), (2, 0)]
+    generate, signalled = stopped.producer._generate, []
+
+    def signalling(index, version, prompt_indices, partial=None):
+        if index == 3 and not signalled:  # the producer thread, while the controller trains step 1
+            signalled.append(threading.current_thread() is not threading.main_thread())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(index, version, prompt_indices, partial)
+
+    stopped.producer._generate = signalling
+    uids = record_takes(stopped, lambda batch, metrics: list(batch["uid"]))
+    first = Recorder()
+    with pytest.raises(Preempted) as stop:
+        stopped.fit(first)
+    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
+    assert sorted(first.rows) == [2]
+    resume_dir = find_resume_dir(stopped.config)
+    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+
+    resumed = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
+    resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
+    assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 0), (3, 1)]
+    for r in resumed.producer.ready:  # the samples themselves, as the uninterrupted run generated them
+        assert [(s.token_ids, s.logprobs) for per_prompt in r.samples for s in per_prompt] == generated[r.index][1]
+    uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
+    second = Recorder()
+    resumed.fit(second)
+    assert sorted(second.rows) == [3, 4]
+    assert uids + uids_after == expected_uids[1:]
+    for step, row in ((2, first.rows[2]), (3, second.rows[3]), (4, second.rows[4])):
+        assert compared(row) == compared(expected.rows[step]), f"step {step} differs"
+
+
 def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
     """SIGKILL the server process `pid` as soon as it reports requests running (mid-generation)."""
     deadline = time.monotonic() + timeout_s
