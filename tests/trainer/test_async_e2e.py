@@ -102,14 +102,38 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
         assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
 
 
+def stopped_by_sigterm(run, index: int) -> tuple:
+    """Fit `run` (resumed at step 1) until a real SIGTERM to this process, sent by the producer
+    thread as it starts rollout `index` while the controller trains, stops it after step 2:
+    (the uids of the batches it trained, its rows, the checkpoint main_ppo resumes from)."""
+    from megarl.checkpoint import find_resume_dir
+    from megarl.trainer.preemption import Preempted
+
+    generate, signalled = run.producer._generate, []
+
+    def signalling(i, version, prompt_indices, partial=None):
+        if i == index and not signalled:
+            signalled.append(threading.current_thread() is not threading.main_thread())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(i, version, prompt_indices, partial)
+
+    run.producer._generate = signalling
+    uids = record_takes(run, lambda batch, metrics: list(batch["uid"]))
+    rows = Recorder()
+    with pytest.raises(Preempted) as stop:
+        run.fit(rows)
+    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
+    assert sorted(rows.rows) == [2]  # the step it was in finished; the next did not start
+    resume_dir = find_resume_dir(run.config)  # what main_ppo resumes from (`latest`)
+    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+    return uids, rows, resume_dir
+
+
 def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninterrupted_batches(split_cluster):
     """A real SIGTERM to this process while the producer generates rollout 2 and step 2 trains
     (the test_resume_e2e path, in process: a subprocess run costs minutes of start-up here): the
     step finishes, the push waits for rollout 2, the checkpoint holds it, and the resumed run
     trains step 3 on it. Steps 2 and 3 (metrics and uids) equal an uninterrupted run's."""
-    from megarl.checkpoint import find_resume_dir
-    from megarl.trainer.preemption import Preempted
-
     cluster, trainer, out = split_cluster
     reference = new_trainer(trainer, {"experiment_name": "sigterm_reference"})
     expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
@@ -120,23 +144,7 @@ def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninter
     keys = {"experiment_name": "sigterm", "save_freq": -1, "resume_mode": "auto"}  # only the stop's checkpoint
     stopped = new_trainer(trainer, keys)
     stopped.load_state_dict(cluster.load_checkpoint(step_1))
-    generate, signalled = stopped.producer._generate, []
-
-    def signalling(index, version, prompt_indices, partial=None):
-        if index == 2 and not signalled:  # the producer thread, while the controller trains step 2
-            signalled.append(threading.current_thread() is not threading.main_thread())
-            os.kill(os.getpid(), signal.SIGTERM)
-        return generate(index, version, prompt_indices, partial)
-
-    stopped.producer._generate = signalling
-    uids = record_takes(stopped, lambda batch, metrics: list(batch["uid"]))
-    first = Recorder()
-    with pytest.raises(Preempted) as stop:
-        stopped.fit(first)
-    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
-    assert sorted(first.rows) == [2]  # the step it was in finished; the next did not start
-    resume_dir = find_resume_dir(stopped.config)  # what main_ppo resumes from (`latest`)
-    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+    uids, first, resume_dir = stopped_by_sigterm(stopped, 2)
 
     resumed = new_trainer(trainer, keys)
     resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
@@ -189,9 +197,6 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     push waits until every rollout the gate allows has run, as when generation outpaces
     training): rollout j from version max(0, j - 2) in every run. What is exact by design is what
     the checkpoint holds: every rollout generated and not yet trained, trained as it would have been."""
-    from megarl.checkpoint import find_resume_dir
-    from megarl.trainer.preemption import Preempted
-
     cluster, trainer, out = split_cluster
 
     def pinned(run):
@@ -219,23 +224,7 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     stopped = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
     stopped.load_state_dict(cluster.load_checkpoint(step_1))
     assert [(r.index, r.version) for r in stopped.producer.ready] == [(1, 0), (2, 0)]
-    generate, signalled = stopped.producer._generate, []
-
-    def signalling(index, version, prompt_indices, partial=None):
-        if index == 3 and not signalled:  # the producer thread, while the controller trains step 1
-            signalled.append(threading.current_thread() is not threading.main_thread())
-            os.kill(os.getpid(), signal.SIGTERM)
-        return generate(index, version, prompt_indices, partial)
-
-    stopped.producer._generate = signalling
-    uids = record_takes(stopped, lambda batch, metrics: list(batch["uid"]))
-    first = Recorder()
-    with pytest.raises(Preempted) as stop:
-        stopped.fit(first)
-    assert signalled == [True] and stop.value.signum == signal.SIGTERM and stop.value.step == 2
-    assert sorted(first.rows) == [2]
-    resume_dir = find_resume_dir(stopped.config)
-    assert str(resume_dir) == stop.value.checkpoint and resume_dir.name == "global_step_2"
+    uids, first, resume_dir = stopped_by_sigterm(stopped, 3)
 
     resumed = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
     resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
