@@ -48,6 +48,14 @@ def compared(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith(COMPARED)}
 
 
+def up_to_last_bits(expected: dict):
+    """`expected`'s compared metrics, to compare with another row's up to float32's last bits: the CPU engine batches
+    the requests that arrive together, and a sample's rollout log-probs (the TIS weights') differ in
+    their last bits with the batch's shape (same tokens; measured: 2.891605854 vs 2.891605616 for
+    one prompt alone or beside two others). Which requests arrive together depends on timing."""
+    return pytest.approx(compared(expected), rel=1e-5, abs=1e-7)
+
+
 @pytest.fixture(scope="module")
 def split_cluster(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
@@ -99,7 +107,7 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
     assert sorted(again.rows) == [2, 3]
     assert [(index, version) for index, version, _ in seen_after] == [(2, 1)]
     for step in (2, 3):
-        assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
+        assert compared(again.rows[step]) == up_to_last_bits(tracker.rows[step]), f"step {step} differs"
 
 
 def stopped_by_sigterm(run, index: int) -> tuple:
@@ -154,8 +162,8 @@ def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninter
     resumed.fit(second)
     assert sorted(second.rows) == [3]
     assert uids + uids_after == expected_uids[1:]
-    assert compared(first.rows[2]) == compared(expected.rows[2])
-    assert compared(second.rows[3]) == compared(expected.rows[3])
+    assert compared(first.rows[2]) == up_to_last_bits(expected.rows[2])
+    assert compared(second.rows[3]) == up_to_last_bits(expected.rows[3])
 
 
 def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster):
@@ -182,7 +190,7 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
     assert sorted(again.rows) == [3, 4]
     for index, _ in buffered:
         step = index + 1
-        assert compared(again.rows[step]) == compared(tracker.rows[step]), f"step {step} differs"
+        assert compared(again.rows[step]) == up_to_last_bits(tracker.rows[step]), f"step {step} differs"
 
 
 def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(split_cluster):
@@ -230,14 +238,16 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
     assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 0), (3, 1)]
     for r in resumed.producer.ready:  # the samples themselves, as the uninterrupted run generated them
-        assert [(s.token_ids, s.logprobs) for per_prompt in r.samples for s in per_prompt] == generated[r.index][1]
+        tokens, logprobs = zip(*[(s.token_ids, s.logprobs) for per_prompt in r.samples for s in per_prompt])
+        assert list(tokens) == [t for t, _ in generated[r.index][1]]
+        assert sum(logprobs, []) == pytest.approx(sum((lp for _, lp in generated[r.index][1]), []), abs=1e-5)
     uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
     second = Recorder()
     resumed.fit(second)
     assert sorted(second.rows) == [3, 4]
     assert uids + uids_after == expected_uids[1:]
     for step, row in ((2, first.rows[2]), (3, second.rows[3]), (4, second.rows[4])):
-        assert compared(row) == compared(expected.rows[step]), f"step {step} differs"
+        assert compared(row) == up_to_last_bits(expected.rows[step]), f"step {step} differs"
 
 
 def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
