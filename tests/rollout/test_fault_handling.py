@@ -35,6 +35,15 @@ def test_stale_reason_keeps_the_versions_pushed_during_a_partial_rollout():
     assert stale_reason([sample("default")], "1", [None]) is None  # started before any push
 
 
+def test_stale_reason_checks_every_token_of_a_continued_sample():
+    from dataclasses import replace
+
+    continued = replace(sample("3"), token_ids=[5, 6, 7], weight_versions=["2", "default", "3"])
+    assert stale_reason([continued], "3", ["2"]) == (
+        "answered with weight_version 'default', expected one of ['2', '3']")  # its last part's is fine
+    assert stale_reason([replace(continued, weight_versions=["2", "2", "3"])], "3", ["2"]) is None
+
+
 def test_keep_going_returns_the_prompts_that_got_no_answer():
     with socket.socket() as s:  # a port nobody listens on: every attempt is refused
         s.bind(("127.0.0.1", 0))

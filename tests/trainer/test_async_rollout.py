@@ -224,3 +224,51 @@ def test_a_regeneration_cut_by_a_dead_server_is_finished_after_a_restart_on_the_
     assert (rollout.index, rollout.prompt_indices, rollout.version) == (3, [42], 5)
     assert servers.calls[:2] == [(3, 5, [42], None), (3, 5, [42], "answers to prompt 0")]
     assert servers.recoveries == [(True, False)]
+
+
+def test_a_checkpoint_after_an_interrupting_push_holds_the_partial_rollout_whole():
+    """Partial rollouts: `pause(interrupt=True)` lets the running generation go on across the
+    push; the checkpoint's `state_dict()` waits for it to finish, so the buffer it saves holds that
+    rollout whole (tokens from both versions, per-token versions, the version it started with),
+    and a resumed producer trains it next."""
+    running, release = threading.Event(), threading.Event()
+
+    def generation(index, version, prompt_indices, partial=None):
+        if index == 1:  # continued across the push to version 1
+            running.set()
+            assert release.wait(30)
+            sample = Sample([1, 2], [-0.5, -0.25], "length", None, "ab", "1", ["0", "1"])
+        else:
+            sample = Sample([index], [-0.5], "length", None, "a", str(version))
+        return Rollout(index, f"s{index}", [index], [[sample]], version)
+
+    producer = RolloutProducer(generation, max_staleness=1, limit=3, wait_timeout_s=30)
+    saved = {}
+    saver = threading.Thread(target=lambda: saved.update(state=producer.state_dict()))
+    try:
+        producer.take()  # rollout 0; the producer starts rollout 1
+        assert running.wait(30)
+        producer.pause(interrupt=True)  # returns with rollout 1 running
+        producer.pushed(1)
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive() and "state" not in saved  # waits for rollout 1
+        release.set()
+        saver.join(30)
+    finally:
+        release.set()
+        producer.stop()
+    state = saved["state"]
+    assert state["next_index"] == 2 and [(r["index"], r["version"]) for r in state["ready"]] == [(1, 0)]
+    assert state["ready"][0]["samples"] == [[{"token_ids": [1, 2], "logprobs": [-0.5, -0.25], "finish_reason": "length",
+                                              "matched": None, "text": "ab", "weight_version": "1",
+                                              "weight_versions": ["0", "1"]}]]
+    again = RolloutProducer(generation, max_staleness=1, limit=3, wait_timeout_s=30)
+    again.load_state_dict(state)
+    again.pushed(1)
+    try:
+        rollout, metrics = again.take()
+    finally:
+        again.stop()
+    assert (rollout.index, rollout.version, rollout.samples[0][0].weight_versions) == (1, 0, ["0", "1"])
+    assert metrics["async/staleness_max"] == 1.0

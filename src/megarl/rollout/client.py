@@ -94,16 +94,17 @@ class RolloutResult:
 
 def stale_reason(samples: list[Sample], weight_version: Optional[str],
                  earlier: Sequence[Optional[str]] = ()) -> Optional[str]:
-    """Why a prompt's samples may not be kept: one was generated with weights other than
+    """Why a prompt's samples may not be kept: one token was generated with weights other than
     `weight_version` or `earlier` (versions pushed while they generated: partial rollouts).
     None among them: nothing pushed yet, any version goes. Aborted samples carry none."""
     if weight_version is None or None in earlier:
         return None
     ok = {weight_version, *earlier}
-    for s in samples:
-        if s.finish_reason != "abort" and s.weight_version not in ok:
+    for s in samples:  # every token's version: a partial rollout's earlier parts too
+        wrong = [v for v in dict.fromkeys(s.weight_versions or [s.weight_version]) if v not in ok]
+        if s.finish_reason != "abort" and wrong:
             expected = repr(weight_version) if not earlier else f"one of {sorted(ok)}"
-            return f"answered with weight_version {s.weight_version!r}, expected {expected}"
+            return f"answered with weight_version {wrong[0]!r}, expected {expected}"
     return None
 
 
@@ -250,8 +251,10 @@ class RolloutClient:
                 try:
                     samples = await self._attempt(session, index, payload, sampling.n)
                     if self.continue_aborted:
-                        samples = [await self._continue(session, index, prompt, sampling, j, s, return_logprob)
-                                   for j, s in enumerate(samples)]
+                        continued = [await self._continue(session, index, prompt, sampling, j, s, return_logprob)
+                                     for j, s in enumerate(samples)]
+                        samples = [s for s, _ in continued]
+                        attempts += sum(failed for _, failed in continued)  # continuations sent again
                 except _Retry as e:
                     if attempts > self.max_retries:
                         why = f"gave up after {attempts} attempts: {e}"
@@ -309,12 +312,15 @@ class RolloutClient:
         return (rows, *self.routed_experts[:2])
 
     async def _continue(self, session: aiohttp.ClientSession, index: int, prompt: list[int],
-                        sampling: SamplingParams, j: int, sample: Sample, return_logprob: bool) -> Sample:
+                        sampling: SamplingParams, j: int, sample: Sample, return_logprob: bool) -> tuple[Sample, int]:
         """Partial rollouts (as AReaL and verl do it over SGLang): sample `j`, aborted by a pause, is
         sent again as prompt + its tokens for the tokens it still lacks; the request waits at the
         server until `/continue_generation`, so the rest comes from the weights pushed meanwhile.
         Log-probs are each token's own, from the weights that sampled it; `weight_versions` holds
-        each token's version when they differ (`weight_version`: the last part's)."""
+        each token's version when they differ (`weight_version`: the last part's).
+        A continuation lost with its server (dead during the push) is sent again, from the same
+        tokens, up to `max_retries` times; past them the prompt is generated again from scratch.
+        Returns (the sample, the continuation attempts that failed)."""
         versions = [sample.weight_version] * len(sample.token_ids)
         retries = 0
         while sample.finish_reason == "abort" and not self._aborting.is_set():
@@ -339,7 +345,7 @@ class RolloutClient:
             routes = _concat_routes(sample.routed_experts, part.routed_experts)
             sample = Sample(sample.token_ids + part.token_ids, logprobs, part.finish_reason, part.matched,
                             sample.text + part.text, part.weight_version, routed_experts=routes)
-        return replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample
+        return (replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample), retries
 
 
 def _concat_routes(first, rest):

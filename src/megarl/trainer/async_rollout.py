@@ -16,6 +16,13 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
   whole state, and a resumed run trains on exactly those batches.
 - A rollout past the bound (possible only after resuming with a smaller K) is dropped and
   counted, or generated again with the current weights (`stale_samples`).
+- Exact resume, fully_async: which version generates a rollout not yet started at the checkpoint
+  depends on timing (and, with partial rollouts, where a push cuts it), in an uninterrupted run
+  as much as in a resumed one; so what is exact by design is the checkpoint's part: every rollout
+  generated and not yet trained (tokens, rollout log-probs, versions, per-token versions) is
+  trained as the uninterrupted run trains it, and the later ones take the same prompts, uids and
+  seeds. With the schedule pinned (`fill_window`: rollout j from version max(0, j - K), as when
+  generation outpaces training) whole resumed runs equal uninterrupted ones (test_async_e2e.py).
 
 - A server that dies mid-generation is not restarted by the producer (a restart re-pushes the
   actor's weights, which the controller may be updating): the generation raises
@@ -29,7 +36,10 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
 - Partial rollouts (fully_async with `partial_rollout`): `pause(interrupt=True)` stops new
   starts only; the controller aborts the running generation at the servers, pushes, and lets it
   continue with the new weights (its samples then carry per-token `weight_versions`; the
-  rollout's `version` stays the one it started with). A checkpoint waits for it to finish.
+  rollout's `version` stays the one it started with). A checkpoint waits for it to finish. A
+  server that dies inside that pause is restarted by the push, paused too, and the requests lost
+  with it are sent again from their tokens (from scratch past the client's retries, counted) and
+  wait there for the pushed weights (megarl.trainer.rollout_fleet).
 
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (versions, per sample),
 `async/dropped_samples`, `async/buffered_rollouts`, and `timing/generate_hidden_s`: seconds of

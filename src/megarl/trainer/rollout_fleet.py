@@ -5,7 +5,8 @@ A server whose process dies is restarted by the fleet, between generations: take
 router, started again at its URL, given the current weights by `on_restart(urls)` (the cluster
 re-creates the weight sync for the server set and pushes the actor's weights at the current
 version), and put back. (A server that dies during a weight push is restarted the same way,
-and the cluster pushes again.) The prompts it lost, and any answer whose `weight_version` is not
+and the cluster pushes again; inside a partial rollout's pause it comes back paused too, so the
+requests lost with it, sent again by the client, wait there for the pushed weights.) The prompts it lost, and any answer whose `weight_version` is not
 `weight_version` (the last pushed one), are sent again with the same seeds. Each server may
 restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
 the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
@@ -117,6 +118,7 @@ class RolloutFleet:
             self.shutdown()
             raise
         self.restarts = [0] * len(self.urls)  # per server, over the run
+        self.paused = False  # between a successful `pause_generation` and `continue_generation`
         routes = routed_experts_layout(config)  # (layers, top_k, experts) with routing replay, else None
         self.client = RolloutClient(self.router.url, api_key=api_key, abort_urls=self.urls,
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
@@ -149,9 +151,9 @@ class RolloutFleet:
         Records count every attempt a prompt took, over the client's retries and the fleet's.
         Servers found dead before, during or after are restarted (`recover`). With `recover=False`
         (a thread that must not push weights: the async producer) nothing is restarted: prompts
-        lost to a dead server raise `GenerationInterrupted`, and `partial=` that error finishes
+        lost to a dead server (or one the controller restarted meanwhile) raise `GenerationInterrupted`, and `partial=` that error finishes
         the same prompts later, sending only the lost ones (answers kept carry their version)."""
-        started, since = time.monotonic(), len(self._versions) - 1
+        started, since, restarts = time.monotonic(), len(self._versions) - 1, sum(self.restarts)
         if recover:
             self.recover()
         n = len(prompts)
@@ -176,8 +178,8 @@ class RolloutFleet:
                 break
             log.warning("%d of %d prompts got no usable answer (e.g. prompt %d: %s)", len(lost), len(todo),
                         *next(iter(lost.items())))
-            if not recover:
-                if not self.dead_servers():
+            if not recover:  # interrupted if a server is dead, or was restarted (by the controller) meanwhile
+                if not self.dead_servers() and sum(self.restarts) == restarts:
                     index, why = next(iter(lost.items()))
                     raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
                 raise GenerationInterrupted(samples, records, attempts, lost)
@@ -232,6 +234,8 @@ class RolloutFleet:
             raise RolloutServerLost(f"restarting rollout server(s) {urls} failed: {e}") from None
         (on_restart or self.on_restart)(list(self.urls))
         for i in dead:
+            if self.paused:  # restarted inside a push's pause: it holds the requests sent again until the continue
+                self.servers()[i].pause_generation("abort")
             self.router.add_worker(self.urls[i], timeout_s=120)
         return len(dead)
 
@@ -273,11 +277,13 @@ class RolloutFleet:
                     other.continue_generation()
                 return False
             paused.append(server)
+        self.paused = True
         return True
 
     def continue_generation(self) -> None:
         for server in self.servers():
             server.continue_generation()
+        self.paused = False
 
     def release_memory(self) -> None:
         """Colocated: free the servers' weights and KV cache while training runs (the weight push
