@@ -108,6 +108,33 @@ def resident_peak():
     return memory.resident_peak()
 
 
+def bare_transfers(chunks: list, repeats: int) -> dict:
+    """Seconds (best of `repeats`) to move every TP rank's parameter bytes to TP rank 0 with one
+    `dist.gather` (gloo receives into its own buffer, then copies out) and with point-to-point
+    sends into preallocated rows (what the resharder does); TP rank 0 reports them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    size = dist.get_world_size(group)
+    nbytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
+    send = torch.empty(nbytes, dtype=torch.uint8).random_()
+    rows = [torch.empty_like(send) for _ in range(size)] if tp_rank == 0 else None
+    root = dist.get_global_rank(group, 0)
+
+    def p2p():
+        if tp_rank == 0:
+            ops = [dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in range(1, size)]
+        else:
+            ops = [dist.P2POp(dist.isend, send, root, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    gather_s = min(timed(repeats, lambda: dist.gather(send, rows, dst=root, group=group)))
+    p2p_s = min(timed(repeats, p2p))
+    return {"bare_gather_s": gather_s, "bare_p2p_s": p2p_s, "bare_bytes": nbytes * size} if tp_rank == 0 else {}
+
+
 def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict,
                  split_dp: bool = False) -> list[dict]:
     import torch.distributed as dist
@@ -148,6 +175,10 @@ def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tu
                        convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
         results.append(out)
         dist.barrier()
+    if tp > 1:  # the wire alone: this rank's shards' bytes to TP rank 0 by gloo's gather and by point-to-point
+        bare = bare_transfers(chunks, args["repeats"])
+        for out in results:
+            out.update(bare)
     if args["memory"]:  # after every timed pass: it changes the allocator's behaviour for good
         for out, bucket_mb in zip(results, args["bucket_mbs"]):
             resharder = Resharder(chunks, weights, groups, bucket_mb * 2**20)
@@ -260,6 +291,8 @@ def side_by_side(args) -> None:
                              fractions_per_round=[r["fraction_of_clone"] for r in same],
                              gather_s=best["gather_s"], convert_s=best["convert_s"],
                              peak_buffer_gb=best["peak_buffer_gb"],
+                             bare_gather_gb_per_s=max((r.get("bare_gather_gb_per_s") or 0) for r in same) or None,
+                             bare_p2p_gb_per_s=max((r.get("bare_p2p_gb_per_s") or 0) for r in same) or None,
                              peak_extra_buckets=max((r["peak_extra_buckets"] for r in same
                                                      if r.get("peak_extra_buckets") is not None), default=None)))
     rows.sort(key=lambda r: (r["layout"], r["senders"], r["bucket_mb"], list(trees).index(r["tree"])))
@@ -270,7 +303,8 @@ def side_by_side(args) -> None:
                        ("reshard_s", "reshard s", ".3f"), ("reshard_gb_per_s", "GB/s", ".2f"),
                        ("clone_gb_per_s", "clone GB/s", ".2f"), ("fraction_of_clone", "fraction", ".2f"),
                        ("gather_s", "gather s", ".3f"), ("convert_s", "convert s", ".3f"),
-                       ("peak_buffer_gb", "peak buf GB", ".3f"), ("peak_extra_buckets", "peak extra bkts", ".2f")])
+                       ("peak_buffer_gb", "peak buf GB", ".3f"), ("peak_extra_buckets", "peak extra bkts", ".2f"),
+                       ("bare_gather_gb_per_s", "gather GB/s", ".2f"), ("bare_p2p_gb_per_s", "p2p GB/s", ".2f")])
     write_result("weight_sync_trees", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
                                        "load_before": load_before, "load_after": load_average(), "runs": runs,
                                        "rows": rows}, args.out)
@@ -326,6 +360,9 @@ def main() -> None:
                              peak_extra_buckets=max((r["peak_extra_buckets"] for r in emitters if "peak_extra_buckets" in r),
                                                     default=None),
                              **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")},
+                             **({"bare_gather_gb_per_s": slowest["bare_bytes"] / slowest["bare_gather_s"] / 1e9,
+                                 "bare_p2p_gb_per_s": slowest["bare_bytes"] / slowest["bare_p2p_s"] / 1e9}
+                                if "bare_bytes" in slowest else {}),
                              emitters=[{k: r[k] for k in ("stage", "bytes", "reshard_times_s", "clone_times_s",
                                                           "warm_copy_times_s")} for r in emitters]))
         if args.push and dp == 1:

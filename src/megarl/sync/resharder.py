@@ -278,7 +278,7 @@ class ReshardTimings:
 
     gather_s: float = 0.0
     convert_s: float = 0.0
-    peak_buffer_bytes: int = 0  # the pass's buffers: gathered rows + HF buffer (emitter), send buffer
+    peak_buffer_bytes: int = 0  # the pass's buffers: the other ranks' rows + HF buffer (emitter), send buffer (others)
     buckets: int = 0
     bytes: int = 0  # HF bytes produced
 
