@@ -84,7 +84,7 @@ def sync_run(tmp_path_factory):
         reshard = dict(cases=cases, layouts=RESHARD_LAYOUTS, bucket_bytes=RESHARD_BUCKET_BYTES)
         experts = dict(hf_dir=str(expert_model), url=servers[2].url, bucket_bytes=EXPERT_BUCKET_BYTES,
                        disk_dir=str(root / "moe-disk-sync"))
-        ranks = run_gloo_workers(world, 4, args=(reshard, story, experts), timeout_s=600)
+        ranks = run_gloo_workers(world, 4, args=(reshard, story, experts, str(root / "memory")), timeout_s=600)
         print(f"sync world: resharder checks {ranks[0]['reshard_s']} s, expert checks {ranks[0]['experts_s']} s; "
               "servers story, seconds since its start:", ranks[0]["servers"]["seconds"])
         yield offline, story, ranks, experts

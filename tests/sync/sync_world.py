@@ -51,6 +51,12 @@ RESHARD_BUCKET_BYTES = 48 * 1024  # several buckets per stage; fc1 (64 KiB gathe
 EXPERT_LAYOUTS = [(1, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 0), (1, 2, 2, 0)]
 EXPERT_MODEL = dict(arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32, tie=False)
 EXPERT_BUCKET_BYTES = 32 * 1024  # a layer's 8 experts gather to 192 KiB: several expert buckets per layer
+# the memory check: a random Llama of ~64 MB at TP=2 x PP=2, buckets of 8 MiB (the embedding and output
+# layer, 8.4 MB each, get buckets of their own), so a bucket dwarfs the process's noise
+MEMORY_LAYOUT = (2, 2)
+MEMORY_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=4096)
+MEMORY_BUCKET_BYTES = 8 * 2**20
 # the servers story: TP=2 x PP=2, ~5 buckets per stage, so a server can die between two of them
 STORY_LAYOUT = (2, 2)
 STORY_BUCKET_BYTES = 64 * 1024
@@ -134,6 +140,44 @@ def reshard_checks(rank: int, cases: dict, layouts: list, bucket_bytes: int) -> 
                 largest_param_bytes=max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp)),
             )
     return out
+
+
+def memory_check(rank: int, out_dir: str) -> dict:
+    """Peak extra resident memory (`tracking.memory`: the kernel's high-water mark) of two disk
+    pushes of a random Llama (MEMORY_MODEL) at MEMORY_LAYOUT, each the resharder's pass and
+    `DiskTransport.send` of every bucket, on every rank (`first`, `warm`: the first one also forms
+    the new groups' connections); and the bucket size it is measured against."""
+    from megarl.sync.transports import DiskTransport
+    from megarl.tracking.memory import resident_peak
+
+    tp, pp = MEMORY_LAYOUT
+    reinit_model_parallel(tp, pp)
+    config = dict(MEMORY_MODEL, model_type="llama", architectures=["LlamaForCausalLM"], max_position_embeddings=256,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+    arch = arch_from_hf_config(config)
+    weights = WeightMap(arch, padded_vocab_size(arch.vocab_size, 128, tp))
+    chunks = build_chunks(weights, ParallelLayout(tp, pp), torch.float32)
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.uniform_(-0.05, 0.05)
+    groups = ParallelGroups.from_parallel_state()
+    resharder = Resharder(chunks, weights, groups, MEMORY_BUCKET_BYTES)
+    transport = DiskTransport([], groups.pp_rank, out_dir, out_dir, []) if groups.is_emitter else None
+    def push():  # a function: no bucket (and its buffer) outlives the pass in a loop variable
+        for bucket in resharder.buckets():
+            transport.send(bucket)
+
+    out = {}
+    for name in ("first", "warm"):
+        if transport is not None:
+            transport.open_stream(f"memory-{rank}-{name}")
+        dist.barrier()
+        with resident_peak() as memory:
+            push()
+        out[name] = memory["extra"]
+    largest = max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp))
+    return dict(out, emitter=groups.is_emitter, bucket_bytes=max(MEMORY_BUCKET_BYTES, largest),
+                buckets=resharder.timings.buckets, written=transport.bytes if transport else 0)
 
 
 def expert_layout_of(t: tuple) -> ParallelLayout:
@@ -513,7 +557,7 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
     return out
 
 
-def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict, experts: dict) -> dict:
+def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict, experts: dict, memory_dir: str) -> dict:
     from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
 
     init_gloo_model_parallel(rank, world_size, port, timeout_s=300)
@@ -524,4 +568,5 @@ def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict, e
     out["experts"] = expert_checks(rank, experts)
     out["experts_s"] = round(time.monotonic() - started - out["reshard_s"], 1)
     out["servers"] = servers_story(rank, servers)
+    out["memory"] = memory_check(rank, memory_dir)
     return out

@@ -15,6 +15,13 @@ A layout `TPxPPxDP` (DP > 1) is timed twice: replica 0 resharding every bucket (
 off, megarl before DP sharing) and every replica resharding its own share (`split_dp` on, the
 default of `SyncConfig.split_across_dp`); a layout's time is then its slowest emitter's.
 
+`--trees old=/tmp/old/src new=src` runs the same passes side by side: each round runs this script
+once per tree in a child process with that tree's megarl first on PYTHONPATH (the trees' order
+alternating from round to round), `--rounds` rounds; a tree's figure is its best pass over every
+round. `--memory` adds each emitter's peak extra resident memory over one pass per bucket size, in
+buckets (`megarl.tracking.memory`, after the timed passes: it lowers glibc's mmap threshold; a
+tree without that module gets it loaded from this script's own tree).
+
 With `--push`, also times `WeightSync.push()` into one freshly started server of an HF checkpoint
 of the same model: end-to-end GB/s, wire included. `--server sglang --device cuda` is the GPU check
 of the transports against real SGLang (one GPU, layout 1x1; the distributed transport then uses
@@ -23,12 +30,19 @@ next to the actor's, which must agree (to the served dtype) after the push.
 
     .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 2x1 1x2 2x2 --bucket-mb 64 256 1024
     .venv/bin/python tools/bench/weight_sync.py --layouts 1x1x2 1x1x4 --bucket-mb 64   # DP sharing
+    git worktree add /tmp/old main && .venv/bin/python tools/bench/weight_sync.py --layouts 2x1 2x2 \
+        --trees old=/tmp/old/src new=src --memory      # old against new, interleaved
     python tools/bench/weight_sync.py --layouts 1x1 --push --server sglang --device cuda --dtype bfloat16 \
         --transport tensor        # GPU: also --transport distributed, --transport disk
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,11 +96,51 @@ def timed(repeats: int, run) -> list[float]:
     return times
 
 
+def resident_peak():
+    """`megarl.tracking.memory.resident_peak`, from this script's own tree if megarl has none (an old tree)."""
+    try:
+        from megarl.tracking import memory
+    except ImportError:
+        path = Path(__file__).resolve().parents[2] / "src" / "megarl" / "tracking" / "memory.py"
+        spec = importlib.util.spec_from_file_location("megarl_tracking_memory", path)
+        memory = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(memory)
+    return memory.resident_peak()
+
+
+def bare_transfers(chunks: list, repeats: int) -> dict:
+    """Seconds (best of `repeats`) to move every TP rank's parameter bytes to TP rank 0 with one
+    `dist.gather` (gloo receives into its own buffer, then copies out) and with point-to-point
+    sends into preallocated rows (what the resharder does); TP rank 0 reports them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    size = dist.get_world_size(group)
+    nbytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
+    send = torch.empty(nbytes, dtype=torch.uint8).random_()
+    rows = [torch.empty_like(send) for _ in range(size)] if tp_rank == 0 else None
+    root = dist.get_global_rank(group, 0)
+
+    def p2p():
+        if tp_rank == 0:
+            ops = [dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in range(1, size)]
+        else:
+            ops = [dist.P2POp(dist.isend, send, root, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    gather_s = min(timed(repeats, lambda: dist.gather(send, rows, dst=root, group=group)))
+    p2p_s = min(timed(repeats, p2p))
+    return {"bare_gather_s": gather_s, "bare_p2p_s": p2p_s, "bare_bytes": nbytes * size} if tp_rank == 0 else {}
+
+
 def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple, args: dict,
                  split_dp: bool = False) -> list[dict]:
     import torch.distributed as dist
 
     from megarl.sync import ParallelGroups, Resharder
+    from megarl.sync.resharder import gathered_bytes, local_params
 
     tp, pp = layout[:2]
     init_gloo_model_parallel(rank, world_size, port, tp=tp, pp=pp)
@@ -121,6 +175,19 @@ def reshard_rank(rank: int, world_size: int, port: int, config: dict, layout: tu
                        convert_s=t.convert_s, peak_buffer_bytes=t.peak_buffer_bytes)
         results.append(out)
         dist.barrier()
+    if tp > 1:  # the wire alone: this rank's shards' bytes to TP rank 0 by gloo's gather and by point-to-point
+        bare = bare_transfers(chunks, args["repeats"])
+        for out in results:
+            out.update(bare)
+    if args["memory"]:  # after every timed pass: it changes the allocator's behaviour for good
+        for out, bucket_mb in zip(results, args["bucket_mbs"]):
+            resharder = Resharder(chunks, weights, groups, bucket_mb * 2**20)
+            largest = max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp))
+            dist.barrier()
+            with resident_peak() as memory:
+                for _ in resharder.buckets():
+                    pass
+            out["peak_extra_buckets"] = memory["extra"] / max(bucket_mb * 2**20, largest)
     return results
 
 
@@ -192,6 +259,57 @@ def run_push(config: dict, layout: tuple, args) -> dict:
     return ranks[-1]
 
 
+def side_by_side(args) -> None:
+    """Every tree of `--trees` in its own child run of this script, interleaved over `--rounds`."""
+    trees = dict(item.split("=", 1) for item in args.trees)
+    child = [sys.executable, str(Path(__file__).resolve()), "--layouts", *args.layouts, "--hidden", str(args.hidden),
+             "--layers", str(args.layers), "--vocab", str(args.vocab), "--dtype", args.dtype, "--repeats",
+             str(args.repeats), "--device", args.device, "--bucket-mb", *map(str, args.bucket_mbs)]
+    child += ["--ffn", str(args.ffn)] if args.ffn else []
+    child += ["--memory"] if args.memory else []
+    load_before, runs = load_average(), []
+    with tempfile.TemporaryDirectory(prefix="megarl-bench-trees-") as tmp:
+        for round_ in range(args.rounds):
+            for name in list(trees) if round_ % 2 == 0 else list(trees)[::-1]:
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(trees[name]).resolve()),
+                                                                     os.environ.get("PYTHONPATH", "")]))
+                out = Path(tmp) / f"{name}-{round_}"
+                subprocess.run(child + ["--out", str(out)], env=env, check=True, capture_output=True, timeout=3600)
+                result = json.loads((out / "weight_sync.json").read_text())
+                runs.append(dict(tree=name, round=round_, load_before=result["load_before"],
+                                 load_after=result["load_after"], rows=result["rows"]))
+                print(f"round {round_}: {name} done, load {result['load_after']['1m']:.1f}", flush=True)
+    rows = []
+    for name in trees:
+        mine = [row for run in runs if run["tree"] == name for row in run["rows"]]
+        for key in dict.fromkeys((r["layout"], r["senders"], r["bucket_mb"]) for r in mine):
+            same = [r for r in mine if (r["layout"], r["senders"], r["bucket_mb"]) == key]
+            best, clone = min(same, key=lambda r: r["reshard_s"]), max(r["clone_gb_per_s"] for r in same)
+            rows.append(dict(tree=name, layout=key[0], senders=key[1], bucket_mb=key[2], gb=best["gb"],
+                             reshard_s=best["reshard_s"], reshard_gb_per_s=best["reshard_gb_per_s"],
+                             clone_gb_per_s=clone, fraction_of_clone=best["reshard_gb_per_s"] / clone,
+                             fractions_per_round=[r["fraction_of_clone"] for r in same],
+                             gather_s=best["gather_s"], convert_s=best["convert_s"],
+                             peak_buffer_gb=best["peak_buffer_gb"],
+                             bare_gather_gb_per_s=max((r.get("bare_gather_gb_per_s") or 0) for r in same) or None,
+                             bare_p2p_gb_per_s=max((r.get("bare_p2p_gb_per_s") or 0) for r in same) or None,
+                             peak_extra_buckets=max((r["peak_extra_buckets"] for r in same
+                                                     if r.get("peak_extra_buckets") is not None), default=None)))
+    rows.sort(key=lambda r: (r["layout"], r["senders"], r["bucket_mb"], list(trees).index(r["tree"])))
+    loads = [run[k]["1m"] for run in runs for k in ("load_before", "load_after")]
+    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; best of {args.repeats} "
+          f"x {args.rounds} rounds per tree; 1-minute load average {min(loads):.1f} to {max(loads):.1f}")
+    print_table(rows, [("layout", "TPxPP[xDP]", "s"), ("tree", "tree", "s"), ("bucket_mb", "bucket MiB", "d"),
+                       ("reshard_s", "reshard s", ".3f"), ("reshard_gb_per_s", "GB/s", ".2f"),
+                       ("clone_gb_per_s", "clone GB/s", ".2f"), ("fraction_of_clone", "fraction", ".2f"),
+                       ("gather_s", "gather s", ".3f"), ("convert_s", "convert s", ".3f"),
+                       ("peak_buffer_gb", "peak buf GB", ".3f"), ("peak_extra_buckets", "peak extra bkts", ".2f"),
+                       ("bare_gather_gb_per_s", "gather GB/s", ".2f"), ("bare_p2p_gb_per_s", "p2p GB/s", ".2f")])
+    write_result("weight_sync_trees", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                       "load_before": load_before, "load_after": load_average(), "runs": runs,
+                                       "rows": rows}, args.out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP, e.g. 2x1")
@@ -209,8 +327,15 @@ def main() -> None:
     p.add_argument("--transport", default="distributed", choices=["distributed", "tensor", "disk"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the actor's weights live (cuda: layouts without TP, the world is gloo)")
+    p.add_argument("--trees", nargs="+", metavar="NAME=SRC", help="side by side: these megarl trees' src "
+                   "directories, each run in a child process, interleaved (writes weight_sync_trees.json)")
+    p.add_argument("--rounds", type=int, default=2, help="--trees: runs of every tree")
+    p.add_argument("--memory", action="store_true", help="also each emitter's peak extra resident memory of a pass")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes weight_sync.json here")
     args = p.parse_args()
+    if args.trees:
+        side_by_side(args)
+        return
     config = hf_config(args)
     rows = []
     load_before = load_average()
@@ -232,7 +357,12 @@ def main() -> None:
                              clone_gb_per_s=clone_gbps, warm_copy_gb_per_s=slowest["bytes"] / slowest["warm_copy_s"] / 1e9,
                              fraction_of_clone=gbps / clone_gbps, buckets=sum(r["buckets"] for r in emitters),
                              peak_buffer_gb=slowest["peak_buffer_bytes"] / 1e9,
+                             peak_extra_buckets=max((r["peak_extra_buckets"] for r in emitters if "peak_extra_buckets" in r),
+                                                    default=None),
                              **{k: slowest[k] for k in ("reshard_s", "gather_s", "convert_s", "peak_buffer_bytes")},
+                             **({"bare_gather_gb_per_s": slowest["bare_bytes"] / slowest["bare_gather_s"] / 1e9,
+                                 "bare_p2p_gb_per_s": slowest["bare_bytes"] / slowest["bare_p2p_s"] / 1e9}
+                                if "bare_bytes" in slowest else {}),
                              emitters=[{k: r[k] for k in ("stage", "bytes", "reshard_times_s", "clone_times_s",
                                                           "warm_copy_times_s")} for r in emitters]))
         if args.push and dp == 1:
@@ -243,7 +373,8 @@ def main() -> None:
                        ("buckets", "buckets", "d"), ("reshard_s", "reshard s", ".3f"), ("reshard_gb_per_s", "GB/s", ".2f"),
                        ("clone_gb_per_s", "clone GB/s", ".2f"), ("warm_copy_gb_per_s", "copy_ GB/s", ".2f"),
                        ("fraction_of_clone", "fraction", ".2f"), ("gather_s", "gather s", ".3f"),
-                       ("convert_s", "convert s", ".3f"), ("peak_buffer_gb", "peak buf GB", ".3f")])
+                       ("convert_s", "convert s", ".3f"), ("peak_buffer_gb", "peak buf GB", ".3f"),
+                       ("peak_extra_buckets", "peak extra bkts", ".2f")])
     for row in rows:
         if "push" in row:
             m = row["push"]

@@ -298,18 +298,28 @@ class WeightMap:
     # ---------------------------------------------------------------- tensors
     def to_hf(self, mcore_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """One full (TP-gathered) megatron tensor -> its HF (name, tensor) pairs."""
-        rule, _ = self._rule(mcore_name)
         _check_shape(mcore_name, full, self.mcore_shape(mcore_name))
+        return list(zip(self.hf_names_of(mcore_name), self._split(mcore_name, full)))
+
+    def hf_rows(self, mcore_name: str) -> list[tuple[str, torch.Tensor]]:
+        """Which rows (dim 0) of the full megatron tensor each HF tensor is, in order: (HF name,
+        int64 row indices [HF rows]). Every transform is a row selection, so an HF tensor can be
+        written straight from the TP shards that hold its rows (the resharder does)."""
+        rows = self.mcore_shape(mcore_name)[0]
+        return [(name, part.reshape(-1)) for name, part in
+                zip(self.hf_names_of(mcore_name), self._split(mcore_name, torch.arange(rows).unsqueeze(1)))]
+
+    def _split(self, mcore_name: str, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`full` [rows, ...] cut into its HF tensors (`to_hf`; `hf_rows` with a column of row indices)."""
+        rule, _ = self._rule(mcore_name)
         a = self.arch
         if rule.transform == "qkv":
-            parts = split_qkv(full, a.num_attention_heads, a.num_query_groups, a.kv_channels)
-        elif rule.transform == "gate_up":
-            parts = split_gate_up(full)
-        elif rule.transform == "vocab":
-            parts = (unpad_vocab(full, a.vocab_size),)
-        else:
-            parts = (full,)
-        return list(zip(self.hf_names_of(mcore_name), parts))
+            return split_qkv(full, a.num_attention_heads, a.num_query_groups, a.kv_channels)
+        if rule.transform == "gate_up":
+            return split_gate_up(full)
+        if rule.transform == "vocab":
+            return (unpad_vocab(full, a.vocab_size),)
+        return (full,)
 
     def to_mcore(self, mcore_name: str, read_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """The full megatron tensor `mcore_name`, built from the HF tensors `read_hf(name)` returns."""

@@ -129,6 +129,27 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None
     as_umask_allows(path)
 
 
+def write_safetensors(named: list[tuple[str, torch.Tensor]], path: str | Path) -> None:
+    """A safetensors file of `named` (views into one buffer allowed, unlike `save_safetensors`),
+    in that order, metadata {"format": "pt"}: each tensor's bytes are written from its own memory
+    (no copy of a contiguous CPU tensor; one tensor at a time of a GPU one)."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in named:
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for _, tensor in named:
+            f.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    as_umask_allows(path)
+
+
 class ShardedSafetensorsWriter:
     """Writes tensors into `model-0000k-of-0000n.safetensors` files of at most `max_shard_bytes`
     each (a larger tensor gets a file of its own), then `model.safetensors.index.json`."""

@@ -9,13 +9,16 @@ every replica for its own share of the buckets):
    output-layer copy on the last stage is left out (it is the embedding).
 2. `plan_buckets` packs them, in order, into buckets of at most `bucket_bytes` of *gathered*
    megatron tensors (a larger parameter gets a bucket of its own). Every TP rank makes the same plan.
-3. Per bucket, every TP rank sends its TP-split shards (one flat byte buffer) to TP rank 0 with one
-   `gather`; replicated parameters are not sent. The gather of bucket k+1 runs while bucket k is
-   pushed.
-4. TP rank 0 (the stage's emitter) merges the shards (`bridge.unshard_tp`: GLU-aware), converts
-   each parameter with `WeightMap.to_hf` (QKV and fc1 split, vocab padding dropped) and writes the
-   HF tensors (cast to the wire dtype, if one is set) into one flat byte buffer, laid out as
-   SGLang's `flattened_bucket`.
+3. Per bucket, every other TP rank sends its TP-split shards (one flat byte buffer) to TP rank 0,
+   which receives each rank's straight into that rank's row of a preallocated buffer (point-to-point:
+   gloo's `gather` would receive into a fresh buffer of its own and copy it out); replicated
+   parameters are not sent. The gather of bucket k+1 runs while bucket k is pushed.
+4. TP rank 0 (the stage's emitter) writes each HF tensor (cast to the wire dtype, if one is set)
+   straight from the shards into its slot of one flat byte buffer, laid out as SGLang's
+   `flattened_bucket`: every transform of `WeightMap.to_hf` (QKV and fc1 split, vocab padding
+   dropped) is a selection of rows of the TP-merged tensor (`WeightMap.hf_rows`), so the plan
+   turns it into runs of rows (`Copy`) of the ranks' shards; the emitter's own shards are read
+   from its parameters. No merged tensor is ever built.
 
 Experts at EP > 1 (`groups.py`): each rank lists its local experts under their local index, which
 is the global index on EP rank 0, so every rank of an expert group plans the same expert buckets
@@ -25,9 +28,10 @@ each expert over its expert-TP rows and names row (ep, etp)'s copy of local expe
 `ep * experts_per_rank + k`. A bucket holds at most `bucket_bytes` of experts from all EP ranks
 together, so no rank ever holds more than one bucket of other ranks' experts.
 
-Extra memory, allocated once per pass and reused by every bucket: on the emitter, one bucket of
-gathered shards, one bucket of HF tensors and its own share of a bucket (1/TP), plus the
-conversion's per-parameter temporaries; on the other TP ranks, their share of a bucket.
+Extra memory, allocated once per pass and reused by every bucket: on the emitter, the other ranks'
+shards of one bucket ((TP-1)/TP of its gathered bytes) and one bucket of HF tensors, so at most 2
+buckets (a bucket: `bucket_bytes`, or the largest parameter if larger); on the other TP ranks,
+their share of a bucket. The conversion allocates nothing of a bucket's size.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from megarl.bridge.errors import ConversionError
 from megarl.bridge.lora import is_lora_param
 from megarl.bridge.mapping import REPLICATED, TPSplit, tp_split
 from megarl.bridge.moe import expert_index, shift_expert
-from megarl.bridge.sharding import layer_index, shift_layer, unshard_tp
+from megarl.bridge.sharding import layer_index, shift_layer
 from megarl.rollout.weight_group import TensorSlot, bucket_layout, dtype_name, unflatten_tensors
 from megarl.sync.groups import ParallelGroups
 
@@ -107,9 +111,55 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """One run of a direct write: `length` slices along `dim` of the parameter's shard from rank
+    `piece` (of the ranks it is split over), from index `src`, into its HF tensor number `hf`
+    (`hf_names_of` order) from index `dst`."""
+
+    hf: int
+    piece: int
+    src: int
+    dst: int
+    length: int
+    dim: int = 0
+
+
+def write_runs(copies: Sequence[Copy], pieces: Sequence[torch.Tensor], hf: Sequence[torch.Tensor]) -> None:
+    """Write the HF tensors `hf` (`hf_names_of` order) from the shards `pieces` (rank order) as `copies` say."""
+    for c in copies:
+        hf[c.hf].narrow(c.dim, c.dst, c.length).copy_(pieces[c.piece].narrow(c.dim, c.src, c.length))
+
+
+@dataclass(frozen=True)
 class PlannedParam:
     param: LocalParam
     gather_offset: Optional[int]  # byte offset in the gathered row; None: not gathered (replicated, or TP=1)
+    copies: tuple[Copy, ...] = ()  # how its HF tensors are written from the shards (`copy_runs`)
+
+
+def copy_runs(weights: WeightMap, name: str, split: TPSplit, pieces: int) -> tuple[Copy, ...]:
+    """The runs that write `name`'s HF tensors from its `pieces` shards, in rank order (1: the
+    full tensor), split as `split` says: rank k's shard of a stride-s split holds part p of the
+    merged tensor's s parts at its rows [p*c, (p+1)*c) (`sharding.unshard_tp`). A split over dim 1
+    has one HF tensor, the merged one (megatron's row-parallel weights)."""
+    full_rows = weights.mcore_shape(name)[0]
+    if split.dim == 1:
+        (_, rows), = weights.hf_rows(name)
+        if not torch.equal(rows, torch.arange(full_rows)):
+            raise ConversionError(f"{name}: split over dim 1, but its HF tensor is not the merged tensor")
+        cols = weights.mcore_shape(name)[1] // pieces
+        return tuple(Copy(0, k, 0, k * cols, cols, dim=1) for k in range(pieces))
+    stride = split.stride if split.dim == 0 else 1
+    c = full_rows // pieces // stride  # rows of one part of one shard
+    out = []
+    for hf, (_, rows) in enumerate(weights.hf_rows(name)):
+        part, within = rows // (pieces * c), rows % (pieces * c)
+        piece, local = within // c, part * c + within % c
+        starts = torch.ones(len(rows), dtype=torch.bool)  # a run starts where the shard or the row sequence breaks
+        starts[1:] = (piece[1:] != piece[:-1]) | (local[1:] != local[:-1] + 1)
+        bounds = starts.nonzero().flatten().tolist() + [len(rows)]
+        out += [Copy(hf, int(piece[a]), int(local[a]), a, b - a) for a, b in zip(bounds, bounds[1:])]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -185,7 +235,10 @@ def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, ep_size: int,
     slots = bucket_layout(
         [n for n, _ in hf], [dtype_name(d) for _, d in hf], [list(weights.hf_shape(n)) for n, _ in hf]
     )
-    planned = tuple(PlannedParam(p, offsets.get(p.name)) for p in group)
+    per_ep = ranks // ep_size  # shards of one parameter (one expert's copy): its TP (expert-TP) ranks
+    planned = tuple(PlannedParam(p, offsets.get(p.name),
+                                 copy_runs(weights, p.name, p.split, per_ep if p.name in offsets else 1))
+                    for p in group)
     return BucketPlan(planned, _align(row), tuple(slots), ranks, ep_size, expert)
 
 
@@ -225,7 +278,7 @@ class ReshardTimings:
 
     gather_s: float = 0.0
     convert_s: float = 0.0
-    peak_buffer_bytes: int = 0  # the pass's buffers: gathered rows + HF buffer (emitter), send buffer
+    peak_buffer_bytes: int = 0  # the pass's buffers: the other ranks' rows + HF buffer (emitter), send buffer (others)
     buckets: int = 0
     bytes: int = 0  # HF bytes produced
 
@@ -233,8 +286,9 @@ class ReshardTimings:
 class _Buffers:
     """The byte buffers of one pass, sized for its largest bucket and reused by every bucket:
     fresh memory for each bucket would cost page faults on a CPU (on a GPU the caching allocator
-    reuses blocks anyway). `send`: this rank's shards of a bucket; `rows`: the gathered shards of
-    every rank of a gather (emitter); `flat`: the HF tensors (emitter)."""
+    reuses blocks anyway). `send`: this rank's shards of a bucket it does not emit; `rows`: the
+    shards of the other ranks of a gather, rank r's in row r - 1 (emitter: its own shards are its
+    parameters); `flat`: the HF tensors (emitter)."""
 
     def __init__(self, plans: Sequence[tuple[BucketPlan, bool]], device: torch.device):
         """`plans`: (plan, whether this rank emits it) of every bucket this rank takes part in."""
@@ -243,8 +297,8 @@ class _Buffers:
         def buffer(nbytes: int) -> Optional[torch.Tensor]:
             return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
-        self.send = buffer(max(p.row_bytes for p, _ in plans))
-        self.rows = buffer(max((p.ranks * p.row_bytes for p in emitted), default=0))
+        self.send = buffer(max((p.row_bytes for p, emits in plans if not emits), default=0))
+        self.rows = buffer(max(((p.ranks - 1) * p.row_bytes for p in emitted), default=0))
         self.flat = buffer(max((p.hf_bytes for p in emitted), default=0))
 
     @property
@@ -309,44 +363,62 @@ class Resharder:
                 yield bucket
 
     # ---------------------------------------------------------------- internals
-    def _start_gather(self, plan: BucketPlan, buffers: _Buffers):
-        """Send this rank's shards of `plan` to the emitter (async) over the TP group (expert
-        bucket: the expert group); None if there are none."""
+    def _start_gather(self, plan: BucketPlan, buffers: _Buffers) -> Optional["_Gather"]:
+        """Start moving `plan`'s shards to the emitter over the TP group (expert bucket: the
+        expert group): the emitter receives rank r's row into `rows[r - 1]`, every other rank
+        packs its shards into `send` and sends it. None if nothing is gathered."""
         g = self.groups
         gathered = [p for p in plan.params if p.gather_offset is not None]
         if not gathered:
             return None
-        send = buffers.send[: plan.row_bytes]
-        for planned in gathered:
-            tensor = planned.param.tensor
-            start = planned.gather_offset
-            send[start : start + tensor.numel() * tensor.element_size()].copy_(tensor.reshape(-1).view(torch.uint8))
-        rows = list(self._rows(plan, buffers)) if self._emits(plan) else None
-        if plan.expert:
-            return dist.gather(send, rows, dst=g.expert_emitter_rank, group=g.expert_group, async_op=True)
-        return dist.gather(send, rows, dst=g.tp_emitter_rank, group=g.tp_group, async_op=True)
+        group = g.expert_group if plan.expert else g.tp_group
+        if self._emits(plan):
+            rows = self._rows(plan, buffers)
+            ops = [dist.P2POp(dist.irecv, rows[r - 1], dist.get_global_rank(group, r), group)
+                   for r in range(1, plan.ranks)]
+        else:
+            send = buffers.send[: plan.row_bytes]
+            for planned in gathered:
+                tensor = planned.param.tensor
+                start = planned.gather_offset
+                send[start : start + tensor.numel() * tensor.element_size()].copy_(tensor.reshape(-1).view(torch.uint8))
+            emitter = g.expert_emitter_rank if plan.expert else g.tp_emitter_rank
+            ops = [dist.P2POp(dist.isend, send, emitter, group)]
+        return _Gather(dist.batch_isend_irecv(ops))
 
     def _rows(self, plan: BucketPlan, buffers: _Buffers) -> torch.Tensor:
-        """[ranks, row_bytes]: row r holds rank r's shards of `plan` (TP rank, or expert-group rank) (emitter)."""
-        return buffers.rows[: plan.ranks * plan.row_bytes].view(plan.ranks, plan.row_bytes)
+        """[ranks - 1, row_bytes]: row r - 1 holds rank r's shards of `plan` (TP rank, or expert-group rank) (emitter)."""
+        return buffers.rows[: (plan.ranks - 1) * plan.row_bytes].view(plan.ranks - 1, plan.row_bytes)
+
+    def _pieces(self, plan: BucketPlan, planned: PlannedParam, rows: Optional[torch.Tensor], ep: int) -> list:
+        """The shards of `planned` (copy `ep` of an expert), in rank order: the emitter's own
+        (row 0 of its group) is its parameter, the others are views into `rows`."""
+        tensor = planned.param.tensor
+        if planned.gather_offset is None:
+            return [tensor]
+        per_ep = plan.ranks // plan.ep_size  # ranks of one EP rank's shards: its expert-TP ranks (dense: TP ranks)
+        start, n = planned.gather_offset, tensor.numel() * tensor.element_size()
+        return [tensor if r == 0 else rows[r - 1, start : start + n].view(tensor.dtype).view(tensor.shape)
+                for r in range(ep * per_ep, (ep + 1) * per_ep)]
 
     def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int) -> HFBucket:
         flat = buffers.flat[: plan.hf_bytes]
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
-        rows = self._rows(plan, buffers) if buffers.rows is not None else None
-        per_ep = plan.ranks // plan.ep_size  # rows of one EP rank: its expert-TP ranks (dense bucket: TP ranks)
+        rows = self._rows(plan, buffers) if plan.row_bytes else None
         for planned in plan.params:
-            param = planned.param
-            names = expert_copies(self.weights, param.name, plan.ep_size) if plan.expert else [param.name]
+            names = expert_copies(self.weights, planned.param.name, plan.ep_size) if plan.expert else [planned.param.name]
             for ep, name in enumerate(names):
-                if planned.gather_offset is None:
-                    full = param.tensor
-                else:
-                    n = param.tensor.numel() * param.tensor.element_size()
-                    start = planned.gather_offset
-                    pieces = [rows[r, start : start + n].view(param.tensor.dtype).view(param.tensor.shape)
-                              for r in range(ep * per_ep, (ep + 1) * per_ep)]
-                    full = unshard_tp(param.split, pieces, name)
-                for hf_name, tensor in self.weights.to_hf(name, full):
-                    targets[hf_name].copy_(tensor)
+                pieces = self._pieces(plan, planned, rows, ep)
+                write_runs(planned.copies, pieces, [targets[n] for n in self.weights.hf_names_of(name)])
         return HFBucket(index, count, flat, plan.hf_slots)
+
+
+class _Gather:
+    """The point-to-point transfers of one bucket's gather, waited on together."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.convert import copy_hf_assets
-from megarl.bridge.safetensors_io import INDEX_FILE, save_safetensors
+from megarl.bridge.safetensors_io import INDEX_FILE, write_safetensors
 from megarl.net import free_port
 from megarl.rollout.control import ServerError
 from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
@@ -309,9 +309,9 @@ class DiskTransport:
 
     def send(self, bucket: HFBucket) -> None:
         file = f"pp{self.stage:03d}-{bucket.index:05d}.safetensors"
-        tensors = {name: t.to("cpu", copy=True) for name, t in bucket.named_tensors()}  # own storage each
-        save_safetensors(tensors, self.push_dir / file)
-        self.weight_map.update({name: file for name in tensors})
+        tensors = bucket.named_tensors()
+        write_safetensors(tensors, self.push_dir / file)  # from the bucket's memory: no copy of it
+        self.weight_map.update({name: file for name, _ in tensors})
         self.bytes += bucket.nbytes
 
     def finish_stream(self) -> dict:
