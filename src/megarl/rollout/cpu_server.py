@@ -437,9 +437,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
 
         def checksums() -> dict:
             engine._check_weights_resident()
-            with engine._model_lock:
-                return weights_checker.checksum_response(weights_checker.model_tensors(engine.model),
-                                                         req.skip_tensor_list)
+            with engine.exclusive_model() as model:
+                return weights_checker.checksum_response(weights_checker.model_tensors(model), req.skip_tensor_list)
 
         try:
             return await asyncio.to_thread(checksums)
