@@ -312,3 +312,36 @@ def test_a_late_request_joins_the_running_batch_and_samples_as_if_alone(engine, 
         hf = helpers.hf_logprobs(tiny_hf, PROMPTS[1], seq.output_ids, 0.8)
         assert (hf - torch.tensor(seq.logprobs)).abs().max() < 1e-4
     assert late_seqs[0].output_ids != late_seqs[1].output_ids  # seed + sample index
+
+
+def test_a_weight_update_waits_for_the_batch_and_late_requests_wait_for_the_update(engine, tiny_hf, helpers):
+    """Weights change between batches only: an update sent while a batch decodes waits for it, the
+    batch takes no newcomers meanwhile, and a request sent then runs on the new weights (oracle:
+    HF's model with the same change)."""
+    import copy
+
+    original = engine.model.lm_head.weight.clone()
+    updated = copy.deepcopy(tiny_hf)
+    updated.lm_head.weight.data.mul_(2.0)
+    done = threading.Semaphore(0)
+    (long,) = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True), False, "long",
+                            lambda s: done.release())
+    try:
+        while engine.decode_step == 0:
+            threading.Event().wait(0.002)
+        update = threading.Thread(target=engine.load_weights, args=([("lm_head.weight", original * 2.0)],))
+        update.start()
+        while engine._model_waiters == 0:  # the update waits for the batch
+            threading.Event().wait(0.002)
+        joined = engine.num_joined
+        (late,) = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True), True, "late",
+                                lambda s: done.release())
+        threading.Event().wait(0.05)  # decode steps pass: the late request must not join
+        engine.abort(rid="long")
+        assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        update.join(30)
+        assert long.finish_reason["type"] == "abort" and engine.num_joined == joined
+        expected = helpers.hf_logprobs(updated, PROMPTS[1], late.output_ids, 1.0)
+        assert (torch.tensor(late.logprobs) - expected).abs().max() < 1e-4
+    finally:
+        engine.load_weights([("lm_head.weight", original)])
