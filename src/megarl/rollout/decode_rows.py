@@ -23,15 +23,19 @@ def stop_table(seqs: list, eos_token_ids: frozenset[int]) -> Optional[torch.Tens
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
 
 
-def _cat_stop_ids(a: Optional[torch.Tensor], rows_a: int, b: Optional[torch.Tensor], rows_b: int):
-    """Stack two stop tables ([rows, S] or None), padding the narrower with -1."""
+def _stack_columns(a: torch.Tensor, b: torch.Tensor, value: float = 0) -> torch.Tensor:
+    """[rows_a + rows_b, max width]: `a` above `b`, the narrower filled on the right with `value`."""
+    width = max(a.shape[1], b.shape[1])
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in (a, b)])
+
+
+def _stack_stop_ids(a: Optional[torch.Tensor], rows_a: int, b: Optional[torch.Tensor], rows_b: int):
+    """Two stop tables ([rows, S] or None: no stop ids) as one, -1 where a row has fewer."""
     if a is None and b is None:
         return None
     a = torch.full((rows_a, 0), -1) if a is None else a
     b = torch.full((rows_b, 0), -1) if b is None else b
-    width = max(a.shape[1], b.shape[1])
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)  # noqa: E731
-    return torch.cat([pad(a), pad(b)])
+    return _stack_columns(a, b, value=-1)
 
 
 @dataclass(eq=False)
@@ -129,14 +133,12 @@ class DecodeRows:
         end at column max(length, other.length)."""
         length = max(self.length, other.length)
         offset = len(self)
-        self.stop_ids = _cat_stop_ids(self.stop_ids, len(self), other.stop_ids, len(other))
+        self.stop_ids = _stack_stop_ids(self.stop_ids, len(self), other.stop_ids, len(other))
         self.pad = torch.cat([self.pad + (length - self.length), other.pad + (length - other.length)])
         for name in ("next_pos", "counts", "max_new", "temperatures", "top_ps", "top_ks"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        width = max(self.out_ids.shape[1], other.out_ids.shape[1])
-        widen = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-        self.out_ids = torch.cat([widen(self.out_ids), widen(other.out_ids)])
-        self.out_logprobs = torch.cat([widen(self.out_logprobs), widen(other.out_logprobs)])
+        self.out_ids = _stack_columns(self.out_ids, other.out_ids)
+        self.out_logprobs = _stack_columns(self.out_logprobs, other.out_logprobs)
         self.generators.update({offset + r: g for r, g in other.generators.items()})
         self.string_rows += [offset + r for r in other.string_rows]
         self.seqs += other.seqs
