@@ -240,7 +240,7 @@ def test_rows_appended_to_a_running_cache_see_what_they_would_alone(engine, tiny
 
     def check(rows, logits):
         for row, seq in enumerate(rows.seqs):
-            full = seq.prompt_ids + rows.sampled(row)[0]
+            full = seq.prompt_ids + rows.token_ids(row)
             with torch.no_grad():
                 expected = tiny_hf(input_ids=torch.tensor([full])).logits[0, -1]
             assert torch.allclose(logits[row], expected, atol=1e-5), (row, (logits[row] - expected).abs().max())

@@ -598,7 +598,7 @@ class CPUEngine:
                 ended |= (tokens[:, None] == rows.stop_ids).any(dim=-1)
             ended_rows = set(ended.nonzero()[:, 0].tolist()) if bool(ended.any()) else set()
             for row in rows.string_rows:
-                if row not in ended_rows and self._finish_reason(rows.seqs[row], rows.sampled(row)[0], False):
+                if row not in ended_rows and self._finish_reason(rows.seqs[row], rows.token_ids(row), False):
                     ended_rows.add(row)
             aborted_rows = set()
             if self._abort_epoch != abort_epoch:  # an /abort_request since the last look: find its rows
@@ -608,9 +608,9 @@ class CPUEngine:
             for row in sorted(ended_rows | aborted_rows):
                 seq = rows.seqs[row]
                 aborted = row in aborted_rows  # an aborted row drops this step's token
-                seq.output_ids, logprobs_so_far = rows.sampled(row, drop_last=aborted)
+                seq.output_ids = rows.token_ids(row, drop_last=aborted)
                 if seq.return_logprob:
-                    seq.logprobs = logprobs_so_far
+                    seq.logprobs = rows.logprobs(row, drop_last=aborted)
                 if aborted:
                     self._finish(seq, finish_abort("Aborted by /abort_request while running."))
                 else:

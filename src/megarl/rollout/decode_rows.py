@@ -110,10 +110,13 @@ class DecodeRows:
         self.length += 1
         self.next_pos += 1
 
-    def sampled(self, row: int, drop_last: bool = False) -> tuple[list[int], list[float]]:
-        """(token ids, log-probs) row `row` sampled so far, without the last with `drop_last`."""
-        kept = int(self.counts[row]) - int(drop_last)
-        return self.out_ids[row, :kept].tolist(), self.out_logprobs[row, :kept].tolist()
+    def token_ids(self, row: int, drop_last: bool = False) -> list[int]:
+        """The tokens row `row` sampled so far, without the last with `drop_last`."""
+        return self.out_ids[row, : int(self.counts[row]) - int(drop_last)].tolist()
+
+    def logprobs(self, row: int, drop_last: bool = False) -> list[float]:
+        """The log-probs of `token_ids(row, drop_last)`."""
+        return self.out_logprobs[row, : int(self.counts[row]) - int(drop_last)].tolist()
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (the KV cache must keep the same ones)."""
