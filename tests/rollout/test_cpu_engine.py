@@ -225,3 +225,123 @@ def test_text_input_and_stop_strings_with_a_tokenizer(engine_with_tokenizer):
     assert stopped.output_ids == seq.output_ids[: first + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_text}
     assert stopped.text == seq.text[: seq.text.index(stop_text)]  # trimmed, as SGLang does by default
+
+
+def test_rows_appended_to_a_running_cache_see_what_they_would_alone(engine, tiny_hf):
+    """Continuous batching's cache surgery (`kv_cache.append_rows`, `DecodeRows.extend`), both ways:
+    a newcomer longer than the running rows (they gain left padding) and a shorter one (it does),
+    then a row dropped from the reallocated buffers. Oracle: HF's logits of each row's own unpadded
+    sequence, at every greedy step."""
+    from megarl.rollout.cpu_engine import Sequence
+    from megarl.rollout.kv_cache import append_rows, can_append_rows
+
+    def seqs(*prompts):
+        return [Sequence("r", 0, list(p), SamplingParams(max_new_tokens=12), False, None, None) for p in prompts]
+
+    def check(rows, logits):
+        for row, seq in enumerate(rows.seqs):
+            full = seq.prompt_ids + rows.token_ids(row)
+            with torch.no_grad():
+                expected = tiny_hf(input_ids=torch.tensor([full])).logits[0, -1]
+            assert torch.allclose(logits[row], expected, atol=1e-5), (row, (logits[row] - expected).abs().max())
+
+    def step(model, rows, cache, logits):
+        check(rows, logits)
+        tokens = logits.argmax(-1)
+        rows.record(tokens, torch.zeros(len(rows)))
+        mask = rows.attention_mask(rows.length + 1)
+        logits = engine._forward(model, tokens[:, None], mask, rows.next_pos, cache)
+        rows.fed()
+        return logits
+
+    def join(model, rows, cache, logits, prompts):
+        new_rows, new_cache, new_logits = engine._prefill(model, seqs(*prompts), 0)
+        append_rows(cache, new_cache, max(rows.length, new_rows.length) + max(rows.remaining(), new_rows.remaining()))
+        rows.extend(new_rows)
+        return torch.cat([logits, new_logits])
+
+    with engine.exclusive_model() as model, torch.no_grad():
+        rows, cache, logits = engine._prefill(model, seqs(PROMPTS[0], PROMPTS[3]), 12)
+        assert can_append_rows(cache)
+        for _ in range(2):
+            logits = step(model, rows, cache, logits)
+        assert rows.length == 6
+        logits = join(model, rows, cache, logits, [list(range(40, 50))])  # 10 columns > 6: the running rows shift
+        assert rows.length == 10 and rows.pad.tolist() == [5, 4, 0]
+        for _ in range(2):
+            logits = step(model, rows, cache, logits)
+        logits = join(model, rows, cache, logits, [PROMPTS[2], PROMPTS[1]])  # 1 and 7 columns < 12: they are padded
+        assert rows.pad.tolist() == [5, 4, 0, 11, 5]
+        for _ in range(2):
+            logits = step(model, rows, cache, logits)
+        cache.batch_select_indices(torch.tensor([1, 2, 4]))
+        rows.keep([1, 2, 4])
+        logits = logits[[1, 2, 4]]
+        for _ in range(3):
+            logits = step(model, rows, cache, logits)
+        check(rows, logits)
+        assert rows.counts.tolist() == [9, 7, 5]
+
+
+def test_a_late_request_joins_the_running_batch_and_samples_as_if_alone(engine, tiny_hf, helpers):
+    """A request sent while a long one decodes is admitted into its batch: it finishes first, with
+    the tokens (own seed) and log-probs it gets when sent alone, and HF's log-probs."""
+    finished, done = [], threading.Semaphore(0)
+
+    def on_done(seq):
+        finished.append(seq.rid)
+        done.release()
+
+    long = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, sampling_seed=1)
+    late = SamplingParams(max_new_tokens=8, temperature=0.8, ignore_eos=True, n=2, sampling_seed=7)
+    joined = engine.num_joined
+    (first,) = engine.submit(PROMPTS[2], long, True, "long", on_done)
+    while engine.decode_step == 0:
+        threading.Event().wait(0.002)
+    late_seqs = engine.submit(PROMPTS[1], late, True, "late", on_done)
+    for _ in late_seqs:
+        assert done.acquire(timeout=60)
+    assert first.finish_reason is None, "the late request waited for the running batch"
+    assert finished == ["late", "late"] and engine.num_joined == joined + 2
+    engine.abort(rid="long")
+    assert done.acquire(timeout=30) and first.finish_reason["type"] == "abort"
+    alone = run(engine, [PROMPTS[1]], late)[0]
+    for seq, ref in zip(late_seqs, alone):
+        assert seq.output_ids == ref.output_ids and len(seq.output_ids) == 8
+        assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+        hf = helpers.hf_logprobs(tiny_hf, PROMPTS[1], seq.output_ids, 0.8)
+        assert (hf - torch.tensor(seq.logprobs)).abs().max() < 1e-4
+    assert late_seqs[0].output_ids != late_seqs[1].output_ids  # seed + sample index
+
+
+def test_a_weight_update_waits_for_the_batch_and_late_requests_wait_for_the_update(engine, tiny_hf, helpers):
+    """Weights change between batches only: an update sent while a batch decodes waits for it, the
+    batch takes no newcomers meanwhile, and a request sent then runs on the new weights (oracle:
+    HF's model with the same change)."""
+    import copy
+
+    original = engine.model.lm_head.weight.clone()
+    updated = copy.deepcopy(tiny_hf)
+    updated.lm_head.weight.data.mul_(2.0)
+    done = threading.Semaphore(0)
+    (long,) = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True), False, "long",
+                            lambda s: done.release())
+    try:
+        while engine.decode_step == 0:
+            threading.Event().wait(0.002)
+        update = threading.Thread(target=engine.load_weights, args=([("lm_head.weight", original * 2.0)],))
+        update.start()
+        while engine._model_waiters == 0:  # the update waits for the batch
+            threading.Event().wait(0.002)
+        joined = engine.num_joined
+        (late,) = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True), True, "late",
+                                lambda s: done.release())
+        threading.Event().wait(0.05)  # decode steps pass: the late request must not join
+        engine.abort(rid="long")
+        assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        update.join(30)
+        assert long.finish_reason["type"] == "abort" and engine.num_joined == joined
+        expected = helpers.hf_logprobs(updated, PROMPTS[1], late.output_ids, 1.0)
+        assert (torch.tensor(late.logprobs) - expected).abs().max() < 1e-4
+    finally:
+        engine.load_weights([("lm_head.weight", original)])

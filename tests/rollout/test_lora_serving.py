@@ -147,3 +147,38 @@ def test_a_server_without_enable_lora_refuses_adapters_like_sglang(tiny_model_di
             narrow.load("x", adapter_dirs[0], engine.model)
     finally:
         engine.shutdown()
+
+
+def test_a_late_request_joins_a_running_batch_of_its_adapter_only(tiny_model_dir, tiny_hf, adapter_dirs, helpers):
+    """Continuous batching keeps one adapter per forward: while a base-model request decodes, a late
+    base request joins its batch and finishes first; a late request for an adapter waits for the
+    batch to end. Each gets its own model's log-probs (HF's base; PEFT on the adapter)."""
+    import threading
+
+    from megarl.rollout.lora_adapters import LoraAdapters
+
+    engine = CPUEngine(tiny_model_dir, lora=LoraAdapters(True, RANK, TARGETS))
+    try:
+        engine.lora.load("v1", adapter_dirs[0], engine.model)
+        order, done = [], threading.Semaphore(0)
+
+        def on_done(seq):
+            order.append(seq.rid)
+            done.release()
+
+        (long,) = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True), False, "long", on_done)
+        while engine.decode_step == 0:
+            threading.Event().wait(0.002)
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+        (base,) = engine.submit(PROMPTS[1], sampling, True, "base", on_done)
+        (adapted,) = engine.submit(PROMPTS[2], sampling, True, "v1", on_done, lora_name="v1")
+        assert done.acquire(timeout=60) and order == ["base"] and long.finish_reason is None
+        engine.abort(rid="long")
+        assert done.acquire(timeout=30) and done.acquire(timeout=60)
+        assert order == ["base", "long", "v1"] and engine.num_joined == 1
+    finally:
+        engine.shutdown()
+    oracle = peft_model(tiny_model_dir, adapter_dirs[0], helpers)
+    for seq, model in ((base, tiny_hf), (adapted, oracle)):
+        expected = helpers.hf_logprobs(model, seq.prompt_ids, seq.output_ids, 1.0)
+        assert (torch.tensor(seq.logprobs) - expected).abs().max() <= 1e-4

@@ -1,11 +1,16 @@
 """megarl's CPU generation engine: a HF causal LM sampled in batches with a KV cache.
 
 This is the model side of the CPU stand-in for an SGLang server (`cpu_server.py` puts it behind
-SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences,
-prefills them together (left-padded), then decodes them step by step over a KV cache allocated once
-per batch (`kv_cache.py`), dropping finished rows from it. Each decode step is one forward of the HF
-model over [B, 1] tokens (forward hooks on its modules see every step), one batched sample, and
-tensor checks for stop ids and lengths. New requests wait for the running batch to finish.
+SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences of
+one LoRA adapter (or none), prefills them together (left-padded), then decodes them step by step over
+a KV cache allocated per batch (`kv_cache.py`), dropping finished rows from it. Each decode step is
+one forward of the HF model over [B, 1] tokens (forward hooks on its modules see every step), one
+batched sample, and tensor checks for stop ids and lengths. Requests that arrive meanwhile join the
+running batch between two decode steps (continuous batching): they are prefilled on their own, their
+KV rows appended to the batch's cache, and they are sampled with the others from the next step on.
+Only sequences of the batch's adapter join, and none while another adapter's request waits ahead of
+them, while generation is paused, or while a weight update waits for the model (updates run
+between batches).
 
 Log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
 before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
@@ -23,7 +28,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,8 +41,9 @@ from transformers import (
 )
 
 from megarl.rollout.checkpoint_names import checkpoint_tensor
-from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied, by_adapter
-from megarl.rollout.kv_cache import preallocated_cache
+from megarl.rollout.decode_rows import DecodeRows
+from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied
+from megarl.rollout.kv_cache import append_rows, can_append_rows, preallocated_cache
 from megarl.rollout.protocol import (
     BadRequestError,
     SamplingParams,
@@ -203,7 +210,8 @@ class CPUEngine:
         self.released: set[str] = set()
         self.num_finished = 0
         self.last_gen_throughput = 0.0  # generated tokens/s of the last batch
-        self.decode_step = 0  # tokens sampled so far by each row of the running batch (0: idle or prefilling)
+        self.decode_step = 0  # decode steps of the running batch so far (0: idle or prefilling)
+        self.num_joined = 0  # sequences that joined a running batch, since start
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self.batch_wait_s = batch_wait_s
@@ -213,6 +221,7 @@ class CPUEngine:
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
+        self._model_waiters = 0  # callers of `exclusive_model` waiting or inside: no joins, no new batch
         self._stopped = False
         self._abort_epoch = 0  # bumped by every abort that hits a sequence; the decode loop polls it
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
@@ -349,6 +358,20 @@ class CPUEngine:
         return tags
 
     # ---------------------------------------------------------------- weights
+    @contextmanager
+    def exclusive_model(self) -> Iterator[torch.nn.Module]:
+        """The model, between batches: while a caller waits here the running batch takes no
+        newcomers (so it ends), and no batch starts until the caller is done (weight updates, checksums)."""
+        with self._cond:
+            self._model_waiters += 1
+        try:
+            with self._model_lock:
+                yield self.model
+        finally:
+            with self._cond:
+                self._model_waiters -= 1
+                self._cond.notify_all()
+
     def _check_weights_resident(self) -> None:
         if "weights" in self.released:
             raise BadRequestError("weights are released; call /resume_memory_occupation with tags ['weights'] first")
@@ -366,7 +389,7 @@ class CPUEngine:
                 raise BadRequestError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
-        with self._model_lock, torch.no_grad():
+        with self.exclusive_model(), torch.no_grad():
             for (_, tensor), target in zip(named_tensors, targets):
                 target.copy_(tensor)
         return len(named_tensors)
@@ -383,7 +406,7 @@ class CPUEngine:
         if old != new:
             diff = sorted(set(old.items()) ^ set(new.items()))[:3]
             raise BadRequestError(f"{model_path} does not match the served architecture (first differences: {diff})")
-        with self._model_lock:
+        with self.exclusive_model():
             self.model = new_model
             self.model_path = model_path
             if self._route_recorder is not None:
@@ -404,27 +427,45 @@ class CPUEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while (not self._waiting or self.paused) and not self._stopped:
+                while not self._can_start() and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return
                 self._wait_for_burst()
-                batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_running_requests))]
-                self._running = batch
+                if not self._can_start():  # aborted, paused or a weight update came meanwhile
+                    continue
+                adapter = self._waiting[0].lora  # one LoRA adapter (or none) per forward
+                self._running = self._pop_waiting(adapter, self.max_running_requests, stop_at_other=False)
             try:
-                with self._model_lock:
-                    for group in by_adapter(batch):  # one LoRA adapter (or none) per forward
-                        with applied(self.model, group[0].lora):
-                            self._run_batch(group)
+                with self._model_lock, applied(self.model, adapter):
+                    self._run_batch(adapter)
             except Exception as e:  # a bug must not kill the server: fail this batch, keep serving
                 log.exception("batch failed")
-                for seq in batch:
+                with self._cond:
+                    failed = list(self._running)
+                for seq in failed:
                     if seq.finish_reason is None:
                         seq.error = f"{type(e).__name__}: {e}"
                         self._finish(seq, finish_abort(seq.error))
             with self._cond:
                 self._running = []
                 self.decode_step = 0
+
+    def _can_start(self) -> bool:
+        """Called holding `_cond`: a batch may start (requests wait, not paused, no weight update waiting)."""
+        return bool(self._waiting) and not self.paused and not self._model_waiters
+
+    def _pop_waiting(self, adapter: Optional[LoadedAdapter], limit: int, stop_at_other: bool) -> list[Sequence]:
+        """Called holding `_cond`: take up to `limit` waiting sequences of `adapter` (the same object;
+        None: the base model), in queue order; with `stop_at_other`, none behind a sequence left waiting."""
+        taken, left = [], deque()
+        for seq in self._waiting:
+            if seq.lora is adapter and len(taken) < limit and not (stop_at_other and left):
+                taken.append(seq)
+            else:
+                left.append(seq)
+        self._waiting = left
+        return taken
 
     def _wait_for_burst(self) -> None:
         """Called holding `_cond`: return once the queue stopped growing for `batch_wait_s`."""
@@ -461,14 +502,6 @@ class CPUEngine:
             return finish_length(sp.max_new_tokens)
         return None
 
-    def _stop_table(self, seqs: list[Sequence]) -> Optional[torch.Tensor]:
-        """[B, S] stop ids per row (stop_token_ids and EOS; none with ignore_eos), padded with -1; None if empty."""
-        rows = [[] if s.sampling.ignore_eos else sorted({*s.sampling.stop_token_ids, *self.eos_token_ids}) for s in seqs]
-        width = max(len(r) for r in rows)
-        if width == 0:
-            return None
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
-
     def _forward(self, model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         out = model(
             input_ids=input_ids,
@@ -491,93 +524,109 @@ class CPUEngine:
             if seq.routed_experts_start_len is not None:
                 seq.routes.append(routes[row][real[row]])
 
-    @torch.no_grad()
-    def _run_batch(self, batch: list[Sequence]) -> None:
-        """Prefill the batch left-padded, then decode one token for every row per step.
-
-        The KV cache is preallocated for the longest prompt plus the largest `max_new_tokens`; each
-        step is one forward over [B, 1] tokens (forward hooks see every step), one batched sample, and
-        tensor checks for stop ids and lengths. Python touches a row only when it finishes, is aborted,
-        has stop strings, or has its own seed (its generator draws per step). Finished rows leave the
-        cache; tokens and log-probs are copied to the `Sequence` when it finishes.
-        """
-        abort_epoch = self._abort_epoch
-        active = []
-        for seq in batch:
+    def _startable(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish the sequences aborted while waiting and those with max_new_tokens 0; return the rest."""
+        rest = []
+        for seq in seqs:
             if seq.abort_requested:
                 self._finish(seq, finish_abort("Aborted before the request started running."))
             elif seq.sampling.max_new_tokens == 0:
                 self._finish(seq, finish_length(0))
             else:
-                active.append(seq)
+                rest.append(seq)
+        return rest
+
+    def _prefill(self, model, seqs: list[Sequence], extra_columns: int) -> tuple[DecodeRows, Any, torch.Tensor]:
+        """One forward over the prompts left-padded; returns (rows, a KV cache of the prompt width
+        plus `extra_columns`, logits [B, V] of each row's last prompt token)."""
+        rows = DecodeRows.for_prompts(seqs, self.vocab_size, self.eos_token_ids)
+        input_ids, mask = rows.prompt_ids(), rows.attention_mask(rows.length)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = preallocated_cache(self.config, rows.length + extra_columns)
+        logits = self._forward(model, input_ids, mask, positions, cache)
+        self._record_routes(seqs, input_ids, mask)
+        return rows, cache, logits
+
+    def _join(self, model, adapter: Optional[LoadedAdapter], rows: DecodeRows, cache, logits: torch.Tensor) -> torch.Tensor:
+        """Admit waiting sequences of `adapter` into the running batch (room permitting): prefill them,
+        append their KV rows to `cache` and their rows to `rows`; returns `logits` with theirs below."""
+        if not self._waiting:  # the common case, without taking the lock
+            return logits
+        with self._cond:
+            if self.paused or self._model_waiters or self._stopped:
+                return logits
+            joiners = self._pop_waiting(adapter, self.max_running_requests - len(rows), stop_at_other=True)
+            self._running.extend(joiners)
+        joiners = self._startable(joiners)
+        if not joiners:
+            return logits
+        new_rows, new_cache, new_logits = self._prefill(model, joiners, 0)
+        capacity = max(rows.length, new_rows.length) + max(rows.remaining(), new_rows.remaining())
+        append_rows(cache, new_cache, capacity)
+        rows.extend(new_rows)
+        self.num_joined += len(joiners)
+        return torch.cat([logits, new_logits])
+
+    @torch.no_grad()
+    def _run_batch(self, adapter: Optional[LoadedAdapter]) -> None:
+        """Prefill the batch in `_running` left-padded, then decode one token for every row per step,
+        admitting newcomers between steps (`_join`).
+
+        The KV cache is preallocated for the longest prompt plus the largest `max_new_tokens`, and
+        reallocated when newcomers join; each step is one forward over [B, 1] tokens (forward hooks
+        see every step), one batched sample, and tensor checks for stop ids and lengths. Python
+        touches a row only when it finishes, is aborted, has stop strings, or has its own seed (its
+        generator draws per step). Finished rows leave the cache; tokens and log-probs are copied to
+        the `Sequence` when it finishes.
+        """
+        abort_epoch = self._abort_epoch
+        active = self._startable(list(self._running))
         if not active:
             return
         started = time.monotonic()
         model = self.model
-        width = max(len(s.prompt_ids) for s in active)
-        budget = max(s.sampling.max_new_tokens for s in active)
-        input_ids = torch.zeros(len(active), width, dtype=torch.long)
-        mask = torch.ones(len(active), width + budget, dtype=torch.long)  # columns past the prompt: generated
-        for row, seq in enumerate(active):
-            input_ids[row, width - len(seq.prompt_ids) :] = torch.tensor(seq.prompt_ids)
-            mask[row, : width - len(seq.prompt_ids)] = 0
-        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-        cache = preallocated_cache(self.config, width + budget)
-        logits = self._forward(model, input_ids, mask[:, :width], positions, cache)
-        self._record_routes(active, input_ids, mask[:, :width])
-        next_pos = positions[:, -1:] + 1
-        temperatures = torch.tensor([float(s.sampling.temperature) for s in active])
-        top_ps = torch.tensor([float(s.sampling.top_p) for s in active])
-        top_ks = torch.tensor([s.sampling.top_k if s.sampling.top_k_enabled else self.vocab_size for s in active])
-        max_new = torch.tensor([s.sampling.max_new_tokens for s in active])
-        stop_ids = self._stop_table(active)
-        generators = {r: torch.Generator().manual_seed(s.seed) for r, s in enumerate(active) if s.seed is not None}
-        string_rows = [r for r, s in enumerate(active) if s.sampling.stop]
-        out_ids = torch.empty(len(active), budget, dtype=torch.long)
-        out_logprobs = torch.empty(len(active), budget)
+        rows, cache, logits = self._prefill(model, active, max(s.sampling.max_new_tokens for s in active))
+        joinable = can_append_rows(cache)  # other cache layer kinds (sliding windows): no newcomers
         generated, step = 0, 0
         while True:
-            tokens, logprobs = sample_tokens(logits, temperatures, top_ps, top_ks, generators, self._shared_generator)
-            out_ids[:, step], out_logprobs[:, step] = tokens, logprobs
+            tokens, logprobs = sample_tokens(logits, rows.temperatures, rows.top_ps, rows.top_ks, rows.generators,
+                                             self._shared_generator)
+            rows.record(tokens, logprobs)
             step = self.decode_step = step + 1
-            ended = max_new <= step
-            if stop_ids is not None:
-                ended |= (tokens[:, None] == stop_ids).any(dim=-1)
+            ended = rows.max_new <= rows.counts
+            if rows.stop_ids is not None:
+                ended |= (tokens[:, None] == rows.stop_ids).any(dim=-1)
             ended_rows = set(ended.nonzero()[:, 0].tolist()) if bool(ended.any()) else set()
-            for row in string_rows:
-                if row not in ended_rows and self._finish_reason(active[row], out_ids[row, :step].tolist(), False):
+            for row in rows.string_rows:
+                if row not in ended_rows and self._finish_reason(rows.seqs[row], rows.token_ids(row), False):
                     ended_rows.add(row)
             aborted_rows = set()
             if self._abort_epoch != abort_epoch:  # an /abort_request since the last look: find its rows
                 abort_epoch = self._abort_epoch
-                aborted_rows = {r for r, s in enumerate(active) if s.abort_requested}
-            generated += len(active) - len(aborted_rows)
+                aborted_rows = {r for r, s in enumerate(rows.seqs) if s.abort_requested}
+            generated += len(rows) - len(aborted_rows)
             for row in sorted(ended_rows | aborted_rows):
-                seq = active[row]
-                kept = step - 1 if row in aborted_rows else step  # an aborted row drops this step's token
-                seq.output_ids = out_ids[row, :kept].tolist()
+                seq = rows.seqs[row]
+                aborted = row in aborted_rows  # an aborted row drops this step's token
+                seq.output_ids = rows.token_ids(row, drop_last=aborted)
                 if seq.return_logprob:
-                    seq.logprobs = out_logprobs[row, :kept].tolist()
-                if row in aborted_rows:
+                    seq.logprobs = rows.logprobs(row, drop_last=aborted)
+                if aborted:
                     self._finish(seq, finish_abort("Aborted by /abort_request while running."))
                 else:
-                    self._finish(seq, self._finish_reason(seq, seq.output_ids, step >= seq.sampling.max_new_tokens))
+                    self._finish(seq, self._finish_reason(seq, seq.output_ids,
+                                                          len(seq.output_ids) >= seq.sampling.max_new_tokens))
             if ended_rows or aborted_rows:
-                keep = [r for r in range(len(active)) if r not in ended_rows and r not in aborted_rows]
+                keep = [r for r in range(len(rows)) if r not in ended_rows and r not in aborted_rows]
                 if not keep:
                     break
-                index = torch.tensor(keep)
-                cache.batch_select_indices(index)
-                new_row = {old: new for new, old in enumerate(keep)}
-                generators = {new_row[r]: g for r, g in generators.items() if r in new_row}
-                string_rows = [new_row[r] for r in string_rows if r in new_row]
-                active = [active[r] for r in keep]
-                mask, next_pos, tokens, max_new = mask[index], next_pos[index], tokens[index], max_new[index]
-                temperatures, top_ps, top_ks = temperatures[index], top_ps[index], top_ks[index]
-                out_ids, out_logprobs = out_ids[index], out_logprobs[index]
-                if stop_ids is not None:
-                    stop_ids = stop_ids[index]
-            logits = self._forward(model, tokens[:, None], mask[:, : width + step], next_pos, cache)
-            self._record_routes(active, tokens[:, None], mask[:, : width + step])
-            next_pos = next_pos + 1
+                cache.batch_select_indices(torch.tensor(keep))
+                rows.keep(keep)
+                tokens = tokens[keep]
+            mask = rows.attention_mask(rows.length + 1)
+            logits = self._forward(model, tokens[:, None], mask, rows.next_pos, cache)
+            self._record_routes(rows.seqs, tokens[:, None], mask)
+            rows.fed()
+            if joinable:
+                logits = self._join(model, adapter, rows, cache, logits)
         self.last_gen_throughput = generated / max(time.monotonic() - started, 1e-9)

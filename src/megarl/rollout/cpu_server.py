@@ -291,7 +291,9 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         if errors:
             return JSONResponse({"error": {"message": errors[0]}}, status_code=500)
         outputs = [_output(engine, s, s.sampling.n) for s in seqs]
-        return outputs if body.batched else outputs[0]
+        # JSON types already: a JSONResponse skips FastAPI's jsonable_encoder walk over every
+        # token's [logprob, id, None] (5x json.dumps's time for 128 samples of 128 tokens), same bytes
+        return JSONResponse(outputs if body.batched else outputs[0])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout: float = 0.0):
@@ -437,9 +439,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
 
         def checksums() -> dict:
             engine._check_weights_resident()
-            with engine._model_lock:
-                return weights_checker.checksum_response(weights_checker.model_tensors(engine.model),
-                                                         req.skip_tensor_list)
+            with engine.exclusive_model() as model:
+                return weights_checker.checksum_response(weights_checker.model_tensors(model), req.skip_tensor_list)
 
         try:
             return await asyncio.to_thread(checksums)

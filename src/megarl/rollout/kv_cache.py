@@ -5,6 +5,12 @@
 each step's keys/values in place, handing attention a view of the filled positions: same values,
 same shapes as `DynamicLayer`, no copy per token. Other layer kinds (sliding windows, indexers)
 stay as transformers builds them.
+
+`append_rows` joins a cache prefilled for newcomers to a running batch's (continuous batching):
+both sides' filled columns end at the same column, the shorter side's rows gain zero keys and
+values on the left, which the caller masks out (`decode_rows.DecodeRows.attention_mask`). Keys are
+stored after the rotary embedding of their own position ids, so moving them to other columns
+changes nothing the attention sees.
 """
 from __future__ import annotations
 
@@ -56,6 +62,25 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = self._key_buffer[:rows], self._value_buffer[:rows]
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
+    def append_rows(self, other: PreallocatedLayer, capacity: int) -> None:
+        """Rows of `other` after this layer's, both ending at the longer filled length, in new
+        buffers of `capacity` positions; the columns left of a side's own are zeros."""
+        rows, length = self.keys.shape[0], max(self.keys.shape[-2], other.keys.shape[-2])
+        if length > capacity:
+            raise ValueError(f"KV cache of {capacity} positions cannot hold {length}")
+        buffers = []
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            heads, dim = mine.shape[1], mine.shape[-1]
+            buffer = mine.new_empty(rows + theirs.shape[0], heads, capacity, dim)
+            for part, source in ((buffer[:rows], mine), (buffer[rows:], theirs)):
+                start = length - source.shape[-2]
+                part[:, :, :start].zero_()
+                part[:, :, start:length].copy_(source)
+            buffers.append(buffer)
+        self._key_buffer, self._value_buffer = buffers
+        self.capacity = capacity
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()
@@ -66,3 +91,14 @@ def preallocated_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def can_append_rows(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` is a filled `PreallocatedLayer` (others cannot take newcomers)."""
+    return all(isinstance(layer, PreallocatedLayer) and layer.is_initialized for layer in cache.layers)
+
+
+def append_rows(cache: DynamicCache, other: DynamicCache, capacity: int) -> None:
+    """Append `other`'s rows to `cache` (both `can_append_rows`), layer by layer (`PreallocatedLayer.append_rows`)."""
+    for layer, theirs in zip(cache.layers, other.layers, strict=True):
+        layer.append_rows(theirs, capacity)

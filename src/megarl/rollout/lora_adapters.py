@@ -176,14 +176,6 @@ def applied(model: torch.nn.Module, adapter: Optional[LoadedAdapter]) -> Iterato
             handle.remove()
 
 
-def by_adapter(batch: list) -> list[list]:
-    """Split sequences (with a `.lora` adapter or None) into runs of one adapter each, in first-seen order."""
-    groups: dict[Optional[str], list] = {}
-    for seq in batch:
-        groups.setdefault(None if seq.lora is None else seq.lora.name, []).append(seq)
-    return list(groups.values())
-
-
 class LoadLoraAdapterReq(BaseModel):
     lora_name: str  # SGLang 0.5.23 `LoadLoRAAdapterReqInput`
     lora_path: str
