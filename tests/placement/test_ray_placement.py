@@ -85,14 +85,14 @@ def train(name, pool, tp=1):
 def test_colocated_roles_share_gpus_and_bundles_land_on_planned_nodes(cluster):
     plan = plan_placement(ClusterSpec(NODES, GPUS), {"shared": NODES * GPUS},
                           [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
-    pools = create_pools(plan, timeout_s=60)
+    pools = create_pools(plan, timeout_s=300)
     try:
         bundle_nodes = [cluster[n] for n in pools.bundle_node_ids("shared")]
         assert bundle_nodes == [d.node for d in plan.pools["shared"].devices]
         actors = WorkerGroup(Probe, plan.roles["actor"], pools)
         rollouts = WorkerGroup(Probe, plan.roles["rollout"], pools)
-        a_info = actors.call("node_info", timeout_s=60)
-        r_info = rollouts.call("node_info", timeout_s=60)
+        a_info = actors.call("node_info", timeout_s=300)
+        r_info = rollouts.call("node_info", timeout_s=300)
         assert len(a_info) == 8 and len(r_info) == 4
         for rank, info in enumerate(a_info):
             assert cluster[info["node_id"]] == plan.roles["actor"].devices[rank].node
@@ -113,14 +113,14 @@ def test_colocated_roles_share_gpus_and_bundles_land_on_planned_nodes(cluster):
 def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):
     plan = plan_placement(ClusterSpec(NODES, GPUS), {"train": 4, "rollout": 4},
                           [train("actor", "train"), RoleSpec("rollout", "rollout", "rollout", tp=1)])
-    pools = create_pools(plan, timeout_s=60)
+    pools = create_pools(plan, timeout_s=300)
     try:
         assert {cluster[n] for n in pools.bundle_node_ids("train")} == {0}
         assert {cluster[n] for n in pools.bundle_node_ids("rollout")} == {1}
         actors = WorkerGroup(Probe, plan.roles["actor"], pools)
         rollouts = WorkerGroup(Probe, plan.roles["rollout"], pools)
-        a = {(i["node_id"], i["gpu_ids"][0]) for i in actors.call("node_info", timeout_s=60)}
-        r = {(i["node_id"], i["gpu_ids"][0]) for i in rollouts.call("node_info", timeout_s=60)}
+        a = {(i["node_id"], i["gpu_ids"][0]) for i in actors.call("node_info", timeout_s=300)}
+        r = {(i["node_id"], i["gpu_ids"][0]) for i in rollouts.call("node_info", timeout_s=300)}
         assert len(a) == 4 and len(r) == 4 and not a & r
         actors.shutdown()
         rollouts.shutdown()
@@ -129,14 +129,14 @@ def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):
 
     # a gloo group over a worker group whose ranks sit on both nodes
     plan = plan_placement(ClusterSpec(NODES, GPUS), {"p": 4 * NODES}, [train("actor", "p", tp=4)])
-    pools = create_pools(plan, timeout_s=60)
+    pools = create_pools(plan, timeout_s=300)
     try:
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
-        nodes = {cluster[i["node_id"]] for i in group.call("node_info", timeout_s=60)}
+        nodes = {cluster[i["node_id"]] for i in group.call("node_info", timeout_s=300)}
         assert nodes == {0, 1}
-        group.init_process_group("gloo", timeout_s=60)
+        group.init_process_group("gloo", timeout_s=300)
         world = len(group)
-        assert group.call("all_reduce_rank", timeout_s=60) == [world * (world + 1) / 2] * world
+        assert group.call("all_reduce_rank", timeout_s=300) == [world * (world + 1) / 2] * world
         group.shutdown()
     finally:
         pools.remove()
@@ -144,10 +144,10 @@ def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):
 
 def test_hung_crashed_and_failing_ranks_are_named(cluster):
     plan = plan_placement(ClusterSpec(NODES, GPUS), {"p": 4}, [train("actor", "p")])
-    pools = create_pools(plan, timeout_s=60)
+    pools = create_pools(plan, timeout_s=300)
     try:
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
-        group.call("node_info", timeout_s=60)  # all up
+        group.call("node_info", timeout_s=300)  # all up
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"actor.sleep: no answer within 2 s from actor rank 0 on node0, "
                                                    r"actor rank 1 on node0, actor rank 2 on node0, actor rank 3 on node0"):
@@ -157,10 +157,10 @@ def test_hung_crashed_and_failing_ranks_are_named(cluster):
 
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
         with pytest.raises(WorkerGroupError, match=r"actor rank 2 on node0 raised ValueError: .*bad input on rank 2"):
-            group.call("fail_on", 2, timeout_s=60)
+            group.call("fail_on", 2, timeout_s=300)
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"actor rank 1 on node0 died"):
-            group.call("die_on", 1, timeout_s=60)
+            group.call("die_on", 1, timeout_s=300)
         assert time.monotonic() - t0 < 30
         group.shutdown()
     finally:
@@ -180,7 +180,7 @@ def test_plan_larger_than_cluster_is_refused(cluster):
 def actor_pool(ranks: int, spec: ClusterSpec = ClusterSpec(NODES, GPUS)):
     """(role, pools) of one training role of `ranks` ranks, realised; the placement groups go after."""
     plan = plan_placement(spec, {"p": ranks}, [train("actor", "p")])
-    pools = create_pools(plan, timeout_s=60)
+    pools = create_pools(plan, timeout_s=300)
     try:
         yield plan.roles["actor"], pools
     finally:
@@ -195,17 +195,17 @@ def error_when_during(event, call, *args, **kwargs) -> str:
         with pytest.raises(WorkerGroupError) as error:
             call(*args, **kwargs)
     finally:
-        timer.join(timeout=60)
+        timer.join(timeout=300)
     return str(error.value)
 
 
 def test_a_rank_killed_by_its_pid_is_named_from_rays_error(cluster):
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
-        victim = group.call("node_info", timeout_s=60)[1]
+        victim = group.call("node_info", timeout_s=300)[1]
         # rank 1 is killed during the call; rank 0 answers within the grace a death gives its peers
         message = error_when_during(lambda: os.kill(victim["pid"], signal.SIGKILL), group.call, "sleep", 5,
-                                    timeout_s=60)
+                                    timeout_s=300)
         assert message.startswith(
             f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process (pid {victim['pid']}, node "
             f"{node_ip(victim['node_id'])}) exited unexpectedly (SIGKILL, the OOM killer or a crash?); "
@@ -219,16 +219,16 @@ def test_a_rank_killed_by_its_pid_is_named_from_rays_error(cluster):
 def test_ranks_stopped_on_purpose_or_failing_to_start_are_named_from_rays_errors(cluster):
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
-        infos = group.call("node_info", timeout_s=60)
+        infos = group.call("node_info", timeout_s=300)
         where = [f"(pid {i['pid']}, node {node_ip(i['node_id'])})" for i in infos]
         with pytest.raises(WorkerGroupError) as error:
-            group.call_ranks([0], "leave", timeout_s=60)
+            group.call_ranks([0], "leave", timeout_s=300)
         assert str(error.value).startswith(
             f"actor.leave failed:\n  - actor rank 0 on node0 died: the worker process {where[0]} was stopped on "
             "purpose (ray.kill or exit_actor); Ray: INTENDED_USER_EXIT: ")
         # Ray 2.60 gives no exit type for ray.kill: the first line of its message is quoted
         message = error_when_during(lambda: ray.kill(group.actors[1]), group.call_ranks, [1], "sleep", 30,
-                                    timeout_s=60)
+                                    timeout_s=300)
         assert message == (f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process {where[1]} is "
                            "gone: The actor died unexpectedly before finishing this task.")
         group.shutdown()
@@ -237,19 +237,19 @@ def test_ranks_stopped_on_purpose_or_failing_to_start_are_named_from_rays_errors
         with pytest.raises(WorkerGroupError, match=r"actor rank 0 on node0 died: the worker process failed while "
                                                    r"starting: The actor died because of an error raised in its "
                                                    r"creation task"):
-            group.call("node_info", timeout_s=60)
+            group.call("node_info", timeout_s=300)
         group.shutdown()
 
 
 def test_a_rank_lost_with_its_node_is_named(ray_cluster, cluster):
     """Last in the module: it leaves the cluster with a dead node."""
     doomed = ray_cluster.add_node(num_cpus=2, num_gpus=1, labels={NODE_RANK_LABEL: str(NODES)})
-    ray_cluster.wait_for_nodes(timeout=60)
+    ray_cluster.wait_for_nodes(timeout=300)
     with actor_pool(NODES + 1, ClusterSpec(NODES + 1, 1)) as (role, pools):  # rank r on node r
         group = WorkerGroup(Probe, role, pools)
-        lost = group.call("node_info", timeout_s=60)[NODES]
+        lost = group.call("node_info", timeout_s=300)[NODES]
         where = f"(pid {lost['pid']}, node {node_ip(lost['node_id'])})"
-        message = error_when_during(lambda: ray_cluster.remove_node(doomed), group.call, "sleep", 5, timeout_s=60)
+        message = error_when_during(lambda: ray_cluster.remove_node(doomed), group.call, "sleep", 5, timeout_s=300)
         # Ray 2.60 says "The actor died because its node has died", with no exit type
         assert message.startswith(f"actor.sleep failed:\n  - actor rank {NODES} on node{NODES} died: the worker "
                                   f"process {where} ")

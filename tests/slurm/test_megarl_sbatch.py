@@ -100,7 +100,7 @@ def test_a_node_whose_ray_crashes_or_hangs_fails_the_job_fast_naming_it(sandbox,
                                 MEGARL_JOIN_TIMEOUT="30")
         jobs[mode] = (job_id, bad, why)
     for mode, (job_id, bad, why) in jobs.items():
-        info = sandbox.wait_finished(job_id, timeout_s=150)
+        info = sandbox.wait_finished(job_id, timeout_s=400)
         log = (tmp_path / f"{mode}.out").read_text()
         assert (info["JobState"], info["ExitCode"]) == ("FAILED", "3:0"), log
         minutes, seconds = map(int, info["RunTime"].split(":")[-2:])
