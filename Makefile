@@ -15,8 +15,8 @@ STAMP312  := $(VENV312)/.megarl-installed
 # The tests that touch megatron-core, run again on the second line (README "Tested versions"):
 # bridge (HF <-> megatron-core mapping, torch_dist I/O), engines (GPTModel, schedules, optimizer,
 # offload, engine checkpoints, LoRA, MoE, the CPU shims), sync (the resharder over megatron's
-# groups), the conversion tools, and the whole RL loop end to end (GRPO colocated). Run by hand
-# (README: it does not fit CI's 45 minutes beside line 1).
+# groups), the conversion tools, and the whole RL loop end to end (GRPO colocated). `.ci/run`
+# runs it beside line 1.
 PY312_TESTS ?= tests/bridge tests/engines tests/sync tests/tools/test_tools.py \
 	tests/trainer/test_rl_e2e.py::test_grpo_colocated
 
