@@ -78,6 +78,30 @@ def test_a_hanging_reward_scores_zero_is_counted_and_does_not_hold_the_batch():
     assert elapsed < 5, f"two windows of 0.5 s took {elapsed:.1f} s"
 
 
+@pytest.mark.timeout(30)
+def test_with_one_worker_a_hanging_sample_is_abandoned_and_the_rest_still_scored():
+    """One worker thread per batch: when its sample runs past the deadline a new worker takes the
+    rest of the batch (without it, samples after the hang would never be scored)."""
+    release = threading.Event()
+    scored_by = {}  # sample -> the Thread object that scored it (kept: no reuse of identities)
+
+    def hangs_on_first(data_source, solution_str, ground_truth, extra_info):
+        scored_by[solution_str] = threading.current_thread()
+        if solution_str == "hang":
+            release.wait(60)
+        return 1.0
+
+    start = time.monotonic()
+    result = score_batch(hangs_on_first, ["d"] * 4, ["hang", "a", "b", "c"], ["gt"] * 4, timeout_s=0.3)
+    elapsed = time.monotonic() - start
+    release.set()
+    assert result.scores.tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert result.metrics["reward/num_timeouts"] == 1.0
+    assert elapsed < 3, f"one deadline of 0.3 s took {elapsed:.1f} s"
+    assert scored_by["a"] is scored_by["b"] is scored_by["c"] is not scored_by["hang"], \
+        "one thread per batch, and one more per timeout: not one per sample"
+
+
 def test_a_reward_that_fails_on_every_sample_stops_with_the_first_error():
     def broken(data_source, solution_str, ground_truth, extra_info):
         raise KeyError("ground_truth has no 'answer'")

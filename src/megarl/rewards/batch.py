@@ -1,11 +1,12 @@
 """Score a batch of responses, never stopping on one bad sample, and place scores on tokens.
 
-`score_batch` calls a score function (`custom.select_score_fn`) on every sample, `max_workers` at
-a time, each in its own daemon thread with a deadline of `timeout_s`. A sample whose scoring
-raises, returns something other than a finite float or a dict with a finite "score", or runs past
-its deadline is logged with its index, scored 0 and counted (`reward/num_errors`,
-`reward/num_timeouts`). A late call is abandoned, not killed: its thread cannot block the exit,
-but CPU-bound code that never returns keeps a core busy (untrusted code belongs in the sandbox,
+`score_batch` calls a score function (`custom.select_score_fn`) on every sample, in `max_workers`
+daemon threads started once per batch, each sample with a deadline of `timeout_s` from its own
+start. A sample whose scoring raises, returns something other than a finite float or a dict with a
+finite "score", or runs past its deadline is logged with its index, scored 0 and counted
+(`reward/num_errors`, `reward/num_timeouts`). A late call is abandoned, not killed (a new thread
+takes over the rest of the batch from its worker): its thread cannot block the exit, but CPU-bound
+code that never returns keeps a core busy (untrusted code belongs in the sandbox,
 megarl.rewards.sandbox). A batch in which every sample failed raises RewardFunctionError: training
 on all-zero rewards would be silently wrong. An unknown data_source is not a sample's fault: it
 raises.
@@ -73,27 +74,14 @@ def score_batch(
         raise ValueError(f"score_batch needs one entry per sample in each list, got lengths {lengths}")
     outcomes: list = [None] * n  # (score, extra) | Exception
 
-    def score_one(i: int) -> None:
+    def score_one(i: int) -> Any:
         try:
-            outcomes[i] = _as_score(score_fn(data_source=data_sources[i], solution_str=solution_strs[i],
-                                             ground_truth=ground_truths[i], extra_info=extra_infos[i]))
+            return _as_score(score_fn(data_source=data_sources[i], solution_str=solution_strs[i],
+                                      ground_truth=ground_truths[i], extra_info=extra_infos[i]))
         except BaseException as error:  # reported by the caller's thread
-            outcomes[i] = error
+            return error
 
-    timeouts: list[int] = []
-    width = max(1, max_workers)
-    for start in range(0, n, width):  # a window of `width` samples at a time, each with its own deadline
-        threads = [threading.Thread(target=score_one, args=(i,), name=f"reward-{i}", daemon=True)
-                   for i in range(start, min(n, start + width))]
-        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
-        for thread in threads:
-            thread.start()
-        for i, thread in zip(range(start, n), threads):
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                timeouts.append(i)
-                outcomes[i] = TimeoutError(f"still running after {timeout_s:g} s (custom_reward_function.timeout_s)")
-
+    timeouts = _run_with_deadlines(score_one, n, outcomes, max(1, max_workers), timeout_s)
     failures: list[int] = []
     results = []
     for i, outcome in enumerate(outcomes):
@@ -123,6 +111,54 @@ def score_batch(
             metrics[f"reward/{key}/mean"] = sum(numbers) / len(numbers)
             metrics[f"reward/{key}/sum"] = sum(numbers)
     return RewardBatch(torch.tensor(scores, dtype=torch.float32), extra, metrics)
+
+
+def _run_with_deadlines(score_one: Callable[[int], Any], n: int, outcomes: list, width: int,
+                        timeout_s: Optional[float]) -> list[int]:
+    """Fill `outcomes[i] = score_one(i)` for i < n with `width` worker threads taking samples in
+    order; a sample still running `timeout_s` seconds after it started gets a TimeoutError and its
+    worker is abandoned and replaced. Returns the timed-out indices. Threads start per batch, not
+    per sample (a thread per sample cost ~0.05-0.08 s per 256 samples on 2 cores, 100x the
+    scoring of an exact-match reward)."""
+    todo, running, finished, timeouts = list(range(n - 1, -1, -1)), {}, [0], []  # todo: a stack, next on top
+    changed = threading.Condition()
+
+    def worker() -> None:
+        while True:
+            with changed:
+                if not todo:
+                    return
+                i = todo.pop()
+                running[i] = time.monotonic()
+            outcome = score_one(i)
+            with changed:
+                if running.pop(i, None) is None:  # timed out meanwhile: the caller replaced this worker
+                    return
+                outcomes[i] = outcome
+                finished[0] += 1
+                changed.notify()
+
+    def start_worker() -> None:
+        threading.Thread(target=worker, name="reward-worker", daemon=True).start()
+
+    for _ in range(min(width, n)):
+        start_worker()
+    with changed:
+        while finished[0] < n:
+            if timeout_s is None:
+                changed.wait()
+                continue
+            now = time.monotonic()
+            late = [i for i, started in running.items() if now - started >= timeout_s]
+            for i in late:
+                del running[i]
+                timeouts.append(i)
+                outcomes[i] = TimeoutError(f"still running after {timeout_s:g} s (custom_reward_function.timeout_s)")
+                finished[0] += 1
+                start_worker()
+            if finished[0] < n:
+                changed.wait(min((s + timeout_s - now for s in running.values()), default=timeout_s))
+    return sorted(timeouts)
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
