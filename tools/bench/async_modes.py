@@ -83,25 +83,28 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--sft-steps", type=int, default=240, help="megarl SFT warm-up steps (made once per --workdir)")
+    p.add_argument("--lr", type=float, default=None, help="actor learning rate (default: the quickstart's 3e-4)")
     p.add_argument("--override", action="append", default=[], help="extra key=value for every run")
     p.add_argument("--workdir", type=Path, default=DEFAULT_OUT / "work")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
 
     warm = warm_start(args.workdir, args.sft_steps)
+    extra = [*args.override, *([f"actor_rollout_ref.actor.optim.lr={args.lr}"] if args.lr is not None else [])]
+    tag = f"-lr{args.lr:g}" if args.lr is not None else ""
     settings = vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}
     runs = []
     for seed in args.seeds:
         for mode in args.modes:
             print(f"{mode} seed {seed} ...", flush=True)
-            name = f"async-{mode}-seed{seed}"
+            name = f"async-{mode}{tag}-seed{seed}"
             try:
-                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *extra])
             except RuntimeError as failed:  # e.g. Ray's start-up timing out on a loaded machine: once more
                 print(f"  failed, running it again: {str(failed).splitlines()[-1]}", flush=True)
-                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *extra])
             metrics = Path(args.workdir).resolve() / "runs" / "quickstart" / name / "logs" / "metrics.jsonl"
-            runs.append({"mode": mode, "seed": seed, **run, **mode_summary(run), **off_policy_summary(metrics)})
+            runs.append({"mode": mode, "seed": seed, "lr": args.lr, **run, **mode_summary(run), **off_policy_summary(metrics)})
             r = runs[-1]
             write_result("async_modes", {"settings": settings, "warm_start": warm, "runs": runs}, args.out)  # so far
             print(f"  s/step {r['s_per_step']:.3f}, hidden {r['hidden_share']:.0%}, greedy val "
