@@ -15,6 +15,8 @@ Greedy validation accuracy (512 prompts) before and after; the mean TIS weight a
 trainer/rollout log-prob gap show how far off-policy the batches were.
 
     .venv/bin/python tools/bench/async_modes.py --steps 40 --seeds 0 1
+    .venv/bin/python tools/bench/async_modes.py --steps 40 --seeds 0 1 2 --modes sync one_step_off --lr 1e-4 \
+        --out outputs/bench/lr1e-4   # runs named async-<mode>-lr0.0001-seed<s>; --out keeps the results apart
 """
 from __future__ import annotations
 
