@@ -5,7 +5,9 @@ configs/quickstart.yaml in split placement (a TP=1 actor on one logical GPU, one
 on the other), from the SFT-warmed tiny model of megarl_run.py, the same steps and seed once per
 mode and seed: sync, one_step_off, fully_async (max_staleness 2) and fully_async with partial rollouts,
 every run with truncated importance sampling (cap 2: the off-policy correction the async modes
-need; in sync it only corrects the engine/trainer mismatch, ~1 per token).
+need; in sync it only corrects the engine/trainer mismatch, ~1 per token), except the
+`*_rollout_logp` modes, whose correction is the rollout's log-probs as the PPO ratio's old ones
+(`actor.use_rollout_log_probs`, TIS off). Default modes: all but those two.
 Per mode (steps after the first): mean s/step, and the hidden share of generation:
   hidden = timing/generate_hidden_s (seconds of the step's batch generated while the trainer did
   something else), waited = timing/generate_wait_s; share = hidden / (hidden + waited).
@@ -38,6 +40,10 @@ MODES = {
     "fully_async_partial": ["async_training.mode=fully_async", "async_training.max_staleness=2",
                             "async_training.partial_rollout=true"],
 }
+# the other off-policy correction: the rollout's log-probs as the PPO ratio's old ones, TIS off
+ROLLOUT_LOGP = ["actor_rollout_ref.actor.use_rollout_log_probs=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=-1"]
+MODES |= {"one_step_off_rollout_logp": [*MODES["one_step_off"], *ROLLOUT_LOGP],
+          "fully_async_rollout_logp": [*MODES["fully_async"], *ROLLOUT_LOGP]}
 
 
 def mode_summary(run: dict) -> dict:
@@ -83,7 +89,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12, help="more than the quickstart's 10 warm-up steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=[m for m in MODES if not m.endswith("_rollout_logp")],
+                   choices=list(MODES))
     p.add_argument("--sft-steps", type=int, default=240, help="megarl SFT warm-up steps (made once per --workdir)")
     p.add_argument("--lr", type=float, default=None, help="actor learning rate (default: the quickstart's 3e-4)")
     p.add_argument("--override", action="append", default=[], help="extra key=value for every run")
