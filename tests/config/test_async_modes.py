@@ -60,3 +60,14 @@ def test_async_modes_need_the_off_policy_correction(mode):
     assert f"async_training.mode={mode}" in message and "actor_rollout_ref.actor.tis_imp_ratio_cap" in message
     assert load_and_validate(None, REQUIRED + SPLIT + TIS + [f"async_training.mode={mode}"])
     assert load_and_validate(None, REQUIRED + SPLIT).actor_rollout_ref.actor.tis_imp_ratio_cap == -1
+    assert "actor_rollout_ref.actor.use_rollout_log_probs=true" in message
+    # the rollout's log-probs as the PPO ratio's old ones: the ratio itself is the importance weight
+    rollout_old = ["actor_rollout_ref.actor.use_rollout_log_probs=true"]
+    assert load_and_validate(None, REQUIRED + SPLIT + rollout_old + [f"async_training.mode={mode}"])
+
+
+def test_rollout_log_probs_with_truncated_importance_sampling_is_refused_naming_both_keys():
+    """exp(rollout - rollout) = 1 on every token: the cap would do nothing."""
+    message = errors("actor_rollout_ref.actor.use_rollout_log_probs=true", *TIS)
+    assert "actor_rollout_ref.actor.use_rollout_log_probs=true" in message
+    assert "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0" in message

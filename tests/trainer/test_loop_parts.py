@@ -1,12 +1,13 @@
 """Pure pieces of the RL loop: sampling seeds, the count of skipped (non-finite) steps, merged
-round metrics, the rollout/trainer mismatch, best-of-n validation scores."""
+round metrics, the rollout/trainer mismatch, the PPO ratio's old log-probs, best-of-n validation scores."""
 import math
 
 import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.trainer.experience import best_of_n, mean_scores, rollout_mismatch
+from megarl.algos.losses import policy_loss
+from megarl.trainer.experience import best_of_n, mean_scores, old_log_probs, rollout_mismatch
 from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
 
 
@@ -57,6 +58,23 @@ def test_rollout_mismatch_compares_probabilities_over_valid_tokens_only():
     assert same["training/rollout_probs_diff_max"] == 0
     assert same["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
     assert rollout_mismatch(actor, rollout, torch.zeros_like(mask)) == {}
+
+
+def test_the_old_log_probs_are_the_trainers_or_the_rollouts_and_the_loss_follows_by_hand():
+    """One stale token, A = 1: the rollout sampled it with p = 0.25, the trainer now gives 0.5 (before
+    the update) and the updated policy 0.55. Decoupled PPO (the trainer's old log-probs, TIS cap 2):
+    r = 0.55 / 0.5 = 1.1 inside the clip, weight min(0.5 / 0.25, 2) = 2: loss -2.2, gradient -2.2.
+    The rollout's as old (use_rollout_log_probs): r = 0.55 / 0.25 = 2.2, clipped at 1.2: loss -1.2, no
+    gradient (the policy already moved past the trust region around the weights that sampled it)."""
+    trainer, rollout = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    adv, mask = torch.ones(1, 1), torch.ones(1, 1)
+    assert old_log_probs(trainer, rollout, False) is trainer and old_log_probs(trainer, rollout, True) is rollout
+    for use_rollout, tis_cap, loss_value, grad in ((False, 2.0, -2.2, -2.2), (True, -1.0, -1.2, 0.0)):
+        log_prob = torch.tensor([[math.log(0.55)]], requires_grad=True)
+        loss, _ = policy_loss(old_log_probs(trainer, rollout, use_rollout), log_prob, adv, mask,
+                              rollout_log_prob=rollout, tis_imp_ratio_cap=tis_cap)
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_value) and log_prob.grad.item() == pytest.approx(grad)
 
 
 def test_best_of_n_takes_each_prompts_best_response():

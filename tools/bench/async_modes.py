@@ -5,7 +5,9 @@ configs/quickstart.yaml in split placement (a TP=1 actor on one logical GPU, one
 on the other), from the SFT-warmed tiny model of megarl_run.py, the same steps and seed once per
 mode and seed: sync, one_step_off, fully_async (max_staleness 2) and fully_async with partial rollouts,
 every run with truncated importance sampling (cap 2: the off-policy correction the async modes
-need; in sync it only corrects the engine/trainer mismatch, ~1 per token).
+need; in sync it only corrects the engine/trainer mismatch, ~1 per token), except the
+`*_rollout_logp` modes, whose correction is the rollout's log-probs as the PPO ratio's old ones
+(`actor.use_rollout_log_probs`, TIS off). Default modes: all but those two.
 Per mode (steps after the first): mean s/step, and the hidden share of generation:
   hidden = timing/generate_hidden_s (seconds of the step's batch generated while the trainer did
   something else), waited = timing/generate_wait_s; share = hidden / (hidden + waited).
@@ -15,6 +17,8 @@ Greedy validation accuracy (512 prompts) before and after; the mean TIS weight a
 trainer/rollout log-prob gap show how far off-policy the batches were.
 
     .venv/bin/python tools/bench/async_modes.py --steps 40 --seeds 0 1
+    .venv/bin/python tools/bench/async_modes.py --steps 40 --seeds 0 1 2 --modes sync one_step_off --lr 1e-4 \
+        --out outputs/bench/lr1e-4   # runs named async-<mode>-lr0.0001-seed<s>; --out keeps the results apart
 """
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ MODES = {
     "fully_async_partial": ["async_training.mode=fully_async", "async_training.max_staleness=2",
                             "async_training.partial_rollout=true"],
 }
+# the other off-policy correction: the rollout's log-probs as the PPO ratio's old ones, TIS off
+ROLLOUT_LOGP = ["actor_rollout_ref.actor.use_rollout_log_probs=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=-1"]
+MODES |= {"one_step_off_rollout_logp": [*MODES["one_step_off"], *ROLLOUT_LOGP],
+          "fully_async_rollout_logp": [*MODES["fully_async"], *ROLLOUT_LOGP]}
 
 
 def mode_summary(run: dict) -> dict:
@@ -81,27 +89,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12, help="more than the quickstart's 10 warm-up steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=[m for m in MODES if not m.endswith("_rollout_logp")],
+                   choices=list(MODES))
     p.add_argument("--sft-steps", type=int, default=240, help="megarl SFT warm-up steps (made once per --workdir)")
+    p.add_argument("--lr", type=float, default=None, help="actor learning rate (default: the quickstart's 3e-4)")
     p.add_argument("--override", action="append", default=[], help="extra key=value for every run")
     p.add_argument("--workdir", type=Path, default=DEFAULT_OUT / "work")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
 
     warm = warm_start(args.workdir, args.sft_steps)
+    extra = [*args.override, *([f"actor_rollout_ref.actor.optim.lr={args.lr}"] if args.lr is not None else [])]
+    tag = f"-lr{args.lr:g}" if args.lr is not None else ""
     settings = vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}
     runs = []
     for seed in args.seeds:
         for mode in args.modes:
             print(f"{mode} seed {seed} ...", flush=True)
-            name = f"async-{mode}-seed{seed}"
+            name = f"async-{mode}{tag}-seed{seed}"
             try:
-                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *extra])
             except RuntimeError as failed:  # e.g. Ray's start-up timing out on a loaded machine: once more
                 print(f"  failed, running it again: {str(failed).splitlines()[-1]}", flush=True)
-                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *args.override])
+                run = run_grpo(warm, args.workdir, name, args.steps, seed, [*SPLIT, *MODES[mode], *extra])
             metrics = Path(args.workdir).resolve() / "runs" / "quickstart" / name / "logs" / "metrics.jsonl"
-            runs.append({"mode": mode, "seed": seed, **run, **mode_summary(run), **off_policy_summary(metrics)})
+            runs.append({"mode": mode, "seed": seed, "lr": args.lr, **run, **mode_summary(run), **off_policy_summary(metrics)})
             r = runs[-1]
             write_result("async_modes", {"settings": settings, "warm_start": warm, "runs": runs}, args.out)  # so far
             print(f"  s/step {r['s_per_step']:.3f}, hidden {r['hidden_share']:.0%}, greedy val "

@@ -195,6 +195,10 @@ class ActorConfig:
     # truncated importance sampling: weight each token's policy loss by
     # min(exp(old_log_prob - rollout_log_prob), cap) to correct rollout/trainer mismatch; -1: off
     tis_imp_ratio_cap: float = -1.0
+    # the PPO ratio's old log-probs are the rollout's own (verl's use_rollout_log_probs, slime's
+    # --use-rollout-logprobs): the ratio is then the importance weight to the behaviour policy and the
+    # clip a trust region around it; false: the trainer's, recomputed before the update (decoupled PPO)
+    use_rollout_log_probs: bool = False
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

@@ -171,6 +171,17 @@ def expert_load_metrics(expert_counts: torch.Tensor) -> dict:
     return expert_load(expert_counts.sum(0))
 
 
+def old_log_probs(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                  use_rollout_log_probs: bool) -> torch.Tensor:
+    """The PPO ratio's old log-probs [B, R] (`actor_rollout_ref.actor.use_rollout_log_probs`):
+    the trainer's, recomputed under its current weights before the update (decoupled PPO: the clip
+    is centred on the current policy, the sampling policy is corrected by truncated importance
+    sampling), or the rollout's own (verl's `use_rollout_log_probs`, slime's `--use-rollout-logprobs`:
+    the ratio pi / pi_rollout is itself the importance weight and the clip a trust region around the
+    weights that sampled the batch, however many versions old)."""
+    return rollout_log_probs if use_rollout_log_probs else trainer_log_probs
+
+
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
     """How far the rollout engine's token probabilities are from the trainer's recomputed ones
     (same weights, same temperature), over valid tokens; [B, R] inputs. verl's names:

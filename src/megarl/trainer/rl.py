@@ -232,7 +232,8 @@ class RLTrainer:
 
         with timer("old_log_prob"):
             out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
-            batch["old_log_probs"] = out["log_probs"]
+            batch["old_log_probs"] = experience.old_log_probs(out["log_probs"], batch["rollout_log_probs"],
+                                                              c.actor_rollout_ref.actor.use_rollout_log_probs)
             metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
             metrics.update(experience.rollout_mismatch(out["log_probs"], batch["rollout_log_probs"],
                                                        batch["response_mask"]))

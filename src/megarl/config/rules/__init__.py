@@ -44,6 +44,7 @@ from megarl.config.rules.values import (
     positive_counts,
     required_keys,
     resume_path_given,
+    rollout_log_probs_without_tis,
     value_ranges,
 )
 from megarl.config.schema import ExperimentConfig
@@ -63,6 +64,7 @@ RULES: list[Rule] = [
     reward_model_holds_a_sequence,
     filter_groups_has_groups,
     importance_cap_range,
+    rollout_log_probs_without_tis,
     lora_settings,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,

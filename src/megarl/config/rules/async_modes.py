@@ -38,16 +38,21 @@ def async_modes_fit_the_loop(config: ExperimentConfig, sizes: DerivedSizes) -> I
 
 
 def async_modes_correct_off_policy(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """In one_step_off and fully_async the trainer recomputes the old log-probs under its current
-    weights, but the batch was sampled by older ones (1..max_staleness versions): without the
-    importance weight min(exp(old - rollout), cap) per token, the policy gradient is that of the
-    behaviour policy, not the trained one (NeMo-RL's async GRPO likewise requires
-    `use_importance_sampling_correction`; AReaL's decoupled loss, verl's `rollout_correction`).
-    So the async modes need truncated importance sampling on.
+    """In one_step_off and fully_async the batch was sampled by older weights (1..max_staleness
+    versions) than the trainer's. By default the trainer recomputes the old log-probs under its
+    current weights; without the importance weight min(exp(old - rollout), cap) per token the policy
+    gradient is then that of the behaviour policy, not the trained one (NeMo-RL's async GRPO likewise
+    requires `use_importance_sampling_correction`; AReaL's decoupled loss, verl's `rollout_correction`).
+    The other correction is the rollout's own log-probs as the old ones (`use_rollout_log_probs`,
+    verl's one-step-off and fully async recipes): the PPO ratio is then the importance weight itself.
+    So the async modes need one of the two.
 
-    Reads: async_training.mode, actor_rollout_ref.actor.tis_imp_ratio_cap
+    Reads: async_training.mode, actor_rollout_ref.actor.tis_imp_ratio_cap,
+    actor_rollout_ref.actor.use_rollout_log_probs
     """
-    mode, cap = config.async_training.mode, config.actor_rollout_ref.actor.tis_imp_ratio_cap
-    if mode != "sync" and cap <= 0:
-        yield (f"async_training.mode={mode} trains on samples from older weights: it needs the off-policy "
-               f"correction actor_rollout_ref.actor.tis_imp_ratio_cap >= 1 (e.g. 2.0), not {cap}")
+    actor = config.actor_rollout_ref.actor
+    mode, cap = config.async_training.mode, actor.tis_imp_ratio_cap
+    if mode != "sync" and cap <= 0 and not actor.use_rollout_log_probs:
+        yield (f"async_training.mode={mode} trains on samples from older weights: it needs an off-policy "
+               f"correction, actor_rollout_ref.actor.tis_imp_ratio_cap >= 1 (e.g. 2.0; not {cap}) or "
+               "actor_rollout_ref.actor.use_rollout_log_probs=true")

@@ -124,6 +124,19 @@ def importance_cap_range(config: ExperimentConfig, sizes: DerivedSizes) -> Itera
                "(the largest weight a token's loss may get)")
 
 
+def rollout_log_probs_without_tis(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """With the rollout's log-probs as the old ones, truncated importance sampling would weigh every
+    token by exp(rollout - rollout) = 1: a correction that does nothing, so the pair is refused.
+
+    Reads: actor_rollout_ref.actor.use_rollout_log_probs, actor_rollout_ref.actor.tis_imp_ratio_cap
+    """
+    actor = config.actor_rollout_ref.actor
+    if actor.use_rollout_log_probs and actor.tis_imp_ratio_cap > 0:
+        yield (f"actor_rollout_ref.actor.use_rollout_log_probs=true makes the PPO ratio the importance weight "
+               f"to the rollout already: actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} "
+               "would weigh every token by 1; set it to -1")
+
+
 def dpo_ranges(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """DPO's beta is positive and its label smoothing in [0, 0.5).
 
