@@ -38,9 +38,9 @@ from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transfor
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.moe import expert_index, shift_expert
-from megarl.config.expert_mlp import expert_mlp
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
+from megarl.config.expert_mlp import expert_mlp
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -251,7 +251,9 @@ def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:
     """Tag TP-sharded parameters as megatron's initialisation would (`tensor_model_parallel`,
     `partition_dim`, `partition_stride`). With `perform_initialization=False` megatron-core 0.16
     skips the tagging, and untagged shards count only on TP rank 0 in the gradient norm. Experts
-    are sharded only when the expert TP size is above 1."""
+    are sharded only when the expert TP size is above 1. Grouped-GEMM experts come tagged by
+    transformer-engine (in megatron-core 0.16.1 with partition_dim 0 for fc2 too, since megatron hands
+    TE no parallel mode when it shards experts itself): with expert TP > 1 the bridge's split replaces it."""
     for name, param in chunk.named_parameters():
         split = tp_split(name)
         if split.dim is not None and (expert_index(name) is None or expert_tp > 1):
