@@ -63,3 +63,31 @@ def test_pure_sharding_round_trip_is_bit_exact(arch, layout, moe_dirs):
 def test_torch_dist_conversion_of_moe_is_refused(moe_dirs, tmp_path):
     with pytest.raises(ConversionError, match="mixture-of-experts model; torch_dist conversion"):
         convert_hf_to_torch_dist(moe_dirs["qwen3_moe"], tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(ep=2), ParallelLayout(tp=2, ep=4, etp=1), ParallelLayout(tp=2, pp=2, ep=2)],
+                         ids=str)
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_grouped_gemm_names_shard_and_merge_back_to_the_hf_checkpoint(arch, layout, moe_dirs):
+    """Shards named as megatron's TEGroupedMLP names them (`experts.linear_fc1.weight<k>`, k local)
+    hold the right global expert and merge back into the HF checkpoint bit for bit."""
+    weights = weights_of(moe_dirs[arch])
+    hf = hf_tensors(moe_dirs[arch])
+    full = {n: weights.to_mcore(n, hf.__getitem__) for n in weights.mcore_names()}
+    shards = shard_model(weights, full, layout, spelling="grouped")
+    per_rank = 8 // layout.ep
+    for key, sd in shards.items():
+        ep_rank = key[3]
+        grouped = {f"decoder.layers.{i}.mlp.experts.linear_fc{n}.weight{k}" for i in range(2 // layout.pp)
+                   for n in (1, 2) for k in range(per_rank)}
+        assert {n for n in sd if ".mlp.experts." in n} == grouped
+        if key[:3] == (0, 0, 0):  # layer 0, local expert 1 = global expert ep_rank * per_rank + 1
+            e = ep_rank * per_rank + 1
+            proj = ("gate_proj", "up_proj") if arch != "mixtral" else ("w1", "w3")
+            prefix = f"model.layers.0.{'block_sparse_moe' if arch == 'mixtral' else 'mlp'}.experts.{e}."
+            whole = torch.cat([hf[prefix + f"{p}.weight"] for p in proj])
+            expected = whole if layout.expert_tp == 1 else torch.cat([h.chunk(2)[0] for h in whole.chunk(2)])
+            assert torch.equal(sd["decoder.layers.0.mlp.experts.linear_fc1.weight1"], expected)
+    back = {h: t for name, f in merge_model(weights, shards, layout).items() for h, t in weights.to_hf(name, f)}
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[n], hf[n]) for n in hf)

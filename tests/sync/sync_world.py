@@ -239,6 +239,73 @@ def expert_checks(rank: int, case: dict) -> dict:
             out["swapped"] = run_resharder(chunks, weights, case["bucket_bytes"])
             swap_local_experts(chunks)
             out["push"] = expert_push(chunks, weights, case)
+            out.update(grouped_checks(chunks, weights, layout, hf_dir, case["bucket_bytes"]))
+    return out
+
+
+class GroupedLinearNames(torch.nn.Module):
+    """Holds the given parameters as `weight0`, `weight1`, ... (transformer-engine GroupedLinear's names)."""
+
+    def __init__(self, params: list):
+        super().__init__()
+        for k, param in enumerate(params):
+            self.register_parameter(f"weight{k}", param)
+
+
+class GroupedExpertNames(torch.nn.Module):
+    """Stands for megatron's TEGroupedMLP (`experts.linear_fc1.weight<k>`, `experts.linear_fc2.weight<k>`),
+    holding a SequentialMLP's own parameter objects (tensors unchanged); `order` lists the local
+    expert whose weights become `weight<k>`. Names only: it has no forward."""
+
+    def __init__(self, sequential, order: list):
+        super().__init__()
+        self.linear_fc1 = GroupedLinearNames([sequential.local_experts[k].linear_fc1.weight for k in order])
+        self.linear_fc2 = GroupedLinearNames([sequential.local_experts[k].linear_fc2.weight for k in order])
+
+
+def regroup_experts(chunks: list, reverse: bool = False) -> list:
+    """Give every MoE layer's experts the grouped-GEMM names (local experts in reverse order with
+    `reverse`: a wrong expert index). Returns the SequentialMLPs, for `restore_experts`."""
+    saved = []
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            sequential = layer.mlp.experts
+            order = list(range(len(sequential.local_experts)))
+            layer.mlp.experts = GroupedExpertNames(sequential, order[::-1] if reverse else order)
+            saved.append(sequential)
+    return saved
+
+
+def restore_experts(chunks: list, saved: list) -> None:
+    layers = [layer for chunk in chunks for layer in unwrap(chunk).decoder.layers]
+    for layer, sequential in zip(layers, saved):
+        layer.mlp.experts = sequential
+
+
+def grouped_checks(chunks: list, weights: WeightMap, layout: ParallelLayout, hf_dir: Path, bucket_bytes: int) -> dict:
+    """The same chunks with their experts under grouped-GEMM names: the resharder's HF tensors;
+    with the experts in reverse order (negative control); and after zeroing every parameter and
+    loading the HF checkpoint through the engine's loader (`load_hf_weights`) into those names."""
+    from megarl.engines.megatron.model import load_hf_weights
+    from megarl.engines.megatron.parallel import RoleLayout
+
+    started, out = time.monotonic(), {}
+    saved = regroup_experts(chunks, reverse=True)
+    out["grouped_reversed"] = run_resharder(chunks, weights, bucket_bytes)
+    restore_experts(chunks, saved)
+    saved = regroup_experts(chunks)
+    names = [name for chunk in chunks for name, _ in chunk.named_parameters()]
+    out["grouped_names"] = [name for name in names if ".mlp.experts." in name]
+    out["grouped"] = run_resharder(chunks, weights, bucket_bytes)
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.zero_()
+    role = RoleLayout(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp or None)
+    load_hf_weights(chunks, weights, role, hf_dir, value_head=False, seed=0)
+    out["grouped_loaded"] = run_resharder(chunks, weights, bucket_bytes)
+    restore_experts(chunks, saved)
+    out["grouped_s"] = round(time.monotonic() - started, 2)
     return out
 
 

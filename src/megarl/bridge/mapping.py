@@ -1,8 +1,10 @@
 """HF <-> megatron-core parameter mapping: declarative name rules plus pure tensor transforms.
 
 Megatron names here are *global* (layer index over the whole model) and use the
-transformer-engine spelling, which is also the spelling of `torch_dist` checkpoints. Names from a
-live local-spec model (`input_layernorm`, `pre_mlp_layernorm`) and names wrapped in `module.`
+transformer-engine spelling, which is also the spelling of `torch_dist` checkpoints, and MoE
+experts are spelled as megatron's SequentialMLP names them (`mlp.experts.local_experts.<e>.linear_fc1.weight`).
+Names from a live local-spec model (`input_layernorm`, `pre_mlp_layernorm`), grouped-GEMM experts
+(`mlp.experts.linear_fc1.weight<e>`, `megarl.bridge.grouped_experts`) and names wrapped in `module.`
 prefixes are accepted everywhere and canonicalised by `canonical_name`.
 
 `WeightMap(arch, padded_vocab_size)` turns one megatron name + its full (TP-gathered) tensor into
@@ -20,6 +22,7 @@ import torch
 
 from megarl.bridge.arch import ModelArch
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.moe import expert_index, hf_expert, hf_router
 from megarl.bridge.moe import hf_shape as moe_hf_shape
 from megarl.bridge.transforms import merge_gate_up, merge_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
@@ -151,7 +154,7 @@ def is_extra_state(name: str) -> bool:
 
 
 def _matching_rules(name: str) -> list[tuple[ParamRule, Optional[int]]]:
-    bare = strip_module_prefix(name)
+    bare = sequential_expert_name(strip_module_prefix(name))  # grouped-GEMM experts: their sequential name
     found = []
     for pattern, rule in _MCORE_PATTERNS:
         m = pattern.match(bare)
@@ -177,7 +180,8 @@ def strip_module_prefix(name: str) -> str:
 
 
 def canonical_name(name: str) -> str:
-    """The TE spelling of a megatron name: `module.` prefixes dropped, local-spec norm names renamed."""
+    """The TE spelling of a megatron name: `module.` prefixes dropped, local-spec norm names renamed,
+    grouped-GEMM experts named as SequentialMLP names them."""
     rule, layer = match_mcore(name)
     return rule.mcore.format(i=layer)
 

@@ -70,11 +70,12 @@ def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
     )
 
 
-def layer_spec(arch: ModelArch, transformer_engine: bool = False):
+def layer_spec(arch: ModelArch, transformer_engine: bool = False, grouped_gemm: bool = False):
     """The megatron-core layer spec: local modules (CPU and tests) or transformer-engine ones.
-    MoE layers use megatron's SequentialMLP (one MLP per expert, `local_experts.<k>.linear_fc1`) in
-    both; grouped GEMM would name expert weights `experts.linear_fc1.weight<k>`, which the bridge
-    does not map yet."""
+    MoE layers run their experts as SequentialMLP (one MLP per expert, `local_experts.<k>.linear_fc1`),
+    or with `grouped_gemm` (TE spec only) as TEGroupedMLP (`experts.linear_fc1.weight<k>`, which the
+    bridge reads as the sequential name: `megarl.bridge.grouped_experts`). `megarl.config.expert_mlp`
+    decides; the local spec would take `grouped_gemm` as megatron's legacy GroupedMLP, so it is refused."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -83,7 +84,10 @@ def layer_spec(arch: ModelArch, transformer_engine: bool = False):
     experts = arch.moe.num_experts if arch.moe else None
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm
+            num_experts=experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=arch.qk_layernorm
         )
+    if grouped_gemm:
+        raise ValueError("layer_spec: grouped GEMM needs the transformer-engine spec (TEGroupedMLP); the local "
+                         "spec would build megatron's legacy GroupedMLP")
     return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm,
                                     normalization="RMSNorm")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.grouped_experts import is_grouped_expert, sequential_expert_name
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,18 @@ EXPERT_MCORE = re.compile(r"(?:^|\.)mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def expert_index(mcore_name: str) -> Optional[int]:
-    """The expert index in a megatron name (`...mlp.experts.local_experts.<e>...`), else None."""
-    m = EXPERT_MCORE.search(mcore_name)
+    """The expert index in a megatron name, sequential (`...mlp.experts.local_experts.<e>...`) or
+    grouped-GEMM (`...mlp.experts.linear_fc1.weight<e>`) spelling, else None."""
+    m = EXPERT_MCORE.search(sequential_expert_name(mcore_name))
     return int(m.group(1)) if m else None
 
 
 def shift_expert(mcore_name: str, offset: int) -> str:
-    """Add `offset` to the expert index of a megatron expert name (local <-> global numbering)."""
+    """Add `offset` to the expert index of a sequential-spelled megatron expert name (local <->
+    global numbering). A grouped-GEMM name is refused: translate it with `sequential_expert_name`."""
+    if is_grouped_expert(mcore_name):
+        raise ConversionError(f"shift_expert: {mcore_name!r} is grouped-GEMM spelled; translate it with "
+                              "sequential_expert_name first")
     return EXPERT_MCORE.sub(lambda m: m.group(0).replace(f".{m.group(1)}.", f".{int(m.group(1)) + offset}."),
                             mcore_name, count=1)
 
@@ -133,7 +139,7 @@ def transformer_config_kwargs(moe: MoESpec) -> dict[str, Any]:
         moe_shared_expert_gate=moe.shared_expert,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,  # SequentialMLP: the local spec; grouped GEMM is a TE/GPU choice
+        moe_grouped_gemm=False,  # SequentialMLP; the engine's moe_settings sets it (megarl.config.expert_mlp)
         moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=False,
         moe_router_fusion=False,

@@ -33,9 +33,12 @@ from megarl.bridge.mapping import (
     is_extra_state,
     match_mcore,
 )
+from megarl.bridge.grouped_experts import grouped_expert_name
 from megarl.bridge.moe import expert_index, shift_expert
 
-Spelling = Literal["te", "local"]
+# the names of a live chunk: transformer-engine layers, local layers, or TE layers with grouped-GEMM
+# experts (`mlp.experts.linear_fc1.weight<k>`, megarl.bridge.grouped_experts)
+Spelling = Literal["te", "local", "grouped"]
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,8 @@ def shard_model(
                     local = local_name(weights, layout, name, offset, ep_rank)
                     if spelling == "local":
                         local = local_spelling(local)
+                    elif spelling == "grouped":
+                        local = grouped_expert_name(local)
                     sd[local] = shard_tp(expert_split(weights, layout, name), _full_tensor(full, name), layout.tp, tp_rank)
                 out[layout.key(pp_rank, vp_stage, tp_rank, ep_rank)] = sd
     return out
@@ -261,8 +266,8 @@ def merge_model(
 
     `shards` needs, per chunk, every TP rank (for dense parameters) and every EP rank with each of
     its expert-TP ranks (for experts), but not every (tp, ep) pair: with ETP = 1 megatron places
-    EP ranks independently of TP ranks. Copies held by several ranks must agree. Accepts TE or
-    local spelling and `module.` prefixes, ignores `_extra_state` entries and drops a tied
+    EP ranks independently of TP ranks. Copies held by several ranks must agree. Accepts every
+    `Spelling` and `module.` prefixes, ignores `_extra_state` entries and drops a tied
     output-layer copy after checking it equals the embedding."""
     missing = sorted({(p, v, t) for p, v in layout.chunks() for t in range(layout.tp)} - {tuple(k[:3]) for k in shards})
     if missing:

@@ -116,6 +116,9 @@ class MegatronConfig:
     # coefficients; 0 / null: off. Only training roles use them.
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
+    # MoE experts as one grouped GEMM (megatron's TEGroupedMLP) or one MLP each (SequentialMLP);
+    # null: grouped wherever it can run (CUDA with transformer-engine layers), megarl.config.expert_mlp
+    moe_grouped_gemm: Optional[bool] = None
     use_distributed_optimizer: bool = True
     param_offload: bool = False
     grad_offload: bool = False

@@ -25,7 +25,7 @@ from megarl.config.rules.choices import (
 )
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.devices import weight_sync_transport_fits_devices
-from megarl.config.rules.experts import expert_parallel_fits_role
+from megarl.config.rules.experts import expert_parallel_fits_role, grouped_gemm_can_run
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -83,6 +83,7 @@ RULES: list[Rule] = [
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     expert_parallel_fits_role,
+    grouped_gemm_can_run,
     router_replay_fits,
     batch_arithmetic,
 ]

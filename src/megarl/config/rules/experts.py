@@ -1,8 +1,11 @@
-"""Rules for mixture-of-experts parallel sizes (expert parallel EP, expert tensor parallel ETP)."""
+"""Rules for mixture-of-experts roles: parallel sizes (expert parallel EP, expert tensor parallel
+ETP) and the expert module (`moe_grouped_gemm`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from megarl.config.errors import ConfigError
+from megarl.config.expert_mlp import expert_mlp
 from megarl.config.rules.common import DerivedSizes, positive
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
@@ -29,6 +32,26 @@ def _expert_problems(prefix: str, m: MegatronConfig, train_gpus: int) -> Iterato
                f"(megatron places the experts of each pipeline stage over ETP x EP ranks)")
 
 
+def _training_roles(config: ExperimentConfig) -> list[tuple[str, MegatronConfig]]:
+    """(section, its megatron group) of every training role the config builds."""
+    arr = config.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor.megatron), ("actor_rollout_ref.ref", arr.ref.megatron)]
+    if config.critic.enable:
+        roles.append(("critic", config.critic.megatron))
+    if config.reward_model.enable:
+        roles.append(("reward_model", config.reward_model.megatron))
+    return roles
+
+
+def _lora_key(config: ExperimentConfig, section: str) -> tuple[str, int]:
+    """(key, rank) of a role's LoRA adapters; rank 0 for the roles never adapted (reference, reward model)."""
+    if section == "actor_rollout_ref.actor":
+        return "actor_rollout_ref.model.lora.rank", config.actor_rollout_ref.model.lora.rank
+    if section == "critic":
+        return "critic.model.lora.rank", config.critic.model.lora.rank
+    return "", 0
+
+
 def expert_parallel_fits_role(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Each training role's EP and ETP are positive, ETP is 1 or TP (TP when EP = 1), and
     ETP x EP x PP divides the training GPUs.
@@ -37,11 +60,32 @@ def expert_parallel_fits_role(config: ExperimentConfig, sizes: DerivedSizes) -> 
     reward_model.enable, reward_model.megatron, trainer.nnodes, trainer.n_gpus_per_node, placement.mode,
     placement.rollout_gpus
     """
-    arr = config.actor_rollout_ref
-    roles = [("actor_rollout_ref.actor.megatron", arr.actor.megatron), ("actor_rollout_ref.ref.megatron", arr.ref.megatron)]
-    if config.critic.enable:
-        roles.append(("critic.megatron", config.critic.megatron))
-    if config.reward_model.enable:
-        roles.append(("reward_model.megatron", config.reward_model.megatron))
-    for prefix, megatron in roles:
-        yield from _expert_problems(prefix, megatron, sizes.train_gpus)
+    for section, megatron in _training_roles(config):
+        yield from _expert_problems(f"{section}.megatron", megatron, sizes.train_gpus)
+
+
+def grouped_gemm_can_run(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """`megatron.moe_grouped_gemm=true` of a training role can run somewhere: by the engine's own
+    decision (`megarl.config.expert_mlp`) on each device `trainer.device` allows (auto: CUDA or
+    CPU), taking transformer-engine as installed on CUDA (the engine checks that when it starts);
+    a role with LoRA adapters builds local layers. Refused only when it fails on every such device.
+
+    Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.enable, critic.megatron,
+    reward_model.enable, reward_model.megatron, trainer.device, actor_rollout_ref.model.lora.rank,
+    critic.model.lora.rank
+    """
+    devices = {"cuda": ["cuda"], "cpu": ["cpu"]}.get(config.trainer.device, ["cuda", "cpu"])
+    for section, megatron in _training_roles(config):
+        if not megatron.moe_grouped_gemm:
+            continue
+        lora_key, lora_rank = _lora_key(config, section)
+        problems = []
+        for device in devices:
+            try:
+                expert_mlp(True, device, te_layers=device == "cuda" and lora_rank == 0, te_grouped_linear=True,
+                           section=section)
+            except ConfigError as problem:
+                problems.append(str(problem))
+        if len(problems) == len(devices):
+            keys = [f"trainer.device={config.trainer.device}"] + ([f"{lora_key}={lora_rank}"] if lora_rank else [])
+            yield f"{problems[0]} ({', '.join(keys)})"

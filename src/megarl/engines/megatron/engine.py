@@ -99,7 +99,7 @@ class MegatronEngine:
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, recompute=recompute, transformer_engine=uses_te,
-            moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section),
+            moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
         )
         self._routers = replay_routers(self.model_chunks) if router_replay else []
         if source.kind == "hf":

@@ -36,9 +36,11 @@ from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import EMBEDDING, canonical_name, tp_split
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
+from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
+from megarl.config.expert_mlp import expert_mlp
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +58,14 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def transformer_engine_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def te_grouped_linear_available() -> bool:
+    """megatron-core defines `TEColumnParallelGroupedLinear` (transformer-engine >= 1.9 installed),
+    which grouped-GEMM experts need (`megarl.config.expert_mlp`)."""
+    from megatron.core.extensions import transformer_engine as te_extensions
+
+    return getattr(te_extensions, "TEColumnParallelGroupedLinear", None) is not None
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,7 @@ def build_chunks(
     if value_head:
         model_kwargs["share_embeddings_and_output_weights"] = False
     model_class = _gpt_model_class()
-    spec = layer_spec(arch, transformer_engine)
+    spec = layer_spec(arch, transformer_engine, grouped_gemm=config.moe_grouped_gemm)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     device = compute_device()
     chunks = []
@@ -191,6 +201,7 @@ def build_chunks(
             pre_process=layout.bridge_layout.is_first(pp_rank, v), post_process=last,
             vp_stage=v if layout.vpp > 1 else None,
         )
+        check_experts_built(chunk, config.moe_grouped_gemm)
         _mark_tensor_parallel(chunk, layout.expert_tp)
         if value_head and last:
             chunk.output_layer = torch.nn.Linear(arch.hidden_size, 1, bias=False, dtype=params_dtype)
@@ -201,18 +212,22 @@ def build_chunks(
     return chunks, config
 
 
-def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: str) -> dict:
+def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: str,
+                 transformer_engine: bool = False) -> dict:
     """`TransformerConfig` arguments from a role's `megatron` section for an MoE model: the
     load-balancing loss (megatron's "aux_loss" type, `moe_aux_loss_coeff`), the z-loss
-    (`moe_z_loss_coeff`), and `moe_enable_routing_replay` for routing replay. A dense model takes
-    none of them; replay on a dense model is refused naming the key."""
+    (`moe_z_loss_coeff`), `moe_enable_routing_replay` for routing replay, and `moe_grouped_gemm`
+    (`megarl.config.expert_mlp` on this machine; `transformer_engine`: the role builds TE layers).
+    A dense model takes none of them; replay on a dense model is refused naming the key."""
     if arch.moe is None:
         if router_replay:
             raise ValueError("actor_rollout_ref.actor.router_replay.mode=R3 needs an MoE model "
                              f"({section}'s model has no experts); set it to disabled")
         return {}
+    experts = expert_mlp(megatron_cfg.moe_grouped_gemm, compute_device().type, transformer_engine,
+                         transformer_engine and te_grouped_linear_available(), section=section)
     aux = float(megatron_cfg.moe_aux_loss_coeff)
-    out: dict = {"moe_enable_routing_replay": router_replay}
+    out: dict = {"moe_enable_routing_replay": router_replay, "moe_grouped_gemm": experts == "grouped"}
     if aux > 0:
         out.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux)
     if megatron_cfg.moe_z_loss_coeff:
@@ -220,11 +235,25 @@ def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: st
     return out
 
 
+def check_experts_built(chunk: torch.nn.Module, grouped: bool) -> None:
+    """Raise unless every MoE layer of `chunk` holds the expert module decided: megatron falls
+    back silently (to the legacy GroupedMLP, or SequentialMLP) where grouped GEMM cannot be built
+    (`megarl.config.expert_mlp`)."""
+    want = "TEGroupedMLP" if grouped else "SequentialMLP"
+    for layer in chunk.decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and type(experts).__name__ != want:
+            raise RuntimeError(f"layer {layer.layer_number - 1}: megatron-core built {type(experts).__name__} "
+                               f"experts, megarl decided {want} (moe_grouped_gemm={grouped})")
+
+
 def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:
     """Tag TP-sharded parameters as megatron's initialisation would (`tensor_model_parallel`,
     `partition_dim`, `partition_stride`). With `perform_initialization=False` megatron-core 0.16
     skips the tagging, and untagged shards count only on TP rank 0 in the gradient norm. Experts
-    are sharded only when the expert TP size is above 1."""
+    are sharded only when the expert TP size is above 1. Grouped-GEMM experts come tagged by
+    transformer-engine (in megatron-core 0.16.1 with partition_dim 0 for fc2 too, since megatron hands
+    TE no parallel mode when it shards experts itself): with expert TP > 1 the bridge's split replaces it."""
     for name, param in chunk.named_parameters():
         split = tp_split(name)
         if split.dim is not None and (expert_index(name) is None or expert_tp > 1):
@@ -233,7 +262,7 @@ def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:
 
 def _local_params(chunks, layout: RoleLayout, num_layers: int):
     """(local name, global name, parameter) of every parameter of this rank's chunks; an expert's
-    global name has its global expert index."""
+    global name has its global expert index, spelled as SequentialMLP names it (grouped GEMM too)."""
     from megatron.core import parallel_state
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -242,7 +271,7 @@ def _local_params(chunks, layout: RoleLayout, num_layers: int):
     for v, chunk in enumerate(chunks):
         offset = layer_offset(num_layers, layout.bridge_layout, pp_rank, v)
         for name, param in chunk.named_parameters():
-            global_name = shift_layer(name, offset)
+            global_name = shift_layer(sequential_expert_name(name), offset)  # grouped-GEMM experts renamed
             if expert_index(name) is not None:
                 experts_here = experts_here or chunk.config.num_moe_experts // layout.ep
                 global_name = shift_expert(global_name, ep_rank * experts_here)
