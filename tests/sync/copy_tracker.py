@@ -13,13 +13,21 @@ from megarl.sync import ipc_copies, transports
 class CopyTracker:
     def __init__(self):
         self.alive: list[weakref.ref] = []
+        self.made: list[weakref.ref] = []  # every copy since `reset`
+        self.files: set[str] = set()  # their shared-memory files (CPU copies)
         self.peak_bytes = 0
+        self.largest = 0  # bytes of the largest copy
         self.copies = 0
 
     def _record(self, copy):
         self.alive = [r for r in self.alive if r() is not None]
         self.alive.append(weakref.ref(copy))
+        self.made.append(self.alive[-1])
+        if not copy.is_cuda:  # torch's file_system sharing: the file is named after its creator's pid
+            _, name, _ = copy.untyped_storage()._share_filename_cpu_()
+            self.files.add("/dev/shm" + (name.decode() if isinstance(name, bytes) else name))
         self.copies += 1
+        self.largest = max(self.largest, copy.numel() * copy.element_size())
         self.peak_bytes = max(self.peak_bytes, sum(r().numel() * r().element_size() for r in self.alive))
         return copy
 
@@ -31,4 +39,6 @@ class CopyTracker:
         return self
 
     def reset(self) -> None:
-        self.alive, self.peak_bytes, self.copies = [r for r in self.alive if r() is not None], 0, 0
+        """Start a new count (copies still alive still count towards the peak)."""
+        self.alive = [r for r in self.alive if r() is not None]
+        self.made, self.files, self.peak_bytes, self.largest, self.copies = [], set(), 0, 0, 0

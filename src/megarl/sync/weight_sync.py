@@ -406,6 +406,7 @@ class WeightSync:
         if g.is_emitter:
             report.error = report.error or (error and f"{self._label()}: {error}")
             report.send_s += time.perf_counter() - started
+
     def _check_servers(self, reports: list[StageReport]) -> list[str]:
         """Coordinator, after the commit: every server's checksums against every stage's."""
         sent: dict[str, str] = {}
