@@ -25,9 +25,11 @@ from megarl.sync.ipc_copies import IpcRelay
 from megarl.sync.resharder import HFBucket
 from megarl.sync.servers import SyncServer
 from megarl.sync.transports import TensorTransport
+from copy_tracker import CopyTracker
 
 SERVER_TP = [1, 3]  # server 0 on GPU 0, server 1 on GPUs 1-3 (the planner's consecutive runs)
-EMITTERS = {0: 3, 2: 2}  # emitter rank: buckets it emits (rank 0, the coordinator, keeps its last for the commit)
+EMITTERS = {0: 2, 2: 3}  # emitter rank: buckets it emits (rank 0, the coordinator, keeps its last for the commit;
+#                         stage 1 has more, so its last step runs while every rank holds the commit's copy)
 
 
 def bucket_tensors(emitter: int, index: int) -> list[tuple[str, torch.Tensor]]:
@@ -86,29 +88,45 @@ class RecordingServerDouble:
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
 
-def push(rank: int, relay: IpcRelay, transport, version: str) -> dict:
-    """What WeightSync does for the tensor transport: the emitters stream, every rank relays, the
-    coordinator commits, every rank releases the commit's copy."""
-    out = {"error": None}
+def push(rank: int, relay: IpcRelay, transport, version: str, tracker: CopyTracker) -> dict:
+    """What WeightSync does for the tensor transport: one relay round per step (an emitter's step:
+    one bucket sent, or the coordinator's last held for the commit), the coordinator commits,
+    every rank releases the commit's copies (or, after a failure, resets)."""
+    out = {"error": None, "pending": []}
+    tracker.reset()
+    steps = EMITTERS.get(rank, 0)
     commit_bucket = None
     if transport is not None:
         transport.open_stream("push")
-        for index in range(EMITTERS[rank]):
+    for index in range(relay.rounds(steps)):
+        item = None
+        if index < steps and out["error"] is None:
             bucket = make_bucket(rank, index)
             if rank == 0 and bucket.is_last:
                 commit_bucket = bucket
+                item = transport.outgoing(commit_bucket)
             else:
                 transport.send(bucket)
-        out["pending_before_relay"] = len(transport.in_flight)
-    out["error"] = relay.run(transport.outgoing(commit_bucket) if transport is not None else ())
-    out["held_after_relay"] = len(relay.in_flight)
+                out["pending"].append(len(transport.in_flight))
+                item = transport.outgoing()
+        error = relay.round(item)
+        del item  # no copy outlives its round here (WeightSync's box)
+        out["error"] = out["error"] or error
+    out["held_after_rounds"] = len(relay.in_flight)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, out["error"])  # WeightSync gathers the emitters' reports
     if rank == 0 and not any(errors):
         transport.commit(commit_bucket, [], version)
     dist.barrier()
-    relay.release()
+    if any(errors):
+        relay.reset()
+        if transport is not None:
+            transport.reset()
+    else:
+        relay.release()
     out["held_after_release"] = len(relay.in_flight)
+    out["peak_copy_bytes"], out["copies"] = tracker.peak_bytes, tracker.copies
+    out["bucket_bytes"] = make_bucket(0, 0).flat.numel()
     return out
 
 
@@ -122,14 +140,15 @@ def relay_world(rank: int, world_size: int, port: int) -> dict:
     transport = TensorTransport([SyncServer(u, timeout_s=30) for u in urls[0]], rank, world_size) \
         if rank in EMITTERS else None
     out = {"pid": os.getpid(), "emitters": relay.emitters}
-    out["first"] = push(rank, relay, transport, "7")
+    tracker = CopyTracker().install()
+    out["first"] = push(rank, relay, transport, "7", tracker)
     if rank == 0:
         out["first_records"] = [d.records for d in doubles]
         for d in doubles:
             d.records = []
         doubles[1].refuse = {bucket_tensors(2, 0)[0][0]}  # server 1 refuses stage 1's first bucket
     dist.barrier()
-    out["refused"] = push(rank, relay, transport, "8")
+    out["refused"] = push(rank, relay, transport, "8", tracker)
     if rank == 0:
         out["refused_records"] = [d.records for d in doubles]
         for d in doubles:

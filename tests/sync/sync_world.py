@@ -563,20 +563,16 @@ def checked_story(chunks: list, weights: WeightMap, case: dict, version: int, la
     return out
 
 
-def shm_path(tensor: torch.Tensor) -> str:
-    """Where a CPU tensor shared by file name lives (torch's `file_system` strategy)."""
-    _, name, _ = tensor.untyped_storage()._share_filename_cpu_()
-    return "/dev/shm" + (name.decode() if isinstance(name, bytes) else name)
-
-
 def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, version: int, lap) -> dict:
     """The tensor transport, colocated: two pushes through /update_weights_from_tensor (each
-    after an update), the emitters' bucket copies alive until the stream ends and released after;
-    then a server that refuses a bucket mid-push (its session closed under it) fails the push
-    naming it, and the retry completes."""
-    import weakref
-
+    after an update), each bucket's copy dropped once the servers answered for it (`CopyTracker`:
+    the most copy bytes alive at once; the held copies at each bucket sent) and their shared-memory
+    files gone after; then a server that refuses a bucket mid-push (its session closed under it)
+    fails the push naming it, and the retry completes."""
+    from copy_tracker import CopyTracker
     from megarl.rollout.control import ServerControl
+
+    tracker = CopyTracker().install()
 
     urls = case["urls"]
     out = {"pushes": []}
@@ -588,13 +584,11 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
         if dist.get_rank() == 0:  # training: the colocated servers released their memory
             for url in urls:
                 ServerControl(url).release_memory_occupation()
-        seen = {"in_flight": [], "refs": [], "files": set()}
+        seen = {"in_flight": []}
+        tracker.reset()
 
         def watch(stage, bucket):
-            held = sync.transport.in_flight
-            seen["in_flight"].append(len(held))
-            seen["refs"] += [weakref.ref(t) for t in held]
-            seen["files"] |= {shm_path(t) for t in held}
+            seen["in_flight"].append(len(sync.transport.in_flight))
 
         metrics = sync.push(progress=watch)
         import gc
@@ -602,8 +596,9 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
         gc.collect()
         out["pushes"].append(dict(
             before=before, after=compare(chunks, vocab, urls), metrics=metrics, in_flight=seen["in_flight"],
-            alive_after=sum(r() is not None for r in seen["refs"]),
-            files_after=sorted(f for f in seen["files"] if os.path.exists(f)), files=len(seen["files"]),
+            alive_after=sum(r() is not None for r in tracker.made), copies=tracker.copies,
+            peak_copy_bytes=tracker.peak_bytes, largest_copy_bytes=tracker.largest, files=len(tracker.files),
+            files_after=sorted(f for f in tracker.files if os.path.exists(f)),
             held_after=None if sync.transport is None else len(sync.transport.in_flight)))
         lap(f"tensor push {seed}")
 

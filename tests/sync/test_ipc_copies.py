@@ -13,7 +13,8 @@ from megarl.sync.ipc_copies import copies_on_gpu
 
 # the planner's colocated layout, by hand: actor rank g on GPU g; server 0 on GPU 0, server 1 on GPUs 1, 2, 3
 PEERS = [[0], [1, 2, 3]]
-STREAM = [(0, 0), (0, 1), (2, 0), (2, 1)]  # (emitter, bucket) in the relay's order: emitters by rank
+# (emitter, bucket) in the relay's order: round by round, emitters by rank; (0, 1) is the commit's
+STREAM = [(0, 0), (2, 0), (2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,16 @@ def test_each_tp_rank_gets_a_copy_serialised_by_the_actor_rank_on_its_gpu(ranks)
 
 
 def test_copies_live_until_their_requests_were_answered_then_are_dropped(ranks):
-    assert [ranks[e]["first"]["pending_before_relay"] for e in sorted(EMITTERS)] == [2, 2]
+    """Per-bucket lifetime: an emitter's copy goes to the relay in the round it was made; every
+    rank holds at most one step's copy plus the commit's (2 buckets; the old lifetime, every copy
+    until the stream ended, held 4 on every rank here), and only the commit's after the rounds."""
     assert all(r["first"]["error"] is None for r in ranks)
-    assert [r["first"]["held_after_relay"] for r in ranks] == [1, 1, 1, 1]  # the commit bucket's copy
+    for r in ranks:
+        first = r["first"]
+        assert first["copies"] == sum(EMITTERS.values())  # each rank made (or received) a copy of every bucket
+        assert first["peak_copy_bytes"] <= 2 * first["bucket_bytes"], (first["peak_copy_bytes"], first["bucket_bytes"])
+    assert [ranks[e]["first"]["pending"] for e in sorted(EMITTERS)] == [[1], [1, 1, 1]]  # then taken by the round
+    assert [r["first"]["held_after_rounds"] for r in ranks] == [1, 1, 1, 1]  # the commit bucket's copy
     assert [r["first"]["held_after_release"] for r in ranks] == [0, 0, 0, 0]
 
 
@@ -58,9 +66,11 @@ def test_a_refused_request_ends_that_emitters_turn_with_an_error_naming_the_serv
     assert errors[0] is None and errors[1] is None and errors[3] is None
     assert url in errors[2] and "/update_weights_from_tensor: HTTP 500: refused by the test double" in errors[2]
     for server, records in enumerate(ranks[0]["refused_records"]):
-        # the coordinator's buckets, then stage 1's first (refused by server 1); no second, no commit
-        assert [r["weight_version"] for r in records] == [None, None, None]
-        assert [r["refused"] for r in records] == [False, False, server == 1]
+        # the coordinator's first bucket, then stage 1's first (refused by server 1); nothing more, no commit
+        assert [r["weight_version"] for r in records] == [None, None]
+        assert [r["refused"] for r in records] == [False, server == 1]
+    # every rank kept its copy of the refused bucket (the server may still read it) and the commit's, until reset
+    assert [r["refused"]["held_after_rounds"] for r in ranks] == [2, 2, 2, 2]
     assert [r["refused"]["held_after_release"] for r in ranks] == [0, 0, 0, 0]
 
 

@@ -91,17 +91,24 @@ def test_tensor_push_makes_colocated_servers_serve_each_update(story):
     assert all(rank["tensor"]["pushes"][0]["metrics"] == t["pushes"][0]["metrics"] for rank in ranks)
 
 
-def test_tensor_push_keeps_every_bucket_copy_until_the_stream_ends(story):
-    """On each emitter, the k-th bucket sent leaves k copies held (none reused); after the push no
-    copy is alive and their shared-memory files are gone."""
+def test_tensor_push_drops_each_bucket_copy_once_the_servers_answered(story):
+    """One shared copy (2 servers for 4 actor ranks): on each emitter a bucket's copy lives only
+    until the servers answered its request, so no more than one bucket copy is alive at once
+    (`CopyTracker`; the old lifetime, every copy until the stream ended, held all 5-6 of a
+    stage's); none is held between buckets, none is alive after the push and their shared-memory
+    files are gone."""
     _, ranks = story
     emitters = [r["tensor"] for r in ranks if r["tensor"]["pushes"][0]["held_after"] is not None]
     assert len(emitters) == 2  # one per pipeline stage
     for t in emitters:
         for push in t["pushes"]:
-            assert push["in_flight"] == list(range(1, len(push["in_flight"]) + 1)) and push["in_flight"]
+            assert push["copies"] >= 4 and push["largest_copy_bytes"] > 0
+            assert push["peak_copy_bytes"] <= push["largest_copy_bytes"], push  # one copy at a time: <= 1 bucket
+            assert push["in_flight"] == [0] * len(push["in_flight"]) and push["in_flight"]
             assert push["alive_after"] == 0 and push["held_after"] == 0
-            assert push["files"] == len(push["in_flight"]) and push["files_after"] == []
+            assert push["files"] == push["copies"] and push["files_after"] == []
+    assert all(p["copies"] == 0 for r in ranks if r["tensor"]["pushes"][0]["held_after"] is None
+               for p in r["tensor"]["pushes"])  # the other ranks hold none
 
 
 def test_tensor_push_refused_by_a_server_fails_naming_it_and_the_retry_completes(story):

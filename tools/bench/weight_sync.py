@@ -20,7 +20,8 @@ once per tree in a child process with that tree's megarl first on PYTHONPATH (th
 alternating from round to round), `--rounds` rounds; a tree's figure is its best pass over every
 round. `--memory` adds each emitter's peak extra resident memory over one pass per bucket size, in
 buckets (`megarl.tracking.memory`, after the timed passes: it lowers glibc's mmap threshold; a
-tree without that module gets it loaded from this script's own tree).
+tree without that module gets it loaded from this script's own tree); with `--push`, also every
+rank's over one more push (the first bucket size), the transport's copies included.
 
 With `--push`, also times `WeightSync.push()` into one freshly started server of an HF checkpoint
 of the same model: end-to-end GB/s, wire included. `--server sglang --device cuda` is the GPU check
@@ -211,6 +212,13 @@ def push_rank(rank: int, world_size: int, port: int, config: dict, layout: tuple
     sync = WeightSync(chunks, weights, [url], sync_config)
     sync.push()  # warm-up: forms the weight-update groups
     metrics = min((sync.push() for _ in range(args["repeats"])), key=lambda m: m["sync/seconds"])
+    if args["memory"]:  # after the timed pushes: it changes the allocator's behaviour for good
+        from megarl.sync.resharder import gathered_bytes, local_params
+
+        largest = max(gathered_bytes(p, tp) for p in local_params(chunks, weights, tp))
+        with resident_peak() as memory:
+            sync.push()
+        metrics["peak_extra_buckets"] = memory["extra"] / max(args["bucket_mbs"][0] * 2**20, largest)
     sync.close()
     last = chunks[-1]
     if args["server"] == "sglang" and hasattr(last.decoder, "final_layernorm") and rank == world_size - 1:
@@ -256,6 +264,9 @@ def run_push(config: dict, layout: tuple, args) -> dict:
                                      args=(config, layout, vars(args), server.url, tmp), timeout_s=3600)
         finally:
             server.stop()
+    if args.memory:  # this rank's own figure, and every rank's
+        by_rank = [r["peak_extra_buckets"] for r in ranks]
+        return dict(ranks[-1], peak_extra_buckets=max(by_rank), peak_extra_buckets_by_rank=by_rank)
     return ranks[-1]
 
 
@@ -382,6 +393,9 @@ def main() -> None:
                   f"in {m['sync/seconds']:.2f} s = {m['sync/gb_per_s']:.2f} GB/s (slowest stage: gather "
                   f"{m['sync/slowest_stage_gather_s']:.2f} s, convert {m['sync/slowest_stage_convert_s']:.2f} s, "
                   f"send {m['sync/slowest_stage_send_s']:.2f} s)")
+            if "peak_extra_buckets_by_rank" in m:
+                print(f"  peak extra resident memory of a push, per rank, in buckets: "
+                      f"{[round(x, 2) for x in m['peak_extra_buckets_by_rank']]}")
             if "norm_check" in m:
                 print(f"  served model.norm.weight[:8] {m['norm_check']['server']}\n  actor's "
                       f"{m['norm_check']['actor']}; served weight_version {m['norm_check']['server_version']}")

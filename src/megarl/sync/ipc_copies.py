@@ -6,21 +6,40 @@ only there; `sync/colocation.py`). So the bucket an emitter gathered reaches eve
 colocated with a server TP rank, each serialises its own copy, and the emitter posts the request
 with entry r from actor rank `peers[s][r]`.
 
-The relay runs once per push, after every rank's resharder pass, on every rank of the actor's
-world, one emitter's turn after another in global-rank order (the same order on every rank: the
-collectives line up without threads). An emitter's turn, per bucket it held back:
+The relay runs in rounds interleaved with the stream (`WeightSync._stream`: one round per
+resharder step, on every rank of the actor's world). In each round every emitter, in global-rank
+order (the same order on every rank: the collectives line up without threads), takes one step
+with its bucket of the round, if it has one:
 
-    header   broadcast_object from the emitter: the bucket's slots, size and `peers`; None ends the turn
+    header   broadcast_object from the emitter: the bucket's slots, size and `peers`; None: no bucket
     bytes    broadcast of the bucket's bytes: each rank receives into its own copy (its current
              GPU over NCCL on CUDA; a shared-memory file over gloo on CPU)
     entries  each rank in `peers` serialises its copy (SGLang's flattened bucket of CUDA IPC handles
              on GPU, torch.multiprocessing file names on CPU); gather_object to the emitter
     deliver  the emitter posts the request (or keeps the entries, for the commit)
+    outcome  broadcast_object from the emitter: whether the servers answered
 
-A failure (a serialisation on any rank, a server refusing a request) ends that emitter's turn and
-comes back as its error; every collective runs on a group made with the sync's timeout. The copies
-of a turn live until the turn ends, when the servers have answered every request made from them;
-the commit bucket's live until `release()` after the push's outcome is known.
+A failure (a serialisation on any rank, a server refusing a request) becomes that emitter's error,
+and it relays nothing more in this push; every collective runs on a group made with the sync's
+timeout.
+
+Lifetimes, on every rank: a step's copy is dropped at the end of the step, once the servers
+answered the request made from it; the commit bucket's copy once the commit was answered
+(`release`); a copy whose request failed or timed out (the server may still read it) once the
+push's failure is known (`reset`). So a rank holds at most one bucket copy in flight plus the
+commit's. Why dropping an answered copy is safe:
+- CPU: the CPU engine has copied the tensors into its model before it answers
+  (`rollout/cpu_server.py::load_tensor_payload` returns after `CpuEngine.load_weights`' `copy_`).
+- GPU: SGLang may answer before its reads are done, but torch's CUDA IPC refcounting keeps a block
+  alive for its consumer: a storage shared by handle gets a reference counter in shared memory;
+  when the producer frees it while the counter is > 0, `CudaIPCSentDataDelete` moves it to the
+  `CudaIPCSentDataLimbo` instead of returning it to the allocator (torch/csrc/CudaIPCTypes.cpp),
+  and the consumer's deleter synchronises its current stream before decrementing the counter
+  (torch/csrc/StorageSharing.cpp; `aten/src/ATen/cuda/detail/CUDAHooks.cpp` in newer torch), and
+  `torch.cuda.ipc_collect()` frees the limbo's blocks whose counter reached 0
+  (torch/multiprocessing/multiprocessing.md, "CUDA IPC Refcounting implementation explained").
+  So on GPU a dropped copy's memory comes back when the server lets go of it (each step's
+  `ipc_collect` reclaims what was let go so far), not at the drop itself; not measured here.
 """
 from __future__ import annotations
 
@@ -115,79 +134,106 @@ def entries_for(peers: Sequence[Sequence[int]], by_rank: Sequence[object]) -> En
 class IpcRelay:
     """Every actor rank's part in per-TP-rank copies. Make one on every rank together (collective
     over `world_group`, and `new_group` over the default group: a group of the world's ranks with
-    the sync's timeout); `run` on every rank per push, `release` after its outcome.
+    the sync's timeout); per push, on every rank: `rounds` once, `round` that many times (one per
+    resharder step), then `release` (push succeeded) or `reset` (it failed).
 
-    Memory: an emitter keeps its stage's copies from its `send`s until its turn; during emitter
-    e's turn every rank holds a copy of each bucket e relayed so far (on GPU, one stage's
-    weights), plus the commit bucket's until `release`."""
+    Memory (every rank): the copy of the step running (one bucket), the commit bucket's copy until
+    `release`, and the copies of requests that failed until `reset`."""
 
     def __init__(self, is_emitter: bool, on_gpu: bool, timeout_s: float, world_group=None):
         flags = [None] * dist.get_world_size(world_group)
         dist.all_gather_object(flags, (dist.get_rank(), is_emitter), group=world_group)
         members = [rank for rank, _ in flags]  # global ranks in world-group order: group rank = actor rank
         self.group = dist.new_group(members, timeout=timedelta(seconds=timeout_s))
-        self.emitters = sorted(rank for rank, emits in flags if emits)  # global ranks: the turns' order
+        self.emitters = sorted(rank for rank, emits in flags if emits)  # global ranks: the steps' order
         self.rank = dist.get_rank(self.group)
         self.on_gpu = on_gpu
-        self._turn: list[torch.Tensor] = []  # the copies of the running turn
-        self._commit: list[torch.Tensor] = []  # the commit bucket's copy, alive until release()
+        self._step: list[torch.Tensor] = []  # the copies of the running step
+        self._commit: list[torch.Tensor] = []  # the commit bucket's copies, alive until release()
+        self._failed: list[torch.Tensor] = []  # copies of requests that failed, alive until reset()
 
     @property
     def in_flight(self) -> tuple[torch.Tensor, ...]:
         """This rank's copies a server may still read."""
-        return tuple(self._turn + self._commit)
+        return tuple(self._step + self._commit + self._failed)
 
-    def run(self, outgoing: Sequence[Outgoing] = ()) -> Optional[str]:
-        """Every rank: every emitter's turn in order; `outgoing` are this rank's buckets if it is
-        an emitter (empty: nothing to relay, e.g. its stream failed). Returns this rank's error
-        (an emitter's: a failed delivery or serialisation anywhere in its turn), or None."""
+    def rounds(self, steps: int) -> int:
+        """Every rank: the number of rounds of this push, the most `steps` (resharder steps) of any rank."""
+        count = torch.tensor([steps], dtype=torch.int64)
+        if self.on_gpu:  # NCCL reduces CUDA tensors only
+            count = count.cuda()
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        return int(count.item())
+
+    def round(self, mine: Optional[Outgoing] = None) -> Optional[str]:
+        """Every rank, once per round: each emitter's step in global-rank order; `mine` is this
+        rank's bucket of the round if it is an emitter (None: nothing this round, e.g. its stream
+        ended or failed). Returns this rank's error (an emitter's: a failed delivery or
+        serialisation anywhere in its step), or None."""
         error = None
         for emitter in self.emitters:
-            mine = emitter == dist.get_rank()
-            try:
-                turn_error = self._turn_of(emitter, list(outgoing) if mine else None)
-            finally:
-                self._drop(self._turn)
-            if mine:
-                error = turn_error
+            is_mine = emitter == dist.get_rank()
+            step_error = self._step_of(emitter, mine if is_mine else None)
+            if is_mine:
+                error = step_error
         return error
 
     def release(self) -> None:
-        """Drop the commit bucket's copy (every rank, once the commit was answered)."""
+        """Drop the commit bucket's copies (every rank, once the commit was answered)."""
         self._drop(self._commit)
 
-    def _turn_of(self, emitter: int, outgoing: Optional[list[Outgoing]]) -> Optional[str]:
-        """One emitter's turn; `outgoing` on that emitter (None elsewhere)."""
+    def reset(self) -> None:
+        """Drop every copy, those of failed requests too (every rank, once the push's failure is
+        known: the coordinator ended the servers' update sessions)."""
+        every = self._step + self._commit + self._failed
+        self._step, self._commit, self._failed = [], [], []
+        self._drop(every)
+
+    def _step_of(self, emitter: int, item: Optional[Outgoing]) -> Optional[str]:
+        """One emitter's step; `item` on that emitter (None elsewhere, or nothing to relay).
+        The step's copies are dropped once the request was answered; kept until `reset` if it
+        failed (the server may still read them), until `release` if they are the commit's."""
+        header = [None if item is None else (item.slots, item.flat.numel(), item.peers, item.commit)]
+        dist.broadcast_object_list(header, src=emitter, group=self.group)
+        if header[0] is None:
+            return None
+        slots, nbytes, peers, commit = header[0]
+        copy = item.flat if item is not None else _empty_copy(nbytes, self.on_gpu)
+        held = self._commit if commit else self._step
+        held.append(copy)  # held before anything can fail
+        dist.broadcast(copy, src=emitter, group=self.group)
+        if copy.is_cuda:  # the bytes are in place before a handle leaves (the server reads on its own stream)
+            torch.cuda.current_stream().synchronize()
+        entry = None
+        if any(self.rank in row for row in peers):
+            try:
+                entry, _ = serialise_copy(copy, slots)
+            except Exception as e:  # reported to the emitter, which fails its stream
+                entry = f"error: {type(e).__name__}: {e}"
+        by_rank = [None] * dist.get_world_size(self.group) if item is not None else None
+        dist.gather_object(entry, by_rank, dst=emitter, group=self.group)
         error = None
-        while True:
-            item = outgoing.pop(0) if outgoing and error is None else None
-            header = [None if item is None else (item.slots, item.flat.numel(), item.peers, item.commit)]
-            dist.broadcast_object_list(header, src=emitter, group=self.group)
-            if header[0] is None:
-                return error
-            slots, nbytes, peers, commit = header[0]
-            copy = item.flat if item is not None else _empty_copy(nbytes, self.on_gpu)
-            (self._commit if commit else self._turn).append(copy)  # held before anything can fail
-            dist.broadcast(copy, src=emitter, group=self.group)
-            if copy.is_cuda:  # the bytes are in place before a handle leaves (the server reads on its own stream)
-                torch.cuda.current_stream().synchronize()
-            entry = None
-            if any(self.rank in row for row in peers):
-                try:
-                    entry, _ = serialise_copy(copy, slots)
-                except Exception as e:  # reported to the emitter, which ends its turn
-                    entry = f"error: {type(e).__name__}: {e}"
-            by_rank = [None] * dist.get_world_size(self.group) if item is not None else None
-            dist.gather_object(entry, by_rank, dst=emitter, group=self.group)
-            if item is not None:
-                try:
-                    item.deliver(entries_for(peers, by_rank))
-                except Exception as e:  # ServerError names the server
-                    error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
+        if item is not None:
+            try:
+                item.deliver(entries_for(peers, by_rank))
+            except Exception as e:  # ServerError names the server
+                error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
+        outcome = [error]  # every rank learns whether the servers answered for its copy
+        dist.broadcast_object_list(outcome, src=emitter, group=self.group)
+        if outcome[0] is not None and not commit:
+            self._failed.append(copy)  # the server may still read it: kept until reset()
+            self._step.clear()
+        del copy
+        self._drop(self._step)
+        return error
 
     def _drop(self, copies: list[torch.Tensor]) -> None:
-        """Free copies the servers answered for (on GPU: after this process's work on them is done,
-        then the IPC blocks the servers released)."""
+        """Free copies the servers answered for. CPU: a server that answered has copied the tensors
+        into its model (`rollout/cpu_server.py::load_tensor_payload` returns after
+        `CpuEngine.load_weights`' `copy_`). GPU: after this process's work on them is done
+        (`synchronize`); a block a server still has open stays allocated in torch's CUDA IPC limbo
+        until the server drops its reference, and `ipc_collect` then frees it (see the module
+        docstring)."""
         if not copies:
             return
         if self.on_gpu:

@@ -335,12 +335,24 @@ class Resharder:
     def _emits(self, plan: BucketPlan) -> bool:
         return self.groups.emits_experts if plan.expert else self.groups.is_emitter
 
-    def buckets(self) -> Iterator[HFBucket]:
-        self.timings = t = ReshardTimings()
+    def _mine(self) -> tuple[list[BucketPlan], list[tuple[int, BucketPlan]]]:
+        """(every bucket's plan, the (index, plan) of those this rank takes part in)."""
         if not self.groups.takes_part:
-            return
+            return [], []
         every = self.plan()
-        mine = [(k, plan) for k, plan in enumerate(every) if self._takes_part(plan, k, len(every))]
+        return every, [(k, plan) for k, plan in enumerate(every) if self._takes_part(plan, k, len(every))]
+
+    def steps(self) -> int:
+        """How many items `buckets(every_step=True)` yields here: the buckets this rank takes part in
+        (no collective: every rank plans alone)."""
+        return len(self._mine()[1])
+
+    def buckets(self, every_step: bool = False) -> Iterator[Optional[HFBucket]]:
+        """This rank's buckets (emitter); `every_step`: also None for each bucket this rank gathers
+        but does not emit, yielded once its part of that gather is done and the next one started,
+        so that a caller may run collectives of its own between buckets in step with its peers."""
+        self.timings = t = ReshardTimings()
+        every, mine = self._mine()
         if not mine:
             return
         plans = [plan for _, plan in mine]
@@ -361,6 +373,8 @@ class Resharder:
                 t.buckets += 1
                 t.bytes += bucket.nbytes
                 yield bucket
+            elif every_step:
+                yield None
 
     # ---------------------------------------------------------------- internals
     def _start_gather(self, plan: BucketPlan, buffers: _Buffers) -> Optional["_Gather"]:

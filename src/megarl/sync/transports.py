@@ -17,8 +17,10 @@ the only call that sets the servers' weight version. A transport method that fai
   (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
 - `TensorTransport` (colocated): per bucket `/update_weights_from_tensor`; on GPU SGLang's
   `flattened_bucket` as CUDA IPC handles (SGLang needed), entry r serialised by the actor rank on
-  TP rank r's GPU (relayed after the stream by `ipc_copies`, with every actor rank); on CPU
-  (name, tensor) pairs in shared memory. Each bucket's copy lives until the stream ends.
+  TP rank r's GPU (relayed bucket by bucket, interleaved with the stream, by `ipc_copies` with
+  every actor rank); on CPU (name, tensor) pairs in shared memory. Each bucket's copy lives until
+  the servers answered its request (a failed one's until `reset`): extra memory per rank is the
+  resharder's buffers, one bucket copy in flight and the commit bucket's copy.
 - `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
   one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
 """
@@ -166,23 +168,25 @@ class DistributedTransport:
 class TensorTransport:
     """Colocated servers read each bucket from the trainer's memory (`/update_weights_from_tensor`).
 
-    Every bucket is copied into fresh memory (the resharder reuses its buffer for the next bucket)
-    and that copy is kept until the stream is over: SGLang answers once its copies are enqueued,
-    not done, so a buffer is never overwritten or handed back while the server may still read it.
+    Every bucket is copied into fresh memory (the resharder reuses its buffer for the next bucket),
+    and that copy lives until the servers answered the request made from it; a copy whose request
+    failed (or timed out: the server may still read it) lives until `reset()`. So besides the
+    resharder's buffers a push holds one bucket copy in flight, plus the commit bucket's.
 
     - Per-TP-rank copies (always on GPU; on CPU when the planner's colocated layout holds, i.e. the
       servers' TP ranks are the actor's ranks one to one): entry r of a request must be serialised
-      by the actor rank on server TP rank r's own GPU (`sync.colocation`). `send` only keeps a copy;
-      after the stream every actor rank takes part in `ipc_copies.IpcRelay`, which gives each
-      colocated rank its own copy to serialise and posts the requests (`outgoing`). On GPU that is
-      SGLang's `flattened_bucket` of CUDA IPC handles (SGLang needed: `pip install -e '.[gpu]'`),
-      serialised after `monkey_patch_torch_reductions()` (GPUs named by UUID); a copy is dropped
-      after `torch.cuda.synchronize()`, then `torch.cuda.ipc_collect()` frees the blocks the servers
-      released (torch's IPC refcount keeps a block whose consumer still holds it:
-      torch/csrc/StorageSharing.cpp). A GPU layout the planner would not make raises.
+      by the actor rank on server TP rank r's own GPU (`sync.colocation`). `send` only makes the
+      copy; `outgoing` hands it, in the same round, to `ipc_copies.IpcRelay.round`, in which every
+      actor rank takes part: it gives each colocated rank its own copy to serialise, posts the
+      request (`_post`) and drops the copies once it was answered. On GPU that is SGLang's
+      `flattened_bucket` of CUDA IPC handles (SGLang needed: `pip install -e '.[gpu]'`), serialised
+      after `monkey_patch_torch_reductions()` (GPUs named by UUID). A GPU layout the planner would
+      not make raises.
     - One shared copy (CPU, other layouts): `load_format` null, (name, tensor) views into a
       shared-memory copy of the bucket (`rollout.tensor_payload`, no SGLang needed), posted at each
-      `send`; every TP rank may read the same copy, so the servers only need to be on this host.
+      `send` and dropped when every server answered (the CPU engine answers once it copied the
+      tensors into its model: `rollout/cpu_server.py::load_tensor_payload`); every TP rank may read
+      the same copy, so the servers only need to be on this host.
     """
 
     uses_session = True
@@ -195,18 +199,17 @@ class TensorTransport:
         self.on_gpu = on_gpu
         self._tp_sizes: Optional[dict[str, int]] = None
         self.peers: Optional[list[list[int]]] = None  # per-TP-rank copies: peers[s][r] serialises entry r of server s
-        self._held: list[torch.Tensor] = []  # one shared copy: this stream's copies, alive until finish_stream
-        self._pending: list[Outgoing] = []  # per-TP-rank copies: this stream's buckets, relayed after it
+        self._failed: list[torch.Tensor] = []  # one shared copy: copies of failed requests, alive until reset()
+        self._pending: Optional[Outgoing] = None  # per-TP-rank copies: the bucket sent, until `outgoing` takes it
         self._commit_entries: Optional[Entries] = None
 
     @property
     def in_flight(self) -> tuple[torch.Tensor, ...]:
-        """The bucket copies the servers may still read (every bucket sent in this stream)."""
-        return tuple(self._held) + tuple(item.flat for item in self._pending)
+        """The bucket copies this transport holds that a server may read (the relay holds the others)."""
+        return tuple(self._failed) + (() if self._pending is None else (self._pending.flat,))
 
     def open_stream(self, push_id: str) -> None:
-        self._release()
-        self._pending, self._commit_entries = [], None
+        self._pending, self._commit_entries = None, None
         if self._tp_sizes is not None:
             return
         sizes = server_tp_sizes(self.servers)
@@ -226,23 +229,29 @@ class TensorTransport:
             raise RuntimeError(f"bucket {bucket.index} is on {bucket.flat.device}: onload the actor before a push")
         copy = fresh_copy(bucket.flat)  # the resharder overwrites bucket.flat next
         if self.peers is not None:
-            self._pending.append(Outgoing(copy, bucket.slots, self.peers, self._post))
+            if self._pending is not None:
+                raise RuntimeError(f"bucket {bucket.index}: the previous bucket was not relayed (call outgoing())")
+            self._pending = Outgoing(copy, bucket.slots, self.peers, self._post)
             return
-        self._held.append(copy)  # before the call: a server may read it even if the call then fails
         payload, load_format = serialise_copy(copy, bucket.slots)
-        on_all(self.servers, lambda s: s.update_weights_from_tensor(
-            [payload] * self._tp_sizes[s.url], load_format, weight_version, flush_cache))
+        try:
+            on_all(self.servers, lambda s: s.update_weights_from_tensor(
+                [payload] * self._tp_sizes[s.url], load_format, weight_version, flush_cache))
+        except Exception:
+            self._failed.append(copy)  # a server may still read it
+            raise
 
-    def outgoing(self, commit_bucket: Optional[HFBucket] = None) -> list[Outgoing]:
-        """Per-TP-rank copies: this stream's buckets for the relay (then the coordinator's last
-        bucket, whose entries `commit` posts); empty with one shared copy."""
+    def outgoing(self, commit_bucket: Optional[HFBucket] = None) -> Optional[Outgoing]:
+        """Per-TP-rank copies: the bucket just sent, for this round of the relay, or (the
+        coordinator's last bucket) `commit_bucket`, whose entries `commit` posts; None with one
+        shared copy or nothing sent. The caller drops it after the round."""
         if self.peers is None:
-            return []
-        items, self._pending = self._pending, []
+            return None
         if commit_bucket is not None:
-            items.append(Outgoing(fresh_copy(commit_bucket.flat), commit_bucket.slots, self.peers,
-                                  self._keep_for_commit, commit=True))
-        return items
+            return Outgoing(fresh_copy(commit_bucket.flat), commit_bucket.slots, self.peers, self._keep_for_commit,
+                            commit=True)
+        item, self._pending = self._pending, None
+        return item
 
     def _post(self, entries: Entries, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
         """One request per server: entry r for its TP rank r."""
@@ -255,7 +264,7 @@ class TensorTransport:
         self._commit_entries = entries
 
     def finish_stream(self) -> None:
-        self._release()
+        return None
 
     def commit(self, bucket: HFBucket, stage_results: list[Any], weight_version: str) -> None:
         if self.peers is not None:
@@ -264,24 +273,12 @@ class TensorTransport:
             entries, self._commit_entries = self._commit_entries, None
             self._post(entries, weight_version=weight_version, flush_cache=True)
             return
-        try:
-            self.send(bucket, weight_version=weight_version, flush_cache=True)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """Drop this stream's shared copies: every server has answered (or failed) for each of them."""
-        if not self._held:
-            return
-        if self.on_gpu:
-            torch.cuda.synchronize()  # this process's work on the copies is done
-        self._held.clear()
-        if self.on_gpu:
-            torch.cuda.ipc_collect()
+        self.send(bucket, weight_version=weight_version, flush_cache=True)
 
     def reset(self) -> None:
-        self._release()
-        self._pending, self._commit_entries = [], None
+        """After a failed push: drop the copies of failed requests, forget the servers' layout."""
+        self._failed.clear()
+        self._pending, self._commit_entries = None, None
         self._tp_sizes = self.peers = None
 
 

@@ -19,10 +19,15 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    server runs one update at a time, and emitters sending at once can deadlock): each send, and
    the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
    coordinator keeps its last bucket back. A rank whose transport failed keeps iterating (its TP
-   peers still gather) but sends nothing more. Tensor transport with per-TP-rank copies: the
-   emitters only keep their buckets here; then every rank takes part in the relay
-   (`ipc_copies.py`: one emitter at a time, each colocated rank serialises its own copy, the
-   emitter posts), the coordinator's last bucket included (its entries wait for the commit).
+   peers still gather) but sends nothing more. Tensor transport: the push runs in rounds, one per
+   resharder step (`Resharder.buckets(every_step=True)`; their number is the most steps of any
+   rank, agreed at the start); in each round every rank of the actor's world, taking part in the
+   stream or not, runs one relay step per emitter in global-rank order (`ipc_copies.py`: each
+   colocated rank serialises its own copy of that emitter's bucket of the round, the emitter
+   posts), the coordinator's last bucket included (its entries wait for the commit). A bucket's
+   copies are dropped once its request was answered, so the push's extra memory per rank is the
+   resharder's buffers, one bucket copy in flight and the commit bucket's copy (kept until the
+   commit was answered); copies of failed requests are kept until the push's failure is known.
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
@@ -256,9 +261,7 @@ class WeightSync:
                 f"weight sync to version {decision.version} could not start: {'; '.join(decision.errors)}"
             )
 
-        report = self._stream(decision, progress) if g.takes_part else None
-        if self.relay is not None:
-            self._relay(report)
+        report = self._stream(decision, progress)
         reports = None
         if g.is_emitter:
             reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None
@@ -267,9 +270,11 @@ class WeightSync:
         if g.is_coordinator:
             outcome = self._commit(reports, decision, started)
         outcome = self._from_coordinator(outcome)
-        if self.relay is not None:
-            self.relay.release()  # the commit was answered (or failed)
+        if self.relay is not None and not outcome.errors:
+            self.relay.release()  # the commit was answered
         if outcome.errors:
+            if self.relay is not None:
+                self.relay.reset()  # the servers' sessions are over: copies of failed requests go too
             if self.transport is not None:
                 self.transport.reset()
             if outcome.check_failed:
@@ -335,31 +340,26 @@ class WeightSync:
         return []
 
     def _stream(self, decision: _Outcome, progress: Optional[Progress]) -> Optional[StageReport]:
-        """Run this stage's resharder; on the emitter, push every bucket (the coordinator keeps
-        its last one in `self._held`), hashing each first if check_weights."""
+        """Every rank: run this stage's resharder; on the emitter, push every bucket (the
+        coordinator keeps its last one in `self._held`), hashing each first if check_weights.
+        Tensor transport: one relay round per resharder step on every rank (`_relay_round`)."""
         g = self.groups
         report = StageReport(stage=g.pp_rank, replica=g.dp_rank)
         started = time.perf_counter()
         check_dtype = server_dtype(decision.check_dtype) if self.config.check_weights else None
         if g.is_emitter:
             report.error = self._guard(lambda: self._at_servers(lambda: self.transport.open_stream(decision.push_id)))
-        for bucket in self.resharder.buckets():  # emitters only get buckets; every TP rank must iterate
-            report.buckets += 1
-            report.bytes += bucket.nbytes
-            if report.error is not None:
-                continue
-            if self.config.check_weights:
-                hashed = time.perf_counter()
-                report.checksums.update(bucket_checksums(bucket, check_dtype))
-                report.check_s += time.perf_counter() - hashed
-            if g.is_coordinator and bucket.is_last:
-                self._held = bucket
-                continue
-            sent = time.perf_counter()
-            report.error = self._guard(lambda: self._at_servers(lambda: self.transport.send(bucket)))
-            report.send_s += time.perf_counter() - sent
-            if progress is not None and report.error is None:
+        relay = self.relay is not None
+        rounds = self.relay.rounds(self.resharder.steps()) if relay else 0
+        for bucket in self.resharder.buckets(every_step=relay):  # emitters only get buckets; every TP rank iterates
+            sent = bucket is not None and self._emit(bucket, report, check_dtype)
+            if relay:
+                self._relay_round(report, commit=bucket is not None and self._held is bucket)
+                rounds -= 1
+            if sent and progress is not None and report.error is None:  # its request was answered
                 progress(g.pp_rank, bucket)
+        for _ in range(rounds):  # this rank's steps are done; the other ranks' rounds go on
+            self._relay_round(report, commit=False)
         if g.is_emitter and report.error is None:
             sent = time.perf_counter()
             try:
@@ -372,21 +372,40 @@ class WeightSync:
         report.gather_s, report.convert_s, report.peak_buffer_bytes = t.gather_s, t.convert_s, t.peak_buffer_bytes
         return report if g.is_emitter else None
 
-    def _relay(self, report: Optional[StageReport]) -> None:
-        """Every rank, tensor transport: the emitters' buckets reach every colocated rank, which
-        serialise their own copies (`ipc_copies`); an emitter whose stream failed relays nothing.
-        A failed request or serialisation becomes the emitter's error; a collective's (timeout) raises."""
+    def _emit(self, bucket: HFBucket, report: StageReport, check_dtype) -> bool:
+        """Emitter: hash `bucket` (check_weights), then hold it (the coordinator's last) or send it;
+        after a failure only count it. Whether it was sent."""
         g = self.groups
-        outgoing = []
+        report.buckets += 1
+        report.bytes += bucket.nbytes
+        if report.error is not None:
+            return False
+        if self.config.check_weights:
+            hashed = time.perf_counter()
+            report.checksums.update(bucket_checksums(bucket, check_dtype))
+            report.check_s += time.perf_counter() - hashed
+        if g.is_coordinator and bucket.is_last:
+            self._held = bucket
+            return False
+        sent = time.perf_counter()
+        report.error = self._guard(lambda: self._at_servers(lambda: self.transport.send(bucket)))
+        report.send_s += time.perf_counter() - sent
+        return True
+
+    def _relay_round(self, report: StageReport, commit: bool) -> None:
+        """Every rank, tensor transport: one round of the relay (`ipc_copies`): this emitter's
+        bucket of the round (the commit bucket if `commit`) reaches every colocated rank, each
+        serialises its own copy, the emitter posts, the copies are dropped. A failed request or
+        serialisation becomes the emitter's error; a collective's (timeout) raises."""
+        g = self.groups
+        box = []
         if g.is_emitter and report.error is None:
-            report.error = self._guard(lambda: outgoing.extend(
-                self.transport.outgoing(self._held if g.is_coordinator else None)))
+            report.error = self._guard(lambda: box.append(self.transport.outgoing(self._held if commit else None)))
         started = time.perf_counter()
-        error = self.relay.run(outgoing)
-        if report is not None:
+        error = self.relay.round(box.pop() if box else None)  # no reference outlives the round
+        if g.is_emitter:
             report.error = report.error or (error and f"{self._label()}: {error}")
             report.send_s += time.perf_counter() - started
-            report.seconds += time.perf_counter() - started
 
     def _check_servers(self, reports: list[StageReport]) -> list[str]:
         """Coordinator, after the commit: every server's checksums against every stage's."""
