@@ -33,10 +33,10 @@ import torch
 from megarl.bridge import ModelArch, WeightMap, arch_from_hf_config, load_hf_config
 from megarl.bridge.convert import HF_ASSETS_DIR
 from megarl.bridge.errors import ConversionError
-from megarl.bridge.mapping import EMBEDDING, canonical_name, tp_split
+from megarl.bridge.grouped_experts import sequential_expert_name
+from megarl.bridge.mapping import EMBEDDING, tp_split
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
-from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
