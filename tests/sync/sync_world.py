@@ -596,7 +596,7 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
         gc.collect()
         out["pushes"].append(dict(
             before=before, after=compare(chunks, vocab, urls), metrics=metrics, in_flight=seen["in_flight"],
-            alive_after=sum(r() is not None for r in tracker.made), copies=tracker.copies,
+            alive_after=sum(r() is not None for r in tracker.made), copies=tracker.copies, copied=tracker.copied,
             peak_copy_bytes=tracker.peak_bytes, largest_copy_bytes=tracker.largest, files=len(tracker.files),
             files_after=sorted(f for f in tracker.files if os.path.exists(f)),
             held_after=None if sync.transport is None else len(sync.transport.in_flight)))

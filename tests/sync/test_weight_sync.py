@@ -92,8 +92,9 @@ def test_tensor_push_makes_colocated_servers_serve_each_update(story):
 
 
 def test_tensor_push_drops_each_bucket_copy_once_the_servers_answered(story):
-    """One shared copy (2 servers for 4 actor ranks): on each emitter a bucket's copy lives only
-    until the servers answered its request, so no more than one bucket copy is alive at once
+    """One shared copy (2 servers for 4 actor ranks): on each emitter the resharder writes each
+    bucket straight into shared memory (no copy of a reused buffer) and that memory lives only
+    until the servers answered its request, so no more than one bucket is alive at once
     (`CopyTracker`; the old lifetime, every copy until the stream ended, held all 5-6 of a
     stage's); none is held between buckets, none is alive after the push and their shared-memory
     files are gone."""
@@ -103,6 +104,7 @@ def test_tensor_push_drops_each_bucket_copy_once_the_servers_answered(story):
     for t in emitters:
         for push in t["pushes"]:
             assert push["copies"] >= 4 and push["largest_copy_bytes"] > 0
+            assert push["copied"] == 0, push  # written in place by the resharder (`hf_memory`), sent as is
             assert push["peak_copy_bytes"] <= push["largest_copy_bytes"], push  # one copy at a time: <= 1 bucket
             assert push["in_flight"] == [0] * len(push["in_flight"]) and push["in_flight"]
             assert push["alive_after"] == 0 and push["held_after"] == 0

@@ -27,7 +27,7 @@ Lifetimes, on every rank: a step's copy is dropped at the end of the step, once 
 answered the request made from it; the commit bucket's copy once the commit was answered
 (`release`); a copy whose request failed or timed out (the server may still read it) once the
 push's failure is known (`reset`). So a rank holds at most one bucket copy in flight plus the
-commit's. Why dropping an answered copy is safe:
+commit's (an emitter's own copy is the bucket the resharder wrote into shareable memory). Why dropping an answered copy is safe:
 - CPU: the CPU engine has copied the tensors into its model before it answers
   (`rollout/cpu_server.py::load_tensor_payload` returns after `CpuEngine.load_weights`' `copy_`).
 - GPU: SGLang may answer before its reads are done, but torch's CUDA IPC refcounting keeps a block
@@ -104,8 +104,9 @@ def fresh_copy(flat: torch.Tensor) -> torch.Tensor:
     return flat.clone() if flat.is_cuda else tensor_payload.shared_cpu_copy(flat)
 
 
-def _empty_copy(nbytes: int, on_gpu: bool) -> torch.Tensor:
-    """Memory for a received copy: on this process's current GPU, or a shared-memory file."""
+def shareable_empty(nbytes: int, on_gpu: bool) -> torch.Tensor:
+    """`nbytes` of uint8 memory a server may open: on this process's current GPU, or a
+    shared-memory file (a relayed copy; a bucket the resharder writes for the tensor transport)."""
     if on_gpu:
         return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     with tensor_payload.file_system_sharing():
@@ -198,7 +199,7 @@ class IpcRelay:
         if header[0] is None:
             return None
         slots, nbytes, peers, commit = header[0]
-        copy = item.flat if item is not None else _empty_copy(nbytes, self.on_gpu)
+        copy = item.flat if item is not None else shareable_empty(nbytes, self.on_gpu)
         held = self._commit if commit else self._step
         held.append(copy)  # held before anything can fail
         dist.broadcast(copy, src=emitter, group=self.group)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -250,6 +250,7 @@ class HFBucket:
     count: int  # buckets of this stage (all replicas' shares)
     flat: torch.Tensor
     slots: tuple[TensorSlot, ...]
+    owned: bool = False  # `flat` is this bucket's own memory (the resharder's `hf_memory`), never reused
 
     @property
     def is_last(self) -> bool:
@@ -290,8 +291,9 @@ class _Buffers:
     shards of the other ranks of a gather, rank r's in row r - 1 (emitter: its own shards are its
     parameters); `flat`: the HF tensors (emitter)."""
 
-    def __init__(self, plans: Sequence[tuple[BucketPlan, bool]], device: torch.device):
-        """`plans`: (plan, whether this rank emits it) of every bucket this rank takes part in."""
+    def __init__(self, plans: Sequence[tuple[BucketPlan, bool]], device: torch.device, with_flat: bool = True):
+        """`plans`: (plan, whether this rank emits it) of every bucket this rank takes part in;
+        `with_flat`: False when each bucket gets memory of its own (`Resharder.hf_memory`)."""
         emitted = [p for p, emits in plans if emits]
 
         def buffer(nbytes: int) -> Optional[torch.Tensor]:
@@ -299,7 +301,7 @@ class _Buffers:
 
         self.send = buffer(max((p.row_bytes for p, emits in plans if not emits), default=0))
         self.rows = buffer(max(((p.ranks - 1) * p.row_bytes for p in emitted), default=0))
-        self.flat = buffer(max((p.hf_bytes for p in emitted), default=0))
+        self.flat = buffer(max((p.hf_bytes for p in emitted), default=0)) if with_flat else None
 
     @property
     def nbytes(self) -> int:
@@ -314,13 +316,19 @@ class Resharder:
 
     A caller must exhaust the iterator on every gathering rank, even after its own failure,
     or the other ranks of its gathers block in their next one. A bucket's memory is reused for the
-    next one: a caller that keeps tensors past the next iteration must copy them."""
+    next one (a caller that keeps tensors past the next iteration must copy them), unless
+    `hf_memory` gives each bucket memory of its own (`HFBucket.owned`): the resharder then holds no
+    reference to a bucket once it yielded it, so a caller that drops it before asking for the next
+    one holds one bucket at a time."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], weights: WeightMap, groups: ParallelGroups,
-                 bucket_bytes: int, dtype: Optional[torch.dtype] = None):
-        """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's."""
+                 bucket_bytes: int, dtype: Optional[torch.dtype] = None,
+                 hf_memory: Optional[Callable[[int], torch.Tensor]] = None):
+        """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's.
+        `hf_memory(nbytes)`: fresh uint8 memory for each bucket's HF tensors, handed to the caller
+        (the tensor transport's shareable memory, sent without a copy); None: one reused buffer."""
         self.model_chunks, self.weights, self.groups = list(model_chunks), weights, groups
-        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        self.bucket_bytes, self.dtype, self.hf_memory = bucket_bytes, dtype, hf_memory
         self.timings = ReshardTimings()
 
     def plan(self) -> list[BucketPlan]:
@@ -356,8 +364,10 @@ class Resharder:
         if not mine:
             return
         plans = [plan for _, plan in mine]
-        buffers = _Buffers([(plan, self._emits(plan)) for plan in plans], plans[0].params[0].param.tensor.device)
-        t.peak_buffer_bytes = buffers.nbytes
+        emits = [(plan, self._emits(plan)) for plan in plans]
+        buffers = _Buffers(emits, plans[0].params[0].param.tensor.device, with_flat=self.hf_memory is None)
+        own = max((plan.hf_bytes for plan, emitted in emits if emitted), default=0) if self.hf_memory else 0
+        t.peak_buffer_bytes = buffers.nbytes + own  # with hf_memory: one bucket's, if the caller keeps one at a time
         work = self._start_gather(plans[0], buffers)
         for i, (k, plan) in enumerate(mine):
             started = time.perf_counter()
@@ -373,6 +383,7 @@ class Resharder:
                 t.buckets += 1
                 t.bytes += bucket.nbytes
                 yield bucket
+                bucket = None  # hf_memory: the next bucket's memory must not meet this one's here
             elif every_step:
                 yield None
 
@@ -416,7 +427,7 @@ class Resharder:
                 for r in range(ep * per_ep, (ep + 1) * per_ep)]
 
     def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int) -> HFBucket:
-        flat = buffers.flat[: plan.hf_bytes]
+        flat = buffers.flat[: plan.hf_bytes] if self.hf_memory is None else self.hf_memory(plan.hf_bytes)
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
         rows = self._rows(plan, buffers) if plan.row_bytes else None
         for planned in plan.params:
@@ -424,7 +435,7 @@ class Resharder:
             for ep, name in enumerate(names):
                 pieces = self._pieces(plan, planned, rows, ep)
                 write_runs(planned.copies, pieces, [targets[n] for n in self.weights.hf_names_of(name)])
-        return HFBucket(index, count, flat, plan.hf_slots)
+        return HFBucket(index, count, flat, plan.hf_slots, owned=self.hf_memory is not None)
 
 
 class _Gather:

@@ -18,9 +18,11 @@ the only call that sets the servers' weight version. A transport method that fai
 - `TensorTransport` (colocated): per bucket `/update_weights_from_tensor`; on GPU SGLang's
   `flattened_bucket` as CUDA IPC handles (SGLang needed), entry r serialised by the actor rank on
   TP rank r's GPU (relayed bucket by bucket, interleaved with the stream, by `ipc_copies` with
-  every actor rank); on CPU (name, tensor) pairs in shared memory. Each bucket's copy lives until
-  the servers answered its request (a failed one's until `reset`): extra memory per rank is the
-  resharder's buffers, one bucket copy in flight and the commit bucket's copy.
+  every actor rank); on CPU (name, tensor) pairs in shared memory. The resharder writes each
+  bucket straight into memory a server may open (`Resharder.hf_memory`), sent without a copy and
+  dropped once the servers answered its request (a failed one's at `reset`): an emitter holds one
+  bucket at a time besides the resharder's gather rows; a relaying rank one received copy in
+  flight, plus the commit bucket's until the commit.
 - `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
   one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
 """
@@ -168,10 +170,11 @@ class DistributedTransport:
 class TensorTransport:
     """Colocated servers read each bucket from the trainer's memory (`/update_weights_from_tensor`).
 
-    Every bucket is copied into fresh memory (the resharder reuses its buffer for the next bucket),
-    and that copy lives until the servers answered the request made from it; a copy whose request
-    failed (or timed out: the server may still read it) lives until `reset()`. So besides the
-    resharder's buffers a push holds one bucket copy in flight, plus the commit bucket's.
+    Every bucket is sent from memory of its own: the resharder writes it into shareable memory
+    (`WeightSync` gives it `ipc_copies.shareable_empty` as `hf_memory`: `HFBucket.owned`), else it is
+    copied there (a reused resharder buffer is overwritten by the next bucket). That memory lives
+    until the servers answered the request made from it; memory whose request failed (or timed
+    out: the server may still read it) lives until `reset()`.
 
     - Per-TP-rank copies (always on GPU; on CPU when the planner's colocated layout holds, i.e. the
       servers' TP ranks are the actor's ranks one to one): entry r of a request must be serialised
@@ -227,7 +230,7 @@ class TensorTransport:
     def send(self, bucket: HFBucket, weight_version: Optional[str] = None, flush_cache: bool = False) -> None:
         if self.on_gpu and not bucket.flat.is_cuda:
             raise RuntimeError(f"bucket {bucket.index} is on {bucket.flat.device}: onload the actor before a push")
-        copy = fresh_copy(bucket.flat)  # the resharder overwrites bucket.flat next
+        copy = bucket.flat if bucket.owned else fresh_copy(bucket.flat)  # a reused buffer is overwritten next
         if self.peers is not None:
             if self._pending is not None:
                 raise RuntimeError(f"bucket {bucket.index}: the previous bucket was not relayed (call outgoing())")
@@ -248,7 +251,8 @@ class TensorTransport:
         if self.peers is None:
             return None
         if commit_bucket is not None:
-            return Outgoing(fresh_copy(commit_bucket.flat), commit_bucket.slots, self.peers, self._keep_for_commit,
+            flat = commit_bucket.flat if commit_bucket.owned else fresh_copy(commit_bucket.flat)
+            return Outgoing(flat, commit_bucket.slots, self.peers, self._keep_for_commit,
                             commit=True)
         item, self._pending = self._pending, None
         return item

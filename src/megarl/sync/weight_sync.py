@@ -24,10 +24,12 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    rank, agreed at the start); in each round every rank of the actor's world, taking part in the
    stream or not, runs one relay step per emitter in global-rank order (`ipc_copies.py`: each
    colocated rank serialises its own copy of that emitter's bucket of the round, the emitter
-   posts), the coordinator's last bucket included (its entries wait for the commit). A bucket's
-   copies are dropped once its request was answered, so the push's extra memory per rank is the
-   resharder's buffers, one bucket copy in flight and the commit bucket's copy (kept until the
-   commit was answered); copies of failed requests are kept until the push's failure is known.
+   posts), the coordinator's last bucket included (its entries wait for the commit). The
+   resharder writes each bucket straight into memory a server may open (`hf_memory`: no copy),
+   and a bucket's memory and its relayed copies are dropped once its request was answered: an
+   emitter holds one bucket at a time besides its gather rows, a relaying rank one received copy
+   plus the commit bucket's (kept until the commit was answered); those of failed requests are
+   kept until the push's failure is known.
 3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
@@ -65,6 +67,7 @@ import torch.distributed as dist
 from megarl.bridge import WeightMap
 from megarl.rollout.control import ServerError
 from megarl.sync.groups import ParallelGroups
+from megarl.sync import ipc_copies
 from megarl.sync.ipc_copies import IpcRelay, copies_on_gpu
 from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
@@ -191,12 +194,15 @@ class WeightSync:
         self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp)
         self.groups.check()
         self.weights = weights
-        self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype)
+        # the tensor transport's copies live on the actor's device (one decision for transport and relay)
+        self.copies_on_gpu = copies_on_gpu(p.device.type for chunk in model_chunks for p in chunk.parameters())
+        # tensor transport: each bucket is written straight into memory a server may open, and sent without a copy
+        hf_memory = ((lambda nbytes: ipc_copies.shareable_empty(nbytes, self.copies_on_gpu))
+                     if config.transport == "tensor" else None)
+        self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype, hf_memory)
         self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0
-        # the tensor transport's copies live on the actor's device (one decision for transport and relay)
-        self.copies_on_gpu = copies_on_gpu(p.device.type for chunk in model_chunks for p in chunk.parameters())
         self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
         # tensor transport: every rank serialises its own copy of each bucket (ipc_copies); collective
         self.relay = (IpcRelay(self.groups.is_emitter, self.copies_on_gpu, config.timeout_s,
@@ -358,6 +364,7 @@ class WeightSync:
                 rounds -= 1
             if sent and progress is not None and report.error is None:  # its request was answered
                 progress(g.pp_rank, bucket)
+            bucket = None  # dropped before the next one is made (tensor transport: one bucket's memory at a time)
         for _ in range(rounds):  # this rank's steps are done; the other ranks' rounds go on
             self._relay_round(report, commit=False)
         if g.is_emitter and report.error is None:
