@@ -1,5 +1,6 @@
 """The MoE expert module on CPU (megatron-core's SequentialMLP) and the engine's checks around the
 grouped-GEMM one (TEGroupedMLP, GPU only: right by reading, megarl.config.expert_mlp)."""
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -26,10 +27,20 @@ def test_on_cpu_the_engine_runs_sequential_experts_and_refuses_grouped_gemm_by_k
         moe_settings(arch, MegatronConfig(moe_grouped_gemm=True), False, section)
 
 
+def module_and_submodules(spec):
+    """(class, submodules) of a layer-spec entry: a `ModuleSpec` (megatron-core 0.16) or a
+    `functools.partial(cls, submodules=...)` (0.19)."""
+    if isinstance(spec, functools.partial):
+        return spec.func, spec.keywords.get("submodules")
+    return spec.module, spec.submodules
+
+
 def test_the_local_spec_builds_sequential_experts_and_refuses_grouped_gemm():
     """megatron-core's local spec would take grouped GEMM as its legacy GroupedMLP."""
     arch = arch_from_hf_config(MOE)
-    assert layer_spec(arch).submodules.mlp.submodules.experts.module.__name__ == "SequentialMLP"
+    _, moe = module_and_submodules(layer_spec(arch).submodules.mlp)
+    experts, _ = module_and_submodules(moe.experts)
+    assert experts.__name__ == "SequentialMLP"
     with pytest.raises(ValueError, match="legacy GroupedMLP"):
         layer_spec(arch, transformer_engine=False, grouped_gemm=True)
 
