@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.cpu_engine import load_causal_lm
+from megarl.trainer.engine_group import join_outputs
 from megarl.trainer.experience import expert_load_metrics
 from megarl.engines.megatron.cpu import run_gloo_workers
 from engine_world import ragged_batch
@@ -101,18 +102,22 @@ def hf_expert_counts(model_dir, batch) -> torch.Tensor:
 
 
 def test_moe_engine_expert_counts_equal_a_hand_count_of_hf_routing(moe_run):
-    """Replay off: the actor's routers' own choices, counted per sample over every token but the
-    last, at EP2 (DP 2: each rank its half), TP2 (one output rank) and PP2 (a layer per stage,
-    summed over the pipeline), equal HF's; the step's metrics follow from them."""
+    """Replay off: the actor's routers' own choices, counted over every token but each sample's
+    last and summed over the rank's samples ([L, E]), at EP2 (DP 2: each rank its half's total),
+    TP2 (one output rank) and PP2 (a layer per stage, summed over the pipeline), equal HF's; the
+    controller's sum over the DP ranks gives the step's metrics."""
     model_dir, ranks = moe_run
     batch = ragged_batch(8)
     expected = hf_expert_counts(model_dir, batch)
     ranks = sorted(ranks, key=lambda r: r["dp_rank"])
-    assert torch.equal(torch.cat([r["scored"]["expert_counts"] for r in ranks]), expected)
+    for rank, half in zip(ranks, expected.chunk(2)):
+        assert torch.equal(rank["scored"]["expert_tokens"], half.sum(0)), rank["dp_rank"]
     for layout in ("tp2_scored", "pp2_scored"):
         (scored,) = [r[layout] for r in ranks if r[layout] is not None]
-        assert torch.equal(scored["expert_counts"], expected), layout
+        assert torch.equal(scored["expert_tokens"], expected.sum(0)), layout
+    joined = join_outputs([r["scored"] for r in ranks], len(batch), padded=False)["expert_tokens"]
+    assert torch.equal(joined, expected.sum(0))
     tokens = int(batch.token_lengths().sum()) - len(batch)
-    metrics = expert_load_metrics(expected)
+    metrics = expert_load_metrics(joined)
     assert metrics["moe/tokens_per_expert_mean"] == tokens * 2 / 8  # top-2 of 8 experts
     assert metrics["moe/tokens_per_expert_max"] == expected.sum(0).max()
