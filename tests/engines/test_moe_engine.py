@@ -1,7 +1,7 @@
 """A tiny Qwen3-MoE in the megatron engine with expert parallelism (TP1 / EP2, CPU, gloo): the
 actor's log-probs and entropies equal HF's own model (fp32), the reference model's equal the
 actor's exactly at step 0, two PPO updates train (step 0's ppo_kl is exactly 0), and the weight-sync
-resharder gathers the experts of both EP ranks into the checkpoint's HF tensors; the expert counts
+resharder emits each EP rank's experts from that rank, together the checkpoint's HF tensors; the expert counts
 of the actor's own routing equal a hand count of HF's routing."""
 import math
 
@@ -54,22 +54,28 @@ def test_moe_engine_tp2_log_probs_and_resharded_weights_equal_hf(moe_run):
     scored = [r["tp2_scored"] for r in ranks if r["tp2_scored"] is not None]
     assert len(scored) == 1
     close(scored[0]["log_probs"], hf_log_probs)
-    assert_synced_equal_hf([r["tp2_synced"] for r in ranks], model_dir)
+    assert_synced_equal_hf([r["tp2_synced"] for r in ranks], model_dir, emitters=1)
 
 
 def test_moe_engine_ep2_resharder_gathers_every_expert_equal_to_hf(moe_run):
-    """TP1 / EP2: the engine's chunks (each rank 4 of the 8 experts) resharded: rank 0 emits all
-    8 experts under their HF names, equal to the checkpoint's save_pretrained tensors."""
+    """TP1 / EP2: the engine's chunks (each rank 4 of the 8 experts) resharded: each EP rank emits
+    its own 4 experts under their HF names (rank 0 the dense tensors too), together equal to the
+    checkpoint's save_pretrained tensors."""
     model_dir, ranks = moe_run
-    assert_synced_equal_hf([r["ep2_synced"] for r in ranks], model_dir)
+    assert_synced_equal_hf([r["ep2_synced"] for r in ranks], model_dir, emitters=2)
 
 
-def assert_synced_equal_hf(per_rank: list, model_dir) -> None:
+def assert_synced_equal_hf(per_rank: list, model_dir, emitters: int) -> None:
+    """The emitters' HF tensors (None: a rank that emits nothing), each name once, equal the checkpoint's."""
     synced = [s for s in per_rank if s is not None]
-    assert len(synced) == 1
+    assert len(synced) == emitters
+    union = {}
+    for tensors in synced:
+        assert not union.keys() & tensors.keys()
+        union.update(tensors)
     hf = load_file(model_dir / "model.safetensors")
-    assert synced[0].keys() == hf.keys() - {"lm_head.weight"}
-    for name, tensor in synced[0].items():
+    assert union.keys() == hf.keys() - {"lm_head.weight"}
+    for name, tensor in union.items():
         assert torch.equal(tensor, hf[name]), name
 
 
