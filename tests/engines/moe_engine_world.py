@@ -51,7 +51,7 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
 
 
 def resharded(actor) -> dict:
-    """The HF tensors the actor's weight-sync resharder emits (on the emitter; None elsewhere)."""
+    """The HF tensors the actor's weight-sync resharder emits on this rank (on an emitter; None elsewhere)."""
     groups = ParallelGroups.from_parallel_state()
     synced = {}
     for bucket in Resharder(actor.model_chunks, actor.weight_map, groups, 1 << 16).buckets():

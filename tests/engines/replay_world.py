@@ -62,7 +62,7 @@ def replay_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
         out[f"{mode}_router_losses"] = (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff)
         scored = actor.compute_log_prob(batch, TEMPERATURE)
         log_probs = scored["log_probs"]
-        out[mode] = {"log_probs": log_probs, "expert_counts": scored["expert_counts"],
+        out[mode] = {"log_probs": log_probs, "expert_tokens": scored["expert_tokens"],
                      **rollout_mismatch(log_probs, batch["rollout_log_probs"], mask)}
         if mode == "R3":
             batch["ref_log_probs"] = RefEngine(cfg).compute_ref_log_prob(batch, TEMPERATURE)["ref_log_probs"]

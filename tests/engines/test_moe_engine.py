@@ -1,7 +1,7 @@
 """A tiny Qwen3-MoE in the megatron engine with expert parallelism (TP1 / EP2, CPU, gloo): the
 actor's log-probs and entropies equal HF's own model (fp32), the reference model's equal the
 actor's exactly at step 0, two PPO updates train (step 0's ppo_kl is exactly 0), and the weight-sync
-resharder gathers the experts of both EP ranks into the checkpoint's HF tensors; the expert counts
+resharder emits each EP rank's experts from that rank, together the checkpoint's HF tensors; the expert counts
 of the actor's own routing equal a hand count of HF's routing."""
 import math
 
@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.cpu_engine import load_causal_lm
+from megarl.trainer.engine_group import join_outputs
 from megarl.trainer.experience import expert_load_metrics
 from megarl.engines.megatron.cpu import run_gloo_workers
 from engine_world import ragged_batch
@@ -53,22 +54,28 @@ def test_moe_engine_tp2_log_probs_and_resharded_weights_equal_hf(moe_run):
     scored = [r["tp2_scored"] for r in ranks if r["tp2_scored"] is not None]
     assert len(scored) == 1
     close(scored[0]["log_probs"], hf_log_probs)
-    assert_synced_equal_hf([r["tp2_synced"] for r in ranks], model_dir)
+    assert_synced_equal_hf([r["tp2_synced"] for r in ranks], model_dir, emitters=1)
 
 
 def test_moe_engine_ep2_resharder_gathers_every_expert_equal_to_hf(moe_run):
-    """TP1 / EP2: the engine's chunks (each rank 4 of the 8 experts) resharded: rank 0 emits all
-    8 experts under their HF names, equal to the checkpoint's save_pretrained tensors."""
+    """TP1 / EP2: the engine's chunks (each rank 4 of the 8 experts) resharded: each EP rank emits
+    its own 4 experts under their HF names (rank 0 the dense tensors too), together equal to the
+    checkpoint's save_pretrained tensors."""
     model_dir, ranks = moe_run
-    assert_synced_equal_hf([r["ep2_synced"] for r in ranks], model_dir)
+    assert_synced_equal_hf([r["ep2_synced"] for r in ranks], model_dir, emitters=2)
 
 
-def assert_synced_equal_hf(per_rank: list, model_dir) -> None:
+def assert_synced_equal_hf(per_rank: list, model_dir, emitters: int) -> None:
+    """The emitters' HF tensors (None: a rank that emits nothing), each name once, equal the checkpoint's."""
     synced = [s for s in per_rank if s is not None]
-    assert len(synced) == 1
+    assert len(synced) == emitters
+    union = {}
+    for tensors in synced:
+        assert not union.keys() & tensors.keys()
+        union.update(tensors)
     hf = load_file(model_dir / "model.safetensors")
-    assert synced[0].keys() == hf.keys() - {"lm_head.weight"}
-    for name, tensor in synced[0].items():
+    assert union.keys() == hf.keys() - {"lm_head.weight"}
+    for name, tensor in union.items():
         assert torch.equal(tensor, hf[name]), name
 
 
@@ -101,18 +108,22 @@ def hf_expert_counts(model_dir, batch) -> torch.Tensor:
 
 
 def test_moe_engine_expert_counts_equal_a_hand_count_of_hf_routing(moe_run):
-    """Replay off: the actor's routers' own choices, counted per sample over every token but the
-    last, at EP2 (DP 2: each rank its half), TP2 (one output rank) and PP2 (a layer per stage,
-    summed over the pipeline), equal HF's; the step's metrics follow from them."""
+    """Replay off: the actor's routers' own choices, counted over every token but each sample's
+    last and summed over the rank's samples ([L, E]), at EP2 (DP 2: each rank its half's total),
+    TP2 (one output rank) and PP2 (a layer per stage, summed over the pipeline), equal HF's; the
+    controller's sum over the DP ranks gives the step's metrics."""
     model_dir, ranks = moe_run
     batch = ragged_batch(8)
     expected = hf_expert_counts(model_dir, batch)
     ranks = sorted(ranks, key=lambda r: r["dp_rank"])
-    assert torch.equal(torch.cat([r["scored"]["expert_counts"] for r in ranks]), expected)
+    for rank, half in zip(ranks, expected.chunk(2)):
+        assert torch.equal(rank["scored"]["expert_tokens"], half.sum(0)), rank["dp_rank"]
     for layout in ("tp2_scored", "pp2_scored"):
         (scored,) = [r[layout] for r in ranks if r[layout] is not None]
-        assert torch.equal(scored["expert_counts"], expected), layout
+        assert torch.equal(scored["expert_tokens"], expected.sum(0)), layout
+    joined = join_outputs([r["scored"] for r in ranks], len(batch), padded=False)["expert_tokens"]
+    assert torch.equal(joined, expected.sum(0))
     tokens = int(batch.token_lengths().sum()) - len(batch)
-    metrics = expert_load_metrics(expected)
+    metrics = expert_load_metrics(joined)
     assert metrics["moe/tokens_per_expert_mean"] == tokens * 2 / 8  # top-2 of 8 experts
     assert metrics["moe/tokens_per_expert_max"] == expected.sum(0).max()

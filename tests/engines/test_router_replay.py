@@ -42,13 +42,13 @@ def test_replayed_log_probs_equal_the_rollouts_and_step0_ppo_kl_is_zero(tmp_path
     assert torch.equal(replayed["ref_log_probs"], replayed["log_probs"])
     assert replayed["update"]["actor/kl_loss"] == 0.0
     assert (free["log_probs"] - replayed["log_probs"]).abs().max() > 1e-3
-    # expert counts: with replay, a hand count of the rollout's routes; without, the trainer's own
-    rollout_counts = torch.zeros_like(replayed["expert_counts"])
-    for i, routes in enumerate(r for per_prompt in out["routes"] for r in per_prompt):
+    # expert counts [L, E]: with replay, a hand count of the rollout's routes; without, the trainer's own
+    rollout_counts = torch.zeros_like(replayed["expert_tokens"])
+    for routes in (r for per_prompt in out["routes"] for r in per_prompt):
         for token, layer, k in itertools.product(*map(range, routes.shape)):
-            rollout_counts[i, layer, int(routes[token, layer, k])] += 1  # (a uint8 index would be a mask)
-    assert torch.equal(replayed["expert_counts"], rollout_counts)
-    assert not torch.equal(free["expert_counts"], rollout_counts)
+            rollout_counts[layer, int(routes[token, layer, k])] += 1  # (a uint8 index would be a mask)
+    assert torch.equal(replayed["expert_tokens"], rollout_counts)
+    assert not torch.equal(free["expert_tokens"], rollout_counts)
     assert replayed["update"]["actor/grad_norm"] > 0  # with the router losses of the config:
     assert out["R3_router_losses"] == out["disabled_router_losses"] == ("aux_loss", 0.01, 0.001)
 

@@ -41,7 +41,7 @@ def bucket_tensors(emitter: int, index: int) -> list[tuple[str, torch.Tensor]]:
 
 def make_bucket(emitter: int, index: int) -> HFBucket:
     flat, fields = flatten_tensors(bucket_tensors(emitter, index))
-    return HFBucket(index, EMITTERS[emitter], flat, tuple(bucket_layout(**fields)))
+    return HFBucket(index, EMITTERS[emitter], flat, tuple(bucket_layout(**fields)), final=index == EMITTERS[emitter] - 1)
 
 
 class RecordingServerDouble:
@@ -102,7 +102,7 @@ def push(rank: int, relay: IpcRelay, transport, version: str, tracker: CopyTrack
         item = None
         if index < steps and out["error"] is None:
             bucket = make_bucket(rank, index)
-            if rank == 0 and bucket.is_last:
+            if rank == 0 and bucket.final:
                 commit_bucket = bucket
                 item = transport.outgoing(commit_bucket)
             else:

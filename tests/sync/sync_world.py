@@ -22,7 +22,6 @@ from megarl.bridge import (
     ParallelLayout,
     WeightMap,
     arch_from_hf_config,
-    canonical_name,
     load_hf_config,
     shard_model,
     tp_split,
@@ -114,7 +113,7 @@ def perturb(chunks: list, weights: WeightMap, seed: int, scale: float = 0.05) ->
                 layer = layer_index(local)
                 if layer is not None:
                     local = shift_layer(local, model.decoder.layers[layer].layer_number - 1 - layer)
-                name = canonical_name(local)
+                name = weights.canonical(local)  # an MoE layer's pre_mlp_layernorm stays itself
                 key = EMBEDDING if weights.is_tied_output_copy(name) else name
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
                 noise = torch.randn(weights.mcore_shape(key), generator=gen) * scale
@@ -207,17 +206,20 @@ def swap_local_experts(chunks: list) -> None:
 
 
 def run_resharder(chunks: list, weights: WeightMap, bucket_bytes: int, dtype=None) -> dict:
-    """What this rank's resharder emits: HF tensors (copies), bucket numbers, its buffers."""
+    """What this rank's resharder emits: HF tensors (copies), bucket numbers, its buffers and
+    the largest bucket's HF bytes; its roles."""
     groups = ParallelGroups.from_parallel_state()
     resharder = Resharder(chunks, weights, groups, bucket_bytes, dtype)
-    tensors, counts = {}, []
+    tensors, counts, largest = {}, [], 0
     for bucket in resharder.buckets():
         counts.append((bucket.index, bucket.count))
+        largest = max(largest, bucket.nbytes)
         for hf_name, tensor in bucket.named_tensors():
             assert hf_name not in tensors, hf_name
             tensors[hf_name] = tensor.clone()
-    return dict(dp_rank=groups.dp_rank, emitter=groups.is_emitter, tensors=tensors, buckets=counts,
-                peak_buffer_bytes=resharder.timings.peak_buffer_bytes)
+    return dict(dp_rank=groups.dp_rank, pp_rank=groups.pp_rank, ep_rank=groups.ep_rank, emitter=groups.is_emitter,
+                emits_dense=groups.emits_dense, emits_experts=groups.emits_experts, tensors=tensors, buckets=counts,
+                peak_buffer_bytes=resharder.timings.peak_buffer_bytes, largest_bucket=largest)
 
 
 def expert_checks(rank: int, case: dict) -> dict:
@@ -311,19 +313,36 @@ def grouped_checks(chunks: list, weights: WeightMap, layout: ParallelLayout, hf_
 
 def expert_push(chunks: list, weights: WeightMap, case: dict) -> dict:
     """The server serves another checkpoint of the same MoE (other seed); a distributed push of the
-    actor's weights (each DP replica its share of the dense buckets, replica 0 the expert ones, in
-    per-expert names), checked tensor by tensor against the server's checksums; log-probs before
-    and after."""
+    actor's weights (each DP replica its share of the dense buckets, each EP rank of expert-DP
+    replica 0 its own experts, in per-expert names), checked tensor by tensor against the server's
+    checksums; log-probs before and after, and the names each rank sent. Then a disk and a tensor
+    push, each after an update and checked the same way, and the log-probs after them; the chunks
+    get the checkpoint back at the end."""
     vocab, urls = weights.arch.vocab_size, [case["url"]]
     out = {"before": compare(chunks, vocab, urls)}
     sync = WeightSync(chunks, weights, urls, SyncConfig(
         transport="distributed", backend="gloo", bucket_bytes=case["bucket_bytes"], check_weights=True, timeout_s=60))
-    out["metrics"] = sync.push()
+    sent = []  # the HF names of every bucket this rank sent (the coordinator's held last one is not)
+    out["metrics"] = sync.push(progress=lambda stage, bucket: sent.extend(s.name for s in bucket.slots))
     out["after"] = compare(chunks, vocab, urls)
+    out["sent"] = sent
     g = sync.groups
     out["roles"] = dict(emitter=g.is_emitter, dp_rank=g.dp_rank, gathers_experts=g.gathers_experts,
                         emits_experts=g.emits_experts)
     sync.close()
+    # the other transports, each after an update, checked tensor by tensor likewise
+    version = sync.version
+    for seed, transport in ((21, "disk"), (22, "tensor")):
+        perturb(chunks, weights, seed=seed)
+        paths = dict(disk_dir=case["disk_dir"], hf_assets_dir=case["hf_dir"]) if transport == "disk" else {}
+        other = WeightSync(chunks, weights, urls, SyncConfig(
+            transport=transport, bucket_bytes=case["bucket_bytes"], check_weights=True, timeout_s=60, **paths),
+            initial_version=version)
+        out[transport] = other.push()
+        version = other.version
+        other.close()
+    out["last"] = compare(chunks, vocab, urls)
+    load_hf(chunks, weights, expert_layout_of(EXPERT_LAYOUTS[0]), Path(case["hf_dir"]))  # the checkpoint again
     return out
 
 

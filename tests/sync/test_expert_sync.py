@@ -4,11 +4,15 @@ The shared gloo world (conftest `sync_run`, sync_world.expert_checks) loads a ti
 experts, top-2) into `GPTModel` chunks at TP1/EP2, TP2/EP2/ETP1, TP2/EP2/ETP2 and PP2/EP2 and runs
 the resharder with buckets smaller than one layer's experts. The oracle is the checkpoint's own
 `model.safetensors`, as transformers' `save_pretrained` wrote it, read with safetensors: every HF
-tensor, per expert, bit for bit. Then a distributed push at TP1/EP2, checked tensor by tensor
-against the server's checksums (DP 4: the replicas share the dense
-buckets, expert-DP replica 0 gathers the experts) into a CPU-engine server that started with
-another checkpoint, and log-probs of its greedy samples against the actor's.
+tensor, per expert, bit for bit. Each EP rank of expert-DP replica 0 emits its own experts (global
+names), gathered over its expert-TP ranks only. Then a distributed push at TP1/EP2, checked tensor
+by tensor against the server's checksums (DP 4: the replicas share the dense buckets, EP ranks 0
+and 1 of expert-DP replica 0 send their own experts) into a CPU-engine server that started with
+another checkpoint, and log-probs of its greedy samples against the actor's; then a disk and a
+tensor push of updates, checked likewise.
 """
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -36,29 +40,51 @@ def emitted(runs: list) -> dict:
     return out
 
 
+def experts_in(names) -> set:
+    """The global expert indices among HF names."""
+    return {int(m.group(1)) for m in (re.search(r"\.experts\.(\d+)\.", n) for n in names) if m}
+
+
 @pytest.mark.parametrize("layout", EXPERT_LAYOUTS, ids=lambda t: "TP%d-PP%d-EP%d-ETP%d" % t)
 def test_expert_parallel_resharder_equals_the_hf_checkpoint_bit_for_bit(layout, experts):
     oracle, ranks = experts
-    tensors = emitted([rank[str(expert_layout_of(layout))] for rank in ranks])
+    runs = [rank[str(expert_layout_of(layout))] for rank in ranks]
+    tensors = emitted(runs)
     assert tensors.keys() == oracle.keys()
     assert any(".experts.7.down_proj." in name for name in tensors)  # HF per-expert names, every expert
     for name, tensor in oracle.items():
         assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    # each EP rank's expert emitter emits exactly its own experts (EP rank r: global 4r..4r+3), one
+    # emitter per EP rank and stage; no other rank emits an expert
+    expert_emitters = [run for run in runs if run["emits_experts"]]
+    assert sorted((run["pp_rank"], run["ep_rank"]) for run in expert_emitters) == \
+        [(pp, ep) for pp in range(expert_layout_of(layout).pp) for ep in range(2)]
+    for run in runs:
+        own = set(range(4 * run["ep_rank"], 4 * run["ep_rank"] + 4)) if run["emits_experts"] else set()
+        assert experts_in(run["tensors"]) == own, (run["ep_rank"], run["pp_rank"])
+        if not run["emits_dense"]:
+            assert all(".experts." in name for name in run["tensors"])
 
 
 def test_expert_buckets_are_numbered_and_never_hold_all_experts(experts):
+    """A stage's buckets, numbered across its emitters (dense, then EP rank 0's experts, then EP
+    rank 1's): each number once. At TP1/EP2 nothing is gathered (expert TP 1): an emitter's
+    buffers are one HF bucket, so EP rank 1's experts never reach rank 0."""
     _, ranks = experts
-    # 2 layers x 8 experts x (fc1 [64, 64] + fc2 [64, 32]) fp32, gathered from all EP ranks
+    # 2 layers x 8 experts x (fc1 [64, 64] + fc2 [64, 32]) fp32
     all_experts = 2 * 8 * (64 * 64 + 64 * 32) * 4
     for layout in EXPERT_LAYOUTS:
-        for run in (rank[str(expert_layout_of(layout))] for rank in ranks):
-            if not run["emitter"]:
-                continue
-            count = len(run["buckets"])
-            assert count > 4 and run["buckets"] == [(i, count) for i in range(count)]
+        runs = [rank[str(expert_layout_of(layout))] for rank in ranks if rank[str(expert_layout_of(layout))]["emitter"]]
+        for pp in {run["pp_rank"] for run in runs}:
+            numbers = sorted(b for run in runs if run["pp_rank"] == pp for b in run["buckets"])
+            count = numbers[0][1]
+            assert count > 4 and numbers == [(i, count) for i in range(count)], (layout, pp)
+        for run in runs:
             # send share + gathered rows + HF buffer of one bucket; the largest gathered parameter
-            # (an expert's fc1 from both EP ranks, 32 KiB) fits a bucket
+            # (an expert's fc1 over 2 expert-TP ranks, 32 KiB) fits a bucket
             assert 0 < run["peak_buffer_bytes"] <= 3 * EXPERT_BUCKET_BYTES < all_experts / 2
+            if layout == (1, 1, 2, 0):
+                assert run["peak_buffer_bytes"] == run["largest_bucket"], run["ep_rank"]
 
 
 def test_swapping_two_experts_fails_the_oracle_for_exactly_those_experts(experts):
@@ -84,8 +110,18 @@ def test_expert_parallel_push_makes_the_server_serve_the_actor(experts):
     assert r["after"]["versions"] == [["1"]]
     assert r["metrics"]["sync/senders"] == 4  # DP 4: every replica's emitter sends dense buckets
     roles = [p["roles"] for p in push]
-    assert [x["emits_experts"] for x in roles] == [True, False, False, False]
-    assert [x["gathers_experts"] for x in roles] == [True, True, False, False]  # expert-DP replica 0: EP ranks 0, 1
+    assert [x["emits_experts"] for x in roles] == [True, True, False, False]  # expert-DP replica 0: EP ranks 0, 1
+    assert [x["gathers_experts"] for x in roles] == [True, True, False, False]
+    # EP rank 1 (rank 1) sent every tensor of its experts 4-7 itself, and no other expert; rank 0
+    # only experts 0-3 (its last bucket, held for the commit, is not in `sent`); ranks 2, 3 none
+    every = {name for name in hf if experts_in([name])}
+    assert {n for n in push[1]["sent"] if experts_in([n])} == {n for n in every if experts_in([n]) <= {4, 5, 6, 7}}
+    assert experts_in(push[0]["sent"]) <= {0, 1, 2, 3} and experts_in(push[0]["sent"])
+    assert experts_in(push[2]["sent"]) == experts_in(push[3]["sent"]) == set()
+    # the disk and tensor transports, each after an update: every tensor checked, the server serves the update
+    for transport in ("disk", "tensor"):
+        assert r[transport]["sync/checked_tensors"] == len(hf) and r[transport]["sync/senders"] == 4, transport
+    assert r["last"]["max_diff"] <= 1e-4 and r["last"]["versions"] == [["3"]], r["last"]
     print("expert sync (TP1/EP2, distributed, checked): log-prob gap before", r["before"]["max_diff"], "after", r["after"]["max_diff"])
 
 

@@ -109,32 +109,36 @@ MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_t
 
 
 @pytest.mark.parametrize("tp,ep,etp", [(1, 2, 1), (2, 4, 1), (2, 2, 2)])
-def test_expert_buckets_come_last_and_name_every_ep_ranks_copy(tp, ep, etp):
-    """EP rank 0's shards (local experts 0..E/ep-1 under their global names there): the dense
-    buckets first, then expert buckets of at most `limit` bytes gathered from all EP x ETP ranks,
-    whose HF slots hold each local expert once per EP rank; together every HF tensor once."""
+def test_each_ep_rank_plans_only_its_own_experts_after_the_dense_buckets(tp, ep, etp):
+    """EP rank r's shards (local experts 0..E/ep-1 under their global names r * E/ep + k, as
+    `local_params` lists them): the dense buckets first, then expert buckets of at most `limit`
+    bytes gathered over the expert-TP ranks only, whose HF slots hold only this EP rank's experts;
+    the dense buckets of one EP rank and the expert buckets of all together name every HF tensor once."""
     weights = WeightMap(arch_from_hf_config(MOE), padded_vocab_size=64)
-    per_rank, params = 8 // ep, []
-    for p in shards(weights, tp):
-        m = re.search(r"local_experts\.(\d+)\.", p.name)
-        if m is None:
-            params.append(p)
-        elif int(m.group(1)) < per_rank:
-            split = p.split if etp > 1 else REPLICATED
-            shape = list(weights.mcore_shape(p.name))
-            if split.dim is not None:
-                shape[split.dim] //= etp
-            params.append(LocalParam(p.name, torch.zeros(shape), split, expert=True))
-    limit = 20_000
-    plans = plan_buckets(params, weights, tp, limit, ep_size=ep, etp_size=etp)
-    kinds = [plan.expert for plan in plans]
-    assert kinds == sorted(kinds) and kinds[-1]  # dense first, then experts
-    for plan in (p for p in plans if p.expert):
-        assert (plan.ranks, plan.ep_size) == (ep * etp, ep)
-        assert sum(gathered_bytes(p.param, tp, ep, etp) for p in plan.params) <= limit or len(plan.params) == 1
-        experts = {int(re.search(r"\.experts\.(\d+)\.", s.name).group(1)) for s in plan.hf_slots}
-        local = {int(re.search(r"local_experts\.(\d+)\.", p.param.name).group(1)) for p in plan.params}
-        assert experts == {r * per_rank + k for r in range(ep) for k in local}
-        assert all(p.gather_offset is not None for p in plan.params)
-    names = [s.name for plan in plans for s in plan.hf_slots]
+    per_rank, names, expert_counts = 8 // ep, [], set()
+    for ep_rank in range(ep):
+        params = []
+        for p in shards(weights, tp):
+            m = re.search(r"local_experts\.(\d+)\.", p.name)
+            if m is None:
+                params.append(p)
+            elif int(m.group(1)) // per_rank == ep_rank:
+                split = p.split if etp > 1 else REPLICATED
+                shape = list(weights.mcore_shape(p.name))
+                if split.dim is not None:
+                    shape[split.dim] //= etp
+                params.append(LocalParam(p.name, torch.zeros(shape), split, expert=True))
+        limit = 20_000
+        plans = plan_buckets(params, weights, tp, limit, etp_size=etp)
+        kinds = [plan.expert for plan in plans]
+        assert kinds == sorted(kinds) and kinds[-1]  # dense first, then experts
+        expert_counts.add(sum(kinds))  # every EP rank plans as many expert buckets (their numbering needs it)
+        for plan in (p for p in plans if p.expert):
+            assert plan.ranks == etp
+            assert sum(gathered_bytes(p.param, tp, etp) for p in plan.params) <= limit or len(plan.params) == 1
+            experts = {int(re.search(r"\.experts\.(\d+)\.", s.name).group(1)) for s in plan.hf_slots}
+            assert experts <= set(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+            assert all((p.gather_offset is not None) == (etp > 1) for p in plan.params)
+        names += [s.name for plan in plans if plan.expert or ep_rank == 0 for s in plan.hf_slots]
+    assert len(expert_counts) == 1
     assert sorted(names) == sorted(weights.hf_names())

@@ -1,6 +1,6 @@
 """Write the actor's live sharded weights as an HF checkpoint (after SFT, or at any checkpoint),
-through the same resharder as the weight push: each pipeline stage's emitter writes its own
-safetensors files in parallel; global rank 0 writes the index and copies the config and tokenizer.
+through the same resharder as the weight push: each emitter (a stage's, an EP rank's experts')
+writes its own safetensors files in parallel (bucket numbers are unique within a stage); global rank 0 writes the index and copies the config and tokenizer.
 Every rank of the model's world calls `export_hf`; the directory appears only when complete.
 """
 from __future__ import annotations

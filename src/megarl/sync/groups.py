@@ -4,31 +4,34 @@ Every rank of the actor's worker group takes part in `WeightSync.push`, in one o
 
 - **gatherer**: a rank of a sending replica. It sends its tensor-parallel shards to its stage's
   emitter in that replica, bucket by bucket, over its TP group.
-- **emitter**: the gatherer with TP rank 0 (one per stage and sending replica). It receives the
-  shards, converts them to HF tensors and pushes them to the rollout servers, in parallel with
-  the other emitters (which take turns at the servers).
-- **coordinator**: the emitter of stage 0 in replica 0, which is global rank 0 (its TP, PP, DP
-  and CP coordinates are all 0). It opens and closes the update on the servers and commits the version.
+- **emitter**: a rank with buckets to send: it receives the shards of a gather, converts them to
+  HF tensors and pushes them to the rollout servers, in parallel with the other emitters (which
+  take turns at the servers). The gatherer with TP rank 0 emits its stage's dense buckets (one per
+  stage and sending replica, `emits_dense`); with EP > 1 each EP rank's expert-TP rank 0 emits its
+  own experts (`emits_experts`, below). A rank may be both.
+- **coordinator**: the dense emitter of stage 0 in replica 0, which is global rank 0 (its TP, PP,
+  DP and CP coordinates are all 0). It opens and closes the update on the servers and commits the version.
 - every rank of a replica that does not send only waits for the outcome: it holds the same weights.
 
 The replicas (data x context parallel) hold the same weights. With `split_dp` every replica sends:
-replica d sends the buckets k of each stage with (count - 1 - k) % dp_size == d (`bucket_share`),
-so replica 0 sends each stage's last bucket (the coordinator keeps stage 0's for the commit).
-Without it (or with one replica) replica 0 sends everything.
+replica d sends the dense buckets k of each stage with (count - 1 - k) % dp_size == d
+(`bucket_share`). Without it (or with one replica) replica 0 sends every dense bucket.
 
 Experts with expert parallelism (EP > 1): each EP rank holds only its experts, so the expert
-parameters travel apart from the dense ones, over megatron's expert-tensor-and-model-parallel group
-(`expert_group`, EP x expert-TP ranks, group rank = etp_rank + etp_size * ep_rank) of expert-data-
-parallel replica 0 (`gathers_experts`), to that group's rank 0: the stage's replica-0 emitter (TP,
-DP and EP ranks 0). Those buckets come last in a stage and are sent by replica 0 even with `split_dp`.
+parameters travel apart from the dense ones. In expert-data-parallel replica 0 (`gathers_experts`)
+every EP rank plans the buckets of its own experts under their global names and gathers them over
+its expert-tensor-parallel group (`expert_tp_group`, megatron's, `etp_size` ranks) to its expert-TP
+rank 0, which emits them: the EP ranks emit in parallel, and no rank receives another EP rank's
+experts. Those buckets come after a stage's dense ones and are sent by expert-DP replica 0 even
+with `split_dp`.
 
 The emitters form `emitter_group`, which carries their reports to the coordinator: with one
-sending replica, megatron's pipeline-parallel group of the ranks with TP = DP = 0; with several,
-a group of every TP-rank-0 rank, made when the groups are read (`from_parallel_state`).
+emitter per stage (one sending replica, EP = 1), megatron's pipeline-parallel group of the ranks
+with TP = DP = 0; else a group of every emitter, made when the groups are read (`from_parallel_state`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -42,15 +45,16 @@ class ParallelGroups:
     pp_rank: int
     pp_size: int
     dp_rank: int  # rank among the replicas that hold the same shards (data x context parallel)
-    emitter_group: Any  # on emitters: the group of all stages' emitters (pipeline rank order); else None
+    emitter_group: Any  # on emitters: the group of every emitter (global rank order, the coordinator first); else None
     world_group: Any = None  # every rank that calls push; None: torch.distributed's default group
     dp_size: int = 1  # replicas that hold the same shards (data x context parallel)
-    split_dp: bool = False  # every replica sends its share of the buckets (emitter_group: all their emitters)
+    split_dp: bool = False  # every replica sends its share of the dense buckets
     ep_size: int = 1  # expert parallel; with 1 experts travel with the dense parameters over the TP group
     etp_size: int = 1  # expert tensor parallel (ranks one expert is split over), used when ep_size > 1
-    expert_group: Any = None  # ep_size > 1: the expert-tensor-and-model-parallel group (ep_size * etp_size ranks)
-    expert_group_rank: int = 0  # this rank's rank in expert_group (= etp_rank + etp_size * ep_rank)
-    expert_dp_rank: int = 0  # expert-data-parallel replica; replica 0 gathers the experts
+    ep_rank: int = 0  # this rank's EP rank (ep_size > 1): it holds global experts [ep_rank * E / ep_size, ...)
+    etp_rank: int = 0  # this rank's rank in expert_tp_group
+    expert_tp_group: Any = None  # ep_size > 1: megatron's expert-tensor-parallel group (etp_size ranks)
+    expert_dp_rank: int = 0  # expert-data-parallel replica; replica 0 sends the experts
 
     @property
     def gathers_experts(self) -> bool:
@@ -59,8 +63,8 @@ class ParallelGroups:
 
     @property
     def emits_experts(self) -> bool:
-        """Whether this rank receives and converts the expert buckets (rank 0 of its expert group)."""
-        return self.gathers_experts and self.expert_group_rank == 0
+        """Whether this rank receives, converts and pushes its EP rank's expert buckets (expert-TP rank 0)."""
+        return self.gathers_experts and self.etp_rank == 0
 
     @property
     def takes_part(self) -> bool:
@@ -72,12 +76,24 @@ class ParallelGroups:
         return self.split_dp or self.dp_rank == 0
 
     @property
-    def is_emitter(self) -> bool:
+    def emits_dense(self) -> bool:
+        """Whether this rank emits its stage's dense buckets (its replica's share): TP rank 0 of a sending replica."""
         return self.gathers and self.tp_rank == 0
 
     @property
+    def is_emitter(self) -> bool:
+        """Whether this rank has buckets to send (dense, expert or both): it holds a transport."""
+        return self.emits_dense or self.emits_experts
+
+    @property
+    def several_emitters(self) -> bool:
+        """More than one emitter in the world: stages, sending replicas, or EP ranks (EP > 1: each
+        EP rank's expert-TP rank 0 in expert-DP replica 0 is a rank of its own)."""
+        return self.pp_size * self.bucket_share()[1] > 1 or self.ep_size > 1
+
+    @property
     def is_coordinator(self) -> bool:
-        return self.is_emitter and self.pp_rank == 0 and self.dp_rank == 0
+        return self.emits_dense and self.pp_rank == 0 and self.dp_rank == 0
 
     def bucket_share(self) -> tuple[int, int]:
         """(this replica's share, number of shares) of each stage's buckets."""
@@ -99,15 +115,11 @@ class ParallelGroups:
 
     @property
     def expert_emitter_rank(self) -> int:
-        """Global rank of rank 0 of this rank's expert group (ep_size > 1)."""
-        return dist.get_global_rank(self.expert_group, 0)
+        """Global rank of expert-TP rank 0 of this rank's expert-TP group (its EP rank's expert emitter)."""
+        return dist.get_global_rank(self.expert_tp_group, 0) if self.etp_size > 1 else dist.get_rank()
 
     def check(self) -> None:
-        """The coordinator must be rank 0 of the world group (object broadcasts start there), and
-        the expert buckets' receiver must be a replica-0 emitter (it pushes them)."""
-        if self.emits_experts and not (self.is_emitter and self.dp_rank == 0):
-            raise ValueError(f"weight sync: rank {dist.get_rank()} is rank 0 of its expert group but not the "
-                             "TP-rank-0 rank of data-parallel replica 0 that emits its stage")
+        """The coordinator must be rank 0 of the world group (object broadcasts start there)."""
         rank = dist.get_rank(self.world_group)
         if self.is_coordinator != (rank == 0):
             raise ValueError(
@@ -117,59 +129,50 @@ class ParallelGroups:
 
     @classmethod
     def from_parallel_state(cls, world_group: Optional[Any] = None, split_dp: bool = False) -> "ParallelGroups":
-        """The groups of megatron's initialised `parallel_state` (read on this rank). With
-        `split_dp` and more than one replica, every rank of `world_group` must call this together
-        (it makes the emitters' group)."""
+        """The groups of megatron's initialised `parallel_state` (read on this rank). With more than
+        one emitter per stage (`split_dp` and more than one replica, or EP > 1), every rank of
+        `world_group` must call this together (it makes the emitters' group)."""
         from megatron.core import parallel_state as ps
 
-        tp_size = ps.get_tensor_model_parallel_world_size()
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-        experts = _expert_fields(ps)
-        if split_dp and dp_size > 1:
-            return cls(
-                tp_group=ps.get_tensor_model_parallel_group(), tp_rank=tp_rank, tp_size=tp_size,
-                pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-                dp_rank=dp_rank, emitter_group=_tp_rank_zero_group(tp_rank, world_group), world_group=world_group,
-                dp_size=dp_size, split_dp=True, **experts,
-            )
-        return cls(
+        groups = cls(
             tp_group=ps.get_tensor_model_parallel_group(),
             tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             dp_rank=dp_rank,
-            emitter_group=ps.get_pipeline_model_parallel_group() if dp_rank == 0 and tp_rank == 0 else None,
+            emitter_group=None,
             world_group=world_group,
             dp_size=dp_size,
-            **experts,
+            split_dp=split_dp and dp_size > 1,
+            **_expert_fields(ps),
         )
+        if groups.split_dp or groups.ep_size > 1:
+            group = _emitters_group(groups.is_emitter, world_group)
+        else:  # one emitter per stage: TP = DP = 0
+            group = ps.get_pipeline_model_parallel_group() if groups.is_emitter else None
+        return replace(groups, emitter_group=group)
 
 
 def _expert_fields(ps) -> dict[str, Any]:
-    """The expert fields of `ParallelGroups` from megatron's `parallel_state` (EP = 1: none).
-    Raises if the expert group's rank order is not etp_rank + etp_size * ep_rank, the order the
-    resharder reads the gathered rows in (megatron-core 0.16.1 orders expert ranks `tp-ep-dp-pp`)."""
+    """The expert fields of `ParallelGroups` from megatron's `parallel_state` (EP = 1: none)."""
     ep = ps.get_expert_model_parallel_world_size()
     if ep == 1:
         return {}
-    etp, ep_rank, etp_rank = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-                              ps.get_expert_tensor_parallel_rank())
-    group_rank = ps.get_expert_tensor_and_model_parallel_rank()
-    if group_rank != etp_rank + etp * ep_rank:
-        raise RuntimeError(f"weight sync: rank {group_rank} in the expert-tensor-and-model-parallel group is not "
-                           f"etp_rank {etp_rank} + {etp} x ep_rank {ep_rank}; the resharder cannot order its rows")
-    return dict(ep_size=ep, etp_size=etp, expert_group=ps.get_expert_tensor_and_model_parallel_group(),
-                expert_group_rank=group_rank, expert_dp_rank=ps.get_expert_data_parallel_rank())
+    return dict(ep_size=ep, etp_size=ps.get_expert_tensor_parallel_world_size(),
+                ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+                expert_tp_group=ps.get_expert_tensor_parallel_group(),
+                expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 
-def _tp_rank_zero_group(tp_rank: int, world_group: Optional[Any]) -> Any:
-    """The group of every rank of `world_group` with TP rank 0, in global rank order (the
-    coordinator, global rank 0 of the world group, first); None on the other ranks. Collective."""
+def _emitters_group(is_emitter: bool, world_group: Optional[Any]) -> Any:
+    """The group of every emitter of `world_group`, in global rank order (the coordinator, global
+    rank 0 of the world group, first); None on the other ranks. Collective."""
     flags = [None] * dist.get_world_size(world_group)
-    dist.all_gather_object(flags, (dist.get_rank(), tp_rank == 0), group=world_group)
-    members = sorted(rank for rank, zero in flags if zero)
+    dist.all_gather_object(flags, (dist.get_rank(), is_emitter), group=world_group)
+    members = sorted(rank for rank, emits in flags if emits)
     group = dist.new_group(members)  # every rank of the default group takes part in new_group
-    return group if tp_rank == 0 else None
+    return group if is_emitter else None

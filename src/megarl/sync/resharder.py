@@ -20,13 +20,15 @@ every replica for its own share of the buckets):
    turns it into runs of rows (`Copy`) of the ranks' shards; the emitter's own shards are read
    from its parameters. No merged tensor is ever built.
 
-Experts at EP > 1 (`groups.py`): each rank lists its local experts under their local index, which
-is the global index on EP rank 0, so every rank of an expert group plans the same expert buckets
-(after the dense ones). Per expert bucket, every rank of the expert group (EP x expert-TP ranks)
-sends its shards of those local experts to the group's rank 0, the stage's emitter, which merges
-each expert over its expert-TP rows and names row (ep, etp)'s copy of local expert k global expert
-`ep * experts_per_rank + k`. A bucket holds at most `bucket_bytes` of experts from all EP ranks
-together, so no rank ever holds more than one bucket of other ranks' experts.
+Experts at EP > 1 (`groups.py`): each rank lists its local experts under their global names
+(local expert k of EP rank r is global expert `r * experts_per_rank + k`) and plans them after the
+dense buckets, split over its expert-TP ranks as the dense ones are over the TP ranks; the ranks
+of one expert-TP group make the same plan. Per expert bucket, the expert-TP ranks send their
+shards to their rank 0, the EP rank's expert emitter, which converts and pushes them: every EP
+rank emits its own experts, in parallel with the other emitters, and no rank receives another EP
+rank's experts. Every EP rank plans the same number X of expert buckets (their experts have the
+same shapes), so a stage's buckets are numbered without a collective: the D dense buckets
+0..D-1, then EP rank r's expert buckets D + r * X .. D + (r + 1) * X - 1, of D + ep_size * X.
 
 Extra memory, allocated once per pass and reused by every bucket: on the emitter, the other ranks'
 shards of one bucket ((TP-1)/TP of its gathered bytes) and one bucket of HF tensors, so at most 2
@@ -56,10 +58,10 @@ ROW_ALIGN = 16  # bytes; every gathered row and every tensor in it starts aligne
 
 @dataclass(frozen=True)
 class LocalParam:
-    name: str  # global megatron name, TE spelling (an expert at EP > 1: its expert index is the local one)
+    name: str  # global megatron name, TE spelling (an expert at EP > 1: its global expert index)
     tensor: torch.Tensor  # this rank's shard of it (the live parameter, detached)
     split: TPSplit  # over the TP ranks (an expert at EP > 1: over its expert-TP ranks)
-    expert: bool = False  # an expert at EP > 1: gathered over the expert group, not the TP group
+    expert: bool = False  # an expert at EP > 1: gathered over the expert-TP group, not the TP group
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -70,9 +72,9 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp_size: int,
-                 ep_size: int = 1, etp_size: int = 1) -> list[LocalParam]:
+                 ep_size: int = 1, etp_size: int = 1, ep_rank: int = 0) -> list[LocalParam]:
     """This rank's parameters, chunk by chunk in registration order, under global names (experts
-    at EP > 1: local expert index).
+    at EP > 1: local expert k of EP rank `ep_rank` is global expert ep_rank * E / ep_size + k).
 
     Checks each shard's shape against the full shape the bridge expects for this TP size. MoE
     experts are split over TP like the dense MLP with EP = 1 (expert TP is TP then), over
@@ -93,6 +95,7 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
             expert = ep_size > 1 and expert_index(name) is not None
             split, ranks = tp_split(name), tp_size
             if expert:
+                name = shift_expert(name, ep_rank * (weights.arch.moe.num_experts // ep_size))
                 split, ranks = (tp_split(name) if etp_size > 1 else REPLICATED), etp_size
             expected = list(weights.mcore_shape(name))
             if split.dim is not None:
@@ -167,31 +170,29 @@ class BucketPlan:
     params: tuple[PlannedParam, ...]
     row_bytes: int  # bytes each rank of the gather sends (its split shards, padded to ROW_ALIGN)
     hf_slots: tuple[TensorSlot, ...]  # where each HF tensor goes in the bucket's flat buffer
-    ranks: int = 1  # ranks of the gather: TP, or (expert bucket) EP x expert-TP
-    ep_size: int = 1  # expert bucket: row r is EP rank r // (ranks // ep_size)'s; 1: a dense bucket
-    expert: bool = False  # gathered over the expert group
+    ranks: int = 1  # ranks of the gather: TP, or (expert bucket) expert-TP
+    expert: bool = False  # gathered over the expert-TP group
 
     @property
     def hf_bytes(self) -> int:
         return self.hf_slots[-1].end
 
 
-def gathered_bytes(param: LocalParam, tp_size: int, ep_size: int = 1, etp_size: int = 1) -> int:
-    """Bytes of the gathered megatron tensor(s): the full TP-gathered one; for an expert at EP > 1,
-    the full tensors of that local expert on all `ep_size` EP ranks."""
+def gathered_bytes(param: LocalParam, tp_size: int, etp_size: int = 1) -> int:
+    """Bytes of the gathered megatron tensor: the full one, gathered over the TP ranks (an expert
+    at EP > 1: over its `etp_size` expert-TP ranks)."""
     local = param.tensor.numel() * param.tensor.element_size()
-    if param.expert:
-        return local * ep_size * (etp_size if param.split.dim is not None else 1)
-    return local if param.split.dim is None else local * tp_size
+    return local if param.split.dim is None else local * (etp_size if param.expert else tp_size)
 
 
 def plan_buckets(
     params: Sequence[LocalParam], weights: WeightMap, tp_size: int, bucket_bytes: int,
-    dtype: Optional[torch.dtype] = None, ep_size: int = 1, etp_size: int = 1,
+    dtype: Optional[torch.dtype] = None, etp_size: int = 1,
 ) -> list[BucketPlan]:
     """Pack `params` in order into buckets of at most `bucket_bytes` gathered bytes (a larger
-    parameter gets a bucket of its own): the dense parameters first, then the experts at EP > 1
-    (`LocalParam.expert`). The HF tensors get `dtype` (None: their parameter's). Within a bucket,
+    parameter gets a bucket of its own): the dense parameters first, then this EP rank's experts
+    at EP > 1 (`LocalParam.expert`, gathered over `etp_size` ranks). The HF tensors get `dtype`
+    (None: their parameter's). Within a bucket,
     the gathered row and the HF buffer hold wider dtypes first, so every tensor starts aligned for
     its dtype."""
     if bucket_bytes <= 0:
@@ -201,60 +202,48 @@ def plan_buckets(
         groups: list[list[LocalParam]] = []
         size = 0
         for param in (p for p in params if p.expert == expert):
-            nbytes = gathered_bytes(param, tp_size, ep_size, etp_size)
+            nbytes = gathered_bytes(param, tp_size, etp_size)
             if not groups or size + nbytes > bucket_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append(param)
             size += nbytes
-        ranks, ep = (ep_size * etp_size, ep_size) if expert else (tp_size, 1)
-        plans += [_plan(group, weights, ranks, ep, expert, dtype) for group in groups]
+        ranks = etp_size if expert else tp_size
+        plans += [_plan(group, weights, ranks, expert, dtype) for group in groups]
     return plans
 
 
-def expert_copies(weights: WeightMap, name: str, ep_size: int) -> list[str]:
-    """Global names of local expert `name` (its index as on EP rank 0) on each of the `ep_size` EP ranks."""
-    per_rank = weights.arch.moe.num_experts // ep_size
-    return [shift_expert(name, ep * per_rank) for ep in range(ep_size)]
-
-
-def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, ep_size: int, expert: bool,
+def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, expert: bool,
           dtype: Optional[torch.dtype]) -> BucketPlan:
     offsets: dict[str, int] = {}
     row = 0
     for param in sorted(group, key=lambda p: -p.tensor.element_size()):
-        if ranks > 1 and (expert or param.split.dim is not None):
+        if ranks > 1 and param.split.dim is not None:
             offsets[param.name] = row
             row += param.tensor.numel() * param.tensor.element_size()
     hf = sorted(
-        [(hf_name, dtype or param.tensor.dtype) for param in group
-         for name in (expert_copies(weights, param.name, ep_size) if expert else [param.name])
-         for hf_name in weights.hf_names_of(name)],
+        [(hf_name, dtype or param.tensor.dtype) for param in group for hf_name in weights.hf_names_of(param.name)],
         key=lambda item: -item[1].itemsize,
     )
     slots = bucket_layout(
         [n for n, _ in hf], [dtype_name(d) for _, d in hf], [list(weights.hf_shape(n)) for n, _ in hf]
     )
-    per_ep = ranks // ep_size  # shards of one parameter (one expert's copy): its TP (expert-TP) ranks
     planned = tuple(PlannedParam(p, offsets.get(p.name),
-                                 copy_runs(weights, p.name, p.split, per_ep if p.name in offsets else 1))
+                                 copy_runs(weights, p.name, p.split, ranks if p.name in offsets else 1))
                     for p in group)
-    return BucketPlan(planned, _align(row), tuple(slots), ranks, ep_size, expert)
+    return BucketPlan(planned, _align(row), tuple(slots), ranks, expert)
 
 
 @dataclass
 class HFBucket:
     """One bucket of full HF tensors, packed in `flat` (uint8) as `slots` say."""
 
-    index: int  # within this pipeline stage's buckets (all replicas' shares)
-    count: int  # buckets of this stage (all replicas' shares)
+    index: int  # within this pipeline stage's buckets (all emitters' of the stage: unique in it)
+    count: int  # buckets of this stage (all emitters')
     flat: torch.Tensor
     slots: tuple[TensorSlot, ...]
     owned: bool = False  # `flat` is this bucket's own memory (the resharder's `hf_memory`), never reused
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.count - 1
+    final: bool = False  # the last bucket this rank emits in this pass
 
     @property
     def nbytes(self) -> int:
@@ -309,10 +298,12 @@ class _Buffers:
 
 
 class Resharder:
-    """Streams this stage's HF buckets (this replica's share of them). All TP ranks of a sending
-    replica iterate `buckets()` together (they run the gathers), and with EP > 1 every rank of
-    expert-DP replica 0 (the expert gathers); only the emitter (TP rank 0 of a sending replica)
-    receives buckets, the others get none. Ranks that gather nothing get none and take part in nothing.
+    """Streams this rank's HF buckets: its stage's dense buckets (its replica's share of them) on
+    TP rank 0 of a sending replica, its EP rank's expert buckets on expert-TP rank 0 of expert-DP
+    replica 0 (`groups.py`). All TP ranks of a sending replica iterate `buckets()` together (they
+    run the gathers), and with EP > 1 every rank of expert-DP replica 0 (the expert gathers, each
+    over its expert-TP group); only emitters receive buckets, the others get none. Ranks that
+    gather nothing get none and take part in nothing.
 
     A caller must exhaust the iterator on every gathering rank, even after its own failure,
     or the other ranks of its gathers block in their next one. A bucket's memory is reused for the
@@ -332,23 +323,32 @@ class Resharder:
         self.timings = ReshardTimings()
 
     def plan(self) -> list[BucketPlan]:
+        """This rank's plans: its stage's dense buckets, then its EP rank's expert buckets."""
         g = self.groups
-        params = local_params(self.model_chunks, self.weights, g.tp_size, g.ep_size, g.etp_size)
-        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.ep_size, g.etp_size)
+        params = local_params(self.model_chunks, self.weights, g.tp_size, g.ep_size, g.etp_size, g.ep_rank)
+        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.etp_size)
 
     def _takes_part(self, plan: BucketPlan, index: int, count: int) -> bool:
         g = self.groups
         return g.gathers_experts if plan.expert else g.gathers and g.owns(index, count)
 
     def _emits(self, plan: BucketPlan) -> bool:
-        return self.groups.emits_experts if plan.expert else self.groups.is_emitter
+        return self.groups.emits_experts if plan.expert else self.groups.emits_dense
 
-    def _mine(self) -> tuple[list[BucketPlan], list[tuple[int, BucketPlan]]]:
-        """(every bucket's plan, the (index, plan) of those this rank takes part in)."""
-        if not self.groups.takes_part:
-            return [], []
-        every = self.plan()
-        return every, [(k, plan) for k, plan in enumerate(every) if self._takes_part(plan, k, len(every))]
+    def _mine(self) -> tuple[int, list[tuple[int, BucketPlan]]]:
+        """(the stage's bucket count, the (index, plan) of the buckets this rank takes part in),
+        numbered as the module docstring says: dense 0..D-1, then EP rank r's expert buckets
+        from D + r * X."""
+        g = self.groups
+        if not g.takes_part:
+            return 0, []
+        plans = self.plan()
+        dense = [plan for plan in plans if not plan.expert]
+        experts = [plan for plan in plans if plan.expert]
+        count = len(dense) + g.ep_size * len(experts)
+        numbered = list(enumerate(dense)) + [(len(dense) + g.ep_rank * len(experts) + j, plan)
+                                             for j, plan in enumerate(experts)]
+        return count, [(k, plan) for k, plan in numbered if self._takes_part(plan, k, count)]
 
     def steps(self) -> int:
         """How many items `buckets(every_step=True)` yields here: the buckets this rank takes part in
@@ -360,11 +360,12 @@ class Resharder:
         but does not emit, yielded once its part of that gather is done and the next one started,
         so that a caller may run collectives of its own between buckets in step with its peers."""
         self.timings = t = ReshardTimings()
-        every, mine = self._mine()
+        count, mine = self._mine()
         if not mine:
             return
         plans = [plan for _, plan in mine]
         emits = [(plan, self._emits(plan)) for plan in plans]
+        final = max((i for i, (_, emitted) in enumerate(emits) if emitted), default=-1)
         buffers = _Buffers(emits, plans[0].params[0].param.tensor.device, with_flat=self.hf_memory is None)
         own = max((plan.hf_bytes for plan, emitted in emits if emitted), default=0) if self.hf_memory else 0
         t.peak_buffer_bytes = buffers.nbytes + own  # with hf_memory: one bucket's, if the caller keeps one at a time
@@ -375,7 +376,7 @@ class Resharder:
                 work.wait()
             waited = time.perf_counter()
             t.gather_s += waited - started
-            bucket = self._convert(plan, buffers, k, len(every)) if self._emits(plan) else None
+            bucket = self._convert(plan, buffers, k, count, i == final) if self._emits(plan) else None
             # the rows are converted: the next bucket's gather overlaps this bucket's push
             work = self._start_gather(plans[i + 1], buffers) if i + 1 < len(plans) else None
             if bucket is not None:
@@ -390,13 +391,13 @@ class Resharder:
     # ---------------------------------------------------------------- internals
     def _start_gather(self, plan: BucketPlan, buffers: _Buffers) -> Optional["_Gather"]:
         """Start moving `plan`'s shards to the emitter over the TP group (expert bucket: the
-        expert group): the emitter receives rank r's row into `rows[r - 1]`, every other rank
+        expert-TP group): the emitter receives rank r's row into `rows[r - 1]`, every other rank
         packs its shards into `send` and sends it. None if nothing is gathered."""
         g = self.groups
         gathered = [p for p in plan.params if p.gather_offset is not None]
         if not gathered:
             return None
-        group = g.expert_group if plan.expert else g.tp_group
+        group = g.expert_tp_group if plan.expert else g.tp_group
         if self._emits(plan):
             rows = self._rows(plan, buffers)
             ops = [dist.P2POp(dist.irecv, rows[r - 1], dist.get_global_rank(group, r), group)
@@ -412,30 +413,28 @@ class Resharder:
         return _Gather(dist.batch_isend_irecv(ops))
 
     def _rows(self, plan: BucketPlan, buffers: _Buffers) -> torch.Tensor:
-        """[ranks - 1, row_bytes]: row r - 1 holds rank r's shards of `plan` (TP rank, or expert-group rank) (emitter)."""
+        """[ranks - 1, row_bytes]: row r - 1 holds rank r's shards of `plan` (TP, or expert-TP, rank) (emitter)."""
         return buffers.rows[: (plan.ranks - 1) * plan.row_bytes].view(plan.ranks - 1, plan.row_bytes)
 
-    def _pieces(self, plan: BucketPlan, planned: PlannedParam, rows: Optional[torch.Tensor], ep: int) -> list:
-        """The shards of `planned` (copy `ep` of an expert), in rank order: the emitter's own
-        (row 0 of its group) is its parameter, the others are views into `rows`."""
+    def _pieces(self, plan: BucketPlan, planned: PlannedParam, rows: Optional[torch.Tensor]) -> list:
+        """The shards of `planned`, in rank order: the emitter's own (row 0 of its group) is its
+        parameter, the others are views into `rows`."""
         tensor = planned.param.tensor
         if planned.gather_offset is None:
             return [tensor]
-        per_ep = plan.ranks // plan.ep_size  # ranks of one EP rank's shards: its expert-TP ranks (dense: TP ranks)
         start, n = planned.gather_offset, tensor.numel() * tensor.element_size()
         return [tensor if r == 0 else rows[r - 1, start : start + n].view(tensor.dtype).view(tensor.shape)
-                for r in range(ep * per_ep, (ep + 1) * per_ep)]
+                for r in range(plan.ranks)]
 
-    def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int) -> HFBucket:
+    def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int, final: bool) -> HFBucket:
         flat = buffers.flat[: plan.hf_bytes] if self.hf_memory is None else self.hf_memory(plan.hf_bytes)
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
         rows = self._rows(plan, buffers) if plan.row_bytes else None
         for planned in plan.params:
-            names = expert_copies(self.weights, planned.param.name, plan.ep_size) if plan.expert else [planned.param.name]
-            for ep, name in enumerate(names):
-                pieces = self._pieces(plan, planned, rows, ep)
-                write_runs(planned.copies, pieces, [targets[n] for n in self.weights.hf_names_of(name)])
-        return HFBucket(index, count, flat, plan.hf_slots, owned=self.hf_memory is not None)
+            name = planned.param.name
+            write_runs(planned.copies, self._pieces(plan, planned, rows),
+                       [targets[n] for n in self.weights.hf_names_of(name)])
+        return HFBucket(index, count, flat, plan.hf_slots, owned=self.hf_memory is not None, final=final)
 
 
 class _Gather:

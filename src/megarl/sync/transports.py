@@ -1,17 +1,17 @@
 """How HF buckets reach the rollout servers. One interface, three transports.
 
-Each pipeline stage's emitter owns one transport object and streams its own buckets through it;
-the coordinator (stage 0's emitter) keeps its last bucket back and hands it to `commit`, which is
-the only call that sets the servers' weight version. A transport method that fails raises
+Each emitter (`groups.py`: a stage's, an EP rank's experts') owns one transport object and streams
+its own buckets through it; the coordinator (stage 0's emitter) keeps its last bucket back and
+hands it to `commit`, which is the only call that sets the servers' weight version. A transport method that fails raises
 `ServerError` naming the server(s).
 
     open_stream(push_id)       emitter, before its first bucket of a push (push_id: unique per attempt)
     send(bucket)               emitter, every bucket but the coordinator's last
     finish_stream() -> result  emitter, after its last bucket; the result goes to commit
-    commit(bucket, results, version)   coordinator, once every stage succeeded
+    commit(bucket, results, version)   coordinator, once every emitter succeeded
     reset()                    after a failed push: the next push starts from scratch
 
-- `DistributedTransport`: `/init_weights_update_group` once (a group per stage: this emitter is
+- `DistributedTransport`: `/init_weights_update_group` once (a group per emitter: it is
   rank 0, server i's TP ranks follow), then per bucket `/update_weights_from_distributed`
   (`flattened_bucket`) on every server *concurrently with* one `broadcast` of the bucket's bytes
   (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
@@ -23,7 +23,7 @@ the only call that sets the servers' weight version. A transport method that fai
   dropped once the servers answered its request (a failed one's at `reset`): an emitter holds one
   bucket at a time besides the resharder's gather rows; a relaying rank one received copy in
   flight, plus the commit bucket's until the commit.
-- `DiskTransport` (fallback, debugging): each stage writes its buckets as safetensors files into
+- `DiskTransport` (fallback, debugging): each emitter writes its buckets as safetensors files into
   one directory; the commit writes the index and the HF config and calls `/update_weights_from_disk`.
 """
 from __future__ import annotations
@@ -324,7 +324,7 @@ class DiskTransport:
         for result in stage_results:
             for name, file in result["weight_map"].items():
                 if weight_map.setdefault(name, file) != file:
-                    raise RuntimeError(f"{self.push_dir}: tensor {name} was written by two stages")
+                    raise RuntimeError(f"{self.push_dir}: tensor {name} was written by two emitters")
             total += result["bytes"]
         total += bucket.nbytes
         if set(weight_map) != set(self.expected_names):

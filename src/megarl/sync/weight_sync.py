@@ -12,9 +12,10 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    and tensor transports). The outcome is broadcast to all ranks; a failure stops everyone here.
    A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
    emitters then form new weight-update groups.
-2. stream, every stage in parallel, and with DP > 1 (`split_across_dp`) every data-parallel replica
-   for its own share of each stage's buckets (`groups.py`; else replica 0 alone): the TP ranks
-   gather their shards to their emitter (`Resharder`), which pushes each HF bucket through its
+2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`split_across_dp`)
+   every data-parallel replica's for its own share of the stage's dense buckets (else replica 0
+   alone), and with EP > 1 each EP rank's for its own experts: the TP (expert-TP) ranks gather
+   their shards to their emitter (`Resharder`), which pushes each HF bucket through its
    transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a
    server runs one update at a time, and emitters sending at once can deadlock): each send, and
    the forming of an emitter's weight-update group, holds the lock; gathering and converting do not. The
@@ -30,7 +31,7 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    emitter holds one bucket at a time besides its gather rows, a relaying rank one received copy
    plus the commit bucket's (kept until the commit was answered); those of failed requests are
    kept until the push's failure is known.
-3. commit, coordinator: once every stage reported success (gathered over the emitters' group), the
+3. commit, coordinator: once every emitter reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
    that call alone bumps the version. Then `/end_weight_update`, and colocated:
    `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after;
@@ -117,7 +118,7 @@ class SyncConfig:
 
 @dataclass
 class StageReport:
-    """What one stage's emitter did in a push (seconds are wall time on that emitter)."""
+    """What one emitter did in a push (seconds are wall time on that emitter)."""
 
     stage: int
     replica: int = 0  # data-parallel replica of this emitter
@@ -144,7 +145,7 @@ def summarize(reports: Sequence[StageReport], seconds: float, prepare_s: float, 
         "sync/gb_per_s": total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "sync/buckets": float(sum(r.buckets for r in reports)),
         "sync/stages": float(len({r.stage for r in reports})),
-        "sync/senders": float(len(reports)),  # emitters: stages x sending replicas
+        "sync/senders": float(len(reports)),  # emitters: stages x sending replicas, and EP ranks' expert emitters
         "sync/prepare_s": prepare_s,
         "sync/commit_s": commit_s,
         "sync/slowest_stage": float(slowest.stage),
@@ -214,7 +215,7 @@ class WeightSync:
         """More than one emitter: the lock they hold while sending (lock.py), hosted by the
         coordinator; every rank takes part in sharing its address. None with one emitter."""
         g = self.groups
-        if g.pp_size * g.bucket_share()[1] == 1:
+        if not g.several_emitters:
             return None
         lock, box = None, [None]
         if g.is_coordinator:
@@ -391,7 +392,7 @@ class WeightSync:
             hashed = time.perf_counter()
             report.checksums.update(bucket_checksums(bucket, check_dtype))
             report.check_s += time.perf_counter() - hashed
-        if g.is_coordinator and bucket.is_last:
+        if g.is_coordinator and bucket.final:
             self._held = bucket
             return False
         sent = time.perf_counter()
@@ -427,7 +428,9 @@ class WeightSync:
 
     def _label(self) -> str:
         g = self.groups
-        return f"pipeline stage {g.pp_rank}" + (f" (DP replica {g.dp_rank})" if g.split_dp else "")
+        parts = ([f"DP replica {g.dp_rank}"] if g.split_dp and g.emits_dense else []) + \
+                ([f"experts of EP rank {g.ep_rank}"] if g.emits_experts else [])
+        return f"pipeline stage {g.pp_rank}" + (f" ({', '.join(parts)})" if parts else "")
 
     def _guard(self, step: Callable[[], None], where: Optional[str] = None) -> Optional[str]:
         """None, or the error of `step()` as text: reported to the coordinator while this rank keeps

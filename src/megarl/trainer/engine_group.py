@@ -12,6 +12,24 @@ from megarl.placement.worker_group import WorkerGroup
 from megarl.workers.train_worker import TrainWorker
 
 
+# keys of a computation's output that are a DP rank's totals over its samples ([L, E] routed tokens
+# per expert, `MegatronEngine.forward_tokens`), not rows per sample: summed over the DP ranks
+RANK_TOTALS = frozenset({"expert_tokens"})
+
+
+def join_outputs(parts: list[dict], size: int, padded: bool) -> dict[str, torch.Tensor]:
+    """The DP ranks' outputs (`parts`, in DP order) as one dict: per-sample keys concatenated and
+    cut to the batch's `size` samples, `RANK_TOTALS` keys summed. A `padded` batch's totals would
+    count its padding copies, so they are left out (exact or absent)."""
+    joined = {}
+    for key in parts[0]:
+        if key not in RANK_TOTALS:
+            joined[key] = torch.cat([p[key] for p in parts])[:size]
+        elif not padded:
+            joined[key] = torch.stack([p[key] for p in parts]).sum(0)
+    return joined
+
+
 class EngineGroup:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, devices: Devices,
                  timeout_s: float = 3600.0):
@@ -42,15 +60,15 @@ class EngineGroup:
 
     def compute(self, method: str, batch: Batch, *args) -> dict[str, torch.Tensor]:
         """A per-sample computation (log-probs, values, scores): the output ranks' dicts joined in
-        DP order. A batch that does not split evenly over the DP replicas is padded with copies of
-        its last sample, whose results are dropped."""
+        DP order (`join_outputs`). A batch that does not split evenly over the DP replicas is padded
+        with copies of its last sample, whose results are dropped."""
         size = len(batch)
         pad = -size % self.dp_size
         if pad:
             batch = Batch.concat([batch, batch.select([size - 1] * pad)])
         results = self.run_on_batch(method, batch, *args)
         parts = [results[self.output_ranks[dp]] for dp in range(self.dp_size)]
-        return {key: torch.cat([p[key] for p in parts])[:size] for key in parts[0]}
+        return join_outputs(parts, size, padded=pad > 0)
 
     def update(self, method: str, batch: Batch) -> dict[str, float]:
         """An update (update_policy, update_critic): metrics are identical on every rank; take rank 0's."""

@@ -164,11 +164,11 @@ def data_metrics(batch: Batch) -> dict:
     return metrics
 
 
-def expert_load_metrics(expert_counts: torch.Tensor) -> dict:
-    """`megarl.algos.expert_load` of the step's routing: `expert_counts` [B, layers, experts], the
-    tokens of each sample the actor's routers sent to each expert (with routing replay: the
-    rollout's routes, which the actor replays)."""
-    return expert_load(expert_counts.sum(0))
+def expert_load_metrics(expert_tokens: torch.Tensor) -> dict:
+    """`megarl.algos.expert_load` of the step's routing: `expert_tokens` [layers, experts], the
+    tokens of the step's samples (summed over the DP ranks) the actor's routers sent to each expert
+    (with routing replay: the rollout's routes, which the actor replays)."""
+    return expert_load(expert_tokens)
 
 
 def old_log_probs(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,

@@ -237,8 +237,8 @@ class RLTrainer:
             metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
             metrics.update(experience.rollout_mismatch(out["log_probs"], batch["rollout_log_probs"],
                                                        batch["response_mask"]))
-            if "expert_counts" in out:  # an MoE actor
-                metrics.update(experience.expert_load_metrics(out["expert_counts"]))
+            if "expert_tokens" in out:  # an MoE actor
+                metrics.update(experience.expert_load_metrics(out["expert_tokens"]))
         if cl.ref is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]

@@ -194,14 +194,14 @@ class MegatronEngine:
     ) -> Optional[dict]:
         """Forward-only pass over `batch`; `head` returns per micro-batch {"key": [b, R] tensor}
         for every name in `keys`. On output ranks: {key: [B, R] float32 on CPU}, rows in batch
-        order; None elsewhere. `count_experts` (an MoE model): also "expert_counts" [B, L, E]
-        int32, the tokens of each sample its routers sent to each expert (`expert_counts`)."""
+        order; None elsewhere. `count_experts` (an MoE model): also "expert_tokens" [L, E]
+        int32, the tokens of all of `batch`'s samples its routers sent to each expert (`expert_counts`)."""
         micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens)
         if count_experts and self.arch.moe is not None:
-            with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts, len(batch),
+            with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts,
                                self.device) as counter:
                 outputs = self.run(micro_batches, head, True, counter)
-            counts = counter.per_sample(self._ps.get_pipeline_model_parallel_group())
+            counts = counter.totals(self._ps.get_pipeline_model_parallel_group())
         else:
             outputs, counts = self.run(micro_batches, head, True), None
         if not self.is_output_rank:
@@ -212,7 +212,7 @@ class MegatronEngine:
             for key in keys:
                 result[key][out["rows"]] = out[key].float().cpu()
         if counts is not None:
-            result["expert_counts"] = counts
+            result["expert_tokens"] = counts
         return result
 
     # ------------------------------------------------------------------ training

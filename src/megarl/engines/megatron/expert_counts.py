@@ -1,6 +1,8 @@
-"""Expert load from the trainer's own routing: how many of each sample's tokens megatron-core's
-routers sent to each expert, per MoE layer (forward hooks on the routers; with routing replay on,
-the routes they replay).
+"""Expert load from the trainer's own routing: how many of this DP rank's tokens megatron-core's
+routers sent to each expert, per MoE layer, summed over the rank's samples (forward hooks on the
+routers; with routing replay on, the routes they replay). A total, not per sample: the controller
+only needs the step's load, and [L, E] per rank is what crosses Ray ([B, L, E] would be 25 MB of
+int32 at B=1024, L=48, E=128).
 
 Counted tokens: every real input token but each sample's last (`MicroBatch.routed_rows`), the
 positions a rollout engine routes, so with replay the counts are those of the rollout's routes.
@@ -19,12 +21,12 @@ from megarl.engines.megatron.sequences import MicroBatch
 
 
 class ExpertCounter:
-    """While open (a `with` block around a forward-only pass over a batch of B samples), counts
-    [L, B, E] int32 (L: the model's layers, E: its experts) of the routed tokens; `before_forward(mb)`
-    names the micro-batch the next forward runs on."""
+    """While open (a `with` block around a forward-only pass over a batch), counts [L, E] int32
+    (L: the model's layers, E: its experts) of the routed tokens of all its samples;
+    `before_forward(mb)` names the micro-batch the next forward runs on."""
 
-    def __init__(self, chunks: list, num_layers: int, num_experts: int, samples: int, device: torch.device):
-        self.counts = torch.zeros(num_layers, samples, num_experts, dtype=torch.int32, device=device)
+    def __init__(self, chunks: list, num_layers: int, num_experts: int, device: torch.device):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=device)
         self._routers = moe_routers(chunks)
         self._mb = None
         self._handles = []
@@ -36,7 +38,7 @@ class ExpertCounter:
         def count(_module, _inputs, outputs):
             mb = self._mb
             hits = outputs[1].index_select(0, mb.routed_rows).to(torch.int32)  # [M, E]
-            self.counts[layer].index_add_(0, mb.rows.to(hits.device)[mb.routed_samples], hits)
+            self.counts[layer] += hits.sum(0, dtype=torch.int32)
         return count
 
     def __enter__(self) -> ExpertCounter:
@@ -48,9 +50,9 @@ class ExpertCounter:
             handle.remove()
         self._handles = []
 
-    def per_sample(self, pipeline_group) -> torch.Tensor:
-        """[B, L, E] int32 on the CPU, every layer's counts (a sum over `pipeline_group`; every
+    def totals(self, pipeline_group) -> torch.Tensor:
+        """[L, E] int32 on the CPU, every layer's counts (a sum over `pipeline_group`; every
         rank of it calls this)."""
         if dist.get_world_size(pipeline_group) > 1:
             dist.all_reduce(self.counts, group=pipeline_group)
-        return self.counts.transpose(0, 1).cpu()
+        return self.counts.cpu()

@@ -88,7 +88,8 @@ class ActorEngine(MegatronEngine):
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
         """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere; an MoE
-        model adds "expert_counts" [B, L, E] int32 (its routing's expert load, `MegatronEngine.forward_tokens`).
+        model adds "expert_tokens" [L, E] int32 (its routing's expert load over this rank's samples,
+        `MegatronEngine.forward_tokens`).
         Micro-batches: rollout.log_prob_micro_batch_size_per_gpu responses, or the actor's
         token budget (ppo_max_token_len_per_gpu) with use_dynamic_bsz."""
         rollout = self.config.actor_rollout_ref.rollout

@@ -44,7 +44,6 @@ class MicroBatch:
     routes: Optional[torch.Tensor] = None  # [L, S*b or T, K] routing replay (megarl.engines.megatron.replay)
     # every real input token but each sample's last (the positions a rollout engine routes):
     routed_rows: Optional[torch.Tensor] = None  # [M] int64: its row of the flattened hidden states [S*b or T]
-    routed_samples: Optional[torch.Tensor] = None  # [M] int64: its sample, an index into `rows`
 
     @property
     def num_tokens(self) -> int:
@@ -182,5 +181,4 @@ def make_micro_batch(
         data=data,
         routes=micro_batch_routes(part, *route_args) if with_routes else None,
         routed_rows=token_rows[routed].to(device),
-        routed_samples=sample_of_token[routed].to(device),
     )
