@@ -68,7 +68,8 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
         assert [[len(s.token_ids) for s in row] for row in result.samples] == [[96, 96]] * len(prompts)
         # Restarted inside generate when the death lost prompts; when the router sent them to the
         # other server instead, by the next recover, which the push or the next generation runs first.
-        assert fleet.recover() == 1 - sum(fleet.restarts)
+        restarted_inside = sum(fleet.restarts)
+        assert fleet.recover() == 1 - restarted_inside
         assert resynced == [fleet.urls]  # the restarted server was handed to the weight sync, once
         now = fleet.workers.call("status", timeout_s=30)[1]
         assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
