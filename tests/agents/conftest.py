@@ -45,4 +45,6 @@ class SpyBackend:
 
 @pytest.fixture
 def spy(cpu_server):
-    return SpyBackend(cpu_server.url)
+    backend = SpyBackend(cpu_server.url)
+    yield backend
+    backend.client.close()

@@ -1,9 +1,11 @@
 """The CPU engine over HTTP, driven by megarl's client and admin calls: errors, auth, memory state,
 abort, and both weight-update paths (disk, and a gloo broadcast from a trainer written here)."""
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import pytest
 import requests
 import torch
@@ -36,7 +38,8 @@ def control(server):
 
 @pytest.fixture
 def client(server):
-    return RolloutClient(server.url, api_key=KEY, max_retries=2, retry_backoff_s=0.1)
+    with RolloutClient(server.url, api_key=KEY, max_retries=2, retry_backoff_s=0.1) as client:
+        yield client
 
 
 def assert_matches_hf(result, prompts, model, temperature, helpers):
@@ -105,6 +108,32 @@ def test_generate_n_samples_with_honest_logprobs(client, tiny_hf, helpers):
     assert m.response_tokens == sum(len(s.token_ids) for g in result.samples for s in g) and m.tokens_per_s > 0
 
 
+def test_the_client_keeps_one_session_for_its_life_and_close_ends_it(server, monkeypatch):
+    """generate twice (from two threads) and agenerate from another event loop: one aiohttp
+    session (counted at aiohttp's own class) and one loop thread; close() closes both."""
+    made = []
+    init = aiohttp.ClientSession.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "__init__", counted)
+    loops = lambda: sum(t.name == "megarl-rollout-client" for t in threading.enumerate())  # noqa: E731
+    before, greedy, box = loops(), SamplingParams(max_new_tokens=4, temperature=0.0), {}
+    client = RolloutClient(server.url, api_key=KEY)
+    first = client.generate(PROMPTS[:1], greedy)
+    thread = threading.Thread(target=lambda: box.update(result=client.generate(PROMPTS[:1], greedy)))
+    thread.start()
+    thread.join(60)
+    third = asyncio.run(client.agenerate(PROMPTS[:1], greedy))
+    answers = [r.samples[0][0].token_ids for r in (first, box["result"], third)]
+    assert answers[0] and answers == [answers[0]] * 3
+    assert len(made) == 1 and not made[0].closed and loops() == before + 1
+    client.close()
+    assert made[0].closed and loops() == before
+
+
 def test_unknown_sampling_key_gets_400_not_a_crash(server):
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "bogus_key": 3}}
     resp = requests.post(server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
@@ -146,6 +175,7 @@ def test_abort_returns_partial_and_unsent_samples(server):
         threading.Event().wait(0.01)
     client.abort()
     thread.join(60)
+    client.close()
     result = box["result"]
     assert all(s.finish_reason == "abort" for g in result.samples for s in g)
     assert all(len(s.token_ids) < 200 for s in result.samples[0])  # stopped while running

@@ -48,8 +48,8 @@ def test_keep_going_returns_the_prompts_that_got_no_answer():
     with socket.socket() as s:  # a port nobody listens on: every attempt is refused
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    client = RolloutClient(dead, max_retries=1, retry_backoff_s=0.01)
-    result = client.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2), keep_going=True)
+    with RolloutClient(dead, max_retries=1, retry_backoff_s=0.01) as client:
+        result = client.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2), keep_going=True)
     assert result.samples == [[], []] and sorted(result.failed) == [0, 1]
     assert "gave up after 2 attempts" in result.failed[0]
     assert [r.attempts for r in result.records] == [2, 2] and result.metrics.retried_requests == 2

@@ -70,9 +70,9 @@ def max_logprob_gap(result, model, helpers, prompts=PROMPTS):
 
 
 def generate(url, lora_name):
-    client = RolloutClient(url, max_retries=1, retry_backoff_s=0.1)
-    client.lora_name = lora_name
-    return client.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, n=2))
+    with RolloutClient(url, max_retries=1, retry_backoff_s=0.1) as client:
+        client.lora_name = lora_name
+        return client.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, n=2))
 
 
 def test_a_loaded_adapter_serves_peft_log_probs_and_the_base_stays_the_base(

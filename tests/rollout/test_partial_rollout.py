@@ -33,7 +33,8 @@ def running(control: ServerControl) -> bool:
 def generation_s(control: ServerControl, sampling: SamplingParams) -> float:
     """Wall seconds of one uninterrupted generation of PROMPT on this machine, now."""
     start = time.monotonic()
-    RolloutClient(control.url).generate([PROMPT], sampling)
+    with RolloutClient(control.url) as client:
+        client.generate([PROMPT], sampling)
     return time.monotonic() - start
 
 
@@ -55,6 +56,7 @@ def interrupted(control: ServerControl, new_dir, sampling: SamplingParams, pause
     assert not running(control)  # the continuation waits for /continue_generation
     control.continue_generation()
     thread.join(300)
+    client.close()
     return box["result"].samples[0][0]
 
 

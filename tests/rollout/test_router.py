@@ -47,8 +47,8 @@ def finished_requests(server):
 
 def test_router_spreads_a_batch_and_logprobs_match_hf(router, servers, tiny_hf, helpers):
     before = [finished_requests(s) for s in servers]
-    client = RolloutClient(router.url, api_key=KEY, abort_urls=router.worker_urls())
-    result = client.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.95, n=4))
+    with RolloutClient(router.url, api_key=KEY, abort_urls=router.worker_urls()) as client:
+        result = client.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.95, n=4))
     assert [len(samples) for samples in result.samples] == [4] * len(PROMPTS)
     for prompt, samples in zip(PROMPTS, result.samples):
         for sample in samples:
@@ -64,7 +64,8 @@ def test_deregistered_worker_gets_no_traffic_until_added_back(router, servers):
     try:
         assert router.worker_urls() == [b.url]
         before = finished_requests(a)
-        RolloutClient(router.url, api_key=KEY).generate(PROMPTS, SamplingParams(max_new_tokens=3))
+        with RolloutClient(router.url, api_key=KEY) as client:
+            client.generate(PROMPTS, SamplingParams(max_new_tokens=3))
         assert finished_requests(a) == before
     finally:
         router.add_worker(a.url)
@@ -90,6 +91,7 @@ def test_killed_server_is_restarted_and_nothing_is_lost(router, servers):
         assert not thread.is_alive(), "rollout did not finish"
     finally:
         monitor.stop()
+        client.close()
     result = box["result"]
     assert a.restarts == 1 and a.is_running() and control.health()
     assert [len(samples) for samples in result.samples] == [2] * len(prompts)  # each prompt: n, exactly once

@@ -364,8 +364,9 @@ def server_samples(url: str) -> list:
     from megarl.rollout.client import RolloutClient
     from megarl.rollout.protocol import SamplingParams
 
-    result = RolloutClient(url, max_retries=0).generate(
-        PROMPTS, SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=0.0, ignore_eos=True))
+    with RolloutClient(url, max_retries=0) as client:
+        result = client.generate(
+            PROMPTS, SamplingParams(max_new_tokens=RESPONSE_TOKENS, temperature=0.0, ignore_eos=True))
     return [(p, s[0].token_ids, s[0].logprobs, s[0].weight_version) for p, s in zip(PROMPTS, result.samples)]
 
 

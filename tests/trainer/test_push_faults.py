@@ -82,8 +82,9 @@ def logprob_gap(cluster, trainer, url: str) -> float:
     from the server at `url`."""
     prompts = trainer.train_data.take([0, 1])
     temperature = trainer.config.actor_rollout_ref.rollout.temperature
-    result = RolloutClient(url).generate([p.input_ids for p in prompts],
-                                         SamplingParams(max_new_tokens=8, temperature=temperature), seeds=[0, 1])
+    with RolloutClient(url) as client:
+        result = client.generate([p.input_ids for p in prompts],
+                                 SamplingParams(max_new_tokens=8, temperature=temperature), seeds=[0, 1])
     batch = experience.experience_batch(prompts, result.samples, uid_prefix="check")
     actor = cluster.actor.compute("compute_log_prob", batch, temperature)["log_probs"]
     return ((actor - batch["rollout_log_probs"]).abs() * batch["response_mask"]).max().item()

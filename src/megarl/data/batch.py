@@ -14,6 +14,7 @@ Batch; building one and assigning a key validate these shapes, so a mistake fail
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -178,17 +179,16 @@ class Batch:
 
 
 def _pad(seqs: Iterable[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask), both [n, longest] int64, padded with 0 on the left or the right."""
-    seqs = [list(s) for s in seqs]
-    width = max((len(s) for s in seqs), default=0)
+    """(ids, mask), both [n, longest] int64, padded with 0 on the left or the right: the mask from
+    the lengths, then every token written in one masked assignment (row-major order, as listed)."""
+    seqs = [s if isinstance(s, list) else list(s) for s in seqs]
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    width = int(lengths.max()) if len(seqs) else 0
+    columns = torch.arange(width)
+    real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]  # [n, width]
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            cols = slice(width - len(s), width) if left else slice(0, len(s))
-            ids[i, cols] = torch.tensor(s, dtype=torch.long)
-            mask[i, cols] = 1
-    return ids, mask
+    ids[real] = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    return ids, real.long()
 
 
 def _pad_dim1(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:

@@ -7,9 +7,13 @@ client keeps at most `max_concurrency` requests in flight, retries connection er
 (from any thread) stops what is queued and asks the servers to abort what is running; the partial
 samples come back with finish reason "abort".
 
-    client = RolloutClient(router.url, abort_urls=router.worker_urls())
-    result = client.generate(prompts, SamplingParams(max_new_tokens=256, temperature=1.0, n=8))
+    with RolloutClient(router.url, abort_urls=router.worker_urls()) as client:
+        result = client.generate(prompts, SamplingParams(max_new_tokens=256, temperature=1.0, n=8))
     result.samples[i][j].token_ids, .logprobs, .finish_reason;  result.metrics.as_dict()
+
+The client keeps one event loop (a daemon thread, `LoopThread`) and one aiohttp session with its
+keep-alive connections for its life, from the first call to `close()`: `generate` from any
+thread and `agenerate` from any event loop run there, not a loop and a connection per request.
 """
 from __future__ import annotations
 
@@ -24,11 +28,16 @@ from typing import Any, Optional
 import aiohttp
 
 from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.loop_thread import LoopThread
 from megarl.rollout.metrics import RequestRecord, RolloutMetrics, summarize
 from megarl.rollout.protocol import SamplingParams, error_message
 from megarl.rollout.routed_experts import decode_routed_experts, narrow_routes
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Idle keep-alive connections are closed by the client after this long (s): below uvicorn's
+# `timeout_keep_alive` (5 s by default; the CPU engine's HTTP server, and SGLang's), so the client
+# does not reuse a connection the server is closing at that moment.
+KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -158,14 +167,17 @@ class RolloutClient:
         self.routed_experts = routed_experts
         self.server_urls = server_urls or []  # the fleet's own list: a restarted server's new URL shows
         self._aborting = threading.Event()
+        self._lock = threading.Lock()  # guards `_loop`
+        self._loop: Optional[LoopThread] = None  # started by the first call
+        self._session: Optional[aiohttp.ClientSession] = None  # made and used on `_loop` only
 
     # ---------------------------------------------------------------- public API
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
         seeds: Optional[list[int]] = None, keep_going: bool = False,
     ) -> RolloutResult:
-        """Blocking form of `agenerate` (runs its own event loop)."""
-        return asyncio.run(self.agenerate(prompts, sampling, return_logprob, seeds, keep_going))
+        """Blocking form of `agenerate`, from any thread (not from inside `agenerate`)."""
+        return self._loop_thread().run(self._generate(prompts, sampling, return_logprob, seeds, keep_going))
 
     async def agenerate(
         self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = True,
@@ -176,7 +188,49 @@ class RolloutClient:
         `keep_going` comes back in `failed` with no samples while the others finish (a refused
         request, 4xx, raises either way).
         `seeds[i]` is prompt i's `sampling_seed` (its sample j uses seeds[i] + j): the same seeds
-        give the same samples whichever server answers and however requests are batched."""
+        give the same samples whichever server answers and however requests are batched.
+        Awaitable from any event loop: the requests run on the client's own."""
+        loop = self._loop_thread()
+        coroutine = self._generate(prompts, sampling, return_logprob, seeds, keep_going)
+        return await (coroutine if loop.in_loop() else loop.wrap(coroutine))
+
+    def close(self) -> None:
+        """Cancel what still runs, close the session and stop the client's loop thread. A later
+        call starts them again."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close(self._close_session)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _loop_thread(self) -> LoopThread:
+        with self._lock:
+            if self._loop is None:
+                self._loop = LoopThread("megarl-rollout-client")
+            return self._loop
+
+    def _session_here(self) -> aiohttp.ClientSession:
+        """The client's session, made on first use (on the client's loop, whose it is). No
+        connection limit: each call's semaphore bounds its own requests, as before."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+        return self._session
+
+    async def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def _generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool,
+        seeds: Optional[list[int]], keep_going: bool,
+    ) -> RolloutResult:
+        """`agenerate`, on the client's loop."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         per_prompt = [sampling if seeds is None else replace(sampling, sampling_seed=int(seeds[i]))
@@ -184,22 +238,19 @@ class RolloutClient:
         self._aborting.clear()
         started = time.monotonic()
         semaphore = asyncio.Semaphore(self.max_concurrency)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-            tasks = [
-                asyncio.create_task(
-                    self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob, keep_going))
-                for i, prompt in enumerate(prompts)
-            ]
-            try:
-                results = await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+        session = self._session_here()
+        tasks = [
+            asyncio.create_task(
+                self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob, keep_going))
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         samples, records = [s for s, _, _ in results], [r for _, r, _ in results]
         failed = {i: why for i, (_, _, why) in enumerate(results) if why is not None}
         return RolloutResult(samples, summarize(records, time.monotonic() - started), records, failed)
@@ -276,8 +327,10 @@ class RolloutClient:
         self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
     ) -> list[Sample]:
         url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         try:
-            async with session.post(url + "/generate", json=payload) as resp:
+            async with session.post(url + "/generate", json=payload, headers=headers, timeout=timeout) as resp:
                 status, raw = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None

@@ -101,6 +101,7 @@ class RolloutFleet:
         self.server_of = [server for server, _, _ in processes]  # worker rank -> server
         self.members = [[k for k, s in enumerate(self.server_of) if s == i] for i in range(role.dp)]  # node 0 first
         self.router: Optional[Router] = None
+        self.client: Optional[RolloutClient] = None  # made once the router runs
         try:
             bind = "127.0.0.1" if single_node else None
             path = config.actor_rollout_ref.model.path
@@ -149,7 +150,10 @@ class RolloutFleet:
         """`sampling.n` samples per prompt, all from live servers at `weight_version`. `seeds`:
         per-prompt sampling seeds (see RolloutClient.agenerate); a prompt sent again keeps its seed.
         Records count every attempt a prompt took, over the client's retries and the fleet's.
-        Servers found dead before, during or after are restarted (`recover`). With `recover=False`
+        Servers found dead before, or whose death lost prompts, are restarted (`recover`); one that
+        died while the router sent its work elsewhere is restarted by the next `recover`, which
+        every later use of the servers runs first (the push, `release_memory`, the next
+        generation): one status call per generation, not two. With `recover=False`
         (a thread that must not push weights: the async producer) nothing is restarted: prompts
         lost to a dead server (or one the controller restarted meanwhile) raise `GenerationInterrupted`, and `partial=` that error finishes
         the same prompts later, sending only the lost ones (answers kept carry their version)."""
@@ -187,8 +191,6 @@ class RolloutFleet:
                 index, why = next(iter(lost.items()))
                 raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
             todo = sorted(lost)
-        if recover:
-            self.recover()  # a server that died while the router sent its work elsewhere
         records = [replace(r, attempts=a) for r, a in zip(records, attempts)]
         metrics = summarize(records, time.monotonic() - started)
         self._faults["rollout_requests_retried"] += metrics.retried_requests
@@ -299,6 +301,8 @@ class RolloutFleet:
             server.resume_memory_occupation(MEMORY_AFTER_PUSH)
 
     def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()
         if self.router is not None:
             self.router.stop()
             self.router = None
