@@ -3,9 +3,9 @@
 1. a tiny Qwen2-architecture model (302k parameters, character tokenizer) and the synthetic
    2-digit addition task in verl's parquet format;
 2. SFT warm-up on the Megatron engine (configs/quickstart_sft.yaml), exported as an HF checkpoint;
-3. GRPO from that checkpoint (configs/quickstart.yaml): megatron-core TP=2 on gloo, two CPU-engine
-   rollout servers behind the real sglang-router, placed by Ray on logical GPUs, weights pushed to
-   the servers after every update;
+3. GRPO from that checkpoint (configs/quickstart.yaml): megatron-core on gloo (TP=1 on one logical
+   GPU, the layout that suits a small CPU machine), one colocated CPU-engine rollout server behind
+   the real sglang-router, placed by Ray, weights pushed to the server after every update;
 4. greedy and sampled accuracy on 512 held-out prompts after SFT and after GRPO, TensorBoard logs
    and a plot.
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="model, data and training seed")
     parser.add_argument("--grpo-steps", type=int, default=None, help="default: configs/quickstart.yaml's")
     parser.add_argument("--placement", choices=("colocate", "split"), default="colocate",
-                        help="colocate (default): training and rollout time-share 2 logical GPUs; split: 2 for "
-                        "training (TP=2) and 2 for two rollout servers")
+                        help="colocate (default): training and rollout time-share the config's logical GPU; split: "
+                        "1 logical GPU for training (TP=1) and 1 for one rollout server")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -50,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     write_task_dataset("add", out / "data", seed=args.seed)
     common = [f"trainer.default_local_dir={out / 'runs'}", f"trainer.seed={args.seed}", f"data.seed={args.seed}"]
 
-    print("== 2/3 SFT warm-up (Megatron engine, TP=2 on gloo)", flush=True)
     sft = load_and_validate(REPO / "configs/quickstart_sft.yaml", common + [
         f"actor_rollout_ref.model.path={out / 'model'}", f"data.train_files={out / 'data/sft_train.parquet'}",
         f"data.val_files={out / 'data/sft_val.parquet'}"])
+    print(f"== 2/3 SFT warm-up (Megatron engine, TP={sft.actor_rollout_ref.actor.megatron.tensor_model_parallel_size} "
+          "on gloo)", flush=True)
     warm = run_sft(sft)
     import ray
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     print("== 3/3 GRPO from the SFT checkpoint", flush=True)
     steps = [f"trainer.total_training_steps={args.grpo_steps}"] if args.grpo_steps else []
     if args.placement == "split":
-        steps += ["placement.mode=split", "placement.rollout_gpus=2", "trainer.n_gpus_per_node=4",
+        steps += ["placement.mode=split", "placement.rollout_gpus=1", "trainer.n_gpus_per_node=2",
                   "trainer.experiment_name=grpo-add-split"]
     grpo = load_and_validate(REPO / "configs/quickstart.yaml", common + steps + [
         f"actor_rollout_ref.model.path={warm}", f"data.train_files={out / 'data/train.parquet'}",

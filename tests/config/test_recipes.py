@@ -193,3 +193,23 @@ def test_a_lora_critic_holds_optimizer_states_for_its_adapters_and_value_head_on
     base = states[0] / (2 + 4 + 12 / 8)  # full fine-tuning: bf16 weight, fp32 gradient, Adam over DP 8
     trainable = adapters + h
     assert states[32] == pytest.approx((base + adapters) * 2 + trainable * (4 + 12 / 8), abs=0.011 * 2**30)
+
+
+# The small-machine layout (issue 28): on a 2-core machine two TP ranks and two servers only share the
+# cores (tools/bench/README.md, "Quickstart layouts": 1.15 s/step at TP=2 with two servers, 0.93 at
+# TP=1 with one). The tests that cover TP=2, DP=2, two servers and split placement set those keys.
+CPU_CONFIGS = ["quickstart.yaml", "quickstart_sft.yaml", *sorted(f"tiny/{p.name}" for p in (REPO / "configs/tiny").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_cpu_configs_run_one_logical_gpu_at_tp1_with_one_colocated_server(name):
+    from megarl.config.validate import batch_plan
+
+    config = load_and_validate(REPO / "configs" / name)
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node, config.placement.mode) == (1, 1, "colocate")
+    roles = {"actor": config.actor_rollout_ref.actor.megatron, "ref": config.actor_rollout_ref.ref.megatron,
+             "critic": config.critic.megatron, "reward_model": config.reward_model.megatron}
+    for role, m in roles.items():
+        assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) == (1, 1), f"{name}: {role}"
+    plan = batch_plan(config)
+    assert (plan.rollout_servers, plan.actor_dp) == (1, 1), name

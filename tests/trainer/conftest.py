@@ -65,9 +65,10 @@ def tiny_grpo_cluster():
 
 @contextlib.contextmanager
 def _tiny_grpo_cluster(tiny_assets: Path, out_dir: Path, *overrides: str):
-    """(cluster, trainer) of configs/tiny/grpo.yaml on `tiny_assets` (TP=2 actor, two colocated
-    CPU-engine servers, 4 prompts per step, one server restart allowed, no validation set), torn
-    down on exit; needs a Ray session with 2 GPUs (`ray_two_gpus`)."""
+    """(cluster, trainer) of configs/tiny/grpo.yaml on `tiny_assets` at TP=2 on two logical GPUs
+    (set here: the config's own layout is one GPU; so a TP=2 actor and two colocated CPU-engine
+    servers, which the fault tests need), 4 prompts per step, one server restart allowed, no
+    validation set, torn down on exit; needs a Ray session with 2 GPUs (`ray_two_gpus`)."""
     from transformers import AutoTokenizer
 
     from megarl.config import load_and_validate
@@ -78,7 +79,8 @@ def _tiny_grpo_cluster(tiny_assets: Path, out_dir: Path, *overrides: str):
     config = load_and_validate(str(REPO / "configs/tiny/grpo.yaml"), [
         f"actor_rollout_ref.model.path={tiny_assets / 'model'}",
         f"data.train_files={tiny_assets / 'data/train.parquet'}",
-        "data.val_files=[]", f"trainer.default_local_dir={out_dir}",
+        "data.val_files=[]", f"trainer.default_local_dir={out_dir}", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.max_server_restarts=1", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", *overrides,
     ])

@@ -1,5 +1,6 @@
 """DPO end to end on CPU: `python -m megarl.trainer.main_dpo` with the tiny model, policy and frozen
-reference on the Megatron engine (TP=2 on gloo) placed by Ray on logical GPUs.
+reference on the Megatron engine (configs/tiny/dpo.yaml's layout: TP=1 on one logical GPU) placed by
+Ray.
 
 The run trains 4 steps on the same 32 synthetic pairs (the whole training set each step), so the
 reward margin on those pairs can be followed step by step and the reference's log-probs of them

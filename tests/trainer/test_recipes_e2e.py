@@ -1,10 +1,12 @@
 """Every tiny RL recipe (configs/tiny/*.yaml) end to end on CPU, checking that what makes the
 algorithm that algorithm actually happened in the loop.
 
-One Ray session serves all recipes; each recipe brings up its own cluster (real megatron-core at
-TP=2 on gloo, CPU-engine rollout servers behind the router), runs one `RLTrainer.train_step` and
-is inspected through the step's metrics and the batch the actor was updated on (captured on its way
-into `EngineGroup.update`).
+One Ray session serves all recipes; each recipe brings up its own cluster (real megatron-core on
+gloo, CPU-engine rollout servers behind the router), runs one `RLTrainer.train_step` and is
+inspected through the step's metrics and the batch the actor was updated on (captured on its way
+into `EngineGroup.update`). The algorithm tests run the recipes' own small layout (one logical GPU:
+TP=1, one server); the tests of what a layout changes (a critic at TP=2, the tensor transport's
+per-rank copies, TP-sharded LoRA adapters, routing replay over DP ranks) set theirs (`TWO_GPUS_TP2`, `TWO_GPUS_DP2`).
 
 The reward is this file's `first_char_is_digit`: about one response in five of the random tiny model
 starts with a digit, so groups of four responses are a mix of informative groups and groups whose
@@ -29,7 +31,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
-GPUS = 2  # logical GPUs of every configs/tiny recipe
+GPUS = 2  # logical GPUs of the Ray session: the configs/tiny recipes use 1, the layouts below 2
+# The layout every configs/tiny recipe had before they moved to one GPU (issue 28): actor TP=2 on two
+# logical GPUs, two colocated rollout servers.
+TWO_GPUS_TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+TWO_GPUS_DP2 = ("trainer.n_gpus_per_node=2",)  # with a TP=1 recipe: actor DP=2, two colocated servers
 TOL = 1e-5
 
 
@@ -140,7 +146,9 @@ def informative(batch: Batch) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------ the recipes
 def test_ppo_critic_values_and_gae(ray_session, tiny_assets, tmp_path):
-    run = run_recipe("ppo", tiny_assets, tmp_path)
+    # the layout this recipe had before issue 28: actor and critic at TP=2, two servers
+    run = run_recipe("ppo", tiny_assets, tmp_path, *TWO_GPUS_TP2, "critic.megatron.tensor_model_parallel_size=2")
+    assert run.config.critic.megatron.tensor_model_parallel_size == 2
     batch, m = run.actor_batches[0], run.metrics
     assert "values" in batch and batch["values"].shape == batch["response_mask"].shape
     assert len(run.critic_batches) == 1 and m["timing/update_critic_s"] > 0 and m["timing/values_s"] > 0
@@ -371,8 +379,10 @@ def test_grpo_with_the_tensor_transport_serves_the_pushed_weights(ray_session, t
     """Colocated on CPU, `weight_sync_transport=tensor` shares each bucket with the CPU engine through
     shared memory (`/update_weights_from_tensor`, SGLang's request shape). Step 2 generates with the
     weights pushed after step 1's update: the servers' log-probs of what they sampled equal the
-    actor's (run_recipe's check, < 1e-4 in fp32), so the pushed weights are the actor's."""
-    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.weight_sync_transport=tensor", steps=2)
+    actor's (run_recipe's check, < 1e-4 in fp32), so the pushed weights are the actor's. At TP=2 with
+    two servers: each actor rank copies for the server on its GPU."""
+    run = run_recipe("grpo", tiny_assets, tmp_path, *TWO_GPUS_TP2, "actor_rollout_ref.rollout.weight_sync_transport=tensor",
+                     steps=2)
     assert run.config.actor_rollout_ref.rollout.weight_sync_transport == "tensor"
     m = run.metrics
     assert m["sync/bytes"] > 0 and m["sync/weight_version"] == 2, m
@@ -388,7 +398,7 @@ def test_grpo_lora_trains_adapters_and_the_servers_serve_them(sync, ray_session,
     weights, the base restored after). Step 2 samples from what was pushed after step 1's update:
     the servers' log-probs equal the actor's (run_recipe's check, < 1e-4 in fp32), and those
     differ from the step-1 policy's, so the servers apply the trained adapters."""
-    run = run_recipe("grpo_lora", tiny_assets, tmp_path, "actor_rollout_ref.actor.use_kl_loss=true",
+    run = run_recipe("grpo_lora", tiny_assets, tmp_path, *TWO_GPUS_TP2, "actor_rollout_ref.actor.use_kl_loss=true",
                      f"actor_rollout_ref.model.lora.sync={sync}", steps=2)
     assert run.config.actor_rollout_ref.model.lora.rank == 8
     assert run.config.actor_rollout_ref.model.lora.sync == sync
@@ -411,12 +421,13 @@ def test_grpo_moe_replays_the_rollouts_routes(ray_session, tiny_assets, tmp_path
     """configs/tiny/grpo_moe.yaml: a tiny Qwen3-MoE with routing replay. The CPU engine's routes
     come back with every sample and ride in the batch ([B, R, layers, top_k] uint8, 0 on the
     last token, which was never an input); the actor scores with them: its log-probs equal the
-    rollout's at both steps (the second after a push), the one update of a step (the whole batch
+    rollout's at both steps (the second after a push; DP=2), the one update of a step (the whole batch
     is one mini-batch) starts from ppo_kl exactly 0, and the expert-load metrics are logged."""
     from megarl.data.tiny_model import make_tiny_model
 
     moe = make_tiny_model("qwen3_moe", tmp_path / "moe_model", seed=0)
-    run = run_recipe("grpo_moe", tiny_assets, tmp_path, f"actor_rollout_ref.model.path={moe}", steps=2)
+    run = run_recipe("grpo_moe", tiny_assets, tmp_path, *TWO_GPUS_DP2, f"actor_rollout_ref.model.path={moe}", steps=2)
+    assert run.config.trainer.n_gpus_per_node == 2  # DP=2: each rank replays the routes of its half of the batch
     m = run.metrics
     assert m["training/rollout_log_probs_diff_max"] <= TOL and m["sync/weight_version"] == 2, m
     assert m["actor/ppo_kl"] == 0.0 and m["actor/grad_norm"] > 0, m

@@ -18,7 +18,10 @@ from transformers import AutoModelForCausalLM
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # four runs of the trainer
 
 STEPS = 3
-ARGS = (f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
+# TP=2 on two logical GPUs with two servers (configs/tiny/grpo.yaml runs one): a sharded checkpoint,
+# and seeded sampling that must repeat whichever server the router picks
+ARGS = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.logger=[console]",
         f"custom_reward_function.path={Path(__file__).with_name('varied_reward.py')}")
 COMPARED = ("actor/", "reward/", "response_length/", "prompt_length/", "advantages/")

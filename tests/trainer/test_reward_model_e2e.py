@@ -23,7 +23,9 @@ from megarl.trainer.rl import RLTrainer, Timer
 
 REPO = Path(__file__).resolve().parents[2]
 
-# the end-to-end tests share one Ray cluster (actor TP2, reward model DP2, two rollout servers)
+# the end-to-end tests share one Ray cluster (actor TP2, reward model DP2, two rollout servers): the
+# layout grpo_rm.yaml had before configs/tiny moved to one logical GPU (issue 28), set here
+LAYOUT = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
 SLOW = pytest.mark.slow
 
 
@@ -47,7 +49,7 @@ def experiment(tiny: Path, *overrides: str):
     return load_and_validate(REPO / "configs/tiny/grpo_rm.yaml", [
         f"actor_rollout_ref.model.path={tiny / 'model'}", f"reward_model.model.path={tiny / 'reward_model'}",
         f"data.train_files={tiny / 'data/train.parquet'}", f"data.val_files={tiny / 'data/val.parquet'}",
-        f"trainer.default_local_dir={tiny / 'out'}", "trainer.logger=[console]", *overrides])
+        f"trainer.default_local_dir={tiny / 'out'}", "trainer.logger=[console]", *LAYOUT, *overrides])
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The RL loop end to end on CPU: real megatron-core (TP=2 on gloo), CPU-engine rollout servers behind
-the real sglang-router, Ray placement on logical GPUs, weight sync, TensorBoard logs.
+the real sglang-router, Ray placement on logical GPUs, weight sync, TensorBoard logs. configs/tiny/grpo.yaml
+runs one logical GPU (TP=1, one server); every test here sets the layout it covers (`TP2`).
 
 Each run is `python -m megarl.trainer.main_ppo` in its own process session, killed as a group if it
 overruns, and checked through the files it leaves: metrics.jsonl, TensorBoard events, the plot.
@@ -17,6 +18,7 @@ from megarl.data.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400
+TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
 
 pytestmark = pytest.mark.slow
 
@@ -65,21 +67,25 @@ def check_steps(rows: list[dict], steps: int, phases=PHASES) -> list[dict]:
 
 
 def test_grpo_colocated(tiny, tmp_path, run_to_completion):
+    # TP=2 actor colocated with two servers behind the router.
     # One mini-batch per step: the update's first (only) pass sees ratio 1 exactly, so ppo_kl is 0.
-    rows = run_experiment(run_to_completion, tiny, tmp_path, "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    rows = run_experiment(run_to_completion, tiny, tmp_path, *TP2, "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     train = check_steps(rows, 2)
     assert train[0]["actor/ppo_kl"] == 0.0
     assert train[0]["actor/ratio_max"] == 1.0 and train[0]["actor/ratio_min"] == 1.0
 
 
 def test_grpo_split(tiny, tmp_path, run_to_completion):
-    rows = run_experiment(run_to_completion, tiny, tmp_path, "placement.mode=split", "placement.rollout_gpus=2",
+    # a TP=2 actor on 2 logical GPUs, two servers on the other 2
+    rows = run_experiment(run_to_completion, tiny, tmp_path, *TP2, "placement.mode=split", "placement.rollout_gpus=2",
                           "trainer.n_gpus_per_node=4")
     check_steps(rows, 2)
 
 
 def test_ppo_with_critic_and_kl_in_reward(tiny, tmp_path, run_to_completion):
-    rows = run_experiment(run_to_completion, tiny, tmp_path, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+    # a TP=2 actor and a DP=2 critic (the critic's layout is its own, TP=1 by default), two servers
+    rows = run_experiment(run_to_completion, tiny, tmp_path, *TP2, "algorithm.adv_estimator=gae",
+                          "algorithm.use_kl_in_reward=true",
                           "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.optim.lr=1e-3")
     train = check_steps(rows, 2, PHASES + ("ref_log_prob", "values", "update_critic"))
     for row in train:

@@ -30,7 +30,7 @@ from pathlib import Path
 from bench_common import DEFAULT_OUT, print_table, spread, write_result
 from megarl_run import run_grpo, steady, warm_start
 
-SPLIT = ["placement.mode=split", "placement.rollout_gpus=1",
+SPLIT = ["placement.mode=split", "trainer.n_gpus_per_node=2", "placement.rollout_gpus=1",
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
          "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"]
 MODES = {
