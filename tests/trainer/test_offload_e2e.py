@@ -1,5 +1,6 @@
-"""Colocated offload end to end on CPU: configs/tiny/grpo.yaml (TP=2 actor, a reference model for
-the KL loss, two colocated CPU-engine servers) for 2 steps with the actor's parameters, gradients
+"""Colocated offload end to end on CPU: configs/tiny/grpo.yaml on one logical GPU (TP=1 actor, a
+reference model for the KL loss, one colocated CPU-engine server; offloading is per rank, so more
+ranks add nothing here but CI time) for 2 steps with the actor's parameters, gradients
 and optimizer state and the reference model's parameters offloaded while generating, against the
 same run with offload off.
 
@@ -29,7 +30,9 @@ OFFLOAD = ("actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout
 # The reference model's layout is set in both runs: a `ref.megatron` section with any key set
 # (param_offload) no longer inherits the actor's (config/validate.py).
 WITH_REF = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2")
+            "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1")
+SERVERS = 1  # one colocated server per logical GPU
 # Metrics that measure time, not the computation; and the servers' log-probs against the actor's
 # (`training/rollout_*`): the CPU engine's numbers move in the last bits with how it batched the
 # concurrent requests, which timing decides (the sampled tokens do not).
@@ -164,7 +167,7 @@ def test_servers_release_their_memory_before_the_engines_initialise(runs):
     inits = [e for e in start if e[0] == "init"]
     assert [e[1] for e in inits] == ["actor", "ref"]
     for _, role, memory in inits:
-        assert memory == [["cuda_graph", "kv_cache", "weights"]] * 2, (role, memory)
+        assert memory == [["cuda_graph", "kv_cache", "weights"]] * SERVERS, (role, memory)
     # then the first push (the servers' weights back), the planned offload, the KV cache back
     assert start[len(start) - 4:] == [("push", "actor"), ("offload", "actor"), ("offload", "ref"), ("resume_kv",)]
 
@@ -186,9 +189,9 @@ def test_a_checkpoint_onloads_the_roles_and_gives_the_servers_their_weights_back
     events, written, versions = on["save"]
     assert events == [("release",), ("onload", "actor"), ("onload", "ref"), ("push", "actor"), ("offload", "actor"),
                       ("offload", "ref"), ("resume_kv",)]
-    assert written and versions == [str(STEPS)] * 2  # pushed again at the same version
+    assert written and versions == [str(STEPS)] * SERVERS  # pushed again at the same version
     events, written, versions = off["save"]
-    assert events == [] and written and versions == [str(STEPS)] * 2
+    assert events == [] and written and versions == [str(STEPS)] * SERVERS
 
 
 def test_offload_on_is_bit_identical_to_offload_off(runs):
