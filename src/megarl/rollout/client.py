@@ -216,9 +216,13 @@ class RolloutClient:
 
     def _session_here(self) -> aiohttp.ClientSession:
         """The client's session, made on first use (on the client's loop, whose it is). No
-        connection limit: each call's semaphore bounds its own requests, as before."""
+        connection limit: each call's semaphore bounds its own requests, as before. Every request
+        carries the client's API key and `request_timeout_s`."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
         return self._session
 
     async def _close_session(self) -> None:
@@ -327,10 +331,8 @@ class RolloutClient:
         self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
     ) -> list[Sample]:
         url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         try:
-            async with session.post(url + "/generate", json=payload, headers=headers, timeout=timeout) as resp:
+            async with session.post(url + "/generate", json=payload) as resp:
                 status, raw = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None
