@@ -323,8 +323,8 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
         prompts = [[1, 10, 11, 12], [1, 20, 5, 30, 7], [1, 40, 41]]
 
         def difference_to_actor() -> float:
-            out = RolloutClient(server.url, max_retries=0).generate(
-                prompts, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+            with RolloutClient(server.url, max_retries=0) as client:
+                out = client.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
             samples = [s[0] for s in out.samples]
             batch = Batch.from_token_lists(prompts, [s.token_ids for s in samples])
             ours = engine.compute_log_prob(batch, 1.0)["log_probs"]

@@ -180,6 +180,7 @@ def main() -> int:
     print(f"logs: {args.log_dir}", flush=True)
     group = None
     control = ServerControl(server.url)
+    client = RolloutClient(router.url, abort_urls=[server.url])
     try:
         print("1. SGLang server", flush=True)
         start = time.perf_counter()
@@ -194,7 +195,6 @@ def main() -> int:
         vocab = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").config.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(100, min(vocab, 30000), (args.prompts, 64), generator=g).tolist()
-        client = RolloutClient(router.url, abort_urls=[server.url])
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n, ignore_eos=True)
         result = client.generate(prompts, sampling)
         m = result.metrics
@@ -262,6 +262,7 @@ def main() -> int:
         result = client.generate(prompts[:8], SamplingParams(max_new_tokens=16, n=2))
         check(all(len(s) == 2 for s in result.samples), "generation works after the cycle")
     finally:
+        client.close()
         if group is not None:
             try:
                 control.destroy_weights_update_group("megarl_smoke")

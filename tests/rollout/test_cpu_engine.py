@@ -345,3 +345,35 @@ def test_a_weight_update_waits_for_the_batch_and_late_requests_wait_for_the_upda
         assert (torch.tensor(late.logprobs) - expected).abs().max() < 1e-4
     finally:
         engine.load_weights([("lm_head.weight", original)])
+
+
+def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf):
+    """The prefill runs once per distinct prompt (a request's n samples, and equal prompts of other
+    requests), then each row holds its own prompt's keys, values and logits. [0, 5, 6, 7] left-padded
+    looks like [5, 6, 7] with its pad id 0: the attention mask keeps them apart. Oracle: HF's logits of
+    each row's own sequence, at the prefill and after two greedy steps."""
+    from megarl.rollout.cpu_engine import Sequence
+
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3 + [[0, 5, 6, 7], PROMPTS[0]]
+    seqs = [Sequence("r", 0, list(p), SamplingParams(max_new_tokens=4), False, None, None) for p in prompts]
+    forward_rows = []
+    hook = engine.model.register_forward_pre_hook(lambda _, args, kwargs: forward_rows.append(len(kwargs["input_ids"])),
+                                                  with_kwargs=True)
+    try:
+        with engine.exclusive_model() as model, torch.no_grad():
+            rows, cache, logits = engine._prefill(model, seqs, 4)
+            for step in range(3):
+                for row, seq in enumerate(rows.seqs):
+                    full = torch.tensor([seq.prompt_ids + rows.token_ids(row)])
+                    expected = tiny_hf(input_ids=full).logits[0, -1]
+                    assert torch.allclose(logits[row], expected, atol=1e-5), (step, row)
+                if step == 2:
+                    break
+                tokens = logits.argmax(-1)
+                rows.record(tokens, torch.zeros(len(rows)))
+                logits = engine._forward(model, tokens[:, None], rows.attention_mask(rows.length + 1), rows.next_pos,
+                                         cache)
+                rows.fed()
+    finally:
+        hook.remove()
+    assert forward_rows == [3, 8, 8]  # the prefill: 3 distinct prompts; each decode step: every row

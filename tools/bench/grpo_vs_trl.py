@@ -50,6 +50,14 @@ def run_trl(python: str, warm: dict, workdir: Path, name: str, args, seed: int) 
     return {**result, "command": " ".join(command[1:]), "load_before": load_before, "load_after": load_average()}
 
 
+def quickstart_dp() -> int:
+    """The actor's data-parallel size in configs/quickstart.yaml's layout."""
+    from megarl.config import load_and_validate
+    from megarl.config.validate import batch_plan
+
+    return batch_plan(load_and_validate(str(REPO / "configs" / "quickstart.yaml"))).actor_dp
+
+
 def figures(run: dict) -> dict:
     """Steady-state seconds per step and generated tokens/s of one run."""
     seconds, tokens = steady(run["step_s"]), steady(run["response_tokens"])
@@ -74,7 +82,8 @@ def main() -> None:
     warm = warm_start(args.workdir, args.sft_steps)
     megarl_overrides = [f"data.train_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.n}",
                         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
-                        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.mini_batch * args.n}",
+                        # one micro-batch per mini-batch on each data-parallel rank
+                        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.mini_batch * args.n // quickstart_dp()}",
                         f"data.max_response_length={args.response_length}"]
     runs = []
     for rep in range(args.repeats):

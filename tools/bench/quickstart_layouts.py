@@ -18,10 +18,13 @@ from megarl_run import run_grpo, steady, warm_start
 
 TP2 = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"
 TP1 = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"
-LAYOUTS = {  # name -> overrides of configs/quickstart.yaml
-    "tp2_colocated_2_servers": ["trainer.n_gpus_per_node=2", TP2],
-    "tp1_colocated_1_server": ["trainer.n_gpus_per_node=1", TP1],
-    "tp1_split_1_server": ["trainer.n_gpus_per_node=2", TP1, "placement.mode=split", "placement.rollout_gpus=1"],
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={}"  # one micro-batch per mini-batch and rank
+LAYOUTS = {  # name -> overrides of configs/quickstart.yaml (whose own layout is tp1_colocated_1_server)
+    "tp2_colocated_2_servers": ["trainer.n_gpus_per_node=2", TP2, MICRO.format(128)],
+    "tp1_colocated_1_server": ["trainer.n_gpus_per_node=1", TP1, MICRO.format(128)],
+    "tp1_split_1_server": ["trainer.n_gpus_per_node=2", TP1, "placement.mode=split", "placement.rollout_gpus=1",
+                           MICRO.format(128)],
+    "tp1_dp2_colocated_2_servers": ["trainer.n_gpus_per_node=2", TP1, MICRO.format(64)],
 }
 PHASES = ("generate", "reward", "old_log_prob", "update_actor", "sync_weights")
 

@@ -119,8 +119,8 @@ def main() -> None:
         server = ServerProcess("bench-cpu-server", command, f"http://127.0.0.1:{port}", startup_timeout_s=300)
         server.start()
         me = (psutil.Process().pid,)
+        client = RolloutClient(server.url, max_concurrency=args.prompts)
         try:
-            client = RolloutClient(server.url, max_concurrency=args.prompts)
             methods = {
                 "hf_generate": (lambda: run_hf_generate(model, prompts, args.n, args.max_new_tokens), me),
                 "engine": (lambda: run_engine(engine, prompts, sampling), me),
@@ -133,6 +133,7 @@ def main() -> None:
                     if round_:
                         runs[name].append((wall, cpu))
         finally:
+            client.close()
             server.stop()
             engine.shutdown()
 

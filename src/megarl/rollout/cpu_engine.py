@@ -43,7 +43,7 @@ from transformers import (
 from megarl.rollout.checkpoint_names import checkpoint_tensor
 from megarl.rollout.decode_rows import DecodeRows
 from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied
-from megarl.rollout.kv_cache import append_rows, can_append_rows, preallocated_cache
+from megarl.rollout.kv_cache import append_rows, can_append_rows, gather_rows, is_preallocated, preallocated_cache
 from megarl.rollout.protocol import (
     BadRequestError,
     SamplingParams,
@@ -513,12 +513,16 @@ class CPUEngine:
         )
         return out.logits[:, -1, :].float()
 
-    def _record_routes(self, active: list[Sequence], input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def _record_routes(self, active: list[Sequence], input_ids: torch.Tensor, mask: torch.Tensor,
+                       row_of: Optional[torch.Tensor] = None) -> None:
         """After a forward on `input_ids` [B, T]: append each asking sequence's routes at its real
-        (mask 1) positions of the last T columns."""
+        (mask 1) positions of the last T columns. `row_of[i]`: the forward's row of sequence i (a
+        shared prefill's distinct prompts; default row i)."""
         if self._route_recorder is None:
             return
         routes = self._route_recorder.take(*input_ids.shape)
+        if row_of is not None:
+            routes, mask = routes[row_of], mask[row_of]
         real = mask[:, -input_ids.shape[1]:].bool()
         for row, seq in enumerate(active):
             if seq.routed_experts_start_len is not None:
@@ -541,10 +545,19 @@ class CPUEngine:
         plus `extra_columns`, logits [B, V] of each row's last prompt token)."""
         rows = DecodeRows.for_prompts(seqs, self.vocab_size, self.eos_token_ids)
         input_ids, mask = rows.prompt_ids(), rows.attention_mask(rows.length)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = preallocated_cache(self.config, rows.length + extra_columns)
+        # each distinct prompt once (a request's n samples share it, as in SGLang's prefix cache),
+        # its keys, values and logits then copied to its samples' rows
+        shared = is_preallocated(cache)
+        if shared:
+            distinct, row_of = torch.unique(torch.cat([input_ids, mask], dim=1), dim=0, return_inverse=True)
+            input_ids, mask = distinct[:, :rows.length], distinct[:, rows.length:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(model, input_ids, mask, positions, cache)
-        self._record_routes(seqs, input_ids, mask)
+        if shared:
+            gather_rows(cache, row_of)
+            logits = logits[row_of]
+        self._record_routes(seqs, input_ids, mask, row_of if shared else None)
         return rows, cache, logits
 
     def _join(self, model, adapter: Optional[LoadedAdapter], rows: DecodeRows, cache, logits: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ each step's keys/values in place, handing attention a view of the filled positio
 same shapes as `DynamicLayer`, no copy per token. Other layer kinds (sliding windows, indexers)
 stay as transformers builds them.
 
+`gather_rows` spreads a prefill made once per distinct prompt to the rows of its samples (a prompt
+asked for n samples is prefilled once, as SGLang's prefix cache shares it).
+
 `append_rows` joins a cache prefilled for newcomers to a running batch's (continuous batching):
 both sides' filled columns end at the same column, the shorter side's rows gain zero keys and
 values on the left, which the caller masks out (`decode_rows.DecodeRows.attention_mask`). Keys are
@@ -62,6 +65,12 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = self._key_buffer[:rows], self._value_buffer[:rows]
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
+    def gather_rows(self, index: torch.Tensor) -> None:
+        """Row i becomes a copy of row `index[i]` (rows may repeat), in new buffers of the same capacity."""
+        length = self.keys.shape[-2]
+        self._key_buffer, self._value_buffer = self._key_buffer[index], self._value_buffer[index]
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
     def append_rows(self, other: PreallocatedLayer, capacity: int) -> None:
         """Rows of `other` after this layer's, both ending at the longer filled length, in new
         buffers of `capacity` positions; the columns left of a side's own are zeros."""
@@ -91,6 +100,18 @@ def preallocated_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def is_preallocated(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` is a `PreallocatedLayer` (no sliding windows or other kinds)."""
+    return all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+def gather_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Row i of every (filled, preallocated) layer becomes a copy of row `index[i]`: a prefill of each
+    distinct prompt once, spread to the rows of its samples."""
+    for layer in cache.layers:
+        layer.gather_rows(index)
 
 
 def can_append_rows(cache: DynamicCache) -> bool:

@@ -37,6 +37,7 @@ their share of a bucket. The conversion allocates nothing of a bucket's size.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -140,11 +141,13 @@ class PlannedParam:
     copies: tuple[Copy, ...] = ()  # how its HF tensors are written from the shards (`copy_runs`)
 
 
+@functools.lru_cache(maxsize=65536)  # pure (frozen arguments, immutable result): each push plans again
 def copy_runs(weights: WeightMap, name: str, split: TPSplit, pieces: int) -> tuple[Copy, ...]:
     """The runs that write `name`'s HF tensors from its `pieces` shards, in rank order (1: the
     full tensor), split as `split` says: rank k's shard of a stride-s split holds part p of the
     merged tensor's s parts at its rows [p*c, (p+1)*c) (`sharding.unshard_tp`). A split over dim 1
-    has one HF tensor, the merged one (megatron's row-parallel weights)."""
+    has one HF tensor, the merged one (megatron's row-parallel weights). Memoised: every push plans
+    its buckets again (the plans hold the live parameters), and these runs were most of that."""
     full_rows = weights.mcore_shape(name)[0]
     if split.dim == 1:
         (_, rows), = weights.hf_rows(name)
