@@ -37,7 +37,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The GPU locks of both lines (resolves with each line's pip; installs nothing): requirements/gpu-py3*.lock
 lock: install install-py312

