@@ -548,10 +548,12 @@ class CPUEngine:
         cache = preallocated_cache(self.config, rows.length + extra_columns)
         # each distinct prompt once (a request's n samples share it, as in SGLang's prefix cache),
         # its keys, values and logits then copied to its samples' rows
-        shared = is_preallocated(cache)
-        if shared:
+        shared = False
+        if is_preallocated(cache):
             distinct, row_of = torch.unique(torch.cat([input_ids, mask], dim=1), dim=0, return_inverse=True)
-            input_ids, mask = distinct[:, :rows.length], distinct[:, rows.length:]
+            shared = len(distinct) < len(seqs)  # else nothing to share: no copy of the cache
+            if shared:
+                input_ids, mask = distinct[:, :rows.length], distinct[:, rows.length:]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(model, input_ids, mask, positions, cache)
         if shared:
