@@ -258,6 +258,26 @@ def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def timed_rollouts(generate, seconds: dict):
+    """`generate` (a producer's `_generate`) that also keeps each uninterrupted rollout's wall seconds,
+    by index, in `seconds`."""
+    def timed(index, version, prompt_indices, partial=None):
+        start = time.monotonic()
+        rollout = generate(index, version, prompt_indices, partial)
+        if partial is None:
+            seconds.setdefault(index, time.monotonic() - start)
+        return rollout
+
+    return timed
+
+
+def some_tokens_in(seconds: dict) -> None:
+    """Wait a third of rollout 0's generation (the same batch and lengths as the one running, which the
+    push's work beside it only slows): some of the running rollout's tokens are generated, most are
+    not. A fixed wait is not: a CI machine generated the 64 tokens within 0.2 s."""
+    time.sleep(seconds[0] / 3)
+
+
 def record_takes(run, keep) -> list:
     """Make `run.take_rollout` append `keep(batch, metrics)` of every batch it hands the step, in
     order, to the list returned."""
@@ -353,7 +373,8 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     cluster, trainer, _ = split_cluster
     run = partial_run(trainer, monkeypatch, "partial")
     fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
-    push_due, generate, produced = threading.Event(), run.producer._generate, {}
+    seconds = {}
+    push_due, generate, produced = threading.Event(), timed_rollouts(run.producer._generate, seconds), {}
     fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
 
     def late(index, version, prompt_indices, partial=None):
@@ -371,7 +392,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
             while control.server_info()["internal_states"][0]["num_running_requests"] == 0:
                 assert time.monotonic() < deadline, "rollout 1 never ran"
                 time.sleep(0.005)
-            time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
+            some_tokens_in(seconds)  # from the first weights
         pauses.append(time.monotonic())
         return pause()
 
@@ -565,7 +586,8 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
     if fleet.weight_version is None:  # the servers' weights must differ from those a restart loads
         cluster.sync_weights()
     started, restarts_before = control.weight_version(), fleet.restarts[0]
-    push_due, generate = threading.Event(), run.producer._generate
+    seconds = {}
+    push_due, generate = threading.Event(), timed_rollouts(run.producer._generate, seconds)
 
     def late(index, version, prompt_indices, partial=None):
         if index == 1 and partial is None:  # starts only once step 0 is at its push
@@ -587,7 +609,7 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
         if not push_due.is_set():
             push_due.set()
             wait_for(lambda: state("num_running_requests") > 0, "rollout 1 never ran")
-            time.sleep(0.2)  # some tokens from the first weights (tens of ms each here)
+            some_tokens_in(seconds)  # from the first weights
         paused.append(pause())
         return paused[-1]
 

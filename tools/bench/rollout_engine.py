@@ -89,6 +89,12 @@ def measure(fn, pids: tuple[int, ...]) -> tuple[float, float]:
     return time.perf_counter() - start, cpu_seconds(pids) - cpu
 
 
+def ratio_or_none(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator; None when the denominator is 0 (a tiny batch's CPU time can be below the
+    clock's tick, 10 ms on Linux), printed as '-'."""
+    return numerator / denominator if denominator > 0 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="CPU engine vs transformers generate, tokens/s")
     p.add_argument("--hidden", type=int, default=64)
@@ -148,7 +154,8 @@ def main() -> None:
         ratios = [h / w for (h, _), (w, _) in zip(hf, values)]
         rows.append({"method": name, "seconds": wall, "tokens_per_s": tokens / wall,
                      "speed_vs_hf_generate": min(w for w, _ in hf) / wall, "ratio_per_round": spread(ratios),
-                     "cpu_seconds": cpu, "cpu_vs_hf_generate": min(c for _, c in hf) / cpu, "runs": values})
+                     "cpu_seconds": cpu, "cpu_vs_hf_generate": ratio_or_none(min(c for _, c in hf), cpu),
+                     "runs": values})
     for row in rows:
         row["ratio_min"], row["ratio_max"] = row["ratio_per_round"]["min"], row["ratio_per_round"]["max"]
     print_table(rows, [("method", "method", "s"), ("seconds", "best s", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
