@@ -14,6 +14,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from megarl.placement import ClusterSpec, RoleSpec, plan_placement  # noqa: E402
 from megarl.placement.ray_pools import NODE_RANK_LABEL, PlacementTimeout, create_pools  # noqa: E402
+from megarl.placement import worker_group  # noqa: E402
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError  # noqa: E402
 from megarl.workers.base import RankedWorker  # noqa: E402
 
@@ -70,6 +71,13 @@ class Probe(RankedWorker):
 
     def leave(self) -> None:
         ray.actor.exit_actor()
+
+
+class NeverJoinsOnRank1(Probe):
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
+        if self.rank == 1:
+            time.sleep(300)
+        return super().init_process_group(master_addr, master_port, backend, timeout_s)
 
 
 class FailsToStart(RankedWorker):
@@ -165,6 +173,31 @@ def test_hung_crashed_and_failing_ranks_are_named(cluster):
         group.shutdown()
     finally:
         pools.remove()
+
+
+def test_rank_0_hosts_the_store_before_anyone_joins_and_a_rank_that_never_joins_is_named(cluster, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(worker_group, "JOIN_GRACE_S", 5.0)
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(NeverJoinsOnRank1, role, pools)
+        addr, port = group.call_ranks([0], "master_address", 30.0, timeout_s=300)[0]
+        client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        client.set("seen", "yes")  # listening already: nothing can take the port before the ranks join
+        assert client.get("seen") == b"yes"
+        with pytest.raises(WorkerGroupError, match=r"actor rank 1 on node0 raised RuntimeError: actor rank 1: "
+                                                   r"only rank 0 hosts the process group's store"):
+            group.call_ranks([1], "master_address", 30.0, timeout_s=300)
+
+        # rank 0 gives up after its 3 s with the store's own error; we wait the grace longer and name rank 1
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGroupError, match=r"^actor.init_process_group: no answer within 8 s from "
+                                                   r"actor rank 1 on node0$"):
+            group.init_process_group("gloo", timeout_s=3)
+        assert time.monotonic() - t0 < 30
+        group.shutdown()
 
 
 def test_plan_larger_than_cluster_is_refused(cluster):

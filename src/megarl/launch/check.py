@@ -30,7 +30,7 @@ from megarl.placement.ray_pools import (
     create_pools,
     gpu_nodes,
 )
-from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
+from megarl.placement.worker_group import JOIN_GRACE_S, WorkerGroup, WorkerGroupError
 from megarl.workers.base import RankedWorker
 
 CLUSTER_FAILURE_EXIT = 3  # a Ray node did not join, or the cluster check failed
@@ -163,8 +163,8 @@ def _run_probes(plan: Plan, nodes: list[RayNode],
             offset += len(pool.devices)
         infos = [info for per_group in _on_all(groups, "describe", timeout_s=timeout_s) for info in per_group]
         backend = probe_backend([info["cuda"] for info in infos])
-        addr, port = groups[0].call("master_address", timeout_s=timeout_s)[0]
-        _on_all(groups, "init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s)
+        addr, port = groups[0].call_ranks([0], "master_address", timeout_s, timeout_s=timeout_s)[0]
+        _on_all(groups, "init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s + JOIN_GRACE_S)
         sums = [s for per_group in _on_all(groups, "all_reduce_rank", backend, timeout_s=timeout_s) for s in per_group]
     except WorkerGroupError as exc:
         raise ClusterCheckError(f"  - {exc}") from exc

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 
+JOIN_GRACE_S = 30.0  # how much longer than its ranks the driver waits for a group to form (s)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -67,7 +68,7 @@ class RankedActor(Protocol):
     implementation): it is created as `cls(rank, world_size, role_name, *args, **kwargs)` and answers
     these two calls."""
 
-    def master_address(self) -> tuple[str, int]: ...
+    def master_address(self, timeout_s: float) -> tuple[str, int]: ...
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool: ...
 
@@ -162,10 +163,12 @@ class WorkerGroup:
         return self._gather(refs, f"{self.role.name}.{method}", timeout_s, ranks)
 
     def init_process_group(self, backend: str, timeout_s: float = 120.0) -> tuple[str, int]:
-        """Form one torch.distributed group over the ranks, hosted by rank 0. `backend`: "gloo"
-        on CPU, "cpu:gloo,cuda:nccl" for training on GPUs (megarl.config.devices decides it)."""
-        addr, port = self._gather([self.actors[0].master_address.remote()], "master_address", timeout_s)[0]
-        self.call("init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s)
+        """Form one torch.distributed group over the ranks, its store hosted by rank 0. `backend`:
+        "gloo" on CPU, "cpu:gloo,cuda:nccl" for training on GPUs (megarl.config.devices decides
+        it). The ranks give up after `timeout_s`; we wait JOIN_GRACE_S longer, so that a group that
+        does not form is reported by the ranks' own errors (which rank's key never came)."""
+        addr, port = self._gather([self.actors[0].master_address.remote(timeout_s)], "master_address", timeout_s)[0]
+        self.call("init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s + JOIN_GRACE_S)
         return addr, port
 
     def shutdown(self) -> None:

@@ -8,7 +8,6 @@ import os
 import ray
 
 from megarl.config.devices import visible_gpu_index
-from megarl.net import free_port
 
 
 class RankedWorker:
@@ -16,6 +15,7 @@ class RankedWorker:
 
     def __init__(self, rank: int, world_size: int, role: str):
         self.rank, self.world_size, self.role = rank, world_size, role
+        self._group_store = None  # rank 0's, from master_address()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
 
     def node_info(self) -> dict:
@@ -28,9 +28,18 @@ class RankedWorker:
             "pid": os.getpid(),
         }
 
-    def master_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group."""
-        return ray.util.get_node_ip_address(), free_port("")
+    def master_address(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: host the group's TCPStore on this node, on a port the OS picks, and say
+        where it listens. It listens before any rank is asked to join, so no port picked earlier can
+        have been taken meanwhile and no joining rank retries against a port nobody listens on."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            raise RuntimeError(f"{self.role} rank {self.rank}: only rank 0 hosts the process group's store")
+        address = ray.util.get_node_ip_address()
+        self._group_store = dist.TCPStore(address, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=timeout_s))
+        return address, self._group_store.port
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
         """Join the group's torch.distributed world. With NCCL in `backend`, first select this
@@ -45,7 +54,12 @@ class RankedWorker:
                 raise RuntimeError(f"{self.role} rank {self.rank}: backend {backend!r} needs CUDA, and this process "
                                    f"sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            store = self._group_store
+            if store is None:
+                raise RuntimeError(f"{self.role} rank 0: master_address() hosts the group's store; call it first")
+        else:
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         return True
