@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
 from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config, load_hf_config, shard_model
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.transforms import padded_vocab_size
 from megarl.engines.megatron.cpu import apply_cpu_shims, init_gloo_model_parallel
+from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
 from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
 from megatron_world import DIVISIBLE_BY, forward_logits, full_tensors, local_state, read_hf
 
@@ -37,11 +36,10 @@ def weights_for(hf_dir, tp: int) -> WeightMap:
 
 
 def _reinit(layout: ParallelLayout) -> None:
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
+    release_model_parallel()
+    initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
     )

@@ -23,3 +23,22 @@ def backends_world(rank: int, world_size: int, port: int) -> list[str]:
     init_world(rank, world_size, port)
     init_role_parallel_state(RoleLayout(tp=1, pp=world_size, vpp=1), seed=1, section="actor_rollout_ref.actor")
     return lines
+
+
+def layout_switch_world(rank: int, world_size: int, port: int) -> dict:
+    """This rank's threads and registered process groups after megatron's first layout and after
+    three layout switches (`reinit_model_parallel`), as the bridge and sync test worlds do."""
+    import os
+
+    from torch.distributed import distributed_c10d
+
+    from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+
+    def counts() -> dict:
+        return {"threads": len(os.listdir("/proc/self/task")), "groups": len(distributed_c10d._world.pg_map)}
+
+    init_gloo_model_parallel(rank, world_size, port, tp=1, pp=1)
+    first = counts()
+    for tp, pp in ((2, 1), (1, 2), (1, 1)):
+        reinit_model_parallel(tp, pp)
+    return {"first": first, "after": counts()}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.data.batch import Batch
+from megarl.engines.megatron.groups import release_model_parallel
 
 VOCAB = 47  # the tiny tokenizer's vocabulary; ids 4.. are characters
 
@@ -65,9 +66,7 @@ def init_world(rank: int, world_size: int, port: int) -> None:
 
 
 def reset_layout() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
 
 
 def share_in_replica(value):

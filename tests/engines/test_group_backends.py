@@ -1,6 +1,7 @@
 """The engine names the backend of each of megatron's process groups once, at INFO, when it
-initialises them: on CPU the worker group's world is gloo, and every group inherits it."""
-from backends_world import backends_world
+initialises them: on CPU the worker group's world is gloo, and every group inherits it. Switching
+layouts destroys the old layout's groups (each gloo group holds three threads until destroyed)."""
+from backends_world import backends_world, layout_switch_world
 
 from megarl.engines.megatron.cpu import run_gloo_workers
 
@@ -15,3 +16,12 @@ def test_rank_0_logs_every_megatron_group_as_gloo_in_a_gloo_world():
     expected = "INFO actor_rollout_ref.actor: process group backends " + " ".join(f"{g}=gloo" for g in GROUPS)
     assert ranks[0] == [expected]
     assert ranks[1] == []  # once per role, not once per rank
+
+
+def test_switching_layouts_destroys_the_old_layouts_groups_and_their_threads():
+    ranks = run_gloo_workers(layout_switch_world, 2, timeout_s=300)
+    for rank in ranks:
+        assert rank["first"]["groups"] > 10  # megatron's groups besides the world, each with its threads
+        # megatron's destroy_model_parallel alone left them registered: 3 more layouts, ~3x the groups
+        assert rank["after"]["groups"] == rank["first"]["groups"], rank
+        assert rank["after"]["threads"] <= rank["first"]["threads"], rank

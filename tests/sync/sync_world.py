@@ -32,6 +32,7 @@ from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_index, shard_tp, shift_layer
 from megarl.bridge.transforms import padded_vocab_size
 from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
 from megarl.sync import ParallelGroups, Resharder, SyncConfig, WeightSync, WeightSyncError
 from megarl.sync.resharder import gathered_bytes, local_params, unwrap
 
@@ -188,10 +189,9 @@ def reinit_experts(layout: ParallelLayout) -> None:
     """Switch megatron's parallel state to `layout`, expert parallelism included."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps = _ps()
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp)
+    release_model_parallel()
+    initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                              expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp)
     model_parallel_cuda_manual_seed(1234)
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
 from megarl.net import free_port
 
 log = logging.getLogger(__name__)
@@ -353,18 +354,16 @@ def init_gloo_model_parallel(
 
 
 def reinit_model_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, seed: int = 1234) -> None:
-    """Switch an initialised gloo world to another TP x PP (x VPP) layout, keeping the processes."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    """Switch an initialised gloo world to another TP x PP (x VPP) layout, keeping the processes
+    (the old layout's groups are destroyed: `megarl.engines.megatron.groups`)."""
+    release_model_parallel()
     _initialize_parallel_state(tp, pp, vpp, seed)
 
 
 def _initialize_parallel_state(tp: int, pp: int, vpp: Optional[int], seed: int) -> None:
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(
+    initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.bridge.sharding import ParallelLayout
 from megarl.engines.megatron.cpu import apply_cpu_shims
+from megarl.engines.megatron.groups import initialize_model_parallel
 from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
 
 log = logging.getLogger("megarl.engines")
@@ -100,7 +101,7 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> Non
                 "share a layout"
             )
     else:
-        parallel_state.initialize_model_parallel(
+        initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp_or_none,
