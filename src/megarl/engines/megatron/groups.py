@@ -2,11 +2,12 @@
 
 `parallel_state.destroy_model_parallel()` only forgets megatron's references to its groups; the
 groups stay registered in torch.distributed. Each gloo group keeps three threads (its TCP loop and
-two work threads) until it is destroyed there, and megatron-core 0.19 creates about 40 groups per
-layout (its gloo copies of the data-parallel groups included). A gloo world that switches layouts
-(the bridge and sync tests, one world per module) reached 490 threads per rank, whose loops woke at
-every new group, and starved every other process on a 2-core machine: gloo timeouts in unrelated
-tests. `release_model_parallel` destroys exactly the groups `initialize_model_parallel` created.
+two work threads) until it is destroyed there, and megatron-core creates 20 (0.16.1) to 37 (0.19)
+groups per layout, its gloo copies of the data-parallel groups included. A gloo world that switched
+layouts (the bridge and sync tests, one world per module) reached 163 groups and 490 threads per
+rank and starved every other process on a 2-core machine: gloo timeouts in unrelated tests.
+`release_model_parallel` destroys exactly the groups `initialize_model_parallel` created. Only gloo
+worlds switch layouts: an engine on GPUs initialises its layout once per process.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def initialize_model_parallel(**sizes) -> None:
 
 def release_model_parallel() -> None:
     """Forget megatron's parallel state and destroy the groups `initialize_model_parallel` created
-    (a local operation for gloo and NCCL groups; every rank calls it as it switches layouts)."""
+    (every rank of the world calls it, as it switches layouts)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
