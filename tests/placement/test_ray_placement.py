@@ -12,9 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")  # a core dependency: present whenever megarl is installed
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from megarl.placement import ClusterSpec, RoleSpec, plan_placement  # noqa: E402
+from megarl.placement import ClusterSpec, RoleSpec, plan_placement, worker_group  # noqa: E402
 from megarl.placement.ray_pools import NODE_RANK_LABEL, PlacementTimeout, create_pools  # noqa: E402
-from megarl.placement import worker_group  # noqa: E402
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError  # noqa: E402
 from megarl.workers.base import RankedWorker  # noqa: E402
 
