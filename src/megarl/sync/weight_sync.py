@@ -6,12 +6,13 @@
 What runs where (roles in `groups.py`; process groups read from megatron's `parallel_state`
 unless `groups` is given; the world group is torch.distributed's default group, the actor's):
 
-1. prepare, coordinator only: every server is healthy and drained (`/flush_cache`, retried until
-   idle; skipped when colocated, where releasing the KV cache required idle servers and flushed
-   it), colocated: `/resume_memory_occupation ["weights"]`, then `/begin_weight_update` (distributed
-   and tensor transports). The outcome is broadcast to all ranks; a failure stops everyone here.
-   A server whose `weight_version` is not the last pushed one restarted (or missed a push): the
-   emitters then form new weight-update groups.
+1. prepare, coordinator only: every server answers its weight version (`/model_info`, the liveness
+   probe) and is drained (`/flush_cache`, retried until idle; skipped when colocated, where releasing
+   the KV cache required idle servers and flushed it), colocated: `/resume_memory_occupation
+   ["weights"]`, then `/begin_weight_update` (distributed and tensor transports). The outcome is
+   broadcast to all ranks; a failure stops everyone here. A server whose `weight_version` is not
+   the last pushed one restarted (or missed a push): the emitters then form new weight-update
+   groups.
 2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`split_across_dp`)
    every data-parallel replica's for its own share of the stage's dense buckets (else replica 0
    alone), and with EP > 1 each EP rank's for its own experts: the TP (expert-TP) ranks gather
@@ -314,8 +315,9 @@ class WeightSync:
         colocated, session, check = self.config.colocated, self.transport.uses_session, self.config.check_weights
 
         def prepare(server: SyncServer) -> tuple[str, Optional[str]]:
-            if not server.health():
-                raise ServerError(f"{server.url}/health: not healthy")
+            # The version query is also the liveness probe (a dead server raises ServerError here), not
+            # /health: on SGLang 0.5.23 /health runs a 1-token generate by default, one per push, and
+            # while colocated the server's weights and KV cache are released at this point.
             version = server.weight_version()
             dtype = server.server_info()["dtype"] if check else None
             if not colocated:
