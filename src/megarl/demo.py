@@ -3,9 +3,9 @@
 1. a tiny Qwen2-architecture model (302k parameters, character tokenizer) and the synthetic
    2-digit addition task in verl's parquet format;
 2. SFT warm-up on the Megatron engine (configs/quickstart_sft.yaml), exported as an HF checkpoint;
-3. GRPO from that checkpoint (configs/quickstart.yaml): megatron-core on gloo (TP=1 on one logical
-   GPU, the layout that suits a small CPU machine), one colocated CPU-engine rollout server behind
-   the real sglang-router, placed by Ray, weights pushed to the server after every update;
+3. GRPO from that checkpoint (configs/quickstart.yaml): megatron-core on gloo (TP=1, DP=2 on two
+   logical GPUs, one rank per core of a 2-core machine), two colocated CPU-engine rollout servers
+   behind the real sglang-router, placed by Ray, weights pushed to the servers after every update;
 4. greedy and sampled accuracy on 512 held-out prompts after SFT and after GRPO, TensorBoard logs
    and a plot.
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="model, data and training seed")
     parser.add_argument("--grpo-steps", type=int, default=None, help="default: configs/quickstart.yaml's")
     parser.add_argument("--placement", choices=("colocate", "split"), default="colocate",
-                        help="colocate (default): training and rollout time-share the config's logical GPU; split: "
+                        help="colocate (default): training and rollout time-share the config's logical GPUs; split: "
                         "1 logical GPU for training (TP=1) and 1 for one rollout server")
     args = parser.parse_args(argv)
     started = time.perf_counter()
