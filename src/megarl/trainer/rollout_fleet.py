@@ -36,6 +36,7 @@ from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
+from megarl.sync.servers import on_all
 from megarl.sync.weight_sync import MEMORY_AFTER_PUSH
 from megarl.trainer.routing import routed_experts_layout
 from megarl.workers.rollout_worker import RolloutWorker
@@ -291,14 +292,12 @@ class RolloutFleet:
         """Colocated: free the servers' weights and KV cache while training runs (the weight push
         resumes them). A server that died is restarted first."""
         self.recover()
-        for server in self.servers():
-            server.release_memory_occupation()
+        on_all(self.servers(), lambda server: server.release_memory_occupation())  # at once; every failure named
 
     def resume_kv_cache(self) -> None:
         """Colocated, after a weight push and the training roles' offload: the servers take their
         KV cache (and CUDA graphs) back; the push resumed their weights."""
-        for server in self.servers():
-            server.resume_memory_occupation(MEMORY_AFTER_PUSH)
+        on_all(self.servers(), lambda server: server.resume_memory_occupation(MEMORY_AFTER_PUSH))
 
     def shutdown(self) -> None:
         if self.client is not None:
