@@ -32,6 +32,7 @@ from megarl_run import run_grpo, steady, warm_start
 
 SPLIT = ["placement.mode=split", "trainer.n_gpus_per_node=2", "placement.rollout_gpus=1",
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",  # one micro-batch per mini-batch (one rank)
          "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"]
 MODES = {
     "sync": ["async_training.mode=sync"],

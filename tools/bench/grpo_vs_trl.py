@@ -5,8 +5,8 @@ addition parquet with the same reward (megarl's exact match), `--batch` prompts 
 most `--response-length` tokens per step, `--batch / --mini-batch` optimizer steps per step, lr 3e-4
 with 10 warm-up optimizer steps, clip 0.2, no KL, for `--steps` steps; then greedy accuracy on the
 512 validation prompts. megarl runs configs/quickstart.yaml through its CLI (Megatron on gloo at the
-config's layout: TP=1 and one CPU-engine server since issue 28, TP=2 and two servers before; Ray, a
-weight push per step); TRL runs tools/bench/trl_grpo.py in
+config's layout: TP=1, DP=2 and two CPU-engine servers since 2026-12-03, TP=1 and one server before,
+TP=2 and two servers at first; Ray, a weight push per step); TRL runs tools/bench/trl_grpo.py in
 .venv-bench (made by setup_bench_env.sh; .venv is not touched). The runs are interleaved
 (megarl, TRL, megarl, TRL, ...) so that other load on the machine hits both alike; the load
 averages before and after each run are recorded.

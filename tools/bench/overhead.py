@@ -1,8 +1,8 @@
 """Benchmark: megarl's framework overhead, seconds per GRPO step vs the minimal single-process loop.
 
-megarl: configs/quickstart.yaml through its CLI (Megatron on gloo at the config's layout: TP=1 and
-one CPU-engine server behind the router since issue 28, TP=2 and two servers before; Ray, a weight
-push per step), from the SFT-warmed tiny model of megarl_run.py.
+megarl: configs/quickstart.yaml through its CLI (Megatron on gloo at the config's layout: TP=1, DP=2
+and two CPU-engine servers behind the router since 2026-12-03, TP=1 and one server before, TP=2 and
+two servers at first; Ray, a weight push per step), from the SFT-warmed tiny model of megarl_run.py.
 Reference: ../shared/reference/tiny_grpo.py run as is (its own SFT warm-up, then GRPO in one
 process with a KV-cached sampling loop). Same settings: the 302k-parameter Qwen2, 2-digit
 addition, 32 prompts x 8 samples, at most 4 new tokens (the reference's fixed length for this task;
