@@ -81,6 +81,7 @@ def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
 
 
 def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
-    """`call(server)` on every server concurrently; results in server order."""
-    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="weight-sync-http") as pool:
+    """`call(server)` on every server concurrently; results in server order. The weight push's admin
+    calls and the rollout fleet's (memory release and resume) go through it."""
+    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="server-admin-http") as pool:
         return wait_all({pool.submit(call, s): s for s in servers})
