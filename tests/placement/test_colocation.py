@@ -1,11 +1,12 @@
 """The offload plan (megarl.placement.colocation) per case, and the memory estimate subtracting
-exactly what it names; the config rule that refuses offload keys where nothing is offloaded."""
+exactly what it names; the config rule that refuses offload keys where nothing is offloaded;
+whether the rollout servers release their memory for training."""
 import pytest
 
 from megarl.bridge import arch_from_hf_config
 from megarl.config import ConfigError, load_and_validate
 from megarl.placement import plan_from_config
-from megarl.placement.colocation import OffloadParts, offload_plan
+from megarl.placement.colocation import OffloadParts, offload_plan, releases_server_memory
 from megarl.placement.memory import estimate, stage_params
 
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m",
@@ -50,6 +51,16 @@ def test_split_placement_offloads_nothing_and_refuses_the_keys():
         cfg(*split, f"{ACTOR}.param_offload=true", f"{ACTOR}.grad_offload=true")
     assert (f"{ACTOR}.param_offload, {ACTOR}.grad_offload: offload happens only with placement.mode=colocate"
             in str(info.value))
+
+
+@pytest.mark.parametrize("keys, releases", [
+    ((), True),  # colocated (the default) with free_cache_engine (verl's default, true)
+    (("actor_rollout_ref.rollout.free_cache_engine=false",), False),
+    (("placement.mode=split", "placement.rollout_gpus=4"), False),  # the servers have their own GPUs
+    (("placement.mode=split", "placement.rollout_gpus=4", "actor_rollout_ref.rollout.free_cache_engine=true"), False),
+])
+def test_servers_release_their_memory_only_colocated_with_free_cache_engine(keys, releases):
+    assert releases_server_memory(cfg(*keys)) is releases
 
 
 def test_reward_model_offload_is_refused():

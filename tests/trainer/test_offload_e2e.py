@@ -2,14 +2,16 @@
 reference model for the KL loss, one colocated CPU-engine server; offloading is per rank, so more
 ranks add nothing here but CI time) for 2 steps with the actor's parameters, gradients
 and optimizer state and the reference model's parameters offloaded while generating, against the
-same run with offload off.
+same run with offload off and the servers keeping their memory (`rollout.free_cache_engine=false`,
+as the CPU quickstart runs).
 
 Checked: the servers start and release their memory before any engine initialises; every step
 calls generate, release, onload, compute, update, push, offload, resume in that order (and a
 checkpoint release, onload, save, push, offload, resume); the run is
 bit-identical to the run without offload (metrics and weights); the bytes a step reports equal the
 sizes of the storages each key names, counted on the engines' own tensors; `megarl plan`'s
-estimate offloads exactly the roles the trainer offloads.
+estimate offloads exactly the roles the trainer offloads. Without `free_cache_engine` no server
+releases or resumes anything, at start or in a step, and the run is still the same.
 """
 import pytest
 import ray
@@ -33,6 +35,7 @@ WITH_REF = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor
             "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1")
 SERVERS = 1  # one colocated server per logical GPU
+KEEP_MEMORY = "actor_rollout_ref.rollout.free_cache_engine=false"  # the offload-off run's servers keep theirs
 # Metrics that measure time, not the computation; and the servers' log-probs against the actor's
 # (`training/rollout_*`): the CPU engine's numbers move in the last bits with how it batched the
 # concurrent requests, which timing decides (the sampled tokens do not).
@@ -156,7 +159,7 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> di
 def runs(tiny_assets, tmp_path_factory, tiny_grpo_cluster, ray_two_gpus):
     with pytest.MonkeyPatch.context() as monkeypatch:
         on = _run(tiny_assets, tmp_path_factory.mktemp("on"), tiny_grpo_cluster, monkeypatch, *OFFLOAD)
-        off = _run(tiny_assets, tmp_path_factory.mktemp("off"), tiny_grpo_cluster, monkeypatch)
+        off = _run(tiny_assets, tmp_path_factory.mktemp("off"), tiny_grpo_cluster, monkeypatch, KEEP_MEMORY)
     return on, off
 
 
@@ -172,6 +175,17 @@ def test_servers_release_their_memory_before_the_engines_initialise(runs):
     assert start[len(start) - 4:] == [("push", "actor"), ("offload", "actor"), ("offload", "ref"), ("resume_kv",)]
 
 
+def test_servers_that_keep_their_memory_are_never_released(runs):
+    _, off = runs
+    start = off["start"]
+    assert start[0] == ("servers_started",) and ("release",) not in start and ("resume_kv",) not in start
+    inits = [e for e in start if e[0] == "init"]
+    assert [e[1] for e in inits] == ["actor", "ref"]
+    for _, role, memory in inits:
+        assert memory == [[]] * SERVERS, (role, memory)
+    assert start[-1] == ("push", "actor")
+
+
 def test_every_step_offloads_around_generation_in_order(runs):
     on, off = runs
     expected = [("generate",), ("release",), ("onload", "actor"), ("onload", "ref"), ("compute", "actor"),
@@ -179,7 +193,7 @@ def test_every_step_offloads_around_generation_in_order(runs):
                 ("offload", "ref"), ("resume_kv",)]
     for events, _ in on["steps"]:
         assert events == expected
-    without = [e for e in expected if e[0] not in ("onload", "offload")]
+    without = [e for e in expected if e[0] not in ("onload", "offload", "release", "resume_kv")]
     for events, _ in off["steps"]:
         assert events == without
 

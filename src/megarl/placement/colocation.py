@@ -18,6 +18,9 @@ The order of one colocated step (`trainer/rl.py`, `trainer/cluster.py`):
   -> old/ref log-probs, values, updates
   -> push the actor's weights (servers resume weights first)
   -> offload every planned role -> servers resume their KV cache -> next generation
+
+(With `rollout.free_cache_engine: false` the servers' release and resumes are left out:
+`releases_server_memory`.)
 """
 from __future__ import annotations
 
@@ -36,6 +39,15 @@ class OffloadParts:
 
     def any(self) -> bool:
         return self.params or self.grads or self.optimizer
+
+
+def releases_server_memory(config: ExperimentConfig) -> bool:
+    """Whether the rollout servers release their memory (weights, KV cache, CUDA graphs) while the
+    training roles run: colocated placement with `actor_rollout_ref.rollout.free_cache_engine`
+    (verl's key, default true). Otherwise the servers keep it through training (colocated, the
+    memory estimate counts it in the training phase: `memory.py`), no release or resume call is
+    made, and the weight push drains them with `/flush_cache` as for split pools."""
+    return config.placement.mode == "colocate" and config.actor_rollout_ref.rollout.free_cache_engine
 
 
 def role_megatron(config: ExperimentConfig, role: str) -> MegatronConfig:

@@ -186,12 +186,15 @@ class CPUEngine:
         max_running_requests: int = 64,
         random_seed: int = 0,
         weight_version: str = "default",
-        batch_wait_s: float = 0.01,
+        batch_wait_s: float = 0.003,
         lora: Optional[LoraAdapters] = None,
         return_routed_experts: bool = False,
     ):
         """`batch_wait_s`: before starting a batch, wait while requests keep arriving (a burst from
-        the client becomes one batch), for at most 20 such periods. `return_routed_experts`:
+        the client becomes one batch), for at most 20 such periods. The last period is idle time
+        of every batch: 3 ms covers the gaps within a client's burst (16 requests to one server over
+        uvloop and httptools: median 0.3 ms, 99th percentile 1.7, largest 2.8 of 300); a request
+        that misses it joins the running batch at its next decode step. `return_routed_experts`:
         SGLang's `--enable-return-routed-experts` (record the router's choices; MoE models)."""
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)

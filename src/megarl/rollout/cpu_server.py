@@ -460,7 +460,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: config.max_position_embeddings")
     p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="gather a burst of requests into one batch")
+    p.add_argument("--batch-wait-ms", type=float, default=3.0,
+                   help="a batch starts once no request arrived for this long (a burst becomes one batch)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
@@ -487,7 +488,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         lora=LoraAdapters(args.enable_lora, args.max_lora_rank, args.lora_target_modules),
         return_routed_experts=args.enable_return_routed_experts,
     )
-    uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+    # uvloop's event loop and httptools' parser, as uvicorn's `standard` install picks them (SGLang's
+    # server runs on uvloop too); named here so that a missing one fails the start, not the speed
+    uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level,
+                loop="uvloop", http="httptools")
 
 
 if __name__ == "__main__":

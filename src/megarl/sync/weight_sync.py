@@ -96,7 +96,8 @@ class SyncConfig:
     master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
     hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
-    colocated: bool = False  # the servers share the actor's GPUs: resume their memory around the push
+    colocated: bool = False  # the servers share the actor's GPUs and released their memory for training
+    #                          (megarl.placement.colocation.releases_server_memory): resume it around the push
     resume_kv_cache: bool = True  # colocated: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
     #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # weight-update group collectives and each server call

@@ -22,7 +22,7 @@ import ray  # noqa: E402
 from megarl import checkpoint  # noqa: E402
 from megarl.config import ExperimentConfig  # noqa: E402
 from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
-from megarl.placement.colocation import offload_plan  # noqa: E402
+from megarl.placement.colocation import offload_plan, releases_server_memory  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
@@ -61,6 +61,7 @@ class Cluster:
         self.pools = create_pools(self.plan, timeout_s=300)
         self.num_gpus = self.plan.cluster.nnodes * self.plan.cluster.gpus_per_node
         self.colocated = config.placement.mode == "colocate"
+        self.releases_memory = releases_server_memory(config)  # colocated, servers freed while training
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         self.offload_plan = offload_plan(config, self.plan.roles)  # {role: OffloadParts}, colocated only
@@ -70,7 +71,8 @@ class Cluster:
             roles = self.plan.roles
             if self.colocated:  # the servers size their memory before the engines take theirs
                 self._start_rollout(roles["rollout"])
-                self.rollout.release_memory()
+                if self.releases_memory:
+                    self.rollout.release_memory()
             d = self.devices
             self.actor = EngineGroup(roles["actor"], self.pools, config, d)
             self.ref = EngineGroup(roles["ref"], self.pools, config, d) if "ref" in roles else None
@@ -97,7 +99,7 @@ class Cluster:
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
-            colocated=self.colocated, resume_kv_cache=False, hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            colocated=self.releases_memory, resume_kv_cache=False, hf_assets_dir=self.config.actor_rollout_ref.model.path,
             check_weights=r.check_weight_update,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
@@ -119,21 +121,23 @@ class Cluster:
 
     # ------------------------------------------------------------------ phases
     def before_training(self) -> None:
-        """Colocated: free the rollout servers' memory for the training phase, then bring back
-        every offloaded role. The weight push resumes the servers' weights, and `before_generation`
-        (after the push) their KV cache, so there is no `after_training`."""
-        if self.colocated and self.config.actor_rollout_ref.rollout.free_cache_engine:
+        """Colocated: free the rollout servers' memory for the training phase (unless
+        `rollout.free_cache_engine` is false), then bring back every offloaded role. The weight push
+        resumes the servers' weights, and `before_generation` (after the push) their KV cache, so
+        there is no `after_training`."""
+        if self.releases_memory:
             self.rollout.release_memory()
         self.onload(list(self.offload_plan))
 
     def before_generation(self) -> None:
         """Colocated, after a push: every role offloads what `offload_plan` says, then the servers
-        resume their KV cache (offloading first keeps the training states and the KV cache from
+        resume their KV cache if they released it (offloading first keeps the training states and the KV cache from
         holding the GPUs at once)."""
         if not self.colocated:
             return
         self.offload()
-        self.rollout.resume_kv_cache()
+        if self.releases_memory:
+            self.rollout.resume_kv_cache()
 
     def offload(self) -> None:
         """Move every planned role's parts off its devices (roles already offloaded are skipped)."""
