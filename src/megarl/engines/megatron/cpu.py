@@ -405,6 +405,18 @@ def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_thr
     return "fork" if not cuda_initialized and not dist_initialized and python_threads == 1 else "spawn"
 
 
+def lost_master_port(error_text: str) -> bool:
+    """Whether a gloo world failed to form because its master port was taken between `free_port`
+    choosing it and rank 0's store binding it (another process bound it meanwhile): torch's
+    `DistNetworkError` "The server socket has failed to listen on any local network address ...
+    EADDRINUSE". Nothing of `fn` ran then (every rank waits in the rendezvous), so the world can
+    start again on another port."""
+    return "server socket has failed to listen" in error_text and "EADDRINUSE" in error_text
+
+
+MASTER_PORT_ATTEMPTS = 3
+
+
 def run_gloo_workers(
     fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: Optional[str] = None
 ) -> list:
@@ -416,6 +428,8 @@ def run_gloo_workers(
     `torch.multiprocessing.ProcessRaisedException` carrying that rank's traceback (the other ranks
     are terminated); ranks still running after `timeout_s` seconds are killed and a
     `TimeoutError` is raised. `start_method` None: fork when it is safe (`gloo_start_method`), else spawn.
+    A master port lost to another process before rank 0 bound it (`lost_master_port`) starts the
+    ranks again on a new one, up to `MASTER_PORT_ATTEMPTS` times in all.
     """
     import threading
 
@@ -428,9 +442,25 @@ def run_gloo_workers(
     if start_method == "fork":  # imported once here, inherited by every rank
         for module in FORK_PRELOADED_MODULES:
             importlib.import_module(module)
-    log.info("running %s in %d gloo rank(s), started by %s", getattr(fn, "__name__", fn), world_size, start_method)
+    name = getattr(fn, "__name__", fn)
+    log.info("running %s in %d gloo rank(s), started by %s", name, world_size, start_method)
+    attempt = 1
+    while True:
+        port = free_port("127.0.0.1")
+        try:
+            return _run_ranks(fn, world_size, port, args, timeout_s, start_method)
+        except mp.ProcessRaisedException as e:
+            if attempt == MASTER_PORT_ATTEMPTS or not lost_master_port(str(e)):
+                raise
+            log.warning("%s: master port %d was taken before rank 0 bound it; starting the %d rank(s) again on "
+                        "another port", name, port, world_size)
+        attempt += 1
 
-    port = free_port("127.0.0.1")
+
+def _run_ranks(fn: Callable, world_size: int, port: int, args: tuple, timeout_s: float, start_method: str) -> list:
+    """One start of `run_gloo_workers`' ranks on master port `port`."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory(prefix="megarl-gloo-") as result_dir:
         context = mp.start_processes(
             _worker, args=(fn, world_size, port, result_dir, args), nprocs=world_size, join=False,
