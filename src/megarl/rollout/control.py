@@ -4,11 +4,14 @@ Works against real SGLang 0.5.23 and megarl's CPU engine alike. Every call eithe
 `ServerError` naming the URL, the endpoint, the HTTP status and the server's message. Weight updates
 from tensors or the distributed group must sit inside `begin_weight_update()` ... `end_weight_update()`
 (SGLang 0.5.23 refuses them otherwise); `update_weights_from_disk` needs no session.
+`on_all(servers, call)` runs `call(server)` on every server concurrently, one thread per server,
+and raises one `ServerError` naming every server that failed (the others' calls still complete).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import requests
@@ -176,3 +179,31 @@ class ServerControl:
             "/update_weights_from_disk",
             {"model_path": model_path, "weight_version": weight_version, "abort_all_requests": abort_all_requests},
         )
+
+
+def _describe(server: ServerControl, error: BaseException) -> str:
+    text = str(error)
+    if isinstance(error, ServerError) and server.url in text:
+        return text
+    return f"{server.url}: {type(error).__name__}: {text}"
+
+
+def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
+    """Results of `futures` (one per server) in insertion order; raise one `ServerError` naming
+    every server whose call failed. (Each call is bounded by its `ServerControl.timeout_s`.)"""
+    results, failures = [], []
+    for future, server in futures.items():
+        try:
+            results.append(future.result())
+        except Exception as e:  # every server's failure is reported, not just the first
+            failures.append(_describe(server, e))
+    if failures:
+        raise ServerError("; ".join(failures))
+    return results
+
+
+def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
+    """`call(server)` on every server concurrently; results in server order. The weight push's admin
+    calls and the rollout fleet's (memory release and resume) go through it."""
+    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="server-admin-http") as pool:
+        return wait_all({pool.submit(call, s): s for s in servers})

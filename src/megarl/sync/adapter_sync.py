@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.lora import AdapterName, write_peft_adapter
-from megarl.rollout.control import ServerError
-from megarl.sync.servers import SyncServer, on_all
+from megarl.rollout.control import ServerError, on_all
+from megarl.sync.servers import SyncServer
 
 log = logging.getLogger("megarl.sync")
 PREFIX = "megarl-actor"  # the servers' adapter names: <PREFIX>-v<version>

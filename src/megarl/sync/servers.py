@@ -1,14 +1,11 @@
-"""The rollout servers as a sync sees them: admin calls made on every server at once.
-
-`on_all(servers, call)` runs `call(server)` concurrently, one thread per server, and raises one
-`ServerError` naming every server that failed (the others' calls still complete).
-"""
+"""The rollout servers as a sync sees them: `SyncServer`, `ServerControl` plus the calls only a sync
+makes (tensor updates, the weights checker, LoRA adapters). Calls on every server at once go
+through `megarl.rollout.control.on_all`."""
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional
 
-from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.control import ServerControl
 
 
 class SyncServer(ServerControl):
@@ -57,31 +54,3 @@ class SyncServer(ServerControl):
                 "weight_version": weight_version,
             },
         )
-
-
-def _describe(server: ServerControl, error: BaseException) -> str:
-    text = str(error)
-    if isinstance(error, ServerError) and server.url in text:
-        return text
-    return f"{server.url}: {type(error).__name__}: {text}"
-
-
-def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
-    """Results of `futures` (one per server) in insertion order; raise one `ServerError` naming
-    every server whose call failed. (Each call is bounded by its `ServerControl.timeout_s`.)"""
-    results, failures = [], []
-    for future, server in futures.items():
-        try:
-            results.append(future.result())
-        except Exception as e:  # every server's failure is reported, not just the first
-            failures.append(_describe(server, e))
-    if failures:
-        raise ServerError("; ".join(failures))
-    return results
-
-
-def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
-    """`call(server)` on every server concurrently; results in server order. The weight push's admin
-    calls and the rollout fleet's (memory release and resume) go through it."""
-    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="server-admin-http") as pool:
-        return wait_all({pool.submit(call, s): s for s in servers})

@@ -44,12 +44,12 @@ import torch.distributed as dist
 from megarl.bridge.convert import copy_hf_assets
 from megarl.bridge.safetensors_io import INDEX_FILE, write_safetensors
 from megarl.net import free_port
-from megarl.rollout.control import ServerError
+from megarl.rollout.control import ServerError, on_all, wait_all
 from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
 from megarl.sync.colocation import ColocationError, planner_colocated_peers
 from megarl.sync.ipc_copies import Entries, Outgoing, fresh_copy, serialise_copy, sglang_serialisation
 from megarl.sync.resharder import HFBucket
-from megarl.sync.servers import SyncServer, on_all, wait_all
+from megarl.sync.servers import SyncServer
 
 
 class Transport(Protocol):

@@ -67,13 +67,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge import WeightMap
-from megarl.rollout.control import ServerError
+from megarl.rollout.control import ServerError, on_all
 from megarl.sync.groups import ParallelGroups
 from megarl.sync import ipc_copies
 from megarl.sync.ipc_copies import IpcRelay, copies_on_gpu
 from megarl.sync.lock import SendLock
 from megarl.sync.resharder import HFBucket, Resharder
-from megarl.sync.servers import SyncServer, on_all
+from megarl.sync.servers import SyncServer
 from megarl.sync.weight_check import bucket_checksums, mismatches, server_dtype
 from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTransport, Transport, route_address
 

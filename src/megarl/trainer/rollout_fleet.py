@@ -30,13 +30,12 @@ from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
 from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
-from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.control import ServerControl, ServerError, on_all
 from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
-from megarl.sync.servers import on_all
 from megarl.sync.weight_sync import MEMORY_AFTER_PUSH
 from megarl.trainer.routing import routed_experts_layout
 from megarl.workers.rollout_worker import RolloutWorker
