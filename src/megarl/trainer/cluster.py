@@ -131,8 +131,8 @@ class Cluster:
 
     def before_generation(self) -> None:
         """Colocated, after a push: every role offloads what `offload_plan` says, then the servers
-        resume their KV cache if they released it (offloading first keeps the training states and the KV cache from
-        holding the GPUs at once)."""
+        resume their KV cache if they released it (offloading first keeps the training states and
+        the KV cache from holding the GPUs at once)."""
         if not self.colocated:
             return
         self.offload()
