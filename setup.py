@@ -20,9 +20,9 @@ CORE = [
     "sglang-router==0.3.2",  # the real router; a Rust binary in a wheel, runs on CPU
     "fastapi>=0.110",  # the CPU rollout engine's web server
     "uvicorn>=0.29",
-    # uvicorn's C event loop and HTTP parser (its `standard` extra's two; SGLang's server runs on
-    # uvloop too): 14% off a 16-prompt /generate on the CPU engine and ~10% off its admin calls
-    # (tools/bench/README.md, issue 28)
+    # uvicorn's C event loop and HTTP parser (the two of its `standard` extra; SGLang's
+    # http_server imports uvloop too): 14% off a 16-prompt /generate on the CPU engine and ~10% off
+    # its admin calls (tools/bench/README.md, issue 28)
     "uvloop>=0.19",
     "httptools>=0.6",
     "aiohttp>=3.9",  # the rollout client

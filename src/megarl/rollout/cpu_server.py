@@ -488,8 +488,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         lora=LoraAdapters(args.enable_lora, args.max_lora_rank, args.lora_target_modules),
         return_routed_experts=args.enable_return_routed_experts,
     )
-    # uvloop's event loop and httptools' parser, as uvicorn's `standard` install picks them (SGLang's
-    # server runs on uvloop too); named here so that a missing one fails the start, not the speed
+    # uvloop's event loop and httptools' parser, as uvicorn's `standard` install picks them; named
+    # here so that a missing one fails the start, not the speed
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level=args.log_level,
                 loop="uvloop", http="httptools")
 
