@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 import megarl
-from megarl.rollout.cpu_engine import CPUEngine, Sequence
+from megarl.rollout.cpu_engine import BATCH_WAIT_S, CPUEngine, Sequence
 from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
@@ -460,7 +460,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: config.max_position_embeddings")
     p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--batch-wait-ms", type=float, default=3.0,
+    p.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT_S * 1000,
                    help="a batch starts once no request arrived for this long (a burst becomes one batch)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
