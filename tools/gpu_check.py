@@ -343,7 +343,8 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
         control = ServerControl(server.url)
         control.release_memory_occupation()  # the colocated server's state during training
         sync = WeightSync(engine.model_chunks, engine.weight_map, [server.url],
-                          SyncConfig(transport="tensor", bucket_bytes=64 * 1024, colocated=True, timeout_s=120))
+                          SyncConfig(transport="tensor", bucket_bytes=64 * 1024, released_memory=True,
+                                     timeout_s=120))
         shm_before = _shared_memory_files()
         synchronize()
         allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0

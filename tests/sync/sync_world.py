@@ -501,7 +501,7 @@ def servers_story(rank: int, case: dict) -> dict:
             ServerControl(url).release_memory_occupation()
     disk = WeightSync(chunks, weights, urls, SyncConfig(
         transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=str(hf_dir),
-        colocated=True, timeout_s=60), initial_version=sync.version)
+        released_memory=True, timeout_s=60), initial_version=sync.version)
     lap("before disk")
     out["disk_metrics"] = disk.push()
     lap("disk push")
@@ -597,7 +597,7 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
     urls = case["urls"]
     out = {"pushes": []}
     sync = WeightSync(chunks, weights, urls, SyncConfig(transport="tensor", bucket_bytes=case["bucket_bytes"],
-                                                       colocated=True, timeout_s=60), initial_version=version)
+                                                       released_memory=True, timeout_s=60), initial_version=version)
     for seed in (5, 6):
         perturb(chunks, weights, seed=seed)
         before = compare(chunks, vocab, urls) if seed == 5 else None  # the servers are behind the update

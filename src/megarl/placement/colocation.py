@@ -46,7 +46,9 @@ def releases_server_memory(config: ExperimentConfig) -> bool:
     training roles run: colocated placement with `actor_rollout_ref.rollout.free_cache_engine`
     (verl's key, default true). Otherwise the servers keep it through training (colocated, the
     memory estimate counts it in the training phase: `memory.py`), no release or resume call is
-    made, and the weight push drains them with `/flush_cache` as for split pools."""
+    made, and the weight push drains them with `/flush_cache` as for split pools. (SGLang 0.5.23's
+    `/release_memory_occupation` and `/resume_memory_occupation` come in pairs: nothing is resumed
+    that was not released.)"""
     return config.placement.mode == "colocate" and config.actor_rollout_ref.rollout.free_cache_engine
 
 

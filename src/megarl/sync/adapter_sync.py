@@ -8,7 +8,7 @@ the adapters, as SGLang 0.5.23 serves them (`rollout.lora_adapters` has the prot
    `bridge.lora.AdapterName.tp`); the pipeline stages' adapters go to pipeline rank 0
    (`gather_object`, CPU tensors). Only global rank 0 (TP, PP and DP rank 0) uses them.
 2. global rank 0 writes them in PEFT format (`bridge.lora.write_peft_adapter`) to
-   `<dir>/v<version>-<random>`, then on every server at once: (colocated) `/resume_memory_occupation
+   `<dir>/v<version>-<random>`, then on every server at once: (`released_memory`) `/resume_memory_occupation
    ["weights"]` (the base comes back from SGLang's CPU backup), `/load_lora_adapter` as
    `<prefix>-v<version>`, `/unload_lora_adapter` of the earlier versions it reports holding,
    `/update_weight_version`. Loading before unloading leaves every server with a valid adapter
@@ -76,7 +76,7 @@ class AdapterSync:
     """Same interface as `WeightSync` (`push`, `version`, `close`) for a LoRA actor."""
 
     def __init__(self, attached, rank: int, alpha: float, base_model: str, server_urls: Sequence[str],
-                 out_dir: str, *, colocated: bool = False, api_key: Optional[str] = None,
+                 out_dir: str, *, released_memory: bool = False, api_key: Optional[str] = None,
                  initial_version: int = 0, timeout_s: float = 600.0, prefix: str = PREFIX,
                  tp_group=None, pp_group=None):
         """`attached`: the engine's (LoraAdapter, base) pairs; `rank`, `alpha`: the adapters'
@@ -91,7 +91,7 @@ class AdapterSync:
         self.attached, self.rank, self.alpha, self.base_model = attached, rank, alpha, base_model
         self.tp_group, self.pp_group = tp_group, pp_group
         self.servers = [SyncServer(url, api_key, timeout_s=timeout_s) for url in server_urls]
-        self.out_dir, self.colocated, self.prefix = Path(out_dir), colocated, prefix
+        self.out_dir, self.released_memory, self.prefix = Path(out_dir), released_memory, prefix
         self.version = initial_version
 
     def push(self, version: Optional[int] = None) -> dict[str, float]:
@@ -120,7 +120,7 @@ class AdapterSync:
             write_peft_adapter(adapters, directory, self.rank, self.alpha, self.base_model)
 
             def load(server: SyncServer) -> None:
-                if self.colocated:  # SGLang restores the base from its CPU backup (--enable-weights-cpu-backup)
+                if self.released_memory:  # SGLang restores the base from its CPU backup (--enable-weights-cpu-backup)
                     server.resume_memory_occupation(["weights"])
                 _unload_if_loaded(server, name)  # the same version pushed again (a restarted server, a re-push)
                 held = server.load_lora_adapter(name, str(directory)).get("loaded_adapters") or {}

@@ -7,12 +7,12 @@ What runs where (roles in `groups.py`; process groups read from megatron's `para
 unless `groups` is given; the world group is torch.distributed's default group, the actor's):
 
 1. prepare, coordinator only: every server answers its weight version (`/model_info`, the liveness
-   probe) and is drained (`/flush_cache`, retried until idle; skipped when colocated, where releasing
-   the KV cache required idle servers and flushed it), colocated: `/resume_memory_occupation
-   ["weights"]`, then `/begin_weight_update` (distributed and tensor transports). The outcome is
-   broadcast to all ranks; a failure stops everyone here. A server whose `weight_version` is not
-   the last pushed one restarted (or missed a push): the emitters then form new weight-update
-   groups.
+   probe) and is drained (`/flush_cache`, retried until idle; skipped with `released_memory`, where
+   releasing the KV cache required idle servers and flushed it), with `released_memory`:
+   `/resume_memory_occupation ["weights"]`, then `/begin_weight_update` (distributed and tensor
+   transports). The outcome is broadcast to all ranks; a failure stops everyone here. A server
+   whose `weight_version` is not the last pushed one restarted (or missed a push): the emitters
+   then form new weight-update groups.
 2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`split_across_dp`)
    every data-parallel replica's for its own share of the stage's dense buckets (else replica 0
    alone), and with EP > 1 each EP rank's for its own experts: the TP (expert-TP) ranks gather
@@ -34,7 +34,7 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    kept until the push's failure is known.
 3. commit, coordinator: once every emitter reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
-   that call alone bumps the version. Then `/end_weight_update`, and colocated:
+   that call alone bumps the version. Then `/end_weight_update`, and with `released_memory`:
    `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after;
    with `resume_kv_cache=False` the caller resumes it, after freeing what the push needed).
    With `check_weights`, before `/end_weight_update` every server's `/weights_checker` checksums
@@ -49,9 +49,9 @@ and `overlap_param_gather`, finish the parameter all-gather first (`start_param_
 on each DDP chunk); offloaded parameters must be back on the device.
 
 A failed push leaves the version where it was on every server that did not get the whole model,
-ends the update session, and (colocated) leaves the KV cache released until a push succeeds (the
+ends the update session, and (`released_memory`) leaves the KV cache released until a push succeeds (the
 CPU engine refuses to generate meanwhile); the next push rebuilds the weight-update groups and
-sends everything again. Between a failed push and its retry, a server that is not colocated may
+sends everything again. Between a failed push and its retry, a server that kept its memory may
 serve partly updated weights under its old version: retry (or stop) before generating again.
 Call `close()` on every rank when done.
 """
@@ -96,9 +96,9 @@ class SyncConfig:
     master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
     hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
-    colocated: bool = False  # the servers share the actor's GPUs and released their memory for training
-    #                          (megarl.placement.colocation.releases_server_memory): resume it around the push
-    resume_kv_cache: bool = True  # colocated: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
+    released_memory: bool = False  # colocated servers released their memory for training
+    #                                (megarl.placement.colocation.releases_server_memory): resume it around the push
+    resume_kv_cache: bool = True  # released_memory: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
     #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # weight-update group collectives and each server call
     check_weights: bool = False  # after the commit, compare the servers' checksums with the tensors sent
@@ -313,15 +313,15 @@ class WeightSync:
     def _prepare_servers(self) -> tuple[list[str], bool, Optional[str]]:
         """(errors, whether a server lost the last pushed version, i.e. restarted, the servers'
         dtype if check_weights)."""
-        colocated, session, check = self.config.colocated, self.transport.uses_session, self.config.check_weights
+        released, session, check = self.config.released_memory, self.transport.uses_session, self.config.check_weights
 
         def prepare(server: SyncServer) -> tuple[str, Optional[str]]:
             # The version query is also the liveness probe (a dead server raises ServerError here), not
             # /health: on SGLang 0.5.23 /health runs a 1-token generate by default, one per push, and
-            # while colocated the server's weights and KV cache are released at this point.
+            # with released_memory the server's weights and KV cache are released at this point.
             version = server.weight_version()
             dtype = server.server_info()["dtype"] if check else None
-            if not colocated:
+            if not released:
                 server.flush_cache()
             else:
                 server.resume_memory_occupation(["weights"])
@@ -461,7 +461,7 @@ class WeightSync:
             decision.metrics["check_s"] = time.perf_counter() - checked + max(r.check_s for r in reports)
             decision.metrics["checked_tensors"] = float(sum(len(r.checksums) for r in reports))
         outcome.errors += self._end_sessions()
-        if not outcome.errors and self.config.colocated and self.config.resume_kv_cache:
+        if not outcome.errors and self.config.released_memory and self.config.resume_kv_cache:
             try:
                 on_all(self.servers, lambda s: s.resume_memory_occupation(MEMORY_AFTER_PUSH))
             except ServerError as e:

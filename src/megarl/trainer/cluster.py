@@ -82,7 +82,7 @@ class Cluster:
             if not self.colocated:
                 self._start_rollout(roles["rollout"])
             self._make_sync(self.rollout.urls)
-            if self.colocated:  # the released servers get their weights back, the engines make room for generation
+            if self.colocated:  # the servers get version 0 (and their memory back if released), the engines make room
                 self._push(version=self.weight_version)
                 self.offload_metrics()  # start-up moves are not a step's
         except BaseException:
@@ -99,7 +99,8 @@ class Cluster:
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
-            colocated=self.releases_memory, resume_kv_cache=False, hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            released_memory=self.releases_memory, resume_kv_cache=False,
+            hf_assets_dir=self.config.actor_rollout_ref.model.path,
             check_weights=r.check_weight_update,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )

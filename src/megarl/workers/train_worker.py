@@ -47,7 +47,7 @@ class TrainWorker(RankedWorker):
         if model.lora.rank > 0 and model.lora.sync == "adapter":
             self.weight_sync = AdapterSync(
                 self.engine.lora_adapters, model.lora.rank, model.lora.alpha, model.path, server_urls,
-                adapter_dir(self.config), colocated=sync_config.colocated, initial_version=version,
+                adapter_dir(self.config), released_memory=sync_config.released_memory, initial_version=version,
                 timeout_s=sync_config.timeout_s)
             return
         self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
