@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine_world import config, init_world, ragged_batch, reset_layout, share_in_replica
+from megarl.data.batch import Batch
 from megarl.sync import ParallelGroups, Resharder
 
 TEMPERATURE = 0.7
@@ -32,9 +33,12 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     del actor
     reset_layout()
 
-    # TP1 / EP1 (every rank holds all experts, DP 2): the same two updates, for comparison
+    # TP1 / EP1 (every rank holds all experts, DP 2): the same two updates, for comparison; the
+    # first makes its own old log-probs (and expert counts) from the batch without them
     actor = ActorEngine(config(model_dir, world_size, 1, 1, None, None, f"actor_rollout_ref.rollout.temperature={TEMPERATURE}"))
-    out["ep1_updates"] = [actor.update_policy(mine) for _ in range(2)]
+    without_old = Batch({k: t for k, t in mine.tensors.items() if k != "old_log_probs"}, mine.meta)
+    first, out["ep1_in_update"] = actor.update_policy_with_old_log_probs(without_old)
+    out["ep1_updates"] = [first, actor.update_policy(mine)]
     del actor
     reset_layout()
 

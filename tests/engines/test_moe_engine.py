@@ -121,6 +121,9 @@ def test_moe_engine_expert_counts_equal_a_hand_count_of_hf_routing(moe_run):
     for layout in ("tp2_scored", "pp2_scored"):
         (scored,) = [r[layout] for r in ranks if r[layout] is not None]
         assert torch.equal(scored["expert_tokens"], expected.sum(0)), layout
+    for rank, half in zip(ranks, expected.chunk(2)):  # an update that made its own old log-probs counted them too
+        assert torch.equal(rank["ep1_in_update"]["expert_tokens"], half.sum(0)), rank["dp_rank"]
+        close(rank["ep1_in_update"]["log_probs"], rank["scored"]["log_probs"])
     joined = join_outputs([r["scored"] for r in ranks], len(batch), padded=False)["expert_tokens"]
     assert torch.equal(joined, expected.sum(0))
     tokens = int(batch.token_lengths().sum()) - len(batch)

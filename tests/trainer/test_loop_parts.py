@@ -7,7 +7,9 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.algos.losses import policy_loss
-from megarl.trainer.experience import best_of_n, mean_scores, old_log_probs, rollout_mismatch
+from megarl.config import load_config
+from megarl.trainer.experience import (best_of_n, mean_scores, old_log_probs, old_log_probs_in_update, rollout_mismatch,
+                                         take_old_log_probs)
 from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
 
 
@@ -75,6 +77,35 @@ def test_the_old_log_probs_are_the_trainers_or_the_rollouts_and_the_loss_follows
                               rollout_log_prob=rollout, tis_imp_ratio_cap=tis_cap)
         loss.backward()
         assert loss.item() == pytest.approx(loss_value) and log_prob.grad.item() == pytest.approx(grad)
+
+
+@pytest.mark.parametrize("overrides, in_update", [
+    ([], True),  # the default
+    (["actor_rollout_ref.actor.old_log_probs_in_update=false"], False),
+    (["algorithm.use_kl_in_reward=true"], False),  # the advantages read them before the update
+    (["actor_rollout_ref.actor.use_rollout_log_probs=true"], False),  # the rollout's are the old ones
+    (["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+      "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=2"], True),
+])
+def test_the_update_makes_the_old_log_probs_unless_something_needs_them_before(overrides, in_update):
+    assert old_log_probs_in_update(load_config(None, overrides)) is in_update
+
+
+def test_taking_the_old_log_probs_sets_them_and_measures_entropy_and_mismatch_over_valid_tokens():
+    batch = Batch.from_token_lists([[5, 6], [7]], [[8, 9, 10], [11]])
+    batch["rollout_log_probs"] = torch.log(torch.tensor([[0.5, 0.2, 0.4], [0.1, 1.0, 1.0]]))  # log 1 = 0 at padding
+    scored = {"log_probs": torch.log(torch.tensor([[0.5, 0.25, 0.4], [0.1, 1.0, 1.0]])),
+              "entropy": torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])}  # 99: padding, never counted
+    for use_rollout in (False, True):
+        config = load_config(None, [f"actor_rollout_ref.actor.use_rollout_log_probs={str(use_rollout).lower()}"])
+        metrics = take_old_log_probs(batch, scored, config)
+        expected = batch["rollout_log_probs"] if use_rollout else scored["log_probs"]
+        assert torch.equal(batch["old_log_probs"], expected)
+        assert metrics["actor/entropy_before_update"] == pytest.approx((1 + 2 + 3 + 4) / 4)
+        assert metrics["training/rollout_probs_diff_max"] == pytest.approx(0.05)
+        assert not any(k.startswith("moe/") for k in metrics)
+    scored["expert_tokens"] = torch.tensor([[3, 1]], dtype=torch.int32)  # one layer, two experts
+    assert take_old_log_probs(batch, scored, config)["moe/tokens_per_expert_max"] == 3
 
 
 def test_best_of_n_takes_each_prompts_best_response():

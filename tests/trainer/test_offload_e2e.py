@@ -2,13 +2,15 @@
 reference model for the KL loss, one colocated CPU-engine server; offloading is per rank, so more
 ranks add nothing here but CI time) for 2 steps with the actor's parameters, gradients
 and optimizer state and the reference model's parameters offloaded while generating, against the
-same run with offload off and the servers keeping their memory (`rollout.free_cache_engine=false`,
-as the CPU quickstart runs).
+same run with offload off, the servers keeping their memory (`rollout.free_cache_engine=false`,
+as the CPU quickstart runs) and the old log-probs made by a separate pass before the update
+(`actor.old_log_probs_in_update=false`; the offload run's update makes them itself).
 
 Checked: the servers start and release their memory before any engine initialises; every step
 calls generate, release, onload, compute, update, push, offload, resume in that order (and a
 checkpoint release, onload, save, push, offload, resume); the run is
-bit-identical to the run without offload (metrics and weights); the bytes a step reports equal the
+bit-identical to the other (metrics and weights; one mini-batch per step, whose log-probs the
+update takes from its own forward); the bytes a step reports equal the
 sizes of the storages each key names, counted on the engines' own tensors; `megarl plan`'s
 estimate offloads exactly the roles the trainer offloads. Without `free_cache_engine` no server
 releases or resumes anything, at start or in a step, and the run is still the same.
@@ -36,6 +38,7 @@ WITH_REF = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor
             "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1")
 SERVERS = 1  # one colocated server per logical GPU
 KEEP_MEMORY = "actor_rollout_ref.rollout.free_cache_engine=false"  # the offload-off run's servers keep theirs
+SEPARATE_OLD_LOG_PROBS = "actor_rollout_ref.actor.old_log_probs_in_update=false"  # the offload-off run's
 # Metrics that measure time, not the computation; and the servers' log-probs against the actor's
 # (`training/rollout_*`): the CPU engine's numbers move in the last bits with how it batched the
 # concurrent requests, which timing decides (the sampled tokens do not).
@@ -82,6 +85,10 @@ class RecordingEngineGroup(EngineGroup):
     def update(self, method, batch):
         Recorder.events.append(("update", self.name))
         return super().update(method, batch)
+
+    def update_and_compute(self, method, batch):
+        Recorder.events.append(("update_and_compute", self.name))
+        return super().update_and_compute(method, batch)
 
 
 class RecordingFleet(RolloutFleet):
@@ -159,7 +166,8 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> di
 def runs(tiny_assets, tmp_path_factory, tiny_grpo_cluster, ray_two_gpus):
     with pytest.MonkeyPatch.context() as monkeypatch:
         on = _run(tiny_assets, tmp_path_factory.mktemp("on"), tiny_grpo_cluster, monkeypatch, *OFFLOAD)
-        off = _run(tiny_assets, tmp_path_factory.mktemp("off"), tiny_grpo_cluster, monkeypatch, KEEP_MEMORY)
+        off = _run(tiny_assets, tmp_path_factory.mktemp("off"), tiny_grpo_cluster, monkeypatch, KEEP_MEMORY,
+                   SEPARATE_OLD_LOG_PROBS)
     return on, off
 
 
@@ -188,12 +196,12 @@ def test_servers_that_keep_their_memory_are_never_released(runs):
 
 def test_every_step_offloads_around_generation_in_order(runs):
     on, off = runs
-    expected = [("generate",), ("release",), ("onload", "actor"), ("onload", "ref"), ("compute", "actor"),
-                ("compute", "ref"), ("update", "actor"), ("push", "actor"), ("offload", "actor"),
-                ("offload", "ref"), ("resume_kv",)]
+    expected = [("generate",), ("release",), ("onload", "actor"), ("onload", "ref"), ("compute", "ref"),
+                ("update_and_compute", "actor"), ("push", "actor"), ("offload", "actor"), ("offload", "ref"),
+                ("resume_kv",)]
     for events, _ in on["steps"]:
         assert events == expected
-    without = [e for e in expected if e[0] not in ("onload", "offload", "release", "resume_kv")]
+    without = [("generate",), ("compute", "actor"), ("compute", "ref"), ("update", "actor"), ("push", "actor")]
     for events, _ in off["steps"]:
         assert events == without
 
@@ -208,7 +216,7 @@ def test_a_checkpoint_onloads_the_roles_and_gives_the_servers_their_weights_back
     assert events == [] and written and versions == [str(STEPS)] * SERVERS
 
 
-def test_offload_on_is_bit_identical_to_offload_off(runs):
+def test_offload_on_is_bit_identical_to_offload_off_with_a_separate_old_log_prob_pass(runs):
     on, off = runs
     for (_, m_on), (_, m_off) in zip(on["steps"], off["steps"]):
         compared = {k: v for k, v in m_off.items() if not k.startswith(TIMED)}

@@ -4,9 +4,10 @@ algorithm that algorithm actually happened in the loop.
 One Ray session serves all recipes; each recipe brings up its own cluster (real megatron-core on
 gloo, CPU-engine rollout servers behind the router), runs one `RLTrainer.train_step` and is
 inspected through the step's metrics and the batch the actor was updated on (captured on its way
-into `EngineGroup.update`). The algorithm tests run the recipes' own small layout (one logical GPU:
-TP=1, one server); the tests of what a layout changes (a critic at TP=2, the tensor transport's
-per-rank copies, TP-sharded LoRA adapters, routing replay over DP ranks) set theirs (`TWO_GPUS_TP2`, `TWO_GPUS_DP2`).
+into `EngineGroup.update` or `update_and_compute`). The algorithm tests run the recipes' own small
+layout (one logical GPU: TP=1, one server); the tests of what a layout changes (a critic at TP=2,
+the tensor transport's per-rank copies, TP-sharded LoRA adapters, routing replay over DP ranks) set
+theirs (`TWO_GPUS_TP2`, `TWO_GPUS_DP2`).
 
 The reward is this file's `first_char_is_digit`: about one response in five of the random tiny model
 starts with a digit, so groups of four responses are a mix of informative groups and groups whose
@@ -94,13 +95,18 @@ def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1
 
 
 def _capture_updates(group, sink: list) -> None:
-    update = group.update
+    """Record the batch of each update (an actor whose update makes its old log-probs gets them
+    in the recorded batch from the controller right after)."""
+    for name in ("update", "update_and_compute"):
+        setattr(group, name, _recording(getattr(group, name), sink))
 
+
+def _recording(update, sink: list):
     def recording(method: str, batch: Batch):
         sink.append(batch)
         return update(method, batch)
 
-    group.update = recording
+    return recording
 
 
 # ------------------------------------------------------------------------------ batch views

@@ -48,7 +48,8 @@ def run_experiment(run_to_completion, tiny: Path, out: Path, *overrides: str) ->
     return rows
 
 
-PHASES = ("generate", "reward", "old_log_prob", "advantages", "update_actor", "sync_weights")
+# GRPO: the actor's update makes the old log-probs (no old_log_prob phase; actor.old_log_probs_in_update)
+PHASES = ("generate", "reward", "advantages", "update_actor", "sync_weights")
 
 
 def check_steps(rows: list[dict], steps: int, phases=PHASES) -> list[dict]:
@@ -73,6 +74,8 @@ def test_grpo_colocated(tiny, tmp_path, run_to_completion):
     train = check_steps(rows, 2)
     assert train[0]["actor/ppo_kl"] == 0.0
     assert train[0]["actor/ratio_max"] == 1.0 and train[0]["actor/ratio_min"] == 1.0
+    for row in train:  # made inside the update, measured all the same
+        assert "timing/old_log_prob_s" not in row and row["actor/entropy_before_update"] > 0
 
 
 def test_grpo_split(tiny, tmp_path, run_to_completion):
@@ -87,6 +90,7 @@ def test_ppo_with_critic_and_kl_in_reward(tiny, tmp_path, run_to_completion):
     rows = run_experiment(run_to_completion, tiny, tmp_path, *TP2, "algorithm.adv_estimator=gae",
                           "algorithm.use_kl_in_reward=true",
                           "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.optim.lr=1e-3")
-    train = check_steps(rows, 2, PHASES + ("ref_log_prob", "values", "update_critic"))
+    # KL in the reward reads the old log-probs with the advantages: a pass of their own first
+    train = check_steps(rows, 2, PHASES + ("old_log_prob", "ref_log_prob", "values", "update_critic"))
     for row in train:
         assert "critic/vf_loss" in row and "critic/kl" in row

@@ -202,6 +202,13 @@ class ActorConfig:
     # --use-rollout-logprobs): the ratio is then the importance weight to the behaviour policy and the
     # clip a trust region around it; false: the trainer's, recomputed before the update (decoupled PPO)
     use_rollout_log_probs: bool = False
+    # the update makes the PPO ratio's old log-probs itself: the first mini-batch's are its own
+    # training forward's, detached (the weights have not moved yet: its ratio is exactly 1), the
+    # other rows' come from a no-grad pass before the first optimizer step; saves the forward over
+    # the first mini-batch's rows and a call (megarl.engines.megatron.old_log_probs). Applies
+    # where nothing needs them before the update: not with algorithm.use_kl_in_reward or
+    # use_rollout_log_probs (then, and in critic_warmup steps, a separate pass as with false)
+    old_log_probs_in_update: bool = True
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

@@ -74,5 +74,13 @@ class EngineGroup:
         """An update (update_policy, update_critic): metrics are identical on every rank; take rank 0's."""
         return self.run_on_batch(method, batch)[0]
 
+    def update_and_compute(self, method: str, batch: Batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """An update that also returns per-sample outputs (update_policy_with_old_log_probs): each
+        rank returns (metrics, identical on every rank; its outputs on output ranks, else None).
+        Returns rank 0's metrics and the output ranks' outputs joined in DP order (`join_outputs`)."""
+        results = self.run_on_batch(method, batch)
+        parts = [results[self.output_ranks[dp]][1] for dp in range(self.dp_size)]
+        return results[0][0], join_outputs(parts, len(batch), padded=False)
+
     def shutdown(self) -> None:
         self.workers.shutdown()

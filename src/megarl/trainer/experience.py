@@ -182,6 +182,34 @@ def old_log_probs(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tens
     return rollout_log_probs if use_rollout_log_probs else trainer_log_probs
 
 
+def old_log_probs_in_update(config: ExperimentConfig) -> bool:
+    """Whether the actor's update makes the step's old log-probs itself
+    (`actor_rollout_ref.actor.old_log_probs_in_update`; megarl.engines.megatron.old_log_probs:
+    the first mini-batch's from its own training forward, the other rows' in a pass before the
+    first optimizer step) instead of a separate pass over the batch before it. Not when something
+    needs them before the update: the KL penalty in the reward (`algorithm.use_kl_in_reward`)
+    reads them with the advantages; nor with `use_rollout_log_probs`, where the rollout's are the
+    old ones and the trainer's pass only measures the mismatch. (Steps in `trainer.critic_warmup`
+    do not update the actor: the controller then runs the separate pass.)"""
+    actor = config.actor_rollout_ref.actor
+    return actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs
+
+
+def take_old_log_probs(batch: Batch, scored: dict, config: ExperimentConfig) -> dict:
+    """Sets `batch["old_log_probs"]` (`old_log_probs`) from the actor's log-probs of the batch
+    before the update, `scored` ({"log_probs", "entropy"} [B, R], "expert_tokens" [L, E] for an
+    MoE actor); returns their metrics: `actor/entropy_before_update`, the rollout mismatch, the
+    expert load."""
+    batch["old_log_probs"] = old_log_probs(scored["log_probs"], batch["rollout_log_probs"],
+                                           config.actor_rollout_ref.actor.use_rollout_log_probs)
+    mask = batch["response_mask"].bool()
+    metrics = {"actor/entropy_before_update": scored["entropy"][mask].mean().item() if mask.any() else 0.0}
+    metrics.update(rollout_mismatch(scored["log_probs"], batch["rollout_log_probs"], mask))
+    if "expert_tokens" in scored:  # an MoE actor
+        metrics.update(expert_load_metrics(scored["expert_tokens"]))
+    return metrics
+
+
 def rollout_mismatch(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
     """How far the rollout engine's token probabilities are from the trainer's recomputed ones
     (same weights, same temperature), over valid tokens; [B, R] inputs. verl's names:

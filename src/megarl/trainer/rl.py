@@ -2,7 +2,8 @@
 
     for each step:
         prompts -> generate n responses each -> score -> (ref log-probs, old log-probs, values)
-        -> rewards and advantages -> update actor (and critic) -> sync weights to the rollout
+        -> rewards and advantages -> update actor (and critic; the actor's update makes the old
+        log-probs itself where nothing needs them before it) -> sync weights to the rollout
         servers -> log -> validate every test_freq -> checkpoint every save_freq
 
 The controller owns no accelerator: it drives worker groups (Megatron engines) and the rollout
@@ -230,15 +231,13 @@ class RLTrainer:
         batch, metrics = self.collect_experience(timer) if self.producer is None else self.take_rollout(timer)
         cl.before_training()
 
-        with timer("old_log_prob"):
-            out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
-            batch["old_log_probs"] = experience.old_log_probs(out["log_probs"], batch["rollout_log_probs"],
-                                                              c.actor_rollout_ref.actor.use_rollout_log_probs)
-            metrics["actor/entropy_before_update"] = _masked_mean(out["entropy"], batch["response_mask"])
-            metrics.update(experience.rollout_mismatch(out["log_probs"], batch["rollout_log_probs"],
-                                                       batch["response_mask"]))
-            if "expert_tokens" in out:  # an MoE actor
-                metrics.update(experience.expert_load_metrics(out["expert_tokens"]))
+        update_actor = self.step >= c.trainer.critic_warmup
+        # the actor's update makes the old log-probs itself where nothing needs them before it
+        old_in_update = update_actor and experience.old_log_probs_in_update(c)
+        if not old_in_update:
+            with timer("old_log_prob"):
+                out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
+                metrics.update(experience.take_old_log_probs(batch, out, c))
         if cl.ref is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]
@@ -252,9 +251,14 @@ class RLTrainer:
         if cl.critic is not None:
             with timer("update_critic"):
                 metrics.update(cl.critic.update("update_critic", batch))
-        if self.step >= c.trainer.critic_warmup:
+        if update_actor:
             with timer("update_actor"):
-                metrics.update(cl.actor.update("update_policy", batch))
+                if old_in_update:
+                    update, out = cl.actor.update_and_compute("update_policy_with_old_log_probs", batch)
+                    metrics.update(experience.take_old_log_probs(batch, out, c))
+                else:
+                    update = cl.actor.update("update_policy", batch)
+                metrics.update(update)
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
@@ -373,8 +377,3 @@ class RLTrainer:
         if self.producer is not None:  # the servers now hold the checkpoint's weights: version `step`
             self.producer.load_state_dict(state.get("async") or {"next_index": self.step, "extra": 0, "ready": []})
             self.producer.pushed(self.step)
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    mask = mask.bool()
-    return values[mask].mean().item() if mask.any() else 0.0

@@ -10,7 +10,7 @@ config plumbing and the heads.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -189,21 +189,29 @@ class MegatronEngine:
             return last.shared_embedding_or_output_weight()
         return last.output_layer.weight
 
+    def forward_outputs(
+        self, batch: Batch, head: Head, *, max_samples, max_tokens, count_experts: bool = False
+    ) -> tuple[list[dict], Optional[torch.Tensor]]:
+        """Forward-only pass over `batch`: `head`'s outputs per micro-batch on the last pipeline
+        stage ([] elsewhere), and with `count_experts` on an MoE model the [L, E] int32 tokens of
+        all of `batch`'s samples its routers sent to each expert (`expert_counts`, complete on
+        output ranks), else None."""
+        micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens)
+        if not (count_experts and self.arch.moe is not None):
+            return self.run(micro_batches, head, True), None
+        with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts,
+                           self.device) as counter:
+            outputs = self.run(micro_batches, head, True, counter)
+        return outputs, counter.totals(self._ps.get_pipeline_model_parallel_group())
+
     def forward_tokens(
         self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str], count_experts: bool = False
     ) -> Optional[dict]:
         """Forward-only pass over `batch`; `head` returns per micro-batch {"key": [b, R] tensor}
         for every name in `keys`. On output ranks: {key: [B, R] float32 on CPU}, rows in batch
-        order; None elsewhere. `count_experts` (an MoE model): also "expert_tokens" [L, E]
-        int32, the tokens of all of `batch`'s samples its routers sent to each expert (`expert_counts`)."""
-        micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens)
-        if count_experts and self.arch.moe is not None:
-            with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts,
-                               self.device) as counter:
-                outputs = self.run(micro_batches, head, True, counter)
-            counts = counter.totals(self._ps.get_pipeline_model_parallel_group())
-        else:
-            outputs, counts = self.run(micro_batches, head, True), None
+        order (plus "expert_tokens" with `count_experts`, see `forward_outputs`); None elsewhere."""
+        outputs, counts = self.forward_outputs(batch, head, max_samples=max_samples, max_tokens=max_tokens,
+                                               count_experts=count_experts)
         if not self.is_output_rank:
             return None
         width = batch["response_mask"].shape[1]
@@ -228,6 +236,7 @@ class MegatronEngine:
         data_keys: Sequence[str],
         loss_head: LossHead,
         prefix: str,
+        before_mini_batch: Optional[Callable[[int, torch.Tensor], None]] = None,
     ) -> dict[str, float]:
         """`epochs` passes over `batch` (this DP rank's samples) in mini-batches of
         `mini_batch_size` samples, one optimizer step each. `loss_head(mb, hidden, counts)`
@@ -235,7 +244,8 @@ class MegatronEngine:
         `training` for the loss scaling). Returns metrics named `prefix/...`, the same on every
         rank: each mini-batch's value over all DP ranks, averaged over mini-batches; `tokens` is
         the sum (response tokens trained on, all ranks and epochs), `lr` the learning rate of this
-        update."""
+        update. `before_mini_batch(index, rows)`: called before each mini-batch is taken from
+        `batch` and stepped on, with its index in the update and its rows of `batch`."""
         if self.optimizer is None:
             raise RuntimeError(f"{self.section}: this engine has no optimizer")
         self.offloader.check_onloaded()
@@ -244,10 +254,11 @@ class MegatronEngine:
         self.scheduler.step(1)
         lr = self.optimizer.param_groups[0]["lr"]
         generator = torch.Generator().manual_seed(self._seed + self.updates)  # the same on a replica's ranks
-        per_mini = [
-            self._train_mini_batch(batch.select(rows), max_samples, max_tokens, data_keys, loss_head)
-            for rows in mini_batch_rows(len(batch), mini_batch_size, epochs, shuffle, generator)
-        ]
+        per_mini = []
+        for index, rows in enumerate(mini_batch_rows(len(batch), mini_batch_size, epochs, shuffle, generator)):
+            if before_mini_batch is not None:
+                before_mini_batch(index, rows)
+            per_mini.append(self._train_mini_batch(batch.select(rows), max_samples, max_tokens, data_keys, loss_head))
         return broadcast_from_last_stage(mean_over_mini_batches(per_mini, prefix, lr))
 
     def _train_mini_batch(self, mini: Batch, max_samples, max_tokens, data_keys, loss_head) -> dict[str, float]:

@@ -29,6 +29,7 @@ from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_log_probs, token_values
 from megarl.engines.megatron.lora import LoraSpec
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
+from megarl.engines.megatron.old_log_probs import OldLogProbsInUpdate
 from megarl.engines.megatron.sequences import Layout, MicroBatch
 
 
@@ -107,6 +108,24 @@ class ActorEngine(MegatronEngine):
         loss of `megarl.algos.actor_loss`. Needs `old_log_probs` and `advantages` (and
         `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap). Logits are
         divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
+        return self._update_policy(batch, None)
+
+    def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], Optional[dict]]:
+        """`update_policy` on a batch without `old_log_probs`: the update makes them
+        (`megarl.engines.megatron.old_log_probs`; `actor_rollout_ref.actor.old_log_probs_in_update`).
+        Returns (the update's metrics, equal on every rank; on output ranks what
+        `compute_log_prob(batch, rollout.temperature, with_entropy=True)` would have returned
+        before the update, None elsewhere)."""
+        rollout = self.config.actor_rollout_ref.rollout
+        old = OldLogProbsInUpdate(
+            self, batch, _log_prob_head(self, rollout.temperature, True, "log_probs"),
+            max_samples=rollout.log_prob_micro_batch_size_per_gpu,
+            max_tokens=self.actor.ppo_max_token_len_per_gpu if self.actor.use_dynamic_bsz else None)
+        metrics = self._update_policy(old.batch, old)
+        return metrics, old.outputs() if self.is_output_rank else None
+
+    def _update_policy(self, batch: Batch, old: Optional[OldLogProbsInUpdate]) -> dict[str, float]:
+        """`update_policy`; with `old`, the old log-probs come from it (see there)."""
         actor, rollout = self.actor, self.config.actor_rollout_ref.rollout
         keys = (["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
                 + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else []))
@@ -118,9 +137,11 @@ class ActorEngine(MegatronEngine):
                 hidden, self.output_weight(), mb.targets, vocab_size=self.arch.vocab_size,
                 temperature=rollout.temperature, with_entropy=True,
             )
+            log_probs = mb.to_grid(log_probs)
             entropy = mb.to_grid(entropy if actor.entropy_coeff != 0 else entropy.detach())
+            old_log_probs = mb.data["old_log_probs"] if old is None else old.old_log_probs(mb, log_probs, entropy)
             return actor_loss(
-                mb.to_grid(log_probs), mb.data["old_log_probs"], mb.data["advantages"], mb.response_mask,
+                log_probs, old_log_probs, mb.data["advantages"], mb.response_mask,
                 entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"),
                 rollout_log_prob=mb.data.get("rollout_log_probs"), **loss_kwargs, **counts,
                 norm_length=norm_length,
@@ -136,8 +157,8 @@ class ActorEngine(MegatronEngine):
             data_keys=keys,
             loss_head=loss_head,
             prefix="actor",
+            before_mini_batch=None if old is None else old.before_mini_batch,
         )
-
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on this rank's samples: the token-mean
