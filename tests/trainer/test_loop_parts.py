@@ -108,6 +108,27 @@ def test_taking_the_old_log_probs_sets_them_and_measures_entropy_and_mismatch_ov
     assert take_old_log_probs(batch, scored, config)["moe/tokens_per_expert_max"] == 3
 
 
+def test_scoring_decodes_only_the_masked_in_response_tokens():
+    """The reward sees each response's tokens where response_mask is 1: not the right padding, not
+    the tokens an agent's environment inserted (mask 0 inside the response)."""
+    from megarl.data.tiny_model import build_char_tokenizer
+    from megarl.trainer.experience import score
+
+    tokenizer = build_char_tokenizer()
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    batch = Batch.from_token_lists([enc("1+2="), enc("3+4=")], [enc("3xy"), enc("7!0")])
+    batch["response_mask"] = torch.tensor([[1, 0, 0], [1, 0, 1]])  # row 0: padding; row 1: a tool token
+    batch.meta.update(data_source=["megarl/add"] * 2, ground_truth=["3", "70"], extra_info=[None, None])
+    seen = []
+
+    def exact(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return float(solution_str == ground_truth)
+
+    score(batch, exact, tokenizer, load_config(None, []))
+    assert seen == ["3", "70"] and batch["scores"].tolist() == [1.0, 1.0]
+
+
 def test_best_of_n_takes_each_prompts_best_response():
     batch = Batch.from_token_lists([[5]] * 5, [[6]] * 5)
     batch["uid"] = ["val-0", "val-0", "val-1", "val-1", "val-2"]

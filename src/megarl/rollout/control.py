@@ -9,6 +9,8 @@ and raises one `ServerError` naming every server that failed (the others' calls 
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,8 +204,29 @@ def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
     return results
 
 
+# The threads of `on_all`, one pool per process, kept between rounds: a round of admin calls then
+# starts no thread (a pool per round spent ~5 ms a weight push starting threads on a busy 2-core
+# machine, py-spy, tools/bench/README.md issue 28). The pool makes threads as rounds need them and
+# reuses idle ones, so a round over N servers runs its N calls at once (up to ADMIN_THREADS).
+ADMIN_THREADS = 256
+_admin_pool: Optional[ThreadPoolExecutor] = None
+_admin_pool_pid: Optional[int] = None
+_admin_pool_lock = threading.Lock()
+
+
+def admin_pool() -> ThreadPoolExecutor:
+    """This process's pool for `on_all` (a forked child makes its own: the parent's threads are
+    not in it)."""
+    global _admin_pool, _admin_pool_pid
+    with _admin_pool_lock:
+        if _admin_pool is None or _admin_pool_pid != os.getpid():
+            _admin_pool = ThreadPoolExecutor(ADMIN_THREADS, thread_name_prefix="server-admin-http")
+            _admin_pool_pid = os.getpid()
+        return _admin_pool
+
+
 def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
     """`call(server)` on every server concurrently; results in server order. The weight push's admin
     calls and the rollout fleet's (memory release and resume) go through it."""
-    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="server-admin-http") as pool:
-        return wait_all({pool.submit(call, s): s for s in servers})
+    pool = admin_pool()
+    return wait_all({pool.submit(call, s): s for s in servers})

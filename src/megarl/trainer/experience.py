@@ -69,10 +69,9 @@ def routed_experts_grids(routes: Sequence[Any], prompt_mask: torch.Tensor,
 def score(batch: Batch, score_fn: Callable, tokenizer, config: ExperimentConfig, max_workers: int = 1) -> dict:
     """Score every response; sets `scores` [B] and `token_level_scores` [B, R] (the score on the last
     response token, plus DAPO's overlong penalty when configured). Returns reward metrics."""
-    texts = tokenizer.batch_decode(
-        [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])],
-        skip_special_tokens=False,
-    )
+    ids, masks = batch["response_ids"].tolist(), batch["response_mask"].bool().tolist()  # two copies, not 2 per row
+    texts = tokenizer.batch_decode([[t for t, keep in zip(row, mask) if keep] for row, mask in zip(ids, masks)],
+                                   skip_special_tokens=False)
     rewards = score_batch(score_fn, batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
                           max_workers=max_workers, timeout_s=config.custom_reward_function.timeout_s)
     scores = rewards.scores
