@@ -1,8 +1,8 @@
 """Bodies of the LoRA engine checks, run in one spawned 2-rank gloo world (see engine_world.py).
 
-The same PPO updates of the LoRA actor at TP1 (DP2), TP2 (DP1) and PP2 (DP1), on one batch; at
-TP1 also the base actor's log-probs, the merged HF export, a checkpoint after update 2 and a
-resumed engine; then two value updates of a LoRA critic at TP2. Ranks return what the test
+The same PPO updates of the LoRA actor at TP1 (DP2), TP2 (DP1) and PP2 (DP1), on one batch, each
+with a checkpoint after update 2 and an engine resumed from it; at TP1 also the base actor's
+log-probs and the merged HF export; then two value updates of a LoRA critic at TP2. Ranks return what the test
 compares with HF / PEFT.
 """
 from __future__ import annotations
@@ -148,10 +148,13 @@ def lora_world(rank: int, world_size: int, port: int, models: dict, out_dir: str
     out["tp1_resumed"] = _resume(lora_config(model, world_size, 1, 1), batch, f"{out_dir}/{CHECKPOINT}/actor",
                                  out["tp1"]["init_log_probs"])
     reset_layout()
-    out["tp2"] = _train(lora_config(model, world_size, 2, 1), batch)
-    reset_layout()
-    out["pp2"] = _train(lora_config(model, world_size, 1, 2), batch)
-    reset_layout()
+    for layout, (tp, pp) in {"tp2": (2, 1), "pp2": (1, 2)}.items():  # saved and resumed at TP2 and PP2 too
+        directory = f"{out_dir}/{layout}/{CHECKPOINT}/actor"
+        out[layout] = _train(lora_config(model, world_size, tp, pp), batch, checkpoint_dir=directory)
+        reset_layout()
+        out[f"{layout}_resumed"] = _resume(lora_config(model, world_size, tp, pp), batch, directory,
+                                           out[layout]["init_log_probs"])
+        reset_layout()
     out["critic_tp2"] = _critic(config(model, world_size, 2, 1, None, None, "critic.model.lora.rank=4",
                                        "critic.model.lora.alpha=8", "critic.optim.lr=1e-2"), batch)
     reset_layout()

@@ -144,13 +144,22 @@ class LoraAdapter(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Checkpoint entries: the TP-split factors as TP-sharded tensors (megatron's default would
-        call every child tensor replicated)."""
+        call every child tensor replicated), the whole factors as replicas over TP.
+
+        Both groups are passed, as megatron's own linear layers pass theirs: given a `dp_cp_group`
+        alone, `make_sharded_tensors_for_checkpoint` takes TP rank 0 on every TP rank (its
+        `get_pg_rank(None)`), so every TP rank claimed the main replica of a whole factor; rank 0's
+        sharding validation then raised while the other ranks went on into the save's collectives
+        (the LoRA TP2 checkpoint hang)."""
+        from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {name: split.dim for name, split in self.splits.items() if split.dim is not None}
+        dp_cp_group = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
-            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+            tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=dp_cp_group,
         )
 
 
