@@ -71,6 +71,12 @@ class Probe(RankedWorker):
     def leave(self) -> None:
         ray.actor.exit_actor()
 
+    def fail_on_or_all_reduce(self, rank: int) -> float:
+        """Rank `rank` raises before the all-reduce the others enter (where they wait for it)."""
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} fails before the all-reduce")
+        return self.all_reduce_rank()
+
 
 class NeverJoinsOnRank1(Probe):
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
@@ -190,13 +196,67 @@ def test_rank_0_hosts_the_store_before_anyone_joins_and_a_rank_that_never_joins_
                                                    r"only rank 0 hosts the process group's store"):
             group.call_ranks([1], "master_address", 30.0, timeout_s=300)
 
-        # rank 0 gives up after its 3 s with the store's own error; we wait the grace longer and name rank 1
+        # rank 0 gives up after its 3 s with the store's own error, the first failure; rank 1, still
+        # inside the call when the group's time is up, is named and stopped with its group
         t0 = time.monotonic()
-        with pytest.raises(WorkerGroupError, match=r"^actor.init_process_group: no answer within 8 s from "
-                                                   r"actor rank 1 on node0$"):
+        with pytest.raises(WorkerGroupError) as error:
             group.init_process_group("gloo", timeout_s=3)
         assert time.monotonic() - t0 < 30
+        lines = str(error.value).splitlines()
+        assert lines[0] == "actor.init_process_group failed:"
+        assert lines[1].startswith("  - actor rank 0 on node0 raised DistStoreError: "), lines[1]
+        assert lines[-1] == ("  - actor rank 1 on node0 was still inside the call 10 s after actor rank 0 on node0 "
+                             "failed: stopped (presumably blocked in a collective with it)")
         group.shutdown()
+
+
+def test_a_rank_that_raises_before_a_collective_ends_the_call_on_every_rank_in_seconds(cluster, monkeypatch):
+    """Rank 1 raises while rank 0 waits for it in an all-reduce (whose own timeout is 300 s): the call
+    ends within the failure grace, rank 1's error first, and rank 0, stuck, is stopped by its group."""
+    monkeypatch.setattr(worker_group, "FAILURE_GRACE_S", 3.0)
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(Probe, role, pools)
+        pids = [info["pid"] for info in group.call("node_info", timeout_s=300)]
+        group.init_process_group("gloo", timeout_s=300)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGroupError) as error:
+            group.call("fail_on_or_all_reduce", 1, timeout_s=300)
+        assert time.monotonic() - t0 < 15  # the grace (3 s) and Ray's answer, not the all-reduce's 300 s
+        lines = str(error.value).splitlines()
+        assert lines[0] == "actor.fail_on_or_all_reduce failed:"
+        assert lines[1] == "  - actor rank 1 on node0 raised ValueError: rank 1 fails before the all-reduce"
+        assert lines[-1] == ("  - actor rank 0 on node0 was still inside the call 3 s after actor rank 1 on node0 "
+                             "failed: stopped (presumably blocked in a collective with it)")
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids):  # both workers' processes end (ray.kill), not at the 300 s
+            assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGroupError, match=r"^actor.node_info: actor's workers were stopped after an "
+                                                   r"earlier failure \(actor.fail_on_or_all_reduce: actor rank 1"):
+            group.call("node_info", timeout_s=300)
+        assert time.monotonic() - t0 < 1
+        group.shutdown()
+
+
+def test_a_rank_that_raises_alone_leaves_its_group_working(cluster, monkeypatch):
+    """A failure no peer waits on (they all answered): nothing is stopped, the next call works."""
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(Probe, role, pools)
+        group.init_process_group("gloo", timeout_s=300)
+        with pytest.raises(WorkerGroupError, match=r"actor rank 0 on node0 raised ValueError: .*bad input on rank 0"):
+            group.call("fail_on", 0, timeout_s=300)
+        assert group.call("all_reduce_rank", timeout_s=300) == [3.0, 3.0]
+        group.shutdown()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_plan_larger_than_cluster_is_refused(cluster):

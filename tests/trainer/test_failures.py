@@ -1,6 +1,6 @@
 """How a run says it stopped (issue 26 items 5 and 6): one line per failing rank, the remote
-tracebacks in <run>/logs/failure.txt, the resume hint only when a checkpoint exists; Ctrl-C asks
-for a checkpoint like SIGTERM, a second one stops at once."""
+tracebacks in <run>/logs/failure.txt, the resume hint only when a checkpoint exists; SIGTERM asks
+for a checkpoint, a second one or Ctrl-C stops at once (issue 42), and the teardown holds signals."""
 import signal
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from megarl.config import load_and_validate
 from megarl.placement.worker_group import WorkerGroupError
 from megarl.trainer.failures import INTERRUPTED, console_lines, run_and_report
-from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
+from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest, signals_held
 
 # The shape WorkerGroup._gather gives a failed call: one item per rank, each with Ray's remote
 # traceback (which itself repeats the cause) indented under it; the cause here spans two lines.
@@ -63,23 +63,42 @@ def test_the_resume_hint_names_the_last_complete_checkpoint(tmp_path, capsys):
     assert f"with trainer.resume_mode=auto the next run continues from step 4 ({tmp_path}/p/e/global_step_4)" in err
 
 
-def test_ctrl_c_is_a_stop_request_and_a_second_one_stops_at_once():
+def test_sigterm_is_a_stop_request_a_second_one_and_ctrl_c_stop_at_once():
     # raise_signal signals this thread and runs the Python handler before it returns. The handler
     # restored is whatever the process had (SIG_IGN once an earlier test's library ignored SIGINT).
-    before = signal.getsignal(signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with StopRequest() as stop:
-        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: the step goes on
-        assert stop.signum == signal.SIGINT
+        signal.raise_signal(signal.SIGTERM)  # no exception: the step goes on, then the checkpoint
+        assert stop.signum == signal.SIGTERM
         stop.step = 3
-        with pytest.raises(Preempted, match="stopped by SIGINT after step 3: no new checkpoint"):
-            signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before  # restored
+        with pytest.raises(Preempted, match="stopped by SIGTERM after step 3: no new checkpoint") as second:
+            signal.raise_signal(signal.SIGTERM)
+        assert second.value.exit_code == 128 + signal.SIGTERM == 143
+    with StopRequest() as stop:
+        with pytest.raises(Preempted, match="stopped by SIGINT after step 0: no new checkpoint") as ctrl_c:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: at once, the first time
+        assert stop.signum == signal.SIGINT and ctrl_c.value.exit_code == 130
+    assert {s: signal.getsignal(s) for s in before} == before  # restored
+
+
+def test_stop_signals_are_held_during_the_teardown(caplog):
+    before = signal.getsignal(signal.SIGINT)
+    with signals_held("the run stops its workers"):
+        signal.raise_signal(signal.SIGINT)  # neither KeyboardInterrupt nor Preempted: the teardown goes on
+        signal.raise_signal(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+        "SIGINT received while the run stops its workers", "SIGTERM received while the run stops its workers"]
 
 
 def test_ctrl_c_outside_the_loop_and_a_preempted_run_exit_cleanly(tmp_path, capsys):
     assert run_and_report(_fail(KeyboardInterrupt()), _config(tmp_path)) == 130
     assert capsys.readouterr().err == INTERRUPTED + "\n"
     assert INTERRUPTED.startswith("megarl: interrupted (Ctrl-C); the interruption saved nothing")
-    stopped = Preempted(signal.SIGINT, 5, "/ckpt/global_step_5")
+    stopped = Preempted(signal.SIGTERM, 5, "/ckpt/global_step_5")
     assert run_and_report(_fail(stopped), _config(tmp_path)) == PREEMPTED_EXIT_CODE
-    assert "stopped by SIGINT after step 5: checkpoint /ckpt/global_step_5" in capsys.readouterr().err
+    assert "stopped by SIGTERM after step 5: checkpoint /ckpt/global_step_5; exit status 75" in capsys.readouterr().err
+    abandoned = Preempted(signal.SIGINT, 6, None)
+    assert run_and_report(_fail(abandoned), _config(tmp_path)) == 130
+    err = capsys.readouterr().err
+    assert "stopped by SIGINT after step 6: no new checkpoint (the step was abandoned); exit status 130 (no checkpoint" in err

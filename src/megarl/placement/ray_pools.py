@@ -7,6 +7,7 @@ simulated nodes, and some clusters, share one.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import ray
@@ -87,8 +88,13 @@ def create_pools(plan: Plan, timeout_s: float = 60.0) -> RealisedPools:
             bundle_label_selector=[{NODE_ID_LABEL: nodes[d.node].node_id} for d in pool.devices],
         )
     realised = RealisedPools(groups, nodes)
+    deadline = time.monotonic() + timeout_s
     for name, group in groups.items():
-        if not group.wait(timeout_s):
+        # in slices: inside Ray's wait Python runs no signal handler, so Ctrl-C would wait for the timeout
+        ready = group.wait(min(1.0, timeout_s))
+        while not ready and time.monotonic() < deadline:
+            ready = group.wait(min(1.0, max(0.1, deadline - time.monotonic())))
+        if not ready:
             realised.remove()
             raise PlacementTimeout(
                 f"placement group for pool '{name}' ({len(plan.pools[name].devices)} GPUs on "

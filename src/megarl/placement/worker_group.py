@@ -8,11 +8,15 @@ names); the controller does
     group.init_process_group(backend="gloo")
     losses = group.call("update_policy", batch, timeout_s=600)
 
-A rank that does not answer within the timeout, dies, or raises is reported by rank and node; a rank
-that dies ends the wait at once (its peers get a short grace), naming the process, address and cause.
+A rank that does not answer within the timeout, dies, or raises is reported by rank and node. The
+first rank that dies, or in a training role raises, ends the call on every rank within seconds: its
+peers get a short grace, then those still inside the call (blocked in a collective with it) are
+stopped with their group, and the first failure is reported first, naming the process, address and
+cause. The driver waits in short slices, so Ctrl-C and SIGTERM are handled while it waits.
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Protocol
@@ -25,7 +29,15 @@ from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 
 JOIN_GRACE_S = 30.0  # how much longer than its ranks the driver waits for a group to form (s)
+# The driver's longest single wait inside Ray's C code, where Python runs no signal handler (s):
+# SIGINT and SIGTERM are handled within one slice wherever the driver waits on its workers.
+WAIT_SLICE_S = 0.5
+# After a rank's call failed, how long its peers get to end theirs (s): a peer in a collective with
+# the failed rank usually fails at once (gloo: its connection closed; NCCL: the communicator's
+# error); one that does not is blocked, and is stopped with its group (`WorkerGroup.abort`).
+FAILURE_GRACE_S = 10.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+log = logging.getLogger("megarl.placement")
 
 
 class WorkerGroupError(RuntimeError):
@@ -63,6 +75,19 @@ def describe_actor_death(ray_message: str) -> str:
     return f"{what}; Ray: {exit_type + ': ' if exit_type else ''}{detail}" if detail else what
 
 
+def _wait(refs: list, timeout_s: float) -> tuple[list, list]:
+    """`ray.wait` for all of `refs` up to `timeout_s`: (ready, pending). Ray's Cython wait runs
+    Python's signal handlers while it waits; when one raises (a stop signal: Preempted,
+    KeyboardInterrupt), the wait returns with that exception set and Python reports a SystemError
+    caused by it: the handler's own exception is raised instead."""
+    try:
+        return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except SystemError as error:
+        if error.__cause__ is None:
+            raise
+        raise error.__cause__ from None
+
+
 class RankedActor(Protocol):
     """What `WorkerGroup` needs of a role's actor class (`megarl.workers.base.RankedWorker` is the
     implementation): it is created as `cls(rank, world_size, role_name, *args, **kwargs)` and answers
@@ -79,8 +104,13 @@ class WorkerGroup:
     on the server's first GPU of that node."""
 
     def __init__(self, worker_cls: type[RankedActor], role: RolePlacement, pools: RealisedPools, *args,
-                 env: dict[str, str] | None = None, **kwargs):
+                 env: dict[str, str] | None = None, collective: bool = True, **kwargs):
+        """`collective`: the ranks call collectives together (a training role), so one rank's
+        failure ends the call on all (`_gather`); False for workers that each own an independent
+        process (rollout servers)."""
         self.role = role
+        self.collective = collective
+        self.stopped: str | None = None  # why `abort` stopped the workers, once it has
         group = pools.groups[role.pool]
         node_names = [n.name for n in pools.nodes]
         if role.kind == "rollout":
@@ -105,45 +135,73 @@ class WorkerGroup:
     def _where(self, rank: int) -> str:
         return f"{self.role.name} rank {rank} on {self.locations[rank]}"
 
-    def _gather(self, refs: list, what: str, timeout_s: float, ranks: list[int] | None = None,
-                death_grace_s: float = 10.0) -> list:
-        """Results in order of `refs` (of `ranks`, default all). A rank that dies ends the wait
-        early: its peers are likely blocked in a collective with it, so they get `death_grace_s`
-        more to answer, then all are reported."""
+    def _gather(self, refs: list, what: str, timeout_s: float, ranks: list[int] | None = None) -> list:
+        """Results in order of `refs` (of `ranks`, default all). The driver waits in slices of
+        `WAIT_SLICE_S`, so a stop signal is handled within one slice wherever it waits.
+
+        The first rank whose call fails ends the wait early: a rank that dies, or in a
+        `collective` group one that raises (its peers are likely blocked in a collective with it).
+        The others get `FAILURE_GRACE_S` more to answer; in a collective group, the ranks still
+        inside the call then are stopped with the whole group (`abort`), so no rank is left
+        waiting in a collective until its timeout. All are reported, the first failure first."""
+        if self.stopped is not None:
+            raise WorkerGroupError(f"{what}: {self.role.name}'s workers were stopped after an earlier failure "
+                                   f"({self.stopped})")
         ranks = list(range(len(refs))) if ranks is None else ranks
-        deadline = time.monotonic() + timeout_s
-        pending, outcomes, died = list(refs), {}, False
+        started = time.monotonic()
+        deadline = started + timeout_s
+        pending, outcomes, failed = list(refs), {}, []  # failed: refs in the order their failure came
         while pending and time.monotonic() < deadline:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+            slice_s = min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            ready, pending = _wait(pending, slice_s)
             for ref in ready:
                 try:
                     outcomes[ref] = ray.get(ref)
                 except (RayActorError, RayTaskError) as exc:
                     outcomes[ref] = exc
-                    if isinstance(exc, RayActorError) and not died:
-                        died, deadline = True, min(deadline, time.monotonic() + death_grace_s)
-        if pending and not died:
+                    ends_the_call = isinstance(exc, RayActorError) or self.collective
+                    if ends_the_call and not failed:
+                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    failed.append(ref)
+        first = next((r for r in failed if isinstance(outcomes[r], RayActorError) or self.collective), None)
+        lines = [self._failure(ranks[refs.index(r)], outcomes[r], brief=first is not None and r is not first)
+                 for r in failed]  # in the order the failures came: the first is usually the cause
+        if pending and first is None:
             names = ", ".join(self._where(ranks[refs.index(r)]) for r in pending)
-            raise WorkerGroupError(f"{what}: no answer within {timeout_s:g} s from {names}")
-        deaths, failures = [], []  # deaths first: the others often fail because of them
-        for rank, ref in zip(ranks, refs):
-            outcome = outcomes.get(ref)
-            if ref in pending:
-                failures.append(f"{self._where(rank)} gave no answer {death_grace_s:g} s after another rank died")
-            elif isinstance(outcome, RayActorError):
-                deaths.append(f"{self._where(rank)} died: {describe_actor_death(str(outcome))}")
-            elif isinstance(outcome, RayTaskError) and died:  # most likely a collective with the dead rank
-                cause = outcome.cause
-                first_line = (str(cause).splitlines() or [""])[0]
-                failures.append(f"{self._where(rank)} raised {type(cause).__name__}: {first_line}")
-            elif isinstance(outcome, RayTaskError):  # the method raised: its own type, message and traceback
-                cause = outcome.cause
-                remote = _ANSI.sub("", str(outcome)).strip().replace("\n", "\n      ")
-                failures.append(f"{self._where(rank)} raised {type(cause).__name__}: {cause}\n      {remote}")
-        failures = deaths + failures
-        if failures:
-            raise WorkerGroupError(f"{what} failed:\n" + "\n".join(f"  - {f}" for f in failures))
-        return [outcomes[ref] for ref in refs]
+            if self.collective:
+                self.abort(f"{what} gave no answer within {timeout_s:g} s")
+            raise WorkerGroupError(f"{what}: no answer within {timeout_s:g} s from {names}"
+                                   + "".join(f"\n  - {line}" for line in lines))
+        if not failed:
+            return [outcomes[ref] for ref in refs]
+        first_where = self._where(ranks[refs.index(first)]) if first is not None else None
+        for ref in pending:
+            lines.append(f"{self._where(ranks[refs.index(ref)])} was still inside the call {FAILURE_GRACE_S:g} s "
+                         f"after {first_where} failed" + (": stopped (presumably blocked in a collective with it)"
+                                                           if self.collective else ""))
+        if pending and self.collective:
+            self.abort(f"{what}: {first_where} failed while its peers were inside the call")
+        raise WorkerGroupError(f"{what} failed:\n" + "\n".join(f"  - {line}" for line in lines))
+
+    def _failure(self, rank: int, outcome: BaseException, brief: bool) -> str:
+        """One report line for a rank whose call died or raised; `brief`: its exception's type and
+        first line only (a rank that failed after the first one, most likely because of it)."""
+        if isinstance(outcome, RayActorError):
+            return f"{self._where(rank)} died: {describe_actor_death(str(outcome))}"
+        cause = outcome.cause
+        if brief:
+            return f"{self._where(rank)} raised {type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+        remote = _ANSI.sub("", str(outcome)).strip().replace("\n", "\n      ")
+        return f"{self._where(rank)} raised {type(cause).__name__}: {cause}\n      {remote}"
+
+    def abort(self, reason: str) -> None:
+        """Stop every worker of the group (their processes end; a rank blocked in a collective
+        cannot be reached any other way on gloo, and NCCL's abort would leave the group unusable
+        all the same). Later calls raise at once, naming `reason`."""
+        log.error("%s: stopping the %d workers of %s", reason, len(self.actors), self.role.name)
+        self.stopped = reason
+        for actor in self.actors:
+            ray.kill(actor)
 
     def call(self, method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
         """Call `method` with the same arguments on every rank; results in rank order."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megarl.checkpoint import complete_checkpoints
 from megarl.config import ConfigError
-from megarl.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+from megarl.trainer.preemption import Preempted
 
 ITEM = "  - "
 INTERRUPTED = ("megarl: interrupted (Ctrl-C); the interruption saved nothing (an RL run checkpoints on Ctrl-C "
@@ -57,15 +57,18 @@ def report_failure(error: BaseException, run_dir: Path) -> str:
 
 
 def run_and_report(run, config) -> int:
-    """Exit status of `run(config)`: 0; 75 after a stop signal (SIGTERM, SIGUSR1, Ctrl-C); 130 for
-    Ctrl-C before the RL loop started or in an SFT/DPO run; 1 after a failure, reported in a few lines (megarl.trainer.failures)."""
+    """Exit status of `run(config)`: 0; 75 after a stop signal that let the run checkpoint (a first
+    SIGTERM or SIGUSR1); 128 + N after signal N stopped it at once (a second one, or Ctrl-C: 130,
+    also before the RL loop started or in an SFT/DPO run); 1 after a failure, reported in a few
+    lines (megarl.trainer.failures)."""
     t = config.trainer
     try:
         run(config)
     except Preempted as stopped:
-        print(f"megarl: {stopped}; exit status {PREEMPTED_EXIT_CODE} (resume with trainer.resume_mode=auto)",
-              file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
+        hint = "resume with trainer.resume_mode=auto" if stopped.checkpoint else resume_hint(run_dir)
+        print(f"megarl: {stopped}; exit status {stopped.exit_code} ({hint})", file=sys.stderr)
+        return stopped.exit_code
     except KeyboardInterrupt:  # before the RL loop installed its handler, or an SFT/DPO run
         print(INTERRUPTED, file=sys.stderr)
         return 130

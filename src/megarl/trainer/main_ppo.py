@@ -11,6 +11,7 @@ import sys
 from megarl.config import batch_plan, load_and_validate
 from megarl.config.args import add_experiment_args, entry_point, experiment_file
 from megarl.trainer.failures import run_and_report
+from megarl.trainer.preemption import signals_held
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, check_environment
 
 
@@ -83,9 +84,10 @@ def run(config) -> dict:
         gc.freeze()
         return trainer.fit(tracker)
     finally:
-        if trainer is not None and trainer.agent is not None:
-            trainer.agent.close()
-        cluster.shutdown()
+        with signals_held("the run stops its workers, servers and router"):
+            if trainer is not None and trainer.agent is not None:
+                trainer.agent.close()
+            cluster.shutdown()
         if tracker is not None:
             plot = tracker.finish()
             print(tracker.summary())

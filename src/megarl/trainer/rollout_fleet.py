@@ -96,7 +96,9 @@ class RolloutFleet:
         self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
-        self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env)
+        # each worker owns an independent server process: one's failure does not stop the others' calls
+        self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env,
+                                   collective=False)
         processes = role.server_processes()  # (server, node rank, first GPU), one per worker rank
         self.server_of = [server for server, _, _ in processes]  # worker rank -> server
         self.members = [[k for k, s in enumerate(self.server_of) if s == i] for i in range(role.dp)]  # node 0 first
