@@ -21,6 +21,12 @@ REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/
 GLOO_CUDA_UNSUPPORTED = {"send", "recv", "barrier"}
 MEGATRON_PP_NEEDS = {"send", "recv"}  # megatron's pipeline schedules are P2P
 
+TIMEOUT_S = 1800.0  # actor_rollout_ref.nccl_timeout's default
+# on CUDA every training worker gets NCCL's watchdog (PyTorch's ProcessGroupNCCL environment variables page):
+# abort + tear down on error, the monitor on, a heartbeat no shorter than the 1800 s collective timeout
+WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800"}
+
 
 def device_backends(backend: str) -> dict[str, str]:
     """Which backend torch itself uses for each device type under `backend`."""
@@ -30,21 +36,23 @@ def device_backends(backend: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------- on CPU
 @pytest.mark.parametrize("device,cuda_available", [("cpu", False), ("auto", False), ("cpu", True)])
 def test_cpu_runs_gloo_everywhere_and_keeps_the_distributed_transport(device, cuda_available):
-    d = decide_devices(device, cuda_available, "colocate", "cpu", "auto")
+    d = decide_devices(device, cuda_available, "colocate", "cpu", "auto", collective_timeout_s=TIMEOUT_S)
     assert d == Devices("cpu", "gloo", "distributed", "gloo", ())
     assert d.training_env == {}
     assert set(device_backends(d.training_backend).values()) == {"gloo"}
 
 
 def test_cpu_split_and_disk_keep_their_transport():
-    assert decide_devices("cpu", False, "split", "cpu", "auto").weight_sync_transport == "distributed"
-    assert decide_devices("cpu", False, "colocate", "cpu", "disk") == Devices("cpu", "gloo", "disk", None, ())
+    split = decide_devices("cpu", False, "split", "cpu", "auto", collective_timeout_s=TIMEOUT_S)
+    assert split.weight_sync_transport == "distributed"
+    disk = decide_devices("cpu", False, "colocate", "cpu", "disk", collective_timeout_s=TIMEOUT_S)
+    assert disk == Devices("cpu", "gloo", "disk", None, ())
 
 
 # ------------------------------------------------------------------------------------- on CUDA
 @pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_cuda_training_groups_send_cuda_tensors_over_nccl_and_cpu_objects_over_gloo(device):
-    d = decide_devices(device, True, "colocate", "sglang", "auto")
+    d = decide_devices(device, True, "colocate", "sglang", "auto", collective_timeout_s=TIMEOUT_S)
     assert d.device == "cuda"
     by_device = device_backends(d.training_backend)
     # megatron's PP sends CUDA tensors, which gloo cannot; CPU objects (gather_object) stay on gloo
@@ -64,37 +72,38 @@ def test_cuda_colocated_auto_sends_ipc_handles_made_on_each_server_gpu(gpus, rol
     peers = colocated_peers(plan.roles["actor"].devices, [rollout.server_devices(s) for s in range(rollout.dp)])
     assert sorted(k for row in peers for k in row) == list(range(gpus))  # every GPU: one server rank, one actor rank
     d = devices_from_config(config, True)
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, {})
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, WATCHDOG_ENV)
 
 
 def test_cpu_colocated_tensor_shares_memory_on_one_machine():
-    assert decide_devices("cpu", False, "colocate", "cpu", "tensor") == Devices("cpu", "gloo", "tensor", None)
+    d = decide_devices("cpu", False, "colocate", "cpu", "tensor", collective_timeout_s=TIMEOUT_S)
+    assert d == Devices("cpu", "gloo", "tensor", None)
 
 
 def test_cuda_split_auto_broadcasts_over_nccl_with_sglangs_nccl_environment():
-    d = decide_devices("auto", True, "split", "sglang", "auto")
+    d = decide_devices("auto", True, "split", "sglang", "auto", collective_timeout_s=TIMEOUT_S)
     assert (d.weight_sync_transport, d.weight_sync_backend) == ("distributed", "nccl")
     # sglang entrypoints/engine.py::_set_envs_and_config: what the servers' side of the group runs with
-    assert d.training_env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    assert d.training_env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", **WATCHDOG_ENV}
 
 
-def test_cuda_disk_needs_no_group_and_no_nccl_environment():
-    d = decide_devices("cuda", True, "colocate", "sglang", "disk")
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, {})
+def test_cuda_disk_needs_no_group_and_no_weight_group_nccl_environment():
+    d = decide_devices("cuda", True, "colocate", "sglang", "disk", collective_timeout_s=TIMEOUT_S)
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, WATCHDOG_ENV)
 
 
 def test_cuda_with_the_cpu_engine_broadcasts_over_gloo():
     # the CPU engine's tensors live on the CPU and it has no tensor endpoint; gloo broadcasts CUDA
-    # tensors too (the support table), so no NCCL group and no NCCL environment
-    d = decide_devices("cuda", True, "colocate", "cpu", "auto")
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("distributed", "gloo", {})
+    # tensors too (the support table), so no NCCL weight group and none of SGLang's NCCL environment
+    d = decide_devices("cuda", True, "colocate", "cpu", "auto", collective_timeout_s=TIMEOUT_S)
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("distributed", "gloo", WATCHDOG_ENV)
     assert "broadcast" not in GLOO_CUDA_UNSUPPORTED
 
 
 # ------------------------------------------------------------------------------------- refusals
 def test_cuda_requested_without_cuda_names_trainer_device():
     with pytest.raises(ConfigError, match=r"trainer\.device=cuda, but this machine has no CUDA GPU"):
-        decide_devices("cuda", False, "colocate", "sglang", "auto")
+        decide_devices("cuda", False, "colocate", "sglang", "auto", collective_timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode,refused", [("colocate", True), ("split", False)])
@@ -107,18 +116,20 @@ def test_distributed_on_gpus_is_refused_exactly_where_the_plan_puts_two_group_ra
     assert shares_a_gpu == refused
     if refused:
         with pytest.raises(ConfigError) as info:
-            decide_devices("cuda", True, mode, "sglang", "distributed")
+            decide_devices("cuda", True, mode, "sglang", "distributed", collective_timeout_s=TIMEOUT_S)
         assert f"{KEY}=distributed" in str(info.value) and "placement.mode=colocate" in str(info.value)
         assert "Duplicate GPU detected" in str(info.value)
     else:
-        assert decide_devices("cuda", True, mode, "sglang", "distributed").weight_sync_backend == "nccl"
+        d = decide_devices("cuda", True, mode, "sglang", "distributed", collective_timeout_s=TIMEOUT_S)
+        assert d.weight_sync_backend == "nccl"
 
 
 def test_auto_device_names_what_it_resolved_to():
     with pytest.raises(ConfigError, match=r"trainer\.device=auto \(resolved to cuda\)"):
-        decide_devices("auto", True, "colocate", "sglang", "distributed")
+        decide_devices("auto", True, "colocate", "sglang", "distributed", collective_timeout_s=TIMEOUT_S)
     # the same keys on a machine without CUDA run the CPU path
-    assert decide_devices("auto", False, "colocate", "cpu", "distributed").weight_sync_backend == "gloo"
+    d = decide_devices("auto", False, "colocate", "cpu", "distributed", collective_timeout_s=TIMEOUT_S)
+    assert d.weight_sync_backend == "gloo"
 
 
 @pytest.mark.parametrize("device,cuda,mode,engine,nodes,says", [
@@ -129,20 +140,22 @@ def test_auto_device_names_what_it_resolved_to():
 ])
 def test_the_tensor_transport_is_refused_where_its_handles_cannot_be_opened(device, cuda, mode, engine, nodes, says):
     with pytest.raises(ConfigError) as info:
-        decide_devices(device, cuda, mode, engine, "tensor", nnodes=nodes)
+        decide_devices(device, cuda, mode, engine, "tensor", nnodes=nodes, collective_timeout_s=TIMEOUT_S)
     assert str(info.value).startswith(f"{KEY}=tensor") and says in str(info.value)
 
 
 def test_the_tensor_transport_runs_colocated_on_several_gpus_and_nodes():
     # each server TP rank's copy is made by the actor rank on its GPU (sync/ipc_copies.py), on every node
-    d = decide_devices("cuda", True, "colocate", "sglang", "tensor", nnodes=2)
+    d = decide_devices("cuda", True, "colocate", "sglang", "tensor", nnodes=2, collective_timeout_s=TIMEOUT_S)
     assert (d.weight_sync_transport, d.weight_sync_backend) == ("tensor", None)
 
 
-def test_devices_from_config_reads_the_four_keys():
+def test_devices_from_config_reads_the_five_keys():
     config = load_config(None, REQUIRED + ["placement.mode=split", "placement.rollout_gpus=4",
-                                           "trainer.device=cuda"])
-    assert devices_from_config(config, True) == decide_devices("cuda", True, "split", "sglang", "auto")
+                                           "trainer.device=cuda", "actor_rollout_ref.nccl_timeout=7200"])
+    d = devices_from_config(config, True)
+    assert d == decide_devices("cuda", True, "split", "sglang", "auto", collective_timeout_s=7200.0)
+    assert d.training_env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "7200"
 
 
 # ------------------------------------------------------------------------------------- config time

@@ -21,7 +21,8 @@ def backends_world(rank: int, world_size: int, port: int) -> list[str]:
     logger.setLevel(logging.INFO)
     logger.addHandler(Keep())
     init_world(rank, world_size, port)
-    init_role_parallel_state(RoleLayout(tp=1, pp=world_size, vpp=1), seed=1, section="actor_rollout_ref.actor")
+    init_role_parallel_state(RoleLayout(tp=1, pp=world_size, vpp=1), seed=1, section="actor_rollout_ref.actor",
+                             collective_timeout_s=1800.0)
     return lines
 
 

@@ -3,11 +3,13 @@
 `decide_devices` turns `trainer.device`, whether CUDA is available, the placement mode, the rollout
 engine and `actor_rollout_ref.rollout.weight_sync_transport` into the device of the training
 roles, their torch.distributed backend, the weight-sync transport actually used with its group
-backend, and the NCCL environment the training workers need; or a ConfigError naming the keys of a
-combination that cannot work. It imports nothing heavy: the caller passes `cuda_available`.
+backend, and the NCCL environment the training workers need (SGLang's NCCL settings for a shared
+weight-update group, and NCCL's watchdog: `nccl_watchdog_env`); or a ConfigError naming the keys of
+a combination that cannot work. It imports nothing heavy: the caller passes `cuda_available`.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -21,6 +23,40 @@ TRANSPORT_KEY = "actor_rollout_ref.rollout.weight_sync_transport"
 # NCCL_CUMEM_ENABLE=0, NCCL_NVLS_ENABLE=0. A trainer in the same NCCL weight-update group must
 # agree, as slime (ray/actor_group.py) and AReaL (infra/launcher/*.py) set them for theirs.
 NCCL_WEIGHT_GROUP_ENV = (("NCCL_CUMEM_ENABLE", "0"), ("NCCL_NVLS_ENABLE", "0"))
+
+# torch's own default of TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (ProcessGroupNCCL.cpp, HeartbeatMonitor:
+# 60 * 8 s), raised from 2 min because shorter values killed jobs that would have completed
+# (pytorch/pytorch#116267, #133028).
+TORCH_HEARTBEAT_DEFAULT_S = 480
+
+
+def nccl_watchdog_env(collective_timeout_s: float) -> tuple[tuple[str, str], ...]:
+    """(name, value) of ProcessGroupNCCL's watchdog for processes whose collectives are bounded by
+    `collective_timeout_s` seconds (actor_rollout_ref.nccl_timeout, > 0: checked at load time).
+
+    The rule is PyTorch's "PYTORCH ProcessGroupNCCL Environment Variables" page
+    (docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html):
+    - TORCH_NCCL_ASYNC_ERROR_HANDLING=1: "aborting NCCL communicator and tearing down process upon
+      error"; a collective past its timeout (or failed) ends the process instead of hanging it
+      (torch's default, 3, tears down without aborting the communicator).
+    - TORCH_NCCL_ENABLE_MONITORING=1: the monitoring thread "aborts the process when the
+      ProcessGroupNCCL Watchdog thread gets stuck and no heartbeat is detected after
+      TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" ("calling CUDA/NCCL APIs that may hang").
+    - TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC = max(torch's default 480, ceil(collective_timeout_s)). The
+      heartbeat counts the watchdog's own loop, not a collective's progress: a long collective keeps
+      it beating. The watchdog stalls where the CUDA/NCCL call it polls is blocked by legitimate slow
+      work ("another thread holding the GIL inside a CUDA api", torch's own message; a slow
+      communicator set-up); the collective timeout is the user's statement of how long such work may
+      legitimately take, so a heartbeat shorter than it would let the monitor kill, with a generic
+      "watchdog got stuck", a process the collective bound still allows, before its collective can
+      time out with its own error. Never below torch's default. The cost: a watchdog stuck for real,
+      or a tear-down that hangs after a timeout (the monitor then waits one heartbeat timeout,
+      HeartbeatMonitor::runLoop), is killed after this many seconds instead of 480.
+    TORCH_NCCL_DUMP_ON_TIMEOUT and TORCH_NCCL_TRACE_BUFFER_SIZE (the flight recorder, a debugging
+    aid) stay at torch's defaults."""
+    heartbeat_s = max(TORCH_HEARTBEAT_DEFAULT_S, math.ceil(collective_timeout_s))
+    return (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("TORCH_NCCL_ENABLE_MONITORING", "1"),
+            ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(heartbeat_s)))
 
 
 @dataclass(frozen=True)
@@ -47,11 +83,12 @@ class Devices:
 
 
 def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollout_engine: str,
-                   transport: str, *, nnodes: int = 1) -> Devices:
+                   transport: str, *, collective_timeout_s: float, nnodes: int = 1) -> Devices:
     """`device`: trainer.device (auto|cuda|cpu); `placement_mode`: placement.mode (colocate|split);
     `rollout_engine`: actor_rollout_ref.rollout.name (sglang|cpu); `transport`:
-    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk); `nnodes`:
-    trainer.nnodes."""
+    actor_rollout_ref.rollout.weight_sync_transport (auto|distributed|tensor|disk);
+    `collective_timeout_s`: actor_rollout_ref.nccl_timeout (seconds; NCCL's watchdog on CUDA);
+    `nnodes`: trainer.nnodes."""
     if device == "cuda" and not cuda_available:
         raise ConfigError("trainer.device=cuda, but this machine has no CUDA GPU (torch.cuda.is_available() is "
                           "False); use trainer.device=cpu or auto")
@@ -108,7 +145,7 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
     # pipeline is send/recv; megatron's TP/PP/DP groups inherit the world's backend
     # (parallel_state.create_group(backend=None)). So CUDA tensors go over NCCL and CPU objects over
     # gloo, one default group for both (verl: utils/distributed.py).
-    nccl_env = NCCL_WEIGHT_GROUP_ENV if sync_backend == "nccl" else ()
+    nccl_env = (NCCL_WEIGHT_GROUP_ENV if sync_backend == "nccl" else ()) + nccl_watchdog_env(collective_timeout_s)
     return Devices("cuda", "cpu:gloo,cuda:nccl", transport, sync_backend, nccl_env)
 
 
@@ -117,7 +154,7 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     r = config.actor_rollout_ref.rollout
     t = config.trainer
     return decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
-                          nnodes=t.nnodes)
+                          collective_timeout_s=config.actor_rollout_ref.nccl_timeout, nnodes=t.nnodes)
 
 
 def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:

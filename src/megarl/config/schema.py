@@ -303,6 +303,11 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # seconds (verl's key): the bound of every collective of the training worlds, megatron's groups,
+    # checkpoint saves/loads and the weight-update groups. 1800 is megatron-core's own
+    # distributed_timeout_minutes=30 default, which fits a large model's slowest legitimate collective
+    # (a checkpoint's gathers, the first NCCL communicator set-up).
+    nccl_timeout: float = 1800.0
 
 
 # --------------------------------------------------------------------------------------------

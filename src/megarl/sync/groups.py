@@ -32,6 +32,7 @@ with TP = DP = 0; else a group of every emitter, made when the groups are read (
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -128,10 +129,12 @@ class ParallelGroups:
             )
 
     @classmethod
-    def from_parallel_state(cls, world_group: Optional[Any] = None, split_dp: bool = False) -> "ParallelGroups":
+    def from_parallel_state(cls, world_group: Optional[Any] = None, split_dp: bool = False,
+                            timeout_s: Optional[float] = None) -> "ParallelGroups":
         """The groups of megatron's initialised `parallel_state` (read on this rank). With more than
         one emitter per stage (`split_dp` and more than one replica, or EP > 1), every rank of
-        `world_group` must call this together (it makes the emitters' group)."""
+        `world_group` must call this together (it makes the emitters' group, whose collectives are
+        bounded by `timeout_s` seconds; None: torch's default)."""
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -151,7 +154,7 @@ class ParallelGroups:
             **_expert_fields(ps),
         )
         if groups.split_dp or groups.ep_size > 1:
-            group = _emitters_group(groups.is_emitter, world_group)
+            group = _emitters_group(groups.is_emitter, world_group, timeout_s)
         else:  # one emitter per stage: TP = DP = 0
             group = ps.get_pipeline_model_parallel_group() if groups.is_emitter else None
         return replace(groups, emitter_group=group)
@@ -168,11 +171,12 @@ def _expert_fields(ps) -> dict[str, Any]:
                 expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 
-def _emitters_group(is_emitter: bool, world_group: Optional[Any]) -> Any:
+def _emitters_group(is_emitter: bool, world_group: Optional[Any], timeout_s: Optional[float] = None) -> Any:
     """The group of every emitter of `world_group`, in global rank order (the coordinator, global
     rank 0 of the world group, first); None on the other ranks. Collective."""
     flags = [None] * dist.get_world_size(world_group)
     dist.all_gather_object(flags, (dist.get_rank(), is_emitter), group=world_group)
     members = sorted(rank for rank, emits in flags if emits)
-    group = dist.new_group(members)  # every rank of the default group takes part in new_group
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    group = dist.new_group(members, timeout=timeout)  # every rank of the default group takes part in new_group
     return group if is_emitter else None

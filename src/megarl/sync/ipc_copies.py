@@ -21,7 +21,7 @@ with its bucket of the round, if it has one:
 
 A failure (a serialisation on any rank, a server refusing a request) becomes that emitter's error,
 and it relays nothing more in this push; every collective runs on a group made with the sync's
-timeout.
+group timeout (`SyncConfig.group_timeout_s`).
 
 Lifetimes, on every rank: a step's copy is dropped at the end of the step, once the servers
 answered the request made from it; the commit bucket's copy once the commit was answered
@@ -135,8 +135,8 @@ def entries_for(peers: Sequence[Sequence[int]], by_rank: Sequence[object]) -> En
 class IpcRelay:
     """Every actor rank's part in per-TP-rank copies. Make one on every rank together (collective
     over `world_group`, and `new_group` over the default group: a group of the world's ranks with
-    the sync's timeout); per push, on every rank: `rounds` once, `round` that many times (one per
-    resharder step), then `release` (push succeeded) or `reset` (it failed).
+    the sync's group timeout, `timeout_s` seconds); per push, on every rank: `rounds` once, `round`
+    that many times (one per resharder step), then `release` (push succeeded) or `reset` (it failed).
 
     Memory (every rank): the copy of the step running (one bucket), the commit bucket's copy until
     `release`, and the copies of requests that failed until `reset`."""

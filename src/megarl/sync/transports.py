@@ -83,9 +83,11 @@ class DistributedTransport:
     uses_session = True
 
     def __init__(self, servers: Sequence[SyncServer], stage: int, backend: str, master_address: Optional[str],
-                 timeout_s: float):
+                 group_timeout_s: float):
+        """`group_timeout_s`: seconds, the bound of forming the weight-update group and of each of its
+        collectives (the servers' calls have their own, `SyncServer`'s)."""
         self.servers, self.stage, self.backend = list(servers), stage, backend
-        self.master_address, self.timeout_s = master_address, timeout_s
+        self.master_address, self.group_timeout_s = master_address, group_timeout_s
         self.group = None
         self.group_name: Optional[str] = None
         self._pool = ThreadPoolExecutor(max(1, len(self.servers)), thread_name_prefix=f"weight-sync-pp{stage}")
@@ -105,7 +107,7 @@ class DistributedTransport:
             for s, offset in zip(self.servers, offsets)
         }
         try:
-            group = init_custom_process_group(self.backend, address, port, 0, world_size, name, self.timeout_s)
+            group = init_custom_process_group(self.backend, address, port, 0, world_size, name, self.group_timeout_s)
         except Exception as e:
             wait_all(joins)  # a server's own error names it
             raise ServerError(f"pipeline stage {self.stage}: forming weight-update group {name} failed: {e}") from e

@@ -100,7 +100,10 @@ class SyncConfig:
     #                                (megarl.placement.colocation.releases_server_memory): resume it around the push
     resume_kv_cache: bool = True  # released_memory: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
     #                               e.g. after offloading the training states the push needed)
-    timeout_s: float = 600.0  # weight-update group collectives and each server call
+    timeout_s: float = 600.0  # seconds, each server call
+    # seconds, every collective of the sync: the weight-update groups (forming them and each broadcast),
+    # the colocated copies' relay group, the emitters' group (the trainer: actor_rollout_ref.nccl_timeout)
+    group_timeout_s: float = 1800.0
     check_weights: bool = False  # after the commit, compare the servers' checksums with the tensors sent
     split_across_dp: bool = True  # DP > 1: every replica sends a disjoint share of the buckets (else replica 0 all)
 
@@ -116,6 +119,8 @@ class SyncConfig:
                              f"(CPU), got {self.backend!r}; megarl.config.devices.decide_devices decides it")
         if self.timeout_s <= 0:
             raise ValueError(f"weight sync: timeout_s must be positive, got {self.timeout_s}")
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"weight sync: group_timeout_s must be positive, got {self.group_timeout_s}")
 
 
 @dataclass
@@ -194,7 +199,8 @@ class WeightSync:
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
         self.config = config
-        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp)
+        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp,
+                                                                   timeout_s=config.group_timeout_s)
         self.groups.check()
         self.weights = weights
         # the tensor transport's copies live on the actor's device (one decision for transport and relay)
@@ -208,7 +214,7 @@ class WeightSync:
         self.attempts = 0
         self.transport: Optional[Transport] = self._make_transport() if self.groups.is_emitter else None
         # tensor transport: every rank serialises its own copy of each bucket (ipc_copies); collective
-        self.relay = (IpcRelay(self.groups.is_emitter, self.copies_on_gpu, config.timeout_s,
+        self.relay = (IpcRelay(self.groups.is_emitter, self.copies_on_gpu, config.group_timeout_s,
                                self.groups.world_group) if config.transport == "tensor" else None)
         self.send_lock: Optional[SendLock] = self._make_send_lock()
         self._held: Optional[HFBucket] = None
@@ -220,13 +226,15 @@ class WeightSync:
         if not g.several_emitters:
             return None
         lock, box = None, [None]
+        # a waiter waits out the holder's step: a group collective and server calls, each within its bound
+        wait_s = max(self.config.timeout_s, self.config.group_timeout_s)
         if g.is_coordinator:
             address = self.config.master_address or route_address(self.servers[0].url)
-            lock, port = SendLock.host(address, "pipeline stage 0", self.config.timeout_s)
+            lock, port = SendLock.host(address, "pipeline stage 0", wait_s)
             box = [(address, port)]
         dist.broadcast_object_list(box, src=g.coordinator_rank(), group=g.world_group)
         if g.is_emitter and not g.is_coordinator:
-            lock = SendLock.join(*box[0], self._label(), self.config.timeout_s)
+            lock = SendLock.join(*box[0], self._label(), wait_s)
         return lock
 
     def _at_servers(self, step: Callable[[], None]) -> None:
@@ -240,7 +248,7 @@ class WeightSync:
     def _make_transport(self) -> Transport:
         c, stage = self.config, self.groups.pp_rank
         if c.transport == "distributed":
-            return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.timeout_s)
+            return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.group_timeout_s)
         if c.transport == "tensor":
             return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size(),  # actor rank = plan order
                                    on_gpu=self.copies_on_gpu)

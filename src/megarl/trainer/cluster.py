@@ -102,6 +102,7 @@ class Cluster:
             released_memory=self.releases_memory, resume_kv_cache=False,
             hf_assets_dir=self.config.actor_rollout_ref.model.path,
             check_weights=r.check_weight_update,
+            group_timeout_s=self.config.actor_rollout_ref.nccl_timeout,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
         self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Optional
 
 import ray
 
@@ -41,11 +42,14 @@ class RankedWorker:
                                           timeout=datetime.timedelta(seconds=timeout_s))
         return address, self._group_store.port
 
-    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
-        """Join the group's torch.distributed world. With NCCL in `backend`, first select this
-        rank's GPU: NCCL communicators (and the engine, megarl.engines.megatron.parallel.compute_device)
-        use `torch.cuda.current_device()`, and ranks all left on device 0 would be two ranks on one
-        GPU, which NCCL refuses ("Duplicate GPU detected")."""
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float,
+                           collective_timeout_s: Optional[float] = None) -> bool:
+        """Join the group's torch.distributed world. `timeout_s` (seconds) bounds joining the
+        store; `collective_timeout_s` (seconds; None: `timeout_s`) every collective of the world
+        (groups made later set their own). With NCCL in `backend`, first select this rank's GPU:
+        NCCL communicators (and the engine, megarl.engines.megatron.parallel.compute_device) use
+        `torch.cuda.current_device()`, and ranks all left on device 0 would be two ranks on one GPU,
+        which NCCL refuses ("Duplicate GPU detected")."""
         import torch
         import torch.distributed as dist
 
@@ -54,12 +58,15 @@ class RankedWorker:
                 raise RuntimeError(f"{self.role} rank {self.rank}: backend {backend!r} needs CUDA, and this process "
                                    f"sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
-        timeout = datetime.timedelta(seconds=timeout_s)
+        join_timeout = datetime.timedelta(seconds=timeout_s)
         if self.rank == 0:
             store = self._group_store
             if store is None:
                 raise RuntimeError(f"{self.role} rank 0: master_address() hosts the group's store; call it first")
         else:
-            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=join_timeout)
+        collective_s = timeout_s if collective_timeout_s is None else collective_timeout_s
+        collective_timeout = datetime.timedelta(seconds=collective_s)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=collective_timeout)
         return True

@@ -22,6 +22,14 @@ class TrainWorker(RankedWorker):
         self.engine = None
         self.weight_sync = None
 
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
+        """Join the role's world: `timeout_s` (seconds) bounds the join, actor_rollout_ref.nccl_timeout
+        (seconds) every collective of the world. The world is the default group of everything the
+        engine runs besides megatron's groups (`init_role_parallel_state` gives those the same key):
+        megatron's dist_checkpointing saves and loads use the two, so checkpoints are covered."""
+        return super().init_process_group(master_addr, master_port, backend, timeout_s,
+                                          collective_timeout_s=self.config.actor_rollout_ref.nccl_timeout)
+
     def init_engine(self) -> dict:
         """Build the role's engine (after `init_process_group`); returns its data-parallel place."""
         from megarl.engines import megatron as engines  # imported here: megatron loads in the worker only

@@ -17,7 +17,7 @@ def weight_sync_transport_fits_devices(config: ExperimentConfig, sizes: DerivedS
     that fails on both CUDA and CPU is refused here; the trainer checks the rest when it starts.
 
     Reads: trainer.device, placement.mode, actor_rollout_ref.rollout.name,
-    actor_rollout_ref.rollout.weight_sync_transport, trainer.nnodes
+    actor_rollout_ref.rollout.weight_sync_transport, trainer.nnodes, actor_rollout_ref.nccl_timeout
     """
     # An explicit device is taken as available: whether this machine has it is the preflight's check.
     candidates = {"cuda": [True], "cpu": [False]}.get(config.trainer.device, [True, False])

@@ -150,16 +150,20 @@ def dpo_ranges(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
 
 
 def fault_limits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """The limits on slow rewards, dead servers and skipped steps.
+    """The limits on slow rewards, dead servers, skipped steps and collectives.
 
     Reads: custom_reward_function.timeout_s, actor_rollout_ref.rollout.max_server_restarts,
-    trainer.max_consecutive_skipped_steps
+    trainer.max_consecutive_skipped_steps, actor_rollout_ref.nccl_timeout
     """
     timeout_s = config.custom_reward_function.timeout_s
     restarts = config.actor_rollout_ref.rollout.max_server_restarts
     skipped = config.trainer.max_consecutive_skipped_steps
+    nccl_timeout = config.actor_rollout_ref.nccl_timeout
     if timeout_s <= 0:
         yield f"custom_reward_function.timeout_s={timeout_s}: must be > 0 seconds"
+    if nccl_timeout <= 0:
+        yield (f"actor_rollout_ref.nccl_timeout={nccl_timeout}: must be > 0 seconds (the bound of every "
+               "collective of the training and weight-update groups)")
     if restarts < 0:
         yield f"actor_rollout_ref.rollout.max_server_restarts={restarts}: must be >= 0"
     if skipped < 1:

@@ -75,12 +75,13 @@ class MegatronEngine:
         sequence_layout: Optional[Layout] = None,
         lora: Optional[LoraSpec] = None,
         router_replay: bool = False,
+        collective_timeout_s: float,
     ):
         from megatron.core import parallel_state
 
         self.section = section
         self.layout = role_layout(megatron_cfg, f"{section}.megatron")
-        init_role_parallel_state(self.layout, megatron_cfg.seed, section)
+        init_role_parallel_state(self.layout, megatron_cfg.seed, section, collective_timeout_s=collective_timeout_s)
         self._ps = parallel_state
         self.device = compute_device()
         if dtype not in DTYPES:

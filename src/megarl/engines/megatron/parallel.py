@@ -65,9 +65,11 @@ def role_layout(megatron_cfg, section: str) -> RoleLayout:
     return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size)
 
 
-def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> None:
+def init_role_parallel_state(layout: RoleLayout, seed: int, section: str, *, collective_timeout_s: float) -> None:
     """Initialise megatron's parallel state for `layout` (or check that it already is) and seed
-    megatron's RNG tracker. torch.distributed must already be initialised by the caller."""
+    megatron's RNG tracker. torch.distributed must already be initialised by the caller.
+    `collective_timeout_s` (seconds, actor_rollout_ref.nccl_timeout) bounds every collective of
+    megatron's groups (its `distributed_timeout_minutes`, 30 by default)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -107,6 +109,8 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str) -> Non
             virtual_pipeline_model_parallel_size=layout.vpp_or_none,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
+            # megatron-core 0.16 and 0.19 use it only as timedelta(minutes=...): a float is exact
+            distributed_timeout_minutes=collective_timeout_s / 60,
         )
         if dist.get_rank() == 0:
             log.info("%s: process group backends %s", section,

@@ -111,6 +111,7 @@ class RewardModelEngine(MegatronEngine):
             megatron_cfg=rm.megatron,
             value_head=True,  # the backbone with `score.weight` as its [1, H] head
             sequence_layout=sequence_layout,
+            collective_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
 
     def micro_batches(self, batch: Batch, *, max_samples, max_tokens, data_keys=()) -> list[MicroBatch]:

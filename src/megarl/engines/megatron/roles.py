@@ -85,6 +85,7 @@ class ActorEngine(MegatronEngine):
             sequence_layout=sequence_layout,
             lora=lora_spec(arr.model.lora),
             router_replay=arr.actor.router_replay.mode == "R3",
+            collective_timeout_s=arr.nccl_timeout,
         )
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
@@ -285,6 +286,7 @@ class RefEngine(MegatronEngine):
             megatron_cfg=arr.ref.megatron,
             sequence_layout=sequence_layout,
             router_replay=arr.actor.router_replay.mode == "R3",
+            collective_timeout_s=arr.nccl_timeout,
         )
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
@@ -318,6 +320,7 @@ class CriticEngine(MegatronEngine):
             recompute=config.actor_rollout_ref.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
             lora=lora_spec(config.critic.model.lora),
+            collective_timeout_s=config.actor_rollout_ref.nccl_timeout,
         )
 
     def _value_weight(self) -> torch.Tensor:
