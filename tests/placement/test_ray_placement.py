@@ -71,6 +71,13 @@ class Probe(RankedWorker):
     def leave(self) -> None:
         ray.actor.exit_actor()
 
+    def all_reduce_or_sleep(self) -> float:
+        """Rank 0 enters an all-reduce; the others sleep (never entering it)."""
+        if self.rank == 0:
+            return self.all_reduce_rank()
+        time.sleep(300)
+        return 0.0
+
     def fail_on_or_all_reduce(self, rank: int) -> float:
         """Rank `rank` raises before the all-reduce the others enter (where they wait for it)."""
         if self.rank == rank:
@@ -236,6 +243,26 @@ def test_a_rank_that_raises_before_a_collective_ends_the_call_on_every_rank_in_s
                                                    r"earlier failure \(actor.fail_on_or_all_reduce: actor rank 1"):
             group.call("node_info", timeout_s=300)
         assert time.monotonic() - t0 < 1
+        group.shutdown()
+
+
+def test_a_rank_that_never_enters_a_collective_fails_its_peer_at_the_group_timeout(cluster, monkeypatch):
+    """Rank 1 stays busy elsewhere while rank 0 waits for it in an all-reduce: rank 0's collective
+    fails at the world's timeout (3 s here; actor_rollout_ref.nccl_timeout in a run), which ends
+    the call: rank 1, still inside it after the grace, is stopped with its group."""
+    monkeypatch.setattr(worker_group, "FAILURE_GRACE_S", 3.0)
+    with actor_pool(2) as (role, pools):
+        group = WorkerGroup(Probe, role, pools)
+        group.init_process_group("gloo", timeout_s=3)  # a Probe's world: collectives bounded by the join's 3 s
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGroupError) as error:
+            group.call_each("all_reduce_or_sleep", [(), ()], timeout_s=300)
+        assert time.monotonic() - t0 < 20  # 3 s timeout + 3 s grace + Ray, not the call's 300 s
+        lines = str(error.value).splitlines()
+        assert lines[1].startswith("  - actor rank 0 on node0 raised "), lines[1]
+        assert "3000ms" in lines[1]  # gloo's own words on its timeout
+        assert lines[-1] == ("  - actor rank 1 on node0 was still inside the call 3 s after actor rank 0 on node0 "
+                             "failed: stopped (presumably blocked in a collective with it)")
         group.shutdown()
 
 
