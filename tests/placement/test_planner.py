@@ -172,7 +172,9 @@ def test_megarl_plan_command(tmp_path):
     assert "gpu7: [shared] actor rank 7, rollout server 7" in r.stdout
     assert "actor: TP 2 x CP 1 x PP 1 x DP 4" in r.stdout
     # colocated on 8 GPUs: tensor (each server TP rank's CUDA IPC copy is made by the actor rank on its GPU)
-    assert "device cuda, training groups cpu:gloo,cuda:nccl, weight sync tensor\n" in r.stdout
+    assert ("device cuda, training groups cpu:gloo,cuda:nccl, weight sync tensor, trainer env "
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800\n"
+            in r.stdout)
     assert ": fits" in r.stdout
     r = subprocess.run(base + ["placement.gpu_memory_gib=24"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
