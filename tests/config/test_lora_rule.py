@@ -37,3 +37,21 @@ def test_a_valid_lora_config_loads():
     assert config.actor_rollout_ref.model.lora.target_modules == ["q_proj", "v_proj"]
     adapter = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.sync=adapter"])
     assert adapter.actor_rollout_ref.model.lora.sync == "adapter"
+
+
+def test_adapter_sync_goes_by_tensors_by_default_and_disk_across_nodes_warns(caplog):
+    """sync_via=tensors (the default) needs no shared filesystem; sync_via=disk on more than one
+    node warns, naming the keys (a shared trainer.default_local_dir cannot be read from the config)."""
+    adapter = [f"{KEY}.rank=8", f"{KEY}.sync=adapter", "actor_rollout_ref.rollout.check_weight_update=false"]
+    two_nodes = ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]
+    with caplog.at_level("WARNING", logger="megarl.config"):
+        assert load_and_validate(None, REQUIRED + adapter).actor_rollout_ref.model.lora.sync_via == "tensors"
+        load_and_validate(None, REQUIRED + adapter + two_nodes)
+        load_and_validate(None, REQUIRED + adapter + [f"{KEY}.sync_via=disk"])  # one node: its own disk will do
+    assert "sync_via" not in caplog.text
+    with caplog.at_level("WARNING", logger="megarl.config"):
+        load_and_validate(None, REQUIRED + adapter + two_nodes + [f"{KEY}.sync_via=disk"])
+    assert f"{KEY}.sync_via=disk with trainer.nnodes=2" in caplog.text
+    assert "trainer.default_local_dir=checkpoints" in caplog.text and "sync_via=tensors" in caplog.text
+    with pytest.raises(ConfigError, match="sync_via"):
+        load_and_validate(None, REQUIRED + adapter + [f"{KEY}.sync_via=nfs"])

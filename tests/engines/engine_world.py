@@ -179,6 +179,14 @@ def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
                 result["refused_while_offloaded"] = True
             result["onload"] = actor.onload()
             result["restored"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(actor)))
+            # in two steps, as colocated: gradients and optimizer state before the push, parameters after
+            staged = [actor.offload(params=False), None]
+            result["params_kept_for_the_push"] = all(p.untyped_storage().nbytes() > 0 for p in params)
+            actor.offloader.check_onloaded(("params",))  # the push may read them
+            staged[1] = actor.offload()  # what is left: the parameters
+            result["staged_offload"] = staged
+            result["staged_onload"] = actor.onload()
+            result["staged_restored"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(actor)))
             actor.save_checkpoint(checkpoint_dir)
     result["state"] = local_state(actor)
     return result

@@ -172,6 +172,14 @@ def test_offload_frees_and_onload_restores_exactly(layout, training_run):
         assert run["freed"] and run["refused_while_offloaded"] and run["restored"]
         assert run["offload"]["bytes"] > 0 and run["onload"]["bytes"] == run["offload"]["bytes"]
         assert run["offload"]["freed_bytes"] > run["offload"]["bytes"]  # gradient buffers are dropped, not copied
+        # in two steps (colocated: grads and optimizer before the push, parameters after) each part
+        # moves once, the same bytes in all, and everything comes back exactly
+        first, second = run["staged_offload"]
+        assert run["params_kept_for_the_push"] and first["params_bytes"] == 0 and first["grads_bytes"] > 0
+        assert second["grads_bytes"] == second["optimizer_bytes"] == 0 and second["params_bytes"] > 0
+        for key in ("bytes", "freed_bytes", "params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert first[key] + second[key] == run["offload"][key], key
+        assert run["staged_onload"]["bytes"] == run["onload"]["bytes"] and run["staged_restored"]
 
 
 def test_distributed_optimizer_checkpoint_resumes_exactly(training_run):

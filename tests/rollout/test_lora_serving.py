@@ -182,3 +182,130 @@ def test_a_late_request_joins_a_running_batch_of_its_adapter_only(tiny_model_dir
     for seq, model in ((base, tiny_hf), (adapted, oracle)):
         expected = helpers.hf_logprobs(model, seq.prompt_ids, seq.output_ids, 1.0)
         assert (torch.tensor(seq.logprobs) - expected).abs().max() <= 1e-4
+
+
+# ------------------------------------------------------------------ /load_lora_adapter_from_tensors
+def tensors_body(name, seed, tp_size=1, **fields):
+    """What adapter-only sync sends (`sync.adapter_sync`): the PEFT config and tensors of
+    `trained_adapters(seed)`, by value, one entry per TP rank."""
+    from megarl.sync.adapter_sync import from_tensors_request, peft_adapter, serialize_by_value
+
+    config, tensors = peft_adapter(trained_adapters(seed), RANK, ALPHA, "base")
+    return {**from_tensors_request(name, config, serialize_by_value(tensors), tp_size), **fields}
+
+
+def greedy_logprobs(url, lora_name):
+    body = {"input_ids": PROMPTS, "lora_path": lora_name, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    outs = requests.post(url + "/generate", json=body, timeout=60).json()
+    return [[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] for out in outs]
+
+
+def test_an_adapter_sent_as_tensors_serves_what_its_peft_directory_serves(
+        server, adapter_dirs, tiny_model_dir, tiny_hf, helpers):
+    """The same adapter (seed 1) loaded from the request and from its PEFT directory: greedy
+    generation gives identical log-probs, and sampled ones equal `peft`'s on that directory."""
+    control = SyncServer(server.url)
+    reply = control._call("POST", "/load_lora_adapter_from_tensors", tensors_body("tensor-v1", 1))
+    assert reply["success"] and reply["loaded_adapters"]["tensor-v1"] == "__tensor__"  # SGLang's lora_path
+    control.load_lora_adapter("dir-v1", adapter_dirs[0])
+    assert greedy_logprobs(server.url, "tensor-v1") == greedy_logprobs(server.url, "dir-v1")
+    oracle = peft_model(tiny_model_dir, adapter_dirs[0], helpers)
+    adapted = generate(server.url, "tensor-v1")
+    assert max_logprob_gap(adapted, oracle, helpers) <= 1e-4
+    assert max_logprob_gap(adapted, tiny_hf, helpers) > 1e-2  # negative control: the adapter changed the policy
+    control.unload_lora_adapter("dir-v1")
+    # SGLang registers it with the path "__tensor__": named after its unload, it cannot be reloaded
+    control.unload_lora_adapter("tensor-v1")
+    body = {"input_ids": [5, 6], "lora_path": "tensor-v1", "sampling_params": {"max_new_tokens": 2}}
+    resp = requests.post(server.url + "/generate", json=body, timeout=30)
+    assert resp.status_code == 400 and "Failed to implicitly load LoRA adapter tensor-v1" in resp.text
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"lora_name": "held"}, "Failed to load LoRA adapter held because it is already loaded"),
+    ({"config_dict": {"r": RANK, "lora_alpha": ALPHA}}, "adapter config lacks ['target_modules']"),
+    ({"config_dict": {"r": RANK + 1, "lora_alpha": ALPHA, "target_modules": list(TARGETS)}},
+     "is incompatible with the current LoRA memory pool"),  # --max-lora-rank RANK
+    ({"config_dict": {"r": RANK, "lora_alpha": ALPHA, "target_modules": [*TARGETS, "embed_tokens"]}},
+     "`--lora-target-modules`"),  # embed_tokens is not served
+    ({"config_dict": {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGETS), "use_dora": True}},
+     "doesn't support DoRA adapters"),
+    ({"added_tokens_config": {"<new>": 500}}, "doesn't support adapters that add tokens to the vocabulary"),
+    ({"serialized_named_tensors": ["not base64!"]}, "is not valid base64"),
+    ({"tp_size": 2}, "serialized_named_tensors has 2 entries; this server has TP size 1"),
+    ({"payload": ["a", "list"]}, "the tensors must be a dict {PEFT name: tensor}, got list"),
+    ({"payload": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(RANK, 64)}},
+     "lack lora_A or lora_B"),
+    ({"payload": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(RANK, 32),
+                  "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, RANK)}},
+     "does not fit the served model"),
+    ({"forbidden": True}, "is not allowed in a weight payload"),
+    ({"expected_checksums": {"x": "0" * 64}}, "[LORA-CHECK] rank0 adapter sync MISMATCH"),
+], ids=["duplicate-name", "config-lacks-key", "rank-above-max", "target-not-served", "dora", "added-tokens",
+        "bad-base64", "entries-not-tp-size", "not-a-dict", "lacks-B", "wrong-shape", "forbidden-global",
+        "checksum-mismatch"])
+def test_load_from_tensors_refuses_what_sglang_refuses(server, change, message):
+    """SGLang 0.5.23's refusals (HTTP 400, `success` false, `error_message`): a name in use, a
+    config it cannot read, a rank above --max-lora-rank, targets not served, DoRA, added tokens;
+    and malformed tensors (an unpicklable entry or a checksum mismatch, which end SGLang's
+    scheduler, are refused here)."""
+    import base64
+    import os
+    import pickle
+
+    from megarl.sync.adapter_sync import serialize_by_value
+
+    control = SyncServer(server.url)
+    change = dict(change)
+    name = change.pop("lora_name", "bad")
+    if name == "held":
+        control._call("POST", "/load_lora_adapter_from_tensors", tensors_body("held", 1))
+    body = tensors_body(name, 1, tp_size=change.pop("tp_size", 1))
+    if "payload" in change:
+        body["serialized_named_tensors"] = [serialize_by_value(change.pop("payload"))]
+    if change.pop("forbidden", False):
+        body["serialized_named_tensors"] = [base64.b64encode(pickle.dumps({"x": os.getcwd})).decode()]
+    body.update(change)
+    try:
+        resp = requests.post(server.url + "/load_lora_adapter_from_tensors", json=body, timeout=30)
+        assert resp.status_code == 400, resp.text
+        reply = resp.json()
+        assert reply["success"] is False and message in reply["error_message"], reply
+        assert "bad" not in reply["loaded_adapters"]
+    finally:
+        if name == "held":
+            control.unload_lora_adapter("held")
+
+
+def test_adapter_sync_pushes_by_tensors_and_writes_nothing(server, tiny_model_dir, adapter_dirs, helpers, tmp_path):
+    """`AdapterSync` (sync_via=tensors, the default) on one server: version 7 is served with PEFT's
+    log-probs; version 8 replaces it (7 unloaded) and the server names version 8. No directory is
+    written (there is none to give it); sync_via=disk writes one and loads it by path."""
+    import os
+
+    from megarl.sync.adapter_sync import AdapterSync
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # anything written relative to the working directory would show here
+    try:
+        sync = AdapterSync([], RANK, ALPHA, tiny_model_dir, [server.url], tp_group="n/a", pp_group="n/a")
+        assert sync.out_dir is None
+        error, metrics = sync._send(trained_adapters(1), 7)
+        assert error is None and metrics["sync/adapter_tensors"] == 2 * 5 * 2, error
+        oracle = peft_model(tiny_model_dir, adapter_dirs[0], helpers)
+        assert max_logprob_gap(generate(server.url, "megarl-actor-v7"), oracle, helpers) <= 1e-4
+        error, _ = sync._send(trained_adapters(2), 8)
+        held = SyncServer(server.url)._call("POST", "/unload_lora_adapter", {"lora_name": "megarl-actor-v8"})
+        assert error is None and "megarl-actor-v7" not in held["loaded_adapters"], (error, held)
+        assert SyncServer(server.url).weight_version() == "8"
+        assert list(tmp_path.iterdir()) == []
+
+        disk = AdapterSync([], RANK, ALPHA, tiny_model_dir, [server.url], str(tmp_path / "lora_sync"), via="disk",
+                           tp_group="n/a", pp_group="n/a")
+        error, _ = disk._send(trained_adapters(1), 9)
+        (written,) = (tmp_path / "lora_sync").iterdir()
+        held = SyncServer(server.url)._call("POST", "/unload_lora_adapter", {"lora_name": "megarl-actor-v9"})
+        assert error is None and (written / "adapter_model.safetensors").is_file(), error
+    finally:
+        os.chdir(cwd)

@@ -219,7 +219,8 @@ def sglang_routes(wheel: Path) -> dict[str, set[str]]:
     return routes
 
 
-CLIENT_SOURCES = ["src/megarl/rollout/control.py", "src/megarl/rollout/client.py", "src/megarl/sync/servers.py"]
+CLIENT_SOURCES = ["src/megarl/rollout/control.py", "src/megarl/rollout/client.py", "src/megarl/sync/servers.py",
+                  "src/megarl/sync/adapter_sync.py"]
 
 
 def client_calls() -> list[tuple[str, str, str]]:
@@ -248,7 +249,101 @@ def test_every_endpoint_megarl_calls_is_a_route_of_sglang(wheel):
     assert {"/generate", "/update_weights_from_distributed", "/begin_weight_update"} <= set(routes)
     calls = client_calls()
     assert {p for _, _, p in calls} >= {"/generate", "/health", "/update_weights_from_tensor", "/flush_cache",
-                                        "/init_weights_update_group", "/release_memory_occupation"}
+                                        "/init_weights_update_group", "/release_memory_occupation",
+                                        "/load_lora_adapter_from_tensors"}
     problems = [f"{source}: {method or 'any'} {path}" for source, method, path in calls
                 if path not in routes or (method and method not in routes[path])]
     assert problems == [], f"not routes of sglang {SGLANG_VERSION}'s http_server.py: {problems}"
+
+
+# ----------------------------------------------------------------------------- request structs
+REQUIRED = object()  # a field without a default
+SGLANG_BASE_REQ = {"rid", "http_worker_ipc"}  # routing fields every request struct has; the CPU server ignores them
+
+
+def sglang_request_fields(wheel: Path, name: str) -> dict[str, object]:
+    """{field: default (the literal), or REQUIRED} of the msgspec struct `name` in
+    `sglang/srt/managers/io_struct.py`, with its base `BaseReq`'s fields (rid, http_worker_ipc)."""
+    with zipfile.ZipFile(wheel) as z:
+        tree = ast.parse(z.read("sglang/srt/managers/io_struct.py"))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    fields: dict[str, object] = {}
+    for cls in (classes["BaseReq"], classes[name]):
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                fields[stmt.target.id] = REQUIRED if stmt.value is None else ast.literal_eval(stmt.value)
+    return fields
+
+
+def test_load_lora_adapter_from_tensors_bodies_have_sglangs_fields(wheel):
+    """What adapter-only sync sends and what the CPU server reads are SGLang 0.5.23's
+    `LoadLoRAAdapterFromTensorsReqInput`: the body names only its fields and every required one;
+    the CPU server's model has exactly its fields (but BaseReq's), the same required ones and defaults."""
+    from megarl.rollout.lora_adapters import LoadLoraAdapterFromTensorsReq
+    from megarl.sync.adapter_sync import from_tensors_request
+
+    fields = sglang_request_fields(wheel, "LoadLoRAAdapterFromTensorsReqInput")
+    required = {f for f, default in fields.items() if default is REQUIRED}
+    assert required == {"lora_name", "config_dict", "serialized_named_tensors"}  # the oracle read the struct
+    body = from_tensors_request("v1", {"r": 8}, "payload", tp_size=4)
+    assert set(body) <= set(fields) and required <= set(body), sorted(set(body) ^ set(fields))
+    assert body["serialized_named_tensors"] == ["payload"] * 4  # one entry per TP rank
+    served = LoadLoraAdapterFromTensorsReq.model_fields
+    assert set(served) == set(fields) - SGLANG_BASE_REQ
+    assert {f for f, info in served.items() if info.is_required()} == required
+    assert {f: info.default for f, info in served.items() if not info.is_required()} == {
+        f: d for f, d in fields.items() if d is not REQUIRED and f not in SGLANG_BASE_REQ}
+
+
+def sglang_safe_unpickler(wheel: Path):
+    """SGLang 0.5.23's own `SafeUnpickler` (and `_safe_load_torch_storage`, which it maps
+    `torch.storage._load_from_bytes` to), taken from `sglang/srt/utils/common.py` and run as is."""
+    import io
+    import pickle
+
+    import torch
+
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read("sglang/srt/utils/common.py").decode()
+    wanted = {"SafeUnpickler", "_safe_load_torch_storage"}
+    nodes = [n for n in ast.parse(source).body if getattr(n, "name", None) in wanted]
+    assert {n.name for n in nodes} == wanted
+    namespace = {"io": io, "pickle": pickle, "torch": torch}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
+    return namespace["SafeUnpickler"]
+
+
+def test_the_adapter_payload_is_by_value_and_sglangs_unpickler_reads_it(wheel):
+    """An adapter entry (`serialize_by_value`) is decoded by SGLang's own SafeUnpickler into the
+    same tensors, and carries their bytes (no shared-memory or IPC handle: readable on another
+    host). Negative controls: SGLang's unpickler refuses a forbidden global, and the
+    shared-memory form (`tensor_payload.serialize`, SGLang's ForkingPickler) names a file instead."""
+    import base64
+    import io
+    import os
+    import pickle
+
+    import torch
+
+    from megarl.rollout import tensor_payload
+    from megarl.sync.adapter_sync import peft_adapter, serialize_by_value
+
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.randn(2**16, generator=g)  # megatron's DDP keeps parameters as views into one buffer
+    adapters = {"decoder.layers.0.self_attention.linear_qkv_lora.q_proj_A": buffer[:256].view(4, 64),
+                "decoder.layers.0.self_attention.linear_qkv_lora.q_proj_B": torch.randn(64, 4, generator=g)}
+    config, tensors = peft_adapter(adapters, 4, 8.0, "base")
+    assert config["r"] == 4 and config["target_modules"] == ["q_proj"]
+    payload = serialize_by_value(tensors)
+    raw = base64.b64decode(payload, validate=True)
+    safe = sglang_safe_unpickler(wheel)
+    decoded = safe(io.BytesIO(raw)).load()
+    assert decoded.keys() == tensors.keys()
+    assert all(torch.equal(decoded[k], tensors[k]) and decoded[k].dtype == torch.float32 for k in tensors)
+    assert len(raw) < 2 * (4 * 64 + 64 * 4) * 4 + 4096  # the tensors' bytes, not the whole buffer's
+    assert b"torch.multiprocessing" not in raw and b"rebuild_storage" not in raw
+
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        safe(io.BytesIO(pickle.dumps({"x": os.getcwd}))).load()
+    shared = base64.b64decode(tensor_payload.serialize(list(tensors.items())))
+    assert b"rebuild_storage_filename" in shared  # same-host only

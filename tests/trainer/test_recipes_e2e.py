@@ -403,8 +403,8 @@ def test_grpo_with_the_tensor_transport_serves_the_pushed_weights(ray_session, t
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_grpo_lora_trains_adapters_and_the_servers_serve_them(sync, ray_session, tiny_assets, tmp_path):
     """configs/tiny/grpo_lora.yaml: the actor (TP2) trains rank-8 adapters on a frozen base. Each
-    push sends only the adapters (`lora.sync=adapter`: a PEFT directory the servers load by name,
-    which every rollout request names) or base + adapters merged (`lora.sync=merged`: the full
+    push sends only the adapters (`lora.sync=adapter`: inside SGLang's /load_lora_adapter_from_tensors
+    request, loaded under a name every rollout request names) or base + adapters merged (`lora.sync=merged`: the full
     weights, the base restored after). Step 2 samples from what was pushed after step 1's update:
     the servers' log-probs equal the actor's (run_recipe's check, < 1e-4 in fp32), and those
     differ from the step-1 policy's, so the servers apply the trained adapters."""
@@ -416,6 +416,8 @@ def test_grpo_lora_trains_adapters_and_the_servers_serve_them(sync, ray_session,
     assert m["sync/weight_version"] == 2 and m["actor/grad_norm"] > 0, m
     if sync == "adapter":
         assert m["sync/adapter_tensors"] == 2 * 7 * 2, m  # 2 layers x 7 targets x (A, B)
+        assert run.config.actor_rollout_ref.model.lora.sync_via == "tensors"
+        assert not (tmp_path / "lora_sync").exists()  # the adapters travel in the request: no shared filesystem
     else:
         assert "sync/adapter_tensors" not in m and m["sync/bytes"] > 0, m
     first, second = run.actor_batches

@@ -155,6 +155,10 @@ class LoraConfig:
     dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input in training passes (log-prob passes: none)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT names, or ["all-linear"]
     sync: Literal["merged", "adapter"] = "merged"  # merged: push base + scale x B A as full weights
+    # sync=adapter, how the adapters reach the servers: tensors: in the request (SGLang's
+    # /load_lora_adapter_from_tensors, no shared filesystem); disk: a PEFT directory under
+    # trainer.default_local_dir/lora_sync that every server reads (/load_lora_adapter)
+    sync_via: Literal["tensors", "disk"] = "tensors"
 
 
 @dataclass

@@ -9,7 +9,8 @@ status codes and state rules: `/generate`, `/health`, `/health_generate`, `/mode
 `/end_weight_update`, `/update_weights_from_distributed`, `/update_weights_from_tensor`,
 `/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`,
 `/weights_checker` (the "checksum" action: `rollout.weights_checker`), `/load_lora_adapter`,
-`/unload_lora_adapter`, `/update_weight_version` (`rollout.lora_adapters`). Tensor and
+`/load_lora_adapter_from_tensors`, `/unload_lora_adapter`, `/update_weight_version`
+(`rollout.lora_adapters`). Tensor and
 distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
 as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
 `{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1

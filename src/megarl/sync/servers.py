@@ -18,6 +18,11 @@ class SyncServer(ServerControl):
         `lora_path` (visible to the server) as `lora_name`. Returns its `LoRAUpdateOutput`."""
         return self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
 
+    def load_lora_adapter_from_tensors(self, body: dict) -> dict:
+        """SGLang 0.5.23's `LoadLoRAAdapterFromTensorsReqInput` (`body`: `sync.adapter_sync.from_tensors_request`):
+        load the adapter whose tensors the request carries. Returns its `LoRAUpdateOutput`."""
+        return self._call("POST", "/load_lora_adapter_from_tensors", body)
+
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """SGLang 0.5.23's `UnloadLoRAAdapterReqInput` (waits for the requests using it)."""
         return self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})

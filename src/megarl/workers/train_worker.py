@@ -11,7 +11,8 @@ ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine",
 
 
 def adapter_dir(config) -> str:
-    """Where adapter-only sync writes the actor's PEFT adapters (readable by every rollout server)."""
+    """Where adapter-only sync with `lora.sync_via=disk` writes the actor's PEFT adapters (readable
+    by every rollout server)."""
     return str((Path(config.trainer.default_local_dir) / "lora_sync").absolute())
 
 
@@ -55,8 +56,8 @@ class TrainWorker(RankedWorker):
         if model.lora.rank > 0 and model.lora.sync == "adapter":
             self.weight_sync = AdapterSync(
                 self.engine.lora_adapters, model.lora.rank, model.lora.alpha, model.path, server_urls,
-                adapter_dir(self.config), released_memory=sync_config.released_memory, initial_version=version,
-                timeout_s=sync_config.timeout_s)
+                adapter_dir(self.config) if model.lora.sync_via == "disk" else None, via=model.lora.sync_via,
+                released_memory=sync_config.released_memory, initial_version=version, timeout_s=sync_config.timeout_s)
             return
         self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
                                       initial_version=version)
@@ -67,6 +68,7 @@ class TrainWorker(RankedWorker):
         `sync/weight_version`, the version the servers now hold."""
         from megarl.sync.adapter_sync import AdapterSync
 
+        self.engine.offloader.check_onloaded(("params",))  # the push reads them
         adapters_only = isinstance(self.weight_sync, AdapterSync)
         with nullcontext() if adapters_only else self.engine.weights_for_sync():  # LoRA merged: base + s B A
             metrics = self.weight_sync.push(version)

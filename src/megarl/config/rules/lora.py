@@ -1,11 +1,13 @@
 """Rules on the LoRA adapters of the actor (`actor_rollout_ref.model.lora`) and the critic (`critic.model.lora`)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import LORA_TARGETS, ExperimentConfig
 
+log = logging.getLogger("megarl.config")
 ALL_LINEAR = "all-linear"
 
 
@@ -13,10 +15,15 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
     """For the actor's and the critic's adapters each: a LoRA rank >= 0; with LoRA on (rank > 0):
     a positive alpha, PEFT target names megarl maps onto megatron's layers, a dropout
     probability in [0, 1). The actor with adapter-only sync: no weight-equality
-    check (it checksums base tensors, which that sync never sends). The critic pushes nothing:
-    its `sync` stays merged. The reference model is never adapted (it is the frozen base).
+    check (it checksums base tensors, which that sync never sends); with `sync_via=disk` on more
+    than one node a warning (no error): the servers read the adapters from
+    trainer.default_local_dir, which must then be on a filesystem every node mounts at the same
+    path, and no config key says whether it is (a server that cannot read it fails the first push,
+    naming the directory). The critic pushes nothing: its `sync` stays merged. The reference model
+    is never adapted (it is the frozen base).
 
-    Reads: actor_rollout_ref.model.lora, critic.model.lora, actor_rollout_ref.rollout.check_weight_update
+    Reads: actor_rollout_ref.model.lora, critic.model.lora, actor_rollout_ref.rollout.check_weight_update,
+    trainer.nnodes, trainer.default_local_dir
     """
     actor = config.actor_rollout_ref.model.lora
     yield from _adapter_settings(actor, "actor_rollout_ref.model.lora")
@@ -24,6 +31,14 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
         yield ("actor_rollout_ref.model.lora.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true: "
                "the check compares the base weights a push sends, and adapter-only sync sends none; turn the check "
                "off or use sync=merged")
+    if actor.rank > 0 and actor.sync == "adapter" and actor.sync_via == "disk" and config.trainer.nnodes > 1:
+        log.warning(
+            "actor_rollout_ref.model.lora.sync_via=disk with trainer.nnodes=%d: every rollout server loads the "
+            "adapters the trainer writes under trainer.default_local_dir=%s (lora_sync/), so that directory must be "
+            "on a filesystem every node mounts at the same path (megarl cannot tell from the config); "
+            "sync_via=tensors (the default) sends them in the request and needs no shared filesystem",
+            config.trainer.nnodes, config.trainer.default_local_dir,
+        )
     critic = config.critic.model.lora
     yield from _adapter_settings(critic, "critic.model.lora")
     if critic.rank > 0 and critic.sync != "merged":

@@ -8,7 +8,9 @@ without copying and come back zeroed (they hold nothing between updates). On a C
 the "device" is host memory too: the same copies and frees happen, between two host buffers.
 
 `Offloader` does this for one engine: its model chunks, megatron's DDP buffers and the optimizer
-state, and it remembers whether they are offloaded.
+state, and it remembers which parts are offloaded. Parts may leave in steps (colocated, the
+gradients and optimizer state before the weight push, the parameters after it:
+`megarl.placement.colocated_memory`) and all come back together.
 """
 from __future__ import annotations
 
@@ -105,7 +107,8 @@ class Offloader:
         self.section = section
         self.model_chunks, self.ddp_chunks, self.optimizer = model_chunks, ddp_chunks or [], optimizer
         self.device = device
-        self._offloaded: Optional[OffloadedStorages] = None
+        self._offloaded: list[OffloadedStorages] = []  # one record per `offload` that moved something
+        self.parts_offloaded: set[str] = set()
 
     def storages(self) -> tuple[list, list, list]:
         """(parameter, gradient, optimizer-state) storages on the device, each storage in one
@@ -132,31 +135,39 @@ class Offloader:
         return param_storages, grad_storages, state_storages
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
-        """Move the chosen parts off the device: parameters and optimizer state are copied to host
-        memory, gradient buffers freed (they come back zeroed). Returns {"bytes": copied to host,
-        "freed_bytes": device bytes released, "seconds", and "params_bytes", "grads_bytes",
-        "optimizer_bytes": device bytes released per part}. A no-op (zeros) while offloaded or
-        when no part is chosen. Any offloaded part makes the engine refuse to compute until `onload`."""
+        """Move the chosen parts off the device, those not off already: parameters and optimizer
+        state are copied to host memory, gradient buffers freed (they come back zeroed). Returns
+        {"bytes": copied to host, "freed_bytes": device bytes released, "seconds", and
+        "params_bytes", "grads_bytes", "optimizer_bytes": device bytes released per part}; zeros
+        when there is nothing left to move. The engine refuses to compute while any part is off
+        (`check_onloaded`), and to push its weights while its parameters are."""
+        chosen = {p for p, on in zip(self.PARTS, (params, grads, optimizer)) if on} - self.parts_offloaded
         zero = {"bytes": 0, "freed_bytes": 0, "seconds": 0.0, **{f"{p}_bytes": 0 for p in self.PARTS}}
-        if self._offloaded is not None or not (params or grads or optimizer):
+        if not chosen:
             return zero
+        # a storage already moved has 0 bytes: `storages()` leaves it out, so each moves once
         param_storages, grad_storages, state_storages = self.storages()
-        param_storages = param_storages if params else []
-        grad_storages = grad_storages if grads else []
-        state_storages = state_storages if optimizer else []
+        param_storages = param_storages if "params" in chosen else []
+        grad_storages = grad_storages if "grads" in chosen else []
+        state_storages = state_storages if "optimizer" in chosen else []
         per_part = {f"{name}_bytes": sum(s.nbytes() for s in storages) for name, storages in
                     (("params", param_storages), ("grads", grad_storages), ("optimizer", state_storages))}
-        self._offloaded, stats = offload(param_storages + state_storages, grad_storages, self.device)
+        record, stats = offload(param_storages + state_storages, grad_storages, self.device)
+        self._offloaded.append(record)
+        self.parts_offloaded |= chosen
         return {**stats, **per_part}
 
     def onload(self) -> dict:
-        """Bring back what `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""
-        if self._offloaded is None:
-            return {"bytes": 0, "seconds": 0.0}
-        stats = onload(self._offloaded, self.device)
-        self._offloaded = None
+        """Bring back everything `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""
+        stats = {"bytes": 0, "seconds": 0.0}
+        for record in reversed(self._offloaded):
+            moved = onload(record, self.device)
+            stats = {"bytes": stats["bytes"] + moved["bytes"], "seconds": stats["seconds"] + moved["seconds"]}
+        self._offloaded, self.parts_offloaded = [], set()
         return stats
 
-    def check_onloaded(self) -> None:
-        if self._offloaded is not None:
-            raise RuntimeError(f"{self.section}: the engine is offloaded; call onload() first")
+    def check_onloaded(self, parts: tuple[str, ...] = PARTS) -> None:
+        """Raise if any of `parts` is off the device."""
+        off = [p for p in parts if p in self.parts_offloaded]
+        if off:
+            raise RuntimeError(f"{self.section}: the engine's {', '.join(off)} are offloaded; call onload() first")
