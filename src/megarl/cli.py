@@ -23,6 +23,7 @@ def _plan(args) -> int:
     from megarl.placement import format_gpu_map, plan_from_config
     from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
+    from megarl.sync.groups import format_update_groups
 
     from megarl.trainer.inputs import trainer_of_data
 
@@ -38,7 +39,12 @@ def _plan(args) -> int:
                  else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
         print(f"{role.name}: {shape}, {gpu_share(role.gpu_fraction)}")
     if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
-        print(devices_from_config(config, cuda_available=config.trainer.device != "cpu").summary())
+        devices = devices_from_config(config, cuda_available=config.trainer.device != "cpu")
+        print(devices.summary())
+        actor, m = plan.roles["actor"], config.actor_rollout_ref.actor.megatron
+        print(format_update_groups(devices.weight_sync_transport, config.actor_rollout_ref.rollout.weight_update_groups,
+                                   actor.pp, actor.dp * actor.cp, actor.tp, m.expert_model_parallel_size,
+                                   m.expert_tensor_parallel_size))
     model = config.actor_rollout_ref.model.path
     try:  # a hub id: its config.json alone, into the HF cache
         model_dir = local_model_dir(model, "actor_rollout_ref.model.path", allow_patterns=["config.json"])

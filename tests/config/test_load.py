@@ -136,6 +136,8 @@ def test_interpolation(tmp_path):
         (["trainer.adv_estimator=grpo"], "did you mean 'algorithm.adv_estimator'?"),
         (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator: 'grpoo' is not one of 'gae', 'grpo'"),
         (["algorithm.adv_estimator=grpoo"], "(did you mean 'grpo'?)"),
+        (["actor_rollout_ref.rollout.weight_update_groups=per_dp"],
+         "actor_rollout_ref.rollout.weight_update_groups: 'per_dp' is not one of 'per_stage', 'per_emitter'"),
         (["trainer.nnodes=two"], "trainer.nnodes: 'two' is not an integer [from override 'trainer.nnodes=two']"),
         (["trainer.nnodes=1.5"], "trainer.nnodes: 1.5 is not an integer"),
         (["algorithm.gamma=high"], "algorithm.gamma: 'high' is not a number"),

@@ -193,3 +193,26 @@ def test_megarl_plan_without_a_local_model_prints_the_map_and_skips_the_estimate
     assert r.returncode == 0, r.stderr
     assert "gpu7: [shared] actor rank 7, rollout server 7" in r.stdout
     assert "memory estimate skipped:" in r.stdout and "not a local HF checkpoint directory (no config.json there)" in r.stdout
+
+
+def test_megarl_plan_prints_the_weight_update_groups_per_server_rank(capsys):
+    """Split placement (distributed transport), actor PP 2 x DP 2 on 4 of 8 GPUs: 2 groups per
+    server rank by default (one per pipeline stage), 4 per emitter; colocated on GPUs the tensor
+    transport makes none."""
+    from megarl.cli import main
+
+    split = ["plan", "--trainer", "rl", "data.train_files=/x", "actor_rollout_ref.model.path=/nowhere",
+             "trainer.n_gpus_per_node=8", "placement.mode=split", "placement.rollout_gpus=4",
+             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "data.train_batch_size=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    main(split)
+    out = capsys.readouterr().out
+    assert "actor: TP 1 x CP 1 x PP 2 x DP 2" in out
+    assert ("weight sync: 2 weight-update group(s) per rollout server rank (per_stage, PP 2 x DP 2 x EP 1; "
+            "per_emitter: 4)\n") in out
+    main(split + ["actor_rollout_ref.rollout.weight_update_groups=per_emitter"])
+    assert ("weight sync: 4 weight-update group(s) per rollout server rank (per_emitter, PP 2 x DP 2 x EP 1; "
+            "per_stage: 2)\n") in capsys.readouterr().out
+    main(split[:5] + ["trainer.n_gpus_per_node=8", "data.train_batch_size=8",
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    assert "weight sync: no weight-update groups (the tensor transport)\n" in capsys.readouterr().out

@@ -313,17 +313,21 @@ def grouped_checks(chunks: list, weights: WeightMap, layout: ParallelLayout, hf_
 
 def expert_push(chunks: list, weights: WeightMap, case: dict) -> dict:
     """The server serves another checkpoint of the same MoE (other seed); a distributed push of the
-    actor's weights (each DP replica its share of the dense buckets, each EP rank of expert-DP
-    replica 0 its own experts, in per-expert names), checked tensor by tensor against the server's
-    checksums; log-probs before and after, and the names each rank sent. Then a disk and a tensor
-    push, each after an update and checked the same way, and the log-probs after them; the chunks
-    get the checkpoint back at the end."""
+    actor's weights (DP replica 0 the dense buckets, each EP rank of expert-DP replica 0 its own
+    experts, in per-expert names: the default weight-update groups), checked tensor by tensor
+    against the server's checksums; log-probs before and after, the names each rank sent and the
+    groups the server was asked to join. Then a disk and a tensor push (no groups: every DP replica
+    its share of the dense buckets), each after an update and checked the same way, and the
+    log-probs after them; the chunks get the checkpoint back at the end."""
     vocab, urls = weights.arch.vocab_size, [case["url"]]
     out = {"before": compare(chunks, vocab, urls)}
-    sync = WeightSync(chunks, weights, urls, SyncConfig(
-        transport="distributed", backend="gloo", bucket_bytes=case["bucket_bytes"], check_weights=True, timeout_s=60))
     sent = []  # the HF names of every bucket this rank sent (the coordinator's held last one is not)
-    out["metrics"] = sync.push(progress=lambda stage, bucket: sent.extend(s.name for s in bucket.slots))
+    with GroupJoins() as joins:
+        sync = WeightSync(chunks, weights, urls, SyncConfig(
+            transport="distributed", backend="gloo", bucket_bytes=case["bucket_bytes"], check_weights=True,
+            timeout_s=60))
+        out["metrics"] = sync.push(progress=lambda stage, bucket: sent.extend(s.name for s in bucket.slots))
+    out["joins"] = all_joins(joins)
     out["after"] = compare(chunks, vocab, urls)
     out["sent"] = sent
     g = sync.groups
@@ -425,6 +429,44 @@ def compare(chunks: list, vocab: int, urls: list) -> dict:
     return {"max_diff": max(diffs), "versions": versions}
 
 
+class GroupJoins:
+    """Counts, on this rank, the `/init_weights_update_group` calls it makes: {server URL: [group
+    names]} (a server joins a weight-update group through exactly one such call)."""
+
+    def __enter__(self) -> dict:
+        from megarl.sync.servers import SyncServer
+
+        self.joins: dict = {}
+        self.own = vars(SyncServer).get("init_weights_update_group")  # None: inherited from ServerControl
+        original = SyncServer.init_weights_update_group
+
+        def counted(server, *args, **kwargs):
+            self.joins.setdefault(server.url, []).append(args[4] if len(args) > 4 else kwargs["group_name"])
+            return original(server, *args, **kwargs)
+
+        SyncServer.init_weights_update_group = counted
+        return self.joins
+
+    def __exit__(self, *exc) -> None:
+        from megarl.sync.servers import SyncServer
+
+        if self.own is None:
+            del SyncServer.init_weights_update_group  # ServerControl's again
+        else:
+            SyncServer.init_weights_update_group = self.own
+
+
+def all_joins(joins: dict) -> dict:
+    """{server URL: sorted group names} joined from every rank of the world (collective)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, joins)
+    out: dict = {}
+    for rank_joins in everyone:
+        for url, names in rank_joins.items():
+            out.setdefault(url, []).extend(names)
+    return {url: sorted(names) for url, names in out.items()}
+
+
 def failed_push(sync: WeightSync, progress) -> tuple:
     """(the WeightSyncError's text or None, the version the sync holds after) of a push meant to fail."""
     try:
@@ -512,12 +554,38 @@ def servers_story(rank: int, case: dict) -> dict:
     load_hf(chunks, weights, layout, hf_dir)  # the actor holds the HF checkpoint again, the servers an update
     out["checked"] = checked_story(chunks, weights, case, out["tensor"]["version"], lap)
     out["split"] = split_story(case, out["checked"]["version"], lap)
+    out["stage_groups"] = stage_groups_story(case, out["split"]["version"], lap)
+    return out
+
+
+def stage_groups_story(case: dict, version: int, lap) -> dict:
+    """The default weight-update groups at TP 1 x PP 2 x DP 2 (4 ranks): an update pushed with the
+    equality check on; the groups every server was asked to join, and which ranks sent buckets."""
+    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
+    reinit_model_parallel(1, 2)
+    layout = ParallelLayout(1, 2)
+    weights = weight_map(hf_dir, 1, 64)
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, hf_dir)
+    perturb(chunks, weights, seed=10)
+    sent = []
+    with GroupJoins() as joins:
+        sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
+                                                           bucket_bytes=case["bucket_bytes"], check_weights=True),
+                          initial_version=version)
+        metrics = sync.push(progress=lambda stage, bucket: sent.append(bucket.index))
+    lap("stage groups push")
+    g = sync.groups
+    out = dict(joins=all_joins(joins), metrics=metrics, version=sync.version, pp_rank=g.pp_rank, dp_rank=g.dp_rank,
+               emitter=g.is_emitter, sent=sent)
+    sync.close()
     return out
 
 
 def split_story(case: dict, version: int, lap) -> dict:
-    """DP replicas share the push: TP 2 on 4 ranks (DP 2), an update pushed with the equality check
-    on; each emitter records the buckets it sent (the coordinator also keeps the last one back)."""
+    """DP replicas share the push (`weight_update_groups="per_emitter"`): TP 2 on 4 ranks (DP 2), an
+    update pushed with the equality check on; each emitter records the buckets it sent (the
+    coordinator also keeps the last one back), and the groups every server was asked to join."""
     hf_dir, urls = Path(case["hf_dir"]), case["urls"]
     reinit_model_parallel(2, 1)
     layout = ParallelLayout(2, 1)
@@ -525,15 +593,16 @@ def split_story(case: dict, version: int, lap) -> dict:
     chunks = build_chunks(weights, layout, torch.float32)
     load_hf(chunks, weights, layout, hf_dir)
     perturb(chunks, weights, seed=9)
-    sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
-                                                       bucket_bytes=case["bucket_bytes"], check_weights=True),
-                      initial_version=version)
     sent = []
-    metrics = sync.push(progress=lambda stage, bucket: sent.append(bucket.index))
+    with GroupJoins() as joins:
+        sync = WeightSync(chunks, weights, urls, SyncConfig(
+            transport="distributed", backend="gloo", timeout_s=60, bucket_bytes=case["bucket_bytes"],
+            check_weights=True, weight_update_groups="per_emitter"), initial_version=version)
+        metrics = sync.push(progress=lambda stage, bucket: sent.append(bucket.index))
     lap("split push")
     g = sync.groups
     out = dict(dp_rank=g.dp_rank, emitter=g.is_emitter, coordinator=g.is_coordinator, sent=sent,
-               count=len(sync.resharder.plan()), metrics=metrics, version=sync.version)
+               count=len(sync.resharder.plan()), metrics=metrics, version=sync.version, joins=all_joins(joins))
     sync.close()
     return out
 

@@ -6,10 +6,11 @@ the resharder with buckets smaller than one layer's experts. The oracle is the c
 `model.safetensors`, as transformers' `save_pretrained` wrote it, read with safetensors: every HF
 tensor, per expert, bit for bit. Each EP rank of expert-DP replica 0 emits its own experts (global
 names), gathered over its expert-TP ranks only. Then a distributed push at TP1/EP2, checked tensor
-by tensor against the server's checksums (DP 4: the replicas share the dense buckets, EP ranks 0
-and 1 of expert-DP replica 0 send their own experts) into a CPU-engine server that started with
-another checkpoint, and log-probs of its greedy samples against the actor's; then a disk and a
-tensor push of updates, checked likewise.
+by tensor against the server's checksums (DP 4, default weight-update groups: DP replica 0 sends
+the dense buckets, EP ranks 0 and 1 of expert-DP replica 0 their own experts, so the server joins 2
+groups) into a CPU-engine server that started with another checkpoint, and log-probs of its greedy
+samples against the actor's; then a disk and a tensor push of updates (no groups: the 4 replicas
+share the dense buckets), checked likewise.
 """
 import re
 
@@ -108,7 +109,11 @@ def test_expert_parallel_push_makes_the_server_serve_the_actor(experts):
     assert r["after"]["max_diff"] <= 1e-4, r["after"]
     assert r["metrics"]["sync/checked_tensors"] == len(hf)  # every checkpoint tensor, each expert's too
     assert r["after"]["versions"] == [["1"]]
-    assert r["metrics"]["sync/senders"] == 4  # DP 4: every replica's emitter sends dense buckets
+    # default weight-update groups: replica 0's dense emitter (also EP rank 0's experts) and EP rank 1's
+    # expert emitter, each over a group of its own (EP rank 1's experts live only on rank 1)
+    assert r["metrics"]["sync/senders"] == 2
+    assert [len(names) for names in r["joins"].values()] == [2]
+    assert all(experts_in([n]) for p in push[1:] for n in p["sent"])  # only rank 0 sent dense tensors
     roles = [p["roles"] for p in push]
     assert [x["emits_experts"] for x in roles] == [True, True, False, False]  # expert-DP replica 0: EP ranks 0, 1
     assert [x["gathers_experts"] for x in roles] == [True, True, False, False]
@@ -121,6 +126,7 @@ def test_expert_parallel_push_makes_the_server_serve_the_actor(experts):
     # the disk and tensor transports, each after an update: every tensor checked, the server serves the update
     for transport in ("disk", "tensor"):
         assert r[transport]["sync/checked_tensors"] == len(hf) and r[transport]["sync/senders"] == 4, transport
+        # (4: no groups, so every replica's emitter sends its share of the dense buckets)
     assert r["last"]["max_diff"] <= 1e-4 and r["last"]["versions"] == [["3"]], r["last"]
     print("expert sync (TP1/EP2, distributed, checked): log-prob gap before", r["before"]["max_diff"], "after", r["after"]["max_diff"])
 

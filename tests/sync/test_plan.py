@@ -8,6 +8,7 @@ from megarl.bridge import WeightMap, arch_from_hf_config, tp_split
 from megarl.bridge.mapping import REPLICATED
 from megarl.rollout.weight_group import bucket_layout
 from megarl.sync import SyncConfig, plan_buckets
+from megarl.sync.groups import format_update_groups, update_groups_per_server_rank
 from megarl.sync.resharder import ROW_ALIGN, LocalParam, gathered_bytes
 from megarl.sync.transports import route_address
 from megarl.sync.weight_sync import StageReport, summarize
@@ -89,6 +90,57 @@ def test_config_errors_name_the_setting():
         SyncConfig(bucket_bytes=0, backend="gloo")
     with pytest.raises(ValueError, match="distributed transport needs backend 'nccl' .* or 'gloo' .*got None"):
         SyncConfig(transport="distributed")  # no silent default: the device decides the group's backend
+
+
+# (transport, mode, PP, DP replicas, TP, EP, ETP) -> weight-update groups per server rank, by hand:
+# a stage's ranks are numbered tp + TP * replica (dense) and etp + ETP * (ep + EP * expert-DP replica)
+# (experts), so its dense emitters are ranks {TP * d} (d < DP per_emitter, d = 0 per_stage) and its
+# expert emitters (EP > 1) ranks {ETP * e, e < EP}; one group per distinct emitter, times PP.
+GROUP_CASES = [
+    (("distributed", "per_stage", 1, 1, 1, 1, None), 1),
+    (("distributed", "per_emitter", 1, 1, 1, 1, None), 1),  # one replica: nothing to split
+    (("distributed", "per_stage", 1, 2, 1, 1, None), 1),
+    (("distributed", "per_emitter", 1, 2, 1, 1, None), 2),
+    (("distributed", "per_stage", 2, 2, 1, 1, None), 2),  # the sync world's DP2 x PP2
+    (("distributed", "per_emitter", 2, 2, 1, 1, None), 4),
+    (("distributed", "per_stage", 4, 2, 2, 1, None), 4),
+    (("distributed", "per_emitter", 4, 2, 2, 1, None), 8),
+    (("distributed", "per_stage", 4, 1, 8, 1, None), 4),
+    (("distributed", "per_emitter", 1, 2, 2, 1, None), 2),  # the sync world's TP2 x DP2 split story
+    # EP: TP1, DP4, EP2 (ETP = TP = 1): dense {0} or {0,1,2,3}, experts {0, 1}
+    (("distributed", "per_stage", 1, 4, 1, 2, None), 2),  # the sync world's expert push
+    (("distributed", "per_emitter", 1, 4, 1, 2, None), 4),
+    # TP2, DP2, EP2, ETP1: dense {0} or {0, 2}, experts {0, 1}
+    (("distributed", "per_stage", 1, 2, 2, 2, 1), 2),
+    (("distributed", "per_emitter", 1, 2, 2, 2, 1), 3),
+    # TP2, DP2, EP2, ETP2 (None: TP): experts {0, 2} are the dense emitters of both replicas
+    (("distributed", "per_stage", 1, 2, 2, 2, None), 2),
+    (("distributed", "per_emitter", 1, 2, 2, 2, None), 2),
+    # PP2, TP1, DP8, EP4: experts {0, 1, 2, 3} per stage
+    (("distributed", "per_stage", 2, 8, 1, 4, None), 8),
+    (("distributed", "per_emitter", 2, 8, 1, 4, None), 16),
+    (("tensor", "per_emitter", 2, 2, 1, 1, None), 0),
+    (("disk", "per_stage", 4, 8, 1, 2, None), 0),
+]
+
+
+@pytest.mark.parametrize("args, groups", GROUP_CASES, ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_weight_update_groups_per_server_rank(args, groups):
+    assert update_groups_per_server_rank(*args) == groups
+
+
+def test_weight_update_groups_line_and_options():
+    assert format_update_groups("distributed", "per_stage", 2, 2) == \
+        "weight sync: 2 weight-update group(s) per rollout server rank (per_stage, PP 2 x DP 2 x EP 1; per_emitter: 4)"
+    assert format_update_groups("disk", "per_stage", 2, 2) == "weight sync: no weight-update groups (the disk transport)"
+    with pytest.raises(ValueError, match="weight_update_groups 'per_dp' is not one of"):
+        SyncConfig(backend="gloo", weight_update_groups="per_dp")
+    # the DP replicas share the push only where that costs no weight-update group
+    assert SyncConfig(backend="gloo").weight_update_groups == "per_stage"
+    assert not SyncConfig(backend="gloo").shares_dp
+    assert SyncConfig(backend="gloo", weight_update_groups="per_emitter").shares_dp
+    assert SyncConfig(transport="tensor").shares_dp
+    assert not SyncConfig(transport="tensor", split_across_dp=False).shares_dp
 
 
 def test_metrics_name_the_slowest_stage():

@@ -167,11 +167,15 @@ def test_equality_check_catches_a_corrupted_bucket_naming_tensor_and_servers(sto
 
 
 def test_dp_replicas_share_the_push_with_disjoint_buckets(story):
-    """TP 2 x DP 2: both replicas' emitters send, each a disjoint share of the buckets, together
+    """TP 2 x DP 2, weight_update_groups=per_emitter: both replicas' emitters send, each a disjoint
+    share of the buckets over a weight-update group of its own (each server joins 2), together
     every bucket once (the coordinator's held last bucket included), and the servers then hold
     exactly the tensors sent (the equality check passed on every tensor)."""
-    _, ranks = story
+    case, ranks = story
     runs = [r["split"] for r in ranks]
+    joins = runs[0]["joins"]
+    assert sorted(joins) == sorted(case["urls"]) and all(len(names) == 2 == len(set(names)) for names in joins.values())
+    assert joins[case["urls"][0]] == joins[case["urls"][1]]  # every server joins every emitter's group
     emitters = [r for r in runs if r["emitter"]]
     assert sorted(r["dp_rank"] for r in emitters) == [0, 1]
     assert all(r["sent"] == [] for r in runs if not r["emitter"])
@@ -184,6 +188,27 @@ def test_dp_replicas_share_the_push_with_disjoint_buckets(story):
     assert m["sync/senders"] == 2 and m["sync/stages"] == 1 and m["sync/buckets"] == count
     assert m["sync/checked_tensors"] == ranks[0]["checked"]["metrics"]["sync/checked_tensors"]
     assert all(r["metrics"] == m for r in runs) and runs[0]["version"] == ranks[0]["checked"]["version"] + 1
+
+
+def test_dp2_pp2_servers_join_one_group_per_pipeline_stage_by_default(story):
+    """TP 1 x PP 2 x DP 2, default weight_update_groups (per_stage): each server is asked to join
+    exactly 2 weight-update groups (PP; per emitter it would be PP x DP = 4), one per stage, and only
+    DP replica 0's stage emitters send; the servers then hold exactly the tensors of the actor (the
+    equality check passed on every tensor) at the new version."""
+    case, ranks = story
+    runs = [r["stage_groups"] for r in ranks]
+    joins = runs[0]["joins"]
+    assert sorted(joins) == sorted(case["urls"])
+    for url in case["urls"]:
+        assert len(joins[url]) == 2 and len(set(joins[url])) == 2, joins
+        assert sorted(name.split("-")[2] for name in joins[url]) == ["pp0", "pp1"]  # megarl-sync-pp{stage}-...
+    assert sorted((r["pp_rank"], r["dp_rank"]) for r in runs if r["emitter"]) == [(0, 0), (1, 0)]
+    assert all(r["sent"] == [] for r in runs if r["dp_rank"] == 1)
+    assert any(r["sent"] for r in runs if r["emitter"] and r["pp_rank"] == 1)
+    m = runs[0]["metrics"]
+    assert m["sync/senders"] == 2 and m["sync/stages"] == 2
+    assert m["sync/checked_tensors"] == ranks[0]["checked"]["metrics"]["sync/checked_tensors"]  # every tensor
+    assert all(r["metrics"] == m for r in runs) and runs[0]["version"] == ranks[0]["split"]["version"] + 1
 
 
 def test_report_log_prob_differences(story):

@@ -290,6 +290,12 @@ class RolloutConfig:
     # auto: tensor (CUDA IPC) colocated on GPUs with SGLang, else distributed (NCCL on GPUs, gloo on CPU);
     # megarl.config.devices decides it
     weight_sync_transport: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    # distributed transport: per_stage, one weight-update group per actor pipeline stage, sent by DP replica 0
+    # (slime's and AReaL's layout; plus one per EP rank's experts at EP > 1); per_emitter, one per DP replica x
+    # stage, each replica sending its share of the buckets: faster resharding, but every rollout server rank then
+    # holds PP x DP NCCL communicators, whose buffers lie outside SGLang's mem_fraction_static (README, "weight
+    # sync"; `megarl plan` prints the count). The tensor and disk transports make no groups and ignore it.
+    weight_update_groups: Literal["per_stage", "per_emitter"] = "per_stage"
     # after every push, compare each server's per-tensor checksums (SGLang's /weights_checker) with the
     # HF tensors the actor sent; a difference stops the run naming tensor and server. CPU engine only.
     check_weight_update: bool = False

@@ -16,6 +16,11 @@ Every rank of the actor's worker group takes part in `WeightSync.push`, in one o
 The replicas (data x context parallel) hold the same weights. With `split_dp` every replica sends:
 replica d sends the dense buckets k of each stage with (count - 1 - k) % dp_size == d
 (`bucket_share`). Without it (or with one replica) replica 0 sends every dense bucket.
+`WeightSync` splits only where it costs no weight-update group (`SyncConfig.shares_dp`): with the
+distributed transport each emitter forms a group that every rollout server TP rank joins, so by
+default (`weight_update_groups="per_stage"`) replica 0 alone sends, as slime (`slime-pp_{pp_rank}`,
+from DP = TP = 0) and AReaL (`update_weight_group_{pp_rank}`) do; `update_groups_per_server_rank`
+counts the groups.
 
 Experts with expert parallelism (EP > 1): each EP rank holds only its experts, so the expert
 parameters travel apart from the dense ones. In expert-data-parallel replica 0 (`gathers_experts`)
@@ -36,6 +41,9 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+# SyncConfig.weight_update_groups: one group per pipeline stage (and EP rank's experts), or one per emitter
+WEIGHT_UPDATE_GROUPS = ("per_stage", "per_emitter")
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,44 @@ class ParallelGroups:
         else:  # one emitter per stage: TP = DP = 0
             group = ps.get_pipeline_model_parallel_group() if groups.is_emitter else None
         return replace(groups, emitter_group=group)
+
+
+def update_groups_per_server_rank(transport: str, mode: str, pp: int, dp: int, tp: int = 1, ep: int = 1,
+                                  etp: Optional[int] = None) -> int:
+    """Weight-update groups each rollout server TP rank joins: one per emitter of the actor (each
+    forms its own, `DistributedTransport`), so one NCCL communicator each on GPUs. 0 for the
+    tensor and disk transports, which make none.
+
+    `mode`: `SyncConfig.weight_update_groups`; `pp`, `tp`: the actor's pipeline and tensor parallel
+    sizes; `dp`: its replicas (data x context parallel); `ep`, `etp`: expert parallel and expert
+    tensor parallel sizes (None: TP, megatron's default). Megatron's default rank order
+    (`parallel_state.initialize_model_parallel`, order "tp-cp-ep-dp-pp") numbers a stage's ranks
+    tp + TP * replica for the dense layers and etp + ETP * (ep + EP * expert-DP replica) for the
+    experts, so within a stage the dense emitters (TP rank 0 of each sending replica) are ranks
+    TP * d, and the expert emitters (expert-TP rank 0 of each EP rank in expert-DP replica 0) are
+    ranks ETP * e: EP rank 0's is the stage's dense emitter of replica 0. A rank that emits both
+    holds one group."""
+    if transport != "distributed":
+        return 0
+    if mode not in WEIGHT_UPDATE_GROUPS:
+        raise ValueError(f"weight_update_groups {mode!r} is not one of {list(WEIGHT_UPDATE_GROUPS)}")
+    replicas = dp if mode == "per_emitter" else 1
+    dense = {tp * d for d in range(replicas)}
+    experts = {(etp or tp) * e for e in range(ep)} if ep > 1 else set()
+    return pp * len(dense | experts)
+
+
+def format_update_groups(transport: str, mode: str, pp: int, dp: int, tp: int = 1, ep: int = 1,
+                         etp: Optional[int] = None) -> str:
+    """One line for `megarl plan`: the weight-update groups per rollout server rank, with the other
+    mode's count (same arguments as `update_groups_per_server_rank`)."""
+    if transport != "distributed":
+        return f"weight sync: no weight-update groups (the {transport} transport)"
+    n = update_groups_per_server_rank(transport, mode, pp, dp, tp, ep, etp)
+    other = "per_emitter" if mode == "per_stage" else "per_stage"
+    m = update_groups_per_server_rank(transport, other, pp, dp, tp, ep, etp)
+    return (f"weight sync: {n} weight-update group(s) per rollout server rank ({mode}, PP {pp} x DP {dp} x "
+            f"EP {ep}; {other}: {m})")
 
 
 def _expert_fields(ps) -> dict[str, Any]:

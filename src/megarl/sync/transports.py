@@ -12,7 +12,8 @@ hands it to `commit`, which is the only call that sets the servers' weight versi
     reset()                    after a failed push: the next push starts from scratch
 
 - `DistributedTransport`: `/init_weights_update_group` once (a group per emitter: it is
-  rank 0, server i's TP ranks follow), then per bucket `/update_weights_from_distributed`
+  rank 0, server i's TP ranks follow; by default one emitter per pipeline stage and EP rank's
+  experts, `SyncConfig.weight_update_groups`), then per bucket `/update_weights_from_distributed`
   (`flattened_bucket`) on every server *concurrently with* one `broadcast` of the bucket's bytes
   (the servers block in their receive until it comes). NCCL on GPU, gloo on CPU.
 - `TensorTransport` (colocated): per bucket `/update_weights_from_tensor`; on GPU SGLang's

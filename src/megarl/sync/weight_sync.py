@@ -13,7 +13,8 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    transports). The outcome is broadcast to all ranks; a failure stops everyone here. A server
    whose `weight_version` is not the last pushed one restarted (or missed a push): the emitters
    then form new weight-update groups.
-2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`split_across_dp`)
+2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`SyncConfig.shares_dp`:
+   the tensor and disk transports, and the distributed one with `weight_update_groups="per_emitter"`)
    every data-parallel replica's for its own share of the stage's dense buckets (else replica 0
    alone), and with EP > 1 each EP rank's for its own experts: the TP (expert-TP) ranks gather
    their shards to their emitter (`Resharder`), which pushes each HF bucket through its
@@ -68,7 +69,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap
 from megarl.rollout.control import ServerError, on_all
-from megarl.sync.groups import ParallelGroups
+from megarl.sync.groups import WEIGHT_UPDATE_GROUPS, ParallelGroups
 from megarl.sync import ipc_copies
 from megarl.sync.ipc_copies import IpcRelay, copies_on_gpu
 from megarl.sync.lock import SendLock
@@ -105,7 +106,21 @@ class SyncConfig:
     # the colocated copies' relay group, the emitters' group (the trainer: actor_rollout_ref.nccl_timeout)
     group_timeout_s: float = 1800.0
     check_weights: bool = False  # after the commit, compare the servers' checksums with the tensors sent
-    split_across_dp: bool = True  # DP > 1: every replica sends a disjoint share of the buckets (else replica 0 all)
+    split_across_dp: bool = True  # DP > 1: every replica sends a disjoint share of the buckets (else replica 0 all),
+    #                               where that costs no weight-update group (`shares_dp`)
+    # distributed transport: "per_stage", one weight-update group per pipeline stage, from DP replica 0 (slime's
+    # `slime-pp_{pp_rank}` from DP = TP = 0), plus one per EP rank's expert emitter at EP > 1; "per_emitter": every
+    # DP replica's emitter also sends its share over a group of its own (PP x DP groups per server rank, each an NCCL
+    # communicator with buffers outside SGLang's mem_fraction_static: README, "weight sync"). Counted by
+    # groups.update_groups_per_server_rank.
+    weight_update_groups: Literal["per_stage", "per_emitter"] = "per_stage"
+
+    @property
+    def shares_dp(self) -> bool:
+        """Whether the DP replicas share each stage's dense buckets: with `split_across_dp`, unless
+        each replica's emitter would form a weight-update group of its own (distributed, per_stage)."""
+        return self.split_across_dp and not (self.transport == "distributed"
+                                             and self.weight_update_groups == "per_stage")
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -121,6 +136,9 @@ class SyncConfig:
             raise ValueError(f"weight sync: timeout_s must be positive, got {self.timeout_s}")
         if self.group_timeout_s <= 0:
             raise ValueError(f"weight sync: group_timeout_s must be positive, got {self.group_timeout_s}")
+        if self.weight_update_groups not in WEIGHT_UPDATE_GROUPS:
+            raise ValueError(f"weight sync: weight_update_groups {self.weight_update_groups!r} is not one of "
+                             f"{list(WEIGHT_UPDATE_GROUPS)}")
 
 
 @dataclass
@@ -199,7 +217,7 @@ class WeightSync:
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
         self.config = config
-        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.split_across_dp,
+        self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.shares_dp,
                                                                    timeout_s=config.group_timeout_s)
         self.groups.check()
         self.weights = weights

@@ -101,7 +101,7 @@ class Cluster:
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
             released_memory=self.releases_memory, resume_kv_cache=False,
             hf_assets_dir=self.config.actor_rollout_ref.model.path,
-            check_weights=r.check_weight_update,
+            check_weights=r.check_weight_update, weight_update_groups=r.weight_update_groups,
             group_timeout_s=self.config.actor_rollout_ref.nccl_timeout,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
         )
