@@ -120,10 +120,16 @@ def test_offload_moves_only_the_parts_asked_and_each_shared_storage_once():
     assert (stats["params_bytes"], stats["grads_bytes"], stats["optimizer_bytes"]) == (0, 64, state_bytes)
     assert stats["bytes"] == state_bytes and stats["freed_bytes"] == 64 + state_bytes
     assert _nbytes(model.a) == 48 and _nbytes(exp_avg) == 0 and _nbytes(offloader.ddp_chunks[0].buffers[0].grad_data) == 0
-    with pytest.raises(RuntimeError, match="actor: the engine is offloaded"):
+    with pytest.raises(RuntimeError, match="actor: the engine's grads, optimizer are offloaded"):
         offloader.check_onloaded()
-    assert offloader.offload()["bytes"] == 0  # already offloaded: nothing more moves
-    assert offloader.onload()["bytes"] == state_bytes
+    offloader.check_onloaded(("params",))  # a push may still read the parameters
+    # then the rest (colocated: after the push): the parts already off do not move again
+    stats = offloader.offload()
+    assert (stats["params_bytes"], stats["grads_bytes"], stats["optimizer_bytes"], stats["bytes"]) == (48, 0, 0, 48)
+    with pytest.raises(RuntimeError, match="actor: the engine's params are offloaded"):
+        offloader.check_onloaded(("params",))
+    assert offloader.offload()["bytes"] == 0  # all off: nothing more moves
+    assert offloader.onload()["bytes"] == state_bytes + 48
     assert all(torch.equal(a, b) for a, b in zip(before, (model.a, model.b, exp_avg, exp_avg_sq)))
     assert offloader.ddp_chunks[0].buffers[0].grad_data.tolist() == [0.0] * 16
     # parameters only: the one buffer behind both parameters and the optimizer's view moves once
