@@ -157,6 +157,16 @@ def _snapshot(engine) -> list[torch.Tensor]:
     return [torch.tensor([], dtype=torch.uint8).set_(s).clone() for s in params + state]
 
 
+def built_with(engine) -> dict:
+    """The fusion flags of the engine's TransformerConfig and the overlap settings of its DDP config."""
+    fusions = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
+               "masked_softmax_fusion", "persist_layer_norm", "cross_entropy_loss_fusion")
+    ddp = engine._ddp_chunks[0].ddp_config
+    return {"fusions": {k: getattr(engine.transformer_config, k) for k in fusions},
+            "overlap": {k: getattr(ddp, k)
+                        for k in ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather")}}
+
+
 def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
     from megarl.engines.megatron.roles import ActorEngine
 
@@ -164,7 +174,8 @@ def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
-    result = {"old_log_probs": scored and scored["log_probs"], "dp_rank": actor.dp_rank, "metrics": []}
+    result = {"old_log_probs": scored and scored["log_probs"], "dp_rank": actor.dp_rank, "metrics": [],
+              "built_with": built_with(actor)}
     for update in range(1, UPDATES + 1):
         result["metrics"].append(actor.update_policy(mine))
         if update == SAVE_AFTER and checkpoint_dir is not None:

@@ -182,6 +182,20 @@ def test_offload_frees_and_onload_restores_exactly(layout, training_run):
         assert run["staged_onload"]["bytes"] == run["onload"]["bytes"] and run["staged_restored"]
 
 
+def test_on_cpu_the_engine_builds_with_no_fusion_and_overlaps_only_dp2_with_the_distributed_optimizer(training_run):
+    """The CPU decisions of model.fusion_flags and optim.ddp_overlap (tests/engines/test_gpu_defaults.py)
+    are what the engine really builds with; "tp1" (DP2, distributed optimizer) trains with both
+    overlaps, and the tests above find the same weights, losses and checkpoints as without."""
+    no_fusion = {"bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+                 "gradient_accumulation_fusion": False, "masked_softmax_fusion": False, "persist_layer_norm": False,
+                 "cross_entropy_loss_fusion": False}
+    for rank in training_run:
+        assert rank["tp1"]["built_with"] == {"fusions": no_fusion, "overlap": {
+            "overlap_grad_reduce": True, "overlap_param_gather": True, "align_param_gather": False}}
+        assert rank["tp2"]["built_with"] == {"fusions": no_fusion, "overlap": {  # DP1, plain optimizer
+            "overlap_grad_reduce": False, "overlap_param_gather": False, "align_param_gather": False}}
+
+
 def test_distributed_optimizer_checkpoint_resumes_exactly(training_run):
     for rank in training_run:
         assert rank["tp1_resumed"]["updates"] == SAVE_AFTER

@@ -145,7 +145,7 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
     # pipeline is send/recv; megatron's TP/PP/DP groups inherit the world's backend
     # (parallel_state.create_group(backend=None)). So CUDA tensors go over NCCL and CPU objects over
     # gloo, one default group for both (verl: utils/distributed.py).
-    nccl_env = (NCCL_WEIGHT_GROUP_ENV if sync_backend == "nccl" else ()) + nccl_watchdog_env(collective_timeout_s)
+    nccl_env = weight_group_nccl_env(sync_backend) + nccl_watchdog_env(collective_timeout_s)
     return Devices("cuda", "cpu:gloo,cuda:nccl", transport, sync_backend, nccl_env)
 
 
@@ -179,3 +179,33 @@ def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optio
     if first not in visible:
         raise ValueError(f"Ray GPU id {first!r} is not in this process's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
     return visible.index(first)
+
+
+def weight_group_nccl_env(weight_sync_backend: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """The NCCL variables a training worker needs for SGLang's weight-update group: SGLang's own
+    (`NCCL_WEIGHT_GROUP_ENV`) when that group is NCCL, none otherwise (gloo, tensor handles, disk).
+    `decide_devices` puts exactly these (before the watchdog's) into `Devices.nccl_env`.
+
+    They go into the environment of every training process, so `NCCL_NVLS_ENABLE=0` also turns
+    NVLink SHARP off for the training groups (TP/DP/PP), not only for the weight-update group.
+    That cannot be narrowed to the one group (NCCL 2.30.7 sources, NVIDIA/nccl@5067397):
+    - NCCL reads its variables once per process: `NCCL_PARAM(NvlsEnable, "NVLS_ENABLE", 2)`
+      (src/transport/nvls.cc) caches the first value it reads in a static (src/include/param.h;
+      the opt-out `NCCL_NO_CACHE`, NCCL >= 2.29.7, is a private parameter: docs/userguide/source/
+      api/param.rst), and the first communicator of the process reads it, whichever group that
+      is. Setting it around the weight group's creation would change nothing afterwards, or
+      everything before.
+    - No per-communicator switch exists: `ncclConfig_t` (src/nccl.h.in) has `nvlsCTAs` but no
+      NVLS on/off, and `nvlsCTAs` must be > 0 (src/init.cc: "Invalid config nvlsCTAs attribute
+      value"); `ncclNvlsInit` (src/transport/nvls.cc) decides `nvlsSupport` from the process-wide
+      parameter and the hardware only. Nor could torch pass one: `ProcessGroupNCCL.Options().config`
+      (`pg_options` of `new_group`) exposes blocking, cga_cluster_size, min_ctas and max_ctas
+      (torch 2.13 torch/_C/_distributed_c10d.pyi).
+    The cost is NVLink SHARP for the training collectives on NVSwitch (NVLink4+) systems; it is paid
+    only with split placement and the distributed transport (colocated GPUs use tensor handles:
+    `decide_devices`). NCCL agrees on NVLS per communicator by the minimum over its ranks
+    (src/init.cc, `graphs[NCCL_ALGO_NVLS]->nChannels == 0` after the all-gather), which suggests
+    a trainer with NVLS on could still join SGLang's group (NVLS off there); AReaL sets both
+    variables as "Required by NCCL weight update group", and no GPU run here has shown otherwise,
+    so megarl keeps SGLang's settings."""
+    return NCCL_WEIGHT_GROUP_ENV if weight_sync_backend == "nccl" else ()

@@ -22,8 +22,10 @@ from megarl.engines.megatron.metrics import broadcast_from_last_stage, reduce_ov
 from megarl.engines.megatron.model import (
     DTYPES,
     ModelSource,
+    apex_grad_accumulation_available,
     backbone_arch,
     build_chunks,
+    fusion_flags,
     moe_settings,
     load_hf_weights,
     read_arch,
@@ -33,7 +35,8 @@ from megarl.engines.megatron.model import (
 from megarl.engines.megatron.lora import (LoraSpec, attach_lora, builds_with_transformer_engine, merged,
                                           unfreeze_value_head)
 from megarl.engines.megatron.offload import Offloader
-from megarl.engines.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
+from megarl.engines.megatron.optim import (build_optimizer, build_scheduler, ddp_overlap, finish_param_gather,
+                                          gather_params_now, wrap_ddp)
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
 from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, set_replay
 from megarl.engines.megatron.schedule import Head, run_schedule
@@ -93,7 +96,8 @@ class MegatronEngine:
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
-        uses_te = builds_with_transformer_engine(transformer_engine_available(), lora is not None)
+        te_available = transformer_engine_available()
+        uses_te = builds_with_transformer_engine(te_available, lora is not None)
         self.sequence_layout: Layout = sequence_layout or ("packed" if uses_te else "padded")
         if self.sequence_layout == "packed" and not uses_te:
             raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")
@@ -101,6 +105,9 @@ class MegatronEngine:
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, recompute=recompute, transformer_engine=uses_te,
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
+            fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
+                                 lora=lora is not None, trains=optim_cfg is not None,
+                                 apex_grad_accumulation=apex_grad_accumulation_available()),
         )
         self._routers = replay_routers(self.model_chunks) if router_replay else []
         if source.kind == "hf":
@@ -116,13 +123,15 @@ class MegatronEngine:
             unfreeze_value_head(self.model_chunks)
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
+        overlap = ddp_overlap(trains=optim_cfg is not None, dp_size=parallel_state.get_data_parallel_world_size(),
+                              distributed_optimizer=megatron_cfg.use_distributed_optimizer)
         if optim_cfg is not None:
             self._ddp_chunks = wrap_ddp(
-                self.model_chunks, self.transformer_config, megatron_cfg.use_distributed_optimizer
+                self.model_chunks, self.transformer_config, megatron_cfg.use_distributed_optimizer, overlap
             )
             self.optimizer = build_optimizer(
                 self._ddp_chunks, optim_cfg, self.params_dtype, megatron_cfg.use_distributed_optimizer,
-                self.transformer_config,
+                self.transformer_config, overlap_param_gather=overlap["overlap_param_gather"],
             )
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
         self.use_distributed_optimizer = optim_cfg is not None and megatron_cfg.use_distributed_optimizer
@@ -184,11 +193,15 @@ class MegatronEngine:
             set_replay(self._routers, None)
 
     def output_weight(self) -> torch.Tensor:
-        """The output layer (this rank's vocabulary rows) of the last stage; the embedding when tied."""
+        """The output layer (this rank's vocabulary rows) of the last stage; the embedding when tied.
+        Read outside the output layer's forward: its all-gather is waited for here (`finish_param_gather`)."""
         last = self.model_chunks[-1]
         if last.share_embeddings_and_output_weights:
-            return last.shared_embedding_or_output_weight()
-        return last.output_layer.weight
+            weight = last.shared_embedding_or_output_weight()
+        else:
+            weight = last.output_layer.weight
+        finish_param_gather(self._ddp_chunks, weight)
+        return weight
 
     def forward_outputs(
         self, batch: Batch, head: Head, *, max_samples, max_tokens, count_experts: bool = False
@@ -260,6 +273,9 @@ class MegatronEngine:
             if before_mini_batch is not None:
                 before_mini_batch(index, rows)
             per_mini.append(self._train_mini_batch(batch.select(rows), max_samples, max_tokens, data_keys, loss_head))
+        # With overlap_param_gather the last step's parameters would be gathered only by the next
+        # forward: gather them now, for the weight push, checkpoints and exports that read them.
+        gather_params_now(self._ddp_chunks)
         return broadcast_from_last_stage(mean_over_mini_batches(per_mini, prefix, lr))
 
     def _train_mini_batch(self, mini: Batch, max_samples, max_tokens, data_keys, loss_head) -> dict[str, float]:

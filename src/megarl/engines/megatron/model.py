@@ -60,6 +60,68 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def apex_grad_accumulation_available() -> bool:
+    """Whether apex's `fused_weight_gradient_mlp_cuda` extension can be imported: megatron's own
+    ColumnParallelLinear refuses `gradient_accumulation_fusion` without it, at construction
+    (megatron-core 0.16.1 tensor_parallel/layers.py:924, 0.19.2 :1070), and GPTModel's output layer
+    is one even with transformer-engine layers. NGC containers have it; `pip install` has not."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def fusion_flags(*, on_cuda: bool, transformer_engine: bool, lora: bool, trains: bool,
+                 apex_grad_accumulation: bool) -> dict[str, bool]:
+    """megatron `TransformerConfig` fusion settings of a role, decided from what is detectable when
+    it is built: CUDA, transformer-engine installed (`transformer_engine_available`), LoRA (its roles
+    build megatron's local layers, `lora.builds_with_transformer_engine`), whether the role trains,
+    and apex's gradient-accumulation kernel (`apex_grad_accumulation_available`).
+
+    Off on CPU, all of them: each is a CUDA kernel (megatron-on-cpu.md §3c: `apply_rope_fusion`
+    raises without transformer-engine, `persist_layer_norm` and `gradient_accumulation_fusion`
+    raise without apex; the others compile torch kernels for seconds to stand for eager maths),
+    and on CPU nothing may change numerically (Megatron log-probs equal HF's, tests/engines).
+
+    On CUDA (Megatron-LM's defaults, megatron/training/arguments.py, where megarl can run them):
+    - `bias_activation_fusion`: SwiGLU through megatron's `bias_swiglu_impl` (fusions/fused_bias_swiglu.py,
+      `jit_fuser` = torch.compile; no bias is fine, transformer/mlp.py), for the local and the TE
+      spec alike; megarl's models are SwiGLU (silu, gated), which TransformerConfig accepts.
+    - `bias_dropout_fusion`: the residual add through `bias_dropout_add_fused_*` (torch.compile);
+      TEGroupedMLP refuses it only with `add_bias_linear` (moe/experts.py), which megarl leaves off.
+    - `apply_rope_fusion`: transformer-engine's fused RoPE (models/common/embeddings/rope_utils.py),
+      used by megatron's attention with both specs and both sequence layouts (sbhd and packed thd);
+      TransformerConfig raises "apply_rope_fusion is not available" without TE's kernel.
+    - `gradient_accumulation_fusion`: TE layers accumulate weight gradients straight into DDP's
+      fp32 `main_grad` (extensions/transformer_engine.py `fuse_wgrad_accumulation`), so only with TE
+      layers (not LoRA: megatron's local linears, frozen there anyway), only in a trained role (its
+      parameters have `main_grad`; forward-only roles have no DDP), and only with apex's kernel
+      (the output layer's ColumnParallelLinear raises without it, `apex_grad_accumulation_available`).
+    Left off on purpose:
+    - `masked_softmax_fusion`: read only by megatron's local attention (transformer/dot_product_attention.py;
+      TE attention ignores it), needs apex's `scaled_masked_softmax_cuda` (imported in
+      fusions/fused_softmax.py::is_kernel_available on bf16/fp16 inputs, an ImportError without
+      apex), and its causal kernel ignores a sliding window (`forward_fused_softmax`).
+    - `persist_layer_norm`: apex's persistent LayerNorm kernel (fusions/fused_layer_norm.py);
+      megarl's models are RMSNorm, and torch's norm asserts it off (transformer/torch_norm.py).
+    - `cross_entropy_loss_fusion`: megatron's LM loss is never computed; megarl's heads compute
+      log-probs from the hidden states (heads.py).
+    Numerics on GPU: the compiled SwiGLU and TE's RoPE round their intermediates differently from
+    the eager ops (fewer bf16 roundings), and fused weight-gradient accumulation sums in fp32
+    main_grad: bf16 log-probs differ from the unfused (and HF) ones by rounding, not bit for bit
+    (GPU kernels never matched HF bit for bit; the exactness tests run on CPU, where all are off).
+    The actor and the reference get the same forward flags (only `gradient_accumulation_fusion`,
+    backward only, follows `trains`), so at step 0 their log-probs still agree exactly on the same
+    layer spec."""
+    te_layers = transformer_engine and not lora
+    return {
+        "bias_activation_fusion": on_cuda,
+        "bias_dropout_fusion": on_cuda,
+        "apply_rope_fusion": on_cuda and transformer_engine,
+        "gradient_accumulation_fusion": on_cuda and te_layers and trains and apex_grad_accumulation,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "cross_entropy_loss_fusion": False,
+    }
+
+
 def te_grouped_linear_available() -> bool:
     """megatron-core defines `TEColumnParallelGroupedLinear` (transformer-engine >= 1.9 installed),
     which grouped-GEMM experts need (`megarl.config.expert_mlp`)."""
@@ -164,10 +226,12 @@ def build_chunks(
     recompute: bool,
     transformer_engine: bool,
     moe_settings: Optional[dict] = None,
+    fusions: Optional[dict] = None,
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
     megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head.
-    `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`)."""
+    `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`);
+    `fusions`: `fusion_flags()` (None: megatron's defaults, all off)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -183,6 +247,7 @@ def build_chunks(
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
     )
     kwargs.update(moe_settings or {})
+    kwargs.update(fusions or {})
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = TransformerConfig(**kwargs)

@@ -1,6 +1,8 @@
 """megatron DDP, optimizer and learning-rate schedule of a trainable role, from its config.
 
-Gradients are reduced in float32 buckets by megatron's DDP (averaged over data-parallel ranks);
+Gradients are reduced in float32 buckets by megatron's DDP (averaged over data-parallel ranks;
+with the distributed optimizer at DP > 1 overlapped with the backward pass, and the parameter
+all-gather with the next forward: `ddp_overlap`);
 the optimizer is megatron's (Adam with decoupled weight decay, none on biases and norms, gradient
 clipping; float32 main weights under bf16/fp16; optionally the distributed optimizer) and the
 schedule is megatron's `OptimizerParamScheduler` (linear warm-up, then constant, linear or cosine
@@ -12,19 +14,75 @@ scheduler step k, so with warm-up W the first update uses lr / W (never a zero l
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 ADAM_EPS = 1e-8
 DECAY_STYLES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
 
 
-def wrap_ddp(chunks: list, config, use_distributed_optimizer: bool) -> list:
+def ddp_overlap(*, trains: bool, dp_size: int, distributed_optimizer: bool) -> dict[str, bool]:
+    """megatron `DistributedDataParallelConfig` overlap settings of a role: the gradient
+    reduce-scatter overlapped with the backward pass and the parameter all-gather with the next
+    forward pass, on whenever a trained role shards its optimizer over more than one DP rank.
+
+    - `overlap_param_gather` needs the distributed optimizer and `overlap_grad_reduce`
+      (Megatron-LM megatron/training/arguments.py::validate_args, d98e8a6: "--overlap-param-gather
+      only supported with distributed optimizer", "Must use --overlap-param-gather with
+      --overlap-grad-reduce"): only the distributed optimizer's step leaves each rank with its own
+      shard of the updated parameters, and with the overlap its step skips the synchronous
+      all-gather (megatron-core 0.16.1 and 0.19.2 optimizer/distrib_optimizer.py::step_with_ready_grads).
+    - DP1 has nothing to overlap (a group of one). Forward-only roles (reference, reward model)
+      are never DDP-wrapped (`MegatronEngine` builds DDP and an optimizer only with an `optim`
+      config): `trains=False` gives all off. LoRA changes nothing: frozen parameters get no
+      gradient buffer, and megatron's hooks skip them (distributed_data_parallel.py: "Skip
+      parameters without an associated buffer").
+    - `align_param_gather` stays off: Megatron-LM turns it off without the interleaved schedule
+      (validate_args), and with it megatron launches the all-gathers from `config.param_sync_func`
+      (pipeline_parallel/schedules.py), which megarl does not set; without it each bucket's
+      all-gather starts in the forward pre-hook of the bucket before it. The optimizer's
+      `overlap_param_gather_with_optimizer_step` stays off (validate_args: interleaved schedule
+      only, and "not supported with distributed checkpointing yet", which megarl uses). The bucket
+      size is megatron's default, max(40M, 1M x DP) parameters (distributed_data_parallel.py).
+    - The same on CPU: megatron's gloo path runs it (../reference/megatron-on-cpu.md §5, "DP2,
+      overlap_grad_reduce + overlap_param_gather": the same weights as the reference), so the CPU
+      tests run the GPU code path. Its trap, parameters read before their all-gather landed, is
+      the engine's to avoid (`finish_param_gather`; `gather_params_now` after every update, as
+      Megatron-LM's training.py::force_param_sync before a checkpoint)."""
+    overlap = trains and distributed_optimizer and dp_size > 1
+    return {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap, "align_param_gather": False}
+
+
+def finish_param_gather(ddp_chunks: Optional[list], param: torch.Tensor) -> None:
+    """Wait until `param`'s all-gather (`overlap_param_gather`) has landed. megatron waits in a
+    forward pre-hook of the module that owns the parameter (`DistributedDataParallel.
+    _make_forward_pre_hook`, which calls its bucket group's `finish_param_sync`); megarl's heads
+    read the output layer's weight (or the value head's) outside that module's forward, so they
+    must wait themselves. A no-op without DDP or without the overlap."""
+    for chunk in ddp_chunks or ():
+        group = chunk.param_to_bucket_group.get(param) if chunk.ddp_config.overlap_param_gather else None
+        if group is not None:
+            group.finish_param_sync()
+
+
+def gather_params_now(ddp_chunks: Optional[list]) -> None:
+    """Finish every parameter all-gather now (synchronously), so that every rank's parameters are
+    the updated ones for whoever reads them directly: the weight push, checkpoints, exports.
+    megatron-core's `DistributedDataParallel.start_param_sync(force_sync=True)`; a no-op
+    without `overlap_param_gather` (the optimizer step then gathered already)."""
+    for chunk in ddp_chunks or ():
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+def wrap_ddp(chunks: list, config, use_distributed_optimizer: bool, overlap: dict[str, bool]) -> list:
     """Wrap each model chunk in megatron's DistributedDataParallel and hook the pipeline schedule
-    to it (`no_sync_func`, `finalize_model_grads_func`)."""
+    to it (`no_sync_func`, `finalize_model_grads_func`). `overlap`: `ddp_overlap`'s settings."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer, **overlap
     )
     wrapped = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=v > 0) for v, chunk in enumerate(chunks)
@@ -34,8 +92,11 @@ def wrap_ddp(chunks: list, config, use_distributed_optimizer: bool) -> list:
     return wrapped
 
 
-def build_optimizer(ddp_chunks: list, optim_cfg, params_dtype: torch.dtype, use_distributed_optimizer: bool, config):
-    """megatron's optimizer over the DDP-wrapped chunks, from an `OptimConfig`."""
+def build_optimizer(ddp_chunks: list, optim_cfg, params_dtype: torch.dtype, use_distributed_optimizer: bool, config,
+                    overlap_param_gather: bool = False):
+    """megatron's optimizer over the DDP-wrapped chunks, from an `OptimConfig`.
+    `overlap_param_gather`: the DDP config's (OptimizerConfig's field "is intended to have the same
+    value", megatron-core optimizer_config.py)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     if len(optim_cfg.betas) != 2:
@@ -54,6 +115,7 @@ def build_optimizer(ddp_chunks: list, optim_cfg, params_dtype: torch.dtype, use_
             fp16=params_dtype == torch.float16,
             params_dtype=params_dtype,
             use_distributed_optimizer=use_distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
         ),
         ddp_chunks,
     )

@@ -30,6 +30,7 @@ from megarl.engines.megatron.heads import token_log_probs, token_values
 from megarl.engines.megatron.lora import LoraSpec
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.old_log_probs import OldLogProbsInUpdate
+from megarl.engines.megatron.optim import finish_param_gather
 from megarl.engines.megatron.sequences import Layout, MicroBatch
 
 
@@ -324,7 +325,9 @@ class CriticEngine(MegatronEngine):
         )
 
     def _value_weight(self) -> torch.Tensor:
-        return self.model_chunks[-1].output_layer.weight
+        weight = self.model_chunks[-1].output_layer.weight
+        finish_param_gather(self._ddp_chunks, weight)  # read outside the head's forward: wait for its all-gather
+        return weight
 
     def compute_values(self, batch: Batch) -> Optional[dict]:
         """{"values": [B, R]} on output ranks, None elsewhere."""
