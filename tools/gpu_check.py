@@ -1,10 +1,11 @@
 """GPU check of the megatron engine: HF equivalence, step time and model FLOPs utilisation.
 
-One process, one GPU, NCCL (world size 1, TP=1, PP=1); nothing is downloaded: the models are
-built here from configs with random weights. Run on a machine with an NVIDIA GPU, megatron-core,
-transformers (and transformer-engine, if installed) importable:
+One process, one GPU (world size 1, TP=1, PP=1), its world made as production makes a training
+world (check 6); nothing is downloaded: the models are built here from configs with random
+weights. Run on a machine with an NVIDIA GPU, megatron-core, transformers (and
+transformer-engine, if installed) importable; Ray is not needed, SGLang only for check 5:
 
-    PYTHONPATH=src python tools/gpu_check.py            # about 2 minutes on one H200
+    PYTHONPATH=src python tools/gpu_check.py            # a few minutes on one H200
 
 Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if any failed):
   1. tiny Qwen2 (qkv bias, tied embeddings), float32, padded sequences: engine log-probs and
@@ -28,6 +29,46 @@ Checks, each reported with its figures and PASS/FAIL (the exit status is 1 if an
      left). On GPU the payload is SGLang's flattened bucket of CUDA IPC handles, so SGLang must be
      installed (`pip install -e '.[gpu]'`): without it this check fails, saying so. The bucket goes
      through the same per-TP-rank relay as on more GPUs (`sync/ipc_copies.py`), with one rank.
+Checks 6-8 (tools/gpu_check_colocated.py) follow the colocated path as production runs it:
+  6. production's world: it was made before check 1 (checks 1-5 run on it too) as
+     `workers/base.py::RankedWorker` makes a rank's world (a TCPStore hosted by rank 0, `torch.cuda.set_device` first, the collective
+     timeout `actor_rollout_ref.nccl_timeout`), with the backend and environment
+     `config/devices.py` gives a colocated GPU run ("cpu:gloo,cuda:nccl"; `nccl_watchdog_env`, set
+     before the world). Checked: the environment, each device's backend (ProcessGroupNCCL for
+     CUDA, ProcessGroupGloo for CPU) and its timeout; a CUDA all-reduce (NCCL), a CPU all-reduce,
+     `all_gather_object` and a barrier (gloo: torch sends object collectives over the CPU backend
+     when it has one, distributed_c10d._get_object_coll_device); megatron's groups report the
+     world's backend and gloo for the DP gloo group (`engines/megatron/parallel.py::group_backends`).
+     --cpu: gloo only.
+  7. a bucket's CUDA IPC handle across CUDA_VISIBLE_DEVICES spellings: a sender process (spawn)
+     sees the GPU as CUDA_VISIBLE_DEVICES=<index> and makes the tensor transport's payload
+     (`sync/ipc_copies.py`: `fresh_copy`, `serialise_copy`); a receiver that sees the same GPU as
+     CUDA_VISIBLE_DEVICES=GPU-<uuid> opens it with the CPU engine server's decoder
+     (`rollout/tensor_payload.py`, which mirrors SGLang's), and the other way round; its tensors
+     must equal the sender's, on the same GPU. Production's payload (SGLang's flattened bucket, its
+     reductions naming GPUs by UUID) needs SGLang; without it the sender uses megarl's own
+     serialisation of the same views with torch's stock CUDA reduction, and says so. --cpu: the
+     shared-memory path with the same two processes (the spellings are GPU only).
+  8. release -> push -> resume against the memory ledger: the ~1B model (configured colocated,
+     offloading all its states) trains one update, then follows `placement/colocated_memory.py`'s
+     moves: grads + optimizer offloaded, `engine.empty_cache()`, the server's weights resumed
+     (simulated: total_params x 2 bytes / rollout TP allocated here), a bucket of
+     `update_weights_bucket_megabytes`, the bucket dropped, the parameters offloaded, the cache
+     emptied, the KV cache resumed (the rest of the rollout pool). Each step prints the ledger's
+     resident bytes (`placement/memory.py::estimate`: the actor's states and their parts, the
+     server weights, the pool, the phases) beside torch.cuda.mem_get_info() (free, total),
+     memory_allocated() and memory_reserved(), and the offloads their bytes per part. PASS: each
+     step's device use (total - free, less the use before the engine was built; after the update,
+     the allocated bytes, since the cache still holds its activations) is within 256 MiB + 1% of
+     the ledger's figure, and each resume follows an emptied cache (reserved <= allocated + 128
+     MiB). The 1% covers what the estimate leaves out (megatron's buffer padding, small tensors);
+     the 256 MiB covers device memory outside any ledger: kernels loaded lazily since the baseline
+     (CUDA module lazy loading), cuBLAS workspaces, megatron's small buffers, and allocator
+     segments a live small tensor keeps (torch's caching allocator returns only wholly free
+     segments: 2 MiB ones for blocks up to 1 MiB, 20 MiB ones up to 10 MiB, larger blocks their
+     own), which is also what the 128 MiB of the cache test allows. The server's own CUDA context (a few hundred MiB per process in
+     production) and its CUDA graphs are not simulated. A measurement: the figures are printed
+     even when it fails. --cpu: the same moves with every device figure 0 (not compared).
 
 `--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
 script itself; its figures mean nothing (`--cpu --dtype bfloat16` checks the bf16 path).
@@ -42,10 +83,13 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from gpu_check_colocated import check_ipc_spellings, check_memory_ledger, check_production_world
 
 H200_BF16_DENSE_TFLOPS = 989.0  # also H100 SXM; dense bf16, no sparsity
 
@@ -65,13 +109,27 @@ def parse_args():
 
 
 # ------------------------------------------------------------------------------------------ set-up
-def init_single_process(cpu: bool) -> None:
-    from megarl.net import free_port
+def init_single_process(cpu: bool) -> dict:
+    """The world of one training rank, made as production makes it: `devices_from_config` gives
+    the backend and the workers' environment (`EngineGroup` starts them with
+    `Devices.training_env`, so it is set before anything else), then `RankedWorker`'s
+    master_address and init_process_group (rank 0 of 1): a TCPStore hosted here, the GPU selected
+    before the world (cuda:0: no Ray GPU ids here), the collective timeout
+    actor_rollout_ref.nccl_timeout (seconds). Returns what was done, for check 6."""
+    from megarl.config import load_config
+    from megarl.config.devices import devices_from_config
 
-    port = free_port("127.0.0.1")
-    if not cpu:
+    config = load_config(None, [f"trainer.device={'cpu' if cpu else 'cuda'}"])
+    devices = devices_from_config(config, cuda_available=not cpu)
+    os.environ.update(devices.training_env)
+    timeout_s = config.actor_rollout_ref.nccl_timeout
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    if "nccl" in devices.training_backend:
         torch.cuda.set_device(0)
-    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(devices.training_backend, store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))
+    return {"backend": devices.training_backend, "env": devices.training_env, "collective_timeout_s": timeout_s,
+            "store": store}
 
 
 def experiment_config(model_dir: Path, dtype: str, batch: int, micro: int, temperature: float = 1.0):
@@ -342,14 +400,16 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
         result["before_push_max_abs"] = difference_to_actor()
         control = ServerControl(server.url)
         control.release_memory_occupation()  # the colocated server's state during training
+        control.resume_memory_occupation(["weights"])  # what the cluster does before a push (colocated_memory)
         sync = WeightSync(engine.model_chunks, engine.weight_map, [server.url],
-                          SyncConfig(transport="tensor", bucket_bytes=64 * 1024, released_memory=True,
-                                     timeout_s=120))
+                          SyncConfig(transport="tensor", bucket_bytes=64 * 1024, timeout_s=120))
         shm_before = _shared_memory_files()
         synchronize()
         allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         during: set = set()  # the copies held while the stream runs (CPU: files in /dev/shm)
-        metrics = sync.push(progress=lambda stage, bucket: during.update(_shared_memory_files() - shm_before))
+        metrics = sync.push(progress=lambda stage, bucket: during.update(_shared_memory_files() - shm_before),
+                            flush=[False])  # its KV cache is released: no /flush_cache
+        control.resume_memory_occupation(["kv_cache", "cuda_graph"])  # and after it, the KV cache
         synchronize()
         allocated_after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         result.update({k: metrics[k] for k in ("sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets")})
@@ -401,7 +461,7 @@ def main() -> int:
         print("no CUDA device: run on a GPU machine, or pass --cpu to check the script itself", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    init_single_process(args.cpu)
+    world = init_single_process(args.cpu)
     if torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory(prefix="megarl-gpu-check-") as tmp:
@@ -412,6 +472,16 @@ def main() -> int:
                      lambda: {"path": str(build_1b_model(workdir, args.cpu, args.dtype))})
         ok &= report("~1B llama: equivalence, step time, MFU, offload", lambda: check_1b(model_dir, args))
         ok &= report("colocated TP1 weight push through the tensor transport", lambda: check_tensor_push(workdir, args.cpu))
+        # 6-8: tools/gpu_check_colocated.py
+        ok &= report("production's world (--cpu: gloo only, no NCCL)" if args.cpu else
+                     "production's world: cpu:gloo,cuda:nccl, NCCL watchdog env, megatron's groups",
+                     lambda: check_production_world(world, args.cpu))
+        ok &= report("IPC push between two processes (--cpu: shared memory; the CUDA_VISIBLE_DEVICES spellings "
+                     "are GPU only)" if args.cpu else "IPC push across CUDA_VISIBLE_DEVICES spellings (index <-> UUID)",
+                     lambda: check_ipc_spellings(args.cpu))
+        ok &= report("release -> push -> resume against the memory ledger"
+                     + (" (--cpu: device figures all 0, not compared)" if args.cpu else ""),
+                     lambda: check_memory_ledger(model_dir, args))
     dist.destroy_process_group()
     print(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - start:.1f} s")
     return 0 if ok else 1

@@ -161,6 +161,37 @@ def test_memory_estimate_by_hand():
     assert est.fits
 
 
+def test_the_push_phase_by_hand_colocated():
+    """Issue 40 (finding 2): the push phase holds the servers' resumed weights, the push's buffers
+    and what the training roles keep for it: all their states unless offloaded first (the
+    actor's parameters stay: the push reads them)."""
+    arch = arch_from_hf_config(QWEN7B)
+    base = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "placement.gpu_memory_gib=80",
+            "data.max_prompt_length=512", "data.max_response_length=512", "actor_rollout_ref.rollout.dtype=bfloat16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    offloads = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("param", "grad", "optimizer")]
+    buffers = 2 * 512 * 2**20 + 152064 * 3584 * 2  # bucket + its copy, the vocabulary matrix gathered whole
+    server_weights = total_params(arch) * 2  # bf16, rollout TP 1
+    for keys in ([], offloads):
+        c = cfg(*base, *keys)
+        est = estimate(plan_from_config(c), c, arch)
+        actor = est.roles[0]
+        params = stage_params(arch, 1) * 2  # bf16, TP 1
+        kept = actor.states if not keys else params  # offloaded first: all but the parameters
+        assert est.phases["push"] == int(kept + server_weights + buffers)
+        assert est.phases["training"] == actor.states + actor.activations
+        assert est.phases["rollout"] == int(0.5 * 80 * 2**30) + actor.states - actor.offloadable
+        assert est.peak == max(est.phases.values())
+    # A LoRA actor (frozen base: no gradients or optimizer state to speak of) that offloads its
+    # parameters while generating, on 28 GiB GPUs: the training and rollout phases fit, the push,
+    # with the servers' weights beside the actor's, does not, and only it decides the verdict
+    c = cfg(*base, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.actor.megatron.param_offload=true",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "placement.gpu_memory_gib=28")
+    est = estimate(plan_from_config(c), c, arch)
+    assert est.phases["training"] < est.gpu_memory and est.phases["rollout"] < est.gpu_memory
+    assert est.peak == est.phases["push"] > est.gpu_memory and not est.fits
+
+
 def test_megarl_plan_command(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
@@ -176,6 +207,7 @@ def test_megarl_plan_command(tmp_path):
             "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800\n"
             in r.stdout)
     assert ": fits" in r.stdout
+    assert "  phases per GPU: training " in r.stdout and ", push " in r.stdout and ", rollout " in r.stdout
     r = subprocess.run(base + ["placement.gpu_memory_gib=24"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
     r = subprocess.run(base + ["placement.mode=split", "placement.rollout_gpus=2", "trainer.n_gpus_per_node=4",

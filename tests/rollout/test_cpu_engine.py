@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from megarl.rollout.cpu_engine import CPUEngine, sample_tokens
+from megarl.rollout.cpu_engine import CPUEngine, SchedulerCrash, sample_tokens
 from megarl.rollout.protocol import BadRequestError, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32, 33]]
@@ -131,15 +131,29 @@ def test_released_memory_blocks_generation_and_weight_updates(engine):
 
 
 def test_release_needs_an_idle_engine(engine):
+    """SGLang 0.5.23 asserts an idle scheduler on release: the assertion ends its server."""
     done = threading.Event()
     seqs = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True), False, "busy",
                          lambda s: done.set())
     try:
-        with pytest.raises(BadRequestError, match="only when server is idle"):
+        with pytest.raises(SchedulerCrash, match="AssertionError: .*only when server is idle"):
             engine.release_memory(None)
     finally:
         engine.abort(rid="busy")
         assert done.wait(30) and seqs[0].finish_reason is not None
+    assert engine.released == set()
+
+
+def test_resuming_memory_never_released_crashes_as_sglang_does(engine):
+    """SGLang 0.5.23 resumes with `offload_tags.remove(tag)`: a KeyError for a tag not released."""
+    with pytest.raises(SchedulerCrash, match="KeyError: 'weights'"):
+        engine.resume_memory(["weights"])
+    engine.release_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(SchedulerCrash, match="KeyError: 'weights'"):
+        engine.resume_memory(None)  # all tags, weights among them
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(SchedulerCrash, match="KeyError: 'kv_cache'"):
+        engine.resume_memory(["kv_cache"])  # twice
 
 
 def test_load_weights_is_all_or_nothing(engine):

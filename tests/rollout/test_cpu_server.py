@@ -164,6 +164,28 @@ def test_released_memory_refuses_generation_until_resumed(control, client):
     control.flush_cache(retries=1)
 
 
+def test_resuming_memory_never_released_ends_the_server_as_sglang_does(tiny_model_dir, tmp_path, helpers):
+    """SGLang 0.5.23's scheduler raises KeyError on a resume of memory it never released and
+    exits, and its server with it: a colocated server restarted (resident) and then resumed
+    would die so. The CPU server ends the same way; the request gets no answer."""
+    proc = helpers.start_cpu_server(tiny_model_dir, tmp_path, "crash")
+    try:
+        control = ServerControl(proc.url, timeout_s=10)
+        control.release_memory_occupation(["kv_cache"])
+        control.resume_memory_occupation(["kv_cache"])  # a released tag: fine
+        with pytest.raises(ServerError):
+            control.resume_memory_occupation(["weights"])
+        deadline = time.monotonic() + 30
+        while proc.is_running():
+            assert time.monotonic() < deadline, "the server did not exit"
+            time.sleep(0.05)
+        assert proc.returncode == 1
+        assert "KeyError: 'weights': resume_memory_occupation of memory that was never released" in \
+            (tmp_path / "crash.log").read_text()
+    finally:
+        proc.stop(timeout_s=15)
+
+
 def test_abort_returns_partial_and_unsent_samples(server):
     client = RolloutClient(server.url, api_key=KEY, max_concurrency=1)
     sampling = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, n=2)

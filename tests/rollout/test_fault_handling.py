@@ -88,3 +88,42 @@ def test_a_server_whose_port_was_taken_starts_again_on_another_port(tiny_model_d
     with pytest.raises(ServerStartError) as failed:
         start_on_a_free_port(exits, "127.0.0.1")
     assert len(ports) == 1 and not failed.value.port_taken
+
+
+def test_a_stopped_server_is_seen_within_bounds_killed_by_pid_and_started_again(helpers, tiny_model_dir, tmp_path):
+    """A CPU server stopped with SIGSTOP (alive, answering nothing): its `/health` probe and a
+    `/generate` request both end within their bounds (the kernel still accepts the connections, so
+    only the read timeout ends them); `ServerProcess.kill` ends it by PID (SIGKILL to its group) and
+    reaps it, and `ensure_running` starts it again at the same URL."""
+    import os
+    import signal
+    import time
+
+    from megarl.rollout.control import ServerControl
+
+    server = helpers.start_cpu_server(tiny_model_dir, tmp_path, "stopped")
+    stopped_pid = server.pid
+    try:
+        os.kill(stopped_pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert not ServerControl(server.url).health(timeout_s=1.0)
+        assert time.monotonic() - started < 3
+
+        started = time.monotonic()
+        with RolloutClient(server.url, request_timeout_s=2.0, max_retries=0) as client:
+            result = client.generate([[1, 2]], SamplingParams(max_new_tokens=2), keep_going=True)
+        assert time.monotonic() - started < 6  # one attempt: its 2 s total timeout and the client's start
+        assert result.samples == [[]] and "no answer within request_timeout_s=2 s" in result.failed[0], result.failed
+
+        assert server.is_running()  # a stopped process is alive
+        server.kill("no answer to /health within 1 s")
+        assert server.returncode == -signal.SIGKILL and not server.is_running()
+        with pytest.raises(ProcessLookupError):  # reaped: not even a zombie is left
+            os.kill(stopped_pid, 0)
+        assert "killed (SIGKILL to its process group): no answer to /health within 1 s" in \
+            (tmp_path / "stopped.log").read_text()
+
+        assert server.ensure_running() and server.pid != stopped_pid and server.restarts == 1
+        assert ServerControl(server.url).health(timeout_s=5.0)
+    finally:
+        server.stop()

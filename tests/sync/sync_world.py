@@ -536,16 +536,21 @@ def servers_story(rank: int, case: dict) -> dict:
     lap("push after restart")
     sync.close()
 
-    # disk transport, colocated: the servers' memory was released for training
+    # disk transport, colocated: the servers' memory was released for training; the caller (the
+    # cluster) resumes their weights before the push and their KV cache after it
     perturb(chunks, weights, seed=4)
     if rank == 0:
         for url in urls:
             ServerControl(url).release_memory_occupation()
+            ServerControl(url).resume_memory_occupation(["weights"])
     disk = WeightSync(chunks, weights, urls, SyncConfig(
         transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=str(hf_dir),
-        released_memory=True, timeout_s=60), initial_version=sync.version)
+        timeout_s=60), initial_version=sync.version)
     lap("before disk")
-    out["disk_metrics"] = disk.push()
+    out["disk_metrics"] = disk.push(flush=[False] * len(urls))  # their KV cache is released: no flush
+    if rank == 0:
+        for url in urls:
+            ServerControl(url).resume_memory_occupation(["kv_cache", "cuda_graph"])
     lap("disk push")
     out["disk"] = compare(chunks, vocab, urls)
     out["disk_dirs"] = sorted(p.name for p in Path(case["disk_dir"]).iterdir())
@@ -558,16 +563,24 @@ def servers_story(rank: int, case: dict) -> dict:
     return out
 
 
+def updated_actor(case: dict, tp: int, pp: int, seed: int) -> tuple[list, WeightMap]:
+    """(chunks, weight map) of the HF checkpoint at TP x PP over the world (megatron's state made
+    anew), then changed as an update would (`perturb` with `seed`)."""
+    hf_dir = Path(case["hf_dir"])
+    reinit_model_parallel(tp, pp)
+    layout = ParallelLayout(tp, pp)
+    weights = weight_map(hf_dir, tp, 64)
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, hf_dir)
+    perturb(chunks, weights, seed=seed)
+    return chunks, weights
+
+
 def stage_groups_story(case: dict, version: int, lap) -> dict:
     """The default weight-update groups at TP 1 x PP 2 x DP 2 (4 ranks): an update pushed with the
     equality check on; the groups every server was asked to join, and which ranks sent buckets."""
-    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
-    reinit_model_parallel(1, 2)
-    layout = ParallelLayout(1, 2)
-    weights = weight_map(hf_dir, 1, 64)
-    chunks = build_chunks(weights, layout, torch.float32)
-    load_hf(chunks, weights, layout, hf_dir)
-    perturb(chunks, weights, seed=10)
+    urls = case["urls"]
+    chunks, weights = updated_actor(case, tp=1, pp=2, seed=10)
     sent = []
     with GroupJoins() as joins:
         sync = WeightSync(chunks, weights, urls, SyncConfig(transport="distributed", backend="gloo", timeout_s=60,
@@ -586,13 +599,8 @@ def split_story(case: dict, version: int, lap) -> dict:
     """DP replicas share the push (`weight_update_groups="per_emitter"`): TP 2 on 4 ranks (DP 2), an
     update pushed with the equality check on; each emitter records the buckets it sent (the
     coordinator also keeps the last one back), and the groups every server was asked to join."""
-    hf_dir, urls = Path(case["hf_dir"]), case["urls"]
-    reinit_model_parallel(2, 1)
-    layout = ParallelLayout(2, 1)
-    weights = weight_map(hf_dir, 2, 64)
-    chunks = build_chunks(weights, layout, torch.float32)
-    load_hf(chunks, weights, layout, hf_dir)
-    perturb(chunks, weights, seed=9)
+    urls = case["urls"]
+    chunks, weights = updated_actor(case, tp=2, pp=1, seed=9)
     sent = []
     with GroupJoins() as joins:
         sync = WeightSync(chunks, weights, urls, SyncConfig(
@@ -666,20 +674,24 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
     urls = case["urls"]
     out = {"pushes": []}
     sync = WeightSync(chunks, weights, urls, SyncConfig(transport="tensor", bucket_bytes=case["bucket_bytes"],
-                                                       released_memory=True, timeout_s=60), initial_version=version)
+                                                       timeout_s=60), initial_version=version)
     for seed in (5, 6):
         perturb(chunks, weights, seed=seed)
         before = compare(chunks, vocab, urls) if seed == 5 else None  # the servers are behind the update
-        if dist.get_rank() == 0:  # training: the colocated servers released their memory
+        if dist.get_rank() == 0:  # training: the colocated servers released their memory; weights back for the push
             for url in urls:
                 ServerControl(url).release_memory_occupation()
+                ServerControl(url).resume_memory_occupation(["weights"])
         seen = {"in_flight": []}
         tracker.reset()
 
         def watch(stage, bucket):
             seen["in_flight"].append(len(sync.transport.in_flight))
 
-        metrics = sync.push(progress=watch)
+        metrics = sync.push(progress=watch, flush=[False] * len(urls))  # KV caches released: no flush
+        if dist.get_rank() == 0:
+            for url in urls:
+                ServerControl(url).resume_memory_occupation(["kv_cache", "cuda_graph"])
         import gc
 
         gc.collect()

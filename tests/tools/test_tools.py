@@ -81,10 +81,24 @@ def test_convert_jsonl(tmp_path):
 
 def test_the_gpu_check_script_runs_its_bf16_path_on_cpu(tmp_path):
     """tools/gpu_check.py is only run for real on a lent GPU; `--cpu --dtype bfloat16` keeps every
-    code path of it working here (tiny sizes: the figures mean nothing, the checks must pass)."""
+    code path of it working here (tiny sizes: the figures mean nothing, the checks must pass).
+    Checks 6-8 (the colocated path as production runs it) say in their report lines what the CPU
+    leaves out."""
     r = subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), "--cpu", "--dtype", "bfloat16"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "ALL PASS" in r.stdout and "build ~1B llama (random, bfloat16): PASS" in r.stdout
     assert "'first_update_ppo_kl': 0.0" in r.stdout
     assert "colocated TP1 weight push through the tensor transport: PASS" in r.stdout
+    # 6: production's world, gloo on CPU; megatron's groups inherit it
+    assert "--- production's world (--cpu: gloo only, no NCCL): PASS" in r.stdout
+    assert "megatron_group_backends: {'world': 'gloo', 'tensor_model_parallel': 'gloo'" in r.stdout
+    # 7: the bucket's payload opened by a second process (spawn), over shared memory on CPU
+    assert ("--- IPC push between two processes (--cpu: shared memory; the CUDA_VISIBLE_DEVICES spellings are "
+            "GPU only): PASS") in r.stdout
+    assert "'role': 'receiver', 'uuid': None, 'equal': True, 'devices': ['cpu']" in r.stdout
+    # 8: the colocated moves ran to the end: the server holds all its memory, the actor none
+    assert ("--- release -> push -> resume against the memory ledger (--cpu: device figures all 0, not compared): "
+            "PASS") in r.stdout
+    assert ("state_after: server 0: weights=resident,kv_cache=resident,cuda_graph=resident; "
+            "actor: params=offloaded,grads=offloaded,optimizer=offloaded") in r.stdout

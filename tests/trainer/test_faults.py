@@ -1,7 +1,8 @@
 """Faults during a run, on CPU with real processes: a rollout server killed by PID is restarted,
 brought to the current weights and its lost requests retried (the step completes, the restart is
-counted); a server that dies too often stops the run naming it; a dead training worker is named
-by role, rank, node and cause."""
+counted); a server that hangs (SIGSTOP) mid-generation is found by its unanswered `/health`,
+killed by PID and restarted the same way, within a bound; a server that dies or hangs too often
+stops the run naming it; a dead training worker is named by role, rank, node and cause."""
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ from megarl.placement.worker_group import WorkerGroupError
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl
 from megarl.rollout.protocol import SamplingParams
-from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
+from megarl.trainer.rollout_fleet import HUNG_AFTER_S, RolloutFleet, RolloutServerLost
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,14 +101,17 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
 
 
 # ---------------------------------------------------------------------------- the whole cluster
-# One tiny GRPO cluster (TP=2 actor, two CPU-engine servers, colocated) for the three tests below,
-# which run in file order: a server killed before a step, the same server killed once too often,
-# then a training worker killed.
+# One tiny GRPO cluster (TP=2 actor, two CPU-engine servers, colocated) for the tests below, which
+# run in file order: server 1 killed before a step, server 0 stopped mid-generation, a training
+# worker killed, server 1 killed once too often, server 0 stopped once too often.
+
+REQUEST_TIMEOUT_S = 5  # actor_rollout_ref.rollout.request_timeout_s here (a tiny model's request takes < 1 s)
 
 
 @pytest.fixture(scope="module")
 def grpo(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
-    with tiny_grpo_cluster(tiny_assets, tmp_path_factory.mktemp("out")) as cluster_and_trainer:
+    with tiny_grpo_cluster(tiny_assets, tmp_path_factory.mktemp("out"),
+                           f"actor_rollout_ref.rollout.request_timeout_s={REQUEST_TIMEOUT_S}") as cluster_and_trainer:
         yield cluster_and_trainer
 
 
@@ -137,6 +141,52 @@ def test_step_completes_after_a_rollout_server_is_killed(grpo):
     assert restarted.token_ids == other.token_ids and len(restarted.token_ids) > 0
 
 
+def stop_as_generation_starts(fleet, pid: int) -> None:
+    """SIGSTOP `pid` when the fleet's client starts its next generation, after the generation's own
+    check of the servers: the requests the router sends it are accepted by the kernel and never
+    answered, as those of a server that hangs while generating."""
+    client = fleet.client
+
+    def generate(*args, **kwargs):
+        del client.generate  # once: the client's own method again
+        os.kill(pid, signal.SIGSTOP)
+        return client.generate(*args, **kwargs)
+
+    client.generate = generate
+
+
+def test_step_completes_after_a_rollout_server_hangs_mid_generation(grpo):
+    """Its requests end after request_timeout_s and, not sent again by the client here (max_retries=0:
+    otherwise its retries may reach the other server once the router's health checks drop the hung
+    one, and the `recover` before training finds it), are lost: the fleet's `recover` finds no answer
+    to /health, kills the server by PID, restarts it and sends the lost prompts again."""
+    cluster, trainer = grpo
+    fleet = cluster.rollout
+    victim = fleet.workers.call("status", timeout_s=30)[0]
+    stop_as_generation_starts(fleet, victim["pid"])
+    retries, fleet.client.max_retries = fleet.client.max_retries, 0
+    started = time.monotonic()
+    try:
+        metrics = trainer.train_step()
+    finally:
+        vars(fleet.client).pop("generate", None)
+        fleet.client.max_retries = retries
+    seconds = time.monotonic() - started
+    # at most: the stuck requests' 5 s, the probe (10 s), a restart and a push at the current version,
+    # the prompts sent again, the rest of the step (about 20 s here; 2 cores shared with other work)
+    assert seconds < 75, f"the step took {seconds:.0f} s"
+    assert metrics["faults/rollout_server_restarts"] == 1 and fleet.restarts == [1, 1]
+    assert metrics["faults/rollout_requests_retried"] >= 1  # the prompts lost with it, sent again
+    assert metrics["rollout/samples"] == 4 * 4 and metrics["sync/weight_version"] == 3
+    now = fleet.workers.call("status", HUNG_AFTER_S, timeout_s=60)[0]
+    assert now["running"] and now["answers"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
+    with pytest.raises(ProcessLookupError):  # killed and reaped by its worker: nothing of it runs
+        os.kill(victim["pid"], 0)
+    assert "killed (SIGKILL to its process group): hung: no answer to /health within" in \
+        Path(victim["log_path"]).read_text()
+    assert [ServerControl(u).weight_version() for u in fleet.urls] == ["3", "3"]
+
+
 def test_training_worker_death_is_named(grpo):
     cluster, _ = grpo
     victim = cluster.actor.workers.call("node_info", timeout_s=60)[1]
@@ -163,3 +213,23 @@ def test_a_server_dying_past_max_server_restarts_stops_the_run(grpo):
     assert f"rollout server 1 at {status['url']} on node {cluster.rollout.workers.locations[1]} (" in message
     assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
     assert f"Last lines of its log {status['log_path']}" in message
+
+
+def test_a_server_hanging_past_max_server_restarts_stops_the_run_naming_it(grpo):
+    """Server 0 hung once already (restarted); hung again, the run stops with `RolloutServerLost`
+    naming it hung, and its stopped process is killed, not left behind."""
+    cluster, _ = grpo
+    fleet = cluster.rollout
+    status = fleet.workers.call("status", timeout_s=30)[0]
+    assert fleet.restarts[0] == 1 and status["running"]
+    os.kill(status["pid"], signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RolloutServerLost) as lost:
+        fleet.recover()
+    assert time.monotonic() - started < 2 * HUNG_AFTER_S + 30  # the probe, the kill, the log's tail
+    message = str(lost.value)
+    assert f"rollout server 0 at {status['url']} on node {fleet.workers.locations[0]} (" in message
+    assert "hung (alive, but no answer to /health within" in message and "died" not in message.splitlines()[0]
+    assert "max_server_restarts=1" in message and f"Last lines of its log {status['log_path']}" in message
+    with pytest.raises(ProcessLookupError):
+        os.kill(status["pid"], 0)

@@ -7,14 +7,23 @@ as the CPU quickstart runs) and the old log-probs made by a separate pass before
 (`actor.old_log_probs_in_update=false`; the offload run's update makes them itself).
 
 Checked: the servers start and release their memory before any engine initialises; every step
-calls generate, release, onload, compute, update, push, offload, resume in that order (and a
-checkpoint release, onload, save, push, offload, resume); the run is
+runs the colocated order of `placement.colocated_memory` (generate, release, onload, compute,
+update; then the gradients, optimizer state and reference parameters offloaded, every training
+process's cache emptied, the servers' weights resumed, the push, the actor's parameters offloaded,
+the caches emptied again, the KV cache resumed; a checkpoint the same around its save), and a
+ledger of the logical GPU, kept from the bytes each offload reports, holds at each server resume
+exactly what that phase of the memory estimate keeps: the actor's parameters before the weights
+come back, no training state before the KV cache does; the run is
 bit-identical to the other (metrics and weights; one mini-batch per step, whose log-probs the
 update takes from its own forward); the bytes a step reports equal the
 sizes of the storages each key names, counted on the engines' own tensors; `megarl plan`'s
 estimate offloads exactly the roles the trainer offloads. Without `free_cache_engine` no server
 releases or resumes anything, at start or in a step, and the run is still the same.
 """
+import os
+import signal
+import time
+
 import pytest
 import ray
 import torch
@@ -74,9 +83,13 @@ class RecordingEngineGroup(EngineGroup):
         self.workers.call = recording
 
     def call(self, method, *args, **kwargs):
-        if method in ("offload", "onload"):
+        result = super().call(method, *args, **kwargs)
+        if method == "offload":  # the parts asked and the device bytes each part freed, summed over ranks
+            Recorder.events.append((method, self.name, tuple(p for p in ("params", "grads", "optimizer") if kwargs[p]),
+                                    {p: sum(r[f"{p}_bytes"] for r in result) for p in ("params", "grads", "optimizer")}))
+        elif method in ("onload", "empty_cache"):
             Recorder.events.append((method, self.name))
-        return super().call(method, *args, **kwargs)
+        return result
 
     def compute(self, method, batch, *args):
         Recorder.events.append(("compute", self.name))
@@ -101,13 +114,13 @@ class RecordingFleet(RolloutFleet):
         Recorder.events.append(("generate",))
         return super().generate(*args, **kwargs)
 
-    def release_memory(self):
-        Recorder.events.append(("release",))
-        super().release_memory()
+    def release_memory(self, tags):
+        Recorder.events.append(("release", tags))
+        return super().release_memory(tags)
 
-    def resume_kv_cache(self):
-        Recorder.events.append(("resume_kv",))
-        super().resume_kv_cache()
+    def resume_memory(self, tags):
+        Recorder.events.append(("resume", tags))
+        return super().resume_memory(tags)
 
 
 def _state_bytes(worker) -> dict:
@@ -136,7 +149,7 @@ def _weights(worker) -> list:
     return [p.detach().clone() for chunk in worker.engine.model_chunks for p in chunk.parameters()]
 
 
-def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> dict:
+def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides, restart: bool = False) -> dict:
     monkeypatch.setattr(cluster_module, "EngineGroup", RecordingEngineGroup)
     monkeypatch.setattr(cluster_module, "RolloutFleet", RecordingFleet)
     Recorder.events, Recorder.fleets = [], []
@@ -158,6 +171,15 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> di
         result["actor_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.actor.workers.actors])
         result["ref_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.ref.workers.actors])
         result["weights"] = ray.get([a.__ray_call__.remote(_weights) for a in cluster.actor.workers.actors])
+        if restart:  # the server killed between steps: restarted, it holds all its memory, never resumed
+            cluster._push(version=cluster.weight_version)  # the servers back in generation's state
+            status = cluster.rollout.workers.call("status", timeout_s=30)[0]
+            os.kill(status["pid"], signal.SIGKILL)
+            while cluster.rollout.workers.call("status", timeout_s=30)[0]["running"]:
+                time.sleep(0.05)
+            Recorder.events.clear()
+            metrics = trainer.train_step()
+            result["restart_step"] = (list(Recorder.events), metrics)
         result["config"], result["plan"] = cluster.config, cluster.plan
     return result
 
@@ -165,28 +187,43 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides) -> di
 @pytest.fixture(scope="module")
 def runs(tiny_assets, tmp_path_factory, tiny_grpo_cluster, ray_two_gpus):
     with pytest.MonkeyPatch.context() as monkeypatch:
-        on = _run(tiny_assets, tmp_path_factory.mktemp("on"), tiny_grpo_cluster, monkeypatch, *OFFLOAD)
+        on = _run(tiny_assets, tmp_path_factory.mktemp("on"), tiny_grpo_cluster, monkeypatch, *OFFLOAD, restart=True)
         off = _run(tiny_assets, tmp_path_factory.mktemp("off"), tiny_grpo_cluster, monkeypatch, KEEP_MEMORY,
                    SEPARATE_OLD_LOG_PROBS)
     return on, off
 
 
+ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
+# the push's memory moves (placement.colocated_memory): the states the push does not read leave, the
+# caches are emptied, the weights come back; after the push the actor's parameters leave too, the
+# caches are emptied again, and the KV cache comes back
+AROUND_THE_PUSH = [("offload", "actor", ("grads", "optimizer")), ("offload", "ref", ("params",)),
+                   ("empty_cache", "actor"), ("empty_cache", "ref"), ("resume", {0: ("weights",)}), ("push", "actor"),
+                   ("offload", "actor", ("params",)), ("empty_cache", "actor"), ("empty_cache", "ref"),
+                   ("resume", {0: ("kv_cache", "cuda_graph")})]
+
+
+def compact(events) -> list:
+    """The events without their byte counts."""
+    return [e[:3] if e[0] == "offload" else e for e in events]
+
+
 def test_servers_release_their_memory_before_the_engines_initialise(runs):
     on, _ = runs
-    start = on["start"]
-    assert start[0] == ("servers_started",) and start[1] == ("release",)
+    start = compact(on["start"])
+    assert start[0] == ("servers_started",) and start[1] == ("release", {0: ALL_TAGS})
     inits = [e for e in start if e[0] == "init"]
     assert [e[1] for e in inits] == ["actor", "ref"]
     for _, role, memory in inits:
         assert memory == [["cuda_graph", "kv_cache", "weights"]] * SERVERS, (role, memory)
-    # then the first push (the servers' weights back), the planned offload, the KV cache back
-    assert start[len(start) - 4:] == [("push", "actor"), ("offload", "actor"), ("offload", "ref"), ("resume_kv",)]
+    # then the first push (the servers' weights back) with the planned offloads around it
+    assert start[len(start) - len(AROUND_THE_PUSH):] == AROUND_THE_PUSH
 
 
 def test_servers_that_keep_their_memory_are_never_released(runs):
     _, off = runs
     start = off["start"]
-    assert start[0] == ("servers_started",) and ("release",) not in start and ("resume_kv",) not in start
+    assert start[0] == ("servers_started",) and not [e for e in start if e[0] in ("release", "resume")]
     inits = [e for e in start if e[0] == "init"]
     assert [e[1] for e in inits] == ["actor", "ref"]
     for _, role, memory in inits:
@@ -194,23 +231,52 @@ def test_servers_that_keep_their_memory_are_never_released(runs):
     assert start[-1] == ("push", "actor")
 
 
-def test_every_step_offloads_around_generation_in_order(runs):
+def test_every_step_follows_the_colocated_order(runs):
     on, off = runs
-    expected = [("generate",), ("release",), ("onload", "actor"), ("onload", "ref"), ("compute", "ref"),
-                ("update_and_compute", "actor"), ("push", "actor"), ("offload", "actor"), ("offload", "ref"),
-                ("resume_kv",)]
+    expected = [("generate",), ("release", {0: ALL_TAGS}), ("onload", "actor"), ("onload", "ref"),
+                ("compute", "ref"), ("update_and_compute", "actor"), *AROUND_THE_PUSH]
     for events, _ in on["steps"]:
-        assert events == expected
+        assert compact(events) == expected
     without = [("generate",), ("compute", "actor"), ("compute", "ref"), ("update", "actor"), ("push", "actor")]
     for events, _ in off["steps"]:
         assert events == without
 
 
+def test_every_server_resume_finds_the_cache_emptied_and_the_ledger_at_the_estimates_phase(runs):
+    """The logical GPU's ledger of training states, from the bytes each offload reported (the
+    totals counted on the engines' own tensors): at the weights' resume only the actor's
+    parameters are left (the push phase's training part), at the KV cache's nothing (the rollout
+    phase's, everything planned being offloaded); and no resume comes before the caches of both
+    training processes were emptied after the last offload."""
+    on, _ = runs
+    total = {"actor": {k: sum(c[k] for c in on["actor_bytes"]) for k in ("params", "grads", "optimizer")},
+             "ref": {"params": sum(c["params"] for c in on["ref_bytes"]), "grads": 0, "optimizer": 0}}
+    for events, _ in on["steps"]:
+        resident = {role: dict(parts) for role, parts in total.items()}
+        emptied = set()
+        for event in events:
+            if event[0] == "onload":
+                resident[event[1]] = dict(total[event[1]])
+            elif event[0] == "offload":
+                for part, freed in event[3].items():
+                    resident[event[1]][part] -= freed
+                emptied = set()
+            elif event[0] == "empty_cache":
+                emptied.add(event[1])
+            elif event[0] == "resume":
+                assert emptied == {"actor", "ref"}, event
+                held = {role: {p: b for p, b in parts.items() if b} for role, parts in resident.items()}
+                if event[1] == {0: ("weights",)}:
+                    assert held == {"actor": {"params": total["actor"]["params"]}, "ref": {}}, held
+                else:
+                    assert held == {"actor": {}, "ref": {}}, held
+        assert [e[1] for e in events if e[0] == "resume"] == [{0: ("weights",)}, {0: ("kv_cache", "cuda_graph")}]
+
+
 def test_a_checkpoint_onloads_the_roles_and_gives_the_servers_their_weights_back(runs):
     on, off = runs
     events, written, versions = on["save"]
-    assert events == [("release",), ("onload", "actor"), ("onload", "ref"), ("push", "actor"), ("offload", "actor"),
-                      ("offload", "ref"), ("resume_kv",)]
+    assert compact(events) == [("release", {0: ALL_TAGS}), ("onload", "actor"), ("onload", "ref"), *AROUND_THE_PUSH]
     assert written and versions == [str(STEPS)] * SERVERS  # pushed again at the same version
     events, written, versions = off["save"]
     assert events == [] and written and versions == [str(STEPS)] * SERVERS
@@ -252,3 +318,23 @@ def test_the_memory_estimate_offloads_what_the_trainer_offloads(runs):
         offloaded[name] = {e[1] for events, _ in run["steps"] for e in events if e[0] == "offload"}
         assert {r.role for r in est.roles if r.offloadable > 0} == offloaded[name]
     assert offloaded == {"on": {"actor", "ref"}, "off": set()}
+
+
+def test_a_restarted_server_holds_its_memory_and_is_never_resumed(runs):
+    """Issue 40, finding 1: after a restart the push resumed `weights` on a server that had released
+    nothing, which ends a SGLang 0.5.23 server (KeyError; the CPU server ends the same way). Killed
+    between steps at TP1, the server is restarted resident: the push at the current version that
+    brings it up to date flushes it and resumes nothing, and the step then runs in the usual order."""
+    on, _ = runs
+    events, metrics = on["restart_step"]
+    assert metrics["faults/rollout_server_restarts"] == 1 and metrics["rollout/samples"] > 0
+    first_push = compact(events).index(("push", "actor"))
+    # the generation found it dead: restarted, then the push at the current version, which resumes
+    # and releases nothing (the other parts of the push's moves as always)
+    assert compact(events)[:first_push + 1] == [
+        ("generate",), ("onload", "actor"), ("offload", "actor", ("grads", "optimizer")), ("empty_cache", "actor"),
+        ("empty_cache", "ref"), ("push", "actor")]
+    # after the restart's push, the step as always: the weights resumed only once released
+    rest = compact(events)[first_push + 1:]
+    assert [e for e in rest if e[0] in ("release", "resume")] == [
+        ("release", {0: ALL_TAGS}), ("resume", {0: ("weights",)}), ("resume", {0: ("kv_cache", "cuda_graph")})]

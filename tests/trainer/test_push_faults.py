@@ -2,16 +2,19 @@
 servers, sglang-router), for the distributed (gloo) and the disk transport: the cluster restarts
 the server and pushes again, so every server ends at the new version with the actor's weights; a
 push that fails while every server is alive raises at once; a death past `max_server_restarts`
-stops the run naming the server.
+stops the run naming the server; a server that hangs (SIGSTOP) during the push makes it fail within
+the sync's timeouts, and the cluster kills it by PID, restarts it and pushes again.
 
 The seam: with the colocated servers' memory released (as after `before_training`), server 1 is
-stopped (SIGSTOP) before the push, so the push waits in its first phase on it, while server 0
+stopped (SIGSTOP) once the push checked that every server runs and answers (`recover`, which
+would otherwise kill it as hung), so the push waits in its first phase on it, while server 0
 completes that phase (it resumes its weights' memory and, distributed, opens its update session);
 then server 0 is killed (SIGKILL) and server 1 continued, and the push carries on into a dead
 server. Distributed, server 0 is rank 1 of the weight-update group: gloo's broadcast stops at it,
 so server 1 never gets the bucket and must be released by the actor dropping its end of the group
 (else it would wait for its receive timeout, 300 s)."""
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -53,15 +56,29 @@ def released(url: str) -> list[str]:
     return ServerControl(url, timeout_s=5).server_info()["internal_states"][0]["released_memory"]
 
 
+def stop_after_the_liveness_check(fleet, pid: int) -> None:
+    """SIGSTOP `pid` right after the fleet's next `recover` (the push's first step: every server
+    runs and answers /health), so the push meets a stopped server in its first phase."""
+
+    def recover(*args, **kwargs):
+        del fleet.recover  # once: the fleet's own method again
+        restarted = fleet.recover(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        return restarted
+
+    fleet.recover = recover
+
+
 def kill_during_push(cluster) -> threading.Thread:
-    """Release the servers' memory, stop server 1 (the push will wait on it), and from a thread:
-    once the push prepared server 0 (resumed its weights; 0.2 s for its update session to open),
-    kill server 0, wait until its worker sees it dead, continue server 1. Returns the thread (started)."""
+    """Release the servers' memory, have server 1 stopped as the push starts (it will wait on it),
+    and from a thread: once the push prepared server 0 (resumed its weights; 0.2 s for its update
+    session to open), kill server 0, wait until its worker sees it dead, continue server 1.
+    Returns the thread (started)."""
     fleet = cluster.rollout
     cluster.before_training()
     victim, held = fleet.workers.call("status", timeout_s=30)
     assert "weights" in released(victim["url"])
-    os.kill(held["pid"], signal.SIGSTOP)
+    stop_after_the_liveness_check(fleet, held["pid"])
 
     def run():
         try:
@@ -151,6 +168,55 @@ def test_a_push_failing_with_every_server_alive_is_not_retried(grpo):
     assert cluster.sync_weights()["sync/weight_version"] == 3
 
 
+SYNC_CALL_TIMEOUT_S = 5.0  # the weight sync's bound on each server call (SyncConfig.timeout_s) below
+
+
+@contextlib.contextmanager
+def server_calls_bounded(cluster, seconds: float):
+    """The cluster's weight sync, and those it makes after a restart, with every server call bounded
+    by `seconds` (`SyncConfig.timeout_s`, 600 s in the cluster's own), and the memory resumes around
+    the push too (the fleet's `memory_call_timeout_s`); the cluster's own again after."""
+    from megarl.sync.weight_sync import SyncConfig
+    from megarl.trainer import cluster as cluster_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cluster_module, "SyncConfig", functools.partial(SyncConfig, timeout_s=seconds))
+        patch.setattr(cluster.rollout, "memory_call_timeout_s", seconds)  # the cluster's resumes around the push
+        cluster._make_sync(cluster.rollout.urls)
+        yield
+    cluster._make_sync(cluster.rollout.urls)
+
+
+def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_completes(grpo):
+    """Server 1 stopped once the push checked the servers: the push fails on it within the server
+    calls' timeout (its first phase, then ending the sessions), `recover` finds no answer to
+    /health, kills it by PID and restarts it, and the push goes through at the new version."""
+    cluster, trainer = grpo
+    fleet = cluster.rollout
+    held = fleet.workers.call("status", timeout_s=30)[1]
+    with server_calls_bounded(cluster, SYNC_CALL_TIMEOUT_S):
+        cluster.before_training()
+        stop_after_the_liveness_check(fleet, held["pid"])
+        started = time.monotonic()
+        try:
+            metrics = cluster.sync_weights()
+        finally:
+            vars(fleet).pop("recover", None)
+        seconds = time.monotonic() - started
+    # the prepare and the end of the sessions (2 x 5 s), the probe (10 s), the restart and the push
+    # again: about 20 s here (2 cores shared with other work)
+    assert seconds < 60, f"the push took {seconds:.0f} s"
+    assert metrics["sync/weight_version"] == 4 and metrics["faults/rollout_server_restarts"] == 1
+    assert cluster.weight_version == 4 and fleet.restarts == [1, 1]
+    now = fleet.workers.call("status", timeout_s=30)[1]
+    assert now["running"] and now["pid"] != held["pid"] and now["url"] == held["url"]
+    with pytest.raises(ProcessLookupError):  # killed and reaped by its worker: nothing of it runs
+        os.kill(held["pid"], 0)
+    assert [ServerControl(u).weight_version() for u in fleet.urls] == ["4", "4"]
+    assert [released(u) for u in fleet.urls] == [[], []]
+    assert logprob_gap(cluster, trainer, fleet.urls[1]) < 1e-4  # the restarted server holds the actor's weights
+
+
 def test_a_server_dying_during_the_push_past_max_server_restarts_stops_the_run(grpo):
     cluster, _ = grpo
     victim = cluster.rollout.workers.call("status", timeout_s=30)[0]
@@ -162,4 +228,4 @@ def test_a_server_dying_during_the_push_past_max_server_restarts_stops_the_run(g
     assert f"rollout server 0 at {victim['url']} on node {cluster.rollout.workers.locations[0]} (" in message
     assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
     assert isinstance(lost.value.__context__, WorkerGroupError)  # raised while handling the failed push
-    assert cluster.weight_version == 3 and cluster.rollout.restarts == [1, 0]
+    assert cluster.weight_version == 4 and cluster.rollout.restarts == [1, 1]

@@ -7,6 +7,7 @@ on into the save): the call ends within the failure grace, not at the group's ti
 error first; rank 0, stuck, is stopped with its group; the last complete checkpoint still exports."""
 import time
 
+import psutil
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -28,9 +29,8 @@ def grpo(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
 
 def alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

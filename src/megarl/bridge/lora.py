@@ -122,23 +122,33 @@ def read_adapters(reader) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_adapter(adapters: dict[str, torch.Tensor], rank: int, alpha: float, base_model: str) -> tuple[dict, dict]:
+    """(adapter_config.json as a dict, {PEFT tensor name: float32 contiguous CPU tensor}) of
+    `adapters` (global megatron names, full tensors): what `write_peft_adapter` writes to disk
+    and adapter-only sync sends (`sync.adapter_sync`)."""
+    if not adapters:
+        raise ValueError("no LoRA adapters")
+    names = [parse(n) for n in adapters]
+    wrong = [n.mcore for n in names if adapters[n.mcore].shape[0 if n.factor == "A" else 1] != rank]
+    if wrong:
+        raise ValueError(f"adapters {wrong[:3]} do not have rank {rank}")
+    # a copy of each: a parameter may be a view into a larger buffer, which pickling would send whole
+    tensors = {n.peft: adapters[n.mcore].detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)
+               for n in names}
+    return peft_config({n.target for n in names}, rank, alpha, base_model), tensors
+
+
 def write_peft_adapter(adapters: dict[str, torch.Tensor], out_dir, rank: int, alpha: float, base_model: str):
     """Write `adapters` (global megatron names, full tensors) as a PEFT LoRA adapter in `out_dir`:
-    `adapter_config.json` and `adapter_model.safetensors` (float32 contiguous tensors)."""
+    `adapter_config.json` and `adapter_model.safetensors` (`peft_adapter`'s float32 contiguous tensors)."""
     import json
     from pathlib import Path
 
     from megarl.bridge.convert import atomic_output_dir
     from megarl.bridge.safetensors_io import save_safetensors
 
-    if not adapters:
-        raise ValueError("no LoRA adapters to write")
-    names = [parse(n) for n in adapters]
-    wrong = [n.mcore for n in names if adapters[n.mcore].shape[0 if n.factor == "A" else 1] != rank]
-    if wrong:
-        raise ValueError(f"adapters {wrong[:3]} do not have rank {rank}")
+    config, tensors = peft_adapter(adapters, rank, alpha, base_model)
     with atomic_output_dir(out_dir) as tmp:
-        save_safetensors({n.peft: adapters[n.mcore].contiguous() for n in names}, Path(tmp) / "adapter_model.safetensors")
-        config = peft_config({n.target for n in names}, rank, alpha, base_model)
+        save_safetensors(tensors, Path(tmp) / "adapter_model.safetensors")
         (Path(tmp) / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(out_dir)

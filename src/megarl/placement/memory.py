@@ -17,16 +17,24 @@ Adam states are those of the adapters (`lora_params`; the critic's also of its [
 whose activations are not counted apart (rank << hidden).
 A reference model holds parameters and logits only. A rollout server reserves
 `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
-Colocated, the peak is the larger of the training phase (all training states + the largest
-activations, + the rollout pool if it is not released) and the rollout phase (rollout pool +
-training states not offloaded). What is offloaded is `colocation.offload_plan`, the plan the
-trainer executes: nothing in split placement, parameters only for the reference model, nothing for
-the reward model.
+Colocated, the peak is the largest of three phases (`colocation.COLOCATED_ORDER`, the order the
+trainer executes):
+  training   all training states + the largest activations (+ the rollout pool if the servers
+             keep it: `rollout.free_cache_engine` false)
+  push       the training states left on the GPU once the planned roles offloaded all but the
+             actor's parameters (the push reads those) + the servers' weights, resumed
+             (total parameters / rollout TP x rollout dtype bytes) + the push's own buffers: one
+             bucket and its copy for the server (`update_weights_bucket_megabytes` each) and the
+             largest tensor gathered whole (the vocabulary matrix); the KV cache is still released
+             (the servers keep their whole pool when they do not release it)
+  rollout    rollout pool + training states not offloaded
+What is offloaded is `colocation.offload_plan`, the plan the trainer executes: nothing in split
+placement, parameters only for the reference model, nothing for the reward model.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megarl.bridge import ModelArch
 from megarl.config import ExperimentConfig
@@ -113,6 +121,7 @@ class RoleMemory:
     offloadable: int  # part of `states` moved to host when the role offloads
     activations: int  # transient, during its own forward/backward
     trainable: int | None = None  # LoRA: adapter parameters on this GPU (the rest frozen); None: all train
+    offloadable_params: int = 0  # the parameters' part of `offloadable` (the actor's move after the push)
 
 
 @dataclass
@@ -122,6 +131,7 @@ class GpuEstimate:
     kv_cache_needed_per_server: int
     peak: int
     gpu_memory: int
+    phases: dict[str, int] = field(default_factory=dict)  # {"training", "push", "rollout": peak bytes per GPU}
 
     @property
     def fits(self) -> bool:
@@ -140,7 +150,8 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     logits = seq * micro * arch.vocab_size / tp * 4
     if not trains:
         weight_bytes = params * DTYPE_BYTES[dtype]
-        return RoleMemory(name, int(weight_bytes), int(weight_bytes) if offload.params else 0, int(logits))
+        offloaded = int(weight_bytes) if offload.params else 0
+        return RoleMemory(name, int(weight_bytes), offloaded, int(logits), offloadable_params=offloaded)
     if trainable is not None:  # LoRA: the adapters' gradients and optimizer states, over DP
         params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
         dense_params, expert_params = trainable, 0
@@ -154,7 +165,8 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
     acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
-    return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable)
+    return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable,
+                      int(weight_bytes) if offload.params else 0)
 
 
 def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
@@ -203,13 +215,20 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]
     if placement.mode == "split":
-        peak = max(train_phase, reserved)
+        phases = {"training": train_phase, "rollout": reserved}
     else:
-        if not arr.rollout.free_cache_engine:
+        releases = arr.rollout.free_cache_engine
+        if not releases:
             train_phase += reserved
-        rollout_phase = reserved + states - sum(r.offloadable for r in roles)
-        peak = max(train_phase, rollout_phase)
-    return GpuEstimate(roles, reserved, int(kv_needed), int(peak), gpu_memory)
+        offloaded = sum(r.offloadable for r in roles)
+        actor_params = next((r.offloadable_params for r in roles if r.role == "actor"), 0)
+        server_weights = total_params(arch) * DTYPE_BYTES[arr.rollout.dtype] / rollout.tp
+        push_buffers = 2 * arr.rollout.update_weights_bucket_megabytes * 2**20 + arch.vocab_size * arch.hidden_size * \
+            DTYPE_BYTES[arr.rollout.dtype]
+        push_phase = (states - offloaded + actor_params + server_weights if releases else states + reserved) + push_buffers
+        phases = {"training": train_phase, "push": push_phase, "rollout": reserved + states - offloaded}
+    phases = {name: int(b) for name, b in phases.items()}
+    return GpuEstimate(roles, reserved, int(kv_needed), max(phases.values()), gpu_memory, phases)
 
 
 def _count(n: int) -> str:
@@ -238,6 +257,8 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
         lines.append(f"  a whole step's responses at once would need {gib(est.kv_cache_needed_per_server)} of KV cache "
                      f"per GPU of a TP {plan.roles['rollout'].tp} server; SGLang runs what its pool holds and queues the "
                      "rest (slower, not a failure; not part of the verdict)")
+    if len(est.phases) > 2:  # colocated: the training, push and rollout phases share the GPU
+        lines.append("  phases per GPU: " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"peak per GPU: {gib(est.peak)} of {gib(est.gpu_memory)} (placement.gpu_memory_gib): {verdict}")
     return "\n".join(lines)

@@ -163,9 +163,13 @@ class WorkerGroup:
                     if ends_the_call and not failed:
                         deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                     failed.append(ref)
-        first = next((r for r in failed if isinstance(outcomes[r], RayActorError) or self.collective), None)
+        # the cause first: a rank that died (its peers' errors in a collective with it follow), else the
+        # first rank that raised in a collective group; the others in the order their failures came
+        deaths = [r for r in failed if isinstance(outcomes[r], RayActorError)]
+        failed = deaths + [r for r in failed if r not in deaths]
+        first = failed[0] if deaths or (failed and self.collective) else None
         lines = [self._failure(ranks[refs.index(r)], outcomes[r], brief=first is not None and r is not first)
-                 for r in failed]  # in the order the failures came: the first is usually the cause
+                 for r in failed]
         if pending and first is None:
             names = ", ".join(self._where(ranks[refs.index(r)]) for r in pending)
             if self.collective:

@@ -334,7 +334,9 @@ class RolloutClient:
         try:
             async with session.post(url + "/generate", json=payload) as resp:
                 status, raw = resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except TimeoutError:  # the session's total timeout: connecting, sending and reading, together
+            raise _Retry(f"no answer within request_timeout_s={self.request_timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None
         try:
             body = json.loads(raw) if raw else None

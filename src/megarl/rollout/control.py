@@ -82,13 +82,15 @@ class ServerControl:
 
     # ---------------------------------------------------------------- scheduling
     def flush_cache(self, retries: int = 60, interval_s: float = 1.0) -> None:
-        """Flush the prefix cache; SGLang refuses while requests run, so retry like slime does."""
+        """Flush the prefix cache; SGLang refuses while requests run, so retry a refusal like slime
+        does. A server that does not answer (no connection, or none within `timeout_s`) is not asked
+        again: `retries` such waits would hold a weight push for `retries` x `timeout_s` on a hung server."""
         for attempt in range(retries):
             try:
                 self._call("POST", "/flush_cache")
                 return
-            except ServerError:
-                if attempt == retries - 1:
+            except ServerError as e:
+                if attempt == retries - 1 or isinstance(e.__cause__, requests.RequestException):
                     raise
                 time.sleep(interval_s)
 

@@ -16,8 +16,12 @@ Log-probs follow SGLang's default: the log-prob of the sampled token under softm
 before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
 log-probs at the same temperature gets the same numbers (float32 on CPU).
 
-Memory release/resume has nothing to free on CPU; it is kept as SGLang's state machine: release
-needs an idle server, and generation and weight updates are refused while weights are released.
+Memory release/resume has nothing to free on CPU; it is kept as SGLang 0.5.23's state machine, as
+strict as SGLang (managers/scheduler_components/weight_updater.py): releasing asserts the server is
+idle, and resuming removes each tag from the released ones (`offload_tags.remove(tag)`), so a tag
+never released raises KeyError; either failure is an exception in SGLang's scheduler, which exits
+and takes the server with it: here `SchedulerCrash`, on which the server process exits. Generation
+and weight updates are refused while weights are released.
 """
 from __future__ import annotations
 
@@ -56,6 +60,13 @@ from megarl.rollout.routed_experts import RouteRecorder
 log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class SchedulerCrash(RuntimeError):
+    """What makes SGLang's scheduler raise and exit, taking its server down (the CPU server exits
+    on it): the stand-in fails where SGLang fails."""
+
+
 # A batch starts once no request arrived for this long (`CPUEngine`'s `batch_wait_s`; the server's
 # --batch-wait-ms): it covers the gaps within a client's burst (16 requests to one server over
 # uvloop and httptools: median 0.3 ms, 99th percentile 1.7, largest 2.8 of 300).
@@ -347,13 +358,22 @@ class CPUEngine:
 
     # ---------------------------------------------------------------- memory state
     def release_memory(self, tags: Optional[list[str]]) -> None:
+        """SGLang asserts an idle server first: a release with requests running or waiting ends it."""
         tags = self._check_tags(tags)
         if not self.is_idle():
-            raise BadRequestError("release_memory_occupation should be called only when server is idle.")
+            raise SchedulerCrash("AssertionError: release_memory_occupation should be called only when server is "
+                                 f"idle ({self.num_running} running, {self.num_waiting} waiting)")
         self.released |= tags
 
     def resume_memory(self, tags: Optional[list[str]]) -> None:
-        self.released -= self._check_tags(tags)
+        """Every tag must be released (SGLang's `offload_tags.remove(tag)`): resuming one that is
+        resident ends the server, as SGLang's KeyError ends its scheduler."""
+        tags = self._check_tags(tags)
+        resident = sorted(tags - self.released, key=MEMORY_TAGS.index)
+        if resident:
+            raise SchedulerCrash(f"KeyError: {resident[0]!r}: resume_memory_occupation of memory that was never "
+                                 f"released (released: {sorted(self.released, key=MEMORY_TAGS.index)})")
+        self.released -= tags
 
     @staticmethod
     def _check_tags(tags: Optional[list[str]]) -> set[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 import megarl
-from megarl.rollout.cpu_engine import BATCH_WAIT_S, CPUEngine, Sequence
+from megarl.rollout.cpu_engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
 from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
@@ -44,6 +45,8 @@ from megarl.rollout.weight_group import (
     init_custom_process_group,
     receive_bucket,
 )
+
+log = logging.getLogger("megarl.rollout.cpu_server")
 
 OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
 
@@ -204,6 +207,17 @@ async def _json_body(request: Request, required: bool = True) -> Any:
         raise BadRequestError(f"the request body is not valid JSON: {e}") from None
 
 
+def _or_crash(call, what: str) -> None:
+    """Run `call`; on `SchedulerCrash` end this server process at once, as SGLang's scheduler
+    exception ends its server (the request gets no answer: its connection closes)."""
+    try:
+        call()
+    except SchedulerCrash as crash:
+        log.critical("%s: scheduler exception, the server exits (as SGLang's does): %s", what, crash)
+        logging.shutdown()
+        os._exit(1)
+
+
 def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application serving `engine` with SGLang's endpoints."""
     app = FastAPI(title="megarl CPU engine")
@@ -312,12 +326,14 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
-        engine.release_memory((await _json_body(request, required=False)).get("tags"))
+        tags = (await _json_body(request, required=False)).get("tags")
+        _or_crash(lambda: engine.release_memory(tags), "release_memory_occupation")
         return Response(status_code=200)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
-        engine.resume_memory((await _json_body(request, required=False)).get("tags"))
+        tags = (await _json_body(request, required=False)).get("tags")
+        _or_crash(lambda: engine.resume_memory(tags), "resume_memory_occupation")
         return Response(status_code=200)
 
     @app.post("/init_weights_update_group")

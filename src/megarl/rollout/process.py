@@ -213,6 +213,25 @@ class ServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def kill(self, reason: str, timeout_s: float = 15.0) -> None:
+        """SIGKILL the process group now and reap the process, for a server that is alive but does
+        not answer (SIGSTOPped, deadlocked: it would not act on SIGTERM). `reason` goes into the log
+        file. The process stays the one `pid`, `returncode` (-9) and `ensure_running` see, so the
+        next `ensure_running` starts it again as after a crash."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                return
+            with open(self.log_path, "ab") as log_file:
+                log_file.write(f"# megarl: {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name} (pid {proc.pid}) "
+                               f"killed (SIGKILL to its process group): {reason}\n".encode())
+            log.warning("%s (pid %d): killing its process group (SIGKILL): %s", self.name, proc.pid, reason)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL ends a stopped process too
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=timeout_s)  # reaped: no zombie left
+
     def restart(self) -> None:
         """Stop the process if it runs and start it again, same command and URL (the nodes of a
         multi-node server restart together: one alone cannot rejoin the others)."""

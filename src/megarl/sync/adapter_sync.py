@@ -8,8 +8,7 @@ the adapters, as SGLang 0.5.23 serves them (`rollout.lora_adapters` has the prot
    `bridge.lora.AdapterName.tp`); the pipeline stages' adapters go to pipeline rank 0
    (`gather_object`, CPU tensors). Only global rank 0 (TP, PP and DP rank 0) uses them.
 2. global rank 0 makes them a PEFT adapter (adapter_config.json as a dict, tensors by PEFT name)
-   and, on every server at once: (`released_memory`) `/resume_memory_occupation ["weights"]` (the
-   base comes back from SGLang's CPU backup), loads it as `<prefix>-v<version>`,
+   and, on every server at once, loads it as `<prefix>-v<version>`,
    `/unload_lora_adapter` of the earlier versions it reports holding, `/update_weight_version`.
    Loading before unloading leaves every server with a valid adapter if the load fails. How it
    loads (`actor_rollout_ref.model.lora.sync_via`):
@@ -21,7 +20,9 @@ the adapters, as SGLang 0.5.23 serves them (`rollout.lora_adapters` has the prot
 3. the outcome is broadcast: every rank returns the same metrics or raises `WeightSyncError`.
 
 Rollout requests name `adapter_name(prefix, version)` (SGLang's `lora_path` field) to generate with the policy.
-Like `WeightSync`, the servers must be idle and the parameters current when `push` starts.
+Like `WeightSync`, the servers must be idle and the parameters current when `push` starts, and
+the sync moves no server memory: colocated, the caller resumes the servers' weights first (SGLang
+restores the base from its CPU backup, `--enable-weights-cpu-backup`) and their KV cache after.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.lora import AdapterName, parse, peft_config, write_peft_adapter
+from megarl.bridge.lora import AdapterName, peft_adapter, write_peft_adapter
 from megarl.rollout.control import ServerError, on_all
 from megarl.sync.servers import SyncServer
 
@@ -80,21 +81,6 @@ def gather_full_adapters(attached: Sequence[tuple[Any, torch.nn.Module]], tp_gro
     return None if stages is None else {k: v for stage in stages for k, v in stage.items()}
 
 
-def peft_adapter(adapters: dict[str, torch.Tensor], rank: int, alpha: float, base_model: str) -> tuple[dict, dict]:
-    """(adapter_config.json as a dict, {PEFT tensor name: float32 contiguous CPU tensor}) of
-    `adapters` (global megatron names, full tensors): what `write_peft_adapter` writes to disk."""
-    if not adapters:
-        raise ValueError("no LoRA adapters to send")
-    names = [parse(n) for n in adapters]
-    wrong = [n.mcore for n in names if adapters[n.mcore].shape[0 if n.factor == "A" else 1] != rank]
-    if wrong:
-        raise ValueError(f"adapters {wrong[:3]} do not have rank {rank}")
-    # a copy of each: a parameter may be a view into a larger buffer, which pickling would send whole
-    tensors = {n.peft: adapters[n.mcore].detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)
-               for n in names}
-    return peft_config({n.target for n in names}, rank, alpha, base_model), tensors
-
-
 def serialize_by_value(tensors: dict[str, torch.Tensor]) -> str:
     """One `serialized_named_tensors` entry holding the tensors' bytes themselves (base64 of a plain
     pickle: each storage as `torch.storage._load_from_bytes(bytes)`), readable on any host.
@@ -122,7 +108,7 @@ class AdapterSync:
     """Same interface as `WeightSync` (`push`, `version`, `close`) for a LoRA actor."""
 
     def __init__(self, attached, rank: int, alpha: float, base_model: str, server_urls: Sequence[str],
-                 out_dir: Optional[str] = None, *, via: str = "tensors", released_memory: bool = False,
+                 out_dir: Optional[str] = None, *, via: str = "tensors",
                  api_key: Optional[str] = None, initial_version: int = 0, timeout_s: float = 600.0,
                  prefix: str = PREFIX, tp_group=None, pp_group=None):
         """`attached`: the engine's (LoraAdapter, base) pairs; `rank`, `alpha`: the adapters'
@@ -143,12 +129,13 @@ class AdapterSync:
         self.attached, self.rank, self.alpha, self.base_model = attached, rank, alpha, base_model
         self.tp_group, self.pp_group = tp_group, pp_group
         self.servers = [SyncServer(url, api_key, timeout_s=timeout_s) for url in server_urls]
-        self.via, self.released_memory, self.prefix = via, released_memory, prefix
+        self.via, self.prefix = via, prefix
         self.out_dir = Path(out_dir) if via == "disk" else None
         self.version = initial_version
 
-    def push(self, version: Optional[int] = None) -> dict[str, float]:
-        """Every actor rank calls it; returns the same metrics on every rank or raises `WeightSyncError`."""
+    def push(self, version: Optional[int] = None, flush: Optional[Sequence[bool]] = None) -> dict[str, float]:
+        """Every actor rank calls it; returns the same metrics on every rank or raises `WeightSyncError`.
+        `flush` (`WeightSync.push`'s) is not used: loading an adapter leaves the KV cache alone."""
         from megarl.sync.weight_sync import WeightSyncError
 
         started = time.perf_counter()
@@ -178,8 +165,6 @@ class AdapterSync:
                 payload = serialize_by_value(tensors)
 
             def load(server: SyncServer) -> None:
-                if self.released_memory:  # SGLang restores the base from its CPU backup (--enable-weights-cpu-backup)
-                    server.resume_memory_occupation(["weights"])
                 _unload_if_loaded(server, name)  # the same version pushed again (a restarted server, a re-push)
                 if directory is None:
                     tp_size = int(server.server_info().get("tp_size", 1))

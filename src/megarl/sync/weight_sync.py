@@ -7,10 +7,12 @@ What runs where (roles in `groups.py`; process groups read from megatron's `para
 unless `groups` is given; the world group is torch.distributed's default group, the actor's):
 
 1. prepare, coordinator only: every server answers its weight version (`/model_info`, the liveness
-   probe) and is drained (`/flush_cache`, retried until idle; skipped with `released_memory`, where
-   releasing the KV cache required idle servers and flushed it), with `released_memory`:
-   `/resume_memory_occupation ["weights"]`, then `/begin_weight_update` (distributed and tensor
-   transports). The outcome is broadcast to all ranks; a failure stops everyone here. A server
+   probe) and is drained (`/flush_cache`, retried until idle), those the caller names (`push(flush=)`:
+   not where the KV cache was released, since releasing it required an idle server and flushed it),
+   then `/begin_weight_update` (distributed and tensor transports). The sync moves no server memory:
+   colocated, the caller resumes the servers' weights before the push and their KV cache after
+   (`placement.colocated_memory` decides which, per server: SGLang 0.5.23 ends a server asked to
+   resume memory it holds, as a retried push or a restarted server would be). The outcome is broadcast to all ranks; a failure stops everyone here. A server
    whose `weight_version` is not the last pushed one restarted (or missed a push): the emitters
    then form new weight-update groups.
 2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`SyncConfig.shares_dp`:
@@ -35,9 +37,7 @@ unless `groups` is given; the world group is torch.distributed's default group, 
    kept until the push's failure is known.
 3. commit, coordinator: once every emitter reported success (gathered over the emitters' group), the
    held bucket goes out with `weight_version` (`/update_weights_from_disk` for the disk transport):
-   that call alone bumps the version. Then `/end_weight_update`, and with `released_memory`:
-   `/resume_memory_occupation ["kv_cache", "cuda_graph"]` (weights before the push, KV cache after;
-   with `resume_kv_cache=False` the caller resumes it, after freeing what the push needed).
+   that call alone bumps the version. Then `/end_weight_update`.
    With `check_weights`, before `/end_weight_update` every server's `/weights_checker` checksums
    are compared with those the emitters computed of the HF tensors they sent (`weight_check.py`);
    a difference fails the push naming the tensor and the server (the servers then report the new
@@ -45,13 +45,13 @@ unless `groups` is given; the world group is torch.distributed's default group, 
 4. The outcome and the metrics are broadcast to every rank: all return the same metrics, or all
    raise the same `WeightSyncError` naming the failed servers.
 
-The chunks' parameters must be current when `push` starts: with megatron's distributed optimizer
-and `overlap_param_gather`, finish the parameter all-gather first (`start_param_sync(force_sync=True)`
-on each DDP chunk); offloaded parameters must be back on the device.
+The chunks' parameters must be current when `push` starts (with megatron's distributed optimizer
+and `overlap_param_gather` the engine finishes the parameters' all-gather after every update:
+`engines.megatron.optim.gather_params_now`); offloaded parameters must be back on the device.
 
-A failed push leaves the version where it was on every server that did not get the whole model,
-ends the update session, and (`released_memory`) leaves the KV cache released until a push succeeds (the
-CPU engine refuses to generate meanwhile); the next push rebuilds the weight-update groups and
+A failed push leaves the version where it was on every server that did not get the whole model and
+ends the update session (a released KV cache stays released: the caller resumes it after a push that
+succeeded); the next push rebuilds the weight-update groups and
 sends everything again. Between a failed push and its retry, a server that kept its memory may
 serve partly updated weights under its old version: retry (or stop) before generating again.
 Call `close()` on every rank when done.
@@ -81,9 +81,6 @@ from megarl.sync.transports import DiskTransport, DistributedTransport, TensorTr
 log = logging.getLogger("megarl.sync")
 
 TRANSPORTS = ("distributed", "tensor", "disk")
-MEMORY_AFTER_PUSH = ["kv_cache", "cuda_graph"]
-
-
 class WeightSyncError(RuntimeError):
     """A push that did not complete; the message names the servers and stages that failed."""
 
@@ -97,10 +94,6 @@ class SyncConfig:
     master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
     hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
-    released_memory: bool = False  # colocated servers released their memory for training
-    #                                (megarl.placement.colocation.releases_server_memory): resume it around the push
-    resume_kv_cache: bool = True  # released_memory: resume MEMORY_AFTER_PUSH after a push (False: the caller does,
-    #                               e.g. after offloading the training states the push needed)
     timeout_s: float = 600.0  # seconds, each server call
     # seconds, every collective of the sync: the weight-update groups (forming them and each broadcast),
     # the colocated copies' relay group, the emitters' group (the trainer: actor_rollout_ref.nccl_timeout)
@@ -273,10 +266,13 @@ class WeightSync:
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
 
     # ------------------------------------------------------------------ the push
-    def push(self, version: Optional[int] = None, progress: Optional[Progress] = None) -> dict[str, float]:
+    def push(self, version: Optional[int] = None, progress: Optional[Progress] = None,
+             flush: Optional[Sequence[bool]] = None) -> dict[str, float]:
         """Push the current weights; every actor rank calls this. `version` (the coordinator's
         counts): the servers' new `weight_version`, default the last successful one + 1.
-        `progress(stage, bucket)` is called on each emitter after each bucket it sent.
+        `progress(stage, bucket)` is called on each emitter after each bucket it sent. `flush`:
+        per server, whether to drain its KV cache first (None: every server; colocated servers
+        whose KV cache is released must not be: `placement.colocated_memory.flush_before_push`).
         Returns the metrics (same on every rank) or raises `WeightSyncError` (on every rank)."""
         g = self.groups
         started = time.perf_counter()
@@ -285,7 +281,7 @@ class WeightSync:
             attempt = self.attempts + 1
             decision = _Outcome(version=str(self.version + 1 if version is None else version), attempt=attempt,
                                 push_id=f"{attempt:06d}-{uuid.uuid4().hex[:8]}")
-            decision.errors, decision.reconnect, decision.check_dtype = self._prepare_servers()
+            decision.errors, decision.reconnect, decision.check_dtype = self._prepare_servers(flush)
             decision.metrics["prepare_s"] = time.perf_counter() - started
         decision = self._from_coordinator(decision)
         self.attempts = decision.attempt
@@ -336,21 +332,22 @@ class WeightSync:
         dist.broadcast_object_list(box, src=self.groups.coordinator_rank(), group=self.groups.world_group)
         return box[0]
 
-    def _prepare_servers(self) -> tuple[list[str], bool, Optional[str]]:
+    def _prepare_servers(self, flush: Optional[Sequence[bool]]) -> tuple[list[str], bool, Optional[str]]:
         """(errors, whether a server lost the last pushed version, i.e. restarted, the servers'
-        dtype if check_weights)."""
-        released, session, check = self.config.released_memory, self.transport.uses_session, self.config.check_weights
+        dtype if check_weights). `flush`: `push`'s."""
+        session, check = self.transport.uses_session, self.config.check_weights
+        if flush is not None and len(flush) != len(self.servers):
+            raise ValueError(f"weight sync: flush names {len(flush)} servers, the sync has {len(self.servers)}")
+        drained = {s.url for s, f in zip(self.servers, flush if flush is not None else [True] * len(self.servers)) if f}
 
         def prepare(server: SyncServer) -> tuple[str, Optional[str]]:
             # The version query is also the liveness probe (a dead server raises ServerError here), not
             # /health: on SGLang 0.5.23 /health runs a 1-token generate by default, one per push, and
-            # with released_memory the server's weights and KV cache are released at this point.
+            # a colocated server's KV cache may be released at this point.
             version = server.weight_version()
             dtype = server.server_info()["dtype"] if check else None
-            if not released:
+            if server.url in drained:
                 server.flush_cache()
-            else:
-                server.resume_memory_occupation(["weights"])
             if session:
                 server.begin_weight_update()
             return version, dtype
@@ -487,11 +484,6 @@ class WeightSync:
             decision.metrics["check_s"] = time.perf_counter() - checked + max(r.check_s for r in reports)
             decision.metrics["checked_tensors"] = float(sum(len(r.checksums) for r in reports))
         outcome.errors += self._end_sessions()
-        if not outcome.errors and self.config.released_memory and self.config.resume_kv_cache:
-            try:
-                on_all(self.servers, lambda s: s.resume_memory_occupation(MEMORY_AFTER_PUSH))
-            except ServerError as e:
-                outcome.errors.append(str(e))
         commit_s = time.perf_counter() - commit_started
         outcome.metrics = summarize(reports, time.perf_counter() - started, decision.metrics["prepare_s"], commit_s)
         if self.config.check_weights:  # slowest stage's hashing + asking the servers and comparing

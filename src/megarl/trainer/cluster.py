@@ -6,14 +6,18 @@ checkpoint save/load across roles.
 Colocated, the servers start first and release their memory (SGLang sizes its KV cache from the
 memory free when it starts), then the engines initialise, then a first push gives the servers
 their weights (version 0, the model the servers started from) and the planned roles offload
-before the servers resume their KV cache.
+before the servers resume their KV cache. Every memory move, of a server or a role, is one that
+`placement.colocated_memory.ColocatedMemory` (`self.memory`) gives, done here and reported back to it:
+no other flag says what is where.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 # Ray reads its auth mode when it is imported: set the default for a cluster started here first.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -22,9 +26,11 @@ import ray  # noqa: E402
 from megarl import checkpoint  # noqa: E402
 from megarl.config import ExperimentConfig  # noqa: E402
 from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
+from megarl.placement.colocated_memory import ColocatedMemory, Moves  # noqa: E402
 from megarl.placement.colocation import offload_plan, releases_server_memory  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
+from megarl.rollout.control import ServerError  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
@@ -32,6 +38,7 @@ from megarl.trainer.preflight import resolve_devices  # noqa: E402
 from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
 
 log = logging.getLogger("megarl.trainer")
+T = TypeVar("T")
 
 
 def connect_ray(config: ExperimentConfig) -> None:
@@ -65,14 +72,14 @@ class Cluster:
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         self.offload_plan = offload_plan(config, self.plan.roles)  # {role: OffloadParts}, colocated only
-        self.offloaded: set[str] = set()  # roles whose planned parts are off the device now
+        self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, self.offload_plan, self.releases_memory)
+        self._restarts_seen = [0] * self.plan.roles["rollout"].dp  # per server, the restarts `memory` knows of
         self._offload_totals = dict.fromkeys(("offload_s", "onload_s", "offload_bytes", "offload_freed_bytes"), 0.0)
         try:
             roles = self.plan.roles
             if self.colocated:  # the servers size their memory before the engines take theirs
                 self._start_rollout(roles["rollout"])
-                if self.releases_memory:
-                    self.rollout.release_memory()
+                self._do(self.memory.before_training())  # servers release what they hold; no role exists yet
             d = self.devices
             self.actor = EngineGroup(roles["actor"], self.pools, config, d)
             self.ref = EngineGroup(roles["ref"], self.pools, config, d) if "ref" in roles else None
@@ -95,11 +102,13 @@ class Cluster:
                                     on_restart=self._resync_restarted_rollout)
 
     def _make_sync(self, urls: list[str]) -> None:
+        """A new weight sync over `urls` (at start, and after servers restarted: the push that
+        follows brings them up to date)."""
+        self._note_restarts()
         r, transport = self.config.actor_rollout_ref.rollout, self.devices.weight_sync_transport
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
-            released_memory=self.releases_memory, resume_kv_cache=False,
             hf_assets_dir=self.config.actor_rollout_ref.model.path,
             check_weights=r.check_weight_update, weight_update_groups=r.weight_update_groups,
             group_timeout_s=self.config.actor_rollout_ref.nccl_timeout,
@@ -111,56 +120,89 @@ class Cluster:
         """Rollout servers restarted (the fleet calls this while they are out of the router): a new
         weight sync over `urls` (the old weight-update groups held the dead process), and the
         actor's weights pushed again at the current version (the policy did not change), so the
-        restarted servers answer with the same weights and version as the others. (Colocated, a
-        restart before the engines exist needs nothing: the first push follows them.)"""
+        restarted servers answer with the same weights and version as the others. A restarted
+        server holds all its memory: the push neither resumes nor releases anything of it
+        (`memory`). (Colocated, a restart before the engines exist needs nothing: the first push
+        follows them.)"""
         if self.actor is None:
+            self._note_restarts()
             return
         self._make_sync(urls)
         if self.rollout.weight_version is not None:  # a push happened (colocated: at start, version 0)
-            self.onload(["actor"])  # the push reads the actor's parameters
-            self.actor.workers.call("push_weights", self.weight_version, timeout_s=3600)
-            self.before_generation()
+            self._push_now(self.weight_version)
+
+    def _note_restarts(self) -> None:
+        """Tell `memory` which servers restarted since it last heard (a new process holds all its
+        memory, resident)."""
+        if self.rollout is None:
+            return
+        for i, count in enumerate(self.rollout.restarts):
+            if count != self._restarts_seen[i]:
+                self.memory.server_restarted(i)
+                self._restarts_seen[i] = count
 
     # ------------------------------------------------------------------ phases
     def before_training(self) -> None:
-        """Colocated: free the rollout servers' memory for the training phase (unless
-        `rollout.free_cache_engine` is false), then bring back every offloaded role. The weight push
-        resumes the servers' weights, and `before_generation` (after the push) their KV cache, so
-        there is no `after_training`."""
+        """Colocated: the servers that hold memory free it for the training phase (unless
+        `rollout.free_cache_engine` is false; a dead or hung one is restarted first), then every
+        offloaded role comes back. The push resumes the servers' weights and, after it, their KV
+        cache."""
         if self.releases_memory:
-            self.rollout.release_memory()
-        self.onload(list(self.offload_plan))
+            self.rollout.recover()
+            self._note_restarts()
+        self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()))
 
-    def before_generation(self) -> None:
-        """Colocated, after a push: every role offloads what `offload_plan` says, then the servers
-        resume their KV cache if they released it (offloading first keeps the training states and
-        the KV cache from holding the GPUs at once)."""
-        if not self.colocated:
-            return
-        self.offload()
-        if self.releases_memory:
-            self.rollout.resume_kv_cache()
+    def _with_recovery(self, what: str, attempt: Callable[[], T], on_restart=None) -> T:
+        """`attempt()`, again after the rollout servers that died or hung are restarted (within
+        `max_server_restarts`; `on_restart`: the fleet's `recover` argument), until it succeeds;
+        its own error when every server is alive and answers (a retry would repeat it)."""
+        while True:
+            try:
+                return attempt()
+            except (WorkerGroupError, ServerError) as failed:
+                if self.rollout.recover(on_restart=on_restart) == 0:
+                    raise
+                self._note_restarts()
+                first = str(failed).splitlines()[:2][-1].strip()  # the first line of the first rank, no traceback
+                log.warning("%s failed as rollout servers died or hung; they were restarted, trying again. The "
+                            "failure: %s", what, first)
 
-    def offload(self) -> None:
-        """Move every planned role's parts off its devices (roles already offloaded are skipped)."""
-        for role, parts in self.offload_plan.items():
-            if role in self.offloaded:
-                continue
+    def _do(self, moves: Moves) -> None:
+        """Carry out `moves` in their order (releases, onloads, offloads, the caches emptied, resumes)
+        and report each to `memory` once done. Raises `ServerError` naming the servers whose
+        release or resume failed (the others' moves are recorded)."""
+        if moves.release:
+            self._server_moves(moves.release, self.rollout.release_memory, self.memory.server_released)
+        for role in moves.onload:
+            stats = getattr(self, role).call("onload")
+            self.memory.role_onloaded(role)
+            self._offload_totals["onload_s"] += max(s["seconds"] for s in stats)
+        for role, parts in moves.offload.items():
             stats = getattr(self, role).call("offload", params=parts.params, grads=parts.grads,
                                              optimizer=parts.optimizer)
-            self.offloaded.add(role)
+            self.memory.role_offloaded(role, parts)
             self._offload_totals["offload_s"] += max(s["seconds"] for s in stats)
             self._offload_totals["offload_bytes"] += sum(s["bytes"] for s in stats)
             self._offload_totals["offload_freed_bytes"] += sum(s["freed_bytes"] for s in stats)
+        if moves.empty_cache:  # SGLang's memory saver maps its memory again from what is physically free
+            for group in self._engine_groups():
+                group.call("empty_cache")
+        if moves.resume:
+            self._server_moves(moves.resume, self.rollout.resume_memory, self.memory.server_resumed)
 
-    def onload(self, roles: list[str]) -> None:
-        """Bring `roles`' offloaded parts back to their devices (roles not offloaded are skipped)."""
-        for role in roles:
-            if role not in self.offloaded:
-                continue
-            stats = getattr(self, role).call("onload")
-            self.offloaded.discard(role)
-            self._offload_totals["onload_s"] += max(s["seconds"] for s in stats)
+    @staticmethod
+    def _server_moves(tags: dict[int, tuple[str, ...]], call, done) -> None:
+        """`call(tags)` (the fleet's release or resume), `done(server, tags)` for each that succeeded;
+        raise `ServerError` naming those that failed."""
+        failed = call(tags)
+        for server, server_tags in tags.items():
+            if server not in failed:
+                done(server, server_tags)
+        if failed:
+            raise ServerError("; ".join(failed.values()))
+
+    def _engine_groups(self) -> list[EngineGroup]:
+        return [g for g in (self.actor, self.ref, self.critic, self.reward_model) if g is not None]
 
     def offload_metrics(self) -> dict[str, float]:
         """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,
@@ -172,12 +214,12 @@ class Cluster:
         return out
 
     def sync_weights(self) -> dict:
-        """Push the actor's weights into every rollout server as the next version, then
-        (colocated) `before_generation`. A server found
-        dead, before the push or after a failed one, is restarted (within `max_server_restarts`)
-        and the push sent again, so every server ends at the new version; a push that fails while
-        every server is alive raises its own error at once. Returns the push metrics (the same on
-        every rank) and the rollout fault counts since the last push (`faults/*`, so once per step).
+        """Push the actor's weights into every rollout server as the next version, with the
+        colocated memory moves around it (`_push_now`). A server found dead or hung, before the
+        push or after a failed one, is restarted (within `max_server_restarts`) and the push sent
+        again, so every server ends at the new version; a push that fails while every server is
+        alive raises its own error at once. Returns the push metrics (the same on every rank) and
+        the rollout fault counts since the last push (`faults/*`, so once per step).
 
         Restarted servers get only a new weight sync here (`_make_sync`), not the re-push at the
         current version of `_resync_restarted_rollout`: the push that follows sends every server
@@ -188,22 +230,31 @@ class Cluster:
         """`sync_weights` without the fault counts; `version`: the servers' new version (default
         the next one; the current one re-gives the servers the weights they had)."""
         self.rollout.recover(on_restart=self._make_sync)
-        self.onload(["actor"])  # the push reads the actor's parameters
+        self._note_restarts()
+        return self._push_now(version)
+
+    def _push_now(self, version: int | None) -> dict:
+        """The push with its memory moves (`placement.colocated_memory`): the actor's parameters on
+        the device, the rest of the planned training states off, the caches emptied, the released
+        servers' weights back; the push (flushing only the servers whose KV cache is resident);
+        then the actor's parameters off, the caches emptied, the KV caches back. Servers that die
+        or hang during the push are restarted and the push sent again."""
+        if self.memory.offloaded.get("actor") and self.memory.offloaded["actor"].params:
+            self._do(Moves({}, {}, {}, ("actor",), False))  # the push reads the actor's parameters
         target = self.weight_version + 1 if version is None else version
-        while True:
-            try:
-                metrics = self.actor.workers.call("push_weights", version, timeout_s=3600)[0]
-                break
-            except WorkerGroupError as failed:
-                if self.rollout.recover(on_restart=self._make_sync) == 0:
-                    raise  # every server is alive: a real failure, which a retry would repeat
-                first_rank = str(failed).splitlines()[:2][-1].strip()  # the first rank's line, without traceback
-                log.warning("the weight push to version %d failed as rollout servers died; they were restarted, "
-                            "pushing again. The failure: %s", target, first_rank)
+
+        def push() -> dict:
+            self._do(self.memory.before_push())  # again on a retry: only what is not done yet
+            return self.actor.workers.call("push_weights", version, self.memory.flush_before_push(),
+                                           timeout_s=3600)[0]
+
+        # the push sends every server the whole model: restarted servers need only a new sync
+        metrics = self._with_recovery(f"the weight push to version {target}", push, on_restart=self._make_sync)
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
         self.rollout.client.lora_name = served_adapter(self.config, self.weight_version)
-        self.before_generation()
+        # a server restarted here is given the current weights again (`_resync_restarted_rollout`)
+        self._with_recovery("resuming the rollout servers' KV cache", lambda: self._do(self.memory.after_push()))
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -211,7 +262,7 @@ class Cluster:
         """Every role's engine state plus the controller's, atomically (megarl.checkpoint).
         Offloaded roles come back for it: the servers release their memory first, and a push at
         the current version gives them their weights back afterwards."""
-        offloaded = bool(self.offloaded)
+        offloaded = any(parts.any() for parts in self.memory.offloaded.values())
         if offloaded:
             self.before_training()
         started = time.monotonic()

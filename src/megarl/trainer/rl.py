@@ -9,8 +9,8 @@
 The controller owns no accelerator: it drives worker groups (Megatron engines) and the rollout
 fleet (servers behind the router) placed by the planner. Colocated and split placements run the
 same loop; colocation adds releasing the rollout servers' memory and onloading the training roles
-before training (`before_training`), and offloading them again after the push, before the servers
-resume their KV cache (inside `sync_weights`; see megarl.placement.colocation).
+before training (`before_training`), and around the push the memory moves of one state machine
+(inside `sync_weights`; see megarl.placement.colocated_memory).
 
 With `async_training.mode` one_step_off or fully_async, a producer thread generates the coming
 steps' batches while this one trains (megarl.trainer.async_rollout): the step takes its batch from

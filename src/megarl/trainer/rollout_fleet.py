@@ -11,6 +11,17 @@ requests lost with it, sent again by the client, wait there for the pushed weigh
 restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
 the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
 
+A server whose process runs but does not answer (SIGSTOPped, its HTTP process deadlocked or stuck
+in the kernel) is hung, and treated as dead: every `recover` (and `dead_servers`) has each
+worker ask its server's `/health`, and one that gives no HTTP 200 within `HUNG_AFTER_S` is killed
+by its worker (SIGKILL to its process group), logged as hung, then restarted as above, counting
+against `max_server_restarts`. What bounds the time until then: a generation request stuck on it
+ends after `actor_rollout_ref.rollout.request_timeout_s` (the client's total timeout per attempt,
+retried `max_retries` times, through the router, whose own health checks stop sending it work); a
+weight push into it fails within the weight sync's timeouts (`SyncConfig`: one on each server
+call, one on each collective of the weight-update group), and `Cluster._push` then recovers and
+pushes again.
+
 A SGLang server larger than a node runs one process per node (`RolePlacement.server_processes`):
 the same command with its node rank, all meeting at `--dist-init-addr` on node 0. Only node 0
 serves HTTP, so only its URL goes to the router. One dead node kills the server: all its nodes
@@ -30,21 +41,36 @@ from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
 from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
-from megarl.rollout.control import ServerControl, ServerError, on_all
+from megarl.rollout.control import ServerControl, ServerError, admin_pool
 from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
-from megarl.sync.weight_sync import MEMORY_AFTER_PUSH
 from megarl.trainer.routing import routed_experts_layout
 from megarl.workers.rollout_worker import RolloutWorker
 
 log = logging.getLogger("megarl.rollout")
 
 
+# How long a running server may take to answer `/health` before it counts as hung (seconds). The
+# probe must not take a busy server for a hung one. SGLang 0.5.23's `/health` runs a 1-token
+# generate by default (waiting for the scheduler, up to SGLANG_HEALTH_CHECK_TIMEOUT=20 s under load,
+# impossible with its memory released); megarl starts SGLang with
+# SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (`launch.sglang_env_overrides`), so its `/health`
+# answers 200 at once from the HTTP process, however busy the scheduler is (reference:
+# sglang-protocol.md, "Health and info"). The CPU engine answers it from its event loop while its
+# engine thread generates (503 once that thread died: a broken server, also restarted). A live
+# server answers in milliseconds; 10 s leaves room for an HTTP event loop stalled by a large batch's
+# (de)tokenisation or a GC pause, and is twice the timeout of sglang-router's own health checks
+# (`--health-check-timeout-secs`, 5 s). Such a probe does not reach SGLang's scheduler: a scheduler
+# hang behind a live HTTP process ends the run within the request timeouts ("no rollout server died
+# or hung") instead of restarting the server.
+HUNG_AFTER_S = 10.0
+
+
 class RolloutServerLost(RuntimeError):
-    """A rollout server died more often than `max_server_restarts` allows, or did not come back."""
+    """A rollout server died or hung more often than `max_server_restarts` allows, or did not come back."""
 
 
 class GenerationInterrupted(RuntimeError):
@@ -90,6 +116,9 @@ class RolloutFleet:
         every server in `urls` to the current weights."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
+        # seconds, each memory release or resume call: SGLang maps a large model's weights back from
+        # host memory (--enable-weights-cpu-backup) in seconds to minutes; a hung server fails it then
+        self.memory_call_timeout_s = 600.0
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = r.max_server_restarts
         self.on_restart = on_restart
@@ -152,8 +181,9 @@ class RolloutFleet:
         """`sampling.n` samples per prompt, all from live servers at `weight_version`. `seeds`:
         per-prompt sampling seeds (see RolloutClient.agenerate); a prompt sent again keeps its seed.
         Records count every attempt a prompt took, over the client's retries and the fleet's.
-        Servers found dead before, or whose death lost prompts, are restarted (`recover`); one that
-        died while the router sent its work elsewhere is restarted by the next `recover`, which
+        Servers found dead or hung before, or whose death or hang lost prompts, are restarted
+        (`recover`); one that died or hung while the router sent its work elsewhere is restarted by
+        the next `recover`, which
         every later use of the servers runs first (the push, `release_memory`, the next
         generation): one status call per generation, not two. With `recover=False`
         (a thread that must not push weights: the async producer) nothing is restarted: prompts
@@ -187,11 +217,11 @@ class RolloutFleet:
             if not recover:  # interrupted if a server is dead, or was restarted (by the controller) meanwhile
                 if not self.dead_servers() and sum(self.restarts) == restarts:
                     index, why = next(iter(lost.items()))
-                    raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
+                    raise RolloutRequestError(index, None, f"{why} (and no rollout server died or hung)")
                 raise GenerationInterrupted(samples, records, attempts, lost)
             if self.recover() == 0:
                 index, why = next(iter(lost.items()))
-                raise RolloutRequestError(index, None, f"{why} (and no rollout server died)")
+                raise RolloutRequestError(index, None, f"{why} (and no rollout server died or hung)")
             todo = sorted(lost)
         records = [replace(r, attempts=a) for r, a in zip(records, attempts)]
         metrics = summarize(records, time.monotonic() - started)
@@ -199,30 +229,44 @@ class RolloutFleet:
         return RolloutResult(samples, metrics, records)
 
     def dead_servers(self) -> list[int]:
-        """The servers with a dead process (asks each worker; restarts nothing)."""
-        statuses = self.workers.call("status", timeout_s=60)
-        return sorted({self.server_of[k] for k, status in enumerate(statuses) if not status["running"]})
+        """The servers whose process died or that hung (asks each worker, which probes `/health`
+        for at most `HUNG_AFTER_S`; kills and restarts nothing)."""
+        return sorted(self._failed(self._statuses()))
+
+    def _statuses(self) -> list[dict]:
+        """Every worker's `status`, with its server's `/health` probed (at once on all workers)."""
+        return self.workers.call("status", HUNG_AFTER_S, timeout_s=60 + 2 * HUNG_AFTER_S)
+
+    def _failed(self, statuses: list[dict]) -> dict[int, int]:
+        """server -> the worker rank of its first process that died or hung (did not answer `/health`)."""
+        failed: dict[int, int] = {}
+        for k, status in enumerate(statuses):
+            if not status["running"] or status["answers"] is False:
+                failed.setdefault(self.server_of[k], k)
+        return failed
 
     def recover(self, on_restart: Optional[Callable[[list[str]], None]] = None) -> int:
-        """Restart every server whose process died; returns how many. Call it only while no
+        """Restart every server whose process died or that hung (alive, but no answer to `/health`
+        within `HUNG_AFTER_S`: its worker kills it first); returns how many. Call it only while no
         generation runs (the weight push needs idle servers). `on_restart`: called instead of the
         fleet's own after a restart (the weight push brings restarted servers up to date itself).
         Raises `RolloutServerLost` for a server past `max_server_restarts` or one that does not
         come back."""
-        statuses = self.workers.call("status", timeout_s=60)
-        first_dead = {}  # server -> the worker rank of its first dead process
-        for k, status in enumerate(statuses):
-            if not status["running"]:
-                first_dead.setdefault(self.server_of[k], k)
-        dead = sorted(first_dead)
+        statuses = self._statuses()
+        failed = self._failed(statuses)
+        dead = sorted(failed)
         if not dead:
             return 0
+        for i in dead:  # every hung server is killed, also when the run stops below: none is left stopped
+            k = failed[i]
+            if statuses[k]["running"]:
+                self._kill_hung(i, k, statuses[k])
         for i in dead:
-            k = first_dead[i]
+            k = failed[i]
             if self.restarts[i] >= self.max_restarts:
                 raise RolloutServerLost(self._lost_message(i, k, statuses[k]))
-            log.warning("rollout server %d at %s: its process on %s died (%s); restart %d of at most %d", i,
-                        self.urls[i], self.workers.locations[k], exit_description(statuses[k]["exit_code"]),
+            log.warning("rollout server %d at %s: its process on %s %s; restart %d of at most %d", i,
+                        self.urls[i], self.workers.locations[k], self._what_happened(statuses[k]),
                         self.restarts[i] + 1, self.max_restarts)
         registered = set(self.router.worker_urls())
         for i in dead:
@@ -243,11 +287,32 @@ class RolloutFleet:
             self.router.add_worker(self.urls[i], timeout_s=120)
         return len(dead)
 
+    def _kill_hung(self, i: int, rank: int, status: dict) -> None:
+        """Server `i`'s process on worker `rank` runs but did not answer `/health`: its worker kills
+        its process group (SIGKILL) and reaps it."""
+        log.warning("rollout server %d at %s: its process on %s (pid %d) is hung: alive, but no answer to /health "
+                    "within %.1f s; killing it (SIGKILL to its process group)", i, self.urls[i],
+                    self.workers.locations[rank], status["pid"], status["probe_s"])
+        try:
+            self.workers.call_ranks([rank], "kill", f"hung: no answer to /health within {status['probe_s']:.1f} s",
+                                    timeout_s=60)
+        except WorkerGroupError as e:
+            raise RolloutServerLost(f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[rank]} "
+                                    f"hung and could not be killed: {e}") from None
+
+    @staticmethod
+    def _what_happened(status: dict) -> str:
+        """'died (killed by SIGKILL)', or for a hung server 'hung (alive, but no answer ...; killed)'."""
+        if status["running"]:  # as it was at the probe; the fleet has killed it since
+            return (f"hung (alive, but no answer to /health within {status['probe_s']:.1f} s; killed with "
+                    f"SIGKILL to its process group)")
+        return f"died ({exit_description(status['exit_code'])})"
+
     def _lost_message(self, i: int, rank: int, status: dict) -> str:
-        """Server `i` is lost; worker `rank` is (one of) its dead process(es)."""
+        """Server `i` is lost; worker `rank` is (one of) its dead or hung process(es)."""
         tail = self.workers.call_ranks([rank], "log_tail", 30, timeout_s=60)[0]
         return (f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[rank]} ({status['ip']}, host "
-                f"{status['hostname']}) died ({exit_description(status['exit_code'])}) after {self.restarts[i]} "
+                f"{status['hostname']}) {self._what_happened(status)} after {self.restarts[i]} "
                 f"restart(s); actor_rollout_ref.rollout.max_server_restarts={self.max_restarts} allows no more, so "
                 f"the run stops. Last lines of its log {status['log_path']}:\n{tail}")
 
@@ -289,16 +354,32 @@ class RolloutFleet:
             server.continue_generation()
         self.paused = False
 
-    def release_memory(self) -> None:
-        """Colocated: free the servers' weights and KV cache while training runs (the weight push
-        resumes them). A server that died is restarted first."""
-        self.recover()
-        on_all(self.servers(), lambda server: server.release_memory_occupation())  # at once; every failure named
+    def release_memory(self, tags: dict[int, tuple[str, ...]]) -> dict[int, str]:
+        """Colocated: server i frees its memory `tags[i]` (SGLang's tags; the caller's
+        `placement.colocated_memory` decides which), all at once. The servers must be idle: SGLang
+        0.5.23 asserts it, and its server ends otherwise. Returns {server: error} of the calls that
+        failed (a dead or hung server: `recover` restarts it); the others released."""
+        return self._memory_calls(tags, lambda server, t: server.release_memory_occupation(t))
 
-    def resume_kv_cache(self) -> None:
-        """Colocated, after a weight push and the training roles' offload: the servers take their
-        KV cache (and CUDA graphs) back; the push resumed their weights."""
-        on_all(self.servers(), lambda server: server.resume_memory_occupation(MEMORY_AFTER_PUSH))
+    def resume_memory(self, tags: dict[int, tuple[str, ...]]) -> dict[int, str]:
+        """Colocated: server i takes its memory `tags[i]` back (each released before: SGLang 0.5.23
+        ends a server asked to resume what it holds), all at once. Returns {server: error} of the
+        calls that failed; the others resumed."""
+        return self._memory_calls(tags, lambda server, t: server.resume_memory_occupation(t))
+
+    def _memory_calls(self, tags: dict[int, tuple[str, ...]], call) -> dict[int, str]:
+        """`call(server i, list(tags[i]))` on every server in `tags` at once, each bounded by
+        `memory_call_timeout_s`; {server: error} of those that failed."""
+        pool = admin_pool()
+        futures = {i: pool.submit(call, ServerControl(self.urls[i], self.api_key, timeout_s=self.memory_call_timeout_s),
+                                  list(t)) for i, t in tags.items()}
+        failed = {}
+        for i, future in futures.items():
+            try:
+                future.result()
+            except Exception as e:  # every server's failure is reported
+                failed[i] = f"rollout server {i} at {self.urls[i]}: {type(e).__name__}: {e}"
+        return failed
 
     def shutdown(self) -> None:
         if self.client is not None:

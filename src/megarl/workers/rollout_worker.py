@@ -1,5 +1,6 @@
 """`RolloutWorker`: the Ray actor of one rollout server. It starts the server process on its own
-node and GPUs (megarl's CPU engine or real SGLang), reports whether it is alive, restarts it at
+node and GPUs (megarl's CPU engine or real SGLang), reports whether it is alive (and, asked, whether
+it answers `/health`), kills it when the fleet finds it hung, restarts it at
 the same URL when told to (the fleet decides: a restarted server needs the current weights before
 it may serve), and stops it. A SGLang server larger than a node has one actor per node: the one of
 node rank 0 serves HTTP, the others run their share of the TP ranks (`MultiNode`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Optional
 
 import ray
@@ -17,6 +19,7 @@ import ray
 from megarl.config.devices import visible_gpu_index
 from megarl.config.rules.router_replay import replays_routes
 from megarl.net import free_port
+from megarl.rollout.control import ServerControl
 from megarl.rollout.launch import (
     LoraServing,
     MultiNode,
@@ -99,12 +102,27 @@ class RolloutWorker(RankedWorker):
         self.process = start_on_a_free_port(server_on, host)
         return self.process.url
 
-    def status(self) -> dict:
-        """Where the server is and whether it is alive (`exit_code`: negative = killed by that signal)."""
+    def status(self, health_timeout_s: Optional[float] = None) -> dict:
+        """Where the server is and whether it is alive (`exit_code`: negative = killed by that signal).
+        With `health_timeout_s` (seconds), a running server that serves HTTP is also asked `/health`
+        from here, its own node: `answers` is whether HTTP 200 came within that bound, `probe_s` how
+        long the probe took (seconds); both None when not probed (not asked, not running, or node
+        >= 1 of a multi-node server, which serves no HTTP)."""
         p = self.process
-        return {"url": p.url, "pid": p.pid, "running": p.is_running(), "exit_code": p.returncode,
+        running = p.is_running()
+        answers = probe_s = None
+        if health_timeout_s is not None and running and p.health_path is not None:
+            started = time.monotonic()
+            answers = ServerControl(p.url).health(timeout_s=health_timeout_s)
+            probe_s = time.monotonic() - started
+        return {"url": p.url, "pid": p.pid, "running": running, "exit_code": p.returncode,
                 "restarts": p.restarts, "log_path": p.log_path, "ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname()}
+                "hostname": socket.gethostname(), "answers": answers, "probe_s": probe_s}
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the server's process group and reap it: a server that is alive but stopped
+        answering (`ServerProcess.kill`). The fleet then calls `restart`, as for one that died."""
+        self.process.kill(reason)
 
     def restart(self) -> str:
         """Start the server again at its URL if it exited; returns the URL. Raises

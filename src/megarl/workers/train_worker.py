@@ -57,19 +57,20 @@ class TrainWorker(RankedWorker):
             self.weight_sync = AdapterSync(
                 self.engine.lora_adapters, model.lora.rank, model.lora.alpha, model.path, server_urls,
                 adapter_dir(self.config) if model.lora.sync_via == "disk" else None, via=model.lora.sync_via,
-                released_memory=sync_config.released_memory, initial_version=version, timeout_s=sync_config.timeout_s)
+                initial_version=version, timeout_s=sync_config.timeout_s)
             return
         self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
                                       initial_version=version)
 
-    def push_weights(self, version: int | None = None) -> dict:
+    def push_weights(self, version: int | None = None, flush: list[bool] | None = None) -> dict:
         """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send.
-        `version`: the servers' new weight_version (default the last one + 1). The metrics include
+        `version`: the servers' new weight_version (default the last one + 1); `flush`: per server,
+        whether its KV cache is drained first (`WeightSync.push`). The metrics include
         `sync/weight_version`, the version the servers now hold."""
         from megarl.sync.adapter_sync import AdapterSync
 
         self.engine.offloader.check_onloaded(("params",))  # the push reads them
         adapters_only = isinstance(self.weight_sync, AdapterSync)
         with nullcontext() if adapters_only else self.engine.weights_for_sync():  # LoRA merged: base + s B A
-            metrics = self.weight_sync.push(version)
+            metrics = self.weight_sync.push(version, flush=flush)
         return {**metrics, "sync/weight_version": float(self.weight_sync.version)}

@@ -315,6 +315,18 @@ class MegatronEngine:
         """Bring back what `offload` moved. Returns {"bytes": copied to the device, "seconds"}."""
         return self.offloader.onload()
 
+    def empty_cache(self) -> dict:
+        """Give the device memory this process's caching allocator keeps but no tensor uses back to
+        the GPU (`torch.cuda.empty_cache`): otherwise it keeps the training peak (activations,
+        logits, buckets), which a colocated SGLang server resuming its memory needs physically
+        free (its memory saver maps new pages). Returns {"reserved_before", "reserved_after"}
+        (bytes the allocator held; 0 on CPU, where nothing is cached)."""
+        if self.device.type != "cuda":
+            return {"reserved_before": 0, "reserved_after": 0}
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path) -> None:
         """Save model (+ optimizer + LR schedule) as a `torch_dist` distributed checkpoint in the
