@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from megarl.config import load_and_validate
+from megarl.config import ConfigError, load_and_validate
 from megarl.data.tiny_model import make_tiny_model
 from megarl.placement import plan_from_config
 from megarl.placement.ray_pools import create_pools
 from megarl.rollout.protocol import SamplingParams
-from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.rollout.launch import server_startup_timeout_s
+from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
 
 
 def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
@@ -61,6 +62,42 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_server_slower_to_start_than_the_key_allows_is_named_with_the_key(ray_two_gpus, tmp_path):
+    """actor_rollout_ref.rollout.server_startup_timeout_s bounds the start (and every restart): a
+    CPU server cannot load and answer /health in 0.5 s; the fleet says so naming the key, and
+    stops what it started."""
+    make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    config = load_and_validate(None, [
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}", "data.train_files=/unused.parquet",
+        "actor_rollout_ref.rollout.name=cpu", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.server_startup_timeout_s=0.5", f"trainer.default_local_dir={tmp_path}",
+        "trainer.project_name=p", "trainer.experiment_name=e"])
+    plan = plan_from_config(config)
+    pools = create_pools(plan, timeout_s=60)
+    timeout = server_startup_timeout_s("cpu", config.actor_rollout_ref.rollout.server_startup_timeout_s)
+    try:
+        with pytest.raises(RolloutServerLost) as lost:
+            RolloutFleet(plan.roles["rollout"], pools, config, colocated=True, single_node=True,
+                         startup_timeout_s=timeout)
+    finally:
+        pools.remove()
+    message = str(lost.value)
+    assert message.startswith("the rollout servers did not start (each may take "
+                              "actor_rollout_ref.rollout.server_startup_timeout_s=0.5 s to answer /health")
+    assert "not healthy after 0 s" in message or "not healthy after 1 s" in message, message
+
+
+def test_the_startup_timeout_by_engine():
+    """Unset, 30 minutes for SGLang on GPUs (a large checkpoint from a network filesystem, CUDA
+    graphs), 10 for the CPU engine; a value set wins."""
+    assert server_startup_timeout_s("sglang", None) == 1800.0
+    assert server_startup_timeout_s("cpu", None) == 600.0
+    assert server_startup_timeout_s("sglang", 3600) == 3600.0
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.server_startup_timeout_s=0.0: must be > 0"):
+        load_and_validate(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet",
+                                 "actor_rollout_ref.rollout.server_startup_timeout_s=0"])
 
 
 def test_the_nodes_of_a_multi_node_server_meet_at_its_node_0_address():

@@ -284,6 +284,9 @@ class RolloutConfig:
     free_cache_engine: bool = True  # release KV cache while training (colocated)
     max_concurrent_requests: int = 256  # in-flight /generate requests per client
     request_timeout_s: float = 600.0
+    # seconds a rollout server (and each restart of one) may take to answer /health after its process
+    # starts; None: megarl.rollout.launch.server_startup_timeout_s decides (longer for SGLang on GPUs)
+    server_startup_timeout_s: Optional[float] = None
     max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512

@@ -12,6 +12,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+# How long a rollout server may take to become healthy (seconds), by engine, when
+# `actor_rollout_ref.rollout.server_startup_timeout_s` is unset. SGLang on GPUs loads the checkpoint
+# (a 235B model in bf16 is ~470 GB: at 1 GB/s from a network filesystem, about 8 minutes per copy
+# read), joins its TP/EP ranks across nodes, profiles memory and captures CUDA graphs (minutes
+# with many batch sizes): 30 minutes, as megatron's own distributed_timeout_minutes default. The
+# CPU engine loads a small model in seconds: 10 minutes covers a loaded CI machine.
+SERVER_STARTUP_TIMEOUT_S = {"sglang": 1800.0, "cpu": 600.0}
+
+
+def server_startup_timeout_s(engine: str, configured: Optional[float]) -> float:
+    """Seconds a server of `engine` (actor_rollout_ref.rollout.name) may take to start, or to
+    restart: `configured` (server_startup_timeout_s) if set, else `SERVER_STARTUP_TIMEOUT_S[engine]`."""
+    return float(configured) if configured is not None else SERVER_STARTUP_TIMEOUT_S[engine]
+
+
 # SGLang 0.5.23 `srt/arg_groups/fields/exec_.py`: enable_return_routed_experts (routing replay)
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 

@@ -31,6 +31,7 @@ from megarl.placement.colocation import offload_plan, releases_server_memory  # 
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.rollout.control import ServerError  # noqa: E402
+from megarl.rollout.launch import server_startup_timeout_s  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
@@ -97,8 +98,10 @@ class Cluster:
             raise
 
     def _start_rollout(self, role) -> None:
+        r = self.config.actor_rollout_ref.rollout
         self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated,
                                     single_node=self.plan.cluster.nnodes == 1,
+                                    startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
                                     on_restart=self._resync_restarted_rollout)
 
     def _make_sync(self, urls: list[str]) -> None:

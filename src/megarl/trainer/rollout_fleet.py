@@ -137,10 +137,13 @@ class RolloutFleet:
             bind = "127.0.0.1" if single_node else None
             path = config.actor_rollout_ref.model.path
             logs = run_logs_dir(config)
-            urls = self.workers.call_each(
-                "start", [(path, bind, startup_timeout_s, str(logs / server_log_name(server, node)), node, server)
-                          for server, node in zip(self.server_of, self._multi_node_args())],
-                timeout_s=startup_timeout_s + 60)
+            try:
+                urls = self.workers.call_each(
+                    "start", [(path, bind, startup_timeout_s, str(logs / server_log_name(server, node)), node, server)
+                              for server, node in zip(self.server_of, self._multi_node_args())],
+                    timeout_s=startup_timeout_s + 60)
+            except WorkerGroupError as e:
+                raise RolloutServerLost(f"the rollout servers did not start ({self._startup_bound()}): {e}") from None
             self.urls = [urls[ranks[0]] for ranks in self.members]
             # The router runs on the driver's node and listens on loopback: only this client calls it.
             self.router = Router(self.urls, free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"),
@@ -279,13 +282,17 @@ class RolloutFleet:
                                     timeout_s=self.startup_timeout_s + 60)
         except WorkerGroupError as e:
             urls = [self.urls[i] for i in dead]
-            raise RolloutServerLost(f"restarting rollout server(s) {urls} failed: {e}") from None
+            raise RolloutServerLost(f"restarting rollout server(s) {urls} failed ({self._startup_bound()}): {e}") from None
         (on_restart or self.on_restart)(list(self.urls))
         for i in dead:
             if self.paused:  # restarted inside a push's pause: it holds the requests sent again until the continue
                 self.servers()[i].pause_generation("abort")
             self.router.add_worker(self.urls[i], timeout_s=120)
         return len(dead)
+
+    def _startup_bound(self) -> str:
+        return (f"each may take actor_rollout_ref.rollout.server_startup_timeout_s={self.startup_timeout_s:g} s to "
+                "answer /health; raise it for a large checkpoint on a slow filesystem")
 
     def _kill_hung(self, i: int, rank: int, status: dict) -> None:
         """Server `i`'s process on worker `rank` runs but did not answer `/health`: its worker kills

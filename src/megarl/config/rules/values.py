@@ -153,12 +153,17 @@ def fault_limits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]
     """The limits on slow rewards, dead servers, skipped steps and collectives.
 
     Reads: custom_reward_function.timeout_s, actor_rollout_ref.rollout.max_server_restarts,
-    trainer.max_consecutive_skipped_steps, actor_rollout_ref.nccl_timeout
+    trainer.max_consecutive_skipped_steps, actor_rollout_ref.nccl_timeout,
+    actor_rollout_ref.rollout.server_startup_timeout_s
     """
     timeout_s = config.custom_reward_function.timeout_s
     restarts = config.actor_rollout_ref.rollout.max_server_restarts
     skipped = config.trainer.max_consecutive_skipped_steps
     nccl_timeout = config.actor_rollout_ref.nccl_timeout
+    startup = config.actor_rollout_ref.rollout.server_startup_timeout_s
+    if startup is not None and startup <= 0:
+        yield (f"actor_rollout_ref.rollout.server_startup_timeout_s={startup}: must be > 0 seconds (or null: "
+               "1800 for SGLang, 600 for the CPU engine)")
     if timeout_s <= 0:
         yield f"custom_reward_function.timeout_s={timeout_s}: must be > 0 seconds"
     if nccl_timeout <= 0:
