@@ -86,16 +86,19 @@ class ColocatedMemory:
         return Moves(release, {}, {}, onload, False)
 
     def before_push(self) -> Moves:
-        """Every planned part except the actor's parameters leaves, the caches are emptied, then
-        the servers whose weights are released resume them."""
+        """The actor comes back if its parameters are off (the push reads them: a push between
+        generations, for a restarted server), every planned part except the actor's parameters
+        leaves, the caches are emptied, then the servers whose weights are released resume them."""
+        onload = ("actor",) if "actor" in self.offloaded and self.offloaded["actor"].params else ()
         offload = {}
         for role, planned in self.plan.items():
             keep = OffloadParts(params=True) if role == "actor" else OffloadParts()
-            todo = _parts_minus(_parts_minus(planned, keep), self.offloaded[role])
+            done = OffloadParts() if role in onload else self.offloaded[role]
+            todo = _parts_minus(_parts_minus(planned, keep), done)
             if todo.any():
                 offload[role] = todo
         resume = {i: ("weights",) for i, r in enumerate(self.released) if "weights" in r}
-        return Moves({}, resume, offload, (), bool(offload) or bool(resume))
+        return Moves({}, resume, offload, onload, bool(offload) or bool(resume))
 
     def flush_before_push(self) -> list[bool]:
         """Per server, whether the push flushes its KV cache first (`/flush_cache`, which needs it
@@ -143,12 +146,12 @@ class ColocatedMemory:
 
     def apply(self, moves: Moves) -> None:
         """Record `moves` as done, all of them."""
-        for server, tags in moves.release.items():
+        for server, tags in moves.release.items():  # the order the trainer carries them out in
             self.server_released(server, tags)
-        for role, parts in moves.offload.items():
-            self.role_offloaded(role, parts)
         for role in moves.onload:
             self.role_onloaded(role)
+        for role, parts in moves.offload.items():
+            self.role_offloaded(role, parts)
         for server, tags in moves.resume.items():
             self.server_resumed(server, tags)
 

@@ -192,15 +192,23 @@ def _describe(server: ServerControl, error: BaseException) -> str:
     return f"{server.url}: {type(error).__name__}: {text}"
 
 
-def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
-    """Results of `futures` (one per server) in insertion order; raise one `ServerError` naming
-    every server whose call failed. (Each call is bounded by its `ServerControl.timeout_s`.)"""
-    results, failures = [], []
+def outcomes(futures: dict[Future, ServerControl]) -> list[Any]:
+    """Each future's result, or the exception its call raised (as a `ServerError` naming the
+    server), in insertion order. (Each call is bounded by its `ServerControl.timeout_s`.)"""
+    out = []
     for future, server in futures.items():
         try:
-            results.append(future.result())
-        except Exception as e:  # every server's failure is reported, not just the first
-            failures.append(_describe(server, e))
+            out.append(future.result())
+        except Exception as e:  # every server's failure is kept, not just the first
+            out.append(ServerError(_describe(server, e)))
+    return out
+
+
+def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
+    """Results of `futures` (one per server) in insertion order; raise one `ServerError` naming
+    every server whose call failed."""
+    results = outcomes(futures)
+    failures = [str(r) for r in results if isinstance(r, ServerError)]
     if failures:
         raise ServerError("; ".join(failures))
     return results
@@ -228,7 +236,17 @@ def admin_pool() -> ThreadPoolExecutor:
 
 
 def on_all(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
-    """`call(server)` on every server concurrently; results in server order. The weight push's admin
-    calls and the rollout fleet's (memory release and resume) go through it."""
+    """`call(server)` on every server concurrently; results in server order, or one `ServerError`
+    naming every server whose call failed. The weight push's admin calls go through it."""
+    return wait_all(_submit(servers, call))
+
+
+def on_each(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> list[Any]:
+    """`on_all` that does not raise: each server's result or its `ServerError`, in server order
+    (the rollout fleet's memory release and resume, which go on for the servers that answered)."""
+    return outcomes(_submit(servers, call))
+
+
+def _submit(servers: Sequence[ServerControl], call: Callable[[ServerControl], Any]) -> dict[Future, ServerControl]:
     pool = admin_pool()
-    return wait_all({pool.submit(call, s): s for s in servers})
+    return {pool.submit(call, s): s for s in servers}

@@ -72,8 +72,9 @@ class Cluster:
         self.releases_memory = releases_server_memory(config)  # colocated, servers freed while training
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
-        self.offload_plan = offload_plan(config, self.plan.roles)  # {role: OffloadParts}, colocated only
-        self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, self.offload_plan, self.releases_memory)
+        # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
+        self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
+                                      self.releases_memory)
         self._restarts_seen = [0] * self.plan.roles["rollout"].dp  # per server, the restarts `memory` knows of
         self._offload_totals = dict.fromkeys(("offload_s", "onload_s", "offload_bytes", "offload_freed_bytes"), 0.0)
         try:
@@ -136,7 +137,8 @@ class Cluster:
 
     def _note_restarts(self) -> None:
         """Tell `memory` which servers restarted since it last heard (a new process holds all its
-        memory, resident)."""
+        memory, resident). The fleet's `recover` calls one of the two restart callbacks
+        (`_make_sync`, `_resync_restarted_rollout`) after every restart: they call this."""
         if self.rollout is None:
             return
         for i, count in enumerate(self.rollout.restarts):
@@ -152,7 +154,6 @@ class Cluster:
         cache."""
         if self.releases_memory:
             self.rollout.recover()
-            self._note_restarts()
         self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()))
 
     def _with_recovery(self, what: str, attempt: Callable[[], T], on_restart=None) -> T:
@@ -165,7 +166,6 @@ class Cluster:
             except (WorkerGroupError, ServerError) as failed:
                 if self.rollout.recover(on_restart=on_restart) == 0:
                     raise
-                self._note_restarts()
                 first = str(failed).splitlines()[:2][-1].strip()  # the first line of the first rank, no traceback
                 log.warning("%s failed as rollout servers died or hung; they were restarted, trying again. The "
                             "failure: %s", what, first)
@@ -233,7 +233,6 @@ class Cluster:
         """`sync_weights` without the fault counts; `version`: the servers' new version (default
         the next one; the current one re-gives the servers the weights they had)."""
         self.rollout.recover(on_restart=self._make_sync)
-        self._note_restarts()
         return self._push_now(version)
 
     def _push_now(self, version: int | None) -> dict:
@@ -242,8 +241,6 @@ class Cluster:
         servers' weights back; the push (flushing only the servers whose KV cache is resident);
         then the actor's parameters off, the caches emptied, the KV caches back. Servers that die
         or hang during the push are restarted and the push sent again."""
-        if self.memory.offloaded.get("actor") and self.memory.offloaded["actor"].params:
-            self._do(Moves({}, {}, {}, ("actor",), False))  # the push reads the actor's parameters
         target = self.weight_version + 1 if version is None else version
 
         def push() -> dict:

@@ -41,7 +41,7 @@ from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
 from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutResult, stale_reason
-from megarl.rollout.control import ServerControl, ServerError, admin_pool
+from megarl.rollout.control import ServerControl, ServerError, on_each
 from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
@@ -377,16 +377,9 @@ class RolloutFleet:
     def _memory_calls(self, tags: dict[int, tuple[str, ...]], call) -> dict[int, str]:
         """`call(server i, list(tags[i]))` on every server in `tags` at once, each bounded by
         `memory_call_timeout_s`; {server: error} of those that failed."""
-        pool = admin_pool()
-        futures = {i: pool.submit(call, ServerControl(self.urls[i], self.api_key, timeout_s=self.memory_call_timeout_s),
-                                  list(t)) for i, t in tags.items()}
-        failed = {}
-        for i, future in futures.items():
-            try:
-                future.result()
-            except Exception as e:  # every server's failure is reported
-                failed[i] = f"rollout server {i} at {self.urls[i]}: {type(e).__name__}: {e}"
-        return failed
+        servers = [ServerControl(self.urls[i], self.api_key, timeout_s=self.memory_call_timeout_s) for i in tags]
+        results = on_each(servers, lambda server: call(server, list(tags[self.urls.index(server.url)])))
+        return {i: f"rollout server {i}: {r}" for i, r in zip(tags, results) if isinstance(r, ServerError)}
 
     def shutdown(self) -> None:
         if self.client is not None:
