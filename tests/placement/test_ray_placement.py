@@ -13,11 +13,22 @@ ray = pytest.importorskip("ray")  # a core dependency: present whenever megarl i
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from megarl.placement import ClusterSpec, RoleSpec, plan_placement, worker_group  # noqa: E402
-from megarl.placement.ray_pools import NODE_RANK_LABEL, PlacementTimeout, create_pools  # noqa: E402
+from megarl.config.devices import visible_gpu_index  # noqa: E402
+from megarl.launch.check import ClusterCheckError, check_cluster  # noqa: E402
+from megarl.placement.gpu_order import real_server_gpus, server_gpu_problems  # noqa: E402
+from megarl.placement.ray_pools import (  # noqa: E402
+    NODE_ID_LABEL,
+    NODE_RANK_LABEL,
+    PlacementTimeout,
+    create_pools,
+    probe_bundle_gpus,
+)
+from megarl.sync.colocation import colocated_peers  # noqa: E402
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError  # noqa: E402
 from megarl.workers.base import RankedWorker  # noqa: E402
 
 NODES, GPUS = 2, 4
+SHUFFLED_VISIBLE = "3,1,0,2"  # node 1's raylet CUDA_VISIBLE_DEVICES
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +37,12 @@ def ray_cluster(tmp_path_factory):
     temp = tmp_path_factory.mktemp("ray")
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False,
                                                           temp_dir=str(temp)))
-    # Added in reverse so that plan order (by node-rank label) differs from start order.
+    # Added in reverse so that plan order (by node-rank label) differs from start order. Node 1's raylet
+    # sees its GPUs in a shuffled CUDA_VISIBLE_DEVICES (as a Slurm cgroup or a user may spell it): Ray's GPU
+    # ids there are those values, and a process seeing all of them counts them in that order.
     for rank in reversed(range(NODES)):
-        c.add_node(num_cpus=2, num_gpus=GPUS, labels={NODE_RANK_LABEL: str(rank)})
+        c.add_node(num_cpus=2, num_gpus=GPUS, labels={NODE_RANK_LABEL: str(rank)},
+                   env_vars={"CUDA_VISIBLE_DEVICES": SHUFFLED_VISIBLE} if rank == 1 else None)
     ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
     yield c
     ray.shutdown()
@@ -128,6 +142,80 @@ def test_colocated_roles_share_gpus_and_bundles_land_on_planned_nodes(cluster):
         rollouts.shutdown()
     finally:
         pools.remove()
+
+
+class SeesNodeGpus(Probe):
+    """A rank that, like a SGLang server (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1), sees every
+    GPU of its node and says the CUDA index of its own."""
+
+    def own_gpu(self) -> tuple[str, str, int]:
+        ids = ray.get_gpu_ids()
+        return (ray.get_runtime_context().get_node_id(), str(ids[0]),
+                visible_gpu_index(ids, os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+
+def hold_all_but(node_id: str, free: set[int]) -> list:
+    """One-GPU placement groups pinned to `node_id` holding every GPU of it but those of CUDA index in
+    `free` (as seen with all the node's GPUs visible): GPUs another job holds."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    groups = [placement_group([{"GPU": 1}], bundle_label_selector=[{NODE_ID_LABEL: node_id}]) for _ in range(GPUS)]
+    for g in groups:
+        assert g.wait(60)
+    held = []
+    for g in groups:
+        if probe_bundle_gpus(g, 1, timeout_s=60)[0].index in free:
+            remove_placement_group(g)
+        else:
+            held.append(g)
+    assert len(held) == GPUS - len(free)
+    return held
+
+
+def test_ranks_and_servers_go_to_the_gpus_ray_gave_not_to_bundle_indexes(cluster):
+    """Another job holds node 0's CUDA GPUs 0 and 2 and node 1's first and last visible GPUs, so the pool gets GPUs
+    the plan's indexes do not name: node 0 gives it 1 and 3 (not a run SGLang's --base-gpu-id + rank can
+    take), node 1 ids "1" and "0" (CUDA indexes 1 and 2 in its CUDA_VISIBLE_DEVICES "3,1,0,2"). Every rank
+    runs on the GPU its bundle reported, the colocated peers follow the real GPUs, and the server whose
+    GPUs are no run is refused by name."""
+    from ray.util.placement_group import remove_placement_group
+
+    node_of_rank = {rank: node for node, rank in cluster.items()}
+    held = hold_all_but(node_of_rank[0], {1, 3}) + hold_all_but(node_of_rank[1], {1, 2})
+    plan = plan_placement(ClusterSpec(NODES, 2), {"shared": NODES * 2},
+                          [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
+    pools = create_pools(plan, timeout_s=300)
+    try:
+        real = [pools.device_gpu("shared", i) for i in range(4)]
+        assert [(cluster[g.node_id], g.gpu_id, g.index) for g in real] == [
+            (0, "1", 1), (0, "3", 3), (1, "1", 1), (1, "0", 2)]
+        actors = WorkerGroup(SeesNodeGpus, plan.roles["actor"], pools,
+                             env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+        seen = actors.call("own_gpu", timeout_s=300)
+        assert seen == [(g.node_id, g.gpu_id, g.index) for g in real]
+        rollout = plan.roles["rollout"]
+        server_gpus = real_server_gpus(rollout, real)
+        assert [[(cluster[n], i) for n, i in row] for row in server_gpus] == [[(0, 1), (0, 2)], [(1, 1), (1, 2)]]
+        problems = server_gpu_problems(rollout, real)
+        assert len(problems) == 1 and problems[0].startswith("rollout server 0 has GPUs with CUDA index [1, 3]")
+        # server 1 (node 1) is a run: its TP ranks are on the GPUs of actor ranks 2 and 3
+        assert colocated_peers([(g.node_id, g.index) for g in real], server_gpus[1:]) == [[2, 3]]
+        actors.shutdown()
+    finally:
+        pools.remove()
+    try:
+        # `megarl check-cluster` shows planned beside real GPUs and names the server that cannot start
+        plan = plan_placement(ClusterSpec(NODES, GPUS), {"shared": 2},
+                              [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
+        lines = []
+        with pytest.raises(ClusterCheckError, match=r"rollout server 0 has GPUs with CUDA index \[1, 3\]"):
+            check_cluster(plan, timeout_s=120, log=lines.append)
+        assert lines[0].split() == ["pool", "rank", "plan", "node", "plan", "GPU", "Ray", "node", "Slurm", "node",
+                                    "GPU", "index", "CUDA_VISIBLE_DEVICES"]
+        assert [(line.split()[4], line.split()[8]) for line in lines[1:3]] == [("0", "1"), ("1", "3")]
+    finally:
+        for g in held:
+            remove_placement_group(g)
 
 
 def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):

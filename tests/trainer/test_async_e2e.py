@@ -317,7 +317,7 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     def killing(index, version, prompt_indices, partial=None):
         resumed.append(partial is not None)
         if index == 2 and partial is None:
-            killers.append(threading.Thread(target=kill_once_busy, args=(ServerControl(victim["url"]), victim["pid"])))
+            killers.append(threading.Thread(target=kill_once_busy, args=(ServerControl(victim["url"], fleet.api_key), victim["pid"])))
             killers[-1].start()
         return generate(index, version, prompt_indices, partial)
 
@@ -372,7 +372,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
 
     cluster, trainer, _ = split_cluster
     run = partial_run(trainer, monkeypatch, "partial")
-    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0], cluster.rollout.api_key)
     seconds = {}
     push_due, generate, produced = threading.Event(), timed_rollouts(run.producer._generate, seconds), {}
     fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
@@ -432,7 +432,7 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
     run = partial_run(trainer, monkeypatch, "partial_death")
     fleet = cluster.rollout
     victim = fleet.workers.call("status", timeout_s=30)[0]
-    control, restarts_before = ServerControl(victim["url"]), fleet.restarts[0]
+    control, restarts_before = ServerControl(victim["url"], fleet.api_key), fleet.restarts[0]
     running, generate, resumed = threading.Event(), run.producer._generate, []
 
     def late(index, version, prompt_indices, partial=None):
@@ -491,7 +491,7 @@ def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_wi
     val_file = str(Path(c.data.train_files[0]).with_name("val.parquet"))
     run = partial_run(trainer, monkeypatch, "partial_validation", replace(c.data, val_files=[val_file]),
                       total_training_steps=2, test_freq=1)
-    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0])
+    fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0], cluster.rollout.api_key)
     timeline, validations = [], []  # (event, time); (server version, answers) per validation
     push_due, validating, continued = threading.Event(), threading.Event(), threading.Event()
     generate_rollout, pause, resume, generate = run.producer._generate, fleet.pause_generation, \
@@ -582,7 +582,7 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
     run = partial_run(trainer, monkeypatch, "partial_push_death")
     fleet = cluster.rollout
     victim = fleet.workers.call("status", timeout_s=30)[0]
-    control = ServerControl(victim["url"])
+    control = ServerControl(victim["url"], fleet.api_key)
     if fleet.weight_version is None:  # the servers' weights must differ from those a restart loads
         cluster.sync_weights()
     started, restarts_before = control.weight_version(), fleet.restarts[0]

@@ -115,9 +115,32 @@ def grpo(ray_two_gpus, tiny_assets, tiny_grpo_cluster, tmp_path_factory):
         yield cluster_and_trainer
 
 
-def greedy(url: str, prompt: list[int]):
-    with RolloutClient(url) as client:
+def greedy(url: str, prompt: list[int], api_key: str):
+    with RolloutClient(url, api_key=api_key) as client:
         return client.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0)).samples[0][0]
+
+
+def test_fleet_servers_refuse_requests_without_the_runs_api_key(grpo):
+    """The servers listen on the node's address: without the run's key (a fresh random one, as no
+    actor_rollout_ref.rollout.api_key_env is set) nobody may generate with them, release their memory or
+    push weights into them (401, SGLang's --api-key rule), and the key is in no file the run wrote."""
+    import requests
+
+    cluster, _ = grpo
+    key, url = cluster.rollout.api_key, cluster.rollout.urls[0]
+    assert isinstance(key, str) and len(key) >= 40
+    generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    for path, body, headers in [("/generate", generate, {}),
+                                ("/generate", generate, {"Authorization": "Bearer not-the-key"}),
+                                ("/release_memory_occupation", {}, {}),
+                                ("/update_weights_from_disk", {"model_path": "/tmp/x"}, {})]:
+        assert requests.post(url + path, json=body, headers=headers, timeout=30).status_code == 401, path
+    assert requests.get(url + "/health", timeout=30).status_code == 200  # open, as SGLang's
+    ok = requests.post(url + "/generate", json=generate, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 1
+    written = [f for f in Path(cluster.config.trainer.default_local_dir).rglob("*") if f.is_file()]
+    assert any(f.name.startswith("rollout-") for f in written)  # the servers' logs, with their command lines
+    assert not [f for f in written if key.encode() in f.read_bytes()]
 
 
 def test_step_completes_after_a_rollout_server_is_killed(grpo):
@@ -134,9 +157,10 @@ def test_step_completes_after_a_rollout_server_is_killed(grpo):
     assert metrics["sync/weight_version"] == 2 and cluster.rollout.restarts == [0, 1]
     now = cluster.rollout.workers.call("status", timeout_s=30)[1]
     assert now["running"] and now["pid"] != victim["pid"]
-    assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
+    assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     prompt = trainer.train_data.take([0])[0].input_ids
-    restarted, other = greedy(cluster.rollout.urls[1], prompt), greedy(cluster.rollout.urls[0], prompt)
+    key = cluster.rollout.api_key
+    restarted, other = greedy(cluster.rollout.urls[1], prompt, key), greedy(cluster.rollout.urls[0], prompt, key)
     assert restarted.weight_version == other.weight_version == "2"
     assert restarted.token_ids == other.token_ids and len(restarted.token_ids) > 0
 
@@ -184,7 +208,7 @@ def test_step_completes_after_a_rollout_server_hangs_mid_generation(grpo):
         os.kill(victim["pid"], 0)
     assert "killed (SIGKILL to its process group): hung: no answer to /health within" in \
         Path(victim["log_path"]).read_text()
-    assert [ServerControl(u).weight_version() for u in fleet.urls] == ["3", "3"]
+    assert [ServerControl(u, fleet.api_key).weight_version() for u in fleet.urls] == ["3", "3"]
 
 
 def test_training_worker_death_is_named(grpo):

@@ -65,7 +65,7 @@ class Recorder:
     @classmethod
     def server_memory(cls) -> list[list[str]]:
         """Each started server's released memory tags, as the server reports them."""
-        return [ServerControl(url).server_info()["internal_states"][0]["released_memory"]
+        return [ServerControl(url, fleet.api_key).server_info()["internal_states"][0]["released_memory"]
                 for fleet in cls.fleets for url in fleet.urls]
 
 
@@ -166,7 +166,7 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides, resta
         Recorder.events.clear()
         saved = trainer.save_checkpoint()
         result["save"] = (list(Recorder.events), (saved / "actor").is_dir(),
-                          [ServerControl(url).weight_version() for url in cluster.rollout.urls])
+                          [ServerControl(url, cluster.rollout.api_key).weight_version() for url in cluster.rollout.urls])
         cluster.before_training()  # the engines back on their devices, to be read
         result["actor_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.actor.workers.actors])
         result["ref_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.ref.workers.actors])

@@ -52,8 +52,8 @@ def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def released(url: str) -> list[str]:
-    return ServerControl(url, timeout_s=5).server_info()["internal_states"][0]["released_memory"]
+def released(url: str, api_key: str) -> list[str]:
+    return ServerControl(url, api_key, timeout_s=5).server_info()["internal_states"][0]["released_memory"]
 
 
 def stop_after_the_liveness_check(fleet, pid: int) -> None:
@@ -77,12 +77,12 @@ def kill_during_push(cluster) -> threading.Thread:
     fleet = cluster.rollout
     cluster.before_training()
     victim, held = fleet.workers.call("status", timeout_s=30)
-    assert "weights" in released(victim["url"])
+    assert "weights" in released(victim["url"], fleet.api_key)
     stop_after_the_liveness_check(fleet, held["pid"])
 
     def run():
         try:
-            wait_for(lambda: "weights" not in released(victim["url"]), "the push preparing server 0")
+            wait_for(lambda: "weights" not in released(victim["url"], fleet.api_key), "the push preparing server 0")
             time.sleep(0.2)
             os.kill(victim["pid"], signal.SIGKILL)
             wait_for(lambda: not fleet.workers.call("status", timeout_s=30)[0]["running"], "server 0 dead")
@@ -99,7 +99,7 @@ def logprob_gap(cluster, trainer, url: str) -> float:
     from the server at `url`."""
     prompts = trainer.train_data.take([0, 1])
     temperature = trainer.config.actor_rollout_ref.rollout.temperature
-    with RolloutClient(url) as client:
+    with RolloutClient(url, api_key=cluster.rollout.api_key) as client:
         result = client.generate([p.input_ids for p in prompts],
                                  SamplingParams(max_new_tokens=8, temperature=temperature), seeds=[0, 1])
     batch = experience.experience_batch(prompts, result.samples, uid_prefix="check")
@@ -125,8 +125,8 @@ def test_a_server_killed_during_the_push_is_restarted_and_the_push_completes(grp
     assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
     now = cluster.rollout.workers.call("status", timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
-    assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
-    assert [released(u) for u in cluster.rollout.urls] == [[], []]
+    assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
+    assert [released(u, cluster.rollout.api_key) for u in cluster.rollout.urls] == [[], []]
     for url in cluster.rollout.urls:  # the restarted server too holds the actor's weights
         assert logprob_gap(cluster, trainer, url) < 1e-4
 
@@ -145,7 +145,7 @@ def a_live_server_refusing_the_push(cluster):
             sync_dir.unlink()
             sync_dir.with_name("aside").rename(sync_dir)
     else:
-        server = ServerControl(cluster.rollout.urls[1])
+        server = ServerControl(cluster.rollout.urls[1], cluster.rollout.api_key)
         server.begin_weight_update()
         try:
             yield "a weight-update session is already open"
@@ -164,7 +164,7 @@ def test_a_push_failing_with_every_server_alive_is_not_retried(grpo):
     assert "WeightSyncError" in message and named in message, message
     assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
     assert [s["pid"] for s in cluster.rollout.workers.call("status", timeout_s=30)] == pids  # nothing restarted
-    assert [ServerControl(u).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
+    assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     assert cluster.sync_weights()["sync/weight_version"] == 3
 
 
@@ -212,8 +212,8 @@ def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_compl
     assert now["running"] and now["pid"] != held["pid"] and now["url"] == held["url"]
     with pytest.raises(ProcessLookupError):  # killed and reaped by its worker: nothing of it runs
         os.kill(held["pid"], 0)
-    assert [ServerControl(u).weight_version() for u in fleet.urls] == ["4", "4"]
-    assert [released(u) for u in fleet.urls] == [[], []]
+    assert [ServerControl(u, fleet.api_key).weight_version() for u in fleet.urls] == ["4", "4"]
+    assert [released(u, fleet.api_key) for u in fleet.urls] == [[], []]
     assert logprob_gap(cluster, trainer, fleet.urls[1]) < 1e-4  # the restarted server holds the actor's weights
 
 

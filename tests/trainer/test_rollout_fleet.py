@@ -116,3 +116,21 @@ def test_the_log_header_hides_the_api_key():
     from megarl.rollout.process import _without_secrets
 
     assert _without_secrets(["router", "--api-key", "s3cret", "--port", "1"]) == ["router", "--api-key", "***", "--port", "1"]
+
+
+def test_a_fresh_api_key_per_run_or_the_users_from_an_environment_variable(monkeypatch):
+    from megarl.rollout.launch import rollout_api_key
+
+    first, second = rollout_api_key(None), rollout_api_key(None)
+    assert first != second and len(first) >= 40  # 32 random bytes, URL-safe base64
+    monkeypatch.setenv("MY_ROLLOUT_KEY", "the-users-key")
+    assert rollout_api_key("MY_ROLLOUT_KEY") == "the-users-key"
+    base = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
+    config = load_and_validate(None, [*base, "actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY"])
+    assert "the-users-key" not in repr(config)  # the config names the variable, never the key
+    monkeypatch.delenv("MY_ROLLOUT_KEY")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY: that environment "
+                                          r"variable is not set"):
+        load_and_validate(None, [*base, "actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY"])
+    with pytest.raises(KeyError, match="api_key_env=MY_ROLLOUT_KEY"):
+        rollout_api_key("MY_ROLLOUT_KEY")

@@ -287,6 +287,9 @@ class RolloutConfig:
     # seconds a rollout server (and each restart of one) may take to answer /health after its process
     # starts; None: megarl.rollout.launch.server_startup_timeout_s decides (longer for SGLang on GPUs)
     server_startup_timeout_s: Optional[float] = None
+    # the environment variable holding the API key of the rollout servers and the router (SGLang's --api-key);
+    # None: a fresh random key for each run. The key itself is never in a config, a log or a metric.
+    api_key_env: Optional[str] = None
     max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     update_weights_bucket_megabytes: int = 512

@@ -4,7 +4,8 @@ before the experiment starts, and name the node at fault when it cannot.
 It checks that every plan node joined with trainer.n_gpus_per_node GPUs, realises the plan's pools
 as placement groups, starts one probe actor per GPU of each pool (a `RankedWorker`, as the real
 roles are), checks where each landed (Ray node, Slurm node, GPU id, CUDA_VISIBLE_DEVICES) against
-the plan, and runs an all-reduce across all of them: NCCL on CUDA tensors when every probe sees its
+the plan and against the GPU its bundle reported (`placement.gpu_order`: planned and real GPU
+side by side; a rollout server whose GPUs are not the run SGLang takes is named), and runs an all-reduce across all of them: NCCL on CUDA tensors when every probe sees its
 GPU as a CUDA device (the path the experiment's collectives take, across nodes), gloo on CPU
 tensors when none does (`probe_backend`). `check_cluster` needs `ray.init` done;
 `check_running_cluster` (`megarl check-cluster`) connects itself.
@@ -22,6 +23,7 @@ from megarl.config import ExperimentConfig
 from megarl.launch.ray_nodes import accepts_connections
 from megarl.launch.settings import SLURM_NODE_LABEL, SOCKET_IFNAME_VARS, socket_env
 from megarl.placement import format_gpu_map, plan_from_config
+from megarl.placement.gpu_order import BundleGpu, GpuOrderError, server_gpu_problems
 from megarl.placement.planner import Plan, Pool, RolePlacement
 from megarl.placement.ray_pools import (
     NODE_RANK_LABEL,
@@ -141,13 +143,13 @@ def _on_all(groups: list[WorkerGroup], method: str, *args, timeout_s: float) -> 
 
 
 def _run_probes(plan: Plan, nodes: list[RayNode],
-                timeout_s: float) -> tuple[list[str], list[dict], str, list[float]]:
+                timeout_s: float) -> tuple[list[str], list[dict], list[BundleGpu], str, list[float]]:
     """Realise the plan's pools, one probe per GPU, an all-reduce over all of them: (problems
-    with the bundles' nodes, each rank's `Probe.describe()`, the backend, each rank's all-reduce
-    result)."""
+    with the bundles' nodes and the servers' GPUs, each rank's `Probe.describe()`, the GPU each
+    rank's bundle reported, the backend, each rank's all-reduce result)."""
     try:
         pools = create_pools(plan, timeout_s=timeout_s)
-    except PlacementTimeout as exc:
+    except (PlacementTimeout, GpuOrderError) as exc:
         raise ClusterCheckError(f"  - {exc}") from exc
     problems, groups = [], []
     try:
@@ -157,6 +159,11 @@ def _run_probes(plan: Plan, nodes: list[RayNode],
                 if got != want:
                     problems.append(f"pool {pool.name} bundle {b} is on Ray node {got[:8]}, the plan says "
                                     f"{nodes[pool.devices[b].node].name}")
+        real = [pools.device_gpu(pool.name, i) for pool in plan.pools.values() for i in range(len(pool.devices))]
+        rollout = plan.roles.get("rollout")
+        if rollout is not None:
+            problems += server_gpu_problems(rollout, [pools.device_gpu(rollout.pool, i)
+                                                      for i in range(rollout.world_size)])
         world, offset = sum(len(p.devices) for p in plan.pools.values()), 0
         for pool in plan.pools.values():
             groups.append(WorkerGroup(Probe, _probe_role(pool), pools, offset, world))
@@ -172,21 +179,23 @@ def _run_probes(plan: Plan, nodes: list[RayNode],
         for group in groups:
             group.shutdown()
         pools.remove()
-    return problems, infos, backend, sums
+    return problems, infos, real, backend, sums
 
 
-def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict],
+def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict], real: list[BundleGpu],
                    expected_sockets: dict[str, str]) -> list[str]:
     """Each rank on its planned node (by Ray node id and by the Slurm node its process sees),
-    on one GPU of its own that Slurm gave the job, visible as itself, with the launcher's socket
-    interface variables."""
+    on the GPU its bundle reported (`real`, what every GPU decision is made from), one of its own
+    that Slurm gave the job, visible as itself, with the launcher's socket interface variables."""
     problems, seen = [], {}
     devices = [(pool.name, d) for pool in plan.pools.values() for d in pool.devices]
-    for rank, ((pool_name, d), info) in enumerate(zip(devices, infos, strict=True)):
+    for rank, ((pool_name, d), info, want) in enumerate(zip(devices, infos, real, strict=True)):
         planned, name, gpu = nodes[d.node], plan.cluster.name(d.node), ",".join(info["gpu_ids"])
         where = f"rank {rank} (pool {pool_name}, plan node {d.node} = {name})"
         if info["node_id"] != planned.node_id:
             problems.append(f"{where} runs on Ray node {info['node_id'][:8]}, not on {planned.name}")
+        if info["gpu_ids"] != [want.gpu_id]:
+            problems.append(f"{where} runs on GPU {gpu}, but its bundle reported GPU {want.gpu_id}: Ray moved it")
         if plan.cluster.node_names and info["slurm_node"] and info["slurm_node"] != name:
             problems.append(f"{where} runs on Slurm node {info['slurm_node']}: the Ray node labelled {name} is on "
                             f"another Slurm node")
@@ -205,14 +214,17 @@ def _rank_problems(plan: Plan, nodes: list[RayNode], infos: list[dict],
     return problems
 
 
-def _format_map(plan: Plan, infos: list[dict]) -> list[str]:
-    lines = [f"{'pool':<10} {'rank':>4}  {'plan node':<14} {'Ray node':<10} {'Slurm node':<12} {'GPU':>4}  "
-             "CUDA_VISIBLE_DEVICES"]
+def _format_map(plan: Plan, infos: list[dict], real: list[BundleGpu]) -> list[str]:
+    """One line per rank: planned node and GPU beside the real ones (Ray's GPU id, and its CUDA
+    index among the node's GPUs, what `--base-gpu-id` counts). Planned and real GPU indexes may
+    differ (Ray picks a bundle's GPU); every GPU decision uses the real one."""
+    lines = [f"{'pool':<10} {'rank':>4}  {'plan node':<14} {'plan GPU':>8} {'Ray node':<10} {'Slurm node':<12} "
+             f"{'GPU':>4} {'index':>5}  CUDA_VISIBLE_DEVICES"]
     devices = [(pool.name, d) for pool in plan.pools.values() for d in pool.devices]
-    for rank, ((pool_name, d), info) in enumerate(zip(devices, infos, strict=True)):
-        lines.append(f"{pool_name:<10} {rank:>4}  {f'{d.node} ({plan.cluster.name(d.node)})':<14} "
-                     f"{info['node_id'][:8]:<10} {info['slurm_node'] or '-':<12} {','.join(info['gpu_ids']):>4}  "
-                     f"{info['cuda_visible_devices']}")
+    for rank, ((pool_name, d), info, gpu) in enumerate(zip(devices, infos, real, strict=True)):
+        lines.append(f"{pool_name:<10} {rank:>4}  {f'{d.node} ({plan.cluster.name(d.node)})':<14} {d.gpu:>8} "
+                     f"{info['node_id'][:8]:<10} {info['slurm_node'] or '-':<12} {','.join(info['gpu_ids']):>4} "
+                     f"{gpu.index:>5}  {info['cuda_visible_devices']}")
     return lines
 
 
@@ -223,11 +235,11 @@ def check_cluster(plan: Plan, timeout_s: float = 120.0, log=print) -> None:
     if problems:
         raise ClusterCheckError("\n".join(f"  - {p}" for p in problems))
     nodes: list[RayNode] = gpu_nodes()[:plan.cluster.nnodes]
-    problems, infos, backend, sums = _run_probes(plan, nodes, timeout_s)
-    for line in _format_map(plan, infos):
+    problems, infos, real, backend, sums = _run_probes(plan, nodes, timeout_s)
+    for line in _format_map(plan, infos, real):
         log(line)
     sockets = socket_env()
-    problems += _rank_problems(plan, nodes, infos, sockets)
+    problems += _rank_problems(plan, nodes, infos, real, sockets)
     world = len(infos)
     expected = world * (world + 1) / 2
     if any(s != expected for s in sums):

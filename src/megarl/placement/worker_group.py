@@ -99,9 +99,10 @@ class RankedActor(Protocol):
 
 
 class WorkerGroup:
-    """The actors of one role. Rank r of a training role sits on bundle r of its pool; a rollout
-    server has one actor per node it spans (`RolePlacement.server_processes`, in that order), each
-    on the server's first GPU of that node."""
+    """The actors of one role. Rank r of a training role sits on the pool's plan device r; a
+    rollout server has one actor per node it spans (`RolePlacement.server_processes`, in that
+    order), each on the server's first GPU of that node. A plan device runs on the bundle that got
+    its GPU (`RealisedPools.bundle_of`), not on the bundle of its index; `gpus[rank]` is the GPU."""
 
     def __init__(self, worker_cls: type[RankedActor], role: RolePlacement, pools: RealisedPools, *args,
                  env: dict[str, str] | None = None, collective: bool = True, **kwargs):
@@ -114,19 +115,21 @@ class WorkerGroup:
         group = pools.groups[role.pool]
         node_names = [n.name for n in pools.nodes]
         if role.kind == "rollout":
-            bundles = [first_gpu for _, _, first_gpu in role.server_processes()]
+            devices = [first_gpu for _, _, first_gpu in role.server_processes()]
         else:
-            bundles = list(range(role.world_size))
-        self.locations = [node_names[role.devices[b].node] for b in bundles]
+            devices = list(range(role.world_size))
+        self.locations = [node_names[role.devices[i].node] for i in devices]
+        self.gpus = [pools.device_gpu(role.pool, i) for i in devices]
         remote_cls = ray.remote(worker_cls)
         self.actors = [
             remote_cls.options(
                 num_cpus=0,
                 num_gpus=role.gpu_fraction,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=pools.bundle_of(role.pool, i)),
                 runtime_env={"env_vars": dict(env or {})},
-            ).remote(rank, len(bundles), role.name, *args, **kwargs)
-            for rank, b in enumerate(bundles)
+            ).remote(rank, len(devices), role.name, *args, **kwargs)
+            for rank, i in enumerate(devices)
         ]
 
     def __len__(self) -> int:

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import os
+import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,20 @@ from typing import Optional
 # with many batch sizes): 30 minutes, as megatron's own distributed_timeout_minutes default. The
 # CPU engine loads a small model in seconds: 10 minutes covers a loaded CI machine.
 SERVER_STARTUP_TIMEOUT_S = {"sglang": 1800.0, "cpu": 600.0}
+
+
+def rollout_api_key(api_key_env: Optional[str]) -> str:
+    """The API key of a run's rollout servers and router (`actor_rollout_ref.rollout.api_key_env`):
+    the named environment variable's value, or a fresh random one (256 bits) when unset, so that
+    nobody else on the cluster network can generate with, release or push weights into the run's
+    servers (they listen on the node's address). Raises KeyError naming the key if the variable is
+    unset or empty (a config rule says so first)."""
+    if api_key_env is None:
+        return secrets.token_urlsafe(32)
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise KeyError(f"actor_rollout_ref.rollout.api_key_env={api_key_env}: that environment variable is not set")
+    return key
 
 
 def server_startup_timeout_s(engine: str, configured: Optional[float]) -> float:

@@ -62,3 +62,18 @@ def planner_colocated_peers(server_tp_sizes: Sequence[int], actor_world_size: in
     starts = [sum(server_tp_sizes[:s]) for s in range(len(server_tp_sizes))]
     return colocated_peers(range(actor_world_size),
                            [range(start, start + tp) for start, tp in zip(starts, server_tp_sizes)])
+
+
+def checked_peers(peers: Sequence[Sequence[int]], server_tp_sizes: Sequence[int],
+                  actor_world_size: int) -> list[list[int]]:
+    """`peers` (one row per server, one actor rank per TP rank) if they fit the servers' TP sizes
+    and name each actor rank at most once, else `ColocationError`."""
+    shape = [len(row) for row in peers]
+    if shape != list(server_tp_sizes):
+        raise ColocationError(f"colocated peers {list(map(list, peers))} do not fit the servers' TP sizes "
+                              f"{list(server_tp_sizes)}")
+    ranks = [k for row in peers for k in row]
+    if len(set(ranks)) != len(ranks) or not all(0 <= k < actor_world_size for k in ranks):
+        raise ColocationError(f"colocated peers {list(map(list, peers))}: each must be a distinct actor rank "
+                              f"below {actor_world_size}")
+    return [list(row) for row in peers]

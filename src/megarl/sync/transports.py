@@ -47,7 +47,7 @@ from megarl.bridge.safetensors_io import INDEX_FILE, write_safetensors
 from megarl.net import free_port
 from megarl.rollout.control import ServerError, on_all, wait_all
 from megarl.rollout.weight_group import destroy_process_group, init_custom_process_group
-from megarl.sync.colocation import ColocationError, planner_colocated_peers
+from megarl.sync.colocation import ColocationError, checked_peers, planner_colocated_peers
 from megarl.sync.ipc_copies import Entries, Outgoing, fresh_copy, serialise_copy, sglang_serialisation
 from megarl.sync.resharder import HFBucket
 from megarl.sync.servers import SyncServer
@@ -197,12 +197,15 @@ class TensorTransport:
 
     uses_session = True
 
-    def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1, on_gpu: bool = False):
-        """`rank`, `world_size`: this emitter's rank in the actor's world and its size (the
-        planner's colocated layout says which actor rank sits on each server GPU); `on_gpu`: the
-        copies are CUDA memory (`ipc_copies.copies_on_gpu`)."""
+    def __init__(self, servers: Sequence[SyncServer], rank: int = 0, world_size: int = 1, on_gpu: bool = False,
+                 peers: Optional[Sequence[Sequence[int]]] = None):
+        """`rank`, `world_size`: this emitter's rank in the actor's world and its size; `on_gpu`: the
+        copies are CUDA memory (`ipc_copies.copies_on_gpu`); `peers[s][r]`: the actor rank on server
+        s's TP rank r's real GPU (the trainer maps them from the GPUs Ray gave,
+        `placement.gpu_order`); None: the planner's colocated layout (`planner_colocated_peers`)."""
         self.servers, self.rank, self.world_size = list(servers), rank, world_size
         self.on_gpu = on_gpu
+        self._given_peers = None if peers is None else [list(row) for row in peers]
         self._tp_sizes: Optional[dict[str, int]] = None
         self.peers: Optional[list[list[int]]] = None  # per-TP-rank copies: peers[s][r] serialises entry r of server s
         self._failed: list[torch.Tensor] = []  # one shared copy: copies of failed requests, alive until reset()
@@ -222,7 +225,8 @@ class TensorTransport:
         if self.on_gpu:
             sglang_serialisation()  # fail here, before any bucket, if SGLang is missing
         try:
-            self.peers = planner_colocated_peers(sizes, self.world_size)
+            self.peers = (planner_colocated_peers(sizes, self.world_size) if self._given_peers is None
+                          else checked_peers(self._given_peers, sizes, self.world_size))
         except ColocationError as e:
             if self.on_gpu:  # a CUDA IPC handle opens only on its own GPU: no other copy will do
                 raise ColocationError(f"the tensor transport cannot give every server TP rank a copy on its own "

@@ -107,6 +107,9 @@ class SyncConfig:
     # communicator with buffers outside SGLang's mem_fraction_static: README, "weight sync"). Counted by
     # groups.update_groups_per_server_rank.
     weight_update_groups: Literal["per_stage", "per_emitter"] = "per_stage"
+    # tensor transport: colocated_peers[s][r] is the actor rank on server s's TP rank r's real GPU (the trainer
+    # maps it from the GPUs Ray gave each bundle: placement.gpu_order); None: the planner's layout
+    colocated_peers: Optional[list[list[int]]] = None
 
     @property
     def shares_dp(self) -> bool:
@@ -261,8 +264,8 @@ class WeightSync:
         if c.transport == "distributed":
             return DistributedTransport(self.servers, stage, c.backend, c.master_address, c.group_timeout_s)
         if c.transport == "tensor":
-            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size(),  # actor rank = plan order
-                                   on_gpu=self.copies_on_gpu)
+            return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size(), on_gpu=self.copies_on_gpu,
+                                   peers=c.colocated_peers)
         return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
 
     # ------------------------------------------------------------------ the push

@@ -28,11 +28,13 @@ from megarl.config import ExperimentConfig  # noqa: E402
 from megarl.placement import format_gpu_map, plan_from_config  # noqa: E402
 from megarl.placement.colocated_memory import ColocatedMemory, Moves  # noqa: E402
 from megarl.placement.colocation import offload_plan, releases_server_memory  # noqa: E402
+from megarl.placement.gpu_order import real_server_gpus  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
 from megarl.rollout.control import ServerError  # noqa: E402
-from megarl.rollout.launch import server_startup_timeout_s  # noqa: E402
+from megarl.rollout.launch import rollout_api_key, server_startup_timeout_s  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
+from megarl.sync.colocation import ColocationError, colocated_peers  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.trainer.engine_group import EngineGroup  # noqa: E402
 from megarl.trainer.preflight import resolve_devices  # noqa: E402
@@ -70,6 +72,7 @@ class Cluster:
         self.num_gpus = self.plan.cluster.nnodes * self.plan.cluster.gpus_per_node
         self.colocated = config.placement.mode == "colocate"
         self.releases_memory = releases_server_memory(config)  # colocated, servers freed while training
+        self.api_key = rollout_api_key(config.actor_rollout_ref.rollout.api_key_env)  # servers' and router's; never logged
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
@@ -100,7 +103,7 @@ class Cluster:
 
     def _start_rollout(self, role) -> None:
         r = self.config.actor_rollout_ref.rollout
-        self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated,
+        self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated, api_key=self.api_key,
                                     single_node=self.plan.cluster.nnodes == 1,
                                     startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
                                     on_restart=self._resync_restarted_rollout)
@@ -117,8 +120,25 @@ class Cluster:
             check_weights=r.check_weight_update, weight_update_groups=r.weight_update_groups,
             group_timeout_s=self.config.actor_rollout_ref.nccl_timeout,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
+            colocated_peers=self._colocated_peers() if transport == "tensor" else None,
         )
-        self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, timeout_s=600)
+        self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, self.api_key, timeout_s=600)
+
+    def _colocated_peers(self) -> list[list[int]] | None:
+        """Per server, per TP rank: the actor rank on that TP rank's real GPU, from the GPUs Ray gave
+        the bundles (`placement.gpu_order`), not from the plan's order. None where no actor rank shares
+        each server GPU (split pools): on CPU one shared copy then serves every server, on CUDA the
+        transport refuses (a CUDA IPC handle opens only on its own GPU)."""
+        rollout = self.plan.roles["rollout"]
+        server_gpus = real_server_gpus(rollout, [self.pools.device_gpu(rollout.pool, i)
+                                                 for i in range(rollout.world_size)])
+        actor_gpus = [(g.node_id, g.index) for g in self.actor.workers.gpus]
+        try:
+            return colocated_peers(actor_gpus, server_gpus)
+        except ColocationError:
+            if self.devices.device == "cuda":
+                raise
+            return None
 
     def _resync_restarted_rollout(self, urls: list[str]) -> None:
         """Rollout servers restarted (the fleet calls this while they are out of the router): a new

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.net import free_port
+from megarl.placement.gpu_order import GpuOrderError, server_gpu_problems
 from megarl.placement.planner import RolePlacement
 from megarl.placement.ray_pools import RealisedPools
 from megarl.placement.worker_group import WorkerGroup, WorkerGroupError
@@ -124,6 +125,12 @@ class RolloutFleet:
         self.on_restart = on_restart
         self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
+        # SGLang runs TP rank j on --base-gpu-id + j: each server's bundles must have got such a run of GPUs
+        # (the CPU engine, which uses no GPU, is held to the same rule so that CPU runs meet it too)
+        problems = server_gpu_problems(role, [pools.device_gpu(role.pool, i) for i in range(role.world_size)])
+        if problems:
+            raise GpuOrderError("the rollout servers cannot start on the GPUs Ray gave them:\n"
+                                + "\n".join(f"  - {p}" for p in problems))
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
         # each worker owns an independent server process: one's failure does not stop the others' calls
         self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env,

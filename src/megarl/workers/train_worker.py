@@ -43,10 +43,11 @@ class TrainWorker(RankedWorker):
         """Run one engine method (compute_log_prob, update_policy, save_checkpoint, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
-    def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0) -> None:
+    def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0,
+                         api_key: str | None = None) -> None:
         """Actor only: prepare pushing this engine's weights into the rollout servers, whose last
-        pushed version is `version`. Called again when the server set changed (a server restarted):
-        the previous sync's weight-update groups are dropped first."""
+        pushed version is `version` and whose API key is `api_key`. Called again when the server set
+        changed (a server restarted): the previous sync's weight-update groups are dropped first."""
         from megarl.sync import WeightSync
         from megarl.sync.adapter_sync import AdapterSync
 
@@ -57,10 +58,10 @@ class TrainWorker(RankedWorker):
             self.weight_sync = AdapterSync(
                 self.engine.lora_adapters, model.lora.rank, model.lora.alpha, model.path, server_urls,
                 adapter_dir(self.config) if model.lora.sync_via == "disk" else None, via=model.lora.sync_via,
-                initial_version=version, timeout_s=sync_config.timeout_s)
+                api_key=api_key, initial_version=version, timeout_s=sync_config.timeout_s)
             return
         self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
-                                      initial_version=version)
+                                      api_key=api_key, initial_version=version)
 
     def push_weights(self, version: int | None = None, flush: list[bool] | None = None) -> dict:
         """Every actor rank calls it; see megarl.sync.weight_sync for which ranks gather and send.

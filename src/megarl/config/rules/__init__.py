@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from megarl.config.rules.access import api_key_env_is_set
 from megarl.config.rules.async_modes import async_modes_correct_off_policy, async_modes_fit_the_loop
 from megarl.config.rules.choices import (
     filter_groups_has_groups,
@@ -71,6 +72,7 @@ RULES: list[Rule] = [
     warmup_fits_schedule,
     dpo_ranges,
     fault_limits,
+    api_key_env_is_set,
     agent_settings,
     reward_model_settings,
     offload_only_where_it_happens,
