@@ -38,6 +38,17 @@ def test_verl_keys_are_accepted_with_one_warning_line_each(caplog):
     assert config.actor_rollout_ref.model.path == "/m"
 
 
+def test_verls_rollout_correction_lines_validate_as_verls_guide_writes_them(caplog):
+    """docs/algo/rollout_corr.md of verl 0.9.1: the correction keys plus calculate_log_probs=true."""
+    rc = "algorithm.rollout_correction"
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        config = load_and_validate(None, BASE + [
+            f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=2.0", f"{rc}.rollout_rs=seq_mean_k1",
+            f"{rc}.rollout_rs_threshold=0.999_1.001", "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    assert config.algorithm.rollout_correction.rollout_rs_threshold == "0.999_1.001"
+    assert [line for line in _warnings(caplog) if line.startswith("actor_rollout_ref.rollout.calculate_log_probs")]
+
+
 def test_a_mapped_key_and_a_mapped_value_reach_megarl_keys(caplog):
     with caplog.at_level(logging.WARNING, logger="megarl.config"):
         config = load_config(None, BASE + ["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",

@@ -8,8 +8,8 @@ import torch
 from megarl.data.batch import Batch
 from megarl.algos.losses import policy_loss
 from megarl.config import load_config
-from megarl.trainer.experience import (best_of_n, mean_scores, old_log_probs, old_log_probs_in_update, rollout_mismatch,
-                                         take_old_log_probs)
+from megarl.trainer.experience import (best_of_n, mean_scores, old_log_probs, old_log_probs_in_update,
+                                         rollout_correction, rollout_mismatch, take_old_log_probs)
 from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
 
 
@@ -84,6 +84,9 @@ def test_the_old_log_probs_are_the_trainers_or_the_rollouts_and_the_loss_follows
     (["actor_rollout_ref.actor.old_log_probs_in_update=false"], False),
     (["algorithm.use_kl_in_reward=true"], False),  # the advantages read them before the update
     (["actor_rollout_ref.actor.use_rollout_log_probs=true"], False),  # the rollout's are the old ones
+    (["algorithm.rollout_correction.rollout_is=token"], False),  # the correction reads them before the update
+    (["algorithm.rollout_correction.rollout_rs=token_k1",
+      "algorithm.rollout_correction.rollout_rs_threshold=2"], False),
     (["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
       "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=2"], True),
 ])
@@ -138,3 +141,25 @@ def test_best_of_n_takes_each_prompts_best_response():
     assert best.tolist() == [1.0, 0.0, 0.5] and sources == ["a", "b", "a"]
     assert mean_scores(best, sources, "val/best@2") == {
         "val/best@2/score": pytest.approx(0.5), "val/best@2/a/score": pytest.approx(0.75), "val/best@2/b/score": 0.0}
+
+
+def test_the_rollout_correction_gives_the_actor_weights_and_a_mask_and_leaves_the_batch_alone():
+    """Row 0: rho = pi_old / pi_rollout = 0.5/0.25 = 2, 0.2/0.2 = 1, 0.9/0.3 = 3; row 1: 0.1/0.2 = 0.5.
+    Token TIS at cap 2.5 weighs them 2, 1, 2.5, 0.5; the mask [0.6, 2.5] drops 3 and 0.5, so
+    row 1 has no token left. The model still reads every token (response_attention_mask)."""
+    batch = Batch.from_token_lists([[5, 6], [7]], [[8, 9, 10], [11]])
+    batch["old_log_probs"] = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.1, 1.0, 1.0]]))
+    batch["rollout_log_probs"] = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.2, 1.0, 1.0]]))
+    rc = "algorithm.rollout_correction"
+    config = load_config(None, [f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=2.5", f"{rc}.rollout_rs=token_k1",
+                                f"{rc}.rollout_rs_threshold=0.6_2.5"])
+    actor_batch, metrics = rollout_correction(batch, config)
+    assert actor_batch["rollout_is_weights"].flatten().tolist() == pytest.approx([2, 1, 2.5, 0.5, 0, 0])
+    assert actor_batch["response_mask"].tolist() == [[1, 1, 0], [0, 0, 0]]
+    assert actor_batch["response_attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert actor_batch["response_mask"].dtype == batch["response_mask"].dtype
+    assert batch["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and "rollout_is_weights" not in batch
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 4)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 2)
+    assert metrics["rollout_corr/rollout_is_capped_fraction"] == pytest.approx(1 / 4)
+    assert rollout_correction(batch, load_config(None, [])) == (batch, {})  # off: the batch itself

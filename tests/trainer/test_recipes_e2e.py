@@ -290,20 +290,49 @@ def test_reinforce_pp_baseline_centres_per_group_then_whitens(ray_session, tiny_
     assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
 
 
-def test_truncated_importance_sampling_corrects_a_bf16_rollout(ray_session, tiny_assets, tmp_path):
+RC = "algorithm.rollout_correction"
+
+
+@pytest.mark.parametrize("correction", [
+    ["actor_rollout_ref.actor.tis_imp_ratio_cap=1.002"],
+    [f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_threshold=1.01", f"{RC}.rollout_rs=token_k1",
+     f"{RC}.rollout_rs_threshold=0.998_1.002"],
+], ids=["tis_imp_ratio_cap", "rollout_correction"])
+def test_rollout_corrections_correct_a_bf16_rollout(ray_session, tiny_assets, tmp_path, correction):
     """The rollout servers sample in bfloat16 while the actor trains in float32: their log-probs
-    differ, and with tis_imp_ratio_cap each token's loss is weighted by min(exp(old - rollout), cap)
-    (one mini-batch of one micro-batch, so the logged mean is the batch's)."""
-    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.dtype=bfloat16",
-                     "actor_rollout_ref.actor.tis_imp_ratio_cap=1.002", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    differ (rho = exp(old - rollout) of 0.996-1.0045 per token). With tis_imp_ratio_cap each token's
+    loss is weighted by min(rho, cap) inside the update; with verl's algorithm.rollout_correction the
+    controller gives the update sequence weights min(prod_t rho_t, 1.01) and drops the tokens whose
+    rho leaves [0.998, 1.002], which then leave the update's token count too (one mini-batch of one
+    micro-batch, so the logged values are the batch's)."""
+    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.dtype=bfloat16", *correction,
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
     batch, m = run.actor_batches[0], run.metrics
-    mask = batch["response_mask"].bool()
+    mask = batch.response_tokens().bool()
     assert m["training/rollout_log_probs_diff_max"] > 1e-3, m  # bf16 sampling is visibly off the trainer
-    raw = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])[mask]
-    assert abs(m["actor/tis_weight_mean"] - raw.clamp(max=1.002).mean().item()) < 1e-5, m
-    assert m["actor/tis_capfrac"] == pytest.approx((raw > 1.002).float().mean().item(), abs=1e-6)
-    assert 0 < m["actor/tis_capfrac"] < 1, "the cap should bind on some tokens (bf16 weights: 0.996-1.0045)"
+    log_ratio = (batch["old_log_probs"] - batch["rollout_log_probs"]).double()
+    rho = torch.exp(log_ratio)
+    if correction[0].startswith("actor_rollout_ref"):
+        raw = rho[mask]
+        assert abs(m["actor/tis_weight_mean"] - raw.clamp(max=1.002).mean().item()) < 1e-5, m
+        assert m["actor/tis_capfrac"] == pytest.approx((raw > 1.002).float().mean().item(), abs=1e-6)
+        assert 0 < m["actor/tis_capfrac"] < 1, "the cap should bind on some tokens (bf16 weights: 0.996-1.0045)"
+        assert not any(key.startswith("rollout_corr/") for key in m)
+        return
+    keep = mask & (rho >= 0.998) & (rho <= 1.002)
+    assert torch.equal(batch["response_mask"].bool(), keep)
+    dropped = 1 - keep.sum().item() / mask.sum().item()
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(dropped)
+    assert 0 < dropped < 1, "the band should drop some tokens and keep others"
+    seq_dropped = (mask & ~keep).any(1).float().mean().item()
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(seq_dropped)
+    assert m["actor/tokens"] == keep.sum().item()  # the dropped tokens left the update's count
+    seq = torch.exp(torch.where(mask, log_ratio, 0.0).sum(1))  # each response's product of rho
+    assert batch["rollout_is_weights"].double()[mask].tolist() == pytest.approx(
+        seq.clamp(max=1.01)[:, None].expand_as(mask)[mask].tolist(), abs=1e-6)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx((seq > 1.01).double().mean().item())
+    assert "actor/tis_weight_mean" not in m
 
 
 # ------------------------------------------------------------------------------ agent episodes

@@ -8,6 +8,7 @@ entropy     per-token entropy from logits, also from vocabulary-parallel shards
 dpo         DPO (sigmoid, IPO) losses
 dapo        dynamic sampling (group filter) and the soft overlong penalty
 masked      masked sum/mean/var/whiten
+rollout_correction  rollout/trainer mismatch: truncated IS (token, sequence), IcePop, masked IS
 from_config config sections -> keyword arguments
 
 Where megarl differs from verl's `core_algos` (the implementation users compare with), on purpose:
@@ -18,10 +19,6 @@ Where megarl differs from verl's `core_algos` (the implementation users compare 
   whitening (verl whitens the zeros too, giving them -mean/std).
 - A response's outcome score sums its token rewards over `response_mask` only (verl sums every
   position); a reward placed on a masked token does not count.
-- REINFORCE++: the discounted return skips masked positions inside a response (a tool's reply in
-  a multi-turn episode), as GAE does in both: returns_t = r_t + gamma * returns_next valid token.
-  verl's REINFORCE++ (the versions we read) multiplies the running return by the mask,
-  restarting it at every masked position, so an earlier turn of a successful episode gets 0.
 - GSPO honours `loss_agg_mode` (verl always aggregates GSPO by seq-mean-token-mean); the sequence
   ratio averages the tokens' log-ratios unclamped and clamps only the sequence's at 10, as verl.
   `ppo_kl` is the unclamped mean of old - new (verl's GSPO too; vanilla clamps each token to
@@ -30,6 +27,11 @@ Where megarl differs from verl's `core_algos` (the implementation users compare 
   padded position never reaches a result; a reduction over nothing (empty batch, a row without a
   valid token, agg_loss denominators below 1) is 0, never NaN; seq-mean modes count only rows
   with a valid token (verl's `torch.mean` counts every row).
+
+Not a difference: REINFORCE++'s discounted return skips masked positions inside a response (a
+tool's reply in a multi-turn episode), returns_t = r_t + gamma * returns_next valid token, as verl
+0.9.1's `compute_reinforce_plus_plus_outcome_advantage` carries its running return across
+observation tokens. (verl 0.7 and earlier restarted it at every masked position.)
 """
 from megarl.algos.advantages import ADV_ESTIMATOR_REGISTRY, AdvantageResult, compute_advantages
 from megarl.algos.dapo import (

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.algos.kl import KLController, make_kl_controller
+from megarl.config.rules.rollout_correction import parse_band
 
 
 def advantage_kwargs(algorithm: Any) -> dict[str, Any]:
@@ -29,6 +30,16 @@ def actor_loss_kwargs(actor: Any) -> dict[str, Any]:
         "kl_loss_coef": actor.kl_loss_coef,
         "kl_loss_type": actor.kl_loss_type,
     }
+
+
+def rollout_correction_kwargs(rollout_correction: Any) -> dict[str, Any]:
+    """algorithm.rollout_correction -> `rollout_correction` keywords (the threshold strings as bounds)."""
+    kwargs: dict[str, Any] = {"rollout_is": rollout_correction.rollout_is, "rollout_rs": rollout_correction.rollout_rs}
+    if rollout_correction.rollout_is is not None:
+        kwargs["is_lower"], kwargs["is_upper"] = parse_band(rollout_correction.rollout_is_threshold, reciprocal=False)
+    if rollout_correction.rollout_rs is not None:
+        kwargs["rs_lower"], kwargs["rs_upper"] = parse_band(rollout_correction.rollout_rs_threshold, reciprocal=True)
+    return kwargs
 
 
 def value_loss_kwargs(critic: Any) -> dict[str, Any]:

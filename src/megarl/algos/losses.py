@@ -17,6 +17,7 @@ import torch
 from megarl.algos.kl import kl_penalty
 from megarl.algos.masked import masked_count, masked_mean, masked_sum
 from megarl.algos.metrics import Metrics, Reduction
+from megarl.algos.rollout_correction import level_log_ratio, truncated_is_weights
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSS_MODES = ("vanilla", "gspo")
@@ -100,6 +101,7 @@ def policy_loss(
     loss_mode: str = "vanilla",
     rollout_log_prob: Optional[torch.Tensor] = None,
     tis_imp_ratio_cap: float = -1.0,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
@@ -120,6 +122,8 @@ def policy_loss(
     sampled from a slightly different distribution than the trainer's (other kernels, precision),
     so each token's L_t is weighted by w_t = min(exp(old_log_prob - rollout_log_prob), cap), no
     gradient through w. Metrics tis_weight_mean and tis_capfrac (share of tokens where the cap binds).
+    `rollout_is_weights` [batch, response_len]: weights made before the update
+    (`megarl.algos.rollout_correction`, verl's `rollout_is_weights`), multiplying L_t the same way.
 
     Metrics: pg_loss; pg_clipfrac (share of valid tokens where clipping is active),
     pg_clipfrac_high (clipped with A > 0: ratio above 1 + high), pg_clipfrac_low (clipped with
@@ -156,11 +160,14 @@ def policy_loss(
     if tis_imp_ratio_cap > 0:
         if rollout_log_prob is None:
             raise ValueError(f"tis_imp_ratio_cap={tis_imp_ratio_cap} needs rollout_log_prob (the rollout's log-probs)")
-        raw = torch.exp(torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)).detach()
-        weight = torch.clamp(raw, max=tis_imp_ratio_cap)
+        log_ratio = (old_log_prob - rollout_log_prob).detach()
+        raw = torch.exp(level_log_ratio(log_ratio, response_mask, "token"))
+        weight = truncated_is_weights(log_ratio, response_mask, "token", tis_imp_ratio_cap)
         loss_mat = loss_mat * weight
         tis_metrics.add("tis_weight_mean", masked_mean(weight, response_mask), Reduction.TOKEN_MEAN)
         tis_metrics.add("tis_capfrac", _fraction(raw > tis_imp_ratio_cap, response_mask), Reduction.TOKEN_MEAN)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode,
                     num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
@@ -222,6 +229,7 @@ def actor_loss(
     loss_mode: str = "vanilla",
     rollout_log_prob: Optional[torch.Tensor] = None,
     tis_imp_ratio_cap: float = -1.0,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     entropy_coeff: float = 0.0,
     use_kl_loss: bool = False,
     kl_loss_coef: float = 0.001,
@@ -242,7 +250,7 @@ def actor_loss(
         old_log_prob, log_prob, advantages, response_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, rollout_log_prob=rollout_log_prob,
-        tis_imp_ratio_cap=tis_imp_ratio_cap, **agg,
+        tis_imp_ratio_cap=tis_imp_ratio_cap, rollout_is_weights=rollout_is_weights, **agg,
     )
     if entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy_coeff={entropy_coeff} needs the per-token entropy")

@@ -54,6 +54,32 @@ class DPOConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Corrections of the rollout/trainer mismatch from the rollout's log-probs, verl 0.9.1's
+    `algorithm.rollout_correction` (megarl.algos.rollout_correction). The trainer's old log-probs
+    are then computed before the update (actor_rollout_ref.actor.old_log_probs_in_update does not
+    apply), as verl computes the correction once per batch."""
+
+    # importance weights per token or per sequence (the product of the tokens' ratios); null: none
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    # a number C: truncated IS, weight min(rho, C); "lower_upper" (e.g. "0.5_2.0"): IcePop, weight
+    # rho inside [lower, upper] and 0 outside. A band needs a decimal point in its upper bound:
+    # YAML reads 0.5_2 as the number 0.52
+    rollout_is_threshold: str = "2.0"
+    # masked IS: drop the tokens (token_k1) or whole sequences (seq_sum_k1: the product of the
+    # ratios, seq_mean_k1: their geometric mean) whose ratio leaves rollout_rs_threshold; null: none
+    rollout_rs: Optional[Literal["token_k1", "seq_sum_k1", "seq_mean_k1"]] = None
+    # "lower_upper" ratio band (e.g. "0.5_2.0"), or a number U for [1/U, U]
+    rollout_rs_threshold: Optional[str] = None
+    rollout_is_batch_normalize: bool = False  # verl's key; megarl has only false
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a correction is on (importance weights or a mask)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
     gamma: float = 1.0
@@ -64,6 +90,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +227,10 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None  # None: clip_ratio (DAPO clip-higher sets e.g. 0.28)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     # truncated importance sampling: weight each token's policy loss by
-    # min(exp(old_log_prob - rollout_log_prob), cap) to correct rollout/trainer mismatch; -1: off
+    # min(exp(old_log_prob - rollout_log_prob), cap) to correct rollout/trainer mismatch; -1: off.
+    # verl <= 0.5's key; verl 0.9 spells it algorithm.rollout_correction.rollout_is=token with
+    # rollout_is_threshold=cap (set one of the two). This one works inside the update, with
+    # old_log_probs_in_update
     tis_imp_ratio_cap: float = -1.0
     # the PPO ratio's old log-probs are the rollout's own (verl's use_rollout_log_probs, slime's
     # --use-rollout-logprobs): the ratio is then the importance weight to the behaviour policy and the
@@ -210,8 +240,9 @@ class ActorConfig:
     # training forward's, detached (the weights have not moved yet: its ratio is exactly 1), the
     # other rows' come from a no-grad pass before the first optimizer step; saves the forward over
     # the first mini-batch's rows and a call (megarl.engines.megatron.old_log_probs). Applies
-    # where nothing needs them before the update: not with algorithm.use_kl_in_reward or
-    # use_rollout_log_probs (then, and in critic_warmup steps, a separate pass as with false)
+    # where nothing needs them before the update: not with algorithm.use_kl_in_reward,
+    # use_rollout_log_probs or algorithm.rollout_correction (then, and in critic_warmup steps, a
+    # separate pass as with false)
     old_log_probs_in_update: bool = True
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     entropy_coeff: float = 0.0

@@ -48,6 +48,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         "megarl's servers load the HF checkpoint at start and receive every update by weight sync"),
     "actor_rollout_ref.rollout.enforce_eager": VerlKey("SGLang decides CUDA graphs itself"),
     "actor_rollout_ref.rollout.max_num_batched_tokens": VerlKey("SGLang sizes its batches from its memory budget"),
+    # verl's rollout-correction guide asks for it with algorithm.rollout_correction
+    "actor_rollout_ref.rollout.calculate_log_probs": VerlKey(
+        "megarl's rollouts always return the sampled tokens' log-probs (batch key rollout_log_probs)"),
     "trainer.default_hdfs_dir": VerlKey("megarl writes checkpoints to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": VerlKey("megarl keeps checkpoints (see trainer.max_actor_ckpt_to_keep)"),
     "ray_init.*": VerlKey("megarl starts or joins Ray itself (megarl.launch)"),

@@ -10,6 +10,8 @@ import torch
 
 from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
 from megarl.algos.expert_load import expert_load
+from megarl.algos.from_config import rollout_correction_kwargs
+from megarl.algos.rollout_correction import rollout_correction as correct_rollout
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import Prompt
@@ -188,10 +190,33 @@ def old_log_probs_in_update(config: ExperimentConfig) -> bool:
     first optimizer step) instead of a separate pass over the batch before it. Not when something
     needs them before the update: the KL penalty in the reward (`algorithm.use_kl_in_reward`)
     reads them with the advantages; nor with `use_rollout_log_probs`, where the rollout's are the
-    old ones and the trainer's pass only measures the mismatch. (Steps in `trainer.critic_warmup`
-    do not update the actor: the controller then runs the separate pass.)"""
+    old ones and the trainer's pass only measures the mismatch; nor with `algorithm.rollout_correction`,
+    whose weights and mask are made from them before the update (`rollout_correction`). (Steps in
+    `trainer.critic_warmup` do not update the actor: the controller then runs the separate pass.)"""
     actor = config.actor_rollout_ref.actor
-    return actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs
+    return (actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs
+            and not config.algorithm.rollout_correction.enabled)
+
+
+def rollout_correction(batch: Batch, config: ExperimentConfig) -> tuple[Batch, dict]:
+    """The batch the actor's update takes, with `algorithm.rollout_correction` applied as verl
+    applies it, once per batch from the old log-probs (`megarl.algos.rollout_correction`): a copy
+    holding `rollout_is_weights` [B, R] with `rollout_is`, and with `rollout_rs` a `response_mask`
+    without the dropped tokens, which then leave the actor's loss and its token and sequence counts
+    (`response_attention_mask` keeps the tokens the model reads). Returns (that batch, its
+    `rollout_corr/...` metrics); `batch` itself and {} when no correction is on."""
+    rc = config.algorithm.rollout_correction
+    if not rc.enabled:
+        return batch, {}
+    weights, keep, metrics = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+                                             **rollout_correction_kwargs(rc))
+    actor_batch = Batch(dict(batch.tensors), dict(batch.meta))
+    if weights is not None:
+        actor_batch["rollout_is_weights"] = weights
+    if rc.rollout_rs is not None:
+        actor_batch["response_attention_mask"] = batch.response_tokens()
+        actor_batch["response_mask"] = keep.to(batch["response_mask"].dtype)
+    return actor_batch, metrics
 
 
 def take_old_log_probs(batch: Batch, scored: dict, config: ExperimentConfig) -> dict:

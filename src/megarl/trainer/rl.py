@@ -257,7 +257,9 @@ class RLTrainer:
                     update, out = cl.actor.update_and_compute("update_policy_with_old_log_probs", batch)
                     metrics.update(experience.take_old_log_probs(batch, out, c))
                 else:
-                    update = cl.actor.update("update_policy", batch)
+                    actor_batch, corrections = experience.rollout_correction(batch, c)
+                    metrics.update(corrections)
+                    update = cl.actor.update("update_policy", actor_batch)
                 metrics.update(update)
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,

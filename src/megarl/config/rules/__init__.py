@@ -34,6 +34,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.rollout_correction import rollout_correction_fits_actor, rollout_correction_settings
 from megarl.config.rules.router_replay import router_replay_fits
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.values import (
@@ -66,6 +67,8 @@ RULES: list[Rule] = [
     filter_groups_has_groups,
     importance_cap_range,
     rollout_log_probs_without_tis,
+    rollout_correction_settings,
+    rollout_correction_fits_actor,
     lora_settings,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,

@@ -108,7 +108,9 @@ class ActorEngine(MegatronEngine):
         """`ppo_epochs` passes over this rank's samples in mini-batches of
         ppo_mini_batch_size x rollout.n / DP responses, one optimizer step each, with the policy
         loss of `megarl.algos.actor_loss`. Needs `old_log_probs` and `advantages` (and
-        `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap). Logits are
+        `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap,
+        `rollout_is_weights` with algorithm.rollout_correction.rollout_is: the controller's
+        `megarl.algos.rollout_correction`, whose mask is already in `response_mask`). Logits are
         divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
         return self._update_policy(batch, None)
 
@@ -130,7 +132,8 @@ class ActorEngine(MegatronEngine):
         """`update_policy`; with `old`, the old log-probs come from it (see there)."""
         actor, rollout = self.actor, self.config.actor_rollout_ref.rollout
         keys = (["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
-                + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else []))
+                + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else [])
+                + (["rollout_is_weights"] if self.config.algorithm.rollout_correction.rollout_is is not None else []))
         loss_kwargs = actor_loss_kwargs(actor)
         norm_length = _response_length(self.config)
 
@@ -145,7 +148,8 @@ class ActorEngine(MegatronEngine):
             return actor_loss(
                 log_probs, old_log_probs, mb.data["advantages"], mb.response_mask,
                 entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"),
-                rollout_log_prob=mb.data.get("rollout_log_probs"), **loss_kwargs, **counts,
+                rollout_log_prob=mb.data.get("rollout_log_probs"),
+                rollout_is_weights=mb.data.get("rollout_is_weights"), **loss_kwargs, **counts,
                 norm_length=norm_length,
             )
 
