@@ -7,6 +7,7 @@ from megarl.rollout.launch import ROUTED_EXPERTS_FLAG, cpu_server_command
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m",
             "trainer.nnodes=1", "trainer.n_gpus_per_node=8"]
 MODE = "actor_rollout_ref.actor.router_replay.mode"
+RECOMPUTE = "actor_rollout_ref.actor.megatron.override_transformer_config"
 
 
 def test_replay_is_off_by_default_and_loads_with_verls_key():
@@ -23,6 +24,10 @@ def test_replay_is_off_by_default_and_loads_with_verls_key():
     ([f"{MODE}=R3", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
       "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
      f"{MODE}=R3 with actor_rollout_ref.model.enable_gradient_checkpointing=true"),
+    ([f"{MODE}=R3", f"+{RECOMPUTE}.recompute_granularity=selective", f"+{RECOMPUTE}.recompute_modules=[moe]",
+      "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
+     f"{MODE}=R3 with {RECOMPUTE}.recompute_granularity=selective and "
+     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"),
     ([f"{MODE}=R3", "actor_rollout_ref.rollout.agent.path=/a.py"], "agent episodes do not carry routed experts"),
     (["actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=-1"], "moe_aux_loss_coeff=-1.0: must be >= 0"),
 ])
@@ -30,3 +35,8 @@ def test_replay_layouts_that_cannot_work_are_rejected(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_and_validate(None, [*REQUIRED, *overrides])
     assert message in str(info.value)
+
+
+def test_replay_takes_a_recompute_that_does_not_rerun_the_router():
+    load_and_validate(None, [*REQUIRED, f"{MODE}=R3", f"+{RECOMPUTE}.recompute_granularity=selective",
+                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])  # core_attn only

@@ -161,6 +161,34 @@ def test_memory_estimate_by_hand():
     assert est.fits
 
 
+RECOMPUTE = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+@pytest.mark.parametrize("overrides, kept, rematerialised", [
+    ([], "14 A", 0),
+    ([f"{RECOMPUTE}.recompute_granularity=selective"], "14 A", 0),  # flash attention: no scores to drop
+    (["actor_rollout_ref.model.enable_gradient_checkpointing=true"], "14 I", 1),  # full, uniform, 1 layer a chunk
+    ([f"{RECOMPUTE}.recompute_granularity=full", f"{RECOMPUTE}.recompute_method=uniform",
+      f"{RECOMPUTE}.recompute_num_layers=4"], "4 I", 4),  # ceil(14 / 4) chunk inputs; one chunk of 4 layers back
+    ([f"{RECOMPUTE}.recompute_granularity=full", f"{RECOMPUTE}.recompute_method=block",
+      f"{RECOMPUTE}.recompute_num_layers=3"], "3 I + 11 A", 1),  # first 3 layers' inputs, the other 11 whole
+])
+def test_activation_recompute_in_the_memory_estimate_by_hand(overrides, kept, rematerialised):
+    """Qwen2-7B at TP4 x PP2 (14 layers a stage, 2 micro-batches in flight on stage 0), bf16, 200 tokens:
+    a layer's activations A = 200 x 3584 x 34 / 4 bytes, its input I = 200 x 3584 x 2 / 4 bytes."""
+    arch = arch_from_hf_config(QWEN7B)
+    c = cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=100",
+            "data.max_response_length=100", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", *overrides)
+    actor = estimate(plan_from_config(c), c, arch).roles[0]
+    layer, layer_input, logits = 200 * 3584 * 34 / 4, 200 * 3584 * 2 / 4, 200 * 152064 / 4 * 4
+    per_micro_batch = sum(int(n) * (layer if unit == "A" else layer_input)
+                          for n, unit in (term.split() for term in kept.split(" + ")))
+    assert actor.activations == int(2 * per_micro_batch + rematerialised * layer + logits)
+    assert ("recompute" in actor.recompute) == bool(overrides)
+
+
 def test_the_push_phase_by_hand_colocated():
     """Issue 40 (finding 2): the push phase holds the servers' resumed weights, the push's buffers
     and what the training roles keep for it: all their states unless offloaded first (the

@@ -150,3 +150,12 @@ def test_an_expert_parallel_rl_actor_passes_the_checks_and_a_tensor_parallel_moe
     tp2 = _problems(_config(moe, train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
     assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: the model is a mixture of experts" in tp2
     check_environment(_config(tiny_assets / "model", train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+
+
+def test_a_transformer_override_that_megatron_core_does_not_know_is_named_before_anything_starts(tiny_assets):
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    config = _config(tiny_assets / "model", tiny_assets / "data/train.parquet", f"+{key}.recompute_granularity=full",
+                     f"+{key}.recompute_method=uniform", f"+{key}.recompute_num_layers=1", f"+{key}.recompute_layers=2")
+    text = _problems(config)
+    assert f"{key}.recompute_layers: not a field of megatron-core's TransformerConfig" in text
+    assert "recompute_granularity" not in text and "recompute_method" not in text

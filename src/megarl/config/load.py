@@ -20,7 +20,7 @@ import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import ExperimentConfig
-from megarl.config.verl_compat import map_verl_values, pop_verl_keys, verl_key, warn_key
+from megarl.config.verl_compat import check_value, map_verl_values, pop_verl_keys, verl_key, warn_key
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 _DEFAULTS_KEY = "defaults"  # a YAML file's list of base files, merged before the file itself
@@ -359,10 +359,11 @@ def build(cls, tree: dict, prefix: str, origins: dict, errors: list):
 
 def _verl_override(text: str) -> str | None:
     """`text`, or its rewrite for a verl key of megarl.config.verl_compat (None: dropped), warning once."""
-    path, _, _ = parse_override(text)
+    path, value, _ = parse_override(text)
     entry = verl_key(".".join(path))
     if entry is None:
         return text
+    check_value(".".join(path), entry, value, f"override '{text}'")
     warn_key(".".join(path), entry, f"override '{text}'")
     return None if entry.target is None else f"{entry.target}={text.partition('=')[2]}"
 

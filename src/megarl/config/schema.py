@@ -147,6 +147,14 @@ class MegatronConfig:
     # null: grouped wherever it can run (CUDA with transformer-engine layers), megarl.config.expert_mlp
     moe_grouped_gemm: Optional[bool] = None
     use_distributed_optimizer: bool = True
+    # megatron-core `TransformerConfig` fields set on top of megarl's own (verl's key), e.g. activation
+    # recompute: recompute_granularity (full | selective), recompute_method (uniform | block, full only),
+    # recompute_num_layers, recompute_modules (selective). Each name must be a field of the installed
+    # megatron-core's TransformerConfig (checked by the preflight / --dry-run and when the engine builds); a
+    # name megarl sets from another key (the layout above, model.dtype, enable_gradient_checkpointing, the
+    # model's config.json) is refused where it differs (megarl.config.transformer_overrides). The reference's
+    # {} means the actor's, as in verl.
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
@@ -194,6 +202,8 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     tokenizer_path: Optional[str] = None
     trust_remote_code: bool = False
+    # activation recompute of the actor and the critic: full, every layer (megatron's recompute_granularity=full,
+    # recompute_method=uniform, recompute_num_layers=1); finer choices: <role>.megatron.override_transformer_config
     enable_gradient_checkpointing: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)  # free-form HF config overrides
     lora: LoraConfig = field(default_factory=LoraConfig)  # the actor's adapters (the reference stays the base)
@@ -323,6 +333,11 @@ class RolloutConfig:
     api_key_env: Optional[str] = None
     max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
+    # verl's keys of the old-log-prob pass (the actor's compute_log_prob, and the no-grad pass of
+    # actor.old_log_probs_in_update): micro-batches under a token budget per GPU instead of
+    # log_prob_micro_batch_size_per_gpu responses; null: the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # tokens
     update_weights_bucket_megabytes: int = 512
     # auto: tensor (CUDA IPC) colocated on GPUs with SGLang, else distributed (NCCL on GPUs, gloo on CPU);
     # megarl.config.devices decides it

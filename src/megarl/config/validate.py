@@ -33,14 +33,22 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         arr.ref,
         log_prob_micro_batch_size_per_gpu=arr.ref.log_prob_micro_batch_size_per_gpu or micro,
         # a reference left at the defaults takes the actor's layout: the same shards and micro-batches
-        # make its step-0 log-probs equal the actor's exactly
-        megatron=arr.actor.megatron if arr.ref.megatron == MegatronConfig() else arr.ref.megatron,
+        # make its step-0 log-probs equal the actor's exactly; its transformer overrides are the actor's
+        # unless it has its own (verl's ref.megatron.override_transformer_config default)
+        megatron=arr.actor.megatron if arr.ref.megatron == MegatronConfig() else replace(
+            arr.ref.megatron, override_transformer_config=(arr.ref.megatron.override_transformer_config
+                                                           or arr.actor.megatron.override_transformer_config)),
     )
     rollout = replace(
         arr.rollout,
         prompt_length=arr.rollout.prompt_length or config.data.max_prompt_length,
         response_length=arr.rollout.response_length or config.data.max_response_length,
         log_prob_micro_batch_size_per_gpu=arr.rollout.log_prob_micro_batch_size_per_gpu or micro,
+        log_prob_use_dynamic_bsz=(arr.actor.use_dynamic_bsz if arr.rollout.log_prob_use_dynamic_bsz is None
+                                  else arr.rollout.log_prob_use_dynamic_bsz),
+        log_prob_max_token_len_per_gpu=(arr.actor.ppo_max_token_len_per_gpu
+                                        if arr.rollout.log_prob_max_token_len_per_gpu is None
+                                        else arr.rollout.log_prob_max_token_len_per_gpu),
         deterministic_inference=(config.trainer.resume_mode != "disable" if arr.rollout.deterministic_inference is None
                                  else arr.rollout.deterministic_inference),
     )

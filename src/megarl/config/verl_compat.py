@@ -11,22 +11,32 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megarl.config.errors import ConfigError
+
 log = logging.getLogger("megarl.config")
 
 
 @dataclass(frozen=True)
 class VerlKey:
     """What megarl does with a verl key: `target` takes its value (None: the value is dropped);
-    `instead` is the sentence of the warning."""
+    `instead` is the sentence of the warning; `only`: the one value accepted (None: any), another
+    is refused with `instead` as the reason."""
 
     instead: str
     target: Optional[str] = None
+    only: Optional[Any] = None
 
 
 _PACKED = "megarl always packs sequences without padding (THD layout with cu_seqlens)"
 _MBRIDGE = "megarl converts HF <-> Megatron with its own bridge (megarl.bridge)"
 _FSDP = "megarl trains with Megatron only; FSDP settings do not apply"
 _SERVER = "megarl's rollout servers are always HTTP servers (SGLang protocol), which is verl's async server mode"
+# Megatron-LM's --use-flash-attn (megatron/training/arguments.py), no field of megatron-core's TransformerConfig;
+# verl passes it in override_transformer_config
+_FLASH = ("use_flash_attn is Megatron-LM's command-line flag, not a field of megatron-core's TransformerConfig; "
+          "megarl's GPU layers use transformer-engine attention, which picks flash attention where it can "
+          "(override_transformer_config.attention_backend=flash forces it)")
+_TRANSFORMER = ".megatron.override_transformer_config.use_flash_attn"
 
 # Exact dotted paths; a path ending in ".*" covers every key under that group.
 VERL_KEYS: dict[str, VerlKey] = {
@@ -54,6 +64,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     "trainer.default_hdfs_dir": VerlKey("megarl writes checkpoints to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": VerlKey("megarl keeps checkpoints (see trainer.max_actor_ckpt_to_keep)"),
     "ray_init.*": VerlKey("megarl starts or joins Ray itself (megarl.launch)"),
+    # verl's Hydra defaults group choosing its actor/ref/critic base configs (dp: FSDP, megatron, ...)
+    "model_engine": VerlKey("megarl trains with Megatron only; its schema defaults stand for verl's megatron "
+                            "actor, ref and critic configs", only="megatron"),
+    **{role + _TRANSFORMER: VerlKey(_FLASH) for role in (
+        "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")},
     # verl's newer name for the learning-rate schedule
     "actor_rollout_ref.actor.optim.lr_scheduler_type": VerlKey(
         "megarl names the schedule warmup_style", "actor_rollout_ref.actor.optim.warmup_style"),
@@ -88,6 +103,12 @@ def verl_key(path: str) -> Optional[VerlKey]:
     return None
 
 
+def check_value(path: str, entry: VerlKey, value: Any, source: str) -> None:
+    """Raise a ConfigError naming `path` if `entry` accepts one value only and `value` is another."""
+    if entry.only is not None and value != entry.only:
+        raise ConfigError(f"{path}={value} ({source}): {entry.instead}; megarl accepts {path}={entry.only} only")
+
+
 def warn_key(path: str, entry: VerlKey, source: str) -> None:
     """The one warning line for a verl key."""
     action = f"its value goes to {entry.target}" if entry.target else "ignored"
@@ -104,6 +125,7 @@ def pop_verl_keys(root: dict, origins: dict) -> None:
             entry = verl_key(path)
             if entry is not None:
                 value = node.pop(key)
+                check_value(path, entry, value, origins.get(path, "YAML"))
                 warn_key(path, entry, origins.get(path, "YAML"))
                 if entry.target is not None:
                     *groups, leaf = entry.target.split(".")

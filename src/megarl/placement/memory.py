@@ -8,9 +8,19 @@ Training role, per GPU (mixed precision with megatron DDP and Adam):
   gradients       stage_params / TP x 4 (fp32 grad buffer)
   optimizer       stage_params / TP x (8 for Adam m, v + 4 fp32 master copy unless fp32) / DP if the
                   distributed optimizer is on
-  activations     seq x micro x hidden x 34 bytes per layer / TP (sequence-parallel layout, flash
-                  attention), x layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
-                  plus fp32 logits seq x micro x vocab / TP x 4
+  activations     A = seq x micro x hidden x 34 bytes per layer / TP (sequence-parallel layout, flash
+                  attention), x L layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
+                  plus fp32 logits seq x micro x vocab / TP x 4.
+                  Full activation recompute (`recompute_granularity=full`: the role's
+                  `megatron.override_transformer_config`, or `model.enable_gradient_checkpointing`) keeps
+                  of a recomputed layer only its input, I = seq x micro x hidden x dtype bytes / TP (same
+                  layout), and rematerialises one chunk of one micro-batch at a time in its backward:
+                    uniform, N layers a chunk:  PP x ceil(L / N) x I  +  min(N, L) x A
+                    block, first N layers:      PP x (n x I + (L - n) x A)  +  A,  n = min(N, L)
+                  (block: an upper bound by at most one layer's A). Selective recompute (megatron's default
+                  module, core attention) changes nothing here: with flash attention the 34 bytes already
+                  leave out the attention scores it drops (Korthikanti et al. 2022, "Reducing Activation
+                  Recomputation in Large Transformer Models", sections 4.1-4.2).
 With LoRA (`actor_rollout_ref.model.lora.rank` or `critic.model.lora.rank` > 0) the role's base weights
 are frozen: they hold parameters only (no gradient buffer, no optimizer state), and gradients and
 Adam states are those of the adapters (`lora_params`; the critic's also of its [1, H] value head),
@@ -40,6 +50,7 @@ from megarl.bridge import ModelArch
 from megarl.config import ExperimentConfig
 from megarl.config.rules.lora import lora_targets
 from megarl.config.schema import MegatronConfig
+from megarl.config.transformer_overrides import Recompute, recompute_of, role_overrides
 from megarl.placement.colocation import OffloadParts, offload_plan
 from megarl.placement.planner import Plan
 
@@ -114,6 +125,28 @@ def stage_expert_params(arch: ModelArch, pp: int) -> int:
     return math.ceil(arch.num_layers / pp) * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
 
 
+def stage_activations(layers: int, pp: int, layer_bytes: float, input_bytes: float, recompute: Recompute) -> float:
+    """Activation bytes of the busiest stage in training (see the module docstring): `layers` L on
+    the stage, `pp` micro-batches in flight, `layer_bytes` A of one layer and one micro-batch,
+    `input_bytes` I of one layer's input."""
+    if recompute.granularity != "full":
+        return pp * layers * layer_bytes
+    n = min(recompute.num_layers, layers)
+    if recompute.method == "uniform":
+        return pp * math.ceil(layers / recompute.num_layers) * input_bytes + n * layer_bytes
+    return pp * (n * input_bytes + (layers - n) * layer_bytes) + (layer_bytes if n else 0)  # block
+
+
+def recompute_label(recompute: Recompute) -> str:
+    """'full recompute: uniform, 1 layer(s) a chunk', ..., or '' when off."""
+    if recompute.granularity == "full":
+        unit = "a chunk" if recompute.method == "uniform" else "a stage"
+        return f"full recompute: {recompute.method}, {recompute.num_layers} layer(s) {unit}"
+    if recompute.granularity == "selective":
+        return f"selective recompute: {', '.join(recompute.modules)}"
+    return ""
+
+
 @dataclass
 class RoleMemory:
     role: str
@@ -122,6 +155,7 @@ class RoleMemory:
     activations: int  # transient, during its own forward/backward
     trainable: int | None = None  # LoRA: adapter parameters on this GPU (the rest frozen); None: all train
     offloadable_params: int = 0  # the parameters' part of `offloadable` (the actor's move after the push)
+    recompute: str = ""  # `recompute_label` of a trained role's activation recompute
 
 
 @dataclass
@@ -139,9 +173,11 @@ class GpuEstimate:
 
 
 def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, seq: int, micro: int,
-                trains: bool, offload: OffloadParts, trainable: int | None = None) -> RoleMemory:
+                trains: bool, offload: OffloadParts, trainable: int | None = None,
+                recompute: Recompute = Recompute()) -> RoleMemory:
     """`trainable`: parameters with gradients and optimizer state on this GPU (LoRA's adapters,
-    held in `dtype` beside the frozen base); None: all of them."""
+    held in `dtype` beside the frozen base); None: all of them. `recompute`: a trained role's
+    activation recompute."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
     expert_params = stage_expert_params(arch, pp) / (ep * etp)
@@ -164,9 +200,11 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
         optimizer = dense_params * per_param / dp + expert_params * per_param / max(1, tp * dp // (ep * etp))
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
-    acts = seq * micro * arch.hidden_size * 34 / tp * math.ceil(arch.num_layers / pp) * pp + logits
+    tokens = seq * micro * arch.hidden_size / tp
+    acts = stage_activations(math.ceil(arch.num_layers / pp), pp, tokens * 34, tokens * DTYPE_BYTES[dtype],
+                             recompute) + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable,
-                      int(weight_bytes) if offload.params else 0)
+                      int(weight_bytes) if offload.params else 0, recompute_label(recompute))
 
 
 def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
@@ -175,6 +213,11 @@ def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
         return None
     return lora_params(arch, lora.rank, lora_targets(lora.target_modules), megatron_cfg.tensor_model_parallel_size,
                        megatron_cfg.pipeline_model_parallel_size)
+
+
+def _recompute(m: MegatronConfig, gradient_checkpointing: bool) -> Recompute:
+    """A trained role's activation recompute (megarl.config.transformer_overrides)."""
+    return recompute_of(role_overrides(m.override_transformer_config, gradient_checkpointing))
 
 
 def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstimate:
@@ -188,7 +231,8 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
     if "actor" in plan.roles:
         m = arr.actor.megatron
         roles.append(_train_role("actor", arch, m, plan.roles["actor"].dp, dtype, seq, micro, True,
-                                 offloads.get("actor", OffloadParts()), _lora_trainable(arch, arr.model.lora, m)))
+                                 offloads.get("actor", OffloadParts()), _lora_trainable(arch, arr.model.lora, m),
+                                 _recompute(m, arr.model.enable_gradient_checkpointing)))
     if "ref" in plan.roles:
         roles.append(_train_role("ref", arch, arr.ref.megatron, plan.roles["ref"].dp, dtype, seq,
                                  arr.ref.log_prob_micro_batch_size_per_gpu or 1, False, offloads.get("ref", OffloadParts())))
@@ -198,7 +242,8 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
         trainable = _lora_trainable(arch, lora, m)
         roles.append(_train_role("critic", arch, m, plan.roles["critic"].dp, dtype, seq,
                                  config.critic.ppo_micro_batch_size_per_gpu or 1, True,
-                                 offloads.get("critic", OffloadParts()), None if trainable is None else trainable + head))
+                                 offloads.get("critic", OffloadParts()), None if trainable is None else trainable + head,
+                                 _recompute(m, arr.model.enable_gradient_checkpointing)))
     if "reward_model" in plan.roles:
         roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
                                  dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False,
@@ -247,7 +292,7 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
         lines[0] += f", {_count(active_params(arch))} active ({arch.moe.topk} of {arch.moe.num_experts} experts per token)"
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
-                     f"  offloadable {gib(r.offloadable):>12}")
+                     f"  offloadable {gib(r.offloadable):>12}" + (f"  ({r.recompute})" if r.recompute else ""))
         if r.trainable is not None:
             lines.append(f"  {'':<13} LoRA: {r.trainable / 1e6:.1f} M trainable parameters per GPU; the frozen base "
                          "holds no gradients or optimizer state")

@@ -138,6 +138,23 @@ def moe_tensor_parallel_problem(config: ExperimentConfig) -> Optional[str]:
             "use tensor_model_parallel_size=1 with pipeline and expert parallelism (expert_model_parallel_size)")
 
 
+def transformer_override_problems(config: ExperimentConfig) -> list[str]:
+    """Each training role's `megatron.override_transformer_config` names that are no field of the
+    installed megatron-core's TransformerConfig, found before any worker starts (the engine checks
+    them again with their values when it builds)."""
+    from megarl.config.rules.experts import training_roles
+    from megarl.config.transformer_overrides import KEY
+
+    roles = [(section, m.override_transformer_config) for section, m in training_roles(config)
+             if m.override_transformer_config]
+    if not roles:
+        return []
+    from megarl.engines.megatron.transformer_overrides import transformer_config_fields, unknown_names
+
+    fields = transformer_config_fields()
+    return [problem for section, overrides in roles for problem in unknown_names(overrides, f"{section}.{KEY}", fields)]
+
+
 def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Optional[str]:
     """On one CUDA node, the run needs trainer.n_gpus_per_node visible GPUs. (Several nodes: the
     controller sees only its own; launch/check.py checks the whole cluster.)"""

@@ -18,6 +18,7 @@ from megarl.trainer.inputs import (
     model_inputs,
     moe_tensor_parallel_problem,
     schedule_problems,
+    transformer_override_problems,
 )
 
 
@@ -32,6 +33,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     listing every problem. Runs in seconds, before Ray or any server starts (--dry-run runs it too)."""
     problems, train_rows = data_problems(config, kind)
     problems += schedule_problems(config, kind, train_rows)
+    problems += transformer_override_problems(config)
     model_problems, config = model_inputs(config)
     problems += model_problems
     if not model_problems:

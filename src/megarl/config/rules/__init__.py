@@ -37,6 +37,7 @@ from megarl.config.rules.lora import lora_settings
 from megarl.config.rules.rollout_correction import rollout_correction_fits_actor, rollout_correction_settings
 from megarl.config.rules.router_replay import router_replay_fits
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
+from megarl.config.rules.transformer import transformer_overrides_fit
 from megarl.config.rules.values import (
     agent_settings,
     dpo_ranges,
@@ -89,6 +90,7 @@ RULES: list[Rule] = [
     parallel_sizes_fit_training_gpus,
     expert_parallel_fits_role,
     grouped_gemm_can_run,
+    transformer_overrides_fit,
     router_replay_fits,
     batch_arithmetic,
 ]

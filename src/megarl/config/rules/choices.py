@@ -15,18 +15,24 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """With dynamic batch sizes, one micro-batch's token budget must hold a whole sequence.
+    """With dynamic batch sizes, one micro-batch's token budget must hold a whole sequence: the
+    actor's update and its old-log-prob pass.
 
     Reads: actor_rollout_ref.actor.use_dynamic_bsz, actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz, actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu,
     data.max_prompt_length, data.max_response_length
     """
-    d, actor = config.data, config.actor_rollout_ref.actor
-    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < d.max_prompt_length + d.max_response_length:
-        yield (
-            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} tokens is less than "
-            f"one full sequence (data.max_prompt_length + data.max_response_length = "
-            f"{d.max_prompt_length + d.max_response_length} tokens)"
-        )
+    d, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    sequence = d.max_prompt_length + d.max_response_length
+    budgets = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (actor.use_dynamic_bsz,
+                                                                     actor.ppo_max_token_len_per_gpu)}
+    old_log_probs = (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu)
+    if old_log_probs not in budgets.values():  # not merely the actor's (its null default): one message
+        budgets["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = old_log_probs
+    for key, (on, budget) in budgets.items():
+        if on and budget < sequence:
+            yield (f"{key}={budget} tokens is less than one full sequence (data.max_prompt_length + "
+                   f"data.max_response_length = {sequence} tokens)")
 
 
 def group_estimator_has_groups(config: ExperimentConfig, sizes: DerivedSizes) -> Iterable[str]:

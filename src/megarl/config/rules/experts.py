@@ -32,7 +32,7 @@ def _expert_problems(prefix: str, m: MegatronConfig, train_gpus: int) -> Iterato
                f"(megatron places the experts of each pipeline stage over ETP x EP ranks)")
 
 
-def _training_roles(config: ExperimentConfig) -> list[tuple[str, MegatronConfig]]:
+def training_roles(config: ExperimentConfig) -> list[tuple[str, MegatronConfig]]:
     """(section, its megatron group) of every training role the config builds."""
     arr = config.actor_rollout_ref
     roles = [("actor_rollout_ref.actor", arr.actor.megatron), ("actor_rollout_ref.ref", arr.ref.megatron)]
@@ -60,7 +60,7 @@ def expert_parallel_fits_role(config: ExperimentConfig, sizes: DerivedSizes) -> 
     reward_model.enable, reward_model.megatron, trainer.nnodes, trainer.n_gpus_per_node, placement.mode,
     placement.rollout_gpus
     """
-    for section, megatron in _training_roles(config):
+    for section, megatron in training_roles(config):
         yield from _expert_problems(f"{section}.megatron", megatron, sizes.train_gpus)
 
 
@@ -75,7 +75,7 @@ def grouped_gemm_can_run(config: ExperimentConfig, sizes: DerivedSizes) -> Itera
     critic.model.lora.rank
     """
     devices = {"cuda": ["cuda"], "cpu": ["cpu"]}.get(config.trainer.device, ["cuda", "cpu"])
-    for section, megatron in _training_roles(config):
+    for section, megatron in training_roles(config):
         if not megatron.moe_grouped_gemm:
             continue
         lora_key, lora_rank = _lora_key(config, section)

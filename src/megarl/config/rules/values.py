@@ -28,7 +28,8 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
     Reads: data.train_batch_size, data.val_batch_size, data.gen_batch_size, reward_model.max_length,
     data.max_prompt_length, data.max_response_length, actor_rollout_ref.actor.ppo_mini_batch_size,
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, actor_rollout_ref.actor.ppo_epochs,
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu, actor_rollout_ref.rollout.n,
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu, actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu,
+    actor_rollout_ref.rollout.n,
     actor_rollout_ref.rollout.tensor_model_parallel_size, actor_rollout_ref.rollout.max_concurrent_requests,
     actor_rollout_ref.rollout.update_weights_bucket_megabytes, trainer.nnodes, trainer.n_gpus_per_node,
     trainer.total_epochs, trainer.total_training_steps, trainer.test_freq, trainer.save_freq
@@ -46,6 +47,7 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
         ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
         ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
         ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu),
         ("actor_rollout_ref.rollout.n", rollout.n),
         ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size),
         ("actor_rollout_ref.rollout.max_concurrent_requests", rollout.max_concurrent_requests),

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megarl.bridge import WeightMap
+from megarl.config.transformer_overrides import role_overrides
 from megarl.data.batch import Batch
 from megarl.engines.megatron import checkpoint_io
 from megarl.engines.megatron.expert_counts import ExpertCounter
@@ -74,7 +75,7 @@ class MegatronEngine:
         megatron_cfg,
         value_head: bool = False,
         optim_cfg=None,
-        recompute: bool = False,
+        recompute: bool = False,  # enable_gradient_checkpointing: full recompute unless the overrides say otherwise
         sequence_layout: Optional[Layout] = None,
         lora: Optional[LoraSpec] = None,
         router_replay: bool = False,
@@ -103,7 +104,8 @@ class MegatronEngine:
             raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
-            value_head=value_head, recompute=recompute, transformer_engine=uses_te,
+            value_head=value_head, transformer_engine=uses_te, section=section,
+            overrides=role_overrides(megatron_cfg.override_transformer_config, recompute),
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
                                  lora=lora is not None, trains=optim_cfg is not None,

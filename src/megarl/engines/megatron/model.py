@@ -40,8 +40,11 @@ from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
+from megarl.config.errors import ConfigError
 from megarl.config.expert_mlp import expert_mlp
+from megarl.config.transformer_overrides import DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
+from megarl.engines.megatron.transformer_overrides import apply_overrides, transformer_config_fields
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_MULTIPLE = 128  # megatron's make_vocab_size_divisible_by
@@ -223,15 +226,19 @@ def build_chunks(
     vocab_rows: int,
     params_dtype: torch.dtype,
     value_head: bool,
-    recompute: bool,
     transformer_engine: bool,
     moe_settings: Optional[dict] = None,
     fusions: Optional[dict] = None,
+    overrides: Optional[Mapping[str, Any]] = None,
+    section: str = "",
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
     megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head.
     `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`);
-    `fusions`: `fusion_flags()` (None: megatron's defaults, all off)."""
+    `fusions`: `fusion_flags()` (None: megatron's defaults, all off); `overrides`: the role's
+    `TransformerConfig` fields on top (`megarl.config.transformer_overrides.role_overrides`: its
+    `<section>.megatron.override_transformer_config` and recompute), checked by
+    `transformer_overrides.apply_overrides`: what megarl derives may not change, fusions may."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -247,10 +254,19 @@ def build_chunks(
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
     )
     kwargs.update(moe_settings or {})
+    derived = dict(kwargs)
     kwargs.update(fusions or {})
-    if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    config = TransformerConfig(**kwargs)
+    prefix = f"{section}.{OVERRIDES_KEY}"
+    overrides = overrides or {}
+    kwargs = apply_overrides(kwargs, overrides, prefix=prefix, fields=transformer_config_fields(), derived=derived,
+                             sources=derived_sources(section))
+    try:
+        config = TransformerConfig(**kwargs)
+    except (ValueError, AssertionError) as refused:  # megatron-core's own checks (__post_init__)
+        if not overrides:
+            raise
+        raise ConfigError(f"{prefix}: megatron-core's TransformerConfig refuses the settings with the overrides "
+                          f"{dict(overrides)}: {refused}") from None
     model_kwargs = gpt_model_kwargs(arch, vocab_rows)
     if value_head:
         model_kwargs["share_embeddings_and_output_weights"] = False
@@ -275,6 +291,13 @@ def build_chunks(
         # and stays float32)
         chunks.append(chunk.to(device=device, dtype=params_dtype))
     return chunks, config
+
+
+def derived_sources(section: str) -> dict[str, str]:
+    """TransformerConfig name -> the key megarl sets it from, for `section`'s override messages."""
+    return {**{name: f"{section}.megatron.{name}" for name in LAYOUT_NAMES},
+            **{name: "actor_rollout_ref.model.dtype" for name in DTYPE_NAMES},
+            "moe_enable_routing_replay": "actor_rollout_ref.actor.router_replay.mode"}
 
 
 def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: str,

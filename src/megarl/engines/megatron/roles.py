@@ -93,16 +93,21 @@ class ActorEngine(MegatronEngine):
         """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere; an MoE
         model adds "expert_tokens" [L, E] int32 (its routing's expert load over this rank's samples,
         `MegatronEngine.forward_tokens`).
-        Micro-batches: rollout.log_prob_micro_batch_size_per_gpu responses, or the actor's
-        token budget (ppo_max_token_len_per_gpu) with use_dynamic_bsz."""
-        rollout = self.config.actor_rollout_ref.rollout
+        Micro-batches: rollout.log_prob_micro_batch_size_per_gpu responses, or with
+        rollout.log_prob_use_dynamic_bsz the token budget rollout.log_prob_max_token_len_per_gpu
+        (verl's keys of this pass; null: the actor's use_dynamic_bsz and ppo_max_token_len_per_gpu)."""
         keys = ["log_probs", "entropy"] if with_entropy else ["log_probs"]
         return self.forward_tokens(
             batch, _log_prob_head(self, temperature, with_entropy, "log_probs"),
-            max_samples=rollout.log_prob_micro_batch_size_per_gpu,
-            max_tokens=self.actor.ppo_max_token_len_per_gpu if self.actor.use_dynamic_bsz else None, keys=keys,
-            count_experts=True,
+            **self._old_log_prob_micro_batches(), keys=keys, count_experts=True,
         )
+
+    def _old_log_prob_micro_batches(self) -> dict:
+        """{"max_samples", "max_tokens"} of the old-log-prob pass (`compute_log_prob`, and the
+        no-grad pass of `update_policy_with_old_log_probs`)."""
+        rollout = self.config.actor_rollout_ref.rollout
+        return {"max_samples": rollout.log_prob_micro_batch_size_per_gpu,
+                "max_tokens": rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None}
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """`ppo_epochs` passes over this rank's samples in mini-batches of
@@ -121,10 +126,8 @@ class ActorEngine(MegatronEngine):
         `compute_log_prob(batch, rollout.temperature, with_entropy=True)` would have returned
         before the update, None elsewhere)."""
         rollout = self.config.actor_rollout_ref.rollout
-        old = OldLogProbsInUpdate(
-            self, batch, _log_prob_head(self, rollout.temperature, True, "log_probs"),
-            max_samples=rollout.log_prob_micro_batch_size_per_gpu,
-            max_tokens=self.actor.ppo_max_token_len_per_gpu if self.actor.use_dynamic_bsz else None)
+        old = OldLogProbsInUpdate(self, batch, _log_prob_head(self, rollout.temperature, True, "log_probs"),
+                                  **self._old_log_prob_micro_batches())
         metrics = self._update_policy(old.batch, old)
         return metrics, old.outputs() if self.is_output_rank else None
 

@@ -1,0 +1,30 @@
+"""Rules for `<role>.megatron.override_transformer_config` (megarl.config.transformer_overrides):
+what can be checked without megatron-core. The engine checks each name against megatron-core's
+`TransformerConfig` when it builds (megarl.engines.megatron.transformer_overrides)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.rules.experts import training_roles
+from megarl.config.schema import ExperimentConfig
+from megarl.config.transformer_overrides import KEY, megarl_key_problems, recompute_problems
+
+GRADIENT_CHECKPOINTED = ("actor_rollout_ref.actor", "critic")  # the roles enable_gradient_checkpointing applies to
+
+
+def transformer_overrides_fit(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Each training role's transformer overrides: recompute values megatron-core accepts and that
+    agree with enable_gradient_checkpointing (actor and critic), and no layout or dtype name that
+    differs from the megarl key it comes from.
+
+    Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.enable, critic.megatron,
+    reward_model.enable, reward_model.megatron, actor_rollout_ref.model.enable_gradient_checkpointing,
+    actor_rollout_ref.model.dtype
+    """
+    arr = config.actor_rollout_ref
+    for section, megatron in training_roles(config):
+        prefix, overrides = f"{section}.{KEY}", megatron.override_transformer_config
+        checkpointed = arr.model.enable_gradient_checkpointing and section in GRADIENT_CHECKPOINTED
+        yield from recompute_problems(prefix, overrides, checkpointed)
+        yield from megarl_key_problems(prefix, section, overrides, megatron, arr.model.dtype)

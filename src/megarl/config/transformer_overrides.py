@@ -1,0 +1,108 @@
+"""A role's megatron-core `TransformerConfig` overrides (`<role>.megatron.override_transformer_config`,
+verl's key) and the activation recompute they ask for. Pure; megatron-core is not imported here: the
+engine checks each name against the installed megatron-core's `TransformerConfig` fields and refuses
+a name it sets itself from the model (`megarl.engines.megatron.transformer_overrides`).
+
+Activation recompute (megatron-core's `TransformerConfig.recompute_*`; the forward in 0.16.1's
+transformer/transformer_block.py `_checkpointed_forward`, 0.19.2's recompute.py `checkpointed_forward`):
+- full: a layer's activations are dropped in the forward and recomputed in the backward from the
+  layer's input. uniform: the stage's layers in chunks of `recompute_num_layers`, each chunk's
+  input kept; block: only the first `recompute_num_layers` layers of each stage recomputed, one by one.
+- selective: only `recompute_modules` (default ["core_attn"]) inside each layer are recomputed.
+`actor_rollout_ref.model.enable_gradient_checkpointing=true` means full, uniform, 1 layer
+(`GRADIENT_CHECKPOINTING`) for the actor and the critic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+KEY = "megatron.override_transformer_config"
+GRADIENT_CHECKPOINTING_KEY = "actor_rollout_ref.model.enable_gradient_checkpointing"
+GRADIENT_CHECKPOINTING = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+GRANULARITIES = (None, "full", "selective")
+METHODS = (None, "uniform", "block")
+# TransformerConfig fields that megarl sets from a `<role>.megatron` key of the same name
+LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                "sequence_parallel", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")
+DTYPE_NAMES = ("params_dtype", "pipeline_dtype", "bf16", "fp16")  # from actor_rollout_ref.model.dtype
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """A role's activation recompute: `granularity` None (off), "full" or "selective"; `method`
+    "uniform" or "block" and `num_layers` (layers per chunk, or per stage) for full; `modules` for selective."""
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: tuple[str, ...] = ("core_attn",)
+
+
+def role_overrides(overrides: Mapping[str, Any], gradient_checkpointing: bool) -> dict[str, Any]:
+    """The TransformerConfig fields a role sets on top of megarl's own: its `override_transformer_config`,
+    and enable_gradient_checkpointing's full recompute where it is on (`gradient_checkpointing`: the
+    role trains with it: the actor and the critic) and the overrides do not say otherwise
+    (`recompute_problems` refuses their differing)."""
+    return {**(GRADIENT_CHECKPOINTING if gradient_checkpointing else {}), **overrides}
+
+
+def recompute_of(overrides: Mapping[str, Any]) -> Recompute:
+    """The recompute of a role's `role_overrides` (checked by `recompute_problems`)."""
+    modules = overrides.get("recompute_modules")
+    return Recompute(overrides.get("recompute_granularity"), overrides.get("recompute_method"),
+                     overrides.get("recompute_num_layers"), tuple(modules) if modules is not None else ("core_attn",))
+
+
+def recompute_problems(prefix: str, overrides: Mapping[str, Any], gradient_checkpointing: bool) -> list[str]:
+    """Messages for a role's recompute overrides, `prefix` being `<section>.megatron.override_transformer_config`:
+    values megatron-core refuses (its TransformerConfig.__post_init__, transformer_config.py:1154-1185 in
+    0.16.1, :1724-1755 in 0.19.2: a granularity of full or selective; full needs a method of uniform or block
+    and recompute_num_layers; selective takes no recompute_num_layers), recompute_num_layers < 1 (which
+    megatron-core accepts, but its uniform loop then never advances: 0.16.1 transformer_block.py:532-542,
+    0.19.2 recompute.py:157-166), and values differing from enable_gradient_checkpointing's full recompute
+    where that is on (`gradient_checkpointing`)."""
+    problems = []
+    if gradient_checkpointing:
+        for name, value in GRADIENT_CHECKPOINTING.items():
+            if name in overrides and overrides[name] != value:
+                problems.append(f"{prefix}.{name}={overrides[name]} conflicts with {GRADIENT_CHECKPOINTING_KEY}=true, "
+                                f"which means {name}={value}; set one of them only")
+    settings = role_overrides(overrides, gradient_checkpointing)
+    granularity, method = settings.get("recompute_granularity"), settings.get("recompute_method")
+    layers = settings.get("recompute_num_layers")
+    if granularity not in GRANULARITIES:
+        problems.append(f"{prefix}.recompute_granularity={granularity}: must be full, selective or null")
+    if method not in METHODS:
+        problems.append(f"{prefix}.recompute_method={method}: must be uniform, block or null")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        problems.append(f"{prefix}.recompute_num_layers={layers}: must be a positive integer or null")
+    if granularity == "full" and (method is None or layers is None):
+        problems.append(f"{prefix}.recompute_granularity=full needs recompute_method (uniform or block) and "
+                        "recompute_num_layers (megatron-core's rule)")
+    if granularity == "selective" and layers is not None:
+        problems.append(f"{prefix}.recompute_granularity=selective takes no recompute_num_layers "
+                        "(megatron-core's rule); use recompute_modules")
+    modules = settings.get("recompute_modules")
+    if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+        problems.append(f"{prefix}.recompute_modules={modules}: must be a list of module names, e.g. [core_attn]")
+    return problems
+
+
+def megarl_key_problems(prefix: str, section: str, overrides: Mapping[str, Any], megatron_cfg,
+                        dtype: str) -> list[str]:
+    """Messages for override names megarl sets from its own keys, where the values differ: the
+    layout names from `<section>.megatron.<same name>`, bf16/fp16 from actor_rollout_ref.model.dtype;
+    params_dtype and pipeline_dtype always (torch dtypes, which YAML cannot write)."""
+    problems = []
+    for name in LAYOUT_NAMES:
+        if name in overrides and overrides[name] != getattr(megatron_cfg, name):
+            problems.append(f"{prefix}.{name}={overrides[name]} conflicts with {section}.megatron.{name}="
+                            f"{getattr(megatron_cfg, name)}; set {section}.megatron.{name} only")
+    flags = {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+    for name in DTYPE_NAMES:
+        if name in overrides and (name not in flags or overrides[name] != flags[name]):
+            problems.append(f"{prefix}.{name}={overrides[name]} conflicts with actor_rollout_ref.model.dtype={dtype}, "
+                            "from which megarl sets it; set actor_rollout_ref.model.dtype only")
+    return problems

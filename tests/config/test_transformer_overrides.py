@@ -1,0 +1,127 @@
+"""`<role>.megatron.override_transformer_config` (verl's key) at config time, the old-log-prob pass's
+verl keys, and `model_engine`: what loads, what is refused naming which keys, and what the reference
+inherits. The names themselves are checked against megatron-core's TransformerConfig in
+tests/engines/test_transformer_overrides.py."""
+import logging
+
+import pytest
+
+from megarl.config import ConfigError, load_and_validate, load_config
+from megarl.config.transformer_overrides import Recompute, recompute_of, role_overrides
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+ACTOR = "actor_rollout_ref.actor.megatron.override_transformer_config"
+# verl's run_qwen3_30b_a3b_sglang_megatron.sh, as written there
+VERL_RECOMPUTE = [f"+{ACTOR}.use_flash_attn=True", f"+{ACTOR}.recompute_method=uniform",
+                  f"+{ACTOR}.recompute_granularity=full", f"+{ACTOR}.recompute_num_layers=1"]
+
+
+def ok(*overrides):
+    return load_and_validate(None, REQUIRED + list(overrides))
+
+
+def fails(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        ok(*overrides)
+    return str(info.value)
+
+
+def test_verls_recompute_overrides_load_and_use_flash_attn_is_dropped_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        config = ok(*VERL_RECOMPUTE)
+    overrides = config.actor_rollout_ref.actor.megatron.override_transformer_config
+    assert overrides == {"recompute_method": "uniform", "recompute_granularity": "full", "recompute_num_layers": 1}
+    assert recompute_of(overrides) == Recompute("full", "uniform", 1, ("core_attn",))
+    lines = [r.getMessage() for r in caplog.records if "use_flash_attn" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"{ACTOR}.use_flash_attn (verl key") and "ignored" in lines[0]
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.ref", "critic", "reward_model"])
+def test_every_role_takes_overrides(role):
+    config = ok(f"+{role}.megatron.override_transformer_config.recompute_granularity=selective",
+                f"+{role}.megatron.override_transformer_config.use_flash_attn=true")
+    section = {"actor_rollout_ref.ref": config.actor_rollout_ref.ref, "critic": config.critic,
+               "reward_model": config.reward_model}[role]
+    assert section.megatron.override_transformer_config == {"recompute_granularity": "selective"}
+
+
+def test_the_reference_inherits_the_actors_overrides_unless_it_has_its_own():
+    assert ok(*VERL_RECOMPUTE).actor_rollout_ref.ref.megatron.override_transformer_config["recompute_method"] == "uniform"
+    with_layout = ok(*VERL_RECOMPUTE, "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+                     "trainer.n_gpus_per_node=8")
+    assert with_layout.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    assert with_layout.actor_rollout_ref.ref.megatron.override_transformer_config["recompute_granularity"] == "full"
+    own = ok(*VERL_RECOMPUTE, "+actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=selective")
+    assert own.actor_rollout_ref.ref.megatron.override_transformer_config == {"recompute_granularity": "selective"}
+
+
+def test_gradient_checkpointing_means_full_uniform_one_layer_and_conflicts_are_refused():
+    assert recompute_of(role_overrides({}, True)) == Recompute("full", "uniform", 1)
+    assert recompute_of(role_overrides({}, False)) == Recompute()
+    # the same settings said twice are fine; a different one names both keys
+    ok("actor_rollout_ref.model.enable_gradient_checkpointing=true", *VERL_RECOMPUTE)
+    msg = fails("actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                f"+{ACTOR}.recompute_granularity=selective")
+    assert (f"{ACTOR}.recompute_granularity=selective conflicts with "
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true, which means recompute_granularity=full") in msg
+    # the critic follows the same switch; the reference (forward only) does not
+    assert "critic.megatron.override_transformer_config.recompute_method=block conflicts" in fails(
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true", "critic.enable=true",
+        "+critic.megatron.override_transformer_config.recompute_method=block")
+    ok("actor_rollout_ref.model.enable_gradient_checkpointing=true",
+       "+actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=selective")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([f"+{ACTOR}.recompute_granularity=full"],
+     f"{ACTOR}.recompute_granularity=full needs recompute_method (uniform or block) and recompute_num_layers"),
+    ([f"+{ACTOR}.recompute_granularity=selective", f"+{ACTOR}.recompute_num_layers=2"],
+     "selective takes no recompute_num_layers"),
+    ([f"+{ACTOR}.recompute_granularity=partial"], f"{ACTOR}.recompute_granularity=partial: must be full, selective"),
+    ([f"+{ACTOR}.recompute_granularity=full", f"+{ACTOR}.recompute_method=uniform", f"+{ACTOR}.recompute_num_layers=0"],
+     f"{ACTOR}.recompute_num_layers=0: must be a positive integer"),
+    ([f"+{ACTOR}.recompute_modules=core_attn"], f"{ACTOR}.recompute_modules=core_attn: must be a list"),
+])
+def test_recompute_values_are_checked(overrides, expected):
+    assert expected in fails(*overrides)
+
+
+def test_layout_and_dtype_names_may_repeat_megarls_keys_but_not_differ():
+    ok(f"+{ACTOR}.tensor_model_parallel_size=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+       "trainer.n_gpus_per_node=8", f"+{ACTOR}.bf16=true")
+    msg = fails(f"+{ACTOR}.tensor_model_parallel_size=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "trainer.n_gpus_per_node=8")
+    assert (f"{ACTOR}.tensor_model_parallel_size=4 conflicts with "
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2") in msg
+    assert f"{ACTOR}.fp16=True conflicts with actor_rollout_ref.model.dtype=bfloat16" in fails(f"+{ACTOR}.fp16=true")
+    assert f"{ACTOR}.params_dtype=float32 conflicts with actor_rollout_ref.model.dtype" in fails(
+        f"+{ACTOR}.params_dtype=float32")
+
+
+def test_the_old_log_prob_pass_keys_default_to_the_actors_and_are_checked():
+    config = ok("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5000")
+    rollout = config.actor_rollout_ref.rollout
+    assert (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu) == (True, 5000)
+    config = ok("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9000")
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    assert (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu) == (True, 9000)
+    assert (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu) == (False, 16384)  # the update's stay apart
+    msg = fails("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100")
+    assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100 tokens is less than one full sequence" in msg
+    # the actor's too-small budget, inherited by the pass, is reported once, under the actor's key
+    msg = fails("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100")
+    assert msg.count("tokens is less than one full sequence") == 1
+    assert "log_prob_max_token_len_per_gpu=0: must be a positive integer" in fails(
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=0")
+
+
+def test_model_engine_megatron_is_accepted_and_another_engine_refused(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        ok("model_engine=megatron")
+    assert any(r.getMessage().startswith("model_engine (verl key") for r in caplog.records)
+    assert "model_engine=dp (override 'model_engine=dp'): megarl trains with Megatron only" in fails("model_engine=dp")
+    (tmp_path / "exp.yaml").write_text("model_engine: veomni\n")
+    with pytest.raises(ConfigError, match="model_engine=veomni .*megarl accepts model_engine=megatron only"):
+        load_config(tmp_path / "exp.yaml", REQUIRED)
