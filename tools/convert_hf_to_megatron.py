@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Convert an HF safetensors checkpoint (Llama, Mistral, Qwen2, Qwen3) into a megatron-core
-`torch_dist` checkpoint, one tensor at a time.
+"""Convert an HF safetensors checkpoint (Llama, Mistral, Qwen2, Qwen3; mixture-of-experts Qwen2-MoE,
+Qwen3-MoE, Mixtral) into a megatron-core `torch_dist` checkpoint, one tensor at a time.
 
-    python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N --pp N --vpp N]
+    python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N --pp N --vpp N --ep N --etp N]
 
 The output (`OUT/latest_checkpointed_iteration.txt` -> `OUT/release/`) loads into a stock
 megatron-core `GPTModel` (`dist_checkpointing.load(model.sharded_state_dict(), OUT/release)`) at
@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is made for")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank (virtual pipeline)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size: 1, or TP (0, the default)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="megatron pads the vocabulary to a multiple of this times TP (default 128)")
     args = parser.parse_args(argv)
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     try:
         with progress_bar("hf -> megatron") as show:
-            layout = ParallelLayout(args.tp, args.pp, args.vpp)
+            layout = ParallelLayout(args.tp, args.pp, args.vpp, args.ep, args.etp)
             summary = convert_hf_to_torch_dist(args.hf, args.out, layout, args.make_vocab_size_divisible_by, show)
     except ConversionError as e:
         print(f"\nerror: {e}", file=sys.stderr)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Convert a megatron-core `torch_dist` checkpoint of a Llama / Mistral / Qwen2 / Qwen3 model into
-an HF checkpoint (config.json, sharded safetensors with an index, tokenizer files), one tensor
+"""Convert a megatron-core `torch_dist` checkpoint of a Llama / Mistral / Qwen2 / Qwen3 model, or of
+a Qwen2-MoE / Qwen3-MoE / Mixtral mixture-of-experts model, into an HF checkpoint (config.json, sharded safetensors with an index, tokenizer files), one tensor
 at a time.
 
     python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--hf-config DIR]
 
 --ckpt is a checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory,
-saved at any TP / PP / VPP layout. The config and tokenizer come from --hf-config, else from the
+saved at any TP / PP / VPP / EP layout. The config and tokenizer come from --hf-config, else from the
 `hf/` directory that tools/convert_hf_to_megatron.py stored in the checkpoint. The output loads
 with transformers and SGLang. Exit status: 0 done, 2 the input cannot be converted exactly (the
 message says why), 1 an unexpected error.

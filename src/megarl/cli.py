@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
 
     export = sub.add_parser("export", help="write a checkpoint's actor as an HF checkpoint (transformers, SGLang)")
-    export.add_argument("checkpoint", help="a global_step_N directory, or an experiment directory (its newest "
-                        "complete checkpoint)")
+    export.add_argument("checkpoint", help="a global_step_N directory, an experiment directory (its newest "
+                        "complete checkpoint), or the trainer.default_local_dir of a single experiment")
     export.add_argument("--out", help="output directory (default: <checkpoint>/actor_hf); must not exist or be empty")
     kind = export.add_mutually_exclusive_group()
     kind.add_argument("--lora", action="store_true", help="a LoRA run: write its adapter in PEFT format "

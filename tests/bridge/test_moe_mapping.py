@@ -1,19 +1,22 @@
 """MoE mapping without megatron: on-disk names against HF's own fused in-memory experts, the pure
-EP x ETP sharding round trip, and MoE conversions refused where they are not supported."""
+EP x ETP sharding round trip, and the offline HF <-> torch_dist conversion and its tools (what
+megatron itself writes and reads is checked in test_moe_bridge.py)."""
 import pytest
 import torch
 
 from megarl.bridge import ConversionError, ParallelLayout, WeightMap, arch_from_hf_config, load_hf_config
-from megarl.bridge.convert import convert_hf_to_torch_dist
+from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
+from megarl.bridge.torch_dist_io import TorchDistReader
 from megarl.bridge.sharding import merge_model, shard_model
 from megarl.data.tiny_model import MOE_ARCHITECTURES, make_tiny_model
+from test_convert import run_tool
 from tiny_hf import hf_tensors
 
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
-    return {a: make_tiny_model(a, root / a, layers=2, hidden=32, heads=4, kv_heads=2, intermediate=16, seed=i)
+    return {a: make_tiny_model(a, root / a, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=12, intermediate=16, seed=i)
             for i, a in enumerate(MOE_ARCHITECTURES)}
 
 
@@ -60,9 +63,52 @@ def test_pure_sharding_round_trip_is_bit_exact(arch, layout, moe_dirs):
     assert all(torch.equal(merged[n], full[n]) for n in full)
 
 
-def test_torch_dist_conversion_of_moe_is_refused(moe_dirs, tmp_path):
-    with pytest.raises(ConversionError, match="mixture-of-experts model; torch_dist conversion"):
-        convert_hf_to_torch_dist(moe_dirs["qwen3_moe"], tmp_path / "out")
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_hf_to_torch_dist_to_hf_is_bit_exact(arch, moe_dirs, tmp_path):
+    """Experts stored with a layer and an expert axis ([L, E, 2F, H] fc1, [L, E, H, F] fc2), router
+    [L, E, H], the pre-MLP norm under the TE key; back to HF bit for bit (GQA, head_dim 12 != 32 / 4)."""
+    convert_hf_to_torch_dist(moe_dirs[arch], tmp_path / "mcore", ParallelLayout(ep=2))
+    tensors = {k: e.global_shape for k, e in TorchDistReader(tmp_path / "mcore").tensors.items()}
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, 8, 32, 32)
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (2, 8, 32, 16)
+    assert tensors["decoder.layers.mlp.router.weight"] == (2, 8, 32)
+    assert tensors["decoder.layers.pre_mlp_layernorm.weight"] == (2, 32)
+    assert ("decoder.layers.mlp.shared_experts.gate_weight" in tensors) == (arch == "qwen2_moe")
+    convert_torch_dist_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    hf, back = hf_tensors(moe_dirs[arch]), hf_tensors(tmp_path / "hf")
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_moe_tools_convert_both_ways_and_transformers_loads_the_result(moe_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = moe_dirs["qwen2_moe"]  # the shared expert and its gate
+    to_mcore = run_tool("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mcore", "--tp", 2, "--ep", 2)
+    assert to_mcore.returncode == 0, to_mcore.stderr
+    assert "for TP=2 PP=1 VPP=1 EP=2 ETP=2" in to_mcore.stdout
+    to_hf = run_tool("convert_megatron_to_hf.py", "--ckpt", tmp_path / "mcore", "--out", tmp_path / "hf")
+    assert to_hf.returncode == 0, to_hf.stderr
+    ids = torch.tensor([[1, 5, 9, 30, 46, 2]])
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (hf_dir, tmp_path / "hf")]
+    with torch.no_grad():
+        assert torch.equal(models[0](ids).logits, models[1](ids).logits)
+    bad = run_tool("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "bad", "--ep", 3)
+    assert bad.returncode == 2 and "num_experts=8 is not a multiple of ep=3" in bad.stderr, bad.stderr
+
+
+def test_a_config_with_another_expert_count_is_refused_by_name(moe_dirs, tmp_path):
+    """A config whose expert count differs from the checkpoint's is refused before anything is written."""
+    import json
+
+    convert_hf_to_torch_dist(moe_dirs["qwen3_moe"], tmp_path / "mcore")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((moe_dirs["qwen3_moe"] / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_experts": 4}))
+    with pytest.raises(ConversionError, match=r"router.weight has shape \[8, 32\], but the config implies \[4, 32\]"):
+        convert_torch_dist_to_hf(tmp_path / "mcore", tmp_path / "hf", hf_config_dir=other)
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("layout", [ParallelLayout(ep=2), ParallelLayout(tp=2, ep=4, etp=1), ParallelLayout(tp=2, pp=2, ep=2)],
@@ -91,3 +137,27 @@ def test_grouped_gemm_names_shard_and_merge_back_to_the_hf_checkpoint(arch, layo
     back = {h: t for name, f in merge_model(weights, shards, layout).items() for h, t in weights.to_hf(name, f)}
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_lora_adapters_on_experts_are_refused_by_name(moe_dirs, tmp_path):
+    """megarl's LoRA adapts an MoE model's attention only (its merge and PEFT export handle those);
+    a checkpoint with adapters on the experts cannot be merged exactly and is refused naming them,
+    by `megarl export` (plain / --merged) and --lora alike."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.bridge.lora import read_adapters
+    from megarl.bridge.torch_dist_io import MEGATRON_METADATA
+
+    expert_adapter = "decoder.layers.mlp.experts.experts.linear_fc1_lora.gate_proj_A"
+    state = {"embedding.word_embeddings.weight": torch.zeros(128, 32),
+             "decoder.layers.self_attention.linear_qkv_lora.q_proj_A": torch.zeros(2, 4, 32),
+             expert_adapter: torch.zeros(2, 8, 4, 32)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (tmp_path / "ckpt" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    with pytest.raises(ConversionError, match=f"LoRA adapters on modules megarl cannot merge or export, e.g. \\['{expert_adapter}'\\]"):
+        convert_torch_dist_to_hf(tmp_path / "ckpt", tmp_path / "hf", hf_config_dir=moe_dirs["qwen3_moe"], lora_scale=2.0)
+    with pytest.raises(ConversionError, match="experts, router or shared expert"):
+        read_adapters(TorchDistReader(tmp_path / "ckpt"))
+    assert not (tmp_path / "hf").exists()

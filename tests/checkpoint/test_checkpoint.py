@@ -61,6 +61,24 @@ def test_resume_modes_pick_the_newest_complete_checkpoint_and_ignore_partial_one
         checkpoint.find_resume_dir(partial)
 
 
+def test_export_finds_the_checkpoint_from_the_step_the_experiment_or_the_default_local_dir(tmp_path):
+    """`megarl export DIR`: DIR may be a global_step_N, its experiment directory, or the
+    trainer.default_local_dir a user set (<dir>/<project>/<experiment>/) holding one experiment;
+    with several there, the error names each."""
+    root = tmp_path / "p" / "e"
+    write(root, 1)
+    newest = write(root, 2)
+    (tmp_path / "p" / "crashed").mkdir()  # an experiment without a complete checkpoint does not count
+    checkpoint.begin(tmp_path / "p" / "crashed", 1)
+    for given in (newest, root, tmp_path):
+        assert checkpoint.resolve_checkpoint(given) == newest
+    write(tmp_path / "q" / "other", 4)
+    with pytest.raises(ConfigError, match=r"holds 2 experiments with complete checkpoints \(p/e, q/other\)"):
+        checkpoint.resolve_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="nor a trainer.default_local_dir holding one experiment"):
+        checkpoint.resolve_checkpoint(tmp_path / "p" / "crashed")
+
+
 def test_pruning_keeps_the_newest_and_resaving_a_step_replaces_it(tmp_path):
     root = tmp_path / "p" / "e"
     for step in range(1, 5):

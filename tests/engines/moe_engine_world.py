@@ -1,7 +1,9 @@
 """The body of the MoE engine check: 2 spawned gloo processes, an actor and a reference engine of
 a tiny Qwen3-MoE at TP1 / EP2 (each rank holds 4 of the 8 experts of every layer, DP 2) and its
-weight-sync resharder, then an actor at TP2 / EP1 (each expert split over the TP ranks) and its resharder,
-then an actor at PP2 (log-probs and expert counts only)."""
+weight-sync resharder; the actor's checkpoint after two updates and its log-probs on those weights;
+then an actor at TP2 / EP1 (each expert split over the TP ranks), started from the bridge's
+`torch_dist` conversion of the HF checkpoint, and its resharder, then an actor at PP2 (log-probs
+and expert counts only)."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +16,7 @@ TEMPERATURE = 0.7
 EP2 = [f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size=2" for role in ("actor", "ref")]
 
 
-def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
+def moe_world(rank: int, world_size: int, port: int, model_dir: str, mcore_dir: str, checkpoint_dir: str) -> dict:
     from megarl.engines.megatron.roles import ActorEngine, RefEngine
 
     init_world(rank, world_size, port)
@@ -30,6 +32,8 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     updates = [actor.update_policy(mine) for _ in range(2)]
     out.update({"dp_rank": actor.dp_rank, "scored": scored, "updates": updates,
                 "ref_equal": torch.equal(ref["ref_log_probs"], scored["log_probs"])})
+    actor.save_checkpoint(checkpoint_dir)  # what a run's checkpoint holds for the actor (+ optimizer)
+    out["trained"] = actor.compute_log_prob(mine, TEMPERATURE)  # the same weights
     del actor
     reset_layout()
 
@@ -42,8 +46,9 @@ def moe_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
     del actor
     reset_layout()
 
-    # TP2 / EP1 (experts split over TP): log-probs, and the resharder's HF tensors
-    actor = ActorEngine(config(model_dir, world_size, 2, 1, None, None))
+    # TP2 / EP1 (experts split over TP), from the converted torch_dist checkpoint: log-probs, and
+    # the resharder's HF tensors
+    actor = ActorEngine(config(mcore_dir, world_size, 2, 1, None, None))
     out["tp2_scored"] = actor.compute_log_prob(batch, TEMPERATURE, with_entropy=True)
     out["tp2_synced"] = resharded(actor)
     del actor

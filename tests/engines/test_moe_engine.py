@@ -2,13 +2,15 @@
 actor's log-probs and entropies equal HF's own model (fp32), the reference model's equal the
 actor's exactly at step 0, two PPO updates train (step 0's ppo_kl is exactly 0), and the weight-sync
 resharder emits each EP rank's experts from that rank, together the checkpoint's HF tensors; the expert counts
-of the actor's own routing equal a hand count of HF's routing."""
+of the actor's own routing equal a hand count of HF's routing. The trained actor's checkpoint exports
+to HF with the engine's log-probs; an actor starts from the bridge's torch_dist conversion."""
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.cpu_engine import load_causal_lm
 from megarl.trainer.engine_group import join_outputs
@@ -23,9 +25,28 @@ pytestmark = pytest.mark.slow  # one 2-process megatron world
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
-    model_dir = make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe", layers=2, hidden=64,
-                                heads=4, kv_heads=2, intermediate=32, seed=3)
-    return model_dir, run_gloo_workers(moe_world, 2, args=(str(model_dir),), timeout_s=400)
+    root = tmp_path_factory.mktemp("moe")
+    model_dir = make_tiny_model("qwen3_moe", root / "qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2,
+                                intermediate=32, seed=3)
+    mcore_dir = convert_hf_to_torch_dist(model_dir, root / "qwen3_moe_mcore").out
+    args = (str(model_dir), str(mcore_dir), str(root / "actor_checkpoint"))
+    return model_dir, run_gloo_workers(moe_world, 2, args=args, timeout_s=400)
+
+
+def test_moe_engine_checkpoint_exports_to_hf_with_the_engine_log_probs(moe_run, tmp_path):
+    """The EP2 actor's checkpoint after two updates (model, optimizer, schedule: what `megarl
+    export` converts) exported to HF: transformers' log-probs on the batch equal the engine's on the
+    same trained weights (fp32), and the weights moved (so this is not the starting checkpoint)."""
+    model_dir, ranks = moe_run
+    out = tmp_path / "hf"
+    convert_torch_dist_to_hf(model_dir.parent / "actor_checkpoint", out, hf_config_dir=model_dir)
+    ranks = sorted(ranks, key=lambda r: r["dp_rank"])
+    batch = ragged_batch(8)
+    exported, _, _ = hf_reference(out, batch, TEMPERATURE)
+    ours = torch.cat([r["trained"]["log_probs"] for r in ranks])
+    torch.testing.assert_close(exported, ours, rtol=0, atol=1e-5)
+    start = torch.cat([r["scored"]["log_probs"] for r in ranks])
+    assert (ours - start)[batch["response_mask"].bool()].abs().max() > 1e-4
 
 
 def test_moe_engine_log_probs_equal_hf_with_expert_parallelism(moe_run):
@@ -47,8 +68,9 @@ def test_moe_engine_step0_reference_equals_actor_and_updates_train(moe_run):
 
 
 def test_moe_engine_tp2_log_probs_and_resharded_weights_equal_hf(moe_run):
-    """TP2 / EP1: log-probs equal HF's; the resharder gathers every expert's TP shards into the
-    HF names and tensors of the checkpoint, bit for bit (the weights a push sends)."""
+    """TP2 / EP1, started from the bridge's torch_dist conversion of the HF checkpoint: log-probs
+    equal HF's; the resharder gathers every expert's TP shards into the HF names and tensors of the
+    checkpoint, bit for bit (the weights a push sends)."""
     model_dir, ranks = moe_run
     hf_log_probs, _, _ = hf_reference(model_dir, ragged_batch(8), TEMPERATURE)
     scored = [r["tp2_scored"] for r in ranks if r["tp2_scored"] is not None]

@@ -28,13 +28,12 @@ from megarl.bridge.safetensors_io import (
     as_umask_allows,
     read_safetensors_headers,
 )
-from megarl.bridge.sharding import ParallelLayout, check_layout, layer_index
+from megarl.bridge.sharding import ParallelLayout, check_layout
 from megarl.bridge.torch_dist_io import (
     RELEASE_DIR,
     TorchDistReader,
     expected_objects,
     expected_tensors,
-    stacked_key,
     write_torch_dist,
     write_tracker,
 )
@@ -140,15 +139,7 @@ def copy_hf_assets(src: Path, dst: Path, dtype: Optional[torch.dtype] = None, ar
 
 
 def _arch_of(config_dir: Path) -> ModelArch:
-    arch = arch_from_hf_config(load_hf_config(config_dir), source=str(config_dir / "config.json"))
-    if arch.moe is not None:
-        # megatron saves SequentialMLP experts under per-layer keys with an expert axis, which
-        # torch_dist_io does not map yet; engines load MoE models from the HF directory directly
-        raise ConversionError(
-            f"{config_dir / 'config.json'}: {arch.model_type} is a mixture-of-experts model; torch_dist conversion "
-            "of MoE checkpoints is not supported yet (megarl loads the HF checkpoint directly)"
-        )
-    return arch
+    return arch_from_hf_config(load_hf_config(config_dir), source=str(config_dir / "config.json"))
 
 
 # ------------------------------------------------------------------------------------------ HF -> megatron
@@ -161,8 +152,8 @@ def convert_hf_to_torch_dist(
 ) -> ConversionSummary:
     """Write the HF checkpoint `hf_dir` as a megatron `torch_dist` checkpoint at `out`
     (`out/latest_checkpointed_iteration.txt` -> `out/release/`) for a `GPTModel` at `layout`,
-    whose TP size fixes the padded vocabulary. megatron reshards at load time, so other layouts
-    load it too; their embedding and output layer get the checkpoint's rows, zero-padded or
+    whose TP size fixes the padded vocabulary (EP only has to divide the experts). megatron
+    reshards at load time, so other layouts (EP included) load it too; their embedding and output layer get the checkpoint's rows, zero-padded or
     trimmed to their own padded vocabulary (`allow_shape_mismatch`). The HF config and tokenizer
     are kept in `out/release/hf/`."""
     hf_dir = Path(hf_dir)
@@ -196,7 +187,7 @@ def convert_hf_to_torch_dist(
                 "vocab_size": arch.vocab_size,
                 "padded_vocab_size": vp,
                 "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-                "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp},
+                "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.expert_tp},
             }
             (iter_dir / BRIDGE_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
             write_tracker(tmp)
@@ -214,12 +205,16 @@ def verify_torch_dist(ckpt: Path, weights: WeightMap, dtype_of: Callable[[str], 
     for key, entry in expected.items():
         if reader.tensors[key] != entry:
             raise ConversionError(f"{ckpt}: {key} is {reader.tensors[key]}, expected {entry}")
-    if set(reader.objects) != set(expected_objects(weights.arch.num_layers)):
+    if set(reader.objects) != set(expected_objects(weights.arch)):
         raise ConversionError(f"{ckpt}: _extra_state objects differ from the expected map")
 
 
 # ------------------------------------------------------------------------------------------ megatron -> HF
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def _axes(sizes: tuple[int, ...]) -> str:
+    return " x ".join(f"{n} {axis}" for n, axis in zip(sizes, ("layers", "experts")))
 
 
 def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap, config_path: Path) -> None:
@@ -232,20 +227,24 @@ def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap,
         f"head_dim={a.kv_channels}, intermediate_size={a.ffn_hidden_size}, vocab_size={a.vocab_size}, "
         f"tie_word_embeddings={a.tie_word_embeddings})"
     )
+    if a.moe is not None:
+        hint = hint[:-1] + f", experts={a.moe.num_experts}, expert width={a.moe.expert_ffn_hidden_size})"
     used = set()
     for name in weights.mcore_names():
+        parts = reader.parts(name)
         shape = reader.shape(name)
         if shape != weights.mcore_shape(name):
             raise ConversionError(
                 f"{reader.dir}: {name} has shape {list(shape)}, but the config implies "
                 f"{list(weights.mcore_shape(name))} {hint}"
             )
-        key = stacked_key(name)
-        used.update({name, key, name + "_w", name + "_v", key + "_w", key + "_v"})
-        if key in reader.tensors and layer_index(name) is not None and reader.tensors[key].global_shape[0] != a.num_layers:
-            raise ConversionError(
-                f"{reader.dir}: {key} stacks {reader.tensors[key].global_shape[0]} layers, but the config has {a.num_layers} {hint}"
-            )
+        for location, _ in parts:
+            used.add(location.key)
+            stacked = reader.tensors[location.key].global_shape[: len(location.index)]
+            axes = (a.num_layers, a.moe.num_experts if a.moe else 0)[: len(location.index)]
+            if stacked != axes:
+                raise ConversionError(f"{reader.dir}: {location.key} stacks {_axes(stacked)}, but the config has "
+                                      f"{_axes(axes)} {hint}")
     extra = [k for k in reader.tensors if k.startswith(_MODEL_PREFIXES) and k not in used and not is_extra_state(k)
              and not is_lora_param(k)]  # LoRA adapters: convert_torch_dist_to_hf merges or refuses them
     if extra:
@@ -274,12 +273,12 @@ def convert_torch_dist_to_hf(
         )
     arch = _arch_of(assets)
     weights = WeightMap(arch, padded_vocab_size=reader.shape(EMBEDDING)[0])
+    adapters = read_adapters(reader)  # first: refuses adapters it cannot merge by name
     check_torch_dist_against_config(reader, weights, assets / "config.json")
     dtypes = {reader.dtype(n) for n in weights.mcore_names()}
     if len(dtypes) > 1:
         raise ConversionError(f"{reader.dir}: parameters have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
-    adapters = read_adapters(reader)
     if adapters and lora_scale is None:
         raise ConversionError(f"{reader.dir}: holds LoRA adapters; give their scale (alpha / rank) to merge them")
     sizes = {n: torch.Size(weights.mcore_shape(n)).numel() * dtype.itemsize for n in weights.mcore_names()}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import COLUMN, REPLICATED, ROW, TPSplit
 
 SUFFIX = "_lora"
@@ -105,9 +106,28 @@ def merge_into_hf(hf: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]
         hf[adapter.hf_base] = (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
 
 
+# any adapter factor, on whatever module: `<module>_lora.<target>_<A|B>`
+_ANY_ADAPTER = re.compile(re.escape(SUFFIX) + r"\.\w+_[AB]$")
+
+
+def unmergeable_adapters(keys) -> list[str]:
+    """The checkpoint keys of adapter factors on modules other than `TARGETS`' (an MoE model's
+    experts, router or shared expert: megarl's LoRA adapts only attention there, lora.refuse_expert_targets),
+    which megarl can neither merge nor write as a PEFT adapter. Optimizer states are not counted."""
+    return sorted(k for k in keys if _ANY_ADAPTER.search(k) and not is_lora_param(k) and not k.startswith("optimizer."))
+
+
 def read_adapters(reader) -> dict[str, torch.Tensor]:
     """{global adapter name: full tensor} of a `torch_dist` checkpoint (a `TorchDistReader`); its
-    layer-stacked keys ([L, ...]) are split per layer. Empty when it holds no adapters."""
+    layer-stacked keys ([L, ...]) are split per layer. Empty when it holds no adapters. Adapters on
+    modules megarl does not map (`unmergeable_adapters`) are refused by name."""
+    unmergeable = unmergeable_adapters(reader.tensors)
+    if unmergeable:
+        raise ConversionError(
+            f"{reader.dir}: holds LoRA adapters on modules megarl cannot merge or export, e.g. {unmergeable[:3]} "
+            "(megarl's LoRA adapts the attention projections only; on an MoE model not its experts, router or "
+            "shared expert)"
+        )
     out = {}
     for key, entry in reader.tensors.items():
         m = _NAME.match(key)

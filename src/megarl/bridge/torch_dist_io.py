@@ -7,7 +7,28 @@ stacked: `decoder.layers.{i}.X` is row i of key `decoder.layers.X` with shape [L
 embedding and output layer have the padded vocabulary; a tied output layer has no key of its
 own. Each linear of a layer also has an `_extra_state` object (None for the local spec), which a
 stock `GPTModel` asks for when it loads. Because sharding is resolved at load time, one
-checkpoint loads at any TP / PP / VPP layout.
+checkpoint loads at any TP / PP / VPP / EP layout.
+
+MoE layers, as megatron-core (0.16.1 and 0.19.2) saves them (read from its `sharded_state_dict`,
+tests/bridge/moe_world.py compares):
+- experts: SequentialMLP stores local expert k of EP rank r under its global index
+  g = r * E / EP + k, in one key per projection with a layer and an expert axis:
+  `decoder.layers.{i}.mlp.experts.local_experts.{g}.linear_fc1.weight` is [i, g] of
+  `decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, 2F, H] (fc2: [L, E, H, F]),
+  split over expert-TP like a dense fc1 / fc2 (transformer/moe/experts.py `SequentialMLP.sharded_state_dict`).
+  TEGroupedMLP saves under the same keys ("interchangeable with SequentialMLP's", experts.py
+  `TEGroupedMLP.sharded_state_dict`). `_extra_state` objects per (layer, expert):
+  `decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_{i}.{g}_{L}.{E}`.
+- router `decoder.layers.mlp.router.weight` [L, E, H]; Qwen2-MoE's shared expert
+  `decoder.layers.mlp.shared_experts.linear_fc1.weight` [L, 2S, H], `.linear_fc2.weight`
+  [L, H, S] and its gate `decoder.layers.mlp.shared_experts.gate_weight` [L, 1, H].
+- the pre-MLP norm: the transformer-engine spec saves it as `decoder.layers.pre_mlp_layernorm.weight`;
+  the local spec's `sharded_state_dict_keys_map` renames it to `decoder.layers.mlp.linear_fc1.layer_norm_weight`
+  (gpt_layer_specs.py, both versions). Checkpoints are written with the TE key, the engine saves
+  and loads it there on either spec (`engines.megatron.checkpoint_io`), and both are read.
+With `singleton_local_shards`, megatron keys every layer (`decoder.layers.{i}.X`) and expert
+(`decoder.layers.{i}.mlp.experts.experts.{g}.linear_fc1.weight`) separately, and fc1 as `_w` / `_v`
+halves; those are read too.
 
 Checkpoint directory layout (megatron's): `<root>/latest_checkpointed_iteration.txt` names the
 iteration directory (`release` or `iter_0000123`) that holds the files above.
@@ -37,9 +58,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megarl.bridge.arch import ModelArch
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import WeightMap
-from megarl.bridge.sharding import layer_index
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE_DIR = "release"
@@ -50,18 +71,55 @@ MEGATRON_METADATA = {
     "common_backend_version": 1,
 }
 # Modules of a local-spec layer that carry an `_extra_state` object in a checkpoint.
-EXTRA_STATE_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
-_LAYER_PREFIX = re.compile(r"^decoder\.layers\.\d+\.")
+ATTENTION_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj")
+DENSE_MLP_EXTRA_STATE = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+MOE_NORM = "pre_mlp_layernorm.weight"  # an MoE layer's pre-MLP norm, TE spelling
+MOE_NORM_LOCAL = "mlp.linear_fc1.layer_norm_weight"  # its local-spec checkpoint spelling
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_PART = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def stacked_key(global_name: str) -> str:
-    """Checkpoint key of a parameter: `decoder.layers.{i}.X` -> `decoder.layers.X`."""
-    return _LAYER_PREFIX.sub("decoder.layers.", global_name, count=1)
+@dataclass(frozen=True)
+class Location:
+    """Where a checkpoint holds a parameter: `index` (layer, expert...) into key `key`'s leading axes."""
+
+    key: str
+    index: tuple[int, ...] = ()
+
+
+def checkpoint_locations(global_name: str) -> list[Location]:
+    """Where a `torch_dist` checkpoint may hold global megatron parameter `global_name` (TE
+    spelling, SequentialMLP expert names), the form `write_torch_dist` writes first:
+    stacked (`decoder.layers.X` at [i], experts `decoder.layers.mlp.experts.experts.X` at [i, e]),
+    then per-layer (`singleton_local_shards`), then, for an MoE layer's pre-MLP norm, the same
+    with the local-spec key. fc1 may also be stored as `<key>_w` / `<key>_v` halves (the reader's business)."""
+    m = _LAYER_PREFIX.match(global_name)
+    if m is None:
+        return [Location(global_name)]
+    layer, rest = int(m.group(1)), global_name[m.end():]
+    spellings = [rest, MOE_NORM_LOCAL] if rest == MOE_NORM else [rest]
+    out = []
+    for part in spellings:
+        e = _EXPERT_PART.match(part)
+        if e is None:
+            out += [Location(f"decoder.layers.{part}", (layer,)), Location(f"decoder.layers.{layer}.{part}")]
+        else:
+            expert, tail = int(e.group(1)), part[e.end():]
+            out += [Location(f"decoder.layers.mlp.experts.experts.{tail}", (layer, expert)),
+                    Location(f"decoder.layers.{layer}.mlp.experts.experts.{expert}.{tail}")]
+    return out
+
+
+_LOCAL_MOE_NORM_KEY = re.compile(r"^(decoder\.layers\.(?:\d+\.)?)" + re.escape(MOE_NORM_LOCAL) + "$")
+
+
+def te_moe_norm_key(key: str) -> str:
+    """The TE key of an MoE layer's pre-MLP norm given its local-spec checkpoint key
+    (`decoder.layers.[{i}.]mlp.linear_fc1.layer_norm_weight` -> `decoder.layers.[{i}.]pre_mlp_layernorm.weight`);
+    any other key unchanged. Only for keys of an MoE model: a dense layer's fused norm has that local key itself."""
+    return _LOCAL_MOE_NORM_KEY.sub(lambda m: m.group(1) + MOE_NORM, key)
 
 
 @dataclass(frozen=True)
@@ -74,26 +132,33 @@ class TensorEntry:
 
 
 def expected_tensors(weights: WeightMap, dtype_of: Callable[[str], torch.dtype]) -> dict[str, TensorEntry]:
-    """The tensor keys and global shapes a `GPTModel` of `weights.arch` saves and asks for."""
+    """The tensor keys and global shapes a `GPTModel` of `weights.arch` saves and asks for
+    (an MoE layer's pre-MLP norm under the TE key)."""
     entries: dict[str, TensorEntry] = {}
-    num_layers = weights.arch.num_layers
+    a = weights.arch
     for name in weights.mcore_names():
-        key = stacked_key(name)
-        shape = weights.mcore_shape(name)
-        if layer_index(name) is not None:
-            shape = (num_layers, *shape)
-        if key not in entries:
-            entries[key] = TensorEntry(key, shape, dtype_of(name))
+        location = checkpoint_locations(name)[0]
+        if location.key not in entries:
+            lead = (a.num_layers, a.moe.num_experts if a.moe else 0)[: len(location.index)]  # layer, expert axes
+            entries[location.key] = TensorEntry(location.key, (*lead, *weights.mcore_shape(name)), dtype_of(name))
     return entries
 
 
-def expected_objects(num_layers: int) -> list[str]:
-    """Keys of the `_extra_state` objects a local-spec `GPTModel` saves and asks for."""
-    return [
-        f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"
-        for i in range(num_layers)
-        for module in EXTRA_STATE_MODULES
-    ]
+def expected_objects(arch: ModelArch) -> list[str]:
+    """Keys of the `_extra_state` objects a local-spec `GPTModel` of `arch` saves and asks for."""
+    num_layers = arch.num_layers
+    per_layer = ATTENTION_EXTRA_STATE
+    if arch.moe is None:
+        per_layer += DENSE_MLP_EXTRA_STATE
+    elif arch.moe.shared_expert:
+        per_layer += SHARED_EXPERT_EXTRA_STATE
+    keys = [f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"
+            for i in range(num_layers) for module in per_layer]
+    if arch.moe is not None:
+        experts = arch.moe.num_experts
+        keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
+                 for i in range(num_layers) for e in range(experts) for module in EXPERT_EXTRA_STATE]
+    return keys
 
 
 @contextlib.contextmanager
@@ -160,11 +225,10 @@ def write_torch_dist(
     items: list[WriteItem] = []
     param_of: dict[tuple[str, tuple[int, ...]], tuple[str, Optional[slice]]] = {}
     for name in weights.mcore_names():
-        entry = entries[stacked_key(name)]
-        layer = layer_index(name)
+        location = checkpoint_locations(name)[0]
+        entry = entries[location.key]
         shape = weights.mcore_shape(name)
-        lead = () if layer is None else (layer,)
-        lead_size = () if layer is None else (1,)
+        lead, lead_size = location.index, (1,) * len(location.index)
         # fc1 is stored as its gate and up halves, like megatron's own saves
         halves = 2 if name.endswith("mlp.linear_fc1.weight") else 1
         rows = shape[0] // halves
@@ -173,7 +237,7 @@ def write_torch_dist(
             sizes = (*lead_size, rows, *shape[1:])
             items.append(_tensor_item(entry, offsets, sizes))
             param_of[(entry.key, offsets)] = (name, slice(h * rows, (h + 1) * rows) if halves > 1 else None)
-    objects = expected_objects(weights.arch.num_layers)
+    objects = expected_objects(weights.arch)
     items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
 
     current: dict[str, torch.Tensor] = {}  # the parameter being written (fc1: shared by its halves)
@@ -306,8 +370,9 @@ class _CachedMetadataReader(FileSystemReader):
 class TorchDistReader:
     """Global tensors of a `torch_dist` checkpoint, read one parameter (one layer) at a time.
 
-    Accepts the stacked (`decoder.layers.X` [L, ...]) and per-layer (`decoder.layers.{i}.X`)
-    key forms, and fc1 saved as `_w` / `_v` halves (megatron's `singleton_local_shards`).
+    Accepts every form of `checkpoint_locations`: stacked (`decoder.layers.X` [L, ...], experts
+    [L, E, ...]) and per-layer / per-expert keys, fc1 saved as `_w` / `_v` halves (megatron's
+    `singleton_local_shards`), and both spellings of an MoE layer's pre-MLP norm.
     Opening checks that every data file exists and is long enough.
     """
 
@@ -352,45 +417,46 @@ class TorchDistReader:
             raise ConversionError(f"{self.dir}: tensor {key!r} is not fully covered by the checkpoint's chunks")
         return dest
 
-    def _read_one(self, name: str) -> Optional[torch.Tensor]:
-        layer = layer_index(name)
-        if name in self.tensors:
-            entry = self.tensors[name]
-            return self._read_region(name, (0,) * len(entry.global_shape), entry.global_shape)
-        key = stacked_key(name)
-        if layer is not None and key in self.tensors:
-            entry = self.tensors[key]
-            if layer >= entry.global_shape[0]:
-                raise ConversionError(f"{self.dir}: {key!r} has {entry.global_shape[0]} layers, no layer {layer}")
-            region = (1, *entry.global_shape[1:])
-            return self._read_region(key, (layer, *(0,) * (len(region) - 1)), region)[0]
-        return None
+    def parts(self, name: str) -> list[tuple[Location, int]]:
+        """Where this checkpoint holds global parameter `name` (`checkpoint_locations`, first form
+        present): [(location, rows)], one whole tensor or fc1's `_w` / `_v` halves, which stack
+        along dim 0. `rows` is the part's dim 0 size."""
+        for location in checkpoint_locations(name):
+            keys = [location.key]
+            if location.key not in self.tensors and name.endswith("linear_fc1.weight"):
+                keys = [location.key + "_w", location.key + "_v"]
+            if not all(k in self.tensors for k in keys):
+                continue
+            found = []
+            for key in keys:
+                shape = self.tensors[key].global_shape
+                depth = len(location.index)
+                for axis, i in enumerate(location.index):
+                    if i >= shape[axis]:
+                        what = "layers" if axis == 0 else "experts"
+                        raise ConversionError(f"{self.dir}: {key!r} has {shape[axis]} {what}, no {what[:-1]} {i}")
+                found.append((Location(key, location.index), shape[depth]))
+            return found
+        tried = [loc.key for loc in checkpoint_locations(name)]
+        raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {tried})")
 
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor of global megatron parameter `name` (TE spelling)."""
-        tensor = self._read_one(name)
-        if tensor is None and name.endswith("mlp.linear_fc1.weight"):
-            halves = [self._read_one(name + suffix) for suffix in ("_w", "_v")]
-            if all(h is not None for h in halves):
-                tensor = torch.cat(halves, dim=0)
-        if tensor is None:
-            raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {name!r} and {stacked_key(name)!r})")
-        return tensor
+        """The full tensor of global megatron parameter `name` (TE spelling, SequentialMLP expert names)."""
+        pieces = []
+        for location, _ in self.parts(name):
+            shape = self.tensors[location.key].global_shape
+            depth = len(location.index)
+            region = (*(1,) * depth, *shape[depth:])
+            tensor = self._read_region(location.key, (*location.index, *(0,) * (len(shape) - depth)), region)
+            pieces.append(tensor.reshape(shape[depth:]))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Full shape of global parameter `name`, from the metadata only."""
-        if name in self.tensors:
-            return self.tensors[name].global_shape
-        key = stacked_key(name)
-        if layer_index(name) is not None and key in self.tensors:
-            return self.tensors[key].global_shape[1:]
-        if name.endswith("mlp.linear_fc1.weight"):
-            halves = [self.shape(name + s) for s in ("_w", "_v")]
-            return (halves[0][0] + halves[1][0], *halves[0][1:])
-        raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {name!r} and {key!r})")
+        parts = self.parts(name)
+        location, _ = parts[0]
+        tail = self.tensors[location.key].global_shape[len(location.index):]
+        return (sum(rows for _, rows in parts), *tail[1:])
 
     def dtype(self, name: str) -> torch.dtype:
-        for key in (name, stacked_key(name), name + "_w", stacked_key(name) + "_w"):
-            if key in self.tensors:
-                return self.tensors[key].dtype
-        raise ConversionError(f"{self.dir}: no tensor for {name!r}")
+        return self.tensors[self.parts(name)[0][0].key].dtype

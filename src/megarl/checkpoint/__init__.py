@@ -124,16 +124,24 @@ def find_resume_dir(config: ExperimentConfig) -> Optional[Path]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete `global_step_N` directory, given it or its experiment directory (then the newest
-    complete one)."""
+    """A complete `global_step_N` directory, given it, its experiment directory (then the newest
+    complete one), or the `trainer.default_local_dir` above (`<dir>/<project>/<experiment>/`) when
+    it holds exactly one experiment with a complete checkpoint; with several, the error names them."""
     path = Path(path)
     if (path / COMPLETE).is_file():
         return path
     done = complete_checkpoints(path)
     if done:
         return done[-1][1]
-    raise ConfigError(f"{path}: neither a complete megarl checkpoint (global_step_N with {COMPLETE}) nor an "
-                      "experiment directory holding one")
+    experiments = sorted(e for e in path.glob("*/*") if e.is_dir() and complete_checkpoints(e)) if path.is_dir() else []
+    if len(experiments) == 1:
+        return complete_checkpoints(experiments[0])[-1][1]
+    if experiments:
+        found = ", ".join(str(e.relative_to(path)) for e in experiments)
+        raise ConfigError(f"{path}: holds {len(experiments)} experiments with complete checkpoints ({found}); "
+                          f"name one of them, e.g. {experiments[0]}")
+    raise ConfigError(f"{path}: neither a complete megarl checkpoint (global_step_N with {COMPLETE}), an "
+                      "experiment directory holding one, nor a trainer.default_local_dir holding one experiment")
 
 
 def export_hf(checkpoint_dir: str | Path, out: Optional[str | Path] = None, on_progress=None) -> Path:

@@ -1,6 +1,11 @@
 """`torch_dist` distributed checkpoints of a role: model chunks, optimizer, LR schedule and the
 engine's update count, saved and loaded with megatron's `dist_checkpointing` (resharded to the
-loading rank's TP/PP layout), and the model weights alone for a model loaded from a checkpoint."""
+loading rank's TP/PP/EP layout), and the model weights alone for a model loaded from a checkpoint.
+
+Checkpoint keys do not depend on the layer spec (local on CPU and for LoRA, transformer-engine on
+GPUs): `_extra_state` objects are neither saved nor loaded, and an MoE layer's pre-MLP norm is kept
+under the TE spec's key (`megarl.bridge.torch_dist_io.te_moe_norm_key`), which is also what the
+bridge's converter writes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.mapping import is_extra_state
-from megarl.bridge.torch_dist_io import check_metadata_is_data
+from megarl.bridge.torch_dist_io import check_metadata_is_data, te_moe_norm_key
 
 
 def localize_extra_states(sharded: Any) -> Any:
@@ -27,11 +32,35 @@ def localize_extra_states(sharded: Any) -> Any:
     return sharded
 
 
+def te_moe_norm_keys(sharded: Any) -> Any:
+    """Rename, in place, the local-spec key of every MoE layer's pre-MLP norm to the TE spec's
+    (`te_moe_norm_key`); call it on the sharded state dict of an MoE model only."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(sharded, dict):
+        for value in sharded.values():
+            te_moe_norm_keys(value)
+    elif isinstance(sharded, list):
+        for value in sharded:
+            te_moe_norm_keys(value)
+    elif isinstance(sharded, ShardedTensor):
+        sharded.key = te_moe_norm_key(sharded.key)
+    return sharded
+
+
+def _chunk_sharded_state_dict(chunk) -> dict:
+    from megatron.core.utils import get_model_config
+
+    sharded = localize_extra_states(chunk.sharded_state_dict())
+    return te_moe_norm_keys(sharded) if get_model_config(chunk).num_moe_experts else sharded
+
+
 def model_sharded_state_dict(chunks) -> dict:
-    """{"model" or "model<v>": sharded state dict} in megatron's own checkpoint layout."""
+    """{"model" or "model<v>": sharded state dict} in megatron's own checkpoint layout, keys
+    independent of the layer spec (module docstring)."""
     if len(chunks) == 1:
-        return {"model": localize_extra_states(chunks[0].sharded_state_dict())}
-    return {f"model{v}": localize_extra_states(c.sharded_state_dict()) for v, c in enumerate(chunks)}
+        return {"model": _chunk_sharded_state_dict(chunks[0])}
+    return {f"model{v}": _chunk_sharded_state_dict(c) for v, c in enumerate(chunks)}
 
 
 def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
