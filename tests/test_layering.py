@@ -1,12 +1,16 @@
-"""The packages of src/megarl import only downwards, as ARCHITECTURE.md §2 lays them out: every
-`megarl.X` import of every module (inside functions too) is checked against the layers below."""
+"""The packages of src/megarl import only downwards, as docs/architecture.md ("Layers") lays them
+out: every `megarl.X` import of every module (inside functions too) is checked against the layers
+below. tools/ sits above them all: a tool may import any package of megarl and other tools, and
+nothing in src/ or tests/ imports a tool (tests run tools as scripts)."""
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "megarl"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "megarl"
 
-# From the top. ARCHITECTURE.md §2: cli -> trainer -> workers -> engines, sync, placement, data ->
-# bridge, rollout, algos, rewards, config, checkpoint, tracking. Placed here beyond that line:
+# From the top (docs/architecture.md, "Layers", states these and the reasons). The first plan was
+# cli -> trainer -> workers -> engines, sync, placement, data -> bridge, rollout, algos, rewards,
+# config, checkpoint, tracking. Placed here beyond that line:
 #   demo      the quickstart command, beside cli
 #   launch    starts Ray clusters and runs the experiment as a subprocess (`megarl submit`,
 #             `check-cluster`); its cluster check places probe workers like the trainer does
@@ -128,3 +132,54 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
         "megarl/rollout/client.py:6 imports megarl.workers: workers is above rollout",
         "megarl/rollout/client.py:9 imports megarl.bridge: bridge is in rollout's own layer",
     ]
+
+
+# ---------------------------------------------------------------------------------------- tools/
+def tool_names(tools: Path) -> set[str]:
+    """The module names tools are imported by: each script runs with its own folder on sys.path, so a
+    tool imports another as `bench_common` or `gpu_check`; and the folder's own name."""
+    return {path.stem for path in tools.rglob("*.py")} | {tools.name}
+
+
+def tool_violations(tools: Path, src: Path, tests: Path) -> list[str]:
+    """One line per import against tools/' place on top: a tool importing tests or a megarl package
+    that does not exist; a module of src/ or tests/ importing a tool."""
+    wrong = []
+    for path in sorted(tools.rglob("*.py")):
+        for line, module in imported_modules(path, tools):
+            where = f"{path.relative_to(tools.parent)}:{line} imports {module}"
+            if module.split(".")[0] == tests.name:
+                wrong.append(f"{where}: tools never import tests")
+            elif package_of_module(module) not in (None, *LAYER_OF):
+                wrong.append(f"{where}: no such package")
+    names = tool_names(tools)
+    for root in (src, tests):
+        for path in sorted(root.rglob("*.py")):
+            for line, module in imported_modules(path, root):
+                if module.split(".")[0] in names:
+                    wrong.append(f"{path.relative_to(root.parent)}:{line} imports {module}: nothing imports a tool "
+                                 "(run it as a script)")
+    return wrong
+
+
+def test_tools_sit_on_top():
+    wrong = tool_violations(ROOT / "tools", SRC, ROOT / "tests")
+    assert not wrong, "imports against tools/' place:\n" + "\n".join(wrong)
+
+
+def test_the_tools_check_sees_each_wrong_direction(tmp_path):
+    tools, src, tests = tmp_path / "tools", tmp_path / "src" / "megarl", tmp_path / "tests"
+    for folder in (tools / "bench", src / "trainer", tests / "trainer"):
+        folder.mkdir(parents=True)
+    (tools / "bench" / "bench_common.py").write_text("import json\n")
+    (tools / "bench" / "grpo.py").write_text("import bench_common\nfrom megarl.trainer import rl\n"
+                                             "from megarl.nowhere import x\nfrom tests.trainer import helpers\n")
+    (src / "trainer" / "rl.py").write_text("import os\n\ndef f():\n    import bench_common\n")
+    (tests / "trainer" / "test_rl.py").write_text("from tools.bench import grpo\nimport megarl\n")
+    assert tool_violations(tools, src, tests) == [
+        "tools/bench/grpo.py:3 imports megarl.nowhere: no such package",
+        "tools/bench/grpo.py:4 imports tests.trainer: tools never import tests",
+        "megarl/trainer/rl.py:4 imports bench_common: nothing imports a tool (run it as a script)",
+        "tests/trainer/test_rl.py:1 imports tools.bench: nothing imports a tool (run it as a script)",
+    ]
+

@@ -196,7 +196,7 @@ def test_a_lora_critic_holds_optimizer_states_for_its_adapters_and_value_head_on
     assert states[32] == pytest.approx((base + adapters) * 2 + trainable * (4 + 12 / 8), abs=0.011 * 2**30)
 
 
-# The small-machine layouts (issue 28; tools/bench/README.md): the GRPO quickstart runs one training
+# The small-machine layouts (issue 28; docs/benchmarks.md): the GRPO quickstart runs one training
 # rank and one server per core of a 2-core machine (TP=1, DP=2, two colocated servers: 0.38 s/step
 # against 0.43 with one rank and one server); the SFT stage and the tiny recipes, short runs and the
 # tests' own, one logical GPU. The tests that cover TP=2, DP=2, two servers and split placement set

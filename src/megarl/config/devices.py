@@ -1,4 +1,4 @@
-"""The device decides the backends, in one place (ARCHITECTURE.md decision 9).
+"""The device decides the backends, in one place (docs/architecture.md, decision 9).
 
 `decide_devices` turns `trainer.device`, whether CUDA is available, the placement mode, the rollout
 engine and `actor_rollout_ref.rollout.weight_sync_transport` into the device of the training

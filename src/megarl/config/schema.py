@@ -345,15 +345,15 @@ class RolloutConfig:
     # distributed transport: per_stage, one weight-update group per actor pipeline stage, sent by DP replica 0
     # (slime's and AReaL's layout; plus one per EP rank's experts at EP > 1); per_emitter, one per DP replica x
     # stage, each replica sending its share of the buckets: faster resharding, but every rollout server rank then
-    # holds PP x DP NCCL communicators, whose buffers lie outside SGLang's mem_fraction_static (README, "weight
-    # sync"; `megarl plan` prints the count). The tensor and disk transports make no groups and ignore it.
+    # holds PP x DP NCCL communicators, whose buffers lie outside SGLang's mem_fraction_static (docs/gpu.md;
+    # `megarl plan` prints the count). The tensor and disk transports make no groups and ignore it.
     weight_update_groups: Literal["per_stage", "per_emitter"] = "per_stage"
     # after every push, compare each server's per-tensor checksums (SGLang's /weights_checker) with the
     # HF tensors the actor sent; a difference stops the run naming tensor and server. CPU engine only.
     check_weight_update: bool = False
     # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
     # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
-    # Costs generation speed (README, "Checkpoints, resume"). The CPU engine always honours seeds.
+    # Costs generation speed (docs/checkpoints.md). The CPU engine always honours seeds.
     deterministic_inference: Optional[bool] = None
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)

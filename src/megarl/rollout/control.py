@@ -216,7 +216,7 @@ def wait_all(futures: dict[Future, ServerControl]) -> list[Any]:
 
 # The threads of `on_all`, one pool per process, kept between rounds: a round of admin calls then
 # starts no thread (a pool per round spent ~5 ms a weight push starting threads on a busy 2-core
-# machine, py-spy, tools/bench/README.md issue 28). The pool makes threads as rounds need them and
+# machine, py-spy, docs/benchmarks.md issue 28). The pool makes threads as rounds need them and
 # reuses idle ones, so a round over N servers runs its N calls at once (up to ADMIN_THREADS).
 ADMIN_THREADS = 256
 _admin_pool: Optional[ThreadPoolExecutor] = None

@@ -104,7 +104,7 @@ class SyncConfig:
     # distributed transport: "per_stage", one weight-update group per pipeline stage, from DP replica 0 (slime's
     # `slime-pp_{pp_rank}` from DP = TP = 0), plus one per EP rank's expert emitter at EP > 1; "per_emitter": every
     # DP replica's emitter also sends its share over a group of its own (PP x DP groups per server rank, each an NCCL
-    # communicator with buffers outside SGLang's mem_fraction_static: README, "weight sync"). Counted by
+    # communicator with buffers outside SGLang's mem_fraction_static: docs/gpu.md). Counted by
     # groups.update_groups_per_server_rank.
     weight_update_groups: Literal["per_stage", "per_emitter"] = "per_stage"
     # tensor transport: colocated_peers[s][r] is the actor rank on server s's TP rank r's real GPU (the trainer

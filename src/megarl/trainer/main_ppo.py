@@ -80,7 +80,7 @@ def run(config) -> dict:
                           total_steps=trainer.total_steps)
         # What exists now (libraries, the tokenised datasets, the cluster's handles) lives for the
         # whole run: frozen, the collector's full passes no longer walk it (in the CPU quickstart each
-        # took 0.1-0.2 s of one step, about every 60 steps; tools/bench/README.md, issue 28)
+        # took 0.1-0.2 s of one step, about every 60 steps; docs/benchmarks.md, issue 28)
         gc.freeze()
         return trainer.fit(tracker)
     finally:
