@@ -144,18 +144,8 @@ def world(rank: int, world_size: int, port: int, cases: dict, out_dir: str) -> d
 
     # what a stock GPTModel saves and asks for, to compare with the converter's expected map
     for name, case in cases.items():
-        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
-
         weights = weights_for(case["hf_dir"], 1)
-        sharded = build_chunks(weights, ParallelLayout())[0].sharded_state_dict()
-        apply_factories(sharded)
-        keys = {}
-        for item in _leaves(sharded):
-            if isinstance(item, ShardedTensor):
-                keys[item.key] = tuple(item.global_shape)
-            elif isinstance(item, ShardedObject):
-                keys[item.unique_key] = None
-        result["sharded_keys"][name] = keys
+        result["sharded_keys"][name] = sharded_keys(build_chunks(weights, ParallelLayout())[0].sharded_state_dict())
     lap("init + expected map")
 
     # load the converted checkpoint (made for TP=1) at every layout; compare with the pure shards
@@ -261,3 +251,17 @@ def _leaves(tree):
             yield from _leaves(value)
     else:
         yield tree
+
+
+def sharded_keys(sharded: dict) -> dict:
+    """{key: global shape} of the ShardedTensors (after megatron's factories), {key: None} of the ShardedObjects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+    keys = {}
+    for item in _leaves(sharded):
+        if isinstance(item, ShardedTensor):
+            keys[item.key] = tuple(item.global_shape)
+        elif isinstance(item, ShardedObject):
+            keys[item.unique_key] = None
+    return keys

@@ -27,7 +27,7 @@ from megarl.engines.megatron.checkpoint_io import load_torch_dist_weights, model
 from megarl.engines.megatron.cpu import apply_cpu_shims, init_gloo_model_parallel
 from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
 from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
-from megatron_world import DIVISIBLE_BY, _leaves, forward_logits, full_tensors, local_state, read_hf
+from megatron_world import DIVISIBLE_BY, forward_logits, full_tensors, local_state, read_hf, sharded_keys
 
 # (tp, pp, ep, etp): etp 0 means etp = tp. Every variant at EP2, TP2 x EP2 and PP2 x EP2; Qwen3-MoE
 # also at TP2 x EP2 with ETP2, Mixtral with ETP1 (Qwen2-MoE's shared expert is split over TP, its
@@ -83,20 +83,6 @@ def rank_key(layout: ParallelLayout) -> tuple:
 
     return layout.key(ps.get_pipeline_model_parallel_rank(), 0, ps.get_tensor_model_parallel_rank(),
                       ps.get_expert_model_parallel_rank())
-
-
-def sharded_keys(sharded: dict) -> dict:
-    """{key: global shape} of the ShardedTensors (after megatron's factories), {key: None} of the ShardedObjects."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
-
-    apply_factories(sharded)
-    keys = {}
-    for item in _leaves(sharded):
-        if isinstance(item, ShardedTensor):
-            keys[item.key] = tuple(item.global_shape)
-        elif isinstance(item, ShardedObject):
-            keys[item.unique_key] = None
-    return keys
 
 
 def _assert_loaded(chunks, weights: WeightMap, full: dict, layout: ParallelLayout, what: str) -> None:

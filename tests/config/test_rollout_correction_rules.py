@@ -2,21 +2,11 @@
 import pytest
 
 from megarl.algos.from_config import rollout_correction_kwargs
-from megarl.config import ConfigError, load_and_validate
 from megarl.config.rules.rollout_correction import parse_band
 
-REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+from config_cases import fails, ok
+
 RC = "algorithm.rollout_correction"
-
-
-def ok(*overrides):
-    return load_and_validate(None, REQUIRED + list(overrides))
-
-
-def errors(*overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        ok(*overrides)
-    return str(info.value)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -47,19 +37,19 @@ def errors(*overrides) -> str:
      f"{RC}.rollout_is_batch_normalize=true: megarl does not normalise the weights"),
 ])
 def test_bad_settings_are_refused_naming_the_key(overrides, expected):
-    assert expected in errors(*overrides)
+    assert expected in fails(*overrides)
 
 
 @pytest.mark.parametrize("correction", [f"{RC}.rollout_is=token", f"{RC}.rollout_is=sequence",
                                         f"{RC}.rollout_rs=token_k1"])
 def test_a_correction_with_the_rollouts_log_probs_as_the_old_ones_is_refused_naming_both(correction):
     """use_rollout_log_probs makes pi_old = pi_rollout: every ratio the corrections read is 1."""
-    message = errors(correction, f"{RC}.rollout_rs_threshold=2", "actor_rollout_ref.actor.use_rollout_log_probs=true")
+    message = fails(correction, f"{RC}.rollout_rs_threshold=2", "actor_rollout_ref.actor.use_rollout_log_probs=true")
     assert correction in message and "actor_rollout_ref.actor.use_rollout_log_probs=true" in message
 
 
 def test_the_older_cap_and_verls_weights_are_refused_together_naming_both():
-    message = errors("actor_rollout_ref.actor.tis_imp_ratio_cap=2", f"{RC}.rollout_is=token")
+    message = fails("actor_rollout_ref.actor.tis_imp_ratio_cap=2", f"{RC}.rollout_is=token")
     assert "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0" in message and f"{RC}.rollout_is=token" in message
     # the cap with a mask is one weight and one mask: accepted, as is either spelling alone
     ok("actor_rollout_ref.actor.tis_imp_ratio_cap=2", f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
@@ -70,10 +60,10 @@ def test_the_older_cap_and_verls_weights_are_refused_together_naming_both():
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_verls_importance_weights_are_the_off_policy_correction_async_modes_need(mode):
     split = ["placement.mode=split", "placement.rollout_gpus=4", f"async_training.mode={mode}"]
-    assert "algorithm.rollout_correction.rollout_is=token|sequence" in errors(*split)
+    assert "algorithm.rollout_correction.rollout_is=token|sequence" in fails(*split)
     assert ok(*split, f"{RC}.rollout_is=sequence").algorithm.rollout_correction.rollout_is == "sequence"
     # a mask alone leaves the gradient the behaviour policy's: still refused
-    assert f"async_training.mode={mode}" in errors(*split, f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
+    assert f"async_training.mode={mode}" in fails(*split, f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
 
 
 @pytest.mark.parametrize("spec, reciprocal, band", [

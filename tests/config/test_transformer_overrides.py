@@ -6,24 +6,15 @@ import logging
 
 import pytest
 
-from megarl.config import ConfigError, load_and_validate, load_config
+from megarl.config import ConfigError, load_config
 from megarl.config.transformer_overrides import Recompute, recompute_of, role_overrides
 
-REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+from config_cases import REQUIRED, fails, ok
+
 ACTOR = "actor_rollout_ref.actor.megatron.override_transformer_config"
 # verl's run_qwen3_30b_a3b_sglang_megatron.sh, as written there
 VERL_RECOMPUTE = [f"+{ACTOR}.use_flash_attn=True", f"+{ACTOR}.recompute_method=uniform",
                   f"+{ACTOR}.recompute_granularity=full", f"+{ACTOR}.recompute_num_layers=1"]
-
-
-def ok(*overrides):
-    return load_and_validate(None, REQUIRED + list(overrides))
-
-
-def fails(*overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        ok(*overrides)
-    return str(info.value)
 
 
 def test_verls_recompute_overrides_load_and_use_flash_attn_is_dropped_with_one_warning(caplog):

@@ -5,17 +5,7 @@ import pytest
 
 from megarl.config import ConfigError, batch_plan, load_and_validate
 
-REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
-
-
-def ok(*overrides):
-    return load_and_validate(None, REQUIRED + list(overrides))
-
-
-def fails(*overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        ok(*overrides)
-    return str(info.value)
+from config_cases import fails, ok
 
 
 def test_required_keys():
