@@ -45,14 +45,18 @@ def _plan(args) -> int:
         print(format_update_groups(devices.weight_sync_transport, config.actor_rollout_ref.rollout.weight_update_groups,
                                    actor.pp, actor.dp * actor.cp, actor.tp, m.expert_model_parallel_size,
                                    m.expert_tensor_parallel_size))
-    model = config.actor_rollout_ref.model.path
-    try:  # a hub id: its config.json alone, into the HF cache
-        model_dir = local_model_dir(model, "actor_rollout_ref.model.path", allow_patterns=["config.json"])
-        arch = arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
+    def read_arch(model: str, key: str):  # a hub id: its config.json alone, into the HF cache
+        model_dir = local_model_dir(model, key, allow_patterns=["config.json"])
+        return arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
+
+    try:
+        arch = read_arch(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+        teacher_arch = (read_arch(config.distillation.teacher.model_path, "distillation.teacher.model_path")
+                        if "teacher" in plan.roles else None)
     except (ConversionError, OSError) as error:
         print(f"memory estimate skipped: {error}")
         return 0
-    est = estimate(plan, config, arch)
+    est = estimate(plan, config, arch, teacher_arch)
     print(format_estimate(est, plan, arch))
     return 0 if est.fits else 1
 

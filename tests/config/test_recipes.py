@@ -15,10 +15,12 @@ RECIPES = REPO / "configs/recipes"
 MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen2.5-14B-Instruct": RECIPES / "models/qwen2.5-14b-instruct",
           "Qwen/Qwen2.5-32B-Instruct": RECIPES / "models/qwen2.5-32b-instruct",
-          "Qwen/Qwen3-30B-A3B": RECIPES / "models/qwen3-30b-a3b"}
+          "Qwen/Qwen3-30B-A3B": RECIPES / "models/qwen3-30b-a3b",
+          "Qwen/Qwen3-8B": RECIPES / "models/qwen3-8b",
+          "Qwen/Qwen3-32B": RECIPES / "models/qwen3-32b"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b"}
+            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b"}
 
 
 def test_every_algorithm_has_a_recipe():
@@ -44,6 +46,17 @@ def plan_args(path: Path) -> str:
     return "--trainer dpo " if path.stem == "dpo" else ""
 
 
+def model_overrides(path: Path) -> list[str]:
+    """The recipe's models as their architecture files: the policy's, and a distillation teacher's."""
+    config = load_and_validate(path)
+    overrides = [f"actor_rollout_ref.model.path={model_dir(path)}"]
+    if config.distillation.enabled:
+        teacher = config.distillation.teacher.model_path
+        assert teacher in MODELS, f"{path.name}: no architecture file for its teacher"
+        overrides.append(f"distillation.teacher.model_path={MODELS[teacher]}")
+    return overrides
+
+
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
 def test_recipe_plans_and_fits(path, capsys):
     """`megarl plan` exits 0 (fits) with a full memory estimate, and its GPU map puts a role on
@@ -51,8 +64,7 @@ def test_recipe_plans_and_fits(path, capsys):
     config = load_and_validate(path)
     assert config.trainer.device != "cpu" and config.actor_rollout_ref.rollout.name == "sglang"
     assert config.placement.gpu_memory_gib == 80
-    code = megarl_main(["plan", *plan_args(path).split(), "--config", str(path),
-                        f"actor_rollout_ref.model.path={model_dir(path)}"])
+    code = megarl_main(["plan", *plan_args(path).split(), "--config", str(path), *model_overrides(path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "memory estimate skipped" not in out
@@ -139,6 +151,7 @@ TINY = {
                               "algorithm.use_kl_in_reward": True},
     "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3,
                   "actor_rollout_ref.model.lora.sync": "adapter", "actor_rollout_ref.rollout.check_weight_update": False},
+    "opd": {"distillation.enabled": True, "distillation.use_task_rewards": False, "actor_rollout_ref.rollout.n": 1},
     "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
              "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
              "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -221,3 +234,44 @@ def test_cpu_configs_run_tp1_colocated_with_one_rank_and_one_server_per_logical_
     if name == "quickstart.yaml":  # one micro-batch per mini-batch and rank: 16 prompts x 8 / DP 2 = 64
         actor = config.actor_rollout_ref.actor
         assert actor.ppo_micro_batch_size_per_gpu == 16 * 8 // 2 == actor.ppo_mini_batch_size * 8 // gpus
+
+
+def test_opd_recipe_places_and_counts_the_teacher(capsys):
+    """The 32B teacher shares the 8 GPUs at TP 4 x DP 2 and is counted as a frozen model with its own
+    architecture: bf16 weights of one TP-4 shard, offloaded while generating; the whole recipe is
+    pure OPD, with the same tokenizer family (vocabulary) as the student."""
+    path = RECIPES / "opd_qwen3_8b_from_32b.yaml"
+    config = load_and_validate(path)
+    assert config.distillation.enabled and not config.distillation.use_task_rewards
+    assert megarl_main(["plan", "--config", str(path), *model_overrides(path)]) == 0
+    out = capsys.readouterr().out
+    assert "teacher: TP 4 x CP 1 x PP 1 x DP 2" in out
+    assert "gpu7: [shared] actor rank 7, teacher rank 7, rollout server 3" in out
+    # Qwen3-32B: 64 layers x (attention 5120 x (8192 + 2 x 1024) + 8192 x 5120 + 2 x 5120 norms + MLP 3 x 5120 x 25600)
+    # + 2 x 151936 x 5120 embeddings + 5120 = 32.76 B parameters; over TP 4 in bf16: 15.26 GiB, all offloadable
+    params = 64 * (5120 * (8192 + 2048) + 8192 * 5120 + 2 * 5120 + 3 * 5120 * 25600) + 2 * 151936 * 5120 + 5120
+    (line,) = [line for line in out.splitlines() if line.startswith("  teacher ")]
+    gib = f"{params / 4 * 2 / 2**30:.2f} GiB"
+    assert line.startswith(f"  teacher       states    {gib}") and line.endswith(f"offloadable    {gib}")
+
+
+def test_a_teacher_on_its_own_pool_is_a_phase_of_its_own_gpus():
+    """`distillation.teacher.gpus=4`: the teacher's TP-4 replica sits on GPUs 4-7 alone; its weights
+    and logits are the `teacher_pool` phase and no part of the training GPUs' phases."""
+    from megarl.bridge import arch_from_hf_config, load_hf_config
+    from megarl.placement import plan_from_config
+    from megarl.placement.memory import estimate
+
+    path = RECIPES / "opd_qwen3_8b_from_32b.yaml"
+    config = load_and_validate(str(path), [*model_overrides(path), "distillation.teacher.gpus=4",
+                                           "distillation.teacher.megatron.param_offload=false"])
+    plan = plan_from_config(config)
+    assert [d.gpu for d in plan.roles["teacher"].devices] == [4, 5, 6, 7]
+    assert [d.gpu for d in plan.roles["actor"].devices] == [0, 1, 2, 3]
+    arch = {m: arch_from_hf_config(load_hf_config(MODELS[m])) for m in ("Qwen/Qwen3-8B", "Qwen/Qwen3-32B")}
+    est = estimate(plan, config, arch["Qwen/Qwen3-8B"], arch["Qwen/Qwen3-32B"])
+    (teacher,) = [r for r in est.roles if r.role == "teacher"]
+    others = [r for r in est.roles if r.role != "teacher"]
+    assert est.phases["teacher_pool"] == teacher.states + teacher.activations
+    assert est.phases["training"] == sum(r.states for r in others) + max(r.activations for r in others)
+    assert est.peak == max(est.phases.values())

@@ -9,6 +9,7 @@ dpo         DPO (sigmoid, IPO) losses
 dapo        dynamic sampling (group filter) and the soft overlong penalty
 masked      masked sum/mean/var/whiten
 rollout_correction  rollout/trainer mismatch: truncated IS (token, sequence), IcePop, masked IS
+opd         on-policy distillation: the teacher's reverse KL in the advantage (pure or beside RL)
 from_config config sections -> keyword arguments
 
 Where megarl differs from verl's `core_algos` (the implementation users compare with), on purpose:

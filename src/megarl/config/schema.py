@@ -251,7 +251,7 @@ class ActorConfig:
     # other rows' come from a no-grad pass before the first optimizer step; saves the forward over
     # the first mini-batch's rows and a call (megarl.engines.megatron.old_log_probs). Applies
     # where nothing needs them before the update: not with algorithm.use_kl_in_reward,
-    # use_rollout_log_probs or algorithm.rollout_correction (then, and in critic_warmup steps, a
+    # use_rollout_log_probs, algorithm.rollout_correction or distillation (then, and in critic_warmup steps, a
     # separate pass as with false)
     old_log_probs_in_update: bool = True
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
@@ -430,6 +430,44 @@ class CustomRewardFunctionConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# distillation.* (on-policy distillation, OPD)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TeacherConfig:
+    """The OPD teacher (`distillation.teacher`): a frozen model whose tokenizer is the student's."""
+
+    # HF checkpoint directory (verl's teacher_models.<name>.model_path). type=megatron: the teacher
+    # loaded on the training GPUs; type=sglang: the model the server serves (its tokenizer is checked)
+    model_path: str = ""
+    # type=megatron: 0 puts the teacher on the reference's GPUs (the training pool, colocated and
+    # offloaded like the reference); N > 0 gives it a pool of its own, the last N GPUs
+    gpus: int = 0
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type=megatron: its own TP/PP/EP layout
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses; None: the actor's ppo_micro_batch_size_per_gpu
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    # type=sglang: the teacher's SGLang server or router (slime's --rm-url for --opd-type sglang), e.g.
+    # http://teacher-host:30000; it scores prompt + response with SGLang's input log-probs
+    url: Optional[str] = None
+    max_concurrent_requests: int = 64  # type=sglang: scoring requests in flight
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation (megarl.algos.opd): the teacher scores the student's sampled tokens and
+    the per-token reverse KL, log p_student - log p_teacher, enters the advantage."""
+
+    enabled: bool = False  # verl's distillation.enabled; slime's --use-opd
+    type: Literal["megatron", "sglang"] = "megatron"  # slime's --opd-type
+    kl_coef: float = 1.0  # slime's --opd-kl-coef: advantage - kl_coef x reverse KL
+    # verl's distillation.distillation_loss.use_task_rewards: true, OPD + RL (the estimator's advantage
+    # minus the KL term); false, pure OPD (the advantage is -kl_coef x reverse KL; rollout.n=1 works)
+    use_task_rewards: bool = True
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+
+# --------------------------------------------------------------------------------------------
 # trainer.*, placement.*
 # --------------------------------------------------------------------------------------------
 @dataclass
@@ -497,3 +535,4 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)

@@ -62,10 +62,13 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         model=replace(critic.model, path=critic.model.path or arr.model.path),
         optim=with_total(critic.optim),
     )
+    teacher = config.distillation.teacher
+    teacher = replace(teacher, log_prob_micro_batch_size_per_gpu=teacher.log_prob_micro_batch_size_per_gpu or micro)
     return replace(
         config,
         actor_rollout_ref=replace(arr, actor=actor, ref=ref, rollout=rollout),
         critic=critic,
+        distillation=replace(config.distillation, teacher=teacher),
     )
 
 

@@ -8,6 +8,9 @@ the keys there). Per role, its `megatron.{param,grad,optimizer}_offload` keys ch
 
   actor, critic   parameters, gradient buffers, optimizer state: as their keys say
   ref             parameters only (it has no gradients or optimizer)
+  teacher         parameters only, as the reference (on-policy distillation's Megatron teacher on
+                  the training pool; on a pool of its own it shares no GPU with the servers and a
+                  config rule rejects the key)
   reward_model    nothing: it scores between generation rounds, while the servers hold their
                   memory, so offloading it would not lower the peak (a config rule rejects the keys)
 
@@ -56,7 +59,7 @@ def role_megatron(config: ExperimentConfig, role: str) -> MegatronConfig:
     """The `megatron` section of a training role."""
     arr = config.actor_rollout_ref
     return {"actor": arr.actor.megatron, "ref": arr.ref.megatron, "critic": config.critic.megatron,
-            "reward_model": config.reward_model.megatron}[role]
+            "reward_model": config.reward_model.megatron, "teacher": config.distillation.teacher.megatron}[role]
 
 
 def offload_plan(config: ExperimentConfig, roles) -> dict[str, OffloadParts]:
@@ -65,11 +68,11 @@ def offload_plan(config: ExperimentConfig, roles) -> dict[str, OffloadParts]:
     if config.placement.mode != "colocate":
         return {}
     plan = {}
-    for role in ("actor", "ref", "critic"):
+    for role in ("actor", "ref", "critic", "teacher"):
         if role not in roles:
             continue
         m = role_megatron(config, role)
-        trains = role != "ref"
+        trains = role not in ("ref", "teacher")
         parts = OffloadParts(params=m.param_offload, grads=trains and m.grad_offload,
                              optimizer=trains and m.optimizer_offload)
         if parts.any():

@@ -5,7 +5,7 @@ from megarl.config import ExperimentConfig
 from megarl.config.schema import MegatronConfig
 from megarl.placement.planner import ClusterSpec, Plan, RoleSpec, plan_placement
 
-TRAIN_POOL, ROLLOUT_POOL, SHARED_POOL = "train", "rollout", "shared"
+TRAIN_POOL, ROLLOUT_POOL, SHARED_POOL, TEACHER_POOL = "train", "rollout", "shared", "teacher"
 
 
 def _train_role(name: str, pool: str, m: MegatronConfig, prefix: str) -> RoleSpec:
@@ -24,15 +24,21 @@ def ref_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
 
 def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[RoleSpec]]:
     """(pool sizes in GPUs, role specs) for the experiment. The reference model exists when a KL
-    term needs it; the critic when enabled (GAE); the reward model when enabled."""
-    t, p, arr = config.trainer, config.placement, config.actor_rollout_ref
+    term needs it; the critic when enabled (GAE); the reward model when enabled; the teacher with
+    a Megatron on-policy-distillation teacher (`distillation`): on the training pool, beside the
+    reference, or on a pool of its own (`distillation.teacher.gpus`, the last GPUs)."""
+    t, p, arr, d = config.trainer, config.placement, config.actor_rollout_ref, config.distillation
     total = t.nnodes * t.n_gpus_per_node
+    megatron_teacher = d.enabled and d.type == "megatron"
+    teacher_gpus = d.teacher.gpus if megatron_teacher else 0
     if p.mode == "split":
-        pools = {TRAIN_POOL: total - p.rollout_gpus, ROLLOUT_POOL: p.rollout_gpus}
+        pools = {TRAIN_POOL: total - teacher_gpus - p.rollout_gpus, ROLLOUT_POOL: p.rollout_gpus}
         train_pool, rollout_pool = TRAIN_POOL, ROLLOUT_POOL
     else:
-        pools = {SHARED_POOL: total}
+        pools = {SHARED_POOL: total - teacher_gpus}
         train_pool = rollout_pool = SHARED_POOL
+    if teacher_gpus:
+        pools[TEACHER_POOL] = teacher_gpus
     roles = [actor_role_spec(config, train_pool)]
     if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
         roles.append(ref_role_spec(config, train_pool))
@@ -40,6 +46,9 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
         roles.append(_train_role("critic", train_pool, config.critic.megatron, "critic"))
     if config.reward_model.enable:
         roles.append(_train_role("reward_model", train_pool, config.reward_model.megatron, "reward_model"))
+    if megatron_teacher:
+        roles.append(_train_role("teacher", TEACHER_POOL if teacher_gpus else train_pool, d.teacher.megatron,
+                                 "distillation.teacher"))
     roles.append(RoleSpec("rollout", rollout_pool, "rollout", tp=arr.rollout.tensor_model_parallel_size,
                           tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size"))
     return pools, roles

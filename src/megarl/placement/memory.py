@@ -25,7 +25,9 @@ With LoRA (`actor_rollout_ref.model.lora.rank` or `critic.model.lora.rank` > 0) 
 are frozen: they hold parameters only (no gradient buffer, no optimizer state), and gradients and
 Adam states are those of the adapters (`lora_params`; the critic's also of its [1, H] value head),
 whose activations are not counted apart (rank << hidden).
-A reference model holds parameters and logits only. A rollout server reserves
+A reference model holds parameters and logits only, and so does an on-policy-distillation teacher
+(its own architecture and layout, `distillation.teacher`; on a pool of its own, phase `teacher_pool`).
+A rollout server reserves
 `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
 Colocated, the peak is the largest of three phases (`colocation.COLOCATED_ORDER`, the order the
 trainer executes):
@@ -220,8 +222,12 @@ def _recompute(m: MegatronConfig, gradient_checkpointing: bool) -> Recompute:
     return recompute_of(role_overrides(m.override_transformer_config, gradient_checkpointing))
 
 
-def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstimate:
-    """The busiest GPU's estimate. `config` must be validated (resolved defaults)."""
+def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
+             teacher_arch: ModelArch | None = None) -> GpuEstimate:
+    """The busiest GPU's estimate. `config` must be validated (resolved defaults). A plan with an
+    on-policy-distillation teacher needs its architecture (`teacher_arch`): on the training pool
+    it counts as a reference does (parameters and logits, its parameters offloaded as planned);
+    on a pool of its own it is the phase `teacher_pool` of those GPUs."""
     arr, placement = config.actor_rollout_ref, config.placement
     dtype = arr.model.dtype
     seq = config.data.max_prompt_length + config.data.max_response_length
@@ -248,6 +254,17 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
         roles.append(_train_role("reward_model", arch, config.reward_model.megatron, plan.roles["reward_model"].dp,
                                  dtype, seq, config.reward_model.micro_batch_size_per_gpu or 1, False,
                                  offloads.get("reward_model", OffloadParts())))
+    own_teacher = None
+    if "teacher" in plan.roles:
+        if teacher_arch is None:
+            raise ValueError("the plan places a distillation teacher: give its architecture (teacher_arch)")
+        t = config.distillation.teacher
+        teacher = _train_role("teacher", teacher_arch, t.megatron, plan.roles["teacher"].dp, dtype, seq,
+                              t.log_prob_micro_batch_size_per_gpu or 1, False, offloads.get("teacher", OffloadParts()))
+        if plan.roles["teacher"].pool == plan.roles["actor"].pool:
+            roles.append(teacher)
+        else:
+            own_teacher = teacher
     gpu_memory = int(placement.gpu_memory_gib * GIB)
     states = sum(r.states for r in roles)
     train_phase = states + max((r.activations for r in roles), default=0)
@@ -272,6 +289,9 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch) -> GpuEstima
             DTYPE_BYTES[arr.rollout.dtype]
         push_phase = (states - offloaded + actor_params + server_weights if releases else states + reserved) + push_buffers
         phases = {"training": train_phase, "push": push_phase, "rollout": reserved + states - offloaded}
+    if own_teacher is not None:
+        phases["teacher_pool"] = own_teacher.states + own_teacher.activations
+        roles.append(own_teacher)  # listed; its GPUs are its own
     phases = {name: int(b) for name, b in phases.items()}
     return GpuEstimate(roles, reserved, int(kv_needed), max(phases.values()), gpu_memory, phases)
 
@@ -302,7 +322,7 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
         lines.append(f"  a whole step's responses at once would need {gib(est.kv_cache_needed_per_server)} of KV cache "
                      f"per GPU of a TP {plan.roles['rollout'].tp} server; SGLang runs what its pool holds and queues the "
                      "rest (slower, not a failure; not part of the verdict)")
-    if len(est.phases) > 2:  # colocated: the training, push and rollout phases share the GPU
+    if len(est.phases) > 2:  # colocated: the training, push and rollout phases share the GPU (or a teacher pool)
         lines.append("  phases per GPU: " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"peak per GPU: {gib(est.peak)} of {gib(est.gpu_memory)} (placement.gpu_memory_gib): {verdict}")

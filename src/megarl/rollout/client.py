@@ -194,6 +194,16 @@ class RolloutClient:
         coroutine = self._generate(prompts, sampling, return_logprob, seeds, keep_going)
         return await (coroutine if loop.in_loop() else loop.wrap(coroutine))
 
+    def score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """A teacher's scores (on-policy distillation): for sequence i, the log-probs of its tokens
+        at positions starts[i] + 1 .. end, each given the tokens before it, under softmax(logits / T)
+        (SGLang's input log-probs: `return_logprob`, `logprob_start_len` = starts[i], `max_new_tokens`
+        0; `input_log_probs`). Retries and refusals as `generate` (`RolloutRequestError` names the
+        sequence's index); blocking, from any thread."""
+        if len(starts) != len(sequences):
+            raise ValueError(f"starts has {len(starts)} entries for {len(sequences)} sequences")
+        return self._loop_thread().run(self._score(sequences, starts, temperature))
+
     def close(self) -> None:
         """Cancel what still runs, close the session and stop the client's loop thread. A later
         call starts them again."""
@@ -268,6 +278,33 @@ class RolloutClient:
             except ServerError:
                 pass  # a server that cannot be reached has nothing running for us
 
+    async def _score(self, sequences: list[list[int]], starts: list[int], temperature: float) -> list[list[float]]:
+        """`score`, on the client's loop."""
+        sampling = SamplingParams(max_new_tokens=0, temperature=temperature)
+        semaphore, session = asyncio.Semaphore(self.max_concurrency), self._session_here()
+
+        async def one(index: int) -> list[float]:
+            ids, start = list(sequences[index]), starts[index]
+            payload = {**self._payload(ids, sampling, True), "logprob_start_len": start}
+            async with semaphore:
+                for attempt in range(1, self.max_retries + 2):
+                    try:
+                        (output,) = await self._attempt(session, index, payload, 1, as_sent=True)
+                        return input_log_probs(output, ids, start, index)
+                    except _Retry as e:
+                        if attempt > self.max_retries:
+                            raise RolloutRequestError(index, None, f"gave up after {attempt} attempts: {e}") from None
+                        await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** (attempt - 1)))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(sequences))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     # ---------------------------------------------------------------- one prompt
     def _payload(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool,
                  routed_experts_start_len: Optional[int] = None) -> dict[str, Any]:
@@ -328,8 +365,9 @@ class RolloutClient:
                 return samples, record, None
 
     async def _attempt(
-        self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int
-    ) -> list[Sample]:
+        self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int, as_sent: bool = False
+    ) -> list[Sample] | list[dict[str, Any]]:
+        """The `n` samples of one request (`as_sent`: the server's output dicts as they came)."""
         url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
         try:
             async with session.post(url + "/generate", json=payload) as resp:
@@ -350,6 +388,8 @@ class RolloutClient:
         outputs = body if isinstance(body, list) else [body]
         if len(outputs) != n:
             raise RolloutRequestError(index, status, f"expected {n} outputs, got {len(outputs)}")
+        if as_sent:
+            return outputs
         experts = None if self.routed_experts is None else self.routed_experts[2]
         samples = [Sample.from_sglang(o, self._routes_shape(payload, o), experts) for o in outputs]
         aborts = [o["meta_info"]["finish_reason"] for o, s in zip(outputs, samples) if s.finish_reason == "abort"]
@@ -403,6 +443,21 @@ class RolloutClient:
             sample = Sample(sample.token_ids + part.token_ids, logprobs, part.finish_reason, part.matched,
                             sample.text + part.text, part.weight_version, routed_experts=routes)
         return (replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample), retries
+
+
+def input_log_probs(output: dict[str, Any], ids: list[int], start: int, index: int = 0) -> list[float]:
+    """The log-probs of ids[start + 1:] from one `/generate` answer's `meta_info.input_token_logprobs`
+    (entries [logprob, token_id, text] for ids[start:], the first logprob null, as SGLang sends
+    them). Raises `RolloutRequestError` (naming sequence `index`) when the entries are missing or do
+    not match `ids`."""
+    entries = output.get("meta_info", {}).get("input_token_logprobs")
+    if entries is None or [e[1] for e in entries] != ids[start:]:
+        got = "none" if entries is None else f"ids {[e[1] for e in entries][:8]}..."
+        raise RolloutRequestError(index, 200, f"input_token_logprobs: {got}, expected one entry for each of the "
+                                  f"{len(ids) - start} input tokens from logprob_start_len={start}")
+    if entries and entries[0][0] is not None:
+        raise RolloutRequestError(index, 200, "input_token_logprobs[0] has a log-prob; SGLang sends null there")
+    return [float(e[0]) for e in entries[1:]]
 
 
 def _concat_routes(first, rest):

@@ -133,6 +133,9 @@ class Sequence:
     lora: Optional[LoadedAdapter] = None  # the adapter the request named (None: the base model)
     routed_experts_start_len: Optional[int] = None  # None: routes not asked for (return_routed_experts)
     routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] per forward it was in
+    # return_logprob: SGLang's input log-probs of prompt positions [logprob_start_len, prompt), the first None
+    logprob_start_len: int = -1
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
 
     def routed_experts(self) -> torch.Tensor:
         """[positions, layers, top_k]: the routes of the positions [routed_experts_start_len,
@@ -288,10 +291,13 @@ class CPUEngine:
         on_done: Callable[[Sequence], None],
         lora_name: Optional[str] = None,
         routed_experts_start_len: Optional[int] = None,
+        logprob_start_len: int = -1,
     ) -> list[Sequence]:
         """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample.
         `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model).
-        `routed_experts_start_len`: record routes (None: not asked, or not enabled)."""
+        `routed_experts_start_len`: record routes (None: not asked, or not enabled).
+        `logprob_start_len`: with `return_logprob`, the first prompt position of `input_logprobs`
+        (-1: the last one; checked by `megarl.rollout.protocol.parse_generate_body`)."""
         self.check_can_generate()
         self.check_prompt(prompt_ids, sampling)
         lora = self.lora.resolve(lora_name, self.model)
@@ -301,7 +307,9 @@ class CPUEngine:
             for j in range(sampling.n):
                 seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
                 seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora,
-                                     routed_experts_start_len=routed_experts_start_len))
+                                     routed_experts_start_len=routed_experts_start_len,
+                                     logprob_start_len=len(prompt_ids) - 1 if logprob_start_len == -1
+                                     else logprob_start_len))
             self._waiting.extend(seqs)
             self._cond.notify()
         return seqs
@@ -554,13 +562,33 @@ class CPUEngine:
             if seq.routed_experts_start_len is not None:
                 seq.routes.append(routes[row][real[row]])
 
+    def _score_inputs(self, seq: Sequence) -> None:
+        """`seq.input_logprobs` (return_logprob): SGLang's input log-probs of prompt positions
+        [logprob_start_len, prompt): None first, then log p(prompt[t] | prompt[:t]) under
+        softmax(logits / T) (T = 0: T = 1), as the sampled tokens' (`sample_tokens`). A forward of
+        its own over the prompt when it covers more than the last position."""
+        start, ids = seq.logprob_start_len, seq.prompt_ids
+        seq.input_logprobs = [None]
+        if start >= len(ids) - 1:
+            return
+        logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+        if self._route_recorder is not None:  # this forward's routes are no generation's
+            self._route_recorder.take(1, len(ids))
+        temperature = seq.sampling.temperature or 1.0
+        logp = torch.log_softmax(logits[start:-1] / temperature, dim=-1)
+        seq.input_logprobs += logp.gather(-1, torch.tensor(ids[start + 1:])[:, None])[:, 0].tolist()
+
     def _startable(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish the sequences aborted while waiting and those with max_new_tokens 0; return the rest."""
+        """Finish the sequences aborted while waiting and those with max_new_tokens 0 (after scoring
+        the inputs of those that return log-probs); return the rest."""
         rest = []
         for seq in seqs:
             if seq.abort_requested:
                 self._finish(seq, finish_abort("Aborted before the request started running."))
-            elif seq.sampling.max_new_tokens == 0:
+                continue
+            if seq.return_logprob:
+                self._score_inputs(seq)
+            if seq.sampling.max_new_tokens == 0:
                 self._finish(seq, finish_length(0))
             else:
                 rest.append(seq)

@@ -169,6 +169,8 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     }
     if seq.return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                        zip(seq.input_logprobs, seq.prompt_ids[seq.logprob_start_len:])]
     if seq.routed_experts_start_len is not None and seq.routes:
         meta["routed_experts"] = encode_routed_experts(seq.routed_experts())
     return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
@@ -295,7 +297,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
             rids.append(prompt.rid or uuid.uuid4().hex)
             start = prompt.routed_experts_start_len if prompt.return_routed_experts and engine.return_routed_experts else None
             engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path,
-                          routed_experts_start_len=start)
+                          routed_experts_start_len=start, logprob_start_len=prompt.logprob_start_len)
             waits.extend(futures)
         seqs = await _wait_unless_disconnected(request, waits)
         if seqs is None:  # the client went away: stop its work, as SGLang does

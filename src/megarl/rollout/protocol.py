@@ -9,6 +9,12 @@ engine rejects what SGLang rejects. Response shapes:
                     | {"type": "abort", "message": str},
      "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency", ...}}
 
+With `return_logprob`, `meta_info.input_token_logprobs` lists the input tokens from `logprob_start_len`
+(-1: the last one) as [logprob, token_id, null]: entry i is log p(input[start + i] | input[:start + i])
+under softmax(logits / T), except entry 0, always null (SGLang pads the first one: scheduler output
+processor, `input_token_logprobs_val = [None] + ...`). A scorer sends the whole sequence with
+`logprob_start_len` 0 (or its prompt length - 1) and `max_new_tokens` 0.
+
 A request with one prompt and `n == 1` gets one such object; a batch of prompts, or `n > 1`, gets a
 list ordered prompt-major (the `n` samples of prompt 0, then those of prompt 1, ...).
 """
@@ -187,6 +193,9 @@ class PromptRequest:
     lora_path: Optional[str] = None  # the LoRA adapter's name (SGLang's field name), None: the base model
     return_routed_experts: bool = False  # see megarl.rollout.routed_experts
     routed_experts_start_len: int = 0
+    # with return_logprob: `meta_info.input_token_logprobs` covers input positions [start, prompt
+    # tokens) (SGLang's `logprob_start_len`; -1: the last input token only)
+    logprob_start_len: int = -1
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,7 @@ def parse_generate_body(body: Any) -> GenerateBody:
     loras = _per_prompt(body.get("lora_path"), count, "lora_path")
     routed = _per_prompt(body.get("return_routed_experts", False), count, "return_routed_experts")
     starts = _per_prompt(body.get("routed_experts_start_len", 0), count, "routed_experts_start_len")
+    logprob_starts = _per_prompt(body.get("logprob_start_len", -1), count, "logprob_start_len")
     parsed = []
     for i in range(count):
         try:
@@ -255,8 +265,16 @@ def parse_generate_body(body: Any) -> GenerateBody:
         if bool(routed[i]) and not (isinstance(start, int) and 0 <= start <= len(prompts[i])):
             raise BadRequestError(f"routed_experts_start_len={start!r} must be an int in [0, {len(prompts[i])}] "
                                   "(the number of input tokens)")
+        logprob_start = logprob_starts[i]
+        # SGLang 0.5.23 aborts a request whose logprob_start_len is not below its input length
+        # (srt/managers/scheduler.py, handle_generate_request; -1 means the last input token); here HTTP 400
+        if bool(logprobs[i]) and not (isinstance(logprob_start, int) and not isinstance(logprob_start, bool)
+                                      and -1 <= logprob_start < len(prompts[i])):
+            raise BadRequestError(f"logprob_start_len={logprob_start!r} is higher than the number of input tokens "
+                                  f"{len(prompts[i])}, or not an int >= -1; use a smaller logprob_start_len")
         parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], lora_path=loras[i],
-                                    return_routed_experts=bool(routed[i]), routed_experts_start_len=start))
+                                    return_routed_experts=bool(routed[i]), routed_experts_start_len=start,
+                                    logprob_start_len=logprob_start))
     batched = batched or any(p.sampling.n > 1 for p in parsed)
     return GenerateBody(parsed, batched)
 

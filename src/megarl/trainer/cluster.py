@@ -74,6 +74,7 @@ class Cluster:
         self.releases_memory = releases_server_memory(config)  # colocated, servers freed while training
         self.api_key = rollout_api_key(config.actor_rollout_ref.rollout.api_key_env)  # servers' and router's; never logged
         self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
+        self.teacher = None  # on-policy distillation's Megatron teacher (megarl.trainer.teacher)
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
         self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
@@ -91,6 +92,7 @@ class Cluster:
             self.critic = EngineGroup(roles["critic"], self.pools, config, d) if "critic" in roles else None
             self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config, d)
                                  if "reward_model" in roles else None)
+            self.teacher = EngineGroup(roles["teacher"], self.pools, config, d) if "teacher" in roles else None
             if not self.colocated:
                 self._start_rollout(roles["rollout"])
             self._make_sync(self.rollout.urls)
@@ -225,7 +227,7 @@ class Cluster:
             raise ServerError("; ".join(failed.values()))
 
     def _engine_groups(self) -> list[EngineGroup]:
-        return [g for g in (self.actor, self.ref, self.critic, self.reward_model) if g is not None]
+        return [g for g in (self.actor, self.ref, self.critic, self.reward_model, self.teacher) if g is not None]
 
     def offload_metrics(self) -> dict[str, float]:
         """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,
@@ -308,7 +310,7 @@ class Cluster:
         return checkpoint.load_controller_state(directory)
 
     def shutdown(self) -> None:
-        for name in ("rollout", "reward_model", "critic", "ref", "actor"):
+        for name in ("rollout", "teacher", "reward_model", "critic", "ref", "actor"):
             part = getattr(self, name)
             if part is not None:
                 try:

@@ -11,6 +11,7 @@ import torch
 from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
 from megarl.algos.expert_load import expert_load
 from megarl.algos.from_config import rollout_correction_kwargs
+from megarl.algos.opd import opd_advantages, opd_metrics
 from megarl.algos.rollout_correction import rollout_correction as correct_rollout
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
@@ -140,7 +141,22 @@ def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None)
     batch["advantages"] = result.advantages
     batch["returns"] = result.returns
     metrics.update({f"advantages/{k}": v for k, v in result.metrics.items()})
+    if config.distillation.enabled:
+        metrics.update(distill(batch, config))
     return metrics
+
+
+def distill(batch: Batch, config: ExperimentConfig) -> dict:
+    """On-policy distillation (`distillation`, megarl.algos.opd): `advantages` become the
+    estimator's minus kl_coef x the reverse KL of the old log-probs to `teacher_log_probs` [B, R]
+    (or that term alone with use_task_rewards=false), on `response_mask` tokens only (a multi-turn
+    row's tool tokens carry none). Sets `opd_reverse_kl` [B, R]; returns the `opd/...` metrics."""
+    d = config.distillation
+    mask = batch["response_mask"]
+    batch["advantages"], batch["opd_reverse_kl"] = opd_advantages(
+        batch["advantages"], batch["old_log_probs"], batch["teacher_log_probs"], mask, kl_coef=d.kl_coef,
+        use_task_rewards=d.use_task_rewards)
+    return opd_metrics(batch["opd_reverse_kl"], batch["teacher_log_probs"], mask)
 
 
 def data_metrics(batch: Batch) -> dict:
@@ -191,11 +207,13 @@ def old_log_probs_in_update(config: ExperimentConfig) -> bool:
     needs them before the update: the KL penalty in the reward (`algorithm.use_kl_in_reward`)
     reads them with the advantages; nor with `use_rollout_log_probs`, where the rollout's are the
     old ones and the trainer's pass only measures the mismatch; nor with `algorithm.rollout_correction`,
-    whose weights and mask are made from them before the update (`rollout_correction`). (Steps in
-    `trainer.critic_warmup` do not update the actor: the controller then runs the separate pass.)"""
+    whose weights and mask are made from them before the update (`rollout_correction`); nor with
+    on-policy distillation (`distillation.enabled`), whose reverse KL in the advantage is the old
+    log-probs' distance to the teacher's. (Steps in `trainer.critic_warmup` do not update the actor:
+    the controller then runs the separate pass.)"""
     actor = config.actor_rollout_ref.actor
     return (actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs
-            and not config.algorithm.rollout_correction.enabled)
+            and not config.algorithm.rollout_correction.enabled and not config.distillation.enabled)
 
 
 def rollout_correction(batch: Batch, config: ExperimentConfig) -> tuple[Batch, dict]:

@@ -75,7 +75,7 @@ def schedule_problems(config: ExperimentConfig, kind: Kind, train_rows: int) -> 
 
 def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]:
     """(problems, config with every hub id replaced by its directory in the HF cache) for the
-    actor, critic and reward model checkpoints and the tokenizer."""
+    actor, critic, reward model and Megatron distillation teacher checkpoints and the tokenizer."""
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
     from megarl.bridge.hub import is_hub_id, local_model_dir
 
@@ -98,6 +98,9 @@ def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]
     critic = model if c.model.path == arr.model.path else (checked("critic.model.path", c.model.path)
                                                            if c.enable else c.model.path)
     reward = checked("reward_model.model.path", rm.model.path) if rm.enable else rm.model.path
+    d = config.distillation  # an SGLang teacher's path names its tokenizer only: not fetched whole
+    teacher = (checked("distillation.teacher.model_path", d.teacher.model_path) if d.enabled and d.type == "megatron"
+               else d.teacher.model_path)
     tokenizer, tok_key = config.data.tokenizer, "data.tokenizer"
     if tokenizer and is_hub_id(tokenizer):
         tokenizer = checked(tok_key, tokenizer, architecture=False)
@@ -111,6 +114,7 @@ def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]
         actor_rollout_ref=replace(arr, model=replace(arr.model, path=model)),
         critic=replace(c, model=replace(c.model, path=critic)),
         reward_model=replace(rm, model=replace(rm.model, path=reward)),
+        distillation=replace(d, teacher=replace(d.teacher, model_path=teacher)),
     )
     return problems, resolved
 

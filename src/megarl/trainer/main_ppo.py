@@ -87,6 +87,8 @@ def run(config) -> dict:
         with signals_held("the run stops its workers, servers and router"):
             if trainer is not None and trainer.agent is not None:
                 trainer.agent.close()
+            if trainer is not None and trainer.teacher is not None:
+                trainer.teacher.close()
             cluster.shutdown()
         if tracker is not None:
             plot = tracker.finish()

@@ -51,6 +51,13 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
             check_tokenizer(config)
         except NotImplementedError as error:
             problems.append(str(error))
+    if kind == "rl" and config.distillation.enabled and not model_problems:
+        from megarl.trainer.teacher import check_same_tokenizer, student_tokenizer_path
+
+        try:
+            check_same_tokenizer(student_tokenizer_path(config), config.distillation.teacher.model_path)
+        except (ConfigError, OSError, ValueError) as problem:
+            problems.append(str(problem))
     reward_fn = config.custom_reward_function.path
     if kind == "rl" and reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")

@@ -39,6 +39,7 @@ from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutPro
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.rollout_fleet import GenerationInterrupted
+from megarl.trainer.teacher import Teacher
 
 log = logging.getLogger("megarl.trainer")
 
@@ -112,6 +113,7 @@ class RLTrainer:
         self.skipped_in_a_row = 0
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        self.teacher = Teacher.from_config(config, cluster.teacher)  # on-policy distillation (None: off)
         self.agent = None  # agentic rollouts (megarl.agents): the user's episodes behind an OpenAI endpoint
         if config.actor_rollout_ref.rollout.agent.path:
             from megarl.agents.runner import AgentRunner
@@ -241,6 +243,9 @@ class RLTrainer:
         if cl.ref is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]
+        if self.teacher is not None:
+            with timer("teacher_log_prob"):
+                batch["teacher_log_probs"] = self.teacher.log_probs(batch, rollout.temperature)
         if cl.critic is not None:
             with timer("values"):
                 batch["values"] = cl.critic.compute("compute_values", batch)["values"]

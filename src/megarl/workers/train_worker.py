@@ -1,4 +1,4 @@
-"""`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic); it hosts that
+"""`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic, teacher); it hosts that
 role's Megatron engine."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from megarl.workers.base import RankedWorker
 
-ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine"}
+ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine",
+           "teacher": "TeacherEngine"}
 
 
 def adapter_dir(config) -> str:

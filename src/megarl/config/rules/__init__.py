@@ -26,6 +26,7 @@ from megarl.config.rules.choices import (
 )
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.devices import weight_sync_transport_fits_devices
+from megarl.config.rules.distillation import distillation_settings, distillation_teacher_fits
 from megarl.config.rules.experts import expert_parallel_fits_role, grouped_gemm_can_run
 from megarl.config.rules.gpus import (
     batch_arithmetic,
@@ -70,6 +71,7 @@ RULES: list[Rule] = [
     rollout_log_probs_without_tis,
     rollout_correction_settings,
     rollout_correction_fits_actor,
+    distillation_settings,
     lora_settings,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,
@@ -88,6 +90,7 @@ RULES: list[Rule] = [
     async_modes_correct_off_policy,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
+    distillation_teacher_fits,
     expert_parallel_fits_role,
     grouped_gemm_can_run,
     transformer_overrides_fit,

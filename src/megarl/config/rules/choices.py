@@ -38,10 +38,11 @@ def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes)
 def group_estimator_has_groups(config: ExperimentConfig, sizes: DerivedSizes) -> Iterable[str]:
     """Warns (no error) when a group-baseline estimator gets one response per prompt.
 
-    Reads: algorithm.adv_estimator, actor_rollout_ref.rollout.n
+    Reads: algorithm.adv_estimator, actor_rollout_ref.rollout.n, distillation.enabled, distillation.use_task_rewards
     """
     estimator, n = config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n
-    if estimator in GROUP_ESTIMATORS and n < 2:
+    pure_opd = config.distillation.enabled and not config.distillation.use_task_rewards  # the teacher's signal alone
+    if estimator in GROUP_ESTIMATORS and n < 2 and not pure_opd:
         log.warning(
             "algorithm.adv_estimator=%s compares responses to the same prompt, but actor_rollout_ref.rollout.n=%d: "
             "every group has one response and every advantage will be 0; set rollout.n >= 2 to learn",

@@ -25,16 +25,24 @@ class DerivedSizes:
     def from_config(cls, config: ExperimentConfig) -> DerivedSizes:
         t, p, arr = config.trainer, config.placement, config.actor_rollout_ref
         total = t.nnodes * t.n_gpus_per_node if t.nnodes > 0 and t.n_gpus_per_node > 0 else 0
-        train = total
+        teacher = teacher_pool_gpus(config)
+        train = total - teacher if 0 <= teacher < total else 0
         if p.mode == "split":
-            train = total - p.rollout_gpus if 0 < p.rollout_gpus < total else 0
+            train = train - p.rollout_gpus if 0 < p.rollout_gpus < train else 0
         return cls(
             total_gpus=total,
             train_gpus=train,
-            rollout_gpus=p.rollout_gpus if p.mode == "split" else total,
+            rollout_gpus=p.rollout_gpus if p.mode == "split" else train,
             actor_dp=data_parallel_size(arr.actor.megatron, train, t.n_gpus_per_node),
             critic_dp=data_parallel_size(config.critic.megatron, train, t.n_gpus_per_node),
         )
+
+
+def teacher_pool_gpus(config: ExperimentConfig) -> int:
+    """GPUs of the OPD teacher's own pool (`distillation.teacher.gpus` of an enabled Megatron
+    teacher; 0: none, the teacher shares the training pool or is an SGLang server elsewhere)."""
+    d = config.distillation
+    return d.teacher.gpus if d.enabled and d.type == "megatron" else 0
 
 
 def model_parallel_size(m: MegatronConfig) -> int:

@@ -12,7 +12,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _layout_problems(prefix: str, m: MegatronConfig, train_gpus: int, gpus_per_node: int) -> Iterator[str]:
+def layout_problems(prefix: str, m: MegatronConfig, train_gpus: int, gpus_per_node: int) -> Iterator[str]:
     """One role's parallel sizes against the training GPUs."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -147,7 +147,7 @@ def parallel_sizes_fit_training_gpus(config: ExperimentConfig, sizes: DerivedSiz
     if config.reward_model.enable:
         roles.append(("reward_model.megatron", config.reward_model.megatron))
     for prefix, megatron in roles:
-        yield from _layout_problems(prefix, megatron, train_gpus, gpus_per_node)
+        yield from layout_problems(prefix, megatron, train_gpus, gpus_per_node)
 
 
 def batch_arithmetic(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

@@ -3,7 +3,7 @@ transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
 
     from megarl.engines.megatron import ActorEngine, RefEngine, CriticEngine   # (from .roles)
 
-    roles      ActorEngine, RefEngine, CriticEngine: the API the controller's workers call
+    roles      ActorEngine, RefEngine, CriticEngine, TeacherEngine: the API the controller's workers call
     reward_model  RewardModelEngine: a sequence-classification reward model, forward only
     engine     MegatronEngine: model chunks and the parts below composed into one role's engine
     model      building GPTModel chunks and loading HF weights into them (via the bridge)
@@ -20,7 +20,7 @@ transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
 
 The role classes are imported on first use, so `import megarl.engines.megatron.cpu` stays cheap.
 """
-ROLES = ("ActorEngine", "RefEngine", "CriticEngine")
+ROLES = ("ActorEngine", "RefEngine", "CriticEngine", "TeacherEngine")
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""The role API the controller's workers call: `ActorEngine`, `RefEngine`, `CriticEngine`.
+"""The role API the controller's workers call: `ActorEngine`, `RefEngine`, `CriticEngine`,
+`TeacherEngine` (on-policy distillation's teacher, a `RefEngine` of its own model).
 
 Each is built from the validated `ExperimentConfig` inside a process whose torch.distributed
 world is exactly the role's ranks, reads its own config section, and takes `Batch`es holding this
@@ -299,12 +300,43 @@ class RefEngine(MegatronEngine):
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
         """{"ref_log_probs": [B, R]} on output ranks, None elsewhere."""
+        return self._frozen_log_probs(batch, temperature, "ref_log_probs", self.ref)
+
+    def _frozen_log_probs(self, batch: Batch, temperature: float, key: str, settings) -> Optional[dict]:
+        """{key: [B, R]} on output ranks, None elsewhere, in micro-batches of `settings`'
+        log_prob_micro_batch_size_per_gpu responses (or its token budget with log_prob_use_dynamic_bsz)."""
         return self.forward_tokens(
-            batch, _log_prob_head(self, temperature, False, "ref_log_probs"),
-            max_samples=self.ref.log_prob_micro_batch_size_per_gpu,
-            max_tokens=self.ref.log_prob_max_token_len_per_gpu if self.ref.log_prob_use_dynamic_bsz else None,
-            keys=["ref_log_probs"],
+            batch, _log_prob_head(self, temperature, False, key),
+            max_samples=settings.log_prob_micro_batch_size_per_gpu,
+            max_tokens=settings.log_prob_max_token_len_per_gpu if settings.log_prob_use_dynamic_bsz else None,
+            keys=[key],
         )
+
+
+class TeacherEngine(RefEngine):
+    """The on-policy-distillation teacher (`distillation.teacher`, type megatron): a frozen model of
+    its own checkpoint and TP/PP/EP layout (it may differ from the actor's), scored as the reference
+    is. Its tokenizer is the student's (checked by the controller, megarl.trainer.teacher)."""
+
+    def __init__(self, config: ExperimentConfig, sequence_layout: Optional[Layout] = None):
+        config = resolve(config)
+        self.teacher = config.distillation.teacher
+        MegatronEngine.__init__(
+            self,
+            section="distillation.teacher",
+            model_path=self.teacher.model_path,
+            model_key="distillation.teacher.model_path",
+            override_config={},
+            dtype=config.actor_rollout_ref.model.dtype,
+            megatron_cfg=self.teacher.megatron,
+            sequence_layout=sequence_layout,
+            collective_timeout_s=config.actor_rollout_ref.nccl_timeout,
+        )
+
+    def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
+        """{"teacher_log_probs": [B, R]} on output ranks, None elsewhere: log p_teacher of each
+        response token given what precedes it, under softmax(logits / temperature)."""
+        return self._frozen_log_probs(batch, temperature, "teacher_log_probs", self.teacher)
 
 
 class CriticEngine(MegatronEngine):

@@ -1,0 +1,101 @@
+"""The on-policy-distillation teacher as the controller sees it (`distillation`, megarl.algos.opd):
+one call, `Teacher.log_probs(batch, temperature)`, whichever form it takes.
+
+  type megatron  the `teacher` role's engine group (a `TeacherEngine` per rank, placed by the
+                 planner on the training pool or its own, offloaded with the reference's rules)
+  type sglang    a teacher SGLang server or router at `distillation.teacher.url`, asked for the input
+                 log-probs of prompt + response (`RolloutClient.score`: `return_logprob`,
+                 `logprob_start_len` = prompt length - 1, `max_new_tokens` 0)
+
+Either way the result is `teacher_log_probs` [B, R] float32 aligned with `response_ids`: at response
+position t, log p_teacher(response_ids[t] | prompt, response[:t]) under softmax(logits / T), 0 at
+padding. A multi-turn row is scored whole (its tool tokens are context); the reverse KL keeps only
+its `response_mask` tokens. The teacher must share the student's tokenizer: `check_same_tokenizer`
+refuses a run whose tokenizers differ, naming both paths.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.config import ConfigError, ExperimentConfig
+from megarl.data.batch import Batch
+from megarl.rollout.client import RolloutClient
+
+
+def student_tokenizer_path(config: ExperimentConfig) -> str:
+    """The policy's tokenizer: data.tokenizer, or the actor's model directory."""
+    return config.data.tokenizer or config.actor_rollout_ref.model.path
+
+
+def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
+    """Raise ConfigError naming both paths unless the two tokenizers map the same strings to the same
+    ids (vocabulary, added and special tokens): the teacher scores the student's token ids as they are."""
+    from transformers import AutoTokenizer
+
+    student, teacher = (AutoTokenizer.from_pretrained(p) for p in (student_path, teacher_path))
+    differences = []
+    if student.get_vocab() != teacher.get_vocab():
+        only = set(student.get_vocab().items()) ^ set(teacher.get_vocab().items())
+        differences.append(f"vocabularies differ ({len(student.get_vocab())} vs {len(teacher.get_vocab())} tokens, "
+                           f"{len(only)} (token, id) pairs in one only)")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            differences.append(f"{name} {getattr(student, name)} vs {getattr(teacher, name)}")
+    if differences:
+        raise ConfigError(
+            f"distillation.teacher.model_path={teacher_path!r}: its tokenizer is not the student's "
+            f"({student_path!r}, data.tokenizer or actor_rollout_ref.model.path): {'; '.join(differences)}. "
+            "On-policy distillation scores the student's token ids as they are: use a teacher of the same tokenizer")
+
+
+def scoring_requests(batch: Batch) -> tuple[list[list[int]], list[int]]:
+    """(sequences, starts) for `RolloutClient.score`: each row's real prompt tokens then its real
+    response tokens (tool tokens of a multi-turn row included), and the index of its last prompt
+    token, so the scores are those of the response tokens."""
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    responses = [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch.response_tokens())]
+    return [p + r for p, r in zip(prompts, responses)], [len(p) - 1 for p in prompts]
+
+
+def response_grid(scores: list[list[float]], batch: Batch) -> torch.Tensor:
+    """[B, R] float32: row i's scores from column 0 (its response tokens in order), 0 after them."""
+    grid = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    lengths = batch.response_tokens().sum(1).tolist()
+    for i, (row, length) in enumerate(zip(scores, lengths)):
+        if len(row) != length:
+            raise ValueError(f"teacher scores of row {i}: {len(row)} values for {length} response tokens")
+        grid[i, :length] = torch.tensor(row, dtype=torch.float32)
+    return grid
+
+
+class Teacher:
+    """`distillation.teacher` for the controller. `engines`: the `teacher` role's EngineGroup
+    (type megatron; the cluster builds it with the other roles)."""
+
+    def __init__(self, config: ExperimentConfig, engines=None):
+        d = config.distillation
+        check_same_tokenizer(student_tokenizer_path(config), d.teacher.model_path)
+        self.type, self.engines, self.client = d.type, engines, None
+        if d.type == "megatron" and engines is None:
+            raise ValueError("distillation.type=megatron: the cluster has no teacher role")
+        if d.type == "sglang":
+            self.client = RolloutClient(d.teacher.url, max_concurrency=d.teacher.max_concurrent_requests,
+                                        request_timeout_s=d.teacher.request_timeout_s)
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig, engines=None) -> Optional[Teacher]:
+        """The teacher, or None when `distillation.enabled` is false."""
+        return cls(config, engines) if config.distillation.enabled else None
+
+    def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """`teacher_log_probs` [B, R] float32 of the batch's responses (module docstring)."""
+        if self.type == "megatron":
+            return self.engines.compute("compute_teacher_log_prob", batch, temperature)["teacher_log_probs"]
+        sequences, starts = scoring_requests(batch)
+        return response_grid(self.client.score(sequences, starts, temperature), batch)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()

@@ -1,0 +1,73 @@
+"""On-policy distillation's advantage (megarl.algos.opd) on a batch worked by hand.
+
+Two responses, log-probs in nats (student S, teacher T), `kl_coef` 0.5; row 1's third column is
+padding (its garbage values must not leak); row 2 is a multi-turn row whose middle token is a
+tool's reply (mask 0: no signal, though it is a real token).
+
+    row 0  S [-0.5, -1.0, -2.0]  T [-1.5, -0.5, -2.0]  d = S - T = [ 1.0, -0.5,  0.0]  A [ 0.7,  0.7, 0.7]
+    row 1  S [-0.2, -3.0,  pad]  T [-1.2, -1.0,  pad]  d         = [ 1.0, -2.0,  -  ]  A [-0.7, -0.7,  - ]
+    row 2  S [-1.0, -4.0, -0.1]  T [-1.0, -0.1, -0.6]  d         = [ 0.0,  tool, 0.5]  A [ 0.0,  -,   0.0]
+
+OPD + RL: A - 0.5 d;  pure OPD: -0.5 d;  reverse_kl_mean = (1 - 0.5 + 0 + 1 - 2 + 0 + 0.5) / 7 = 0,
+teacher_log_prob_mean = (-1.5 - 0.5 - 2 - 1.2 - 1 - 1 - 0.6) / 7 = -7.8 / 7.
+"""
+import pytest
+import torch
+
+from megarl.algos.opd import opd_advantages, opd_metrics, reverse_kl
+
+PAD = 123.0  # garbage in padded and masked places
+S = torch.tensor([[-0.5, -1.0, -2.0], [-0.2, -3.0, PAD], [-1.0, -4.0, -0.1]])
+T = torch.tensor([[-1.5, -0.5, -2.0], [-1.2, -1.0, -PAD], [-1.0, -0.1, -0.6]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
+A = torch.tensor([[0.7, 0.7, 0.7], [-0.7, -0.7, PAD], [0.0, PAD, 0.0]])
+
+
+def rows(t: torch.Tensor) -> list:
+    return [pytest.approx(r, abs=1e-6) for r in t.tolist()]
+
+
+def test_reverse_kl_is_student_minus_teacher_on_response_tokens():
+    assert reverse_kl(S, T, MASK).tolist() == rows(torch.tensor([[1.0, -0.5, 0.0], [1.0, -2.0, 0.0], [0.0, 0.0, 0.5]]))
+
+
+def test_opd_plus_rl_subtracts_the_scaled_reverse_kl_from_the_advantage():
+    adv, d = opd_advantages(A, S, T, MASK, kl_coef=0.5, use_task_rewards=True)
+    expected = [[0.2, 0.95, 0.7], [-1.2, 0.3, 0.0], [0.0, 0.0, -0.25]]
+    assert adv.tolist() == rows(torch.tensor(expected))
+    # negative control: the sign flipped (teacher - student, a forward-looking mistake) gives other numbers
+    wrong = torch.where(MASK.bool(), A + 0.5 * (S - T), 0.0)
+    assert not torch.allclose(adv, wrong)
+    assert d.tolist() == rows(torch.tensor([[1.0, -0.5, 0.0], [1.0, -2.0, 0.0], [0.0, 0.0, 0.5]]))
+
+
+def test_pure_opd_ignores_the_task_advantage():
+    adv, _ = opd_advantages(A, S, T, MASK, kl_coef=0.5, use_task_rewards=False)
+    assert adv.tolist() == rows(torch.tensor([[-0.5, 0.25, 0.0], [-0.5, 1.0, 0.0], [0.0, 0.0, -0.25]]))
+    # negative control: a teacher equal to the student gives no signal at all
+    same, d = opd_advantages(A, S, S, MASK, kl_coef=0.5, use_task_rewards=False)
+    assert same.abs().max().item() == 0.0 and d.abs().max().item() == 0.0
+
+
+def test_metrics_over_the_response_tokens():
+    _, d = opd_advantages(A, S, T, MASK, kl_coef=0.5, use_task_rewards=True)
+    m = opd_metrics(d, T, MASK)
+    assert m["opd/reverse_kl_mean"] == pytest.approx(0.0, abs=1e-7)
+    assert m["opd/teacher_log_prob_mean"] == pytest.approx(-7.8 / 7)
+    assert m["opd/coverage"] == 1.0
+
+
+def test_tokens_the_teacher_did_not_score_carry_no_signal_and_lower_the_coverage():
+    scored = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])  # row 0's last token unscored
+    adv, d = opd_advantages(A, S, T, MASK, kl_coef=0.5, use_task_rewards=True, teacher_mask=scored)
+    assert adv[0].tolist() == rows(torch.tensor([0.2, 0.95, 0.7]))  # 0.7: the task advantage alone
+    m = opd_metrics(d, T, MASK, scored)
+    assert m["opd/coverage"] == pytest.approx(6 / 7)
+    assert m["opd/reverse_kl_mean"] == pytest.approx((1 - 0.5 + 1 - 2 + 0 + 0.5) / 6)
+    assert m["opd/teacher_log_prob_mean"] == pytest.approx((-1.5 - 0.5 - 1.2 - 1 - 1 - 0.6) / 6)
+
+
+def test_no_gradient_flows_through_the_signal():
+    student = S.clone().requires_grad_(True)
+    adv, d = opd_advantages(A, student, T, MASK, kl_coef=1.0, use_task_rewards=False)
+    assert not adv.requires_grad and not d.requires_grad

@@ -1,0 +1,101 @@
+"""distillation.* at load time: its refusals one by one (each naming its keys), what it allows, and
+what it changes elsewhere (the pools, the old log-probs' pass)."""
+import logging
+
+import pytest
+
+from megarl.config import ConfigError, load_and_validate
+from megarl.config.rules.common import DerivedSizes
+from megarl.placement.from_config import plan_from_config
+from megarl.trainer.experience import old_log_probs_in_update
+
+REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+ON = ["distillation.enabled=true", "distillation.teacher.model_path=/models/teacher"]
+SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teacher:30000"]
+
+
+def ok(*overrides):
+    return load_and_validate(None, REQUIRED + list(overrides))
+
+
+def errors(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        ok(*overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["distillation.enabled=true"], "distillation.teacher.model_path: required with distillation.enabled=true"),
+    (ON + ["distillation.kl_coef=0"], "distillation.kl_coef=0.0: must be > 0"),
+    (ON + ["distillation.type=sglang"], "distillation.type=sglang needs distillation.teacher.url"),
+    (SGLANG + ["distillation.teacher.gpus=2"], "distillation.teacher.gpus=2 places a Megatron teacher"),
+    (SGLANG + ["distillation.teacher.request_timeout_s=0"], "distillation.teacher.request_timeout_s=0.0: must be > 0"),
+    (ON + ["distillation.teacher.url=http://t:1"],
+     "distillation.teacher.url='http://t:1' is for distillation.type=sglang"),
+    (ON + ["distillation.use_task_rewards=false", "algorithm.adv_estimator=gae"],
+     "distillation.use_task_rewards=false (pure OPD: the advantage is the teacher's signal alone) leaves nothing for "
+     "algorithm.adv_estimator=gae's critic"),
+    (ON + ["distillation.use_task_rewards=false", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=true"],
+     "algorithm.use_kl_in_reward=true would do nothing"),
+    (ON + ["distillation.teacher.gpus=8"], "distillation.teacher.gpus=8: must be 0 (the training pool) or leave GPUs"),
+    (ON + ["distillation.teacher.gpus=6", "placement.mode=split", "placement.rollout_gpus=2"],
+     "distillation.teacher.gpus=6: must be 0 (the training pool) or leave GPUs for the other pools (1 .. 5 of the 8 "
+     "GPUs, 2 of them for placement.rollout_gpus)"),
+    (ON + ["distillation.teacher.megatron.tensor_model_parallel_size=3"],
+     "distillation.teacher.megatron.tensor_model_parallel_size=3: a TP group must stay inside one node"),
+    (ON + ["distillation.teacher.gpus=2", "distillation.teacher.megatron.tensor_model_parallel_size=4"],
+     "distillation.teacher.megatron: TP x PP x CP = 4 x 1 x 1 = 4 GPUs per model replica does not divide the 2"),
+    (ON + ["distillation.teacher.megatron.grad_offload=true"],
+     "distillation.teacher.megatron.grad_offload: the teacher has no gradients or optimizer state"),
+    (ON + ["distillation.teacher.gpus=2", "distillation.teacher.megatron.param_offload=true"],
+     "distillation.teacher.megatron.param_offload=true: the teacher on its own pool shares no GPU"),
+    (ON + ["placement.mode=split", "placement.rollout_gpus=2", "distillation.teacher.megatron.param_offload=true"],
+     "the teacher on split placement's training pool shares no GPU"),
+])
+def test_refused_naming_the_keys(overrides, expected):
+    assert expected in errors(*overrides)
+
+
+def test_disabled_distillation_ignores_its_keys():
+    ok("distillation.teacher.url=http://t:1", "distillation.teacher.gpus=99")
+
+
+def test_pure_opd_with_one_response_per_prompt_is_allowed_without_the_group_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        ok(*ON, "distillation.use_task_rewards=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=256")
+    assert "every advantage will be 0" not in caplog.text
+    with caplog.at_level(logging.WARNING):  # control: the same config as plain GRPO warns
+        ok("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
+    assert "every advantage will be 0" in caplog.text
+
+
+def test_the_teacher_micro_batch_defaults_to_the_actors_and_the_old_log_probs_get_their_own_pass():
+    config = ok(*ON, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    assert config.distillation.teacher.log_prob_micro_batch_size_per_gpu == 4
+    assert old_log_probs_in_update(config) is False  # the KL term needs them before the advantages
+    assert old_log_probs_in_update(ok("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")) is True
+
+
+def test_a_teacher_pool_of_its_own_shrinks_the_others():
+    shared = ok(*ON, "distillation.teacher.gpus=4")
+    sizes = DerivedSizes.from_config(shared)
+    assert (sizes.total_gpus, sizes.train_gpus, sizes.rollout_gpus, sizes.actor_dp) == (8, 4, 4, 4)
+    split = ok(*ON, "distillation.teacher.gpus=2", "placement.mode=split", "placement.rollout_gpus=2")
+    sizes = DerivedSizes.from_config(split)
+    assert (sizes.train_gpus, sizes.rollout_gpus, sizes.actor_dp) == (4, 2, 4)
+
+
+def test_the_planner_places_the_teacher_on_the_training_pool_or_its_own():
+    plan = plan_from_config(ok(*ON, "distillation.teacher.megatron.tensor_model_parallel_size=2"))
+    teacher = plan.roles["teacher"]
+    assert (teacher.pool, teacher.tp, teacher.dp, teacher.world_size) == ("shared", 2, 4, 8)
+    assert teacher.devices == plan.roles["actor"].devices
+    own = plan_from_config(ok(*ON, "distillation.teacher.gpus=4",
+                              "distillation.teacher.megatron.tensor_model_parallel_size=2"))
+    teacher, actor = own.roles["teacher"], own.roles["actor"]
+    assert (teacher.pool, teacher.dp, [d.gpu for d in teacher.devices]) == ("teacher", 2, [4, 5, 6, 7])
+    assert [d.gpu for d in actor.devices] == list(range(4)) and not set(teacher.devices) & set(actor.devices)
+    assert [d.gpu for d in own.roles["rollout"].devices] == list(range(4))
+    assert "teacher" not in plan_from_config(ok(*SGLANG)).roles  # an SGLang teacher is not placed
+    assert "teacher" not in plan_from_config(ok()).roles

@@ -1,0 +1,74 @@
+"""SGLang's input log-probs on the CPU engine (`return_logprob` + `logprob_start_len`, entries in
+`meta_info.input_token_logprobs`), and the client's `score` that an SGLang teacher answers with:
+the numbers are the HF model's own log-probs of those tokens."""
+import pytest
+import requests
+import torch
+
+from megarl.rollout.client import RolloutClient, RolloutRequestError, input_log_probs
+
+SEQUENCES = [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, helpers):
+    proc = helpers.start_cpu_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "scoring-server")
+    yield proc
+    proc.stop(timeout_s=15)
+
+
+def hf_input_log_probs(model, ids, temperature=1.0):
+    """[len(ids) - 1]: log p(ids[t] | ids[:t]) for t >= 1, from one HF forward (the oracle)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scores_equal_the_hf_models_log_probs(server, tiny_hf, temperature):
+    starts = [0, 2, 7]  # the whole sequence, from the third token, the last token only (nothing to score)
+    with RolloutClient(server.url, max_retries=1) as client:
+        scores = client.score(SEQUENCES, starts, temperature)
+    for ids, start, got in zip(SEQUENCES, starts, scores):
+        assert len(got) == len(ids) - start - 1
+        expected = hf_input_log_probs(tiny_hf, ids, temperature)[start:]
+        torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=1e-5)
+    # negative control: the other temperature's numbers differ
+    other = hf_input_log_probs(tiny_hf, SEQUENCES[0], 1.0 if temperature != 1.0 else 0.7)
+    assert not torch.allclose(torch.tensor(scores[0]), other, atol=1e-3)
+
+
+def test_the_wire_format_is_sglangs(server):
+    ids = SEQUENCES[0]
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+    out = requests.post(server.url + "/generate", json=body, timeout=60).json()
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids and entries[0][0] is None and all(e[2] is None for e in entries)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    # without logprob_start_len (-1): the last input token only, null
+    del body["logprob_start_len"]
+    body["sampling_params"]["max_new_tokens"] = 2
+    out = requests.post(server.url + "/generate", json=body, timeout=60).json()
+    assert out["meta_info"]["input_token_logprobs"] == [[None, ids[-1], None]]
+    assert len(out["meta_info"]["output_token_logprobs"]) == 2
+
+
+@pytest.mark.parametrize("start", [6, 99, -2, "0"])
+def test_a_start_at_or_past_the_input_is_refused_as_sglang_aborts_it(server, start):
+    body = {"input_ids": SEQUENCES[0], "return_logprob": True, "logprob_start_len": start,
+            "sampling_params": {"max_new_tokens": 0}}
+    resp = requests.post(server.url + "/generate", json=body, timeout=60)
+    assert resp.status_code == 400 and "logprob_start_len" in resp.json()["error"]["message"]
+
+
+def test_answers_that_do_not_match_the_sequence_are_refused():
+    ok = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.5, 6, None]]}}
+    assert input_log_probs(ok, [5, 6], 0) == [-1.5]
+    with pytest.raises(RolloutRequestError, match="sequence 3|prompt 3"):
+        input_log_probs(ok, [5, 7], 0, index=3)
+    with pytest.raises(RolloutRequestError, match="input_token_logprobs: none"):
+        input_log_probs({"meta_info": {}}, [5, 6], 0)
+    with pytest.raises(RolloutRequestError, match="null there"):
+        input_log_probs({"meta_info": {"input_token_logprobs": [[-0.1, 5, None], [-1.5, 6, None]]}}, [5, 6], 0)
