@@ -10,8 +10,10 @@ TRAIN_POOL, ROLLOUT_POOL, SHARED_POOL = "train", "rollout", "shared"
 
 def _train_role(name: str, pool: str, m: MegatronConfig, prefix: str) -> RoleSpec:
     return RoleSpec(name, pool, "train", tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                    cp=m.context_parallel_size, tp_key=f"{prefix}.megatron.tensor_model_parallel_size",
-                    pp_key=f"{prefix}.megatron.pipeline_model_parallel_size")
+                    cp=m.context_parallel_size, ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                    tp_key=f"{prefix}.megatron.tensor_model_parallel_size",
+                    pp_key=f"{prefix}.megatron.pipeline_model_parallel_size",
+                    ep_key=f"{prefix}.megatron.expert_model_parallel_size")
 
 
 def actor_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
@@ -41,7 +43,9 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
     if config.reward_model.enable:
         roles.append(_train_role("reward_model", train_pool, config.reward_model.megatron, "reward_model"))
     roles.append(RoleSpec("rollout", rollout_pool, "rollout", tp=arr.rollout.tensor_model_parallel_size,
-                          tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size"))
+                          ep=arr.rollout.expert_parallel_size,
+                          tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size",
+                          ep_key="actor_rollout_ref.rollout.expert_parallel_size"))
     return pools, roles
 
 
