@@ -18,11 +18,12 @@ def _config_show(args) -> int:
 
 def _plan(args) -> int:
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
-    from megarl.bridge.hub import local_model_dir
+    from megarl.bridge.hub import local_model_dir, shipped_architecture
     from megarl.config.devices import devices_from_config
     from megarl.placement import format_gpu_map, plan_from_config
     from megarl.placement.from_config import offline_plan
     from megarl.placement.memory import estimate, format_estimate
+    from megarl.rollout.launch import expert_split_problem
     from megarl.sync.groups import format_update_groups
 
     from megarl.trainer.inputs import trainer_of_data
@@ -35,9 +36,7 @@ def _plan(args) -> int:
     plan = plan_from_config(config) if trainer == "rl" else offline_plan(config, with_ref=trainer == "dpo")
     print(format_gpu_map(plan))
     for role in plan.roles.values():
-        shape = (f"{role.dp} server(s) of TP {role.tp}" if role.kind == "rollout"
-                 else f"TP {role.tp} x CP {role.cp} x PP {role.pp} x DP {role.dp}")
-        print(f"{role.name}: {shape}, {gpu_share(role.gpu_fraction)}")
+        print(f"{role.name}: {role.layout()}, {gpu_share(role.gpu_fraction)}")
     if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
         devices = devices_from_config(config, cuda_available=config.trainer.device != "cpu")
         print(devices.summary())
@@ -45,8 +44,15 @@ def _plan(args) -> int:
         print(format_update_groups(devices.weight_sync_transport, config.actor_rollout_ref.rollout.weight_update_groups,
                                    actor.pp, actor.dp * actor.cp, actor.tp, m.expert_model_parallel_size,
                                    m.expert_tensor_parallel_size))
-    def read_arch(model: str, key: str):  # a hub id: its config.json alone, into the HF cache
-        model_dir = local_model_dir(model, key, allow_patterns=["config.json"])
+    def read_arch(model: str, key: str):
+        try:  # a hub id: its config.json alone, into the HF cache
+            model_dir = local_model_dir(model, key, allow_patterns=["config.json"])
+        except (ConversionError, OSError) as error:
+            model_dir = shipped_architecture(model, args.config)
+            if model_dir is None:
+                raise error
+            print(f"model architecture: {model_dir / 'config.json'} (shipped beside {args.config}; {model} is not "
+                  "at hand)")
         return arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
 
     try:
@@ -56,6 +62,11 @@ def _plan(args) -> int:
     except (ConversionError, OSError) as error:
         print(f"memory estimate skipped: {error}")
         return 0
+    if "rollout" in plan.roles:
+        problem = expert_split_problem(arch.moe.num_experts if arch.moe else None, plan.roles["rollout"].ep)
+        if problem:
+            print(f"memory estimate impossible: {problem}")
+            return 1
     est = estimate(plan, config, arch, teacher_arch)
     print(format_estimate(est, plan, arch))
     return 0 if est.fits else 1

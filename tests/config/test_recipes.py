@@ -78,6 +78,40 @@ def test_recipe_plans_and_fits(path, capsys):
     assert "(unused)" not in out
 
 
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_each_recipe_finds_its_shipped_architecture_by_its_hub_id(path):
+    from megarl.bridge.hub import shipped_architecture
+
+    hub_id = load_and_validate(path).actor_rollout_ref.model.path
+    assert shipped_architecture(hub_id, str(path)) == MODELS[hub_id]
+
+
+def test_a_shipped_architecture_is_found_only_beside_the_experiment_file(tmp_path):
+    from megarl.bridge.hub import shipped_architecture
+
+    (tmp_path / "models/tiny-moe").mkdir(parents=True)
+    (tmp_path / "models/tiny-moe/config.json").write_text("{}")
+    (tmp_path / "models/no-config").mkdir()
+    assert shipped_architecture("Org/Tiny-MoE", str(tmp_path / "exp.yaml")) == tmp_path / "models/tiny-moe"
+    assert shipped_architecture("Org/No-Config", str(tmp_path / "exp.yaml")) is None
+    assert shipped_architecture("Org/Tiny-MoE", None) is None  # overrides only: no experiment file
+    assert shipped_architecture("Org/Tiny-MoE", str(tmp_path / "models/exp.yaml")) is None
+    assert shipped_architecture("/abs/path", str(tmp_path / "exp.yaml")) is None  # not a hub id
+
+
+def test_the_moe_recipe_plans_with_its_memory_estimate_without_the_hub(capsys, monkeypatch):
+    """Issue 45: `megarl plan --config configs/recipes/grpo_qwen3_30b_a3b.yaml` alone, the hub out of
+    reach (HF_HUB_OFFLINE=1): the estimate from configs/recipes/models/qwen3-30b-a3b (or the same
+    architecture from the HF cache, where a machine has it): 63.2 of 80 GiB, and the EP 8 actor's layout."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = RECIPES / "grpo_qwen3_30b_a3b.yaml"
+    assert megarl_main(["plan", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "memory estimate skipped" not in out
+    assert "peak per GPU: 63.17 GiB of 80.00 GiB (placement.gpu_memory_gib): fits" in out
+    assert "\nactor: TP 1 x CP 1 x PP 2 x DP 8 (experts: EP 8 x ETP 1 x expert-DP 1), " in out
+
+
 def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
     path = RECIPES / "grpo_2node.yaml"
     config = load_and_validate(path)

@@ -139,7 +139,7 @@ def test_verl_qwen3_moe_sglang_megatron_script_loads_every_override(tmp_path):
                         for role in ("actor", "ref")], r.stderr
     r = _run_verl_script(script, tmp_path, {**env, "NNODES": "4"})
     assert "config OK" in r.stdout, r.stderr
-    assert "actor: TP 4 x PP 2 x DP 4" in r.stdout
+    assert "actor: TP 4 x PP 2 x DP 4, EP 4\n" in r.stdout  # issue 45: the layout line shows EP
     assert "invalid config" not in r.stderr and "Traceback" not in r.stderr and r.returncode == 2
     assert f"data.train_files: file not found: {tmp_path}/data/dapo-math-17k.parquet" in r.stderr
     for key in ("model_engine", "actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn"):

@@ -1,5 +1,6 @@
 """`megarl plan`'s model of an MoE: total and active parameters of Qwen3-30B-A3B's real config.json
-against the model card (30.5 B total, 3.3 B activated), and experts split over EP x ETP ranks."""
+against the model card (30.5 B total, 3.3 B activated), experts split over EP x ETP ranks in
+training and over a rollout server's EP x MoE TP ranks."""
 import json
 from pathlib import Path
 
@@ -8,7 +9,14 @@ import pytest
 from megarl.bridge import arch_from_hf_config
 from megarl.config.schema import MegatronConfig
 from megarl.placement.colocation import OffloadParts
-from megarl.placement.memory import _train_role, active_params, stage_expert_params, stage_params, total_params
+from megarl.placement.memory import (
+    _train_role,
+    active_params,
+    server_gpu_params,
+    stage_expert_params,
+    stage_params,
+    total_params,
+)
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs/recipes/models/qwen3-30b-a3b/config.json"
 
@@ -34,3 +42,27 @@ def test_experts_are_split_over_expert_parallel_ranks(arch):
     params = dense / 2 + experts / 8
     optimizer = dense / 2 * 12 / 4 + experts / 8 * 12 / 1  # expert-DP = 2 x 4 / 8 = 1
     assert role.states == int(params * 2 + params * 4 + optimizer)
+
+
+def test_a_rollout_server_gpu_holds_whole_experts_at_ep_and_the_same_bytes(arch):
+    """SGLang 0.5.23, a server of TP 4: the dense part / 4; at EP e, 128 / e whole experts per layer
+    (fused_moe_triton/layer.py: num_local_experts = E / ep_size), each over MoE TP = 4 / e GPUs
+    (runtime_context.derive_parallel_widths). By hand from config.json: an expert is gate, up
+    [768, 2048] and down [2048, 768]. EP x MoE TP = TP, so a GPU's bytes do not change with EP."""
+    expert = 3 * 2048 * 768
+    dense = total_params(arch) - 48 * 128 * expert
+    for ep, whole in ((1, 128), (2, 64), (4, 32)):
+        assert server_gpu_params(arch, 4, ep) == dense / 4 + 48 * whole * expert / (4 // ep)
+        assert server_gpu_params(arch, 4, ep) == pytest.approx(total_params(arch) / 4, rel=1e-12)
+
+
+def test_the_plan_counts_a_server_gpus_weights_in_the_push_phase(arch):
+    """The recipe's colocated push phase holds each server GPU's resumed weights (bf16)."""
+    from megarl.config import load_and_validate
+    from megarl.placement import plan_from_config
+    from megarl.placement.memory import estimate
+
+    config = load_and_validate(CONFIG.parents[2] / "grpo_qwen3_30b_a3b.yaml", ["actor_rollout_ref.rollout.expert_parallel_size=4"])
+    est = estimate(plan_from_config(config), config, arch)
+    assert est.server_weights == int(server_gpu_params(arch, 4, 4) * 2)
+    assert 14.2 < est.server_weights / 2**30 < 14.3  # 30.5 B / 4 x 2 bytes

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -276,3 +277,83 @@ def test_megarl_plan_prints_the_weight_update_groups_per_server_rank(capsys):
     main(split[:5] + ["trainer.n_gpus_per_node=8", "data.train_batch_size=8",
                       "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
     assert "weight sync: no weight-update groups (the tensor transport)\n" in capsys.readouterr().out
+
+
+def test_the_layout_lines_show_expert_parallelism_over_the_same_gpus():
+    """Experts add no GPU: megatron lays EP x ETP over a stage's TP x CP x DP ranks, expert-DP =
+    TP x CP x DP / (EP x ETP) (parallel_state.py: world / (ETP x EP x PP)); SGLang lays a server's EP
+    ranks over its TP ranks, MoE TP = TP / EP. At EP 1 the lines are as they always were."""
+    roles = [RoleSpec("actor", "shared", "train", tp=2, pp=2, ep=4, etp=1),
+             RoleSpec("ref", "shared", "train", tp=2, pp=2, ep=2),
+             RoleSpec("rollout", "shared", "rollout", tp=4, ep=2)]
+    plan = plan_placement(ClusterSpec(2, 8), {"shared": 16}, roles)
+    actor, ref, roll = plan.roles["actor"], plan.roles["ref"], plan.roles["rollout"]
+    assert actor.world_size == ref.world_size == roll.world_size == 16
+    assert actor.layout() == "TP 2 x CP 1 x PP 2 x DP 4 (experts: EP 4 x ETP 1 x expert-DP 2)"  # 2 x 4 / 4
+    assert ref.layout() == "TP 2 x CP 1 x PP 2 x DP 4 (experts: EP 2 x ETP 2 x expert-DP 2)"  # ETP None: TP
+    assert roll.layout() == "4 server(s) of TP 4 (experts: EP 2 x MoE TP 2)"
+    plain = plan_placement(ClusterSpec(1, 8), {"shared": 8}, [train("actor", "shared", tp=2), rollout("shared", tp=2)])
+    assert [r.layout() for r in plain.roles.values()] == ["TP 2 x CP 1 x PP 1 x DP 4", "4 server(s) of TP 2"]
+    with pytest.raises(PlanError, match=r"rollout: rollout.ep=3 must divide rollout.tp=4 \(a server splits its experts "
+                                        r"over its own TP ranks\)"):
+        plan_placement(ClusterSpec(1, 8), {"shared": 8},
+                       [RoleSpec("rollout", "shared", "rollout", tp=4, ep=3, tp_key="rollout.tp", ep_key="rollout.ep")])
+
+
+def test_megarl_plan_prints_the_expert_layouts_of_an_moe_recipe(capsys):
+    """Issue 45: the Qwen3-30B-A3B recipe's EP 8 actor shows its EP; with rollout EP 4 the servers
+    show theirs, and the estimate says how a server GPU holds the experts."""
+    from megarl.cli import main
+
+    recipes = Path(__file__).resolve().parents[2] / "configs/recipes"
+    recipe = ["plan", "--config", str(recipes / "grpo_qwen3_30b_a3b.yaml"),
+              f"actor_rollout_ref.model.path={recipes / 'models/qwen3-30b-a3b'}"]
+    assert main(recipe + ["actor_rollout_ref.rollout.expert_parallel_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "\nactor: TP 1 x CP 1 x PP 2 x DP 8 (experts: EP 8 x ETP 1 x expert-DP 1), 1/3 of a GPU" in out
+    assert "\nrollout: 4 server(s) of TP 4 (experts: EP 4 x MoE TP 1), 1/3 of a GPU" in out
+    assert "experts per server GPU: 32 of 128 per layer, each whole (EP 4 x MoE TP 1 = TP 4)\n" in out
+    assert main(recipe) == 0
+    out = capsys.readouterr().out
+    assert "\nrollout: 4 server(s) of TP 4, 1/3 of a GPU" in out
+    assert "experts per server GPU: 128 of 128 per layer, each split over 4 GPUs (EP 1 x MoE TP 4 = TP 4)\n" in out
+
+
+def test_megarl_plan_refuses_a_rollout_ep_the_model_cannot_take(tmp_path, capsys):
+    """SGLang gives each EP rank num_experts / ep_size experts and asserts the division is exact
+    (fused_moe_triton/layer.py): 6 experts do not split over 4 EP ranks; a dense model has none."""
+    from megarl.cli import main
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({
+        **QWEN7B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 6,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 128, "norm_topk_prob": True}))
+    args = ["plan", "--trainer", "rl", "data.train_files=/x", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+    assert main(args + [f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.expert_parallel_size=2"]) == 0
+    assert "experts per server GPU: 3 of 6 per layer, each split over 2 GPUs" in capsys.readouterr().out
+    assert main(args + [f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.expert_parallel_size=4"]) == 1
+    assert ("memory estimate impossible: actor_rollout_ref.rollout.expert_parallel_size=4 must divide the model's 6 "
+            "routed experts per layer (SGLang gives each EP rank the same number of them)\n") in capsys.readouterr().out
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(QWEN7B))
+    assert main(args + [f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.rollout.expert_parallel_size=2"]) == 1
+    assert ("actor_rollout_ref.rollout.expert_parallel_size=2: the model is not a mixture of experts, so there are "
+            "no experts to split; set 1") in capsys.readouterr().out
+
+
+def test_a_dense_model_with_a_bad_layout_gets_only_the_dense_message():
+    """Issue 45: TP 3 on 8 GPUs is one mistake, named once; the expert layout message belongs to
+    roles whose experts lie apart from the dense layers (EP > 1, or ETP != TP)."""
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4")
+    message = str(info.value)
+    assert "actor_rollout_ref.actor.megatron: TP x PP x CP = 3 x 4 x 1 = 12 GPUs per model replica" in message
+    assert "ETP x EP x PP" not in message
+    with pytest.raises(ConfigError, match=r"ETP x EP x PP = 3 x 4 x 1 does not divide the 6 training GPUs"):
+        cfg("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4")

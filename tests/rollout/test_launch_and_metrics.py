@@ -71,6 +71,19 @@ def test_cpu_server_command_parses_back():
     assert args.host == "127.0.0.1"
 
 
+def test_the_cpu_server_takes_sglangs_ep_flag_at_1_only(capsys):
+    """The CPU engine serves a model in one process: it parses SGLang's `--ep-size` (and its alias)
+    as 1, and refuses any other size naming the flag, exiting as argparse does (status 2)."""
+    assert parse_args(cpu_server_command("/m", 31000)[3:]).ep_size == 1
+    assert parse_args(["--model-path", "/m", "--expert-parallel-size", "1"]).ep_size == 1
+    command = cpu_server_command("/m", 31000, ep_size=2)
+    assert command[-2:] == ["--ep-size", "2"]
+    with pytest.raises(SystemExit) as info:
+        parse_args(command[3:])
+    assert info.value.code == 2
+    assert "--ep-size 2: megarl's CPU engine serves a whole model in one process" in capsys.readouterr().err
+
+
 def test_router_command_has_its_own_prometheus_port():
     cmd = router_command(["http://a:1", "http://b:2"], 30000, prometheus_port=30001, disable_retries=True)
     assert cmd[1:3] == ["-m", "sglang_router.launch_router"]

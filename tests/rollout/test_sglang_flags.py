@@ -139,7 +139,7 @@ def flag_problems(command: list[str], flags: dict[str, str]) -> list[str]:
 
 def every_command() -> dict[str, list[str]]:
     """sglang_server_command on each of its code paths (and all together)."""
-    full = dict(host="10.0.0.1", tp_size=16, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
+    full = dict(host="10.0.0.1", tp_size=16, ep_size=8, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
                 return_routed_experts=True, multi_node=MultiNode(2, 1, "10.0.0.1:29500"),
                 lora=LoraServing(8, ("q_proj", "down_proj")))
@@ -173,6 +173,16 @@ def test_the_oracle_reads_sglangs_own_definitions(flags):
     assert "--radix-eviction-policy-explicitly-set" not in flags  # Arg(no_cli=True)
     assert flags["--enable-lora"] == SWITCH and flags["--max-lora-rank"] == VALUE
     assert flags["--lora-target-modules"] == VALUES  # Arg(nargs="*")
+    assert flags["--ep-size"] == flags["--expert-parallel-size"] == flags["--ep"] == VALUE  # fields/parallel.py
+
+
+def test_an_expert_parallel_server_gets_sglangs_ep_flag_and_the_default_none(flags):
+    """rollout.expert_parallel_size reaches SGLang as `--ep-size N` beside `--tp-size`; at 1 (SGLang's
+    own default, fields/parallel.py ep_size = 1) the command carries no EP flag."""
+    command = sglang_server_command("/m", 30000, tp_size=8, ep_size=4)
+    assert flag_problems(command, flags) == []
+    assert command[command.index("--ep-size") + 1] == "4" and command[command.index("--tp-size") + 1] == "8"
+    assert not {"--ep-size", "--expert-parallel-size", "--ep"} & set(sglang_server_command("/m", 30000, tp_size=8))
 
 
 @pytest.mark.parametrize("path", list(every_command()))

@@ -159,3 +159,25 @@ def test_a_transformer_override_that_megatron_core_does_not_know_is_named_before
     text = _problems(config)
     assert f"{key}.recompute_layers: not a field of megatron-core's TransformerConfig" in text
     assert "recompute_granularity" not in text and "recompute_method" not in text
+
+
+def test_a_rollout_ep_the_model_cannot_take_is_named_before_any_server_starts(tiny_assets, tmp_path):
+    """SGLang gives each EP rank num_experts / ep_size experts and asserts the division as the server
+    builds the model (fused_moe_triton/layer.py): 8 experts over EP 3 (TP 6) is named by --dry-run's
+    checks, as is EP 2 for a dense model; EP 2 of the 8 experts is not."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32)
+    sglang = [f"data.train_files={tiny_assets / 'data/train.parquet'}", "trainer.n_gpus_per_node=6",
+              "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=6"]
+    key = "actor_rollout_ref.rollout.expert_parallel_size"
+    three = _problems(load_and_validate(None, [*sglang, f"actor_rollout_ref.model.path={moe}", f"{key}=3"]))
+    assert f"{key}=3 must divide the model's 8 routed experts per layer" in three
+    dense = _problems(load_and_validate(None, [*sglang, f"actor_rollout_ref.model.path={tiny_assets / 'model'}",
+                                               f"{key}=2"]))
+    assert f"{key}=2: the model is not a mixture of experts, so there are no experts to split; set 1" in dense
+    from megarl.trainer.inputs import rollout_expert_split_problem
+
+    two = load_and_validate(None, [*sglang, f"actor_rollout_ref.model.path={moe}", f"{key}=2"])
+    assert rollout_expert_split_problem(two) is None

@@ -1,7 +1,8 @@
 """HF checkpoints named by a hub id ("Qwen/Qwen2.5-7B-Instruct"), fetched into the HF cache.
 
 `huggingface_hub` decides where the cache is (HF_HOME, HF_HUB_CACHE) and whether to go online
-(HF_HUB_OFFLINE=1: the cache only). A local directory is used as it is.
+(HF_HUB_OFFLINE=1: the cache only). A local directory is used as it is. For planning alone, an
+experiment may ship its model's architecture beside it (`shipped_architecture`).
 """
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def local_model_dir(path: str, key: str, allow_patterns: Optional[Sequence[str]]
     if not (out / "config.json").is_file():
         raise ConversionError(f"{key}={path!r}: the hub snapshot {out} has no config.json (not a transformers model)")
     return out
+
+
+def shipped_architecture(hub_id: str, experiment_file: Optional[str]) -> Optional[Path]:
+    """`models/<name>/` beside `experiment_file` when it holds a config.json for the hub id
+    `org/name` (`name` lower-cased), else None: configs/recipes/ ships there the architecture of
+    each model its recipes name, without weights (`Qwen/Qwen3-30B-A3B` -> `models/qwen3-30b-a3b/`),
+    so that `megarl plan` estimates memory without the hub."""
+    if experiment_file is None or not _HUB_ID.fullmatch(hub_id):
+        return None
+    shipped = Path(experiment_file).parent / "models" / hub_id.split("/")[1].lower()
+    return shipped if (shipped / "config.json").is_file() else None

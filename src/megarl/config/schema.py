@@ -321,6 +321,10 @@ class RolloutConfig:
     response_length: Optional[int] = None  # None: data.max_response_length
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     tensor_model_parallel_size: int = 1  # GPUs per rollout server
+    # verl's key, SGLang's --ep-size: the ranks each MoE layer's routed experts are split over inside one server.
+    # SGLang 0.5.23 lays them over the server's TP ranks (no GPU is added), so it divides tensor_model_parallel_size;
+    # 1: no split. The CPU engine serves a model in one process: 1 only.
+    expert_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory SGLang may take
     free_cache_engine: bool = True  # release KV cache while training (colocated)
     max_concurrent_requests: int = 256  # in-flight /generate requests per client

@@ -10,8 +10,10 @@ TRAIN_POOL, ROLLOUT_POOL, SHARED_POOL, TEACHER_POOL = "train", "rollout", "share
 
 def _train_role(name: str, pool: str, m: MegatronConfig, prefix: str) -> RoleSpec:
     return RoleSpec(name, pool, "train", tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                    cp=m.context_parallel_size, tp_key=f"{prefix}.megatron.tensor_model_parallel_size",
-                    pp_key=f"{prefix}.megatron.pipeline_model_parallel_size")
+                    cp=m.context_parallel_size, ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                    tp_key=f"{prefix}.megatron.tensor_model_parallel_size",
+                    pp_key=f"{prefix}.megatron.pipeline_model_parallel_size",
+                    ep_key=f"{prefix}.megatron.expert_model_parallel_size")
 
 
 def actor_role_spec(config: ExperimentConfig, pool: str) -> RoleSpec:
@@ -50,7 +52,9 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
         roles.append(_train_role("teacher", TEACHER_POOL if teacher_gpus else train_pool, d.teacher.megatron,
                                  "distillation.teacher"))
     roles.append(RoleSpec("rollout", rollout_pool, "rollout", tp=arr.rollout.tensor_model_parallel_size,
-                          tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size"))
+                          ep=arr.rollout.expert_parallel_size,
+                          tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size",
+                          ep_key="actor_rollout_ref.rollout.expert_parallel_size"))
     return pools, roles
 
 

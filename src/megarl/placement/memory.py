@@ -27,15 +27,16 @@ Adam states are those of the adapters (`lora_params`; the critic's also of its [
 whose activations are not counted apart (rank << hidden).
 A reference model holds parameters and logits only, and so does an on-policy-distillation teacher
 (its own architecture and layout, `distillation.teacher`; on a pool of its own, phase `teacher_pool`).
-A rollout server reserves
-`gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV cache).
+A rollout server reserves `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV
+cache); of its weights a GPU holds (`server_gpu_params`) the dense part / rollout TP and, of an MoE,
+E / EP whole experts per layer, each split over MoE TP = TP / EP ranks (`rollout.expert_parallel_size`).
 Colocated, the peak is the largest of three phases (`colocation.COLOCATED_ORDER`, the order the
 trainer executes):
   training   all training states + the largest activations (+ the rollout pool if the servers
              keep it: `rollout.free_cache_engine` false)
   push       the training states left on the GPU once the planned roles offloaded all but the
              actor's parameters (the push reads those) + the servers' weights, resumed
-             (total parameters / rollout TP x rollout dtype bytes) + the push's own buffers: one
+             (`server_gpu_params` x rollout dtype bytes) + the push's own buffers: one
              bucket and its copy for the server (`update_weights_bucket_megabytes` each) and the
              largest tensor gathered whole (the vocabulary matrix); the KV cache is still released
              (the servers keep their whole pool when they do not release it)
@@ -79,6 +80,18 @@ def dense_layer_params(arch: ModelArch) -> int:
 def layer_params(arch: ModelArch) -> int:
     """Parameters of one decoder layer (all experts of an MoE layer)."""
     return dense_layer_params(arch) + expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
+
+
+def server_gpu_params(arch: ModelArch, tp: int, ep: int) -> float:
+    """Parameters one GPU of a rollout server of `tp` GPUs and expert parallel size `ep` holds
+    (SGLang 0.5.23): the dense part (attention, embeddings, norms, router, shared expert) over its TP
+    ranks; the routed experts of a layer over its EP ranks, E / EP whole experts each
+    (`layers/moe/fused_moe_triton/layer.py`: num_local_experts = E / ep_size), each expert's width
+    over the MoE TP = TP / EP ranks (`runtime_context.derive_parallel_widths`). Their product is TP,
+    so EP changes how a GPU's experts are cut (fewer experts, wider slices), not how much it holds."""
+    experts = arch.moe.num_experts if arch.moe else 0
+    dense = total_params(arch) - arch.num_layers * expert_layer_params(arch, experts)
+    return dense / tp + arch.num_layers * expert_layer_params(arch, experts // ep) / (tp // ep)
 
 
 def active_params(arch: ModelArch) -> int:
@@ -168,6 +181,7 @@ class GpuEstimate:
     peak: int
     gpu_memory: int
     phases: dict[str, int] = field(default_factory=dict)  # {"training", "push", "rollout": peak bytes per GPU}
+    server_weights: int = 0  # one rollout server GPU's weights (`server_gpu_params`), inside `rollout_reserved`
 
     @property
     def fits(self) -> bool:
@@ -276,6 +290,7 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
     kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
     kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]
+    server_weights = server_gpu_params(arch, rollout.tp, rollout.ep) * DTYPE_BYTES[arr.rollout.dtype]
     if placement.mode == "split":
         phases = {"training": train_phase, "rollout": reserved}
     else:
@@ -284,7 +299,6 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
             train_phase += reserved
         offloaded = sum(r.offloadable for r in roles)
         actor_params = next((r.offloadable_params for r in roles if r.role == "actor"), 0)
-        server_weights = total_params(arch) * DTYPE_BYTES[arr.rollout.dtype] / rollout.tp
         push_buffers = 2 * arr.rollout.update_weights_bucket_megabytes * 2**20 + arch.vocab_size * arch.hidden_size * \
             DTYPE_BYTES[arr.rollout.dtype]
         push_phase = (states - offloaded + actor_params + server_weights if releases else states + reserved) + push_buffers
@@ -293,7 +307,7 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
         phases["teacher_pool"] = own_teacher.states + own_teacher.activations
         roles.append(own_teacher)  # listed; its GPUs are its own
     phases = {name: int(b) for name, b in phases.items()}
-    return GpuEstimate(roles, reserved, int(kv_needed), max(phases.values()), gpu_memory, phases)
+    return GpuEstimate(roles, reserved, int(kv_needed), max(phases.values()), gpu_memory, phases, int(server_weights))
 
 
 def _count(n: int) -> str:
@@ -317,8 +331,14 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
             lines.append(f"  {'':<13} LoRA: {r.trainable / 1e6:.1f} M trainable parameters per GPU; the frozen base "
                          "holds no gradients or optimizer state")
     if "rollout" in plan.roles:
+        server = plan.roles["rollout"]
         lines.append(f"  {'rollout':<13} reserved {gib(est.rollout_reserved):>10}  (SGLang's static pool: weights "
-                     "and KV cache)")
+                     f"{gib(est.server_weights)} per GPU and KV cache)")
+        if arch.moe:
+            moe_tp = server.tp // server.ep
+            cut = "whole" if moe_tp == 1 else f"split over {moe_tp} GPUs"
+            lines.append(f"  {'':<13} experts per server GPU: {arch.moe.num_experts // server.ep} of "
+                         f"{arch.moe.num_experts} per layer, each {cut} (EP {server.ep} x MoE TP {moe_tp} = TP {server.tp})")
         lines.append(f"  a whole step's responses at once would need {gib(est.kv_cache_needed_per_server)} of KV cache "
                      f"per GPU of a TP {plan.roles['rollout'].tp} server; SGLang runs what its pool holds and queues the "
                      "rest (slower, not a failure; not part of the verdict)")

@@ -6,6 +6,8 @@ parallel sizes TP x CP x PP x DP sits on the pool's r-th GPU, in megatron-core's
 order (TP fastest, then CP, then DP, then PP), so a TP group is a run of consecutive GPUs and
 must not cross a node boundary. A rollout server's TP group is a run of consecutive GPUs too:
 inside one node, or (real SGLang, `--nnodes`) whole nodes, one server process per node.
+Expert parallelism adds no GPU: megatron lays a training role's EP x ETP ranks over its
+TP x CP x DP ranks of each stage, SGLang a server's EP ranks over its TP ranks.
 
 Plans are plain data (dataclasses); nothing here talks to Ray.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megarl.config import ConfigError
 
@@ -34,7 +37,9 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class RoleSpec:
     """One role's shape. Training roles use tp/pp/cp and fill their pool with data parallelism;
-    a rollout role runs pool_gpus / tp servers of `tp` GPUs each."""
+    a rollout role runs pool_gpus / tp servers of `tp` GPUs each. `ep`: the ranks an MoE layer's
+    experts are split over (a training role's `etp`, expert TP, None: its TP; a server's MoE TP is
+    tp / ep)."""
 
     name: str
     pool: str
@@ -42,8 +47,11 @@ class RoleSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
     tp_key: str = ""  # config key to name in errors
     pp_key: str = ""
+    ep_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,26 @@ class RolePlacement:
     dp: int  # training: data-parallel size; rollout: number of servers
     devices: list[Device]  # one per rank (training) or per server GPU (rollout), in rank order
     gpu_fraction: float  # of one GPU, for the Ray actor of one rank (1 / roles sharing the GPU)
+    ep: int = 1  # expert parallel size (RoleSpec.ep)
+    etp: int = 1  # training: expert tensor parallel size
 
     @property
     def world_size(self) -> int:
         return len(self.devices)
+
+    def layout(self) -> str:
+        """'TP 1 x CP 1 x PP 2 x DP 8' (training) or '4 server(s) of TP 4' (rollout), with the experts'
+        layout over the same GPUs where EP > 1: megatron's EP x ETP x expert-DP, expert-DP = TP x CP x DP /
+        (EP x ETP) (megatron-core parallel_state.py: world / (ETP x EP x PP)), or SGLang's EP x MoE TP,
+        MoE TP = TP / EP (0.5.23 runtime_context.derive_parallel_widths)."""
+        if self.kind == "rollout":
+            experts = f" (experts: EP {self.ep} x MoE TP {self.tp // self.ep})" if self.ep > 1 else ""
+            return f"{self.dp} server(s) of TP {self.tp}{experts}"
+        shape = f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
+        if self.ep > 1:
+            expert_dp = self.tp * self.cp * self.dp // (self.ep * self.etp)
+            shape += f" (experts: EP {self.ep} x ETP {self.etp} x expert-DP {expert_dp})"
+        return shape
 
     def server_devices(self, server: int) -> list[Device]:
         """Rollout only: the GPUs of server `server`."""
@@ -193,7 +217,11 @@ def plan_placement(cluster: ClusterSpec, pool_sizes: dict[str, int], roles: list
                 _check_servers_span_whole_nodes(devices, role, cluster)
             else:
                 _check_groups_within_nodes(devices, role.tp, f"{role.name} server", role.tp_key, cluster)
+            if role.ep < 1 or role.tp % role.ep:
+                raise PlanError(f"{role.name}: {role.ep_key}={role.ep} must divide {role.tp_key}={role.tp} (a server "
+                                "splits its experts over its own TP ranks)")
             dp = size // role.tp
+            etp = 1
         else:
             replica = role.tp * role.cp * role.pp
             if replica > size:
@@ -208,9 +236,10 @@ def plan_placement(cluster: ClusterSpec, pool_sizes: dict[str, int], roles: list
                 )
             _check_groups_within_nodes(devices, role.tp, f"{role.name} TP group", role.tp_key, cluster)
             dp = size // replica
+            etp = role.tp if role.etp is None else role.etp
         fraction = 1.0 / max(sharing[d] for d in devices)
         placed[role.name] = RolePlacement(role.name, role.pool, role.kind, role.tp, role.pp, role.cp, dp,
-                                          list(devices), fraction)
+                                          list(devices), fraction, role.ep, etp)
     return Plan(cluster, pools, placed)
 
 

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 import megarl
 from megarl.rollout.cpu_engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
+from megarl.rollout.launch import EP_FLAG
 from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
@@ -488,7 +489,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora-target-modules", nargs="*", default=[], help="PEFT names, or all")
     p.add_argument("--log-level", default="warning")
     p.add_argument(SERVER_FLAG, action="store_true", help="record routed experts (MoE; SGLang's flag)")
-    return p.parse_args(argv)
+    p.add_argument(EP_FLAG, "--expert-parallel-size", type=int, default=1, dest="ep_size",
+                   help="SGLang's expert parallel size: 1 only (one process serves the whole model)")
+    args = p.parse_args(argv)
+    if args.ep_size != 1:
+        p.error(f"{EP_FLAG} {args.ep_size}: megarl's CPU engine serves a whole model in one process and splits no "
+                "experts, so it takes 1 only")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:

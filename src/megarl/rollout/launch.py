@@ -1,4 +1,5 @@
-"""Command lines (and environments) that start rollout servers and the router. Pure functions.
+"""Command lines (and environments) that start rollout servers and the router, and what a server
+would refuse at start that a model's config shows beforehand. Pure functions.
 
 * megarl's CPU engine: `python -m megarl.rollout.cpu_server ...`
 * real SGLang (GPU, the `[gpu]` extra, 0.5.23): `python -m sglang.launch_server ...`
@@ -45,6 +46,25 @@ def server_startup_timeout_s(engine: str, configured: Optional[float]) -> float:
 
 # SGLang 0.5.23 `srt/arg_groups/fields/exec_.py`: enable_return_routed_experts (routing replay)
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+# SGLang 0.5.23 `srt/arg_groups/fields/parallel.py`: ep_size (aliases --expert-parallel-size, --ep)
+EP_FLAG = "--ep-size"
+
+
+def expert_split_problem(num_experts: Optional[int], ep_size: int) -> Optional[str]:
+    """Why a server of expert parallel size `ep_size` (`actor_rollout_ref.rollout.expert_parallel_size`)
+    cannot serve a model of `num_experts` routed experts per layer (None: a dense model), or None.
+    SGLang 0.5.23 `layers/moe/fused_moe_triton/layer.py` gives each EP rank num_experts / ep_size
+    experts and asserts the division is exact as the server builds the model; a dense model has
+    nothing to split."""
+    if ep_size == 1:
+        return None
+    key = f"actor_rollout_ref.rollout.expert_parallel_size={ep_size}"
+    if num_experts is None:
+        return f"{key}: the model is not a mixture of experts, so there are no experts to split; set 1"
+    if num_experts % ep_size:
+        return (f"{key} must divide the model's {num_experts} routed experts per layer (SGLang gives each EP rank "
+                "the same number of them)")
+    return None
 
 
 def cpu_server_command(
@@ -60,9 +80,12 @@ def cpu_server_command(
     num_threads: Optional[int] = None,
     lora: Optional[LoraServing] = None,
     return_routed_experts: bool = False,
+    ep_size: int = 1,
     python: str = sys.executable,
 ) -> list[str]:
-    """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`)."""
+    """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`).
+    `ep_size` other than 1 is passed as SGLang's `--ep-size`, which the CPU server refuses: it serves a
+    whole model in one process (a config rule says so first)."""
     cmd = [python, "-m", "megarl.rollout.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--dtype", dtype, "--max-running-requests", str(max_running_requests), "--random-seed", str(random_seed)]
     if api_key:
@@ -75,6 +98,8 @@ def cpu_server_command(
         cmd += lora.flags()
     if return_routed_experts:
         cmd += [ROUTED_EXPERTS_FLAG]
+    if ep_size != 1:
+        cmd += [EP_FLAG, str(ep_size)]
     return cmd
 
 
@@ -116,6 +141,7 @@ def sglang_server_command(
     *,
     host: str = "127.0.0.1",
     tp_size: int = 1,
+    ep_size: int = 1,
     base_gpu_id: int = 0,
     mem_fraction_static: Optional[float] = None,
     enable_memory_saver: bool = False,
@@ -133,14 +159,17 @@ def sglang_server_command(
     """`enable_memory_saver` when colocated with training (release/resume memory between phases);
     `base_gpu_id` is the first of this node's GPUs the server takes, an index into the server
     process's CUDA_VISIBLE_DEVICES (`megarl.config.devices.visible_gpu_index`); `tp_size` is the server's whole TP size, over
-    all its nodes with `multi_node`. `deterministic`: SGLang's `--enable-deterministic-inference`,
-    the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
+    all its nodes with `multi_node`; `ep_size` its expert parallel size, laid over those TP ranks (it
+    divides `tp_size`: the config rule `rollout_expert_parallel_fits_server` cites SGLang's check).
+    `deterministic`: SGLang's `--enable-deterministic-inference`, the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
     (`--enable-return-routed-experts`, fields/exec_.py). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
     the wheel."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--dtype", dtype, "--skip-server-warmup"]
+    if ep_size != 1:
+        cmd += [EP_FLAG, str(ep_size)]
     if multi_node is not None:  # fields/parallel.py: nnodes, node_rank, dist_init_addr
         cmd += ["--nnodes", str(multi_node.nnodes), "--node-rank", str(multi_node.node_rank),
                 "--dist-init-addr", multi_node.dist_init_addr]

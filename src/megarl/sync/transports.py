@@ -75,8 +75,18 @@ def route_address(url: str) -> str:
         return s.getsockname()[0]
 
 
+# An expert-parallel SGLang server (`--ep-size`, actor_rollout_ref.rollout.expert_parallel_size) has no
+# ranks beyond its TP ranks: SGLang 0.5.23 lays EP over them (runtime_context.derive_spawn_ranks), and each
+# TP rank joins a weight-update group at rank_offset + tp_rank (weight_updater.init_weights_update_group).
+# Every rank receives every HF tensor of a push whole, under its global expert name
+# (`mlp.experts.<e>.gate_proj.weight`), and keeps its own experts as when it loads the checkpoint at start:
+# update_weights_from_distributed / _from_tensor call the model's `load_weights` (models/qwen3_moe.py,
+# qwen2_moe.py, mixtral.py), which maps an expert name through FusedMoE.make_expert_params_mapping to
+# FusedMoE.weight_loader, where `_map_global_expert_id_to_local_expert_id` (layers/moe/fused_moe_triton/
+# layer.py) gives -1, and the tensor is skipped, for an expert of another EP rank. So the push is the same
+# at every server EP (tests/rollout/test_sglang_expert_parallel.py runs that code of the wheel on the names).
 def server_tp_sizes(servers: Sequence[SyncServer]) -> list[int]:
-    """Each server's TP size (its ranks in a weight-update group), from `/server_info`."""
+    """Each server's TP size (its ranks in a weight-update group, EP ranks among them), from `/server_info`."""
     return [int(info.get("tp_size", 1)) for info in on_all(servers, lambda s: s.server_info())]
 
 

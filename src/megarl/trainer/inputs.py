@@ -142,6 +142,23 @@ def moe_tensor_parallel_problem(config: ExperimentConfig) -> Optional[str]:
             "use tensor_model_parallel_size=1 with pipeline and expert parallelism (expert_model_parallel_size)")
 
 
+def rollout_expert_split_problem(config: ExperimentConfig) -> Optional[str]:
+    """A rollout expert parallel size the model cannot take: a dense model, or experts that do not
+    split evenly over the EP ranks (`megarl.rollout.launch.expert_split_problem`, SGLang's rule), found
+    before any server starts. Call with the config `model_inputs` resolved (a local model directory)."""
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.rollout.launch import expert_split_problem
+
+    arr = config.actor_rollout_ref
+    if arr.rollout.expert_parallel_size == 1:
+        return None
+    try:
+        moe = arch_from_hf_config(load_hf_config(arr.model.path)).moe
+    except (ConversionError, OSError):
+        return None  # model_inputs names the problem
+    return expert_split_problem(moe.num_experts if moe else None, arr.rollout.expert_parallel_size)
+
+
 def transformer_override_problems(config: ExperimentConfig) -> list[str]:
     """Each training role's `megatron.override_transformer_config` names that are no field of the
     installed megatron-core's TransformerConfig, found before any worker starts (the engine checks

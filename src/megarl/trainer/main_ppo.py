@@ -22,18 +22,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _ep(size: int) -> str:
+    """', EP 8' where the experts are split (expert parallel size > 1), else ''."""
+    return f", EP {size}" if size > 1 else ""
+
+
 def describe(config) -> str:
     """One paragraph a user can check before a job waits in a queue."""
     plan = batch_plan(config)
     a, arr = config.algorithm, config.actor_rollout_ref
+    rollout, m = arr.rollout, arr.actor.megatron
     return (
         f"experiment {config.trainer.project_name}/{config.trainer.experiment_name}: "
         f"{a.adv_estimator} on {arr.model.path}\n"
         f"  GPUs: {config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node} = {plan.total_gpus} "
         f"({config.placement.mode}: {plan.train_gpus} training, {plan.rollout_gpus} rollout in "
-        f"{plan.rollout_servers} server(s) of TP {arr.rollout.tensor_model_parallel_size})\n"
-        f"  actor: TP {arr.actor.megatron.tensor_model_parallel_size} x PP {arr.actor.megatron.pipeline_model_parallel_size}"
-        f" x DP {plan.actor_dp}\n"
+        f"{plan.rollout_servers} server(s) of TP {rollout.tensor_model_parallel_size}{_ep(rollout.expert_parallel_size)})\n"
+        f"  actor: TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size}"
+        f" x DP {plan.actor_dp}{_ep(m.expert_model_parallel_size)}\n"
         f"  step: {config.data.train_batch_size} prompts x n={arr.rollout.n} = {plan.responses_per_step} responses; "
         f"{plan.actor_mini_batches_per_epoch} mini-batch(es) per epoch, "
         f"{plan.actor_responses_per_mini_batch_per_rank} responses per DP rank per mini-batch"

@@ -17,6 +17,7 @@ from megarl.trainer.inputs import (
     gpu_count_problem,
     model_inputs,
     moe_tensor_parallel_problem,
+    rollout_expert_split_problem,
     schedule_problems,
     transformer_override_problems,
 )
@@ -39,6 +40,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     if not model_problems:
         problems += [p for p in [moe_tensor_parallel_problem(config)] if p]
     if kind == "rl" and not model_problems:
+        problems += [p for p in [rollout_expert_split_problem(config)] if p]
         try:
             routed_experts_layout(config)
         except ConfigError as problem:

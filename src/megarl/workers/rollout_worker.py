@@ -80,14 +80,16 @@ class RolloutWorker(RankedWorker):
                                              context_length=context, max_running_requests=r.max_concurrent_requests,
                                              random_seed=self.config.trainer.seed + server, num_threads=1,
                                              lora=lora_serving(self.config),
-                                             return_routed_experts=replays_routes(self.config))
+                                             return_routed_experts=replays_routes(self.config),
+                                             ep_size=r.expert_parallel_size)
                 env = dict(os.environ)
             else:
                 # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
                 # raylet's GPUs, and --base-gpu-id indexes them
                 base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
                 command = sglang_server_command(
-                    model_path, port, host=host, tp_size=r.tensor_model_parallel_size, base_gpu_id=base_gpu,
+                    model_path, port, host=host, tp_size=r.tensor_model_parallel_size,
+                    ep_size=r.expert_parallel_size, base_gpu_id=base_gpu,
                     mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
                     api_key=self.api_key, dtype=r.dtype, context_length=context,
                     random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),

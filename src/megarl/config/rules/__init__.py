@@ -27,7 +27,11 @@ from megarl.config.rules.choices import (
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.devices import weight_sync_transport_fits_devices
 from megarl.config.rules.distillation import distillation_settings, distillation_teacher_fits
-from megarl.config.rules.experts import expert_parallel_fits_role, grouped_gemm_can_run
+from megarl.config.rules.experts import (
+    expert_parallel_fits_role,
+    grouped_gemm_can_run,
+    rollout_expert_parallel_fits_server,
+)
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -92,6 +96,7 @@ RULES: list[Rule] = [
     parallel_sizes_fit_training_gpus,
     distillation_teacher_fits,
     expert_parallel_fits_role,
+    rollout_expert_parallel_fits_server,
     grouped_gemm_can_run,
     transformer_overrides_fit,
     router_replay_fits,

@@ -59,6 +59,11 @@ def data_parallel_size(m: MegatronConfig, train_gpus: int, gpus_per_node: int) -
     return 0 if train_gpus % replica else train_gpus // replica
 
 
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of `n` that is <= `limit` (a size to suggest)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
 def positive(path: str, value, allow_minus_one: bool = False) -> Iterator[str]:
     """A message unless `value` is a positive integer (or -1 where allowed); None is not checked."""
     if value is None:

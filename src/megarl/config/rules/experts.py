@@ -1,12 +1,12 @@
 """Rules for mixture-of-experts roles: parallel sizes (expert parallel EP, expert tensor parallel
-ETP) and the expert module (`moe_grouped_gemm`)."""
+ETP) of the training roles and of the rollout servers, and the expert module (`moe_grouped_gemm`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from megarl.config.errors import ConfigError
 from megarl.config.expert_mlp import expert_mlp
-from megarl.config.rules.common import DerivedSizes, positive
+from megarl.config.rules.common import DerivedSizes, largest_divisor_at_most, positive
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
 
@@ -27,7 +27,9 @@ def _expert_problems(prefix: str, m: MegatronConfig, train_gpus: int) -> Iterato
         yield (f"{prefix}.expert_tensor_parallel_size={etp} differs from {prefix}.tensor_model_parallel_size={tp} "
                f"with {prefix}.expert_model_parallel_size=1, which megatron-core trains wrongly; set "
                "expert_tensor_parallel_size to null or expert_model_parallel_size > 1")
-    if train_gpus and train_gpus % (etp * ep * pp):
+    # with EP 1 and ETP = TP the experts lie as the dense layers do, and parallel_sizes_fit_training_gpus
+    # already names a layout that does not divide the GPUs (a dense model's case): no second message
+    if train_gpus and (ep, etp) != (1, tp) and train_gpus % (etp * ep * pp):
         yield (f"{prefix}: ETP x EP x PP = {etp} x {ep} x {pp} does not divide the {train_gpus} training GPUs "
                f"(megatron places the experts of each pipeline stage over ETP x EP ranks)")
 
@@ -62,6 +64,32 @@ def expert_parallel_fits_role(config: ExperimentConfig, sizes: DerivedSizes) -> 
     """
     for section, megatron in training_roles(config):
         yield from _expert_problems(f"{section}.megatron", megatron, sizes.train_gpus)
+
+
+def rollout_expert_parallel_fits_server(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A rollout server's expert parallel size (SGLang's `--ep-size`) splits the experts over the
+    server's own GPUs: SGLang lays its EP ranks over its TP ranks, so EP divides the server's TP
+    size; megarl's CPU engine serves a whole model in one process and takes EP 1 only.
+
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.expert_parallel_size,
+    actor_rollout_ref.rollout.tensor_model_parallel_size
+    """
+    r = config.actor_rollout_ref.rollout
+    ep, tp = r.expert_parallel_size, r.tensor_model_parallel_size
+    if ep <= 0 or tp <= 0 or ep == 1:
+        return  # positive_counts names a size <= 0
+    key = f"actor_rollout_ref.rollout.expert_parallel_size={ep}"
+    if r.name == "cpu":
+        yield (f"{key}: megarl's CPU engine (actor_rollout_ref.rollout.name=cpu) serves a whole model in one process "
+               "and splits no experts, so it takes 1 only; SGLang (rollout.name=sglang) splits them")
+    elif tp % ep:
+        # SGLang 0.5.23 runtime_context.py: derive_parallel_widths sets moe_tp_size = tp_size // ep_size //
+        # moe_dp_size and _validate_parallel refuses tp_size != moe_ep_size x moe_dp_size x moe_tp_size
+        # (megarl leaves moe_dp_size at 1): EP ranks are TP ranks, so ep_size must divide tp_size
+        yield (f"{key} must divide actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: SGLang splits a server's "
+               f"experts over its own {tp} GPU(s), its TP ranks (tp_size = ep_size x MoE TP size), so try "
+               f"expert_parallel_size={largest_divisor_at_most(tp, ep)}" + (
+                   f" or tensor_model_parallel_size={ep}" if ep > tp else ""))
 
 
 def grouped_gemm_can_run(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from megarl.config.rules.common import DerivedSizes, model_parallel_size, positive
+from megarl.config.rules.common import DerivedSizes, largest_divisor_at_most, model_parallel_size, positive
 from megarl.config.schema import ExperimentConfig, MegatronConfig
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def layout_problems(prefix: str, m: MegatronConfig, train_gpus: int, gpus_per_node: int) -> Iterator[str]:
@@ -29,7 +25,7 @@ def layout_problems(prefix: str, m: MegatronConfig, train_gpus: int, gpus_per_no
     if gpus_per_node % tp:
         yield (
             f"{prefix}.tensor_model_parallel_size={tp}: a TP group must stay inside one node, so it must divide "
-            f"trainer.n_gpus_per_node={gpus_per_node} (try {_largest_divisor_at_most(gpus_per_node, tp)})"
+            f"trainer.n_gpus_per_node={gpus_per_node} (try {largest_divisor_at_most(gpus_per_node, tp)})"
         )
         return
     mp = model_parallel_size(m)
@@ -123,7 +119,7 @@ def rollout_servers_fit_nodes(config: ExperimentConfig, sizes: DerivedSizes) -> 
     elif rtp <= gpus_per_node and gpus_per_node % rtp:
         yield (
             f"{key}: a rollout server within a node must divide trainer.n_gpus_per_node={gpus_per_node} "
-            f"(try {_largest_divisor_at_most(gpus_per_node, rtp)}), or span whole nodes as a multiple of it"
+            f"(try {largest_divisor_at_most(gpus_per_node, rtp)}), or span whole nodes as a multiple of it"
         )
     elif pool and pool % rtp:
         yield f"{key} GPUs per server must divide the {pool} rollout GPUs"

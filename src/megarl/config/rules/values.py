@@ -30,7 +30,8 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, actor_rollout_ref.actor.ppo_epochs,
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu, actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu,
     actor_rollout_ref.rollout.n,
-    actor_rollout_ref.rollout.tensor_model_parallel_size, actor_rollout_ref.rollout.max_concurrent_requests,
+    actor_rollout_ref.rollout.tensor_model_parallel_size, actor_rollout_ref.rollout.expert_parallel_size,
+    actor_rollout_ref.rollout.max_concurrent_requests,
     actor_rollout_ref.rollout.update_weights_bucket_megabytes, trainer.nnodes, trainer.n_gpus_per_node,
     trainer.total_epochs, trainer.total_training_steps, trainer.test_freq, trainer.save_freq
     """
@@ -50,6 +51,7 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
         ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu),
         ("actor_rollout_ref.rollout.n", rollout.n),
         ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size),
+        ("actor_rollout_ref.rollout.expert_parallel_size", rollout.expert_parallel_size),
         ("actor_rollout_ref.rollout.max_concurrent_requests", rollout.max_concurrent_requests),
         ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", rollout.update_weights_bucket_megabytes),
         ("trainer.nnodes", t.nnodes),
