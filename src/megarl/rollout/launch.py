@@ -1,6 +1,6 @@
 """Command lines (and environments) that start rollout servers and the router. Pure functions.
 
-* megarl's CPU engine: `python -m megarl.rollout.cpu_server ...`
+* megarl's CPU engine: `python -m megarl.rollout.cpu.server ...`
 * real SGLang (GPU, the `[gpu]` extra, 0.5.23): `python -m sglang.launch_server ...`
 * the router (PyPI `sglang-router`, a Rust binary in a Python wheel; runs on CPU):
   `python -m sglang_router.launch_router --worker-urls ...`
@@ -63,7 +63,7 @@ def cpu_server_command(
     python: str = sys.executable,
 ) -> list[str]:
     """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`)."""
-    cmd = [python, "-m", "megarl.rollout.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    cmd = [python, "-m", "megarl.rollout.cpu.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--dtype", dtype, "--max-running-requests", str(max_running_requests), "--random-seed", str(random_seed)]
     if api_key:
         cmd += ["--api-key", api_key]
