@@ -1,8 +1,11 @@
 """The packages of src/megarl import only downwards, as docs/architecture.md ("Layers") lays them
 out: every `megarl.X` import of every module (inside functions too) is checked against the layers
-below. tools/ sits above them all: a tool may import any package of megarl and other tools, and
+below. No module imports itself through others (no import cycle between modules, within a package
+too). The CPU stand-ins (`rollout.cpu`, `engines.megatron.cpu`) are entered only where stated.
+tools/ sits above them all: a tool may import any package of megarl and other tools, and
 nothing in src/ or tests/ imports a tool (tests run tools as scripts)."""
 import ast
+import graphlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +22,9 @@ SRC = ROOT / "src" / "megarl"
 #   config    the floor: every package reads the config, and it imports nothing of megarl
 #   net       free ports, for every package that opens one
 #   megarl    the package's own __init__ (`megarl.__version__`)
+#   testing   the harness of gloo worlds for tests and benchmarks, on top: nothing in src imports it
 LAYERS = [
-    {"cli", "demo"},
+    {"cli", "demo", "testing"},
     {"trainer", "launch"},
     {"workers", "agents"},
     {"engines", "sync", "placement", "data"},
@@ -132,6 +136,115 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
         "megarl/rollout/client.py:6 imports megarl.workers: workers is above rollout",
         "megarl/rollout/client.py:9 imports megarl.bridge: bridge is in rollout's own layer",
     ]
+
+
+# ---------------------------------------------------------------------------------------- cycles
+def module_name(path: Path, src: Path) -> str:
+    """The dotted name of a module under `src` (a package's `__init__.py` is the package)."""
+    parts = [src.name, *path.relative_to(src).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """{module: the megarl modules it imports}, from every import (inside functions too, relative
+    ones resolved); `from megarl.a import b` imports the module `megarl.a.b` where there is one,
+    else `megarl.a`."""
+    paths = {module_name(path, src): path for path in sorted(src.rglob("*.py"))}
+    graph = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + (node.module.split(".") if node.module else []))
+                found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module for a in node.names}
+        graph[name] = (found & paths.keys()) - {name}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of imports, its first module repeated at its end ([] when there is none)."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return list(reversed(error.args[1]))  # graphlib lists it against the import direction
+    return []
+
+
+def test_no_module_imports_itself_through_others():
+    cycle = import_cycle(module_graph())
+    assert not cycle, "modules that import each other: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_imports_inside_functions_and_of_submodules(tmp_path):
+    fake = tmp_path / "megarl"
+    (fake / "bridge").mkdir(parents=True)
+    (fake / "bridge" / "__init__.py").write_text("from megarl.bridge.errors import ConversionError\n")
+    (fake / "bridge" / "errors.py").write_text("class ConversionError(Exception): pass\n")
+    (fake / "bridge" / "convert.py").write_text("from megarl.bridge import errors, lora\n")
+    (fake / "bridge" / "lora.py").write_text("def write():\n    from .convert import atomic_output_dir\n")
+    assert module_graph(fake) == {
+        "megarl.bridge": {"megarl.bridge.errors"},
+        "megarl.bridge.errors": set(),
+        "megarl.bridge.convert": {"megarl.bridge.errors", "megarl.bridge.lora"},
+        "megarl.bridge.lora": {"megarl.bridge.convert"},
+    }
+    assert import_cycle(module_graph(fake)) in (
+        ["megarl.bridge.convert", "megarl.bridge.lora", "megarl.bridge.convert"],
+        ["megarl.bridge.lora", "megarl.bridge.convert", "megarl.bridge.lora"],
+    )
+    (fake / "bridge" / "lora.py").write_text("from megarl.bridge.errors import ConversionError\n")
+    assert import_cycle(module_graph(fake)) == []
+
+
+# ------------------------------------------------------------------------------------ stand-ins
+# The CPU stand-ins, each a subpackage of the part it stands in for, and the only modules outside it
+# that import it (docs/architecture.md, "Layers"). A GPU run never executes them.
+STAND_INS = {
+    # megarl's CPU engine, the stand-in for an SGLang server: started as a command
+    # (`rollout.launch.cpu_server_command`), never imported by the product.
+    "megarl.rollout.cpu": set(),
+    # megatron-core's shims for a CPU-only torch over gloo.
+    "megarl.engines.megatron.cpu": {
+        "megarl.engines.megatron.parallel",  # applies them when CUDA is absent (`init_role_parallel_state`)
+        "megarl.engines.megatron.model",  # names the installed megatron-core in an error (`megatron_core_version`)
+        "megarl.launch.doctor",  # reports the releases the shims were verified on
+        "megarl.testing",  # the gloo worlds of the tests apply them (`init_gloo_model_parallel`)
+    },
+}
+
+
+def stand_in_of(module: str) -> str | None:
+    """The stand-in package `module` belongs to, or None."""
+    return next((s for s in STAND_INS if module == s or module.startswith(s + ".")), None)
+
+
+def stand_in_entries(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(stand-in, module outside it) for every module that imports a stand-in."""
+    return {(stand_in_of(t), m) for m, imported in graph.items() for t in imported
+            if stand_in_of(t) is not None and stand_in_of(t) != stand_in_of(m)}
+
+
+def test_the_stand_ins_are_entered_only_where_stated():
+    wrong = sorted(f"{m} imports {s}" for s, m in stand_in_entries(module_graph()) if m not in STAND_INS[s])
+    assert not wrong, "imports of a CPU stand-in from outside it (state them in STAND_INS):\n" + "\n".join(wrong)
+
+
+def test_every_stated_entry_is_still_needed():
+    stated = {(s, m) for s, importers in STAND_INS.items() for m in importers}
+    assert stated - stand_in_entries(module_graph()) == set()
+
+
+def test_the_stand_in_check_sees_an_import_from_outside(tmp_path):
+    fake = tmp_path / "megarl"
+    (fake / "rollout" / "cpu").mkdir(parents=True)
+    (fake / "rollout" / "cpu" / "engine.py").write_text("import torch\n")
+    (fake / "rollout" / "cpu" / "server.py").write_text("from megarl.rollout.cpu.engine import CPUEngine\n")
+    (fake / "rollout" / "client.py").write_text("def f():\n    from megarl.rollout.cpu import engine\n")
+    assert stand_in_entries(module_graph(fake)) == {("megarl.rollout.cpu", "megarl.rollout.client")}
 
 
 # ---------------------------------------------------------------------------------------- tools/

@@ -18,7 +18,7 @@ from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transfor
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_offset, shift_layer
 from megarl.bridge.transforms import padded_vocab_size
-from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+from megarl.testing import init_gloo_model_parallel, reinit_model_parallel
 
 DIVISIBLE_BY = 8
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 4, 2), (4, 1, 1)]

@@ -1,5 +1,5 @@
 """The body of the MoE bridge checks: 4 spawned gloo processes running real megatron-core MoE
-layers (SequentialMLP, alltoall dispatcher, CPU shims of engines/megatron/moe_cpu.py).
+layers (SequentialMLP, alltoall dispatcher, CPU shims of engines/megatron/cpu/moe_shims.py).
 
 First, what megatron's MoE layers save: the keys and global shapes of a stock `GPTModel`'s
 `sharded_state_dict` and of the engine's checkpoint request, for the test to compare with the
@@ -24,9 +24,10 @@ from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config, load_h
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.transforms import padded_vocab_size
 from megarl.engines.megatron.checkpoint_io import load_torch_dist_weights, model_sharded_state_dict, save_checkpoint
-from megarl.engines.megatron.cpu import apply_cpu_shims, init_gloo_model_parallel
+from megarl.engines.megatron.cpu.shims import apply_cpu_shims
 from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
-from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
+from megarl.engines.megatron.cpu.moe_shims import apply_moe_cpu_shims
+from megarl.testing import init_gloo_model_parallel
 from megatron_world import DIVISIBLE_BY, forward_logits, full_tensors, local_state, read_hf, sharded_keys
 
 # (tp, pp, ep, etp): etp 0 means etp = tp. Every variant at EP2, TP2 x EP2 and PP2 x EP2; Qwen3-MoE

@@ -10,7 +10,7 @@ from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config, load_h
 from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 from megarl.bridge.torch_dist_io import expected_objects, expected_tensors
 from megarl.bridge.transforms import padded_vocab_size
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from megatron_world import LAYOUTS, world
 from tiny_hf import DIVISIBLE_BY, INPUT_IDS, VARIANTS, hf_tensors, logits, make_model
 

@@ -11,7 +11,7 @@ from megarl.bridge import ConversionError, ParallelLayout, arch_from_hf_config, 
 from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 from megarl.bridge.moe import moe_from_hf_config
 from megarl.bridge.torch_dist_io import expected_objects, expected_tensors
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from moe_world import CASES, DIVISIBLE_BY, EP1, SINGLETON, layout_of, saved_dir, weights_for, world
 from tiny_hf import INPUT_IDS, hf_tensors, logits, randomise_norms_and_biases, save_tokenizer
 

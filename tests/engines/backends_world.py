@@ -33,7 +33,7 @@ def layout_switch_world(rank: int, world_size: int, port: int) -> dict:
 
     from torch.distributed import distributed_c10d
 
-    from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+    from megarl.testing import init_gloo_model_parallel, reinit_model_parallel
 
     def counts() -> dict:
         return {"threads": len(os.listdir("/proc/self/task")), "groups": len(distributed_c10d._world.pg_map)}

@@ -11,8 +11,8 @@ import torch
 
 from engine_world import config, init_world, reset_layout
 from megarl.rollout.client import Sample
-from megarl.rollout.cpu_engine import CPUEngine
-from megarl.rollout.cpu_server import _output
+from megarl.rollout.cpu.engine import CPUEngine
+from megarl.rollout.cpu.server import _output
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer.experience import experience_batch, rollout_mismatch
 

@@ -13,7 +13,7 @@ from engine_world import BF16_VOCAB, bf16_batch, bf16_world
 from transformers import AutoModelForCausalLM
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world: about 20 s on 2 cores
 

@@ -8,7 +8,7 @@ from collective_timeout_world import JOIN_TIMEOUT_S, timeout_world
 
 from megarl.config import load_config
 from megarl.data.tiny_model import make_tiny_model
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 NCCL_TIMEOUT_S = 3
 

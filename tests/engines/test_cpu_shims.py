@@ -1,4 +1,4 @@
-"""megarl.engines.megatron.cpu: every CPU shim is needed, and together they run megatron-core.
+"""megarl.engines.megatron.cpu.shims: every CPU shim is needed, and together they run megatron-core.
 
 The scenario (2 gloo processes) exercises every shim once: PP=2 with tied embeddings, megatron
 DDP, a 1F1B forward/backward through `get_forward_backward_func` and an optimizer step with
@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from megarl.engines.megatron import cpu
-from megarl.engines.megatron.cpu import CPU_SHIMS, UnverifiedMegatronVersion, megatron_core_version, shims_for
+from megarl import testing
+from megarl.engines.megatron.cpu import shims as cpu_shims
+from megarl.engines.megatron.cpu.shims import CPU_SHIMS, UnverifiedMegatronVersion, megatron_core_version, shims_for
 
 SHIMS = shims_for(megatron_core_version())  # the installed megatron-core's
 
@@ -41,9 +42,9 @@ def scenario(rank: int, world_size: int, port: int, shims: list) -> float:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cpu.init_gloo_model_parallel(rank, world_size, port, tp=1, pp=2, cpu_shims=shims)
+    testing.init_gloo_model_parallel(rank, world_size, port, tp=1, pp=2, cpu_shims=shims)
     patched = torch.cuda.current_device
-    assert cpu.apply_cpu_shims(shims) == tuple(s for s in CPU_SHIMS if s in shims)  # idempotent
+    assert cpu_shims.apply_cpu_shims(shims) == tuple(s for s in CPU_SHIMS if s in shims)  # idempotent
     assert torch.cuda.current_device is patched
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -101,19 +102,19 @@ def test_each_shim_is_needed(shim, outcomes):
 
 def test_unverified_megatron_version_is_refused_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cpu, "megatron_core_version", lambda: "0.17.0")
+    monkeypatch.setattr(cpu_shims, "megatron_core_version", lambda: "0.17.0")
     with pytest.raises(UnverifiedMegatronVersion, match=r"megatron-core 0\.17\.0 .* verified on 0\.16\.1, 0\.19\.2"):
-        cpu.apply_cpu_shims()
+        cpu_shims.apply_cpu_shims()
     with pytest.raises(ValueError, match="unknown CPU shim"):
-        cpu.apply_cpu_shims(["rng"])
-    assert cpu._applied == set()  # refused before patching anything
+        cpu_shims.apply_cpu_shims(["rng"])
+    assert cpu_shims._applied == set()  # refused before patching anything
 
 
 def test_shims_are_not_applied_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cpu, "megatron_core_version", lambda: "0.99.0")  # unverified, but nothing to patch
-    assert cpu.apply_cpu_shims() == ()
-    assert cpu._applied == set()
+    monkeypatch.setattr(cpu_shims, "megatron_core_version", lambda: "0.99.0")  # unverified, but nothing to patch
+    assert cpu_shims.apply_cpu_shims() == ()
+    assert cpu_shims._applied == set()
 
 
 def run_all_scenarios() -> dict:
@@ -128,7 +129,7 @@ def run_all_scenarios() -> dict:
     for left_out in [None, *SHIMS]:
         shims = [s for s in SHIMS if s != left_out]
         try:
-            losses = cpu.run_gloo_workers(scenario, 2, args=(shims,), timeout_s=120, start_method="fork")
+            losses = testing.run_gloo_workers(scenario, 2, args=(shims,), timeout_s=120, start_method="fork")
             outcomes[left_out or "all"] = {"loss": losses[1]}
         except Exception as e:  # a rank's failure, with its traceback
             outcomes[left_out or "all"] = {"error": str(e)}

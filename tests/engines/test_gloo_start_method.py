@@ -6,8 +6,8 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from megarl.engines.megatron import cpu
-from megarl.engines.megatron.cpu import gloo_start_method, lost_master_port, run_gloo_workers
+from megarl import testing
+from megarl.testing import gloo_start_method, lost_master_port, run_gloo_workers
 from megarl.net import free_port as real_free_port
 
 
@@ -62,7 +62,7 @@ def test_a_master_port_taken_before_rank_0_binds_it_starts_the_world_again(monke
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()  # another process holds the first port chosen
-        monkeypatch.setattr(cpu, "free_port", free_port_taken_first)
+        monkeypatch.setattr(testing, "free_port", free_port_taken_first)
         results = run_gloo_workers(_sum_of_ranks, 2, timeout_s=120)
     assert len(chosen) == 2 and chosen[0] != chosen[1]
     assert results == [(chosen[1], 3.0), (chosen[1], 3.0)]
@@ -70,7 +70,7 @@ def test_a_master_port_taken_before_rank_0_binds_it_starts_the_world_again(monke
 
 def test_other_failures_are_not_started_again(monkeypatch):
     chosen = []
-    monkeypatch.setattr(cpu, "free_port", lambda host: chosen.append(real_free_port(host)) or chosen[-1])
+    monkeypatch.setattr(testing, "free_port", lambda host: chosen.append(real_free_port(host)) or chosen[-1])
     with pytest.raises(mp.ProcessRaisedException, match="rank . failed"):
         run_gloo_workers(_fails, 2, timeout_s=120)
     assert len(chosen) == 1

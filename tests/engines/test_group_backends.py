@@ -3,7 +3,7 @@ initialises them: on CPU the worker group's world is gloo, and every group inher
 layouts destroys the old layout's groups (each gloo group holds three threads until destroyed)."""
 from backends_world import backends_world, layout_switch_world
 
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 GROUPS = ("world", "tensor_model_parallel", "pipeline_model_parallel", "data_parallel", "model_parallel",
           "data_parallel_gloo")

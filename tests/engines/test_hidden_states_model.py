@@ -11,7 +11,8 @@ import torch
 from hidden_states_world import hidden_states_world
 from packaging.version import Version
 
-from megarl.engines.megatron.cpu import megatron_core_version, run_gloo_workers
+from megarl.engines.megatron.cpu.shims import megatron_core_version
+from megarl.testing import run_gloo_workers
 from megarl.engines.megatron.model import check_postprocess_hook, has_output_processor
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from megarl.bridge.lora import is_lora_param
 from megarl.cli import main as megarl_main
 from megarl.config import to_yaml
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world: ~60 s on 2 cores
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from megarl.algos.from_config import actor_loss_kwargs
 from megarl.algos.losses import actor_loss
 from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config, load_hf_config, merge_model
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from megarl.engines.megatron.model import padded_vocab
 
 pytestmark = pytest.mark.slow  # two megatron worlds for the module (4 and 2 processes): 70-80 s on 2 cores

@@ -9,7 +9,7 @@ import pytest
 import torch
 from old_log_probs_world import LAYOUTS, STEPS, old_log_probs_world
 
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world, six actors: about 30 s on 2 cores
 

@@ -15,7 +15,7 @@ import torch
 from engine_world import training_batch
 from recompute_world import CASES, CRITIC_CASES, OLD_LOG_PROB_BUDGET, recompute_world
 
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world, six actors and two critics: about 25 s on 2 cores
 

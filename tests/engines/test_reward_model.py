@@ -13,7 +13,7 @@ from reward_model_world import RM_LAYOUTS, reward_model_world, rm_config
 from transformers import AutoModelForSequenceClassification
 
 from megarl.bridge import ConversionError
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from megarl.engines.megatron.reward_model import check_score_head, check_tokenizer, last_token_index
 from megarl.engines.megatron.sequences import make_micro_batch
 

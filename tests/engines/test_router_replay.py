@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from megarl.data.batch import Batch
 from megarl.data.tiny_model import make_tiny_model
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from megarl.engines.megatron.sequences import make_micro_batch
 from megarl.trainer.experience import routed_experts_grids
 from replay_world import replay_world

@@ -8,7 +8,7 @@ from engine_world import TEMPERATURE, ragged_batch
 from teacher_world import teacher_world
 from transformers import AutoModelForCausalLM
 
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world, two engines
 

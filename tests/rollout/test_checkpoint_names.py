@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megarl.data.tiny_model import MOE_ARCHITECTURES, make_tiny_model
-from megarl.rollout.checkpoint_names import checkpoint_named_tensors, checkpoint_tensor
+from megarl.rollout.cpu.checkpoint_names import checkpoint_named_tensors, checkpoint_tensor
 
 
 @pytest.fixture(scope="module", params=[*MOE_ARCHITECTURES, "qwen2"])
@@ -54,8 +54,9 @@ def test_a_cpu_engine_takes_a_pushed_moe_checkpoint_by_its_names_and_reports_the
     """A push of every tensor of a second checkpoint (per-expert names, as the resharder sends them)
     makes the served model equal that checkpoint as transformers loads it; the weights checker's
     names are the checkpoint's, and its hashes are the hashes of the checkpoint's tensors."""
-    from megarl.rollout.cpu_engine import CPUEngine
-    from megarl.rollout.weights_checker import checksum_response, model_tensors, tensor_checksum
+    from megarl.rollout.cpu.engine import CPUEngine
+    from megarl.rollout.cpu.checkpoint_names import model_tensors
+    from megarl.rollout.weights_checker import checksum_response, tensor_checksum
 
     size = dict(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=16)
     served = make_tiny_model("qwen3_moe", tmp_path / "a", seed=1, **size)

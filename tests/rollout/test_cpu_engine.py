@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from megarl.rollout.cpu_engine import CPUEngine, SchedulerCrash, sample_tokens
+from megarl.rollout.cpu.engine import CPUEngine, SchedulerCrash, sample_tokens
 from megarl.rollout.protocol import BadRequestError, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32, 33]]
@@ -246,8 +246,8 @@ def test_rows_appended_to_a_running_cache_see_what_they_would_alone(engine, tiny
     a newcomer longer than the running rows (they gain left padding) and a shorter one (it does),
     then a row dropped from the reallocated buffers. Oracle: HF's logits of each row's own unpadded
     sequence, at every greedy step."""
-    from megarl.rollout.cpu_engine import Sequence
-    from megarl.rollout.kv_cache import append_rows, can_append_rows
+    from megarl.rollout.cpu.engine import Sequence
+    from megarl.rollout.cpu.kv_cache import append_rows, can_append_rows
 
     def seqs(*prompts):
         return [Sequence("r", 0, list(p), SamplingParams(max_new_tokens=12), False, None, None) for p in prompts]
@@ -366,7 +366,7 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf):
     requests), then each row holds its own prompt's keys, values and logits. [0, 5, 6, 7] left-padded
     looks like [5, 6, 7] with its pad id 0: the attention mask keeps them apart. Oracle: HF's logits of
     each row's own sequence, at the prefill and after two greedy steps."""
-    from megarl.rollout.cpu_engine import Sequence
+    from megarl.rollout.cpu.engine import Sequence
 
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3 + [[0, 5, 6, 7], PROMPTS[0]]
     seqs = [Sequence("r", 0, list(p), SamplingParams(max_new_tokens=4), False, None, None) for p in prompts]

@@ -1,7 +1,7 @@
 """Command lines for SGLang, the CPU engine and the router; rollout metrics."""
 import pytest
 
-from megarl.rollout.cpu_server import parse_args
+from megarl.rollout.cpu.server import parse_args
 from megarl.rollout.launch import (
     MultiNode,
     apply_env_overrides,

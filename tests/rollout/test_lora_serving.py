@@ -1,4 +1,4 @@
-"""The CPU engine serves LoRA adapters as SGLang 0.5.23 does (`rollout.lora_adapters`): loaded by
+"""The CPU engine serves LoRA adapters as SGLang 0.5.23 does (`rollout.cpu.lora_adapters`): loaded by
 name from a PEFT directory, picked per request by `lora_path`, with SGLang's replies and errors.
 
 The oracle is the `peft` library: the HF base with `PeftModel.from_pretrained` on the directory
@@ -11,7 +11,7 @@ import torch
 from megarl.bridge.lora import AdapterName, write_peft_adapter
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerError
-from megarl.rollout.cpu_engine import CPUEngine
+from megarl.rollout.cpu.engine import CPUEngine
 from megarl.rollout.launch import LoraServing, cpu_server_command
 from megarl.rollout.process import ServerProcess, start_on_a_free_port
 from megarl.rollout.protocol import BadRequestError, SamplingParams
@@ -131,7 +131,7 @@ def test_sglangs_errors_for_unknown_duplicate_and_unloaded_adapters(server, adap
 
 
 def test_a_server_without_enable_lora_refuses_adapters_like_sglang(tiny_model_dir, adapter_dirs):
-    from megarl.rollout.lora_adapters import LoraAdapters
+    from megarl.rollout.cpu.lora_adapters import LoraAdapters
 
     engine = CPUEngine(tiny_model_dir)
     try:
@@ -155,7 +155,7 @@ def test_a_late_request_joins_a_running_batch_of_its_adapter_only(tiny_model_dir
     batch to end. Each gets its own model's log-probs (HF's base; PEFT on the adapter)."""
     import threading
 
-    from megarl.rollout.lora_adapters import LoraAdapters
+    from megarl.rollout.cpu.lora_adapters import LoraAdapters
 
     engine = CPUEngine(tiny_model_dir, lora=LoraAdapters(True, RANK, TARGETS))
     try:

@@ -9,8 +9,8 @@ import torch
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.client import Sample
-from megarl.rollout.cpu_engine import CPUEngine
-from megarl.rollout.cpu_server import _output
+from megarl.rollout.cpu.engine import CPUEngine
+from megarl.rollout.cpu.server import _output
 from megarl.rollout.protocol import BadRequestError, SamplingParams, parse_generate_body
 from megarl.rollout.routed_experts import encode_routed_experts, route_dtype
 

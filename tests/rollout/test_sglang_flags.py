@@ -289,7 +289,7 @@ def test_load_lora_adapter_from_tensors_bodies_have_sglangs_fields(wheel):
     """What adapter-only sync sends and what the CPU server reads are SGLang 0.5.23's
     `LoadLoRAAdapterFromTensorsReqInput`: the body names only its fields and every required one;
     the CPU server's model has exactly its fields (but BaseReq's), the same required ones and defaults."""
-    from megarl.rollout.lora_adapters import LoadLoraAdapterFromTensorsReq
+    from megarl.rollout.cpu.lora_adapters import LoadLoraAdapterFromTensorsReq
     from megarl.sync.adapter_sync import from_tensors_request
 
     fields = sglang_request_fields(wheel, "LoadLoRAAdapterFromTensorsReqInput")

@@ -14,7 +14,7 @@ from megarl.bridge import ParallelLayout  # noqa: E402
 from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf  # noqa: E402
 from megarl.bridge.safetensors_io import HFCheckpointReader  # noqa: E402
 from megarl.data.tiny_model import make_tiny_model  # noqa: E402
-from megarl.engines.megatron.cpu import run_gloo_workers  # noqa: E402
+from megarl.testing import run_gloo_workers  # noqa: E402
 from megarl.rollout.launch import cpu_server_command  # noqa: E402
 from megarl.rollout.process import ProcessMonitor, ServerProcess, start_on_a_free_port  # noqa: E402
 from sync_world import (  # noqa: E402

@@ -31,7 +31,7 @@ from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transfor
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_index, shard_tp, shift_layer
 from megarl.bridge.transforms import padded_vocab_size
-from megarl.engines.megatron.cpu import init_gloo_model_parallel, reinit_model_parallel
+from megarl.testing import init_gloo_model_parallel, reinit_model_parallel
 from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
 from megarl.sync import ParallelGroups, Resharder, SyncConfig, WeightSync, WeightSyncError
 from megarl.sync.resharder import gathered_bytes, local_params, unwrap
@@ -225,7 +225,7 @@ def run_resharder(chunks: list, weights: WeightMap, bucket_bytes: int, dtype=Non
 def expert_checks(rank: int, case: dict) -> dict:
     """{str(layout): this rank's resharder output} at EXPERT_LAYOUTS, the negative control, and
     the push story at the first layout."""
-    from megarl.engines.megatron.cpu import apply_cpu_shims
+    from megarl.engines.megatron.cpu.shims import apply_cpu_shims
 
     hf_dir, out = Path(case["hf_dir"]), {}
     for t in EXPERT_LAYOUTS:
@@ -721,7 +721,7 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
 
 
 def world(rank: int, world_size: int, port: int, reshard: dict, servers: dict, experts: dict, memory_dir: str) -> dict:
-    from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
+    from megarl.engines.megatron.cpu.moe_shims import apply_moe_cpu_shims
 
     init_gloo_model_parallel(rank, world_size, port, timeout_s=300)
     apply_moe_cpu_shims()

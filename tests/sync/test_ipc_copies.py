@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ipc_world import EMITTERS, SERVER_TP, bucket_tensors, relay_world
-from megarl.engines.megatron.cpu import run_gloo_workers
+from megarl.testing import run_gloo_workers
 from megarl.sync.ipc_copies import copies_on_gpu
 
 # the planner's colocated layout, by hand: actor rank g on GPU g; server 0 on GPU 0, server 1 on GPUs 1, 2, 3

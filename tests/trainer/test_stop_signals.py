@@ -55,7 +55,7 @@ def test_a_stop_signal_ends_a_run_blocked_on_a_stuck_worker(signals, exit_code, 
             time.sleep(0.05)
         started = [proc_ for proc_ in psutil.Process(proc.pid).children(recursive=True)]
         workers = [p for p in started if "TrainWorker" in " ".join(p.cmdline())]
-        assert workers and any("cpu_server" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+        assert workers and any("megarl.rollout.cpu.server" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
         for worker in workers:
             worker.send_signal(signal.SIGSTOP)  # the next call on the actor never answers
         time.sleep(3)  # the driver is now waiting on it (the step's next call)

@@ -6,7 +6,7 @@ has exactly `--max-new-tokens` tokens), same number of torch threads. Three ways
 
 * `hf_generate`:  `model.generate(do_sample=True)` on the left-padded batch of prompts x n;
 * `engine`:       `CPUEngine` in-process (batched sampling with a KV cache, log-probs computed);
-* `engine_http`:  the CPU engine as a server (`cpu_server`), driven through `RolloutClient`.
+* `engine_http`:  the CPU engine as a server (`megarl.rollout.cpu.server`), driven through `RolloutClient`.
 
 Each is run once to warm up, then `--repeats` rounds of all three in turn (interleaved, so load
 from other processes hits each alike). Reported per method: the best round's wall seconds, the
@@ -33,7 +33,7 @@ from bench_common import DEFAULT_OUT, load_average, print_table, spread, write_r
 
 from megarl.net import free_port
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.cpu_engine import CPUEngine
+from megarl.rollout.cpu.engine import CPUEngine
 from megarl.rollout.launch import cpu_server_command
 from megarl.rollout.process import ServerProcess
 from megarl.rollout.protocol import SamplingParams

@@ -55,7 +55,7 @@ from bench_common import DEFAULT_OUT, load_average, print_table, write_result
 from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config
 from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.transforms import padded_vocab_size
-from megarl.engines.megatron.cpu import init_gloo_model_parallel, run_gloo_workers
+from megarl.testing import init_gloo_model_parallel, run_gloo_workers
 
 
 def hf_config(args) -> dict:

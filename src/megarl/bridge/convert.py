@@ -11,7 +11,6 @@ import contextlib
 import json
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -22,10 +21,10 @@ from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.lora import is_lora_param, merge_into_hf, read_adapters
 from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
+from megarl.bridge.output_dir import atomic_output_dir
 from megarl.bridge.safetensors_io import (
     HFCheckpointReader,
     ShardedSafetensorsWriter,
-    as_umask_allows,
     read_safetensors_headers,
 )
 from megarl.bridge.sharding import ParallelLayout, check_layout
@@ -98,26 +97,6 @@ class ConversionSummary:
     tensors: int  # megatron parameters converted
     bytes: int  # their size
     out: Path
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path) -> Iterator[Path]:
-    """Yield a hidden temporary directory next to `out`; rename it to `out` when the block
-    succeeds, delete it when it fails. `out` must not exist or be an empty directory."""
-    out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(f"{out}: already exists and is not an empty directory; remove it or choose another output")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    as_umask_allows(tmp)  # mkdtemp makes it 0700; the renamed output is shared like any directory
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def copy_hf_assets(src: Path, dst: Path, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None) -> None:

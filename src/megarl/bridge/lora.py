@@ -17,13 +17,17 @@ ranks hold consecutive query groups (q, k, v rows of HF order) and consecutive h
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.mapping import COLUMN, REPLICATED, ROW, TPSplit
+from megarl.bridge.output_dir import atomic_output_dir
+from megarl.bridge.safetensors_io import save_safetensors
 
 SUFFIX = "_lora"
 # PEFT target -> (megatron sub-module path in a layer, column-parallel base)
@@ -161,12 +165,6 @@ def peft_adapter(adapters: dict[str, torch.Tensor], rank: int, alpha: float, bas
 def write_peft_adapter(adapters: dict[str, torch.Tensor], out_dir, rank: int, alpha: float, base_model: str):
     """Write `adapters` (global megatron names, full tensors) as a PEFT LoRA adapter in `out_dir`:
     `adapter_config.json` and `adapter_model.safetensors` (`peft_adapter`'s float32 contiguous tensors)."""
-    import json
-    from pathlib import Path
-
-    from megarl.bridge.convert import atomic_output_dir
-    from megarl.bridge.safetensors_io import save_safetensors
-
     config, tensors = peft_adapter(adapters, rank, alpha, base_model)
     with atomic_output_dir(out_dir) as tmp:
         save_safetensors(tensors, Path(tmp) / "adapter_model.safetensors")

@@ -52,7 +52,7 @@ class Facts:
     torch_cuda: Optional[str] = None  # torch.version.cuda: the CUDA torch was built for
     nccl: Optional[str] = None
     gpus: Sequence[str] = ()
-    verified_cpu_shims: Sequence[str] = ()  # megarl.engines.megatron.cpu.VERIFIED_MEGATRON_CORE_VERSIONS
+    verified_cpu_shims: Sequence[str] = ()  # megarl.engines.megatron.cpu.shims.VERIFIED_MEGATRON_CORE_VERSIONS
     gpu_config: Optional[str] = None  # why the given experiment config needs CUDA, if it does
 
 
@@ -162,7 +162,7 @@ def gather_facts(gpu_config: Optional[str] = None) -> Facts:
     """Facts of this interpreter (imports torch; megatron-core, SGLang and TE only through metadata)."""
     import torch
 
-    from megarl.engines.megatron.cpu import VERIFIED_MEGATRON_CORE_VERSIONS
+    from megarl.engines.megatron.cpu.shims import VERIFIED_MEGATRON_CORE_VERSIONS
 
     installed, requires = {}, {}
     for dist in PACKAGES:

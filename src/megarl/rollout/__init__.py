@@ -1,1 +1,2 @@
-"""Rollout: SGLang-protocol client, real SGLang servers, megarl's CPU engine, and the sglang-router."""
+"""Rollout: SGLang-protocol client, real SGLang servers, and the sglang-router; megarl's CPU
+engine, the stand-in for SGLang without a GPU, is the subpackage `rollout.cpu`."""

@@ -1,7 +1,7 @@
 """Command lines (and environments) that start rollout servers and the router, and what a server
 would refuse at start that a model's config shows beforehand. Pure functions.
 
-* megarl's CPU engine: `python -m megarl.rollout.cpu_server ...`
+* megarl's CPU engine: `python -m megarl.rollout.cpu.server ...`
 * real SGLang (GPU, the `[gpu]` extra, 0.5.23): `python -m sglang.launch_server ...`
 * the router (PyPI `sglang-router`, a Rust binary in a Python wheel; runs on CPU):
   `python -m sglang_router.launch_router --worker-urls ...`
@@ -86,7 +86,7 @@ def cpu_server_command(
     """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`).
     `ep_size` other than 1 is passed as SGLang's `--ep-size`, which the CPU server refuses: it serves a
     whole model in one process (a config rule says so first)."""
-    cmd = [python, "-m", "megarl.rollout.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    cmd = [python, "-m", "megarl.rollout.cpu.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--dtype", dtype, "--max-running-requests", str(max_running_requests), "--random-seed", str(random_seed)]
     if api_key:
         cmd += ["--api-key", api_key]

@@ -14,12 +14,12 @@ SGLang 0.5.23's contract, followed by the CPU engine and read by the client:
   (`srt/managers/scheduler_components/batch_result_processor.py`: `_maybe_collect_routed_experts`,
   `srt/state_capturer/base.py`: `get_topk`): every token that went through the model as an input,
   prompt included; the last output token is sampled but never fed in, so it has no row.
-The wire stays SGLang's int32; the client narrows the decoded routes (`narrow_routes`).
+The wire stays SGLang's int32; the client narrows the decoded routes (`narrow_routes`). The CPU
+engine records the routes with hooks on its model's routers (`rollout.cpu.route_recorder`).
 """
 from __future__ import annotations
 
 import base64
-from typing import Optional
 
 import numpy as np
 import torch
@@ -58,35 +58,3 @@ def narrow_routes(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
         raise ValueError(f"routed_experts holds expert indices in [{int(routes.min())}, {int(routes.max())}], "
                          f"outside [0, {num_experts}) of the actor's model")
     return routes.to(route_dtype(num_experts))
-
-
-def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The HF model's router modules in layer order (transformers 5: `*TopKRouter`, whose forward
-    returns (logits, weights, indices [tokens, top_k]): Qwen3-MoE, Qwen2-MoE and Mixtral)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-
-
-class RouteRecorder:
-    """Forward hooks on an HF MoE model's routers: after a forward on a [B, T] input, `take(B, T)`
-    returns [B, T, layers, top_k] int32, the experts each token was routed to in each layer."""
-
-    def __init__(self, model: torch.nn.Module):
-        routers = hf_routers(model)
-        if not routers:
-            raise ValueError(f"{type(model).__name__} has no MoE router (*TopKRouter) to record routes from")
-        self._per_layer: list[Optional[torch.Tensor]] = [None] * len(routers)
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
-
-    def _hook(self, layer: int):
-        def record(_module, _inputs, outputs):
-            self._per_layer[layer] = outputs[2].detach().to(torch.int32)
-        return record
-
-    def take(self, batch: int, length: int) -> torch.Tensor:
-        routes = torch.stack(self._per_layer, dim=1)  # [B*T, layers, top_k]
-        self._per_layer = [None] * len(self._per_layer)
-        return routes.reshape(batch, length, *routes.shape[1:])
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

@@ -1,5 +1,5 @@
-"""SGLang 0.5.23's `/weights_checker` "checksum" action, for megarl's CPU engine, and the hash both
-sides use.
+"""SGLang 0.5.23's `/weights_checker` "checksum" action: its request and answer, which megarl's CPU
+engine serves, and the hash both sides use (the trainer hashes what it pushed).
 
 Request (`CheckWeightsReqInput`, sglang/srt/managers/io_struct.py): `action` ("checksum"; SGLang
 also has "snapshot", "reset_tensors", "compare", which the CPU engine refuses), `allow_quant_error`,
@@ -15,7 +15,8 @@ digits (`utils/weight_checker.py` `_hash_tensor`). SGLang hashes a CUDA tensor w
 instead, so only CPU-resident tensors hash alike. The tensors hashed are the model's parameters and
 buffers, less its non-persistent buffers (`_NON_PERSISTENT_BUFFER_PATTERNS`: rotary caches), named
 as the model names them: for the CPU engine, a transformers model, the HF checkpoint names (a tied
-output layer appears once, as the embedding; fused MoE experts appear per expert). Real SGLang names its own fused, TP-sharded parameters
+output layer appears once, as the embedding; fused MoE experts appear per expert:
+`rollout.cpu.checkpoint_names.model_tensors`). Real SGLang names its own fused, TP-sharded parameters
 (`qkv_proj`, `gate_up_proj`), which is why megarl compares per-tensor checksums with the CPU engine
 only (config rule `weight_check_needs_cpu_engine`).
 """
@@ -26,8 +27,6 @@ from typing import Iterable, Literal, Optional
 
 import torch
 from pydantic import BaseModel
-
-from megarl.rollout.checkpoint_names import checkpoint_named_tensors
 
 NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 
@@ -69,11 +68,3 @@ def checksum_response(named_tensors: Iterable[tuple[str, torch.Tensor]],
         "ranks": [{"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": [placement]}],
         "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest(),
     }
-
-
-def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What SGLang's checker walks: `named_parameters()` then `named_buffers()` (tied tensors once),
-    under checkpoint names: a transformers model's fused MoE experts as each expert's matrices, the
-    names the trainer pushed and hashed (`checkpoint_names`)."""
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    return list(checkpoint_named_tensors(named, mixtral=getattr(model.config, "model_type", "") == "mixtral"))

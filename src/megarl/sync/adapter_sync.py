@@ -1,7 +1,7 @@
 """`AdapterSync`: adapter-only weight sync of a LoRA actor (`actor_rollout_ref.model.lora.sync=adapter`).
 
 The servers start from the base model and never get base weights again; each push sends only
-the adapters, as SGLang 0.5.23 serves them (`rollout.lora_adapters` has the protocol):
+the adapters, as SGLang 0.5.23 serves them (`rollout.cpu.lora_adapters` has the protocol):
 
 1. every actor rank: each adapter's TP shards are all-gathered over its TP group (B of a
    column-parallel base is split along dim 0, A of a row-parallel base along dim 1:

@@ -29,7 +29,7 @@ answered the request made from it; the commit bucket's copy once the commit was 
 push's failure is known (`reset`). So a rank holds at most one bucket copy in flight plus the
 commit's (an emitter's own copy is the bucket the resharder wrote into shareable memory). Why dropping an answered copy is safe:
 - CPU: the CPU engine has copied the tensors into its model before it answers
-  (`rollout/cpu_server.py::load_tensor_payload` returns after `CpuEngine.load_weights`' `copy_`).
+  (`rollout/cpu/server.py::load_tensor_payload` returns after `CpuEngine.load_weights`' `copy_`).
 - GPU: SGLang may answer before its reads are done, but torch's CUDA IPC refcounting keeps a block
   alive for its consumer: a storage shared by handle gets a reference counter in shared memory;
   when the producer frees it while the counter is > 0, `CudaIPCSentDataDelete` moves it to the
@@ -230,7 +230,7 @@ class IpcRelay:
 
     def _drop(self, copies: list[torch.Tensor]) -> None:
         """Free copies the servers answered for. CPU: a server that answered has copied the tensors
-        into its model (`rollout/cpu_server.py::load_tensor_payload` returns after
+        into its model (`rollout/cpu/server.py::load_tensor_payload` returns after
         `CpuEngine.load_weights`' `copy_`). GPU: after this process's work on them is done
         (`synchronize`); a block a server still has open stays allocated in torch's CUDA IPC limbo
         until the server drops its reference, and `ipc_collect` then frees it (see the module

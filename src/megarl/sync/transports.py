@@ -201,7 +201,7 @@ class TensorTransport:
     - One shared copy (CPU, other layouts): `load_format` null, (name, tensor) views into a
       shared-memory copy of the bucket (`rollout.tensor_payload`, no SGLang needed), posted at each
       `send` and dropped when every server answered (the CPU engine answers once it copied the
-      tensors into its model: `rollout/cpu_server.py::load_tensor_payload`); every TP rank may read
+      tensors into its model: `rollout/cpu/server.py::load_tensor_payload`); every TP rank may read
       the same copy, so the servers only need to be on this host.
     """
 

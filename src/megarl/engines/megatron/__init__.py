@@ -16,9 +16,10 @@ transformer-engine when installed) and on CPUs (gloo, with the shims of `cpu`).
     offload    moving an engine's storages to host memory and back
     checkpoint_io  torch_dist checkpoints (model, optimizer, LR schedule)
     parallel   megatron's parallel state for a role inside a started torch.distributed world
-    cpu        the CPU compatibility shims
+    cpu        the stand-in for CUDA on CPUs: megatron-core's shims (dense and MoE), applied only
+               without CUDA
 
-The role classes are imported on first use, so `import megarl.engines.megatron.cpu` stays cheap.
+The role classes are imported on first use, so `import megarl.engines.megatron.cpu.shims` stays cheap.
 """
 ROLES = ("ActorEngine", "RefEngine", "CriticEngine", "TeacherEngine")
 

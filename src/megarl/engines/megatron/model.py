@@ -173,7 +173,7 @@ def has_output_processor(gpt_model_class) -> bool:
 def check_postprocess_hook(gpt_model_class) -> None:
     """Raise unless `gpt_model_class._postprocess` takes the decoder output as `hidden_states`
     (its first parameter), which the 0.16 `HiddenStatesGPTModel` relies on."""
-    from megarl.engines.megatron.cpu import megatron_core_version
+    from megarl.engines.megatron.cpu.shims import megatron_core_version
 
     method = getattr(gpt_model_class, "_postprocess", None)
     params = list(inspect.signature(method).parameters)[:2] if callable(method) else None

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.sharding import ParallelLayout
-from megarl.engines.megatron.cpu import apply_cpu_shims
+from megarl.engines.megatron.cpu.shims import apply_cpu_shims
 from megarl.engines.megatron.groups import initialize_model_parallel
-from megarl.engines.megatron.moe_cpu import apply_moe_cpu_shims
+from megarl.engines.megatron.cpu.moe_shims import apply_moe_cpu_shims
 
 log = logging.getLogger("megarl.engines")
 
@@ -75,7 +75,7 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str, *, col
 
     if not torch.cuda.is_available():
         apply_cpu_shims()
-    apply_moe_cpu_shims()  # CPU only, but for a megatron bug without transformer-engine (moe_cpu.py)
+    apply_moe_cpu_shims()  # CPU only, but for a megatron bug without transformer-engine (cpu/moe_shims.py)
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: the worker group must call init_process_group over the "

@@ -2,7 +2,7 @@
 
 `apply_moe_cpu_shims()` patches, only when CUDA is absent, the places where megatron-core 0.16.1's
 MoE code assumes CUDA or NCCL; each shim names the line that needs it (measured in
-../shared/reference/moe-on-cpu.md). Kept apart from `cpu.py` (the dense shims) and applied after
+../shared/reference/moe-on-cpu.md). Kept apart from `shims.py` (the dense shims) and applied after
 them. One shim is needed on GPUs too: `te_general_gemm` (a megatron bug without transformer-engine).
 """
 from __future__ import annotations

@@ -10,30 +10,20 @@ The shims touch megatron-core internals, so they are pinned: on a CPU-only machi
 `apply_cpu_shims()` refuses a megatron-core version they were not verified on
 (`VERIFIED_MEGATRON_CORE_VERSIONS`).
 
-`init_gloo_model_parallel()` starts torch.distributed on gloo and megatron's `parallel_state` for
-one rank of a TP x PP (x VPP) layout; `run_gloo_workers()` spawns those ranks as local processes
-on a free 127.0.0.1 port and fails with the traceback of a rank that fails.
+The worker group applies them (`engines.megatron.parallel.init_role_parallel_state`); the tests'
+gloo worlds apply them through `megarl.testing.init_gloo_model_parallel`. The MoE layers' shims are
+`moe_shims.py`.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import importlib
-import logging
-import os
 import sys
-import tempfile
-import time
 import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-
-from megarl.engines.megatron.groups import initialize_model_parallel, release_model_parallel
-from megarl.net import free_port
-
-log = logging.getLogger(__name__)
 
 VERIFIED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")  # the tested lines (README "Tested versions")
 
@@ -319,164 +309,3 @@ def apply_cpu_shims(names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
             CPU_SHIMS[name]()
             _applied.add(name)
     return tuple(n for n in CPU_SHIMS if n in _applied)
-
-
-# ------------------------------------------------------------------------------------------
-# torch.distributed on gloo + megatron parallel_state, one rank per process
-# ------------------------------------------------------------------------------------------
-def init_gloo_model_parallel(
-    rank: int,
-    world_size: int,
-    master_port: int,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: Optional[int] = None,
-    seed: int = 1234,
-    master_addr: str = "127.0.0.1",
-    timeout_s: float = 120.0,
-    cpu_shims: Optional[Sequence[str]] = None,
-) -> None:
-    """Make this process rank `rank` of a gloo world and initialise megatron's parallel_state for
-    TP x PP (x VPP); data parallel is world_size / (tp * pp). Seeds megatron's RNG tracker with
-    `seed`. Applies the CPU shims first (`cpu_shims`: all by default; a no-op with CUDA)."""
-    import torch.distributed as dist
-
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size {world_size} is not a multiple of tp*pp = {tp}*{pp}")
-    apply_cpu_shims(cpu_shims)
-    if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
-    _initialize_parallel_state(tp, pp, vpp, seed)
-
-
-def reinit_model_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, seed: int = 1234) -> None:
-    """Switch an initialised gloo world to another TP x PP (x VPP) layout, keeping the processes
-    (the old layout's groups are destroyed: `megarl.engines.megatron.groups`)."""
-    release_model_parallel()
-    _initialize_parallel_state(tp, pp, vpp, seed)
-
-
-def _initialize_parallel_state(tp: int, pp: int, vpp: Optional[int], seed: int) -> None:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-    )
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
-def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores, as under torchrun
-    try:
-        result = fn(rank, world_size, port, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-
-
-# what a gloo rank of the engines imports (megatron-core's model, optimizer, DDP and schedules; HF's
-# model classes), imported by the parent before it forks the ranks
-FORK_PRELOADED_MODULES = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
-                          "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "transformers")
-
-
-def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_threads: int) -> str:
-    """How `run_gloo_workers` starts its ranks: "fork" when forking this process is safe (each rank
-    then skips re-importing torch and megatron, about 8 s of CPU per rank), else "spawn". Fork is
-    unsafe when CUDA is initialised (PyTorch's multiprocessing notes: "The CUDA runtime does not
-    support the fork start method"), when this process is in a process group (the children would
-    share its sockets), or when other Python threads run (Python's `os.fork` documentation: a lock
-    held by another thread stays locked forever in the child)."""
-    return "fork" if not cuda_initialized and not dist_initialized and python_threads == 1 else "spawn"
-
-
-def lost_master_port(error_text: str) -> bool:
-    """Whether a gloo world failed to form because its master port was taken between `free_port`
-    choosing it and rank 0's store binding it (another process bound it meanwhile): torch's
-    `DistNetworkError` "The server socket has failed to listen on any local network address ...
-    EADDRINUSE". Nothing of `fn` ran then (every rank waits in the rendezvous), so the world can
-    start again on another port."""
-    return "server socket has failed to listen" in error_text and "EADDRINUSE" in error_text
-
-
-MASTER_PORT_ATTEMPTS = 3
-
-
-def run_gloo_workers(
-    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: Optional[str] = None
-) -> list:
-    """Run `fn(rank, world_size, master_port, *args)` in `world_size` new processes and return
-    their results in rank order (each must be picklable by `torch.save`).
-
-    `fn` must be a module-level function; it usually starts with `init_gloo_model_parallel(rank,
-    world_size, master_port, ...)`. A rank that raises makes this raise
-    `torch.multiprocessing.ProcessRaisedException` carrying that rank's traceback (the other ranks
-    are terminated); ranks still running after `timeout_s` seconds are killed and a
-    `TimeoutError` is raised. `start_method` None: fork when it is safe (`gloo_start_method`), else spawn.
-    A master port lost to another process before rank 0 bound it (`lost_master_port`) starts the
-    ranks again on a new one, up to `MASTER_PORT_ATTEMPTS` times in all.
-    """
-    import threading
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    if start_method is None:
-        start_method = gloo_start_method(torch.cuda.is_initialized(), dist.is_available() and dist.is_initialized(),
-                                         threading.active_count())
-    if start_method == "fork":  # imported once here, inherited by every rank
-        for module in FORK_PRELOADED_MODULES:
-            importlib.import_module(module)
-    name = getattr(fn, "__name__", fn)
-    log.info("running %s in %d gloo rank(s), started by %s", name, world_size, start_method)
-    attempt = 1
-    while True:
-        port = free_port("127.0.0.1")
-        try:
-            return _run_ranks(fn, world_size, port, args, timeout_s, start_method)
-        except mp.ProcessRaisedException as e:
-            if attempt == MASTER_PORT_ATTEMPTS or not lost_master_port(str(e)):
-                raise
-            log.warning("%s: master port %d was taken before rank 0 bound it; starting the %d rank(s) again on "
-                        "another port", name, port, world_size)
-        attempt += 1
-
-
-def _run_ranks(fn: Callable, world_size: int, port: int, args: tuple, timeout_s: float, start_method: str) -> list:
-    """One start of `run_gloo_workers`' ranks on master port `port`."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="megarl-gloo-") as result_dir:
-        context = mp.start_processes(
-            _worker, args=(fn, world_size, port, result_dir, args), nprocs=world_size, join=False,
-            start_method=start_method,
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{world_size} gloo worker(s) running {getattr(fn, '__name__', fn)} did not finish "
-                        f"within {timeout_s:.0f} s"
-                    )
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join(timeout=10)
-        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

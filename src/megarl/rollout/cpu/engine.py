@@ -1,6 +1,6 @@
 """megarl's CPU generation engine: a HF causal LM sampled in batches with a KV cache.
 
-This is the model side of the CPU stand-in for an SGLang server (`cpu_server.py` puts it behind
+This is the model side of the CPU stand-in for an SGLang server (`server.py` puts it behind
 SGLang's HTTP API). One scheduler thread takes up to `max_running_requests` waiting sequences of
 one LoRA adapter (or none), prefills them together (left-padded), then decodes them step by step over
 a KV cache allocated per batch (`kv_cache.py`), dropping finished rows from it. Each decode step is
@@ -44,10 +44,10 @@ from transformers import (
     GenerationConfig,
 )
 
-from megarl.rollout.checkpoint_names import checkpoint_tensor
-from megarl.rollout.decode_rows import DecodeRows
-from megarl.rollout.lora_adapters import LoadedAdapter, LoraAdapters, applied
-from megarl.rollout.kv_cache import append_rows, can_append_rows, gather_rows, is_preallocated, preallocated_cache
+from megarl.rollout.cpu.checkpoint_names import checkpoint_tensor
+from megarl.rollout.cpu.decode_rows import DecodeRows
+from megarl.rollout.cpu.lora_adapters import LoadedAdapter, LoraAdapters, applied
+from megarl.rollout.cpu.kv_cache import append_rows, can_append_rows, gather_rows, is_preallocated, preallocated_cache
 from megarl.rollout.protocol import (
     BadRequestError,
     SamplingParams,
@@ -55,7 +55,7 @@ from megarl.rollout.protocol import (
     finish_length,
     finish_stop,
 )
-from megarl.rollout.routed_experts import RouteRecorder
+from megarl.rollout.cpu.route_recorder import RouteRecorder
 
 log = logging.getLogger(__name__)
 

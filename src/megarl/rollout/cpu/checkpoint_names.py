@@ -5,9 +5,10 @@ transformers 5 holds a mixture-of-experts layer's experts fused in memory (`mlp.
 names Mixtral's router `mlp.gate`; checkpoints, `save_pretrained` and megarl's weight pushes name
 every expert's matrices (`mlp.experts.<e>.{gate,up,down}_proj.weight`, Mixtral
 `block_sparse_moe.experts.<e>.{w1,w3,w2}.weight` and `block_sparse_moe.gate.weight`). SGLang loads
-those names into its own fused parameters; these two functions do the same for the CPU engine: a
-pushed per-expert tensor lands in its slice of the fused parameter, and the weights checker reports
-checkpoint names, which are what the trainer hashed. Dense models pass through unchanged.
+those names into its own fused parameters; these functions do the same for the CPU engine: a
+pushed per-expert tensor lands in its slice of the fused parameter (`checkpoint_tensor`), and the
+weights checker reports checkpoint names (`model_tensors`), which are what the trainer hashed.
+Dense models pass through unchanged.
 """
 from __future__ import annotations
 
@@ -65,3 +66,11 @@ def checkpoint_named_tensors(named: Iterable[tuple[str, torch.Tensor]],
             yield f"{layer}.block_sparse_moe.gate.weight", tensor
         else:
             yield name, tensor
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang's checker walks: `named_parameters()` then `named_buffers()` (tied tensors once),
+    under checkpoint names: a transformers model's fused MoE experts as each expert's matrices, the
+    names the trainer pushed and hashed (`checkpoint_named_tensors`)."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return list(checkpoint_named_tensors(named, mixtral=getattr(model.config, "model_type", "") == "mixtral"))

@@ -1,4 +1,4 @@
-"""The per-row state of the sequences the CPU engine decodes together (`cpu_engine.CPUEngine`).
+"""The per-row state of the sequences the CPU engine decodes together (`engine.CPUEngine`).
 
 Row r of every tensor belongs to `seqs[r]`. The rows share one KV cache of `length` filled columns,
 aligned on the right: row r's first `pad[r]` columns are left padding (masked out), the others its
@@ -42,7 +42,7 @@ def _stack_stop_ids(a: Optional[torch.Tensor], rows_a: int, b: Optional[torch.Te
 class DecodeRows:
     """Sampling settings, positions and outputs of B rows; tensors are [B] unless said."""
 
-    seqs: list  # the `cpu_engine.Sequence` of each row
+    seqs: list  # the `engine.Sequence` of each row
     length: int  # filled KV-cache columns, the same for every row
     pad: torch.Tensor  # long: left-padding columns of each row
     next_pos: torch.Tensor  # [B, 1] long: the position id of each row's next input token

@@ -1,6 +1,6 @@
 """megarl's CPU engine behind SGLang's native HTTP API (FastAPI + uvicorn).
 
-    python -m megarl.rollout.cpu_server --model-path DIR --port 30000 [--api-key KEY]
+    python -m megarl.rollout.cpu.server --model-path DIR --port 30000 [--api-key KEY]
 
 Serves the subset of SGLang 0.5.23's endpoints megarl drives, with SGLang's paths, field names,
 status codes and state rules: `/generate`, `/health`, `/health_generate`, `/model_info`,
@@ -10,7 +10,7 @@ status codes and state rules: `/generate`, `/health`, `/health_generate`, `/mode
 `/update_weights_from_disk`, `/release_memory_occupation`, `/resume_memory_occupation`,
 `/weights_checker` (the "checksum" action: `rollout.weights_checker`), `/load_lora_adapter`,
 `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`, `/update_weight_version`
-(`rollout.lora_adapters`). Tensor and
+(`rollout.cpu.lora_adapters`). Tensor and
 distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
 as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
 `{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
@@ -35,9 +35,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 import megarl
-from megarl.rollout.cpu_engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
+from megarl.rollout.cpu.checkpoint_names import model_tensors
+from megarl.rollout.cpu.engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
+from megarl.rollout.cpu.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout.launch import EP_FLAG
-from megarl.rollout.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
 from megarl.rollout.routed_experts import SERVER_FLAG, encode_routed_experts
@@ -47,7 +48,7 @@ from megarl.rollout.weight_group import (
     receive_bucket,
 )
 
-log = logging.getLogger("megarl.rollout.cpu_server")
+log = logging.getLogger("megarl.rollout.cpu.server")
 
 OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
 
@@ -460,7 +461,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         def checksums() -> dict:
             engine._check_weights_resident()
             with engine.exclusive_model() as model:
-                return weights_checker.checksum_response(weights_checker.model_tensors(model), req.skip_tensor_list)
+                return weights_checker.checksum_response(model_tensors(model), req.skip_tensor_list)
 
         try:
             return await asyncio.to_thread(checksums)
