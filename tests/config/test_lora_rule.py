@@ -25,6 +25,11 @@ def test_lora_is_off_by_default_and_all_linear_names_the_seven_peft_targets():
      f"{KEY}.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true"),
     (["critic.model.lora.rank=8", "critic.model.lora.alpha=0"], "critic.model.lora.alpha=0.0: must be positive"),
     (["critic.model.lora.rank=8", "critic.model.lora.sync=adapter"], "critic.model.lora.sync=adapter: the critic"),
+    ([f"{KEY}.rank=8", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.sequence_parallel=true", "trainer.n_gpus_per_node=2"],
+     f"{KEY}.rank=8 with actor_rollout_ref.actor.megatron.sequence_parallel=true"),
+    (["critic.model.lora.rank=8", "critic.megatron.tensor_model_parallel_size=2", "critic.megatron.sequence_parallel=true",
+      "trainer.n_gpus_per_node=2"], "critic.model.lora.rank=8 with critic.megatron.sequence_parallel=true"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -35,6 +40,8 @@ def test_bad_lora_settings_are_refused_naming_the_key(overrides, message):
 def test_a_valid_lora_config_loads():
     config = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.target_modules=[q_proj,v_proj]"])
     assert config.actor_rollout_ref.model.lora.target_modules == ["q_proj", "v_proj"]
+    # sequence_parallel at TP 1 is off (megarl.engines.megatron.parallel.sequence_parallel_on): no conflict
+    load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", "actor_rollout_ref.actor.megatron.sequence_parallel=true"])
     adapter = load_and_validate(None, REQUIRED + [f"{KEY}.rank=16", f"{KEY}.sync=adapter"])
     assert adapter.actor_rollout_ref.model.lora.sync == "adapter"
 

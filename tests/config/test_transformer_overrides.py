@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from megarl.config import ConfigError, load_config
-from megarl.config.transformer_overrides import Recompute, recompute_of, role_overrides
+from megarl.config.transformer_overrides import Recompute, cp_comm_type_model_problems, recompute_of, role_overrides
 
 from config_cases import REQUIRED, fails, ok
 
@@ -116,3 +116,32 @@ def test_model_engine_megatron_is_accepted_and_another_engine_refused(tmp_path, 
     (tmp_path / "exp.yaml").write_text("model_engine: veomni\n")
     with pytest.raises(ConfigError, match="model_engine=veomni .*megarl accepts model_engine=megatron only"):
         load_config(tmp_path / "exp.yaml", REQUIRED)
+
+
+def test_cp_comm_type_takes_megatrons_names_and_not_the_hierarchical_one():
+    for value in ("p2p", "all_gather", "a2a", "[p2p,a2a]"):
+        ok("actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2",
+           f"+{ACTOR}.cp_comm_type={value}")
+    assert f"{ACTOR}.cp_comm_type=ring: must be one of p2p, all_gather, a2a, a2a+p2p" in fails(
+        f"+{ACTOR}.cp_comm_type=ring")
+    assert f"{ACTOR}.cp_comm_type=a2a+p2p needs megatron's hierarchical context-parallel groups" in fails(
+        f"+{ACTOR}.cp_comm_type=a2a+p2p")
+
+
+@pytest.mark.parametrize("cp_comm_type, cp, tp, heads, groups, window, refused", [
+    (None, 2, 1, 4, 2, False, None),  # p2p, the default
+    ("a2a", 2, 1, 4, 2, False, None),  # 4 and 2 heads split over CP2
+    ("a2a", 2, 2, 4, 2, False, "cp_comm_type=a2a"),  # 1 key/value head per TP rank cannot split over CP2
+    ("a2a", 4, 1, 4, 2, False, "cp_comm_type=a2a"),
+    (None, 2, 1, 4, 2, True, "cp_comm_type=p2p (the default)"),  # TE's p2p refuses a sliding window
+    ("all_gather", 2, 1, 4, 2, True, None),
+    (["a2a", "p2p"], 2, 1, 4, 2, True, "cp_comm_type=p2p"),
+    ("a2a", 1, 2, 4, 2, True, None),  # no context parallelism: nothing to refuse
+])
+def test_cp_comm_type_combinations_transformer_engine_refuses(cp_comm_type, cp, tp, heads, groups, window, refused):
+    problems = cp_comm_type_model_problems(ACTOR, cp_comm_type, cp=cp, tp=tp, heads=heads, query_groups=groups,
+                                           sliding_window=window)
+    if refused is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith(f"{ACTOR}.{refused}")

@@ -62,6 +62,17 @@ def test_impossible_values(overrides, expected):
     assert expected in fails(*overrides)
 
 
+def test_a_token_budget_per_gpu_holds_a_cp_ranks_share_of_a_sequence():
+    """1024-token sequences: a budget of 600 per GPU holds no sequence at CP1, half of one (512) at CP2."""
+    budget = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600"]
+    assert "ppo_max_token_len_per_gpu=600 tokens is less than one full sequence" in fails(*budget)
+    cp2 = ["actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    ok(*budget, *cp2)
+    assert ("ppo_max_token_len_per_gpu=500 tokens is less than one full sequence (data.max_prompt_length + "
+            "data.max_response_length = 1024 tokens, over actor_rollout_ref.actor.megatron.context_parallel_size=2 "
+            "GPUs: 512 tokens each)") in fails(*budget[:1], "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=500", *cp2)
+
+
 def test_grpo_with_one_response_warns_but_validates(caplog):
     with caplog.at_level(logging.WARNING, logger="megarl.config"):
         ok("algorithm.adv_estimator=grpo")

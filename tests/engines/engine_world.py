@@ -70,14 +70,14 @@ def reset_layout() -> None:
 
 
 def share_in_replica(value):
-    """The output rank's value on every rank of its model-parallel group (what the controller's
-    data flow provides in a real run)."""
+    """The output rank's value on every rank of its DP replica (TP x PP x CP ranks: what the
+    controller's data flow provides in a real run)."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_model_parallel_group()
-    values = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return next(v for v in values if v is not None)
+    mine = parallel_state.get_data_parallel_rank()
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, (mine, value))
+    return next(v for dp, v in values if dp == mine and v is not None)
 
 
 def local_state(engine) -> dict:

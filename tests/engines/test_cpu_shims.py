@@ -18,7 +18,7 @@ from megarl import testing
 from megarl.engines.megatron.cpu import shims as cpu_shims
 from megarl.engines.megatron.cpu.shims import CPU_SHIMS, UnverifiedMegatronVersion, megatron_core_version, shims_for
 
-SHIMS = shims_for(megatron_core_version())  # the installed megatron-core's
+SHIMS = shims_for(megatron_core_version(), cuda=False)  # the installed megatron-core's
 
 # what the traceback shows when the shim is missing: the megatron source line that needs it
 FAILS_WITHOUT = {
@@ -29,6 +29,7 @@ FAILS_WITHOUT = {
     "tensor_type_names": r"clip_grads\.py.*\n\s*assert param\.grad\.type\(\) == 'torch\.cuda\.FloatTensor'",
     "tensor_cuda": r"language_module\.py.*\n\s*weight\.data = weight\.data\.cuda\(\)",
     "current_stream": r"param_and_grad_buffer\.py.*\n\s*current_stream = torch\.cuda\.current_stream\(\)",
+    "sequence_parallel_norm": r"torch_norm\.py.*\n\s*assert not config\.sequence_parallel",
 }
 
 
@@ -72,6 +73,12 @@ def scenario(rank: int, world_size: int, port: int, shims: list) -> float:
                                         num_microbatches=2, seq_length=16, micro_batch_size=2, forward_only=False)
     updated, grad_norm, _ = optimizer.step()
     assert updated and grad_norm > 0
+    # the local spec's RMSNorm of a sequence-parallel model (TP2: a config only, no TP2 world needed)
+    sp_config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
+                                  tensor_model_parallel_size=2, sequence_parallel=True, use_cpu_initialization=True)
+    norm_class = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.input_layernorm
+    norm = norm_class(config=sp_config, hidden_size=32, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel  # its grads summed over TP
     return store[0]["loss"].item() if last else None
 
 
@@ -88,10 +95,15 @@ def test_all_shims_run_pipeline_training_with_tied_embeddings(outcomes):
     assert 0 < outcomes["all"]["loss"] < 2 * torch.log(torch.tensor(64.0)).item()  # a fresh model: near log(vocab)
 
 
-def test_the_shims_a_release_needs():
-    assert shims_for("0.16.1") == ("current_device", "synchronize", "rng_tracker", "cuda_factories",
-                                   "tensor_type_names", "tensor_cuda")
-    assert shims_for("0.19.2") == shims_for("0.16.1") + ("current_stream",)
+def test_the_shims_a_release_needs_on_a_cpu():
+    assert shims_for("0.16.1", cuda=False) == ("current_device", "synchronize", "rng_tracker", "cuda_factories",
+                                               "tensor_type_names", "tensor_cuda", "sequence_parallel_norm")
+    assert shims_for("0.19.2", cuda=False) == shims_for("0.16.1", cuda=False) + ("current_stream",)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_no_shim_is_chosen_with_cuda(version):
+    assert shims_for(version, cuda=True) == ()
 
 
 @pytest.mark.parametrize("shim", SHIMS)

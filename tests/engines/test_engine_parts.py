@@ -7,10 +7,11 @@ from transformers import AutoModelForCausalLM
 from megarl.config.schema import MegatronConfig, OptimConfig
 from megarl.data.batch import Batch
 from megarl.engines.megatron import offload
-from megarl.engines.megatron.model import padded_vocab
+from megarl.engines.megatron.model import padded_vocab, sequence_parallel_problem
 from megarl.engines.megatron.optim import build_scheduler
 from megarl.engines.megatron.parallel import role_layout
-from megarl.engines.megatron.sequences import fixed_shape, make_micro_batch, micro_batch_groups
+from megarl.engines.megatron.replay import router_rows
+from megarl.engines.megatron.sequences import fixed_shape, length_multiple, make_micro_batch, micro_batch_groups
 
 
 def test_micro_batch_groups_by_size_by_tokens_and_multiple_of_pp():
@@ -43,6 +44,42 @@ def test_padded_micro_batch_puts_each_target_after_its_context():
     assert wide.input_ids.shape == (3, 7) and wide.input_ids[:2, :5].tolist() == mb.input_ids.tolist()
     s, i = wide.token_index // 3, wide.token_index % 3
     assert wide.input_ids[i, s + 1].tolist() == wide.targets.tolist() == mb.targets.tolist()
+
+
+def test_sequence_parallel_micro_batches_are_padded_to_a_multiple_of_tp():
+    """megatron splits the sequence evenly over the TP ranks: 5 tokens become 6 at TP2 (8 at TP4),
+    the extra column is padding after every real token, and the targets and their rows stay."""
+    batch = Batch.from_token_lists([[11, 12, 13], [21]], [[14, 15], [22, 23, 24]])
+    assert [length_multiple(tp, sp) for tp, sp in ((2, True), (4, True), (2, False), (1, False))] == [2, 4, 1, 1]
+    plain = make_micro_batch(batch, [0, 1], "padded", vocab_size=47, device=torch.device("cpu"))
+    for tp, width in ((2, 6), (4, 8)):
+        mb = make_micro_batch(batch, [0, 1], "padded", vocab_size=47, device=torch.device("cpu"), multiple=tp)
+        assert mb.input_ids.shape == (2, width) and mb.input_ids[:, :5].tolist() == plain.input_ids.tolist()
+        assert bool((mb.input_ids[:, 5:] == 0).all())
+        assert mb.token_index.tolist() == plain.token_index.tolist() and mb.targets.tolist() == plain.targets.tolist()
+    assert fixed_shape(batch, [[0], [1]], "padded", 4) == (1, 8) and fixed_shape(batch, [[0, 1]], "packed", 2) == (1, 10)
+
+
+def test_router_rows_are_each_tp_ranks_part_of_the_sequence_with_sequence_parallelism():
+    # [S=4, b=3] flattened to 12 rows s * b + j; TP2 splits S: rank 0 has positions 0-1 (rows 0-5)
+    assert router_rows(12, 2, 0, True).tolist() == list(range(6))
+    assert router_rows(12, 2, 1, True).tolist() == list(range(6, 12))
+    assert router_rows(12, 2, 1, False).tolist() == list(range(12))  # every TP rank routes every token
+    with pytest.raises(ValueError, match="13 token rows cannot be split evenly over 2"):
+        router_rows(13, 2, 0, True)
+
+
+@pytest.mark.parametrize("sp, on_cuda, te, refused", [
+    (True, True, False, True),  # megatron's local spec on a GPU: its torch norm refuses sequence parallelism
+    (True, True, True, False),  # transformer-engine layers take it
+    (True, False, False, False),  # CPU: the sequence_parallel_norm shim
+    (False, True, False, False),
+])
+def test_sequence_parallelism_on_a_gpu_needs_transformer_engine_layers(sp, on_cuda, te, refused):
+    problem = sequence_parallel_problem(sp, on_cuda=on_cuda, transformer_engine_layers=te)
+    assert (problem is not None) == refused
+    if refused:
+        assert problem.startswith("sequence_parallel=true on a GPU needs transformer-engine layers")
 
 
 def test_micro_batch_refuses_responses_without_context_and_unknown_tokens():
@@ -185,13 +222,20 @@ def test_padded_vocabulary_does_not_depend_on_tp():
     assert padded_vocab(100, 3) == 384  # lcm(128, 3)
 
 
-def test_unsupported_parallelism_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match=r"critic\.megatron\.context_parallel_size=2"):
-        role_layout(MegatronConfig(context_parallel_size=2), "critic.megatron")
-    with pytest.raises(NotImplementedError, match=r"sequence_parallel=true"):
-        role_layout(MegatronConfig(sequence_parallel=True), "critic.megatron")
+def test_parallel_sizes_are_read_and_bad_ones_refused_by_name():
+    with pytest.raises(ValueError, match=r"critic\.megatron\.context_parallel_size=0: must be a positive integer"):
+        role_layout(MegatronConfig(context_parallel_size=0), "critic.megatron")
+    with pytest.raises(ValueError, match=r"x\.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size"):
+        role_layout(MegatronConfig(virtual_pipeline_model_parallel_size=2), "x")
+    assert role_layout(MegatronConfig(context_parallel_size=2), "x").cp == 2
     assert role_layout(MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                       virtual_pipeline_model_parallel_size=2), "x").vpp == 2
+
+
+def test_sequence_parallel_runs_only_with_tensor_parallelism():
+    assert role_layout(MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), "x").sp
+    assert not role_layout(MegatronConfig(tensor_model_parallel_size=2), "x").sp
+    assert not role_layout(MegatronConfig(sequence_parallel=True), "x").sp  # TP 1: off, as verl has it
 
 
 def test_unmasked_vocabulary_padding_would_fail_the_comparison(tiny_models):

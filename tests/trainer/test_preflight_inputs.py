@@ -139,16 +139,19 @@ def test_a_hub_id_resolves_through_the_hf_cache_for_the_dry_run_and_plan(tiny_as
 def test_an_expert_parallel_rl_actor_passes_the_checks_and_a_tensor_parallel_moe_actor_does_not(tiny_assets, tmp_path):
     """The resharder gathers experts across EP ranks (tests/sync/test_expert_sync.py): an RL actor
     with expert_model_parallel_size=2 is no longer refused before the run. An MoE actor at TP 2 is
-    (a dense one is not)."""
+    without sequence parallelism, and passes with it (a dense one passes either way)."""
     from megarl.data.tiny_model import make_tiny_model
 
     moe = make_tiny_model("qwen3_moe", tmp_path / "moe", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32)
     train = tiny_assets / "data/train.parquet"
     config = check_environment(_config(moe, train, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"))
     assert config.actor_rollout_ref.actor.megatron.expert_model_parallel_size == 2
-    # TP 2: megatron-core trains MoE layers with TP > 1 only with sequence parallelism, not supported yet
+    # TP 2: megatron-core trains MoE layers with TP > 1 only with sequence parallelism
     tp2 = _problems(_config(moe, train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
     assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: the model is a mixture of experts" in tp2
+    assert "set actor_rollout_ref.actor.megatron.sequence_parallel=true" in tp2
+    check_environment(_config(moe, train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                              "actor_rollout_ref.actor.megatron.sequence_parallel=true"))
     check_environment(_config(tiny_assets / "model", train, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
 
 

@@ -483,3 +483,24 @@ def test_grpo_moe_replays_the_rollouts_routes(ray_session, tiny_assets, tmp_path
     assert (routes[mask] < 8).all() and (routes[routed][..., 0] != routes[routed][..., 1]).all()  # top-2 distinct
     assert first["prompt_routed_experts"].shape[:2] == first["prompt_ids"].shape
     assert (first["old_log_probs"] - first["rollout_log_probs"])[mask].abs().max() <= TOL
+
+
+# ------------------------------------------------------------------------------ context parallelism
+def test_grpo_at_context_parallel_2_trains_end_to_end(ray_session, tiny_assets, tmp_path):
+    """configs/tiny/grpo.yaml with the actor and the reference at CP2 on two logical GPUs (DP1;
+    megarl's CPU reference CP attention, each rank holding half of every sequence): two steps. The
+    servers sample step 2 from the weights CP rank 0 pushed after step 1 (their log-probs equal the
+    actor's: run_recipe's check, and the rollout/trainer gap within fp32 rounding), the update (one
+    mini-batch per step) starts from ppo_kl exactly 0, and the reference equals the actor at step 1."""
+    cp2 = [f"actor_rollout_ref.{role}.megatron.context_parallel_size=2" for role in ("actor", "ref")]
+    run = run_recipe("grpo", tiny_assets, tmp_path, "trainer.n_gpus_per_node=2", *cp2,
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=true",
+                     steps=2)
+    assert run.config.actor_rollout_ref.actor.megatron.context_parallel_size == 2
+    m = run.metrics
+    assert m["training/rollout_log_probs_diff_max"] <= TOL and m["sync/weight_version"] == 2, m
+    assert m["actor/ppo_kl"] == 0.0 and m["actor/grad_norm"] > 0, m
+    first, second = run.actor_batches
+    assert torch.equal(first["old_log_probs"], first["ref_log_probs"])  # the reference at CP2 too
+    mask = second["response_mask"].bool()
+    assert (second["rollout_log_probs"] - second["old_log_probs"])[mask].abs().max() < 1e-4

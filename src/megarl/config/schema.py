@@ -133,11 +133,16 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # each sequence split over CP GPUs in megatron's 2 x CP chunk layout (megarl.engines.megatron.context_parallel);
+    # on GPUs transformer-engine's attention, its communication `override_transformer_config.cp_comm_type`
     context_parallel_size: int = 1
     # MoE models: experts of a layer spread over EP ranks; each expert split over ETP ranks
     # (null: TP, megatron's default). Ignored by dense models (EP must then be 1).
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
+    # megatron-core's sequence parallelism: the activations outside attention and the MLP split along
+    # the sequence over the TP ranks (micro-batches padded to a multiple of TP). Off at TP 1, as in verl
+    # (megarl.engines.megatron.parallel.sequence_parallel_on); not with LoRA; an MoE actor at TP > 1 needs it.
     sequence_parallel: bool = False
     # MoE router losses (megatron TransformerConfig's names): load-balancing (aux) loss and z-loss
     # coefficients; 0 / null: off. Only training roles use them.

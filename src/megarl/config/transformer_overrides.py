@@ -106,3 +106,52 @@ def megarl_key_problems(prefix: str, section: str, overrides: Mapping[str, Any],
             problems.append(f"{prefix}.{name}={overrides[name]} conflicts with actor_rollout_ref.model.dtype={dtype}, "
                             "from which megarl sets it; set actor_rollout_ref.model.dtype only")
     return problems
+
+
+# megatron-core's context-parallel communication of transformer-engine's attention (TransformerConfig.cp_comm_type,
+# transformer_config.py:732 in 0.16.1: "p2p" or "all_gather" or "a2a" or "a2a+p2p", one for all layers or one per layer;
+# unset: "p2p", extensions/transformer_engine.py:1240). megarl's CPU reference attention all-gathers whatever it says.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _cp_comm_types(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def cp_comm_type_problems(prefix: str, overrides: Mapping[str, Any]) -> list[str]:
+    """Messages for `<prefix>.cp_comm_type` (`prefix` = `<section>.megatron.override_transformer_config`):
+    each value one of CP_COMM_TYPES, and no "a2a+p2p": it runs over megatron's hierarchical CP groups
+    (extensions/transformer_engine.py:1242-1249 `get_hierarchical_context_parallel_groups`), which exist only
+    with `hierarchical_context_parallel_sizes` at initialize_model_parallel, and megarl does not make them."""
+    if "cp_comm_type" not in overrides or overrides["cp_comm_type"] is None:
+        return []
+    values = _cp_comm_types(overrides["cp_comm_type"])
+    problems = [f"{prefix}.cp_comm_type={v}: must be one of {', '.join(CP_COMM_TYPES)} (megatron-core's names)"
+                for v in values if v not in CP_COMM_TYPES]
+    if "a2a+p2p" in values:
+        problems.append(f"{prefix}.cp_comm_type=a2a+p2p needs megatron's hierarchical context-parallel groups, which "
+                        "megarl does not create; use p2p, all_gather or a2a")
+    return problems
+
+
+def cp_comm_type_model_problems(prefix: str, cp_comm_type, *, cp: int, tp: int, heads: int, query_groups: int,
+                                sliding_window: bool) -> list[str]:
+    """Messages for the combinations of a role's cp_comm_type (None: "p2p"), its layout and its model
+    that transformer-engine's CP attention refuses (transformer_engine/pytorch/attention/dot_product_attention/
+    context_parallel.py): "a2a" scatters heads over the CP ranks, so each TP rank's query heads and
+    key/value heads must divide by CP ("The number of attention heads needs to be divisible by CP size!");
+    a sliding window runs only with "a2a" or "all_gather" (`attn_forward_func_with_cp`: "The context parallel
+    running configs cannot support sliding window attetnion!"). None at CP 1."""
+    if cp == 1:
+        return []
+    problems = []
+    for value in dict.fromkeys(_cp_comm_types(cp_comm_type if cp_comm_type is not None else "p2p")):
+        if value == "a2a" and ((heads // tp) % cp or (query_groups // tp) % cp):
+            problems.append(f"{prefix}.cp_comm_type=a2a with context_parallel_size={cp}: each of the "
+                            f"{tp} tensor-parallel ranks holds {heads // tp} query and {query_groups // tp} key/value "
+                            f"heads, which a2a must split evenly over the {cp} CP ranks; use p2p or all_gather")
+        if value == "p2p" and sliding_window:
+            problems.append(f"{prefix}.cp_comm_type=p2p (the default) with context_parallel_size={cp}: the model has a "
+                            "sliding window, which transformer-engine's p2p context parallelism refuses; set "
+                            f"{prefix}.cp_comm_type to a2a or all_gather")
+    return problems

@@ -120,15 +120,15 @@ def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]
 
 
 def moe_tensor_parallel_problem(config: ExperimentConfig) -> Optional[str]:
-    """An MoE actor with TP > 1: megatron-core trains an MoE layer with tensor parallelism only
-    with sequence parallelism (transformer/moe/moe_layer.py raises in training mode), which the
-    megarl engine does not support yet, so the first update would fail after the cluster is up.
-    Call with the config `model_inputs` resolved (a local model directory)."""
+    """An MoE actor with TP > 1 without sequence parallelism: megatron-core trains an MoE layer with
+    tensor parallelism only with sequence parallelism (transformer/moe/moe_layer.py raises in
+    training mode), so the first update would fail after the cluster is up. Call with the config
+    `model_inputs` resolved (a local model directory)."""
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
 
     arr = config.actor_rollout_ref
     tp = arr.actor.megatron.tensor_model_parallel_size
-    if tp <= 1:
+    if tp <= 1 or arr.actor.megatron.sequence_parallel:
         return None
     try:
         moe = arch_from_hf_config(load_hf_config(arr.model.path)).moe
@@ -137,9 +137,8 @@ def moe_tensor_parallel_problem(config: ExperimentConfig) -> Optional[str]:
     if moe is None:
         return None
     return (f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}: the model is a mixture of experts, "
-            "and megatron-core trains MoE layers with TP > 1 only with sequence parallelism "
-            "(actor_rollout_ref.actor.megatron.sequence_parallel), which the megarl engine does not support yet; "
-            "use tensor_model_parallel_size=1 with pipeline and expert parallelism (expert_model_parallel_size)")
+            "and megatron-core trains MoE layers with TP > 1 only with sequence parallelism; set "
+            "actor_rollout_ref.actor.megatron.sequence_parallel=true")
 
 
 def rollout_expert_split_problem(config: ExperimentConfig) -> Optional[str]:

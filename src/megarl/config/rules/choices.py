@@ -16,14 +16,16 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """With dynamic batch sizes, one micro-batch's token budget must hold a whole sequence: the
-    actor's update and its old-log-prob pass.
+    actor's update and its old-log-prob pass. The budget is per GPU, as verl's: with context
+    parallelism a micro-batch holds CP x the budget, each CP rank 1/CP of each sequence.
 
     Reads: actor_rollout_ref.actor.use_dynamic_bsz, actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
     actor_rollout_ref.rollout.log_prob_use_dynamic_bsz, actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu,
-    data.max_prompt_length, data.max_response_length
+    actor_rollout_ref.actor.megatron.context_parallel_size, data.max_prompt_length, data.max_response_length
     """
     d, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    sequence = d.max_prompt_length + d.max_response_length
+    cp = max(actor.megatron.context_parallel_size, 1)
+    sequence = -(-(d.max_prompt_length + d.max_response_length) // cp)  # tokens of a sequence per CP rank
     budgets = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (actor.use_dynamic_bsz,
                                                                      actor.ppo_max_token_len_per_gpu)}
     old_log_probs = (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu)
@@ -31,8 +33,10 @@ def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes)
         budgets["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = old_log_probs
     for key, (on, budget) in budgets.items():
         if on and budget < sequence:
+            share = "" if cp == 1 else (f", over actor_rollout_ref.actor.megatron.context_parallel_size={cp} GPUs: "
+                                        f"{sequence} tokens each")
             yield (f"{key}={budget} tokens is less than one full sequence (data.max_prompt_length + "
-                   f"data.max_response_length = {sequence} tokens)")
+                   f"data.max_response_length = {d.max_prompt_length + d.max_response_length} tokens{share})")
 
 
 def group_estimator_has_groups(config: ExperimentConfig, sizes: DerivedSizes) -> Iterable[str]:

@@ -20,13 +20,16 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
     trainer.default_local_dir, which must then be on a filesystem every node mounts at the same
     path, and no config key says whether it is (a server that cannot read it fails the first push,
     naming the directory). The critic pushes nothing: its `sync` stays merged. The reference model
-    is never adapted (it is the frozen base).
+    is never adapted (it is the frozen base). An adapted role takes no sequence parallelism: the
+    adapters see a column-parallel layer's whole input, which sequence parallelism splits along the sequence.
 
     Reads: actor_rollout_ref.model.lora, critic.model.lora, actor_rollout_ref.rollout.check_weight_update,
-    trainer.nnodes, trainer.default_local_dir
+    trainer.nnodes, trainer.default_local_dir, actor_rollout_ref.actor.megatron, critic.megatron
     """
     actor = config.actor_rollout_ref.model.lora
     yield from _adapter_settings(actor, "actor_rollout_ref.model.lora")
+    yield from _no_sequence_parallel(actor, "actor_rollout_ref.model.lora", config.actor_rollout_ref.actor.megatron,
+                                     "actor_rollout_ref.actor.megatron")
     if actor.rank > 0 and actor.sync == "adapter" and config.actor_rollout_ref.rollout.check_weight_update:
         yield ("actor_rollout_ref.model.lora.sync=adapter with actor_rollout_ref.rollout.check_weight_update=true: "
                "the check compares the base weights a push sends, and adapter-only sync sends none; turn the check "
@@ -41,8 +44,18 @@ def lora_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str
         )
     critic = config.critic.model.lora
     yield from _adapter_settings(critic, "critic.model.lora")
+    yield from _no_sequence_parallel(critic, "critic.model.lora", config.critic.megatron, "critic.megatron")
     if critic.rank > 0 and critic.sync != "merged":
         yield f"critic.model.lora.sync={critic.sync}: the critic pushes no weights; leave it merged"
+
+
+def _no_sequence_parallel(lora, key: str, megatron, section: str) -> Iterator[str]:
+    """LoRA's column-parallel adapters take the base layer's input whole (megarl.engines.megatron.lora);
+    with sequence parallelism (at TP > 1) megatron's column-parallel layer all-gathers that input itself."""
+    if lora.rank > 0 and megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
+        yield (f"{key}.rank={lora.rank} with {section}.sequence_parallel=true: megarl's LoRA adapters take a layer's "
+               f"whole input, which sequence parallelism splits over the {megatron.tensor_model_parallel_size} "
+               f"tensor-parallel ranks; set {section}.sequence_parallel=false")
 
 
 def _adapter_settings(lora, key: str) -> Iterator[str]:

@@ -8,15 +8,16 @@ from collections.abc import Iterator
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.rules.experts import training_roles
 from megarl.config.schema import ExperimentConfig
-from megarl.config.transformer_overrides import KEY, megarl_key_problems, recompute_problems
+from megarl.config.transformer_overrides import KEY, cp_comm_type_problems, megarl_key_problems, recompute_problems
 
 GRADIENT_CHECKPOINTED = ("actor_rollout_ref.actor", "critic")  # the roles enable_gradient_checkpointing applies to
 
 
 def transformer_overrides_fit(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Each training role's transformer overrides: recompute values megatron-core accepts and that
-    agree with enable_gradient_checkpointing (actor and critic), and no layout or dtype name that
-    differs from the megarl key it comes from.
+    agree with enable_gradient_checkpointing (actor and critic), no layout or dtype name that
+    differs from the megarl key it comes from, and a context-parallel communication type
+    (`cp_comm_type`) megatron-core names and megarl's groups can run.
 
     Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.enable, critic.megatron,
     reward_model.enable, reward_model.megatron, actor_rollout_ref.model.enable_gradient_checkpointing,
@@ -28,3 +29,4 @@ def transformer_overrides_fit(config: ExperimentConfig, sizes: DerivedSizes) -> 
         checkpointed = arr.model.enable_gradient_checkpointing and section in GRADIENT_CHECKPOINTED
         yield from recompute_problems(prefix, overrides, checkpointed)
         yield from megarl_key_problems(prefix, section, overrides, megatron, arr.model.dtype)
+        yield from cp_comm_type_problems(prefix, overrides)

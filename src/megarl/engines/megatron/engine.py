@@ -30,6 +30,7 @@ from megarl.engines.megatron.model import (
     moe_settings,
     load_hf_weights,
     read_arch,
+    sequence_parallel_problem,
     transformer_engine_available,
     vocab_rows_of,
 )
@@ -39,9 +40,10 @@ from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import (build_optimizer, build_scheduler, ddp_overlap, finish_param_gather,
                                           gather_params_now, wrap_ddp)
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
-from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, set_replay
+from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, router_rows, set_replay
 from megarl.engines.megatron.schedule import Head, run_schedule
-from megarl.engines.megatron.sequences import Layout, MicroBatch, fixed_shape, make_micro_batch, micro_batch_groups
+from megarl.engines.megatron.sequences import (Layout, MicroBatch, default_sequence_layout, fixed_shape,
+                                               length_multiple, make_micro_batch, micro_batch_groups)
 from megarl.engines.megatron.training import (
     LossHead,
     check_mini_batches,
@@ -99,9 +101,16 @@ class MegatronEngine:
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
         te_available = transformer_engine_available()
         uses_te = builds_with_transformer_engine(te_available, lora is not None)
-        self.sequence_layout: Layout = sequence_layout or ("packed" if uses_te else "padded")
+        self.sequence_layout: Layout = sequence_layout or default_sequence_layout(uses_te, self.layout.cp)
         if self.sequence_layout == "packed" and not uses_te:
             raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")
+        if self.sequence_layout == "packed" and self.layout.cp > 1:
+            raise ValueError(f"{section}.megatron.context_parallel_size={self.layout.cp}: context parallelism takes "
+                             "the padded sequence layout (megarl does not partition packed sequences over CP ranks)")
+        problem = sequence_parallel_problem(self.layout.sp, on_cuda=self.device.type == "cuda",
+                                            transformer_engine_layers=uses_te)
+        if problem:
+            raise ValueError(f"{section}.megatron.{problem}")
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, transformer_engine=uses_te, section=section,
@@ -151,9 +160,14 @@ class MegatronEngine:
         return self._ps.get_data_parallel_world_size()
 
     @property
+    def cp_rank(self) -> int:
+        return self._ps.get_context_parallel_rank()
+
+    @property
     def is_output_rank(self) -> bool:
-        """True on exactly one rank per DP replica: TP rank 0 of the last pipeline stage."""
-        return self._ps.is_pipeline_last_stage() and self._ps.get_tensor_model_parallel_rank() == 0
+        """True on exactly one rank per DP replica: TP rank 0 and CP rank 0 of the last pipeline stage."""
+        return (self._ps.is_pipeline_last_stage() and self._ps.get_tensor_model_parallel_rank() == 0
+                and self.cp_rank == 0)
 
     def _is_last_stage(self) -> bool:
         return self._ps.is_pipeline_last_stage()
@@ -163,18 +177,23 @@ class MegatronEngine:
         self, batch: Batch, *, max_samples: Optional[int], max_tokens: Optional[int], data_keys: Sequence[str] = ()
     ) -> list[MicroBatch]:
         """`batch` cut into micro-batches of at most `max_samples` samples, or of at most
-        `max_tokens` tokens when that is given. With VPP, a multiple of PP of them, all padded to
-        one shape: megatron then sends no shapes between stages (its shape exchange pairs
-        messages wrongly when both neighbours are the same rank, PP=2 on gloo)."""
+        `max_tokens` tokens per GPU when that is given (CP x `max_tokens` tokens in all). With VPP,
+        a multiple of PP of them, all padded to one shape: megatron then sends no shapes between
+        stages (its shape exchange pairs messages wrongly when both neighbours are the same rank,
+        PP=2 on gloo). Sequences are padded to `length_multiple`; with CP each micro-batch is this
+        CP rank's part."""
         interleaved = self.layout.vpp > 1
         groups = micro_batch_groups(
-            batch.token_lengths().tolist(), max_samples=max_samples, max_tokens=max_tokens,
+            batch.token_lengths().tolist(), max_samples=max_samples,
+            # a budget per GPU, as verl's: a CP rank holds 1/CP of each sequence
+            max_tokens=None if max_tokens is None else max_tokens * self.layout.cp,
             multiple_of=self.layout.pp if interleaved else 1,
         )
-        shape = fixed_shape(batch, groups, self.sequence_layout) if interleaved else None
+        multiple = length_multiple(self.layout.tp, self.layout.sp, self.layout.cp)
+        shape = fixed_shape(batch, groups, self.sequence_layout, multiple) if interleaved else None
         routes = bool(self._routers) and all(k in batch for k in REPLAY_KEYS)
         return [make_micro_batch(batch, g, self.sequence_layout, self.arch.vocab_size, self.device, data_keys, shape,
-                                 with_routes=routes)
+                                 with_routes=routes, multiple=multiple, cp=self.layout.cp, cp_rank=self.cp_rank)
                 for g in groups]
 
     def run(self, micro_batches: list[MicroBatch], head: Head, forward_only: bool,
@@ -185,14 +204,19 @@ class MegatronEngine:
         back-propagated (gradients accumulate in DDP buffers). `counter`: told each micro-batch
         before its forward (an open `ExpertCounter`)."""
         self.offloader.check_onloaded()
-        hooks = ([lambda mb: set_replay(self._routers, mb.routes)] if self._routers else []) + (
-            [counter.before_forward] if counter is not None else [])
+        replay = [lambda mb: set_replay(self._routers, mb.routes[:, self._router_rows(mb)])] if self._routers else []
+        hooks = replay + ([counter.before_forward] if counter is not None else [])
         before_forward = (lambda mb: [hook(mb) for hook in hooks]) if hooks else None
         try:
             return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only,
                                 before_forward)
         finally:
             set_replay(self._routers, None)
+
+    def _router_rows(self, mb: MicroBatch) -> torch.Tensor:
+        """The rows of `mb`'s flattened hidden states this rank's MoE routers see (`replay.router_rows`)."""
+        return router_rows(mb.input_ids.numel(), self.layout.tp, self._ps.get_tensor_model_parallel_rank(),
+                           self.layout.sp, mb.held_rows)
 
     def output_weight(self) -> torch.Tensor:
         """The output layer (this rank's vocabulary rows) of the last stage; the embedding when tied.
@@ -216,9 +240,11 @@ class MegatronEngine:
         if not (count_experts and self.arch.moe is not None):
             return self.run(micro_batches, head, True), None
         with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts,
-                           self.device) as counter:
+                           self.device, rows_of=self._router_rows) as counter:
             outputs = self.run(micro_batches, head, True, counter)
-        return outputs, counter.totals(self._ps.get_pipeline_model_parallel_group())
+        return outputs, counter.totals(self._ps.get_pipeline_model_parallel_group(),
+                                       self._ps.get_tensor_model_parallel_group() if self.layout.sp else None,
+                                       self._ps.get_context_parallel_group() if self.layout.cp > 1 else None)
 
     def forward_tokens(
         self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str], count_experts: bool = False

@@ -42,7 +42,9 @@ from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_l
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
 from megarl.config.errors import ConfigError
 from megarl.config.expert_mlp import expert_mlp
-from megarl.config.transformer_overrides import DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES
+from megarl.config.transformer_overrides import (DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES,
+                                                cp_comm_type_model_problems)
+from megarl.engines.megatron.cp_attention import cpu_context_parallel_attention, with_core_attention
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 from megarl.engines.megatron.transformer_overrides import apply_overrides, transformer_config_fields
 
@@ -125,6 +127,34 @@ def fusion_flags(*, on_cuda: bool, transformer_engine: bool, lora: bool, trains:
     }
 
 
+def sequence_parallel_problem(sp: bool, *, on_cuda: bool, transformer_engine_layers: bool) -> Optional[str]:
+    """Why a role's layers cannot run sequence parallelism here, or None. megatron's local layer
+    spec builds every RMSNorm as torch's (models/backends.py:110 `LNImpl = WrappedTorchNorm`), which
+    refuses it (transformer/torch_norm.py:32 `assert not config.sequence_parallel`); megarl lifts
+    that on the CPU only (the `sequence_parallel_norm` CPU shim, never applied on CUDA), and
+    transformer-engine's norms take it (extensions/transformer_engine.py TENorm). So on CUDA only
+    transformer-engine layers run it."""
+    if sp and on_cuda and not transformer_engine_layers:
+        return ("sequence_parallel=true on a GPU needs transformer-engine layers (megatron's local layer spec, "
+                "built without transformer-engine installed, refuses it: transformer/torch_norm.py); install "
+                "transformer-engine or set sequence_parallel=false")
+    return None
+
+
+def context_parallel_attention(cp: int, *, on_cuda: bool, transformer_engine_layers: bool) -> Optional[str]:
+    """The core attention of a role's layers at context parallel size `cp`: "spec" (the layer
+    spec's own), "cpu_reference" (`cp_attention.CpuContextParallelAttention`), or None (none can
+    run it here). Rules: at CP 1 every spec's attention runs; transformer-engine's attention runs CP
+    itself, with megatron's `cp_comm_type` (extensions/transformer_engine.py TEDotProductAttention:
+    cp_group, cp_global_ranks, cp_stream, and "p2p" where the type is unset); megatron's local
+    attention refuses CP (transformer/dot_product_attention.py:57 "Context parallelism is only
+    supported by TEDotProductAttention!"), so without transformer-engine layers the CPU takes megarl's
+    reference, and a GPU none (a reference attention materialises [S/CP, S] scores per head)."""
+    if cp == 1 or transformer_engine_layers:
+        return "spec"
+    return None if on_cuda else "cpu_reference"
+
+
 def te_grouped_linear_available() -> bool:
     """megatron-core defines `TEColumnParallelGroupedLinear` (transformer-engine >= 1.9 installed),
     which grouped-GEMM experts need (`megarl.config.expert_mlp`)."""
@@ -186,9 +216,23 @@ def check_postprocess_hook(gpt_model_class) -> None:
         )
 
 
-def _return_hidden_states(*, hidden_states, **_):
-    """megatron-core's `output_processor`: the decoder output [s, b, H], untouched."""
-    return hidden_states
+def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:
+    """The final hidden states [s, b, H] of the whole sequence. With sequence parallelism the
+    decoder returns this rank's s/TP positions (megatron's output layer would all-gather them,
+    tensor_parallel/layers.py ColumnParallelLinear): all-gathered over the TP group here. Backward:
+    this rank's positions of the gradient, which must then be whole on every TP rank, as the heads
+    make it (heads.py: the log-prob head all-reduces its vocabulary shards' parts; the value head
+    computes the same values on every rank)."""
+    if not config.sequence_parallel:
+        return hidden_states
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+
+
+def _return_hidden_states(*, hidden_states, config, **_):
+    """megatron-core's `output_processor`: the decoder output [s, b, H] of the whole sequence."""
+    return whole_sequence(hidden_states, config)
 
 
 def _gpt_model_class():
@@ -214,7 +258,7 @@ def _gpt_model_class():
         use. (Overrides the private `GPTModel._postprocess` of megatron-core 0.16; see the module docstring.)"""
 
         def _postprocess(self, hidden_states, **kwargs):
-            return hidden_states
+            return whole_sequence(hidden_states, self.config)
 
     return HiddenStatesGPTModel
 
@@ -252,6 +296,8 @@ def build_chunks(
         variable_seq_lengths=layout.pp > 1 and layout.vpp == 1,
         batch_p2p_comm=layout.vpp == 1,
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
+        sequence_parallel=layout.sp,
+        context_parallel_size=layout.cp,
     )
     kwargs.update(moe_settings or {})
     derived = dict(kwargs)
@@ -272,6 +318,21 @@ def build_chunks(
         model_kwargs["share_embeddings_and_output_weights"] = False
     model_class = _gpt_model_class()
     spec = layer_spec(arch, transformer_engine, grouped_gemm=config.moe_grouped_gemm)
+    attention = context_parallel_attention(layout.cp, on_cuda=torch.cuda.is_available(),
+                                           transformer_engine_layers=transformer_engine)
+    if attention is None:
+        raise ValueError(f"{section}.megatron.context_parallel_size={layout.cp} on a GPU needs transformer-engine "
+                         "layers (megatron's local attention refuses context parallelism, "
+                         "transformer/dot_product_attention.py); install transformer-engine (LoRA roles build local "
+                         "layers: no context parallelism with LoRA on GPUs)")
+    if attention == "cpu_reference":
+        spec = with_core_attention(spec, cpu_context_parallel_attention())
+    elif layout.cp > 1:  # transformer-engine's CP attention
+        problems = cp_comm_type_model_problems(
+            prefix, config.cp_comm_type, cp=layout.cp, tp=layout.tp, heads=arch.num_attention_heads,
+            query_groups=arch.num_query_groups, sliding_window=arch.sliding_window is not None)
+        if problems:
+            raise ConfigError("; ".join(problems))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     device = compute_device()
     chunks = []

@@ -32,6 +32,8 @@ class RoleLayout:
     vpp: int  # model chunks per pipeline rank; 1 without virtual pipeline
     ep: int = 1  # expert parallel (MoE models)
     etp: Optional[int] = None  # expert tensor parallel; None: tp
+    sp: bool = False  # sequence parallel (only with tp > 1: `sequence_parallel_on`)
+    cp: int = 1  # context parallel
 
     @property
     def bridge_layout(self) -> ParallelLayout:
@@ -47,22 +49,25 @@ class RoleLayout:
 
 
 def role_layout(megatron_cfg, section: str) -> RoleLayout:
-    """Read and check TP/PP/VPP/CP of a `MegatronConfig`; `section` names it in errors."""
+    """Read and check TP/PP/VPP/CP/EP and sequence parallelism of a `MegatronConfig`; `section` names it in errors."""
     tp = megatron_cfg.tensor_model_parallel_size
     pp = megatron_cfg.pipeline_model_parallel_size
     vpp = megatron_cfg.virtual_pipeline_model_parallel_size or 1
-    if megatron_cfg.context_parallel_size != 1:
-        raise NotImplementedError(
-            f"{section}.context_parallel_size={megatron_cfg.context_parallel_size}: context parallelism is not "
-            "supported by the megarl engine yet; use 1"
-        )
-    if megatron_cfg.sequence_parallel:
-        raise NotImplementedError(
-            f"{section}.sequence_parallel=true is not supported by the megarl engine yet; set it to false"
-        )
+    cp = megatron_cfg.context_parallel_size
+    if cp < 1:
+        raise ValueError(f"{section}.context_parallel_size={cp}: must be a positive integer")
     if vpp > 1 and pp == 1:
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
-    return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size)
+    return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size,
+                      sp=sequence_parallel_on(megatron_cfg.sequence_parallel, tp), cp=cp)
+
+
+def sequence_parallel_on(requested: bool, tp: int) -> bool:
+    """Whether a role runs sequence parallelism: where `<role>.megatron.sequence_parallel` asks for it
+    and TP > 1. At TP 1 there is no tensor-parallel group to split the sequence over (megatron-core
+    refuses it there: model_parallel_config.py "Cannot use sequence parallelism without tensor
+    parallelism"), and verl turns it off there, so a verl script's `sequence_parallel=true` runs at any TP."""
+    return requested and tp > 1
 
 
 def init_role_parallel_state(layout: RoleLayout, seed: int, section: str, *, collective_timeout_s: float) -> None:
@@ -82,10 +87,10 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str, *, col
             f"role's ranks before building an engine ({section})"
         )
     world = dist.get_world_size()
-    if world % (layout.tp * layout.pp):
+    if world % (layout.tp * layout.pp * layout.cp):
         raise ValueError(
-            f"{section}: tensor_model_parallel_size x pipeline_model_parallel_size = {layout.tp} x {layout.pp} "
-            f"does not divide the {world} ranks of this role"
+            f"{section}: tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = "
+            f"{layout.tp} x {layout.pp} x {layout.cp} does not divide the {world} ranks of this role"
         )
     if parallel_state.model_parallel_is_initialized():
         current = (
@@ -94,19 +99,21 @@ def init_role_parallel_state(layout: RoleLayout, seed: int, section: str, *, col
             parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             parallel_state.get_expert_model_parallel_world_size(),
             parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
         )
-        if current != (layout.tp, layout.pp, layout.vpp, layout.ep, layout.expert_tp):
+        if current != (layout.tp, layout.pp, layout.vpp, layout.ep, layout.expert_tp, layout.cp):
             raise RuntimeError(
                 f"{section}: megatron's parallel state is already initialised in this process as TP={current[0]} "
-                f"PP={current[1]} VPP={current[2]} EP={current[3]} ETP={current[4]}, but this role wants TP={layout.tp} "
-                f"PP={layout.pp} VPP={layout.vpp} EP={layout.ep} ETP={layout.expert_tp}; roles sharing a process must "
-                "share a layout"
+                f"PP={current[1]} VPP={current[2]} EP={current[3]} ETP={current[4]} CP={current[5]}, but this role "
+                f"wants TP={layout.tp} PP={layout.pp} VPP={layout.vpp} EP={layout.ep} ETP={layout.expert_tp} "
+                f"CP={layout.cp}; roles sharing a process must share a layout"
             )
     else:
         initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp_or_none,
+            context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
             # megatron-core 0.16 and 0.19 use it only as timedelta(minutes=...): a float is exact

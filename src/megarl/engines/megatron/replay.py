@@ -47,6 +47,26 @@ def micro_batch_routes(part: Batch, positions: Optional[torch.Tensor], samples: 
     return out.transpose(0, 1).contiguous()
 
 
+def router_rows(total: int, tp: int, tp_rank: int, sequence_parallel: bool,
+                held_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[n] int64: the rows of a micro-batch's flattened hidden states [S * b or T] (`total` of them)
+    that this rank's MoE routers see, in the order they see them.
+
+    With context parallelism the model holds this CP rank's positions only (`held_rows`, in its row
+    order: `MicroBatch.held_rows`). With sequence parallelism megatron then splits those rows evenly
+    along the sequence over the TP ranks (tensor_parallel/mappings.py `_split_along_first_dim`, via
+    `scatter_to_sequence_parallel_region`) and the MoE layer routes that part (transformer/moe/moe_layer.py:
+    the router runs before the dispatcher gathers across TP): TP rank r sees the r-th of TP equal
+    consecutive runs. Without either, every rank routes every row."""
+    rows = torch.arange(total) if held_rows is None else held_rows
+    if not sequence_parallel:
+        return rows
+    if rows.numel() % tp:
+        raise ValueError(f"{rows.numel()} token rows cannot be split evenly over {tp} sequence-parallel ranks")
+    part = rows.numel() // tp
+    return rows[tp_rank * part: (tp_rank + 1) * part]
+
+
 def moe_routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router module) of every MoE layer of this rank's chunks."""
     found = []

@@ -20,6 +20,7 @@ import torch
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
+from megarl.engines.megatron.context_parallel import gather_tokens, split_tokens
 from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_values
 from megarl.engines.megatron.model import RM_SCORE, ModelSource, read_arch
@@ -115,14 +116,21 @@ class RewardModelEngine(MegatronEngine):
         )
 
     def micro_batches(self, batch: Batch, *, max_samples, max_tokens, data_keys=()) -> list[MicroBatch]:
-        """As the engine's, but the head gets one hidden state per sample: its last real token's."""
+        """As the engine's, but the head gets one hidden state per sample: its last real token's
+        (with context parallelism, on the CP rank holding that position: `mb.cp` says which)."""
         groups = super().micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
         lengths = batch.token_lengths()
-        return [
-            dataclasses.replace(mb, token_index=last_token_index(
+        if self.layout.cp == 1:
+            return [dataclasses.replace(mb, token_index=last_token_index(
                 lengths[mb.rows], self.sequence_layout, mb.input_ids.shape[0]).to(mb.token_index.device))
-            for mb in groups
-        ]
+                for mb in groups]
+        out = []
+        for mb in groups:
+            b = mb.input_ids.shape[0]
+            cp, rows = split_tokens(lengths[mb.rows] - 1, torch.arange(b), mb.input_ids.shape[1] * self.layout.cp, b,
+                                    self.layout.cp, self.cp_rank)
+            out.append(dataclasses.replace(mb, token_index=rows.to(mb.token_index.device), cp=cp))
+        return out
 
     def compute_rm_scores(self, batch: Batch) -> Optional[dict]:
         """{"rm_scores": [B] float32 on the CPU} on output ranks (None elsewhere): the score head
@@ -131,7 +139,9 @@ class RewardModelEngine(MegatronEngine):
         head_weight = self.model_chunks[-1].output_layer.weight if self._is_last_stage() else None
 
         def head(mb: MicroBatch, hidden: torch.Tensor):
-            scores = token_values(hidden, head_weight)  # [b]
+            scores = token_values(hidden, head_weight)  # [b] (this CP rank's samples with CP)
+            if mb.cp is not None:
+                scores = gather_tokens(scores, mb.cp)
             return scores.new_zeros(()), {"rows": mb.rows, "rm_scores": scores}
 
         outputs = self.run(self.micro_batches(batch, max_samples=self.micro_batch_size, max_tokens=None), head, True)

@@ -35,14 +35,19 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forw
                        packed_seq_params=mb.packed_seq_params)
         return hidden, functools.partial(_apply_head, head, mb)
 
+    from megatron.core import parallel_state
+
     shapes = [mb.input_ids.shape for mb in micro_batches]
+    # the whole sequence's length: megatron divides it by CP (and by TP with sequence parallelism)
+    # for the shapes it sends between stages (pipeline_parallel/schedules.py `get_tensor_shapes`)
+    cp = parallel_state.get_context_parallel_world_size()
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(micro_batches) for _ in chunks],
             model=chunks,
             num_microbatches=len(micro_batches),
-            seq_length=max(s[1] for s in shapes),
+            seq_length=max(s[1] for s in shapes) * cp,
             micro_batch_size=max(s[0] for s in shapes),
             forward_only=forward_only,
         )

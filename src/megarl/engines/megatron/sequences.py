@@ -24,6 +24,7 @@ import torch
 from megarl.data.batch import Batch
 from megarl.data.packing import pack
 from megarl.data.partition import token_budget_micro_batches
+from megarl.engines.megatron.context_parallel import CpTokens, gather_tokens, positions_of_rank, split_tokens
 from megarl.engines.megatron.replay import micro_batch_routes
 
 Layout = Literal["padded", "packed"]
@@ -44,14 +45,24 @@ class MicroBatch:
     routes: Optional[torch.Tensor] = None  # [L, S*b or T, K] routing replay (megarl.engines.megatron.replay)
     # every real input token but each sample's last (the positions a rollout engine routes):
     routed_rows: Optional[torch.Tensor] = None  # [M] int64: its row of the flattened hidden states [S*b or T]
+    # Context parallelism (CP > 1): input_ids, position_ids [b, S/CP] hold this CP rank's positions;
+    # token_index [N_r] and targets [N_r] only the response tokens predicted there (`cp.slots[cp.rank]`);
+    # held_rows [S/CP*b]: the row of the whole sequence's flattened hidden states [S*b] of each of this
+    # rank's rows (routes and routed_rows keep the whole sequence's rows). None without CP.
+    cp: Optional[CpTokens] = None
+    held_rows: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
-        """N, the real response tokens."""
-        return int(self.targets.numel())
+        """N, the real response tokens (all CP ranks')."""
+        return int(self.response_mask.sum())
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        """[N, ...] per real response token -> [b, R, ...], 0 at padding (keeps autograd)."""
+        """[N, ...] per real response token -> [b, R, ...], 0 at padding (keeps autograd). With
+        context parallelism, [N_r, ...] of this CP rank's tokens, gathered from every CP rank
+        first (`context_parallel.gather_tokens`)."""
+        if self.cp is not None:
+            values = gather_tokens(values, self.cp)
         out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
         out[self.response_mask] = values
         return out
@@ -97,13 +108,35 @@ def micro_batch_groups(
     return [list(range(s, s + size)) for s, size in zip(starts, sizes)]
 
 
-def fixed_shape(batch: Batch, groups: Sequence[Sequence[int]], layout: Layout) -> tuple[int, int]:
+def default_sequence_layout(transformer_engine_layers: bool, cp: int) -> Layout:
+    """Packed where transformer-engine attention can take it (`PackedSeqParams`, THD) and the role
+    has no context parallelism (megarl partitions only padded sequences over CP ranks); else padded."""
+    return "packed" if transformer_engine_layers and cp == 1 else "padded"
+
+
+def length_multiple(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
+    """What a micro-batch's sequence length (padded layout) or token count (packed) must be a
+    multiple of. With context parallelism, 2 CP (`context_parallel.positions_of_rank`: 2 CP equal
+    chunks). With sequence parallelism, each CP rank's S / CP positions split evenly over the TP
+    ranks (megatron splits the embeddings' output along the sequence, tensor_parallel/mappings.py
+    `_split_along_first_dim`: "First dimension of the tensor should be divisible by tensor parallel
+    size"), so S a multiple of CP x TP too."""
+    multiple = 2 * cp if cp > 1 else 1
+    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fixed_shape(batch: Batch, groups: Sequence[Sequence[int]], layout: Layout, multiple: int = 1) -> tuple[int, int]:
     """(sequences, tokens) that fit every micro-batch of `groups`: padded layout, the most samples
-    of a group and the longest sequence; packed layout, 1 and the most tokens of a group."""
+    of a group and the longest sequence; packed layout, 1 and the most tokens of a group; tokens
+    rounded up to a multiple of `multiple` (`length_multiple`)."""
     lengths = batch.token_lengths().tolist()
     if layout == "packed":
-        return 1, max(sum(lengths[i] for i in g) for g in groups)
-    return max(len(g) for g in groups), max(max(lengths[i] for i in g) for g in groups)
+        return 1, _round_up(max(sum(lengths[i] for i in g) for g in groups), multiple)
+    return max(len(g) for g in groups), _round_up(max(max(lengths[i] for i in g) for g in groups), multiple)
 
 
 def make_micro_batch(
@@ -115,12 +148,21 @@ def make_micro_batch(
     data_keys: Sequence[str] = (),
     shape: Optional[tuple[int, int]] = None,
     with_routes: bool = False,
+    multiple: int = 1,
+    cp: int = 1,
+    cp_rank: int = 0,
 ) -> MicroBatch:
     """The micro-batch of `batch`'s samples `rows`; `data_keys` are the extra tensors (old
     log-probs, advantages, ...) the head needs, copied to `device`. With `shape` (see
     `fixed_shape`) the inputs are padded to exactly that size: padded layout, extra all-padding
     sequences and columns; packed layout, one extra padding sequence (no response, never scored).
-    `with_routes`: the batch's routed experts laid out for megatron's routers (routing replay)."""
+    Without it the sequence length (padded) or token count (packed) is rounded up to a multiple of
+    `multiple` (`length_multiple`) the same way. `with_routes`: the batch's routed experts laid out
+    for megatron's routers (routing replay). `cp` > 1: the part of CP rank `cp_rank` (padded layout
+    only; see `MicroBatch` and `context_parallel`)."""
+    if cp > 1 and layout != "padded":
+        raise ValueError("context parallelism takes the padded sequence layout (megarl does not partition packed "
+                         "sequences over CP ranks)")
     index = torch.as_tensor(list(rows), dtype=torch.long)
     part = batch.select(index)
     packed = pack(part)  # checks that prompt/response tokens are one run each
@@ -140,7 +182,7 @@ def make_micro_batch(
     sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)
     routed = packed.position_ids < lengths[sample_of_token] - 1  # all but each sample's last token
     if layout == "padded":
-        sequences, longest = shape or (b, int(lengths.max()))
+        sequences, longest = shape or (b, _round_up(int(lengths.max()), multiple))
         input_ids = torch.zeros(sequences, longest, dtype=torch.long)
         input_ids[sample_of_token, packed.position_ids] = packed.input_ids
         position_ids = torch.arange(longest).expand(sequences, -1).contiguous()
@@ -151,7 +193,7 @@ def make_micro_batch(
     elif layout == "packed":
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        total = packed.num_tokens if shape is None else shape[1]
+        total = _round_up(packed.num_tokens, multiple) if shape is None else shape[1]
         filler = total - packed.num_tokens
         input_ids = torch.cat([packed.input_ids, torch.zeros(filler, dtype=torch.long)])[None, :]
         position_ids = torch.cat([packed.position_ids, torch.arange(filler)])[None, :]
@@ -165,6 +207,17 @@ def make_micro_batch(
         token_rows = packed.cu_seqlens_padded[sample_of_token].long() + packed.position_ids
     else:
         raise ValueError(f"unknown sequence layout {layout!r}; choose 'padded' or 'packed'")
+    targets = part["response_ids"][response_mask].long()
+    cp_tokens = held_rows = None
+    if cp > 1:
+        held = positions_of_rank(longest, cp, cp_rank)
+        input_ids, position_ids = input_ids[:, held], position_ids[:, held]
+        held_rows = (held[:, None] * sequences + torch.arange(sequences)[None, :]).reshape(-1)
+        sample = torch.arange(b)[:, None].expand(b, width)[response_mask]
+        cp_tokens, flat = split_tokens(predict_at[response_mask], sample, longest, sequences, cp, cp_rank)
+        targets = targets[cp_tokens.slots[cp_rank]]
+    else:
+        flat = flat[response_mask]
     data = {}
     for key in data_keys:
         if key not in part.tensors:
@@ -176,9 +229,11 @@ def make_micro_batch(
         position_ids=position_ids.to(device),
         packed_seq_params=packed_seq_params,
         response_mask=response_mask.to(device),
-        token_index=flat[response_mask].to(device),
-        targets=part["response_ids"][response_mask].long().to(device),
+        token_index=flat.to(device),
+        targets=targets.to(device),
         data=data,
         routes=micro_batch_routes(part, *route_args) if with_routes else None,
         routed_rows=token_rows[routed].to(device),
+        cp=cp_tokens,
+        held_rows=None if held_rows is None else held_rows.to(device),
     )

@@ -9,7 +9,11 @@ global counts (`agg_loss(num_tokens=, num_seqs=)`). The micro-batch losses of al
 the mean over all tokens of all DP ranks (not a mean of per-rank means). The loss handed to
 megatron is multiplied by (DP size x micro-batches) (`scaled_loss_head`) to undo the schedule's
 division by the micro-batch count and DDP's averaging over DP ranks, so the gradient is the
-gradient of that global loss.
+gradient of that global loss. With context parallelism every CP rank of a replica computes the
+whole micro-batch's loss from every token's gathered values and back-propagates its own tokens'
+part (megarl.engines.megatron.context_parallel); DDP then averages over DP x CP ranks, and the
+schedule multiplies each loss by the CP size (pipeline_parallel/schedules.py `forward_step_calc_loss`,
+0.16.1 :268, "output_tensor *= cp_group_size" for a (loss, outputs) head), so the CP ranks' parts add up.
 """
 from __future__ import annotations
 

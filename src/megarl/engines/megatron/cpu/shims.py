@@ -17,6 +17,7 @@ gloo worlds apply them through `megarl.testing.init_gloo_model_parallel`. The Mo
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import sys
@@ -264,6 +265,35 @@ def _shim_current_stream() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: stream
 
 
+def _shim_sequence_parallel_norm() -> None:
+    """megatron's torch norms take sequence parallelism: built as without it, their parameters
+    tagged `sequence_parallel` as megatron's other norms tag theirs.
+
+    Needed by transformer/torch_norm.py:32 (0.19.2 :50) `assert not config.sequence_parallel,
+    "sequence parallel not supported by torch LayerNorm"`: the local layer spec builds every RMSNorm
+    as `WrappedTorchNorm` (models/backends.py:110 `LNImpl = WrappedTorchNorm`), so any sequence-parallel
+    model on the CPU. The norm's maths does not depend on the split of the sequence; only its weight
+    gradient is then a partial sum over this rank's tokens, which finalize_model_grads sums over the TP
+    group for parameters tagged `sequence_parallel` (distributed/finalize_model_grads.py:354 in
+    0.16.1), as it does for fused_layer_norm.py's and the router's (transformer/moe/router.py:74).
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)  # a shallow copy: TransformerConfig.__post_init__ does not run again
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__
+
+
 CPU_SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "synchronize": _shim_synchronize,
@@ -271,16 +301,21 @@ CPU_SHIMS: dict[str, Callable[[], None]] = {
     "cuda_factories": _shim_cuda_factories,
     "tensor_type_names": _shim_tensor_type_names,
     "tensor_cuda": _shim_tensor_cuda,
+    "sequence_parallel_norm": _shim_sequence_parallel_norm,
     "current_stream": _shim_current_stream,
 }
 # The megatron-core release that first needs a shim (the others: every verified release).
 SHIM_SINCE = {"current_stream": "0.19"}
 
 
-def shims_for(version: str) -> tuple[str, ...]:
-    """The CPU shims megatron-core `version` needs, in `CPU_SHIMS` order."""
+def shims_for(version: str, *, cuda: bool) -> tuple[str, ...]:
+    """The CPU shims megatron-core `version` needs, in `CPU_SHIMS` order; none where `cuda` (CUDA
+    is available): every shim stands in for a CUDA device or for a megatron module only GPU runs
+    skip (transformer-engine's norms take sequence parallelism themselves)."""
     from packaging.version import Version
 
+    if cuda:
+        return ()
     return tuple(n for n in CPU_SHIMS if Version(version) >= Version(SHIM_SINCE.get(n, "0")))
 
 
@@ -303,7 +338,7 @@ def apply_cpu_shims(names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
         raise ValueError(f"unknown CPU shim(s) {unknown}; known: {list(CPU_SHIMS)}")
     version = megatron_core_version()
     check_shims_verified(version)
-    selected = shims_for(version) if names is None else list(names)
+    selected = shims_for(version, cuda=False) if names is None else list(names)
     for name in selected:
         if name not in _applied or name in _REPEATABLE:
             CPU_SHIMS[name]()
