@@ -112,6 +112,11 @@ class FailsToStart(RankedWorker):
         raise RuntimeError("no engine here")
 
 
+class NotAProbe:
+    def node_info(self) -> dict:
+        return {}
+
+
 def train(name, pool, tp=1):
     return RoleSpec(name, pool, "train", tp=tp)
 
@@ -125,8 +130,8 @@ def test_colocated_roles_share_gpus_and_bundles_land_on_planned_nodes(cluster):
         assert bundle_nodes == [d.node for d in plan.pools["shared"].devices]
         actors = WorkerGroup(Probe, plan.roles["actor"], pools)
         rollouts = WorkerGroup(Probe, plan.roles["rollout"], pools)
-        a_info = actors.call("node_info", timeout_s=300)
-        r_info = rollouts.call("node_info", timeout_s=300)
+        a_info = actors.call(Probe.node_info, timeout_s=300)
+        r_info = rollouts.call(Probe.node_info, timeout_s=300)
         assert len(a_info) == 8 and len(r_info) == 4
         for rank, info in enumerate(a_info):
             assert cluster[info["node_id"]] == plan.roles["actor"].devices[rank].node
@@ -227,8 +232,8 @@ def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):
         assert {cluster[n] for n in pools.bundle_node_ids("rollout")} == {1}
         actors = WorkerGroup(Probe, plan.roles["actor"], pools)
         rollouts = WorkerGroup(Probe, plan.roles["rollout"], pools)
-        a = {(i["node_id"], i["gpu_ids"][0]) for i in actors.call("node_info", timeout_s=300)}
-        r = {(i["node_id"], i["gpu_ids"][0]) for i in rollouts.call("node_info", timeout_s=300)}
+        a = {(i["node_id"], i["gpu_ids"][0]) for i in actors.call(Probe.node_info, timeout_s=300)}
+        r = {(i["node_id"], i["gpu_ids"][0]) for i in rollouts.call(Probe.node_info, timeout_s=300)}
         assert len(a) == 4 and len(r) == 4 and not a & r
         actors.shutdown()
         rollouts.shutdown()
@@ -240,11 +245,11 @@ def test_split_roles_never_share_a_gpu_and_gloo_spans_nodes(cluster):
     pools = create_pools(plan, timeout_s=300)
     try:
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
-        nodes = {cluster[i["node_id"]] for i in group.call("node_info", timeout_s=300)}
+        nodes = {cluster[i["node_id"]] for i in group.call(Probe.node_info, timeout_s=300)}
         assert nodes == {0, 1}
         group.init_process_group("gloo", timeout_s=300)
         world = len(group)
-        assert group.call("all_reduce_rank", timeout_s=300) == [world * (world + 1) / 2] * world
+        assert group.call(Probe.all_reduce_rank, timeout_s=300) == [world * (world + 1) / 2] * world
         group.shutdown()
     finally:
         pools.remove()
@@ -255,20 +260,24 @@ def test_hung_crashed_and_failing_ranks_are_named(cluster):
     pools = create_pools(plan, timeout_s=300)
     try:
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
-        group.call("node_info", timeout_s=300)  # all up
+        group.call(Probe.node_info, timeout_s=300)  # all up
+        # a method of another class, even of the same name, is not the workers' (nothing is sent)
+        with pytest.raises(TypeError, match=r"actor: <function NotAProbe.node_info .*> is not a method of its "
+                                            r"workers' class Probe"):
+            group.call(NotAProbe.node_info, timeout_s=300)
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"actor.sleep: no answer within 2 s from actor rank 0 on node0, "
                                                    r"actor rank 1 on node0, actor rank 2 on node0, actor rank 3 on node0"):
-            group.call_each("sleep", [(30,), (30,), (30,), (30,)], timeout_s=2)
+            group.call_each(Probe.sleep, [(30,), (30,), (30,), (30,)], timeout_s=2)
         assert time.monotonic() - t0 < 10
         group.shutdown()
 
         group = WorkerGroup(Probe, plan.roles["actor"], pools)
         with pytest.raises(WorkerGroupError, match=r"actor rank 2 on node0 raised ValueError: .*bad input on rank 2"):
-            group.call("fail_on", 2, timeout_s=300)
+            group.call(Probe.fail_on, 2, timeout_s=300)
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"actor rank 1 on node0 died"):
-            group.call("die_on", 1, timeout_s=300)
+            group.call(Probe.die_on, 1, timeout_s=300)
         assert time.monotonic() - t0 < 30
         group.shutdown()
     finally:
@@ -283,13 +292,13 @@ def test_rank_0_hosts_the_store_before_anyone_joins_and_a_rank_that_never_joins_
     monkeypatch.setattr(worker_group, "JOIN_GRACE_S", 5.0)
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(NeverJoinsOnRank1, role, pools)
-        addr, port = group.call_ranks([0], "master_address", 30.0, timeout_s=300)[0]
+        addr, port = group.call_ranks([0], Probe.master_address, 30.0, timeout_s=300)[0]
         client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=5))
         client.set("seen", "yes")  # listening already: nothing can take the port before the ranks join
         assert client.get("seen") == b"yes"
         with pytest.raises(WorkerGroupError, match=r"actor rank 1 on node0 raised RuntimeError: actor rank 1: "
                                                    r"only rank 0 hosts the process group's store"):
-            group.call_ranks([1], "master_address", 30.0, timeout_s=300)
+            group.call_ranks([1], Probe.master_address, 30.0, timeout_s=300)
 
         # rank 0 gives up after its 3 s with the store's own error, the first failure; rank 1, still
         # inside the call when the group's time is up, is named and stopped with its group
@@ -311,11 +320,11 @@ def test_a_rank_that_raises_before_a_collective_ends_the_call_on_every_rank_in_s
     monkeypatch.setattr(worker_group, "FAILURE_GRACE_S", 3.0)
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
-        pids = [info["pid"] for info in group.call("node_info", timeout_s=300)]
+        pids = [info["pid"] for info in group.call(Probe.node_info, timeout_s=300)]
         group.init_process_group("gloo", timeout_s=300)
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError) as error:
-            group.call("fail_on_or_all_reduce", 1, timeout_s=300)
+            group.call(Probe.fail_on_or_all_reduce, 1, timeout_s=300)
         assert time.monotonic() - t0 < 15  # the grace (3 s) and Ray's answer, not the all-reduce's 300 s
         lines = str(error.value).splitlines()
         assert lines[0] == "actor.fail_on_or_all_reduce failed:"
@@ -329,7 +338,7 @@ def test_a_rank_that_raises_before_a_collective_ends_the_call_on_every_rank_in_s
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"^actor.node_info: actor's workers were stopped after an "
                                                    r"earlier failure \(actor.fail_on_or_all_reduce: actor rank 1"):
-            group.call("node_info", timeout_s=300)
+            group.call(Probe.node_info, timeout_s=300)
         assert time.monotonic() - t0 < 1
         group.shutdown()
 
@@ -344,7 +353,7 @@ def test_a_rank_that_never_enters_a_collective_fails_its_peer_at_the_group_timeo
         group.init_process_group("gloo", timeout_s=3)  # a Probe's world: collectives bounded by the join's 3 s
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError) as error:
-            group.call_each("all_reduce_or_sleep", [(), ()], timeout_s=300)
+            group.call_each(Probe.all_reduce_or_sleep, [(), ()], timeout_s=300)
         assert time.monotonic() - t0 < 20  # 3 s timeout + 3 s grace + Ray, not the call's 300 s
         lines = str(error.value).splitlines()
         assert lines[1].startswith("  - actor rank 0 on node0 raised "), lines[1]
@@ -360,8 +369,8 @@ def test_a_rank_that_raises_alone_leaves_its_group_working(cluster, monkeypatch)
         group = WorkerGroup(Probe, role, pools)
         group.init_process_group("gloo", timeout_s=300)
         with pytest.raises(WorkerGroupError, match=r"actor rank 0 on node0 raised ValueError: .*bad input on rank 0"):
-            group.call("fail_on", 0, timeout_s=300)
-        assert group.call("all_reduce_rank", timeout_s=300) == [3.0, 3.0]
+            group.call(Probe.fail_on, 0, timeout_s=300)
+        assert group.call(Probe.all_reduce_rank, timeout_s=300) == [3.0, 3.0]
         group.shutdown()
 
 
@@ -409,9 +418,9 @@ def error_when_during(event, call, *args, **kwargs) -> str:
 def test_a_rank_killed_by_its_pid_is_named_from_rays_error(cluster):
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
-        victim = group.call("node_info", timeout_s=300)[1]
+        victim = group.call(Probe.node_info, timeout_s=300)[1]
         # rank 1 is killed during the call; rank 0 answers within the grace a death gives its peers
-        message = error_when_during(lambda: os.kill(victim["pid"], signal.SIGKILL), group.call, "sleep", 5,
+        message = error_when_during(lambda: os.kill(victim["pid"], signal.SIGKILL), group.call, Probe.sleep, 5,
                                     timeout_s=300)
         assert message.startswith(
             f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process (pid {victim['pid']}, node "
@@ -426,15 +435,15 @@ def test_a_rank_killed_by_its_pid_is_named_from_rays_error(cluster):
 def test_ranks_stopped_on_purpose_or_failing_to_start_are_named_from_rays_errors(cluster):
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
-        infos = group.call("node_info", timeout_s=300)
+        infos = group.call(Probe.node_info, timeout_s=300)
         where = [f"(pid {i['pid']}, node {node_ip(i['node_id'])})" for i in infos]
         with pytest.raises(WorkerGroupError) as error:
-            group.call_ranks([0], "leave", timeout_s=300)
+            group.call_ranks([0], Probe.leave, timeout_s=300)
         assert str(error.value).startswith(
             f"actor.leave failed:\n  - actor rank 0 on node0 died: the worker process {where[0]} was stopped on "
             "purpose (ray.kill or exit_actor); Ray: INTENDED_USER_EXIT: ")
         # Ray 2.60 gives no exit type for ray.kill: the first line of its message is quoted
-        message = error_when_during(lambda: ray.kill(group.actors[1]), group.call_ranks, [1], "sleep", 30,
+        message = error_when_during(lambda: ray.kill(group.actors[1]), group.call_ranks, [1], Probe.sleep, 30,
                                     timeout_s=300)
         assert message == (f"actor.sleep failed:\n  - actor rank 1 on node0 died: the worker process {where[1]} is "
                            "gone: The actor died unexpectedly before finishing this task.")
@@ -444,7 +453,7 @@ def test_ranks_stopped_on_purpose_or_failing_to_start_are_named_from_rays_errors
         with pytest.raises(WorkerGroupError, match=r"actor rank 0 on node0 died: the worker process failed while "
                                                    r"starting: The actor died because of an error raised in its "
                                                    r"creation task"):
-            group.call("node_info", timeout_s=300)
+            group.call(FailsToStart.node_info, timeout_s=300)
         group.shutdown()
 
 
@@ -454,9 +463,9 @@ def test_a_rank_lost_with_its_node_is_named(ray_cluster, cluster):
     ray_cluster.wait_for_nodes(timeout=300)
     with actor_pool(NODES + 1, ClusterSpec(NODES + 1, 1)) as (role, pools):  # rank r on node r
         group = WorkerGroup(Probe, role, pools)
-        lost = group.call("node_info", timeout_s=300)[NODES]
+        lost = group.call(Probe.node_info, timeout_s=300)[NODES]
         where = f"(pid {lost['pid']}, node {node_ip(lost['node_id'])})"
-        message = error_when_during(lambda: ray_cluster.remove_node(doomed), group.call, "sleep", 5, timeout_s=300)
+        message = error_when_during(lambda: ray_cluster.remove_node(doomed), group.call, Probe.sleep, 5, timeout_s=300)
         # Ray 2.60 says "The actor died because its node has died", with no exit type
         assert message.startswith(f"actor.sleep failed:\n  - actor rank {NODES} on node{NODES} died: the worker "
                                   f"process {where} ")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint import complete_checkpoints
+from megarl.workers.rollout_worker import RolloutWorker
+from megarl.workers.train_worker import TrainWorker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,14 +35,14 @@ class Recorder:
 def spy_on_rollouts(trainer) -> list:
     """Every rollout the producer generates, in order, as (index, version, the servers' weight
     versions of its samples)."""
-    seen, generate = [], trainer.producer._generate
+    seen, generate = [], trainer.producer.rollouts._generate
 
     def recording(index, version, prompt_indices):
         rollout = generate(index, version, prompt_indices)
         seen.append((index, version, {s.weight_version for per_prompt in rollout.samples for s in per_prompt}))
         return rollout
 
-    trainer.producer._generate = recording
+    trainer.producer.rollouts._generate = recording
     return seen
 
 
@@ -100,7 +102,7 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
     step_dirs = dict(complete_checkpoints(out / "megarl-tiny" / "grpo"))
     resumed = new_trainer(trainer, {})
     resumed.load_state_dict(cluster.load_checkpoint(step_dirs[1]))
-    assert [(r.index, r.version) for r in resumed.producer.ready] == [(1, 0)]
+    assert [(r.index, r.version) for r in resumed.producer.rollouts.ready] == [(1, 0)]
     seen_after = spy_on_rollouts(resumed)
     again = Recorder()
     resumed.fit(again)
@@ -117,7 +119,7 @@ def stopped_by_sigterm(run, index: int) -> tuple:
     from megarl.checkpoint import find_resume_dir
     from megarl.trainer.preemption import Preempted
 
-    generate, signalled = run.producer._generate, []
+    generate, signalled = run.producer.rollouts._generate, []
 
     def signalling(i, version, prompt_indices, partial=None):
         if i == index and not signalled:
@@ -125,7 +127,7 @@ def stopped_by_sigterm(run, index: int) -> tuple:
             os.kill(os.getpid(), signal.SIGTERM)
         return generate(i, version, prompt_indices, partial)
 
-    run.producer._generate = signalling
+    run.producer.rollouts._generate = signalling
     uids = record_takes(run, lambda batch, metrics: list(batch["uid"]))
     rows = Recorder()
     with pytest.raises(Preempted) as stop:
@@ -156,7 +158,7 @@ def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninter
 
     resumed = new_trainer(trainer, keys)
     resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
-    assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 1)]  # weights no checkpoint holds
+    assert [(r.index, r.version) for r in resumed.producer.rollouts.ready] == [(2, 1)]  # weights no checkpoint holds
     uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
     second = Recorder()
     resumed.fit(second)
@@ -183,7 +185,7 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
     # the uninterrupted run (which versions generate the later ones depends on timings).
     resumed = new_trainer(trainer, keys, mode="fully_async", max_staleness=2)
     resumed.load_state_dict(cluster.load_checkpoint(dict(complete_checkpoints(out / "megarl-tiny" / "fully_async"))[2]))
-    buffered = [(r.index, r.version) for r in resumed.producer.ready]
+    buffered = [(r.index, r.version) for r in resumed.producer.rollouts.ready]
     assert buffered and buffered == [(i, v) for i, v, _ in seen if i in dict(buffered)]
     again = Recorder()
     resumed.fit(again)
@@ -208,19 +210,19 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     cluster, trainer, out = split_cluster
 
     def pinned(run):
-        run.producer.fill_window = True
+        run.producer.rollouts.fill_window = True
         return run
 
     keys = {"total_training_steps": 4, "experiment_name": "fully_async_sigterm_reference"}
     reference = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
-    generated, generate = {}, reference.producer._generate
+    generated, generate = {}, reference.producer.rollouts._generate
 
     def keeping(index, version, prompt_indices, partial=None):
         rollout = generate(index, version, prompt_indices, partial)
         generated[index] = (version, [(s.token_ids, s.logprobs) for per_prompt in rollout.samples for s in per_prompt])
         return rollout
 
-    reference.producer._generate = keeping
+    reference.producer.rollouts._generate = keeping
     expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
     expected = Recorder()
     reference.fit(expected)
@@ -231,13 +233,13 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     keys = {**keys, "experiment_name": "fully_async_sigterm", "save_freq": -1, "resume_mode": "auto"}
     stopped = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
     stopped.load_state_dict(cluster.load_checkpoint(step_1))
-    assert [(r.index, r.version) for r in stopped.producer.ready] == [(1, 0), (2, 0)]
+    assert [(r.index, r.version) for r in stopped.producer.rollouts.ready] == [(1, 0), (2, 0)]
     uids, first, resume_dir = stopped_by_sigterm(stopped, 3)
 
     resumed = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
     resumed.load_state_dict(cluster.load_checkpoint(resume_dir))
-    assert [(r.index, r.version) for r in resumed.producer.ready] == [(2, 0), (3, 1)]
-    for r in resumed.producer.ready:  # the samples themselves, as the uninterrupted run generated them
+    assert [(r.index, r.version) for r in resumed.producer.rollouts.ready] == [(2, 0), (3, 1)]
+    for r in resumed.producer.rollouts.ready:  # the samples themselves, as the uninterrupted run generated them
         tokens, logprobs = zip(*[(s.token_ids, s.logprobs) for per_prompt in r.samples for s in per_prompt])
         assert list(tokens) == [t for t, _ in generated[r.index][1]]
         assert sum(logprobs, []) == pytest.approx(sum((lp for _, lp in generated[r.index][1]), []), abs=1e-5)
@@ -279,16 +281,16 @@ def some_tokens_in(seconds: dict) -> None:
 
 
 def record_takes(run, keep) -> list:
-    """Make `run.take_rollout` append `keep(batch, metrics)` of every batch it hands the step, in
+    """Make `run.producer.take` append `keep(batch, metrics)` of every batch it hands the step, in
     order, to the list returned."""
-    kept, take = [], run.take_rollout
+    kept, take = [], run.producer.take
 
     def recording_take(timer):
         batch, metrics = take(timer)
         kept.append(keep(batch, metrics))
         return batch, metrics
 
-    run.take_rollout = recording_take
+    run.producer.take = recording_take
     return kept
 
 
@@ -303,8 +305,8 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     run = new_trainer(trainer, {"experiment_name": "server_death", "save_freq": -1})
     fleet = cluster.rollout
     fleet.client.max_retries = 1  # give up on the dead server quickly (the fleet's own logic is under test)
-    victim = fleet.workers.call("status", timeout_s=30)[0]
-    restarts_before, killers, generate = fleet.restarts[0], [], run.producer._generate
+    victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
+    restarts_before, killers, generate = fleet.restarts[0], [], run.producer.rollouts._generate
     restarting_threads = []
     recover = fleet.recover
 
@@ -322,7 +324,7 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
         return generate(index, version, prompt_indices, partial)
 
     trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
-    run.producer._generate, fleet.recover = killing, recording_recover
+    run.producer.rollouts._generate, fleet.recover = killing, recording_recover
     tracker = Recorder()
     try:
         run.fit(tracker)
@@ -330,7 +332,7 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
         fleet.recover, fleet.client.max_retries = recover, 5
         for killer in killers:
             killer.join(timeout=60)
-    now = fleet.workers.call("status", timeout_s=30)[0]
+    now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
     assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
     assert resumed.count(True) == 1  # rollout 2 was cut short and finished after the restart
@@ -374,7 +376,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     run = partial_run(trainer, monkeypatch, "partial")
     fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0], cluster.rollout.api_key)
     seconds = {}
-    push_due, generate, produced = threading.Event(), timed_rollouts(run.producer._generate, seconds), {}
+    push_due, generate, produced = threading.Event(), timed_rollouts(run.producer.rollouts._generate, seconds), {}
     fleet.client.continue_aborted = True  # the fleet's client was built by the fixture's config
 
     def late(index, version, prompt_indices, partial=None):
@@ -397,7 +399,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
         return pause()
 
     trained = record_takes(run, lambda batch, metrics: (batch, metrics))
-    run.producer._generate, fleet.pause_generation = late, pause_once_running
+    run.producer.rollouts._generate, fleet.pause_generation = late, pause_once_running
     tracker = Recorder()
     try:
         run.fit(tracker)
@@ -431,9 +433,9 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
     cluster, trainer, _ = split_cluster
     run = partial_run(trainer, monkeypatch, "partial_death")
     fleet = cluster.rollout
-    victim = fleet.workers.call("status", timeout_s=30)[0]
+    victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     control, restarts_before = ServerControl(victim["url"], fleet.api_key), fleet.restarts[0]
-    running, generate, resumed = threading.Event(), run.producer._generate, []
+    running, generate, resumed = threading.Event(), run.producer.rollouts._generate, []
 
     def late(index, version, prompt_indices, partial=None):
         resumed.append((index, partial is not None))
@@ -458,7 +460,7 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
         return paused[-1]
 
     trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
-    run.producer._generate, fleet.dead_servers, fleet.pause_generation = late, killed_after_the_check, recording_pause
+    run.producer.rollouts._generate, fleet.dead_servers, fleet.pause_generation = late, killed_after_the_check, recording_pause
     fleet.client.continue_aborted, fleet.client.max_retries = True, 1
     max_restarts, fleet.max_restarts = fleet.max_restarts, fleet.max_restarts + 1  # other tests restart it too
     tracker = Recorder()
@@ -467,7 +469,7 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
     finally:
         fleet.dead_servers, fleet.pause_generation = dead_servers, pause
         fleet.client.continue_aborted, fleet.client.max_retries, fleet.max_restarts = False, 5, max_restarts
-    now = fleet.workers.call("status", timeout_s=30)[0]
+    now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
     assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
     assert paused == [False, True, True]  # step 0's push found the server dead; the later ones paused
@@ -494,7 +496,7 @@ def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_wi
     fleet, control = cluster.rollout, ServerControl(cluster.rollout.urls[0], cluster.rollout.api_key)
     timeline, validations = [], []  # (event, time); (server version, answers) per validation
     push_due, validating, continued = threading.Event(), threading.Event(), threading.Event()
-    generate_rollout, pause, resume, generate = run.producer._generate, fleet.pause_generation, \
+    generate_rollout, pause, resume, generate = run.producer.rollouts._generate, fleet.pause_generation, \
         fleet.continue_generation, fleet.generate
     continue_sample = fleet.client._continue
 
@@ -539,7 +541,7 @@ def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_wi
         return result
 
     trained = record_takes(run, lambda batch, metrics: batch["weight_versions"])
-    run.producer._generate, fleet.generate = late, validation_generate
+    run.producer.rollouts._generate, fleet.generate = late, validation_generate
     fleet.client._continue = continue_during_validation
     fleet.pause_generation, fleet.continue_generation = pause_once_running, recording_continue
     fleet.client.continue_aborted = True
@@ -581,13 +583,13 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
     cluster, trainer, _ = split_cluster
     run = partial_run(trainer, monkeypatch, "partial_push_death")
     fleet = cluster.rollout
-    victim = fleet.workers.call("status", timeout_s=30)[0]
+    victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     control = ServerControl(victim["url"], fleet.api_key)
     if fleet.weight_version is None:  # the servers' weights must differ from those a restart loads
         cluster.sync_weights()
     started, restarts_before = control.weight_version(), fleet.restarts[0]
     seconds = {}
-    push_due, generate = threading.Event(), timed_rollouts(run.producer._generate, seconds)
+    push_due, generate = threading.Event(), timed_rollouts(run.producer.rollouts._generate, seconds)
 
     def late(index, version, prompt_indices, partial=None):
         if index == 1 and partial is None:  # starts only once step 0 is at its push
@@ -616,7 +618,7 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
     workers, call, pushes = cluster.actor.workers, cluster.actor.workers.call, []
 
     def killing_push(method, *args, **kwargs):
-        if method == "push_weights":
+        if method is TrainWorker.push_weights:
             pushes.append(method)
             if len(pushes) == 1:  # step 0's push, after its pause, with the continuations waiting
                 wait_for(lambda: state("num_waiting_requests") > 0, "no continuation waited at the paused server")
@@ -628,7 +630,7 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
         return call(method, *args, **kwargs)
 
     trained = record_takes(run, lambda batch, metrics: (list(batch["uid"]), batch["weight_versions"], metrics))
-    run.producer._generate, fleet.pause_generation, workers.call = late, pause_once_running, killing_push
+    run.producer.rollouts._generate, fleet.pause_generation, workers.call = late, pause_once_running, killing_push
     # partial rollouts on; continuations retried long enough to outlast the restart (backoff up to 10 s)
     fleet.client.continue_aborted, fleet.client.max_retries = True, 12
     max_restarts, fleet.max_restarts = fleet.max_restarts, fleet.restarts[0] + 1  # other tests restart it too
@@ -639,7 +641,7 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
         fleet.pause_generation, fleet.max_restarts = pause, max_restarts
         fleet.client.continue_aborted, fleet.client.max_retries = False, 5
         del workers.call
-    now = fleet.workers.call("status", timeout_s=30)[0]
+    now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
     assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
     assert paused == [True, True, True] and len(pushes) == STEPS + 1  # step 0 pushed twice

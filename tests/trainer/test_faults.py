@@ -19,6 +19,8 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer.rollout_fleet import HUNG_AFTER_S, RolloutFleet, RolloutServerLost
+from megarl.workers.rollout_worker import RolloutWorker
+from megarl.workers.train_worker import TrainWorker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +41,7 @@ def kill_once_busy(server: dict, timeout_s: float = 60.0) -> None:
 def wait_until_dead(fleet, server: int, timeout_s: float = 30.0) -> None:
     """Until the worker sees its server process gone (a killed child stays a zombie until reaped)."""
     deadline = time.monotonic() + timeout_s
-    while fleet.workers.call("status", timeout_s=30)[server]["running"]:
+    while fleet.workers.call(RolloutWorker.status, timeout_s=30)[server]["running"]:
         assert time.monotonic() < deadline, f"server {server} still running after {timeout_s} s"
         time.sleep(0.1)
 
@@ -61,7 +63,7 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
     try:
         prompts = [[2, 10 + i % 20, 11 + i % 20] for i in range(24)]
         sampling = SamplingParams(max_new_tokens=96, n=2, ignore_eos=True)
-        victim = fleet.workers.call("status", timeout_s=30)[1]
+        victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[1]
         killer = threading.Thread(target=kill_once_busy, args=(victim,), daemon=True)
         killer.start()
         result = fleet.generate(prompts, sampling, seeds=list(range(len(prompts))))
@@ -72,7 +74,7 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
         restarted_inside = sum(fleet.restarts)
         assert fleet.recover() == 1 - restarted_inside
         assert resynced == [fleet.urls]  # the restarted server was handed to the weight sync, once
-        now = fleet.workers.call("status", timeout_s=30)[1]
+        now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[1]
         assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
         assert fleet.restarts == [0, 1]
         assert sorted(w["url"] for w in fleet.router.workers()) == sorted(fleet.urls)
@@ -91,7 +93,7 @@ def test_fleet_survives_a_server_killed_mid_generation_and_stops_past_the_limit(
         assert "127.0.0.1" in message or now["ip"] in message
         assert "killed by SIGKILL" in message and "max_server_restarts=1" in message
         assert f"Last lines of its log {now['log_path']}" in message
-        pids = [s["pid"] for s in fleet.workers.call("status", timeout_s=30)]
+        pids = [s["pid"] for s in fleet.workers.call(RolloutWorker.status, timeout_s=30)]
     finally:
         fleet.shutdown()
         pools.remove()
@@ -147,7 +149,7 @@ def test_step_completes_after_a_rollout_server_is_killed(grpo):
     cluster, trainer = grpo
     first = trainer.train_step()
     assert first["faults/rollout_server_restarts"] == 0 and first["sync/weight_version"] == 1
-    victim = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    victim = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[1]
     os.kill(victim["pid"], signal.SIGKILL)
     wait_until_dead(cluster.rollout, 1)
 
@@ -155,7 +157,7 @@ def test_step_completes_after_a_rollout_server_is_killed(grpo):
     assert metrics["faults/rollout_server_restarts"] == 1
     assert metrics["faults/rollout_requests_retried"] >= 0 and metrics["rollout/samples"] == 4 * 4
     assert metrics["sync/weight_version"] == 2 and cluster.rollout.restarts == [0, 1]
-    now = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    now = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[1]
     assert now["running"] and now["pid"] != victim["pid"]
     assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     prompt = trainer.train_data.take([0])[0].input_ids
@@ -186,7 +188,7 @@ def test_step_completes_after_a_rollout_server_hangs_mid_generation(grpo):
     to /health, kills the server by PID, restarts it and sends the lost prompts again."""
     cluster, trainer = grpo
     fleet = cluster.rollout
-    victim = fleet.workers.call("status", timeout_s=30)[0]
+    victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     stop_as_generation_starts(fleet, victim["pid"])
     retries, fleet.client.max_retries = fleet.client.max_retries, 0
     started = time.monotonic()
@@ -202,7 +204,7 @@ def test_step_completes_after_a_rollout_server_hangs_mid_generation(grpo):
     assert metrics["faults/rollout_server_restarts"] == 1 and fleet.restarts == [1, 1]
     assert metrics["faults/rollout_requests_retried"] >= 1  # the prompts lost with it, sent again
     assert metrics["rollout/samples"] == 4 * 4 and metrics["sync/weight_version"] == 3
-    now = fleet.workers.call("status", HUNG_AFTER_S, timeout_s=60)[0]
+    now = fleet.workers.call(RolloutWorker.status, HUNG_AFTER_S, timeout_s=60)[0]
     assert now["running"] and now["answers"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
     with pytest.raises(ProcessLookupError):  # killed and reaped by its worker: nothing of it runs
         os.kill(victim["pid"], 0)
@@ -213,7 +215,7 @@ def test_step_completes_after_a_rollout_server_hangs_mid_generation(grpo):
 
 def test_training_worker_death_is_named(grpo):
     cluster, _ = grpo
-    victim = cluster.actor.workers.call("node_info", timeout_s=60)[1]
+    victim = cluster.actor.workers.call(TrainWorker.node_info, timeout_s=60)[1]
     os.kill(victim["pid"], signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(WorkerGroupError) as died:
@@ -228,7 +230,7 @@ def test_training_worker_death_is_named(grpo):
 
 def test_a_server_dying_past_max_server_restarts_stops_the_run(grpo):
     cluster, trainer = grpo
-    status = cluster.rollout.workers.call("status", timeout_s=30)[1]
+    status = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[1]
     os.kill(status["pid"], signal.SIGKILL)
     wait_until_dead(cluster.rollout, 1)
     with pytest.raises(RolloutServerLost) as lost:
@@ -244,7 +246,7 @@ def test_a_server_hanging_past_max_server_restarts_stops_the_run_naming_it(grpo)
     naming it hung, and its stopped process is killed, not left behind."""
     cluster, _ = grpo
     fleet = cluster.rollout
-    status = fleet.workers.call("status", timeout_s=30)[0]
+    status = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert fleet.restarts[0] == 1 and status["running"]
     os.kill(status["pid"], signal.SIGSTOP)
     started = time.monotonic()

@@ -33,7 +33,9 @@ from megarl.placement.memory import estimate
 from megarl.rollout.control import ServerControl
 from megarl.trainer import cluster as cluster_module
 from megarl.trainer.engine_group import EngineGroup
+from megarl.trainer.roles import ActorRole, TrainingRole
 from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.workers.rollout_worker import RolloutWorker
 
 pytestmark = pytest.mark.slow
 
@@ -69,39 +71,49 @@ class Recorder:
                 for fleet in cls.fleets for url in fleet.urls]
 
 
-class RecordingEngineGroup(EngineGroup):
-    def __init__(self, role, pools, config, *args, **kwargs):
+# what `record_training_roles` wraps, as defined (a second run in one test wraps these again, not its wrappers)
+UNRECORDED = {(cls, name): getattr(cls, name) for cls, names in (
+    (EngineGroup, ("__init__", "compute", "update", "update_and_compute")),
+    (TrainingRole, ("offload", "onload", "empty_cache")), (ActorRole, ("push_weights",))) for name in names}
+
+
+def record_training_roles(monkeypatch) -> None:
+    """Record the training roles' calls in `Recorder.events`: patched over `EngineGroup`, which
+    every role's handle runs through, and the handles' memory moves and push."""
+    def before(method, event):
+        def recording(self, *args, **kwargs):
+            Recorder.events.append((event, self.name))
+            return method(self, *args, **kwargs)
+        return recording
+
+    def after(method, event):
+        def recording(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            Recorder.events.append((event, self.name))
+            return result
+        return recording
+
+    init, offload = UNRECORDED[EngineGroup, "__init__"], UNRECORDED[TrainingRole, "offload"]
+
+    def recording_init(self, role, pools, config, *args, **kwargs):
         Recorder.events.append(("init", role.name, Recorder.server_memory()))
-        super().__init__(role, pools, config, *args, **kwargs)
-        call = self.workers.call
+        init(self, role, pools, config, *args, **kwargs)
 
-        def recording(method, *args, **kw):
-            if method == "push_weights":
-                Recorder.events.append(("push", self.name))
-            return call(method, *args, **kw)
-
-        self.workers.call = recording
-
-    def call(self, method, *args, **kwargs):
-        result = super().call(method, *args, **kwargs)
-        if method == "offload":  # the parts asked and the device bytes each part freed, summed over ranks
-            Recorder.events.append((method, self.name, tuple(p for p in ("params", "grads", "optimizer") if kwargs[p]),
-                                    {p: sum(r[f"{p}_bytes"] for r in result) for p in ("params", "grads", "optimizer")}))
-        elif method in ("onload", "empty_cache"):
-            Recorder.events.append((method, self.name))
+    def recording_offload(self, params, grads, optimizer):
+        result = offload(self, params, grads, optimizer)
+        # the parts asked and the device bytes each part freed, summed over ranks
+        asked = dict(params=params, grads=grads, optimizer=optimizer)
+        Recorder.events.append(("offload", self.name, tuple(p for p in asked if asked[p]),
+                                {p: sum(r[f"{p}_bytes"] for r in result) for p in asked}))
         return result
 
-    def compute(self, method, batch, *args):
-        Recorder.events.append(("compute", self.name))
-        return super().compute(method, batch, *args)
-
-    def update(self, method, batch):
-        Recorder.events.append(("update", self.name))
-        return super().update(method, batch)
-
-    def update_and_compute(self, method, batch):
-        Recorder.events.append(("update_and_compute", self.name))
-        return super().update_and_compute(method, batch)
+    monkeypatch.setattr(EngineGroup, "__init__", recording_init)
+    for name in ("compute", "update", "update_and_compute"):
+        monkeypatch.setattr(EngineGroup, name, before(UNRECORDED[EngineGroup, name], name))
+    monkeypatch.setattr(ActorRole, "push_weights", before(UNRECORDED[ActorRole, "push_weights"], "push"))
+    monkeypatch.setattr(TrainingRole, "offload", recording_offload)
+    for name in ("onload", "empty_cache"):
+        monkeypatch.setattr(TrainingRole, name, after(UNRECORDED[TrainingRole, name], name))
 
 
 class RecordingFleet(RolloutFleet):
@@ -150,7 +162,7 @@ def _weights(worker) -> list:
 
 
 def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides, restart: bool = False) -> dict:
-    monkeypatch.setattr(cluster_module, "EngineGroup", RecordingEngineGroup)
+    record_training_roles(monkeypatch)
     monkeypatch.setattr(cluster_module, "RolloutFleet", RecordingFleet)
     Recorder.events, Recorder.fleets = [], []
     result = {}
@@ -173,9 +185,9 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides, resta
         result["weights"] = ray.get([a.__ray_call__.remote(_weights) for a in cluster.actor.workers.actors])
         if restart:  # the server killed between steps: restarted, it holds all its memory, never resumed
             cluster._push(version=cluster.weight_version)  # the servers back in generation's state
-            status = cluster.rollout.workers.call("status", timeout_s=30)[0]
+            status = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[0]
             os.kill(status["pid"], signal.SIGKILL)
-            while cluster.rollout.workers.call("status", timeout_s=30)[0]["running"]:
+            while cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[0]["running"]:
                 time.sleep(0.05)
             Recorder.events.clear()
             metrics = trainer.train_step()

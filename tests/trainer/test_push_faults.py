@@ -29,6 +29,7 @@ from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
 from megarl.trainer.rollout_fleet import RolloutServerLost
+from megarl.workers.rollout_worker import RolloutWorker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,7 +77,7 @@ def kill_during_push(cluster) -> threading.Thread:
     Returns the thread (started)."""
     fleet = cluster.rollout
     cluster.before_training()
-    victim, held = fleet.workers.call("status", timeout_s=30)
+    victim, held = fleet.workers.call(RolloutWorker.status, timeout_s=30)
     assert "weights" in released(victim["url"], fleet.api_key)
     stop_after_the_liveness_check(fleet, held["pid"])
 
@@ -85,7 +86,7 @@ def kill_during_push(cluster) -> threading.Thread:
             wait_for(lambda: "weights" not in released(victim["url"], fleet.api_key), "the push preparing server 0")
             time.sleep(0.2)
             os.kill(victim["pid"], signal.SIGKILL)
-            wait_for(lambda: not fleet.workers.call("status", timeout_s=30)[0]["running"], "server 0 dead")
+            wait_for(lambda: not fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]["running"], "server 0 dead")
         finally:
             os.kill(held["pid"], signal.SIGCONT)
 
@@ -103,7 +104,7 @@ def logprob_gap(cluster, trainer, url: str) -> float:
         result = client.generate([p.input_ids for p in prompts],
                                  SamplingParams(max_new_tokens=8, temperature=temperature), seeds=[0, 1])
     batch = experience.experience_batch(prompts, result.samples, uid_prefix="check")
-    actor = cluster.actor.compute("compute_log_prob", batch, temperature)["log_probs"]
+    actor = cluster.actor.compute_log_prob(batch, temperature)["log_probs"]
     return ((actor - batch["rollout_log_probs"]).abs() * batch["response_mask"]).max().item()
 
 
@@ -112,7 +113,7 @@ def test_a_server_killed_during_the_push_is_restarted_and_the_push_completes(grp
     first = trainer.train_step()  # the actor's weights now differ from the checkpoint a restart loads
     assert first["sync/weight_version"] == 1 and first["faults/rollout_server_restarts"] == 0
     assert first["actor/grad_norm"] > 0
-    victim = cluster.rollout.workers.call("status", timeout_s=30)[0]
+    victim = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[0]
 
     killer = kill_during_push(cluster)
     started = time.monotonic()
@@ -123,7 +124,7 @@ def test_a_server_killed_during_the_push_is_restarted_and_the_push_completes(grp
     assert seconds < 60, f"the push took {seconds:.0f} s: a server waited for a bucket that never came"
     assert metrics["sync/weight_version"] == 2 and metrics["faults/rollout_server_restarts"] == 1
     assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
-    now = cluster.rollout.workers.call("status", timeout_s=30)[0]
+    now = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and now["url"] == victim["url"]
     assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     assert [released(u, cluster.rollout.api_key) for u in cluster.rollout.urls] == [[], []]
@@ -156,14 +157,14 @@ def a_live_server_refusing_the_push(cluster):
 
 def test_a_push_failing_with_every_server_alive_is_not_retried(grpo):
     cluster, _ = grpo
-    pids = [s["pid"] for s in cluster.rollout.workers.call("status", timeout_s=30)]
+    pids = [s["pid"] for s in cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)]
     with a_live_server_refusing_the_push(cluster) as named:
         with pytest.raises(WorkerGroupError) as failed:
             cluster.sync_weights()
     message = str(failed.value)
     assert "WeightSyncError" in message and named in message, message
     assert cluster.weight_version == 2 and cluster.rollout.restarts == [1, 0]
-    assert [s["pid"] for s in cluster.rollout.workers.call("status", timeout_s=30)] == pids  # nothing restarted
+    assert [s["pid"] for s in cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)] == pids  # nothing restarted
     assert [ServerControl(u, cluster.rollout.api_key).weight_version() for u in cluster.rollout.urls] == ["2", "2"]
     assert cluster.sync_weights()["sync/weight_version"] == 3
 
@@ -193,7 +194,7 @@ def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_compl
     /health, kills it by PID and restarts it, and the push goes through at the new version."""
     cluster, trainer = grpo
     fleet = cluster.rollout
-    held = fleet.workers.call("status", timeout_s=30)[1]
+    held = fleet.workers.call(RolloutWorker.status, timeout_s=30)[1]
     with server_calls_bounded(cluster, SYNC_CALL_TIMEOUT_S):
         cluster.before_training()
         stop_after_the_liveness_check(fleet, held["pid"])
@@ -208,7 +209,7 @@ def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_compl
     assert seconds < 60, f"the push took {seconds:.0f} s"
     assert metrics["sync/weight_version"] == 4 and metrics["faults/rollout_server_restarts"] == 1
     assert cluster.weight_version == 4 and fleet.restarts == [1, 1]
-    now = fleet.workers.call("status", timeout_s=30)[1]
+    now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[1]
     assert now["running"] and now["pid"] != held["pid"] and now["url"] == held["url"]
     with pytest.raises(ProcessLookupError):  # killed and reaped by its worker: nothing of it runs
         os.kill(held["pid"], 0)
@@ -219,7 +220,7 @@ def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_compl
 
 def test_a_server_dying_during_the_push_past_max_server_restarts_stops_the_run(grpo):
     cluster, _ = grpo
-    victim = cluster.rollout.workers.call("status", timeout_s=30)[0]
+    victim = cluster.rollout.workers.call(RolloutWorker.status, timeout_s=30)[0]
     killer = kill_during_push(cluster)
     with pytest.raises(RolloutServerLost) as lost:
         cluster.sync_weights()

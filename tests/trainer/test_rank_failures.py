@@ -15,6 +15,7 @@ from megarl.checkpoint import complete_checkpoints
 from megarl.cli import main as megarl_main
 from megarl.placement import worker_group
 from megarl.placement.worker_group import WorkerGroupError
+from megarl.workers.train_worker import TrainWorker
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +40,18 @@ def test_a_rank_raising_before_the_checkpoint_collectives_ends_the_call_on_every
     trainer.train_step()
     trainer.step = 1
     saved = trainer.save_checkpoint()
-    pids = [info["pid"] for info in cluster.actor.workers.call("node_info", timeout_s=60)]
+    pids = [info["pid"] for info in cluster.actor.workers.call(TrainWorker.node_info, timeout_s=60)]
     monkeypatch.setattr(worker_group, "FAILURE_GRACE_S", 3.0)
 
     t0 = time.monotonic()
-    with pytest.raises(WorkerGroupError) as error:  # rank 0 saves; rank 1 fails before any collective
-        cluster.actor.workers.call_each("engine_call", [("save_checkpoint", str(tmp_path / "rank0_only")),
-                                                        ("load_checkpoint", str(tmp_path / "missing"))],
+    with pytest.raises(WorkerGroupError) as error:  # rank 0 loads; rank 1 fails before any collective
+        cluster.actor.workers.call_each(TrainWorker.load_checkpoint, [(str(saved / "actor"),),
+                                                                      (str(tmp_path / "missing"),)],
                                         timeout_s=600)
     elapsed = time.monotonic() - t0
     assert elapsed < 15, elapsed  # the grace (3 s) and Ray's answers, not the collective's 300 s
     lines = str(error.value).splitlines()
-    assert lines[0] == "actor.engine_call failed:"
+    assert lines[0] == "actor.load_checkpoint failed:"
     node = cluster.actor.workers.locations[1]  # one local node: its Ray id's first characters
     assert lines[1] == (f"  - actor rank 1 on {node} raised FileNotFoundError: actor_rollout_ref.actor: checkpoint "
                         f"directory {tmp_path / 'missing'} does not exist")
@@ -63,7 +64,7 @@ def test_a_rank_raising_before_the_checkpoint_collectives_ends_the_call_on_every
 
     t0 = time.monotonic()  # the next step fails at once, naming why
     with pytest.raises(WorkerGroupError, match=r"actor's workers were stopped after an earlier failure \(actor."
-                                               r"engine_call: actor rank 1 on \S+ failed while its peers were"):
+                                               r"load_checkpoint: actor rank 1 on \S+ failed while its peers were"):
         trainer.train_step()
     assert time.monotonic() - t0 < 5
 

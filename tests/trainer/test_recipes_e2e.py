@@ -83,7 +83,7 @@ def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1
         for _ in range(steps):
             record.metrics = trainer.train_step()
         if cluster.critic is not None and record.critic_batches:
-            record.values_after = cluster.critic.compute("compute_values", record.critic_batches[0])["values"]
+            record.values_after = cluster.critic.compute_values(record.critic_batches[0])["values"]
     finally:
         cluster.shutdown()
     for key, value in record.metrics.items():

@@ -14,6 +14,7 @@ from megarl.placement.ray_pools import create_pools
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.launch import server_startup_timeout_s
 from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
+from megarl.workers.rollout_worker import RolloutWorker
 
 
 def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
@@ -37,19 +38,19 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
         assert [[len(s.token_ids) for s in row] for row in result.samples] == [[4, 4]] * 6
         assert all(len(s.logprobs) == 4 for row in result.samples for s in row)
 
-        statuses = fleet.workers.call("status", timeout_s=30)
+        statuses = fleet.workers.call(RolloutWorker.status, timeout_s=30)
         os.kill(statuses[1]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while fleet.workers.call("status", timeout_s=60)[1]["running"]:  # until the worker sees it gone
+        while fleet.workers.call(RolloutWorker.status, timeout_s=60)[1]["running"]:  # until the worker sees it gone
             assert time.monotonic() < deadline
             time.sleep(0.2)
         result = fleet.generate(prompts, SamplingParams(max_new_tokens=3, n=2, ignore_eos=True))  # restarts it first
-        now = fleet.workers.call("status", timeout_s=60)[1]
+        now = fleet.workers.call(RolloutWorker.status, timeout_s=60)[1]
         assert now["restarts"] == 1 and now["running"] and now["pid"] != statuses[1]["pid"]
         assert sum(len(s.token_ids) for row in result.samples for s in row) == 6 * 2 * 3
-        pids = [s["pid"] for s in fleet.workers.call("status", timeout_s=30)]
+        pids = [s["pid"] for s in fleet.workers.call(RolloutWorker.status, timeout_s=30)]
         logs = tmp_path / "p/e/logs"
-        assert [s["log_path"] for s in fleet.workers.call("status", timeout_s=30)] == [
+        assert [s["log_path"] for s in fleet.workers.call(RolloutWorker.status, timeout_s=30)] == [
             str(logs / "rollout-0.log"), str(logs / "rollout-1.log")]
         assert fleet.router.process.log_path == str(logs / "sglang-router.log")
         # one header line per start: the router's log says what it is, the restarted server's shows both starts

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -135,8 +135,8 @@ def _probe_role(pool: Pool) -> RolePlacement:
                          devices=list(pool.devices), gpu_fraction=1.0)
 
 
-def _on_all(groups: list[WorkerGroup], method: str, *args, timeout_s: float) -> list[list]:
-    """`method` on every rank of every group at once (a collective must reach all ranks)."""
+def _on_all(groups: list[WorkerGroup], method: Callable, *args, timeout_s: float) -> list[list]:
+    """The probes' `method` on every rank of every group at once (a collective must reach all ranks)."""
     with ThreadPoolExecutor(len(groups)) as pool:
         futures = [pool.submit(g.call, method, *args, timeout_s=timeout_s) for g in groups]
         return [f.result() for f in futures]
@@ -168,11 +168,12 @@ def _run_probes(plan: Plan, nodes: list[RayNode],
         for pool in plan.pools.values():
             groups.append(WorkerGroup(Probe, _probe_role(pool), pools, offset, world))
             offset += len(pool.devices)
-        infos = [info for per_group in _on_all(groups, "describe", timeout_s=timeout_s) for info in per_group]
+        infos = [info for per_group in _on_all(groups, Probe.describe, timeout_s=timeout_s) for info in per_group]
         backend = probe_backend([info["cuda"] for info in infos])
-        addr, port = groups[0].call_ranks([0], "master_address", timeout_s, timeout_s=timeout_s)[0]
-        _on_all(groups, "init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s + JOIN_GRACE_S)
-        sums = [s for per_group in _on_all(groups, "all_reduce_rank", backend, timeout_s=timeout_s) for s in per_group]
+        addr, port = groups[0].call_ranks([0], Probe.master_address, timeout_s, timeout_s=timeout_s)[0]
+        _on_all(groups, Probe.init_process_group, addr, port, backend, timeout_s, timeout_s=timeout_s + JOIN_GRACE_S)
+        sums = [s for per_group in _on_all(groups, Probe.all_reduce_rank, backend, timeout_s=timeout_s)
+                for s in per_group]
     except WorkerGroupError as exc:
         raise ClusterCheckError(f"  - {exc}") from exc
     finally:

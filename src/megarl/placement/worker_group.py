@@ -4,9 +4,13 @@ pinned to the bundles the plan gives them, with calls on all ranks that never wa
 A role's actor class subclasses `megarl.workers.base.RankedWorker` (it has what `RankedActor`
 names); the controller does
 
-    group = WorkerGroup(ActorWorker, plan.roles["actor"], pools)
+    group = WorkerGroup(TrainWorker, plan.roles["actor"], pools, config)
     group.init_process_group(backend="gloo")
-    losses = group.call("update_policy", batch, timeout_s=600)
+    losses = group.call(TrainWorker.update_policy, batch, timeout_s=600)
+
+A call names the worker class's method itself (`TrainWorker.update_policy`), never its name as a
+string: a reader, an IDE or a rename follows it into the worker. This module is the one place
+that turns it into Ray's remote call by name.
 
 A rank that does not answer within the timeout, dies, or raises is reported by rank and node. The
 first rank that dies, or in a training role raises, ends the call on every rank within seconds: its
@@ -19,7 +23,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -38,6 +43,7 @@ WAIT_SLICE_S = 0.5
 FAILURE_GRACE_S = 10.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 log = logging.getLogger("megarl.placement")
+R = TypeVar("R")
 
 
 class WorkerGroupError(RuntimeError):
@@ -110,6 +116,7 @@ class WorkerGroup:
         failure ends the call on all (`_gather`); False for workers that each own an independent
         process (rollout servers)."""
         self.role = role
+        self.worker_cls = worker_cls
         self.collective = collective
         self.stopped: str | None = None  # why `abort` stopped the workers, once it has
         group = pools.groups[role.pool]
@@ -210,30 +217,47 @@ class WorkerGroup:
         for actor in self.actors:
             ray.kill(actor)
 
-    def call(self, method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
-        """Call `method` with the same arguments on every rank; results in rank order."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        return self._gather(refs, f"{self.role.name}.{method}", timeout_s)
+    def _remote_name(self, method: Callable) -> str:
+        """The name Ray calls `method` by on this group's actors. `method` is a method of the
+        group's worker class or of a class it derives from (`TrainWorker.save_checkpoint`);
+        a subclass's override of it is what runs."""
+        name = getattr(method, "__name__", None)
+        if not any(name in vars(cls) and vars(cls)[name] is method for cls in self.worker_cls.__mro__):
+            raise TypeError(f"{self.role.name}: {method!r} is not a method of its workers' class "
+                            f"{self.worker_cls.__name__}")
+        return name
 
-    def call_each(self, method: str, per_rank_args: list[tuple], timeout_s: float = 600.0) -> list:
-        """Call `method` on rank r with per_rank_args[r]; results in rank order."""
+    def call(self, method: Callable[..., R], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[R]:
+        """Call the workers' `method` with the same arguments on every rank; results in rank order."""
+        name = self._remote_name(method)
+        refs = [getattr(a, name).remote(*args, **kwargs) for a in self.actors]
+        return self._gather(refs, f"{self.role.name}.{name}", timeout_s)
+
+    def call_each(self, method: Callable[..., R], per_rank_args: list[tuple], timeout_s: float = 600.0) -> list[R]:
+        """Call the workers' `method` on rank r with per_rank_args[r]; results in rank order."""
+        name = self._remote_name(method)
         if len(per_rank_args) != len(self.actors):
-            raise ValueError(f"{len(per_rank_args)} argument tuples for {len(self.actors)} ranks")
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        return self._gather(refs, f"{self.role.name}.{method}", timeout_s)
+            raise ValueError(f"{self.role.name}.{name}: {len(per_rank_args)} argument tuples for "
+                             f"{len(self.actors)} ranks")
+        refs = [getattr(a, name).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        return self._gather(refs, f"{self.role.name}.{name}", timeout_s)
 
-    def call_ranks(self, ranks: list[int], method: str, *args, timeout_s: float = 600.0, **kwargs) -> list:
-        """Call `method` with the same arguments on the given ranks only; results in their order."""
-        refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
-        return self._gather(refs, f"{self.role.name}.{method}", timeout_s, ranks)
+    def call_ranks(self, ranks: list[int], method: Callable[..., R], *args: Any, timeout_s: float = 600.0,
+                   **kwargs: Any) -> list[R]:
+        """Call the workers' `method` with the same arguments on the given ranks only; results in their order."""
+        name = self._remote_name(method)
+        refs = [getattr(self.actors[r], name).remote(*args, **kwargs) for r in ranks]
+        return self._gather(refs, f"{self.role.name}.{name}", timeout_s, ranks)
 
     def init_process_group(self, backend: str, timeout_s: float = 120.0) -> tuple[str, int]:
         """Form one torch.distributed group over the ranks, its store hosted by rank 0. `backend`:
         "gloo" on CPU, "cpu:gloo,cuda:nccl" for training on GPUs (megarl.config.devices decides
         it). The ranks give up after `timeout_s`; we wait JOIN_GRACE_S longer, so that a group that
         does not form is reported by the ranks' own errors (which rank's key never came)."""
-        addr, port = self._gather([self.actors[0].master_address.remote(timeout_s)], "master_address", timeout_s)[0]
-        self.call("init_process_group", addr, port, backend, timeout_s, timeout_s=timeout_s + JOIN_GRACE_S)
+        addr, port = self._gather([self.actors[0].master_address.remote(timeout_s)],
+                                  f"{self.role.name}.master_address", timeout_s)[0]
+        refs = [a.init_process_group.remote(addr, port, backend, timeout_s) for a in self.actors]
+        self._gather(refs, f"{self.role.name}.init_process_group", timeout_s + JOIN_GRACE_S)
         return addr, port
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""Generation ahead of training (`async_training.mode` one_step_off and fully_async).
+"""Generation ahead of training (`async_training.mode` one_step_off and fully_async): the producer
+thread and its buffer, which megarl.trainer.producers' producer of each of the two modes drives.
 
 A producer thread generates rollouts (one step's batch of prompts each, with the prompts, uid
 prefix and seeds the synchronous loop would give that step) into a buffer while the controller

@@ -36,8 +36,15 @@ from megarl.rollout.launch import rollout_api_key, server_startup_timeout_s  # n
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.colocation import ColocationError, colocated_peers  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
-from megarl.trainer.engine_group import EngineGroup  # noqa: E402
 from megarl.trainer.preflight import resolve_devices  # noqa: E402
+from megarl.trainer.roles import (  # noqa: E402
+    ActorRole,
+    CriticRole,
+    RefRole,
+    RewardModelRole,
+    TeacherRole,
+    TrainingRole,
+)
 from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
 
 log = logging.getLogger("megarl.trainer")
@@ -73,8 +80,12 @@ class Cluster:
         self.colocated = config.placement.mode == "colocate"
         self.releases_memory = releases_server_memory(config)  # colocated, servers freed while training
         self.api_key = rollout_api_key(config.actor_rollout_ref.rollout.api_key_env)  # servers' and router's; never logged
-        self.actor = self.ref = self.critic = self.reward_model = self.rollout = None
-        self.teacher = None  # on-policy distillation's Megatron teacher (megarl.trainer.teacher)
+        self.actor: ActorRole | None = None
+        self.ref: RefRole | None = None
+        self.critic: CriticRole | None = None
+        self.reward_model: RewardModelRole | None = None
+        self.teacher: TeacherRole | None = None  # on-policy distillation's Megatron teacher (megarl.trainer.teacher)
+        self.rollout: RolloutFleet | None = None
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
         self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
@@ -87,12 +98,12 @@ class Cluster:
                 self._start_rollout(roles["rollout"])
                 self._do(self.memory.before_training())  # servers release what they hold; no role exists yet
             d = self.devices
-            self.actor = EngineGroup(roles["actor"], self.pools, config, d)
-            self.ref = EngineGroup(roles["ref"], self.pools, config, d) if "ref" in roles else None
-            self.critic = EngineGroup(roles["critic"], self.pools, config, d) if "critic" in roles else None
-            self.reward_model = (EngineGroup(roles["reward_model"], self.pools, config, d)
+            self.actor = ActorRole(roles["actor"], self.pools, config, d)
+            self.ref = RefRole(roles["ref"], self.pools, config, d) if "ref" in roles else None
+            self.critic = CriticRole(roles["critic"], self.pools, config, d) if "critic" in roles else None
+            self.reward_model = (RewardModelRole(roles["reward_model"], self.pools, config, d)
                                  if "reward_model" in roles else None)
-            self.teacher = EngineGroup(roles["teacher"], self.pools, config, d) if "teacher" in roles else None
+            self.teacher = TeacherRole(roles["teacher"], self.pools, config, d) if "teacher" in roles else None
             if not self.colocated:
                 self._start_rollout(roles["rollout"])
             self._make_sync(self.rollout.urls)
@@ -124,7 +135,7 @@ class Cluster:
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
             colocated_peers=self._colocated_peers() if transport == "tensor" else None,
         )
-        self.actor.workers.call("init_weight_sync", urls, sync_config, self.weight_version, self.api_key, timeout_s=600)
+        self.actor.init_weight_sync(urls, sync_config, self.weight_version, self.api_key)
 
     def _colocated_peers(self) -> list[list[int]] | None:
         """Per server, per TP rank: the actor rank on that TP rank's real GPU, from the GPUs Ray gave
@@ -199,19 +210,18 @@ class Cluster:
         if moves.release:
             self._server_moves(moves.release, self.rollout.release_memory, self.memory.server_released)
         for role in moves.onload:
-            stats = getattr(self, role).call("onload")
+            stats = self._training_roles()[role].onload()
             self.memory.role_onloaded(role)
             self._offload_totals["onload_s"] += max(s["seconds"] for s in stats)
         for role, parts in moves.offload.items():
-            stats = getattr(self, role).call("offload", params=parts.params, grads=parts.grads,
-                                             optimizer=parts.optimizer)
+            stats = self._training_roles()[role].offload(parts.params, parts.grads, parts.optimizer)
             self.memory.role_offloaded(role, parts)
             self._offload_totals["offload_s"] += max(s["seconds"] for s in stats)
             self._offload_totals["offload_bytes"] += sum(s["bytes"] for s in stats)
             self._offload_totals["offload_freed_bytes"] += sum(s["freed_bytes"] for s in stats)
         if moves.empty_cache:  # SGLang's memory saver maps its memory again from what is physically free
-            for group in self._engine_groups():
-                group.call("empty_cache")
+            for role in self._training_roles().values():
+                role.empty_cache()
         if moves.resume:
             self._server_moves(moves.resume, self.rollout.resume_memory, self.memory.server_resumed)
 
@@ -226,8 +236,11 @@ class Cluster:
         if failed:
             raise ServerError("; ".join(failed.values()))
 
-    def _engine_groups(self) -> list[EngineGroup]:
-        return [g for g in (self.actor, self.ref, self.critic, self.reward_model, self.teacher) if g is not None]
+    def _training_roles(self) -> dict[str, TrainingRole]:
+        """The training roles that run, by the plan's names of them."""
+        roles = {"actor": self.actor, "ref": self.ref, "critic": self.critic, "reward_model": self.reward_model,
+                 "teacher": self.teacher}
+        return {name: role for name, role in roles.items() if role is not None}
 
     def offload_metrics(self) -> dict[str, float]:
         """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,
@@ -267,8 +280,7 @@ class Cluster:
 
         def push() -> dict:
             self._do(self.memory.before_push())  # again on a retry: only what is not done yet
-            return self.actor.workers.call("push_weights", version, self.memory.flush_before_push(),
-                                           timeout_s=3600)[0]
+            return self.actor.push_weights(version, self.memory.flush_before_push())
 
         # the push sends every server the whole model: restarted servers need only a new sync
         metrics = self._with_recovery(f"the weight push to version {target}", push, on_restart=self._make_sync)
@@ -289,9 +301,9 @@ class Cluster:
             self.before_training()
         started = time.monotonic()
         tmp = checkpoint.begin(root, step)
-        self.actor.call("save_checkpoint", str(tmp / "actor"))
+        self.actor.save_checkpoint(str(tmp / "actor"))
         if self.critic is not None:
-            self.critic.call("save_checkpoint", str(tmp / "critic"))
+            self.critic.save_checkpoint(str(tmp / "critic"))
         saved = checkpoint.commit(tmp, step, self.config, controller_state,
                                   keep=self.config.trainer.max_actor_ckpt_to_keep)
         log.info("checkpoint of step %d saved to %s (%.1f s)", step, saved, time.monotonic() - started)
@@ -303,9 +315,9 @@ class Cluster:
         """Restore the engines from `directory`, push the weights to the servers; returns the
         controller state."""
         self.before_training()  # offloaded roles come back (the servers release their memory first)
-        self.actor.call("load_checkpoint", str(directory / "actor"))
+        self.actor.load_checkpoint(str(directory / "actor"))
         if self.critic is not None:
-            self.critic.call("load_checkpoint", str(directory / "critic"))
+            self.critic.load_checkpoint(str(directory / "critic"))
         self.sync_weights()
         return checkpoint.load_controller_state(directory)
 

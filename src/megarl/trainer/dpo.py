@@ -25,9 +25,9 @@ from megarl.data.preferences import PreferenceDataset, pairs_to_batch
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
 from megarl.trainer.preflight import resolve_devices
+from megarl.trainer.roles import DPOActorRole, RefRole
 
 
 class DPOTrainer:
@@ -49,8 +49,8 @@ class DPOTrainer:
         self.pools = create_pools(plan, timeout_s=300)
         self.actor = self.ref = None
         try:
-            self.actor = EngineGroup(plan.roles["actor"], self.pools, config, devices)
-            self.ref = EngineGroup(plan.roles["ref"], self.pools, config, devices)
+            self.actor = DPOActorRole(plan.roles["actor"], self.pools, config, devices)
+            self.ref = RefRole(plan.roles["ref"], self.pools, config, devices)
         except BaseException:
             self.shutdown()
             raise
@@ -58,7 +58,7 @@ class DPOTrainer:
 
     def with_ref_log_probs(self, batch: Batch) -> Batch:
         """`batch` plus the frozen reference's per-token `ref_log_probs` [B, R] (temperature 1)."""
-        batch["ref_log_probs"] = self.ref.compute("compute_ref_log_prob", batch, 1.0)["ref_log_probs"]
+        batch["ref_log_probs"] = self.ref.compute_ref_log_prob(batch, 1.0)["ref_log_probs"]
         return batch
 
     def validate(self) -> dict[str, float]:
@@ -70,7 +70,7 @@ class DPOTrainer:
                 raise ConfigError(f"data.val_files hold {len(self.val_data)} pairs, fewer than the actor's "
                                   f"data-parallel size {self.actor.dp_size}")
             self._val_batch = self.with_ref_log_probs(pairs_to_batch(self.val_data.take(range(usable))))
-        metrics = self.actor.update("dpo_eval", self._val_batch)
+        metrics = self.actor.dpo_eval(self._val_batch)
         return {f"val/dpo_{name}": value for name, value in metrics.items()}
 
     def fit(self, tracker) -> dict:
@@ -84,7 +84,7 @@ class DPOTrainer:
             batch = pairs_to_batch(self.train_data.take(self.sampler.next_batch()))
             self.with_ref_log_probs(batch)
             ref_done = time.perf_counter()
-            metrics = self.actor.update("dpo_step", batch)
+            metrics = self.actor.dpo_step(batch)
             done = time.perf_counter()
             metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
                             "timing/step_s": done - start})
@@ -94,7 +94,7 @@ class DPOTrainer:
         return metrics
 
     def export(self, out_dir: Path) -> Path:
-        self.actor.call("export_hf", str(out_dir))
+        self.actor.export_hf(str(out_dir))
         return out_dir
 
     def shutdown(self) -> None:

@@ -1,6 +1,9 @@
-"""The controller's handle on a training role: a worker group of engines, with the batch cut by
-data-parallel rank on the way in and the output ranks' results joined on the way out."""
+"""A training role's worker group of engines, with the batch cut by data-parallel rank on the way
+in and the output ranks' results joined on the way out. Each call names the `TrainWorker` method
+it runs; the controller calls the typed role handles built on this (megarl.trainer.roles)."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -39,26 +42,28 @@ class EngineGroup:
         self.timeout_s = timeout_s
         self.workers = WorkerGroup(TrainWorker, role, pools, config, env=devices.training_env)
         self.workers.init_process_group(backend=devices.training_backend, timeout_s=min(timeout_s, 600.0))
-        places = self.workers.call("init_engine", timeout_s=timeout_s)
+        places = self.workers.call(TrainWorker.init_engine, timeout_s=timeout_s)
         self.dp_ranks = [p["dp_rank"] for p in places]
         self.output_ranks = {p["dp_rank"]: rank for rank, p in enumerate(places) if p["is_output_rank"]}
         self.dp_size = places[0]["dp_size"]
         if sorted(self.output_ranks) != list(range(self.dp_size)):
             raise RuntimeError(f"{self.name}: expected one output rank per DP rank, got {self.output_ranks}")
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """The same call on every rank (checkpoints, offload, ...); results in rank order."""
-        return self.workers.call("engine_call", method, *args, timeout_s=self.timeout_s, **kwargs)
+    def call(self, method: Callable, *args, **kwargs) -> list:
+        """The workers' `method` on every rank with the same arguments; results in rank order."""
+        return self.workers.call(method, *args, timeout_s=self.timeout_s, **kwargs)
 
-    def run_on_batch(self, method: str, batch: Batch, *args) -> list:
-        """Give each DP replica its contiguous share of `batch` and run `method`; results in rank order."""
+    def run_on_batch(self, method: Callable, batch: Batch, *args) -> list:
+        """Give each DP replica its contiguous share of `batch` and run the workers' `method`;
+        results in rank order."""
         if len(batch) % self.dp_size:
-            raise ValueError(f"{self.name}.{method}: {len(batch)} samples do not split over DP size {self.dp_size}")
+            raise ValueError(f"{self.name}.{method.__name__}: {len(batch)} samples do not split over DP size "
+                             f"{self.dp_size}")
         shards = batch.chunk(self.dp_size)
-        per_rank = [(method, shards[dp], *args) for dp in self.dp_ranks]
-        return self.workers.call_each("engine_call", per_rank, timeout_s=self.timeout_s)
+        per_rank = [(shards[dp], *args) for dp in self.dp_ranks]
+        return self.workers.call_each(method, per_rank, timeout_s=self.timeout_s)
 
-    def compute(self, method: str, batch: Batch, *args) -> dict[str, torch.Tensor]:
+    def compute(self, method: Callable, batch: Batch, *args) -> dict[str, torch.Tensor]:
         """A per-sample computation (log-probs, values, scores): the output ranks' dicts joined in
         DP order (`join_outputs`). A batch that does not split evenly over the DP replicas is padded
         with copies of its last sample, whose results are dropped."""
@@ -70,11 +75,11 @@ class EngineGroup:
         parts = [results[self.output_ranks[dp]] for dp in range(self.dp_size)]
         return join_outputs(parts, size, padded=pad > 0)
 
-    def update(self, method: str, batch: Batch) -> dict[str, float]:
+    def update(self, method: Callable, batch: Batch) -> dict[str, float]:
         """An update (update_policy, update_critic): metrics are identical on every rank; take rank 0's."""
         return self.run_on_batch(method, batch)[0]
 
-    def update_and_compute(self, method: str, batch: Batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def update_and_compute(self, method: Callable, batch: Batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """An update that also returns per-sample outputs (update_policy_with_old_log_probs): each
         rank returns (metrics, identical on every rank; its outputs on output ranks, else None).
         Returns rank 0's metrics and the output ranks' outputs joined in DP order (`join_outputs`)."""

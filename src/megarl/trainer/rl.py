@@ -12,17 +12,18 @@ same loop; colocation adds releasing the rollout servers' memory and onloading t
 before training (`before_training`), and around the push the memory moves of one state machine
 (inside `sync_weights`; see megarl.placement.colocated_memory).
 
-With `async_training.mode` one_step_off or fully_async, a producer thread generates the coming
-steps' batches while this one trains (megarl.trainer.async_rollout): the step takes its batch from
-the producer instead of generating it, and the push waits for the generation running (with
-`async_training.partial_rollout`, interrupts it: pause, push, continue with the new weights).
+The step takes its batch from the producer of `async_training.mode` and pushes the weights inside
+the producer's `push` (megarl.trainer.producers): in sync the step generates its batch itself; in
+one_step_off and fully_async a producer thread generates the coming steps' batches while this one
+trains, and the push waits for the generation running (with `async_training.partial_rollout`,
+interrupts it: pause, push, continue with the new weights).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,31 +36,15 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
-from megarl.trainer.async_rollout import Rollout, RolloutInterrupted, RolloutProducer
+from megarl.trainer.async_rollout import Rollout, RolloutInterrupted
 from megarl.trainer.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
+from megarl.trainer.producers import make_producer
 from megarl.trainer.rollout_fleet import GenerationInterrupted
 from megarl.trainer.teacher import Teacher
+from megarl.trainer.timing import Timer
 
 log = logging.getLogger("megarl.trainer")
-
-
-class Timer:
-    """Wall-clock seconds per phase of one step (`timing/<phase>_s`)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
 
 
 def sampling_params(config: ExperimentConfig, validation: bool = False) -> SamplingParams:
@@ -119,11 +104,9 @@ class RLTrainer:
             from megarl.agents.runner import AgentRunner
 
             self.agent = AgentRunner.from_config(config, cluster.rollout.client, tokenizer, score_fn)
-        a = config.async_training
-        self.producer = None if a.mode == "sync" else RolloutProducer(
-            self.generate_rollout, max_staleness=1 if a.mode == "one_step_off" else a.max_staleness,
-            stale_samples=a.stale_samples, fill_window=a.mode == "one_step_off", limit=self.total_steps,
-            recover=cluster.rollout.recover)
+        self.producer = make_producer(config.async_training, cluster.rollout, self.total_steps,
+                                      collect=self.collect_experience, generate=self.generate_rollout,
+                                      score=self.score_rollout)
 
     # ------------------------------------------------------------------ experience
     def generate_and_score(self, prompts, timer: Timer, uid_prefix: str) -> tuple:
@@ -171,16 +154,13 @@ class RLTrainer:
         return Rollout(index, uid_prefix, [p.index for p in prompts], result.samples, version,
                        result.metrics.as_dict(), time.perf_counter() - start)
 
-    def take_rollout(self, timer: Timer) -> tuple:
-        """Async modes: the producer's next rollout as a scored batch: (batch, metrics).
-        `timing/generate_s` is the time this step waited for it."""
-        with timer("generate"):
-            rollout, metrics = self.producer.take()
+    def score_rollout(self, rollout: Rollout, timer: Timer) -> tuple:
+        """Async modes: a rollout the producer generated, as a scored batch: (batch, metrics)."""
         batch = experience.experience_batch(self.train_data.take(rollout.prompt_indices), rollout.samples,
                                             uid_prefix=rollout.uid_prefix)
         samples = [s for per_prompt in rollout.samples for s in per_prompt]  # in batch order
         batch["weight_versions"] = [s.weight_versions or [s.weight_version] * len(s.token_ids) for s in samples]
-        metrics["async/partial_rollouts"] = float(sum(s.weight_versions is not None for s in samples))
+        metrics = {"async/partial_rollouts": float(sum(s.weight_versions is not None for s in samples))}
         metrics.update(rollout.metrics)
         with timer("reward"):
             metrics.update(self.score(batch))
@@ -191,7 +171,7 @@ class RLTrainer:
         score (plus the rule reward with `reward_model.add_rule_reward`). Returns reward metrics."""
         metrics = experience.score(batch, self.score_fn, self.tokenizer, self.config)
         if self.cluster.reward_model is not None:
-            rm_scores = self.cluster.reward_model.compute("compute_rm_scores", batch)["rm_scores"]
+            rm_scores = self.cluster.reward_model.compute_rm_scores(batch)["rm_scores"]
             metrics.update(experience.combine_rm_scores(batch, rm_scores, self.config))
         return metrics
 
@@ -230,7 +210,7 @@ class RLTrainer:
         rollout = c.actor_rollout_ref.rollout
         step_start = time.perf_counter()
 
-        batch, metrics = self.collect_experience(timer) if self.producer is None else self.take_rollout(timer)
+        batch, metrics = self.producer.take(timer)
         cl.before_training()
 
         update_actor = self.step >= c.trainer.critic_warmup
@@ -238,56 +218,40 @@ class RLTrainer:
         old_in_update = update_actor and experience.old_log_probs_in_update(c)
         if not old_in_update:
             with timer("old_log_prob"):
-                out = cl.actor.compute("compute_log_prob", batch, rollout.temperature, True)
+                out = cl.actor.compute_log_prob(batch, rollout.temperature, with_entropy=True)
                 metrics.update(experience.take_old_log_probs(batch, out, c))
         if cl.ref is not None:
             with timer("ref_log_prob"):
-                batch["ref_log_probs"] = cl.ref.compute("compute_ref_log_prob", batch, rollout.temperature)["ref_log_probs"]
+                batch["ref_log_probs"] = cl.ref.compute_ref_log_prob(batch, rollout.temperature)["ref_log_probs"]
         if self.teacher is not None:
             with timer("teacher_log_prob"):
                 batch["teacher_log_probs"] = self.teacher.log_probs(batch, rollout.temperature)
         if cl.critic is not None:
             with timer("values"):
-                batch["values"] = cl.critic.compute("compute_values", batch)["values"]
+                batch["values"] = cl.critic.compute_values(batch)["values"]
 
         with timer("advantages"):
             metrics.update(experience.rewards_and_advantages(batch, c, self.kl_ctrl))
 
         if cl.critic is not None:
             with timer("update_critic"):
-                metrics.update(cl.critic.update("update_critic", batch))
+                metrics.update(cl.critic.update_critic(batch))
         if update_actor:
             with timer("update_actor"):
                 if old_in_update:
-                    update, out = cl.actor.update_and_compute("update_policy_with_old_log_probs", batch)
+                    update, out = cl.actor.update_policy_with_old_log_probs(batch)
                     metrics.update(experience.take_old_log_probs(batch, out, c))
                 else:
                     actor_batch, corrections = experience.rollout_correction(batch, c)
                     metrics.update(corrections)
-                    update = cl.actor.update("update_policy", actor_batch)
+                    update = cl.actor.update_policy(actor_batch)
                 metrics.update(update)
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
-        # Partial rollouts: the push interrupts the generation in flight, unless a server is dead (the
-        # push restarts it, which needs idle servers: then the generation parks first, as without),
-        # also when it dies after this check, found by the pause.
-        interrupt = c.async_training.partial_rollout and not cl.rollout.dead_servers()
-        if self.producer is not None:
-            with timer("wait_rollout"):  # the push lands between generations, or interrupts one
-                self.producer.pause(interrupt)
-                # the running requests abort and wait; they continue with the new weights
-                if interrupt and not cl.rollout.pause_generation():
-                    interrupt = False
-                    self.producer.pause()
-        with timer("sync_weights"):
-            try:
-                metrics.update(cl.sync_weights())
-            finally:
-                if interrupt:
-                    cl.rollout.continue_generation()
-        if self.producer is not None:
-            self.producer.pushed(self.step + 1)
+        # async modes: the generation ahead pauses for the push, or the push interrupts it (producers)
+        with self.producer.push(timer, version=self.step + 1), timer("sync_weights"):
+            metrics.update(cl.sync_weights())
         metrics.update(cl.offload_metrics())
 
         metrics.update(experience.data_metrics(batch))
@@ -338,7 +302,7 @@ class RLTrainer:
         if t.val_before_train and self.val_data is not None and self.step == 0:
             tracker.log(self.validate(), step=self.step)
         metrics = {}
-        with StopRequest() as stop, self._producer_stopped():
+        with StopRequest() as stop, closing(self.producer):  # the producer stops with the loop however it ends
             while self.step < self.total_steps:
                 stop.step = self.step
                 metrics = self.train_step()
@@ -353,15 +317,6 @@ class RLTrainer:
                     raise Preempted(stop.signum, self.step, str(saved or self.save_checkpoint()))
         return metrics
 
-    @contextmanager
-    def _producer_stopped(self):
-        """The producer thread (async modes) ends with the loop, however it ends."""
-        try:
-            yield
-        finally:
-            if self.producer is not None:
-                self.producer.stop()
-
     def save_checkpoint(self) -> Path:
         return self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
 
@@ -370,17 +325,12 @@ class RLTrainer:
         return Path(t.default_local_dir) / t.project_name / t.experiment_name
 
     def state_dict(self) -> dict:
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "torch_rng": torch.get_rng_state()}
-        if self.producer is not None:  # the generated batches not trained on yet, with their versions
-            state["async"] = self.producer.state_dict()
-        return state
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "torch_rng": torch.get_rng_state(), **self.producer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["torch_rng"])
-        if self.producer is not None:  # the servers now hold the checkpoint's weights: version `step`
-            self.producer.load_state_dict(state.get("async") or {"next_index": self.step, "extra": 0, "ready": []})
-            self.producer.pushed(self.step)
+        self.producer.load_state_dict(state, self.step)

@@ -146,8 +146,9 @@ class RolloutFleet:
             logs = run_logs_dir(config)
             try:
                 urls = self.workers.call_each(
-                    "start", [(path, bind, startup_timeout_s, str(logs / server_log_name(server, node)), node, server)
-                              for server, node in zip(self.server_of, self._multi_node_args())],
+                    RolloutWorker.start,
+                    [(path, bind, startup_timeout_s, str(logs / server_log_name(server, node)), node, server)
+                     for server, node in zip(self.server_of, self._multi_node_args())],
                     timeout_s=startup_timeout_s + 60)
             except WorkerGroupError as e:
                 raise RolloutServerLost(f"the rollout servers did not start ({self._startup_bound()}): {e}") from None
@@ -182,7 +183,7 @@ class RolloutFleet:
         """Per worker rank: its `MultiNode` (None for a server within one node); the node-0 actor
         of each multi-node server picks the address its nodes meet at."""
         heads = [ranks[0] for ranks in self.members if len(ranks) > 1]
-        addresses = self.workers.call_ranks(heads, "dist_init_address", timeout_s=60) if heads else []
+        addresses = self.workers.call_ranks(heads, RolloutWorker.dist_init_address, timeout_s=60) if heads else []
         return multi_node_args(self.members, dict(zip(heads, addresses)))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -245,7 +246,7 @@ class RolloutFleet:
 
     def _statuses(self) -> list[dict]:
         """Every worker's `status`, with its server's `/health` probed (at once on all workers)."""
-        return self.workers.call("status", HUNG_AFTER_S, timeout_s=60 + 2 * HUNG_AFTER_S)
+        return self.workers.call(RolloutWorker.status, HUNG_AFTER_S, timeout_s=60 + 2 * HUNG_AFTER_S)
 
     def _failed(self, statuses: list[dict]) -> dict[int, int]:
         """server -> the worker rank of its first process that died or hung (did not answer `/health`)."""
@@ -285,7 +286,7 @@ class RolloutFleet:
             self.restarts[i] += 1
         self._faults["rollout_server_restarts"] += len(dead)
         try:
-            self.workers.call_ranks([k for i in dead for k in self.members[i]], "restart",
+            self.workers.call_ranks([k for i in dead for k in self.members[i]], RolloutWorker.restart,
                                     timeout_s=self.startup_timeout_s + 60)
         except WorkerGroupError as e:
             urls = [self.urls[i] for i in dead]
@@ -308,8 +309,8 @@ class RolloutFleet:
                     "within %.1f s; killing it (SIGKILL to its process group)", i, self.urls[i],
                     self.workers.locations[rank], status["pid"], status["probe_s"])
         try:
-            self.workers.call_ranks([rank], "kill", f"hung: no answer to /health within {status['probe_s']:.1f} s",
-                                    timeout_s=60)
+            self.workers.call_ranks([rank], RolloutWorker.kill,
+                                    f"hung: no answer to /health within {status['probe_s']:.1f} s", timeout_s=60)
         except WorkerGroupError as e:
             raise RolloutServerLost(f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[rank]} "
                                     f"hung and could not be killed: {e}") from None
@@ -324,7 +325,7 @@ class RolloutFleet:
 
     def _lost_message(self, i: int, rank: int, status: dict) -> str:
         """Server `i` is lost; worker `rank` is (one of) its dead or hung process(es)."""
-        tail = self.workers.call_ranks([rank], "log_tail", 30, timeout_s=60)[0]
+        tail = self.workers.call_ranks([rank], RolloutWorker.log_tail, 30, timeout_s=60)[0]
         return (f"rollout server {i} at {self.urls[i]} on node {self.workers.locations[rank]} ({status['ip']}, host "
                 f"{status['hostname']}) {self._what_happened(status)} after {self.restarts[i]} "
                 f"restart(s); actor_rollout_ref.rollout.max_server_restarts={self.max_restarts} allows no more, so "
@@ -396,6 +397,6 @@ class RolloutFleet:
             self.router = None
         if self.workers.actors:
             try:
-                self.workers.call("stop", timeout_s=60)
+                self.workers.call(RolloutWorker.stop, timeout_s=60)
             finally:
                 self.workers.shutdown()

@@ -19,9 +19,9 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.engine_group import EngineGroup
 from megarl.trainer.offline import run_offline
 from megarl.trainer.preflight import resolve_devices
+from megarl.trainer.roles import SFTActorRole
 
 
 def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
@@ -48,7 +48,7 @@ class SFTTrainer:
         devices = resolve_devices(config)  # before any process starts
         self.pools = create_pools(plan, timeout_s=300)
         try:
-            self.actor = EngineGroup(plan.roles["actor"], self.pools, config, devices)
+            self.actor = SFTActorRole(plan.roles["actor"], self.pools, config, devices)
         except BaseException:
             self.pools.remove()
             raise
@@ -58,7 +58,7 @@ class SFTTrainer:
         multiple of the data-parallel size)."""
         usable = len(self.val_data) - len(self.val_data) % self.actor.dp_size
         batch = as_batch(self.val_data.take(range(usable)))
-        log_probs = self.actor.compute("compute_log_prob", batch, 1.0)["log_probs"]
+        log_probs = self.actor.compute_log_prob(batch, 1.0)["log_probs"]
         mask = batch["response_mask"].bool()
         return {"val/nll": float(-log_probs[mask].mean())}
 
@@ -68,7 +68,7 @@ class SFTTrainer:
         for step in range(1, self.total_steps + 1):
             start = time.perf_counter()
             batch = as_batch(self.train_data.take(self.sampler.next_batch()))
-            metrics = self.actor.update("sft_step", batch)
+            metrics = self.actor.sft_step(batch)
             metrics["timing/step_s"] = time.perf_counter() - start
             if self.val_data is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                 metrics.update(self.validation_nll())
@@ -76,7 +76,7 @@ class SFTTrainer:
         return metrics
 
     def export(self, out_dir: Path) -> Path:
-        self.actor.call("export_hf", str(out_dir))
+        self.actor.export_hf(str(out_dir))
         return out_dir
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ import torch
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.rollout.client import RolloutClient
+from megarl.trainer.roles import TeacherRole
 
 
 def student_tokenizer_path(config: ExperimentConfig) -> str:
@@ -71,10 +72,10 @@ def response_grid(scores: list[list[float]], batch: Batch) -> torch.Tensor:
 
 
 class Teacher:
-    """`distillation.teacher` for the controller. `engines`: the `teacher` role's EngineGroup
+    """`distillation.teacher` for the controller. `engines`: the `teacher` role's handle
     (type megatron; the cluster builds it with the other roles)."""
 
-    def __init__(self, config: ExperimentConfig, engines=None):
+    def __init__(self, config: ExperimentConfig, engines: Optional[TeacherRole] = None):
         d = config.distillation
         check_same_tokenizer(student_tokenizer_path(config), d.teacher.model_path)
         self.type, self.engines, self.client = d.type, engines, None
@@ -85,14 +86,14 @@ class Teacher:
                                         request_timeout_s=d.teacher.request_timeout_s)
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig, engines=None) -> Optional[Teacher]:
+    def from_config(cls, config: ExperimentConfig, engines: Optional[TeacherRole] = None) -> Optional[Teacher]:
         """The teacher, or None when `distillation.enabled` is false."""
         return cls(config, engines) if config.distillation.enabled else None
 
     def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """`teacher_log_probs` [B, R] float32 of the batch's responses (module docstring)."""
         if self.type == "megatron":
-            return self.engines.compute("compute_teacher_log_prob", batch, temperature)["teacher_log_probs"]
+            return self.engines.compute_teacher_log_prob(batch, temperature)["teacher_log_probs"]
         sequences, starts = scoring_requests(batch)
         return response_grid(self.client.score(sequences, starts, temperature), batch)
 

@@ -1,14 +1,18 @@
-"""`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic, teacher); it hosts that
-role's Megatron engine."""
+"""`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic, reward model,
+teacher); it hosts that role's Megatron engine. Each engine method the controller calls has a method
+here of the same name that forwards to it, so a call is followed by name from the controller's role
+handle (megarl.trainer.roles) through `WorkerGroup` into the engine."""
 from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
+from megarl.data.batch import Batch
 from megarl.workers.base import RankedWorker
 
-ENGINES = {"actor": "ActorEngine", "ref": "RefEngine", "critic": "CriticEngine", "reward_model": "RewardModelEngine",
-           "teacher": "TeacherEngine"}
+if TYPE_CHECKING:  # megatron loads in the worker only (`init_engine`)
+    from megarl.engines.megatron import ActorEngine, CriticEngine, RefEngine, RewardModelEngine, TeacherEngine
 
 
 def adapter_dir(config) -> str:
@@ -21,7 +25,7 @@ class TrainWorker(RankedWorker):
     def __init__(self, rank: int, world_size: int, role: str, config):
         super().__init__(rank, world_size, role)
         self.config = config
-        self.engine = None
+        self.engine: ActorEngine | RefEngine | CriticEngine | RewardModelEngine | TeacherEngine | None = None
         self.weight_sync = None
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
@@ -34,16 +38,71 @@ class TrainWorker(RankedWorker):
 
     def init_engine(self) -> dict:
         """Build the role's engine (after `init_process_group`); returns its data-parallel place."""
-        from megarl.engines import megatron as engines  # imported here: megatron loads in the worker only
+        # imported here: megatron loads in the worker only
+        from megarl.engines.megatron.reward_model import RewardModelEngine
+        from megarl.engines.megatron.roles import ActorEngine, CriticEngine, RefEngine, TeacherEngine
 
-        self.engine = getattr(engines, ENGINES[self.role])(self.config)
+        engines = {"actor": ActorEngine, "ref": RefEngine, "critic": CriticEngine, "reward_model": RewardModelEngine,
+                   "teacher": TeacherEngine}
+        self.engine = engines[self.role](self.config)
         return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size,
                 "is_output_rank": self.engine.is_output_rank}
 
-    def engine_call(self, method: str, *args, **kwargs):
-        """Run one engine method (compute_log_prob, update_policy, save_checkpoint, ...)."""
-        return getattr(self.engine, method)(*args, **kwargs)
+    # ------------------------------------------------------------------ every role's engine
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        return self.engine.offload(params=params, grads=grads, optimizer=optimizer)
 
+    def onload(self) -> dict:
+        return self.engine.onload()
+
+    def empty_cache(self) -> dict:
+        return self.engine.empty_cache()
+
+    def save_checkpoint(self, path: str) -> None:
+        return self.engine.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        return self.engine.load_checkpoint(path)
+
+    # ------------------------------------------------------------------ ActorEngine
+    def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
+        return self.engine.compute_log_prob(batch, temperature, with_entropy)
+
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        return self.engine.update_policy(batch)
+
+    def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], Optional[dict]]:
+        return self.engine.update_policy_with_old_log_probs(batch)
+
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        return self.engine.sft_step(batch)
+
+    def dpo_step(self, batch: Batch) -> dict[str, float]:
+        return self.engine.dpo_step(batch)
+
+    def dpo_eval(self, batch: Batch) -> dict[str, float]:
+        return self.engine.dpo_eval(batch)
+
+    def export_hf(self, out_dir: str) -> str:
+        return self.engine.export_hf(out_dir)
+
+    # ------------------------------------------------------------------ RefEngine, CriticEngine, RewardModelEngine
+    def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
+        return self.engine.compute_ref_log_prob(batch, temperature)
+
+    def compute_values(self, batch: Batch) -> Optional[dict]:
+        return self.engine.compute_values(batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.engine.update_critic(batch)
+
+    def compute_rm_scores(self, batch: Batch) -> Optional[dict]:
+        return self.engine.compute_rm_scores(batch)
+
+    def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
+        return self.engine.compute_teacher_log_prob(batch, temperature)
+
+    # ------------------------------------------------------------------ the actor's weight push
     def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0,
                          api_key: str | None = None) -> None:
         """Actor only: prepare pushing this engine's weights into the rollout servers, whose last
