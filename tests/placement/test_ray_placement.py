@@ -350,6 +350,7 @@ def test_a_rank_that_never_enters_a_collective_fails_its_peer_at_the_group_timeo
     monkeypatch.setattr(worker_group, "FAILURE_GRACE_S", 3.0)
     with actor_pool(2) as (role, pools):
         group = WorkerGroup(Probe, role, pools)
+        group.call(Probe.node_info, timeout_s=300)  # both up first: on a loaded machine an actor may take > 3 s to start
         group.init_process_group("gloo", timeout_s=3)  # a Probe's world: collectives bounded by the join's 3 s
         t0 = time.monotonic()
         with pytest.raises(WorkerGroupError) as error:

@@ -24,7 +24,9 @@ BREAK_RAY = HERE / "break_ray_on_node.sh"
 FAKE_TRAINER = HERE / "fake_trainer.py"
 # The experiment of the successful job: two GRPO steps of the tiny model across both nodes.
 SUCCESS_ENTRY = "-m megarl.trainer.main_ppo"
-ROW = re.compile(r"^megarl launch: (\S+)\s+(\d+)\s+(\d+) \((\S+)\)\s+([0-9a-f]{8})\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
+# pool, rank, plan node, its name, plan GPU, Ray node, Slurm node, GPU id, CUDA index, CUDA_VISIBLE_DEVICES
+ROW = re.compile(r"^megarl launch: (\S+)\s+(\d+)\s+(\d+) \((\S+)\)\s+(\d+)\s+([0-9a-f]{8})\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$",
+                 re.M)
 
 
 def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp_path):
@@ -56,15 +58,16 @@ def test_two_node_job_realises_the_plan_and_the_experiment_finishes(sandbox, tmp
     # The realised placement is the plan: each rank on its planned node, which is the Slurm node
     # its process runs on, one distinct GPU each, visible as itself.
     plan = plan_from_config(load_and_validate(str(CONFIG)), node_names=nodes)
-    expected = [(pool.name, str(rank), str(d.node), plan.cluster.name(d.node), plan.cluster.name(d.node))
+    expected = [(pool.name, str(rank), str(d.node), plan.cluster.name(d.node), str(d.gpu), plan.cluster.name(d.node))
                 for rank, (pool, d) in enumerate((p, d) for p in plan.pools.values() for d in p.devices)]
     rows = ROW.findall(log)
-    assert [(r[0], r[1], r[2], r[3], r[5]) for r in rows] == expected, log
-    assert len({r[4] for r in rows}) == 2  # two Ray nodes
+    assert [(r[0], r[1], r[2], r[3], r[4], r[6]) for r in rows] == expected, log
+    assert len({r[5] for r in rows}) == 2  # two Ray nodes
     for node in nodes:
-        gpus = [r[6] for r in rows if r[5] == node]
+        gpus = [r[7] for r in rows if r[6] == node]
         assert sorted(gpus) == ["0", "1"]
-    assert all(r[6] == r[7] for r in rows)  # CUDA_VISIBLE_DEVICES is the GPU id
+    assert all(r[7] == r[9] for r in rows)  # CUDA_VISIBLE_DEVICES is the GPU id
+    assert all(r[4] == r[8] for r in rows)  # each pool has its whole node: the planned GPU is the real one
     assert (f"cluster check OK: 2 node(s) {list(nodes)} x 2 GPU(s); gloo all-reduce over 4 ranks = 10; socket "
             "interfaces on every rank: GLOO_SOCKET_IFNAME=lo") in log
     # Then the experiment trained on the cluster and its status became the job's.
