@@ -237,7 +237,7 @@ def calculator_trainer(cpu_server, tiny_dir, tokenizer, tmp_path, *overrides: st
     config = load_and_validate(REPO / "configs" / "tiny" / "agent_calculator.yaml", [
         f"actor_rollout_ref.model.path={tiny_dir}", f"data.train_files=[{files['train']}]",
         f"data.val_files=[{files['val']}]", f"actor_rollout_ref.rollout.agent.path={CALCULATOR}", *overrides])
-    cluster = SimpleNamespace(rollout=SimpleNamespace(client=RolloutClient(cpu_server.url, max_retries=1)))
+    cluster = SimpleNamespace(rollout=SimpleNamespace(client=RolloutClient(cpu_server.url, max_retries=1)), teacher=None)
     return RLTrainer(config, cluster, tokenizer, default_compute_score)
 
 
