@@ -4,24 +4,14 @@ import logging
 
 import pytest
 
-from megarl.config import ConfigError, load_and_validate
 from megarl.config.rules.common import DerivedSizes
 from megarl.placement.from_config import plan_from_config
 from megarl.trainer.experience import old_log_probs_in_update
 
-REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
+from config_cases import fails, ok
+
 ON = ["distillation.enabled=true", "distillation.teacher.model_path=/models/teacher"]
 SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teacher:30000"]
-
-
-def ok(*overrides):
-    return load_and_validate(None, REQUIRED + list(overrides))
-
-
-def errors(*overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        ok(*overrides)
-    return str(info.value)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -53,7 +43,7 @@ def errors(*overrides) -> str:
      "the teacher on split placement's training pool shares no GPU"),
 ])
 def test_refused_naming_the_keys(overrides, expected):
-    assert expected in errors(*overrides)
+    assert expected in fails(*overrides)
 
 
 def test_disabled_distillation_ignores_its_keys():

@@ -33,6 +33,23 @@ def ragged_batch(size: int, seed: int = 0) -> Batch:
     return Batch.from_token_lists(prompts, responses)
 
 
+def hf_log_probs(model_dir, batch: Batch, temperature: float, dtype=torch.float32) -> torch.Tensor:
+    """The oracle: [B, R] log p(response_t | prompt, response_<t) under softmax(logits / T) by HF
+    transformers' own model (logits in `dtype`, then float32), 0 at padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = torch.zeros(batch["response_mask"].shape)
+    for i in range(len(batch)):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        response = batch["response_ids"][i][batch["response_mask"][i].bool()]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, response])[None]).logits[0].float()
+        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        out[i, :len(response)] = (logits / temperature).log_softmax(-1)[at, response]
+    return out
+
+
 def config(model_dir, world: int, tp: int = 1, pp: int = 1, vpp=None, critic_dir=None, *extra: str):
     """An experiment config for a `world`-rank role at TP x PP (x VPP), float32, tiny batches."""
     overrides = [

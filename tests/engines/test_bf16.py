@@ -9,27 +9,12 @@ created in float32 whatever `params_dtype` says; the dtype check catches a model
 """
 import pytest
 import torch
-from engine_world import BF16_VOCAB, bf16_batch, bf16_world
-from transformers import AutoModelForCausalLM
+from engine_world import BF16_VOCAB, bf16_batch, bf16_world, hf_log_probs
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # one 2-rank megatron world: about 20 s on 2 cores
-
-
-def hf_log_probs(model_dir, dtype, batch, temperature):
-    """HF log-probs [B, R] of softmax(logits / temperature), the logits in `dtype`, then float32."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    out = torch.zeros(batch["response_mask"].shape)
-    for i in range(len(batch)):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        response = batch["response_ids"][i][batch["response_mask"][i].bool()]
-        with torch.no_grad():
-            logits = model(torch.cat([prompt, response])[None]).logits[0].float()
-        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
-        out[i, : len(response)] = (logits / temperature).log_softmax(-1)[at, response]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +29,8 @@ def test_engine_bf16_log_probs_are_as_close_to_fp32_as_hf_bf16(bf16_run):
     model_dir, results = bf16_run
     batch = bf16_batch()
     mask = batch["response_mask"].bool()
-    fp32 = hf_log_probs(model_dir, torch.float32, batch, 0.7)
-    hf_error = (hf_log_probs(model_dir, torch.bfloat16, batch, 0.7) - fp32)[mask].abs()
+    fp32 = hf_log_probs(model_dir, batch, 0.7, torch.float32)
+    hf_error = (hf_log_probs(model_dir, batch, 0.7, torch.bfloat16) - fp32)[mask].abs()
     assert hf_error.mean() > 1e-4  # the comparison is about bf16 rounding, not exact equality
     assert results[0]["param_dtypes"] == ["torch.bfloat16"]
     torch.testing.assert_close(results[0]["log_probs"], results[1]["log_probs"], rtol=0, atol=0)  # TP ranks agree

@@ -4,9 +4,8 @@ and a qwen2 student at TP1 x DP2 from one config; each one's log-probs equal its
 (fp32) on the same ragged batch, and the two differ (two models)."""
 import pytest
 import torch
-from engine_world import TEMPERATURE, ragged_batch
+from engine_world import TEMPERATURE, hf_log_probs, ragged_batch
 from teacher_world import teacher_world
-from transformers import AutoModelForCausalLM
 
 from megarl.testing import run_gloo_workers
 
@@ -16,20 +15,6 @@ pytestmark = pytest.mark.slow  # one 2-rank megatron world, two engines
 @pytest.fixture(scope="module")
 def run(tiny_models):
     return run_gloo_workers(teacher_world, 2, args=(tiny_models,), timeout_s=400)
-
-
-def hf_log_probs(model_dir, batch, temperature) -> torch.Tensor:
-    """[B, R] log p(response_t | prompt, response_<t) under softmax(logits / T) by HF transformers, 0 at padding."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = torch.zeros(batch["response_mask"].shape)
-    for i in range(len(batch)):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        response = batch["response_ids"][i][batch["response_mask"][i].bool()]
-        with torch.no_grad():
-            logits = model(torch.cat([prompt, response])[None]).logits[0].float()
-        logp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
-        out[i, :len(response)] = logp.gather(-1, response[:, None])[:, 0]
-    return out
 
 
 def joined(run, role) -> torch.Tensor:
