@@ -196,7 +196,7 @@ def test_ranks_and_servers_go_to_the_gpus_ray_gave_not_to_bundle_indexes(cluster
             (0, "1", 1), (0, "3", 3), (1, "1", 1), (1, "0", 2)]
         actors = WorkerGroup(SeesNodeGpus, plan.roles["actor"], pools,
                              env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
-        seen = actors.call("own_gpu", timeout_s=300)
+        seen = actors.call(SeesNodeGpus.own_gpu, timeout_s=300)
         assert seen == [(g.node_id, g.gpu_id, g.index) for g in real]
         rollout = plan.roles["rollout"]
         server_gpus = real_server_gpus(rollout, real)
