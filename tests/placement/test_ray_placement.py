@@ -187,28 +187,28 @@ def test_ranks_and_servers_go_to_the_gpus_ray_gave_not_to_bundle_indexes(cluster
 
     node_of_rank = {rank: node for node, rank in cluster.items()}
     held = hold_all_but(node_of_rank[0], {1, 3}) + hold_all_but(node_of_rank[1], {1, 2})
-    plan = plan_placement(ClusterSpec(NODES, 2), {"shared": NODES * 2},
-                          [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
-    pools = create_pools(plan, timeout_s=300)
-    try:
-        real = [pools.device_gpu("shared", i) for i in range(4)]
-        assert [(cluster[g.node_id], g.gpu_id, g.index) for g in real] == [
-            (0, "1", 1), (0, "3", 3), (1, "1", 1), (1, "0", 2)]
-        actors = WorkerGroup(SeesNodeGpus, plan.roles["actor"], pools,
-                             env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
-        seen = actors.call(SeesNodeGpus.own_gpu, timeout_s=300)
-        assert seen == [(g.node_id, g.gpu_id, g.index) for g in real]
-        rollout = plan.roles["rollout"]
-        server_gpus = real_server_gpus(rollout, real)
-        assert [[(cluster[n], i) for n, i in row] for row in server_gpus] == [[(0, 1), (0, 2)], [(1, 1), (1, 2)]]
-        problems = server_gpu_problems(rollout, real)
-        assert len(problems) == 1 and problems[0].startswith("rollout server 0 has GPUs with CUDA index [1, 3]")
-        # server 1 (node 1) is a run: its TP ranks are on the GPUs of actor ranks 2 and 3
-        assert colocated_peers([(g.node_id, g.index) for g in real], server_gpus[1:]) == [[2, 3]]
-        actors.shutdown()
-    finally:
-        pools.remove()
-    try:
+    try:  # the GPUs held are given back whatever fails: the module's later tests need them
+        plan = plan_placement(ClusterSpec(NODES, 2), {"shared": NODES * 2},
+                              [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
+        pools = create_pools(plan, timeout_s=300)
+        try:
+            real = [pools.device_gpu("shared", i) for i in range(4)]
+            assert [(cluster[g.node_id], g.gpu_id, g.index) for g in real] == [
+                (0, "1", 1), (0, "3", 3), (1, "1", 1), (1, "0", 2)]
+            actors = WorkerGroup(SeesNodeGpus, plan.roles["actor"], pools,
+                                 env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+            seen = actors.call(SeesNodeGpus.own_gpu, timeout_s=300)
+            actors.shutdown()
+            assert seen == [(g.node_id, g.gpu_id, g.index) for g in real]
+            rollout = plan.roles["rollout"]
+            server_gpus = real_server_gpus(rollout, real)
+            assert [[(cluster[n], i) for n, i in row] for row in server_gpus] == [[(0, 1), (0, 2)], [(1, 1), (1, 2)]]
+            problems = server_gpu_problems(rollout, real)
+            assert len(problems) == 1 and problems[0].startswith("rollout server 0 has GPUs with CUDA index [1, 3]")
+            # server 1 (node 1) is a run: its TP ranks are on the GPUs of actor ranks 2 and 3
+            assert colocated_peers([(g.node_id, g.index) for g in real], server_gpus[1:]) == [[2, 3]]
+        finally:
+            pools.remove()
         # `megarl check-cluster` shows planned beside real GPUs and names the server that cannot start
         plan = plan_placement(ClusterSpec(NODES, GPUS), {"shared": 2},
                               [train("actor", "shared"), RoleSpec("rollout", "shared", "rollout", tp=2)])
