@@ -20,7 +20,7 @@ MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen3-32B": RECIPES / "models/qwen3-32b"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b"}
+            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b", "grpo_qwen3_8b_32k"}
 
 
 def test_every_algorithm_has_a_recipe():
@@ -145,6 +145,34 @@ def test_moe_recipe_spreads_the_experts_over_eight_ep_ranks_and_fits_only_with_o
            "actor_rollout_ref.actor.megatron.optimizer_offload=false"]
     assert megarl_main(["plan", "--config", str(path), model, *off]) != 0
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_32k_recipe_fits_with_cp_sp_and_recompute_and_not_without(capsys):
+    """Qwen3-8B, 2048 + 32768 tokens a sequence, on 2 x 8 GPUs: TP 2 (+SP) x CP 4 with full recompute
+    fits; the same run at CP 1 without SP or recompute does not. Hand count of the latter's actor
+    activations (Korthikanti et al. 2022 table 2, TP 2 without SP): 36 layers x 34816 x 4096 x
+    (10 + 24 / 2) bytes, plus fp32 logits 34816 x 151936 / 2 x 4 bytes."""
+    path = RECIPES / "grpo_qwen3_8b_32k.yaml"
+    config = load_and_validate(path)
+    m = config.actor_rollout_ref.actor.megatron
+    assert (m.tensor_model_parallel_size, m.context_parallel_size, m.sequence_parallel) == (2, 4, True)
+    assert config.data.max_prompt_length + config.data.max_response_length == 34816
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
+    model = f"actor_rollout_ref.model.path={model_dir(path)}"
+    assert megarl_main(["plan", "--config", str(path), model]) == 0
+    out = capsys.readouterr().out
+    assert "\nactor: TP 2 x CP 4 x PP 1 x DP 2, " in out and "CP groups span nodes" not in out
+    assert "(activations / CP 4, / TP 2 with sequence parallelism)  (full recompute: uniform" in out
+    assert "Korthikanti et al. 2022" in out
+    plain = ["actor_rollout_ref.actor.megatron.context_parallel_size=1", "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+             "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=null",
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
+             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=34816"]
+    assert megarl_main(["plan", "--config", str(path), model, *plain]) != 0
+    out = capsys.readouterr().out
+    activations = float(re.search(r"actor +states +[\d.]+ GiB +activations +([\d.]+) GiB", out).group(1))
+    assert activations == pytest.approx((36 * 34816 * 4096 * 22 + 34816 * 151936 / 2 * 4) / 2**30, abs=0.01)
+    assert "DOES NOT FIT" in out
 
 
 def test_lora_recipe_fits_where_full_fine_tuning_of_the_same_32b_model_does_not(capsys):

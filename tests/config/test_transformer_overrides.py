@@ -89,6 +89,26 @@ def test_layout_and_dtype_names_may_repeat_megarls_keys_but_not_differ():
         f"+{ACTOR}.params_dtype=float32")
 
 
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model"])
+def test_uneven_pipeline_stages_are_refused_naming_the_key(role):
+    """verl's Qwen3-235B-A22B example sets num_layers_in_first/last_pipeline_stage in this dict;
+    megarl's bridge, resharder, checkpoints and plan assume even stages, so every name that cuts
+    stages unevenly is refused at config time; megatron-core's defaults (null, false) load."""
+    key = f"{role}.megatron.override_transformer_config"
+    layout = [f"{role}.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=8"]
+    enable = {"critic": ["critic.enable=true"], "reward_model": ["reward_model.enable=true",
+                                                                 "reward_model.model.path=/models/rm"]}.get(role, [])
+    msg = fails(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=3",
+                f"+{key}.num_layers_in_last_pipeline_stage=1", f"+{key}.account_for_loss_in_pipeline_split=true")
+    for name, value in (("num_layers_in_first_pipeline_stage", 3), ("num_layers_in_last_pipeline_stage", 1),
+                        ("account_for_loss_in_pipeline_split", True)):
+        assert f"{key}.{name}={value}: uneven pipeline stages are not supported by megarl yet" in msg
+    assert f"{key}.pipeline_model_parallel_layout=Et|tL: uneven" in fails(
+        *layout, *enable, f"+{key}.pipeline_model_parallel_layout='Et|tL'")
+    ok(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=null",
+       f"+{key}.account_for_embedding_in_pipeline_split=false")
+
+
 def test_the_old_log_prob_pass_keys_default_to_the_actors_and_are_checked():
     config = ok("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5000")
     rollout = config.actor_rollout_ref.rollout

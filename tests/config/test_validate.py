@@ -141,6 +141,14 @@ def test_parallel_sizes_against_gpus():
     assert batch_plan(c).actor_dp == 8
 
 
+def test_verls_enable_prefix_caching_is_a_rollout_key_on_by_default():
+    """verl's key; on by default as SGLang's radix cache (tests/rollout/test_sglang_flags.py checks
+    the flag false becomes); a non-boolean value is refused naming the key."""
+    assert ok().actor_rollout_ref.rollout.enable_prefix_caching is True
+    assert ok("actor_rollout_ref.rollout.enable_prefix_caching=false").actor_rollout_ref.rollout.enable_prefix_caching is False
+    assert "actor_rollout_ref.rollout.enable_prefix_caching" in fails("actor_rollout_ref.rollout.enable_prefix_caching=maybe")
+
+
 def test_deterministic_inference_follows_exact_resume_unless_set():
     """SGLang reads sampling_params.sampling_seed only with --enable-deterministic-inference; the
     seeds are what make a resumed run exact."""

@@ -156,7 +156,8 @@ def test_memory_estimate_by_hand():
     actor = est.roles[0]
     params = stage_params(arch, 1) / 4
     assert actor.states == int(params * 2 + params * 4 + params * 12 / 1)  # DP 1: optimizer not sharded further
-    assert actor.activations == int(200 * 1 * 3584 * 34 / 4 * 28 + 200 * 152064 / 4 * 4)
+    # TP 4 without sequence parallelism: 10 sbh of a layer's 34 replicated, 24 split (Korthikanti et al. table 2)
+    assert actor.activations == int(200 * 1 * 3584 * (10 + 24 / 4) * 28 + 200 * 152064 / 4 * 4)
     assert est.rollout_reserved == int(0.5 * 80 * 1024**3)
     assert est.peak == max(actor.states + actor.activations, est.rollout_reserved)
     assert est.fits
@@ -175,19 +176,78 @@ RECOMPUTE = "+actor_rollout_ref.actor.megatron.override_transformer_config"
       f"{RECOMPUTE}.recompute_num_layers=3"], "3 I + 11 A", 1),  # first 3 layers' inputs, the other 11 whole
 ])
 def test_activation_recompute_in_the_memory_estimate_by_hand(overrides, kept, rematerialised):
-    """Qwen2-7B at TP4 x PP2 (14 layers a stage, 2 micro-batches in flight on stage 0), bf16, 200 tokens:
-    a layer's activations A = 200 x 3584 x 34 / 4 bytes, its input I = 200 x 3584 x 2 / 4 bytes."""
+    """Qwen2-7B at TP4 x PP2 with sequence parallelism (14 layers a stage, 2 micro-batches in flight on
+    stage 0), bf16, 200 tokens: a layer's activations A = 200 x 3584 x 34 / 4 bytes, its input
+    I = 200 x 3584 x 2 / 4 bytes (split over TP by SP)."""
     arch = arch_from_hf_config(QWEN7B)
     c = cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=100",
             "data.max_response_length=100", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
-            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", *overrides)
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=true", *overrides)
     actor = estimate(plan_from_config(c), c, arch).roles[0]
     layer, layer_input, logits = 200 * 3584 * 34 / 4, 200 * 3584 * 2 / 4, 200 * 152064 / 4 * 4
     per_micro_batch = sum(int(n) * (layer if unit == "A" else layer_input)
                           for n, unit in (term.split() for term in kept.split(" + ")))
     assert actor.activations == int(2 * per_micro_batch + rematerialised * layer + logits)
     assert ("recompute" in actor.recompute) == bool(overrides)
+
+
+@pytest.mark.parametrize("tp, cp, sp, layer, layer_input", [
+    # Korthikanti et al. 2022 table 2 (flash attention: no 5as/h term), s = 4096 / CP tokens, h = 3584, bf16
+    (1, 1, False, 4096 * 3584 * 34, 4096 * 3584 * 2),
+    (4, 1, False, 4096 * 3584 * (10 + 24 / 4), 4096 * 3584 * 2),  # LN, dropout, residual on every TP rank
+    (4, 1, True, 4096 * 3584 * 34 / 4, 4096 * 3584 * 2 / 4),  # SP splits those and the layer input too
+    (2, 2, True, 2048 * 3584 * 34 / 2, 2048 * 3584 * 2 / 2),  # CP 2: half of each sequence per GPU
+    (2, 4, False, 1024 * 3584 * (10 + 24 / 2), 1024 * 3584 * 2),
+    (1, 8, False, 512 * 3584 * 34, 512 * 3584 * 2),
+])
+def test_activations_divided_by_cp_and_by_tp_only_with_sequence_parallelism(tp, cp, sp, layer, layer_input):
+    """A layer's activations and input, with and without full recompute (uniform, 1 layer a chunk:
+    every layer's input kept, one layer rematerialised), and the fp32 logits: all over CP; over TP
+    only as the paper's table says."""
+    arch = arch_from_hf_config(QWEN7B)
+    base = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=1024",
+            "data.max_response_length=3072", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}",
+            f"actor_rollout_ref.actor.megatron.sequence_parallel={str(sp).lower()}"]
+    logits = 4096 / cp * 152064 / tp * 4
+    for recompute, expected in ((False, 28 * layer), (True, 28 * layer_input + layer)):
+        c = cfg(*base, f"actor_rollout_ref.model.enable_gradient_checkpointing={str(recompute).lower()}")
+        actor = estimate(plan_from_config(c), c, arch).roles[0]
+        assert actor.activations == int(expected + logits)
+        assert ("/ CP" in actor.split) == (cp > 1) and ("with sequence parallelism" in actor.split) == (tp > 1 and sp)
+
+
+def test_cp_groups_follow_megatron_rank_order_and_may_span_nodes():
+    """TP 2 x CP 2 x DP 4 on 2 nodes of 8: rank r's TP index is r % 2, its CP index (r // 2) % 2, so a
+    CP group is ranks {b + t, b + t + 2} of each run of 4 (megatron-core's order tp-cp-dp-pp). CP 4 x
+    TP 4 makes runs of 16: every CP group (ranks t, t + 4, t + 8, t + 12) spans both nodes, which
+    megatron allows, and the layout says so."""
+    plan = plan_placement(ClusterSpec(2, 8), {"shared": 16}, [train("actor", "shared", tp=2, cp=2)])
+    actor = plan.roles["actor"]
+    assert actor.dp == 4 and len(actor.cp_groups()) == 8
+    assert actor.cp_groups()[:3] == [[Device(0, 0), Device(0, 2)], [Device(0, 1), Device(0, 3)],
+                                     [Device(0, 4), Device(0, 6)]]
+    assert actor.cp_groups()[-1] == [Device(1, 5), Device(1, 7)]
+    assert not actor.cp_spans_nodes() and "span nodes" not in actor.layout()
+    wide = plan_placement(ClusterSpec(2, 8), {"shared": 16}, [train("actor", "shared", tp=4, cp=4)]).roles["actor"]
+    assert wide.dp == 1 and wide.cp_groups()[1] == [Device(0, 1), Device(0, 5), Device(1, 1), Device(1, 5)]
+    assert wide.cp_spans_nodes() and "CP groups span nodes" in wide.layout()
+
+
+@pytest.mark.parametrize("tp, cp, pp", [(2, 2, 1), (4, 4, 1), (2, 2, 2), (1, 4, 2), (8, 2, 1)])
+def test_cp_groups_are_megatron_cores_own(tp, cp, pp):
+    """Oracle: megatron-core's RankGenerator with its default order (parallel_state.py,
+    initialize_model_parallel's order="tp-cp-ep-dp-pp"), the ranks megarl's engine builds its CP groups from."""
+    from megatron.core.parallel_state import RankGenerator
+
+    plan = plan_placement(ClusterSpec(2, 8), {"shared": 16}, [train("actor", "shared", tp=tp, cp=cp, pp=pp)])
+    actor = plan.roles["actor"]
+    ours = {tuple(actor.devices.index(d) for d in group) for group in actor.cp_groups()}
+    megatron = RankGenerator(tp=tp, ep=1, dp=actor.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("cp")
+    assert ours == {tuple(group) for group in megatron}
 
 
 def test_the_push_phase_by_hand_colocated():

@@ -361,11 +361,14 @@ def test_a_weight_update_waits_for_the_batch_and_late_requests_wait_for_the_upda
         engine.load_weights([("lm_head.weight", original)])
 
 
-def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf):
+@pytest.mark.parametrize("sharing, prefill_rows", [(True, 3), (False, 8)])
+def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf, sharing, prefill_rows):
     """The prefill runs once per distinct prompt (a request's n samples, and equal prompts of other
     requests), then each row holds its own prompt's keys, values and logits. [0, 5, 6, 7] left-padded
     looks like [5, 6, 7] with its pad id 0: the attention mask keeps them apart. Oracle: HF's logits of
-    each row's own sequence, at the prefill and after two greedy steps."""
+    each row's own sequence, at the prefill and after two greedy steps. With prefix sharing off
+    (`rollout.enable_prefix_caching=false`, the server's --disable-radix-cache) every row is
+    prefilled on its own, to the same logits."""
     from megarl.rollout.cpu.engine import Sequence
 
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3 + [[0, 5, 6, 7], PROMPTS[0]]
@@ -373,6 +376,7 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf):
     forward_rows = []
     hook = engine.model.register_forward_pre_hook(lambda _, args, kwargs: forward_rows.append(len(kwargs["input_ids"])),
                                                   with_kwargs=True)
+    engine.prefix_sharing = sharing
     try:
         with engine.exclusive_model() as model, torch.no_grad():
             rows, cache, logits = engine._prefill(model, seqs, 4)
@@ -390,4 +394,5 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine, tiny_hf):
                 rows.fed()
     finally:
         hook.remove()
-    assert forward_rows == [3, 8, 8]  # the prefill: 3 distinct prompts; each decode step: every row
+        engine.prefix_sharing = True
+    assert forward_rows == [prefill_rows, 8, 8]  # the prefill: 3 distinct prompts (or every row); each decode step: every row

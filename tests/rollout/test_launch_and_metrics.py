@@ -69,6 +69,8 @@ def test_cpu_server_command_parses_back():
     parsed = (args.model_path, args.port, args.api_key, args.context_length, args.num_threads)
     assert parsed == ("/m", 31000, "k", 512, 1)
     assert args.host == "127.0.0.1"
+    assert not args.disable_radix_cache  # prefix sharing on, as SGLang's radix cache by default
+    assert parse_args(cpu_server_command("/m", 31000, prefix_caching=False)[3:]).disable_radix_cache
 
 
 def test_the_cpu_server_takes_sglangs_ep_flag_at_1_only(capsys):

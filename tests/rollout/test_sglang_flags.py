@@ -142,7 +142,7 @@ def every_command() -> dict[str, list[str]]:
     full = dict(host="10.0.0.1", tp_size=16, ep_size=8, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
                 return_routed_experts=True, multi_node=MultiNode(2, 1, "10.0.0.1:29500"),
-                lora=LoraServing(8, ("q_proj", "down_proj")))
+                lora=LoraServing(8, ("q_proj", "down_proj")), prefix_caching=False)
     commands = {"defaults": sglang_server_command("/m", 30000)}
     for key, value in full.items():
         commands[key] = sglang_server_command("/m", 30000, **{key: value})
@@ -189,6 +189,15 @@ def test_an_expert_parallel_server_gets_sglangs_ep_flag_and_the_default_none(fla
 def test_every_flag_megarl_passes_is_one_of_sglangs(flags, path):
     command = every_command()[path]
     assert flag_problems(command, flags) == [], command
+
+
+def test_prefix_caching_off_is_sglangs_radix_cache_switch(flags):
+    """rollout.enable_prefix_caching=false reaches SGLang as its switch `--disable-radix-cache`
+    (fields/*.py: disable_radix_cache, a bool field); true, SGLang's default, passes nothing."""
+    assert flags["--disable-radix-cache"] == SWITCH
+    off = sglang_server_command("/m", 30000, prefix_caching=False)
+    assert "--disable-radix-cache" in off and flag_problems(off, flags) == []
+    assert "--disable-radix-cache" not in sglang_server_command("/m", 30000)
 
 
 def test_a_misspelt_or_misused_flag_is_caught(flags):

@@ -360,6 +360,10 @@ class RolloutConfig:
     # after every push, compare each server's per-tensor checksums (SGLang's /weights_checker) with the
     # HF tensors the actor sent; a difference stops the run naming tensor and server. CPU engine only.
     check_weight_update: bool = False
+    # verl's key: prefix caching, SGLang's radix cache (on by default in SGLang; false passes its
+    # --disable-radix-cache). The CPU engine's counterpart: one prefill per distinct prompt of a batch,
+    # its keys and values copied to the prompt's samples; false prefills every sample on its own.
+    enable_prefix_caching: bool = True
     # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
     # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
     # Costs generation speed (docs/checkpoints.md). The CPU engine always honours seeds.

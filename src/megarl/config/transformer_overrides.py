@@ -26,6 +26,12 @@ METHODS = (None, "uniform", "block")
 LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
                 "sequence_parallel", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")
+# TransformerConfig fields that cut the layers into uneven pipeline stages (megatron-core's defaults: None, None,
+# None, False, False); megarl's weight mapping per stage, weight sync, checkpoints and `megarl plan` assume
+# num_layers / PP layers on every stage, so a value other than the default is refused (`uneven_stage_problems`)
+UNEVEN_STAGE_NAMES = {"num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+                      "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
+                      "account_for_loss_in_pipeline_split": False}
 DTYPE_NAMES = ("params_dtype", "pipeline_dtype", "bf16", "fp16")  # from actor_rollout_ref.model.dtype
 
 
@@ -88,6 +94,16 @@ def recompute_problems(prefix: str, overrides: Mapping[str, Any], gradient_check
     if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
         problems.append(f"{prefix}.recompute_modules={modules}: must be a list of module names, e.g. [core_attn]")
     return problems
+
+
+def uneven_stage_problems(prefix: str, overrides: Mapping[str, Any]) -> list[str]:
+    """Messages for the names of `UNEVEN_STAGE_NAMES` set to other than megatron-core's default
+    (`prefix` = `<section>.megatron.override_transformer_config`): uneven pipeline stages are not
+    supported by megarl yet."""
+    return [f"{prefix}.{name}={overrides[name]}: uneven pipeline stages are not supported by megarl yet (its weight "
+            "mapping per stage, weight sync, checkpoints and `megarl plan` assume num_layers / "
+            "pipeline_model_parallel_size layers on every stage); remove it"
+            for name, default in UNEVEN_STAGE_NAMES.items() if name in overrides and overrides[name] != default]
 
 
 def megarl_key_problems(prefix: str, section: str, overrides: Mapping[str, Any], megatron_cfg,

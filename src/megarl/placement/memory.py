@@ -4,23 +4,30 @@ queue, not a profiler. All figures are bytes unless a name says GiB.
 Training role, per GPU (mixed precision with megatron DDP and Adam):
   parameters      stage_params / TP x dtype bytes (2 for bf16/fp16, 4 for fp32); MoE experts are
                   split over EP x ETP ranks instead of TP (and their optimizer over the expert-DP
-                  ranks, TP x DP / (EP x ETP))
+                  ranks, TP x CP x DP / (EP x ETP))
   gradients       stage_params / TP x 4 (fp32 grad buffer)
-  optimizer       stage_params / TP x (8 for Adam m, v + 4 fp32 master copy unless fp32) / DP if the
-                  distributed optimizer is on
-  activations     A = seq x micro x hidden x 34 bytes per layer / TP (sequence-parallel layout, flash
-                  attention), x L layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
-                  plus fp32 logits seq x micro x vocab / TP x 4.
+  optimizer       stage_params / TP x (8 for Adam m, v + 4 fp32 master copy unless fp32) / (DP x CP) if
+                  the distributed optimizer is on (megatron-core shards it over the data-and-context-
+                  parallel group, `dp_cp_group` in optimizer/__init__.py: CP ranks hold the same weights)
+  activations     per layer and micro-batch, s = seq / CP tokens on the GPU (context parallelism splits every
+                  sequence over its CP ranks), b = micro, h = hidden (Korthikanti et al. 2022, "Reducing
+                  Activation Recomputation in Large Transformer Models", table 2, with flash attention's
+                  scores term 5as/h dropped: it stores none):
+                    with sequence parallelism (TP > 1):  A = s x b x h x 34 / TP bytes
+                    without it:                          A = s x b x h x (10 + 24 / TP) bytes (layer norms,
+                                                         dropouts and the residual are replicated over TP)
+                  x L layers on the stage, x PP micro-batches in flight on stage 0 (1F1B),
+                  plus fp32 logits s x b x vocab / TP x 4 (vocab-parallel, with or without SP).
                   Full activation recompute (`recompute_granularity=full`: the role's
                   `megatron.override_transformer_config`, or `model.enable_gradient_checkpointing`) keeps
-                  of a recomputed layer only its input, I = seq x micro x hidden x dtype bytes / TP (same
-                  layout), and rematerialises one chunk of one micro-batch at a time in its backward:
+                  of a recomputed layer only its input, I = s x b x h x dtype bytes (/ TP with sequence
+                  parallelism, which splits it; the paper's 2sbh), and rematerialises one chunk of one
+                  micro-batch at a time in its backward:
                     uniform, N layers a chunk:  PP x ceil(L / N) x I  +  min(N, L) x A
                     block, first N layers:      PP x (n x I + (L - n) x A)  +  A,  n = min(N, L)
                   (block: an upper bound by at most one layer's A). Selective recompute (megatron's default
-                  module, core attention) changes nothing here: with flash attention the 34 bytes already
-                  leave out the attention scores it drops (Korthikanti et al. 2022, "Reducing Activation
-                  Recomputation in Large Transformer Models", sections 4.1-4.2).
+                  module, core attention) changes nothing here: with flash attention A already leaves out
+                  the attention scores it drops (the paper's sections 4.1-4.2).
 With LoRA (`actor_rollout_ref.model.lora.rank` or `critic.model.lora.rank` > 0) the role's base weights
 are frozen: they hold parameters only (no gradient buffer, no optimizer state), and gradients and
 Adam states are those of the adapters (`lora_params`; the critic's also of its [1, H] value head),
@@ -58,6 +65,7 @@ from megarl.placement.colocation import OffloadParts, offload_plan
 from megarl.placement.planner import Plan
 
 GIB = 1024**3
+TRAINED = ("actor", "critic")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -140,6 +148,35 @@ def stage_expert_params(arch: ModelArch, pp: int) -> int:
     return math.ceil(arch.num_layers / pp) * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
 
 
+def layer_activation_bytes(tokens: float, micro: int, hidden: int, tp: int, sp: bool,
+                           dtype_bytes: int) -> tuple[float, float]:
+    """(A, I): bytes one decoder layer keeps of one micro-batch for its backward, and bytes of its
+    input alone (what full recompute keeps), on one GPU holding `tokens` tokens of each sequence
+    (seq / CP). Korthikanti et al. 2022 table 2, flash attention (no 5as/h scores term): with
+    sequence parallelism A = sbh x 34 / TP and the input is split over TP; without it only the
+    attention and MLP internals (24 sbh) are split, the layer norms, dropouts and residual
+    (10 sbh) and the input are replicated on every TP rank."""
+    sbh = tokens * micro * hidden
+    if sp:
+        return sbh * 34 / tp, sbh * dtype_bytes / tp
+    return sbh * (10 + 24 / tp), sbh * dtype_bytes
+
+
+def activation_label(tp: int, cp: int, sp: bool) -> str:
+    """How a trained role's activations are divided, for the plan: 'activations / CP 2, / TP 4 with
+    sequence parallelism', 'activations / CP 2, TP 4 without sequence parallelism: 10 sbh of 34
+    replicated', or '' at TP 1 and CP 1."""
+    parts = [f"/ CP {cp}"] if cp > 1 else []
+    if tp > 1:
+        parts.append(f"/ TP {tp} with sequence parallelism" if sp else
+                     f"TP {tp} without sequence parallelism: 10 sbh of 34 replicated")
+    return "activations " + ", ".join(parts) if parts else ""
+
+
+ACTIVATION_SOURCE = ("activations per layer (Korthikanti et al. 2022, table 2, flash attention): 34 sbh / TP bytes with "
+                     "sequence parallelism, sbh (10 + 24 / TP) without; s = sequence / CP")
+
+
 def stage_activations(layers: int, pp: int, layer_bytes: float, input_bytes: float, recompute: Recompute) -> float:
     """Activation bytes of the busiest stage in training (see the module docstring): `layers` L on
     the stage, `pp` micro-batches in flight, `layer_bytes` A of one layer and one micro-batch,
@@ -171,6 +208,7 @@ class RoleMemory:
     trainable: int | None = None  # LoRA: adapter parameters on this GPU (the rest frozen); None: all train
     offloadable_params: int = 0  # the parameters' part of `offloadable` (the actor's move after the push)
     recompute: str = ""  # `recompute_label` of a trained role's activation recompute
+    split: str = ""  # `activation_label` of a trained role: how CP, TP and SP divide its activations
 
 
 @dataclass
@@ -194,12 +232,13 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     """`trainable`: parameters with gradients and optimizer state on this GPU (LoRA's adapters,
     held in `dtype` beside the frozen base); None: all of them. `recompute`: a trained role's
     activation recompute."""
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    sp = m.sequence_parallel and tp > 1
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
     expert_params = stage_expert_params(arch, pp) / (ep * etp)
     dense_params = stage_params(arch, pp) / tp
     params = dense_params + expert_params
-    logits = seq * micro * arch.vocab_size / tp * 4
+    logits = seq / cp * micro * arch.vocab_size / tp * 4
     if not trains:
         weight_bytes = params * DTYPE_BYTES[dtype]
         offloaded = int(weight_bytes) if offload.params else 0
@@ -212,15 +251,15 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     grads = params * 4
     per_param = 8 + (0 if dtype == "float32" else 4)
     optimizer = params * per_param
-    if m.use_distributed_optimizer:  # dense states over DP, expert states over expert-DP = TP x DP / (EP x ETP)
-        optimizer = dense_params * per_param / dp + expert_params * per_param / max(1, tp * dp // (ep * etp))
+    if m.use_distributed_optimizer:  # dense states over DP x CP, expert states over expert-DP = TP x CP x DP / (EP x ETP)
+        optimizer = dense_params * per_param / (dp * cp) + expert_params * per_param / max(1, tp * cp * dp // (ep * etp))
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
-    tokens = seq * micro * arch.hidden_size / tp
-    acts = stage_activations(math.ceil(arch.num_layers / pp), pp, tokens * 34, tokens * DTYPE_BYTES[dtype],
-                             recompute) + logits
+    layer, layer_input = layer_activation_bytes(seq / cp, micro, arch.hidden_size, tp, sp, DTYPE_BYTES[dtype])
+    acts = stage_activations(math.ceil(arch.num_layers / pp), pp, layer, layer_input, recompute) + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable,
-                      int(weight_bytes) if offload.params else 0, recompute_label(recompute))
+                      int(weight_bytes) if offload.params else 0, recompute_label(recompute),
+                      activation_label(tp, cp, sp))
 
 
 def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
@@ -326,7 +365,8 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
         lines[0] += f", {_count(active_params(arch))} active ({arch.moe.topk} of {arch.moe.num_experts} experts per token)"
     for r in est.roles:
         lines.append(f"  {r.role:<13} states {gib(r.states):>12}  activations {gib(r.activations):>12}"
-                     f"  offloadable {gib(r.offloadable):>12}" + (f"  ({r.recompute})" if r.recompute else ""))
+                     f"  offloadable {gib(r.offloadable):>12}"
+                     + "".join(f"  ({note})" for note in (r.split, r.recompute) if note))
         if r.trainable is not None:
             lines.append(f"  {'':<13} LoRA: {r.trainable / 1e6:.1f} M trainable parameters per GPU; the frozen base "
                          "holds no gradients or optimizer state")
@@ -342,6 +382,8 @@ def format_estimate(est: GpuEstimate, plan: Plan, arch: ModelArch) -> str:
         lines.append(f"  a whole step's responses at once would need {gib(est.kv_cache_needed_per_server)} of KV cache "
                      f"per GPU of a TP {plan.roles['rollout'].tp} server; SGLang runs what its pool holds and queues the "
                      "rest (slower, not a failure; not part of the verdict)")
+    if any(r.role in TRAINED for r in est.roles):  # their activations follow the paper's formula
+        lines.append(f"  {ACTIVATION_SOURCE}")
     if len(est.phases) > 2:  # colocated: the training, push and rollout phases share the GPU (or a teacher pool)
         lines.append("  phases per GPU: " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
     verdict = "fits" if est.fits else "DOES NOT FIT"

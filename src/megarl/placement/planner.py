@@ -4,8 +4,13 @@ A *pool* is a contiguous run of GPUs in (node, gpu) order. Roles in one pool tim
 (colocated); roles in different pools never share a GPU (split). Rank r of a training role with
 parallel sizes TP x CP x PP x DP sits on the pool's r-th GPU, in megatron-core's default rank
 order (TP fastest, then CP, then DP, then PP), so a TP group is a run of consecutive GPUs and
-must not cross a node boundary. A rollout server's TP group is a run of consecutive GPUs too:
-inside one node, or (real SGLang, `--nnodes`) whole nodes, one server process per node.
+must not cross a node boundary. A CP group is the CP ranks TP apart inside one run of TP x CP
+consecutive GPUs (ranks b + t, b + t + TP, ..., b + t + (CP - 1) x TP); it may cross a node
+boundary: megatron-core knows no nodes and refuses no CP layout, its p2p ring (the default
+`cp_comm_type`) overlaps each K/V exchange with attention compute, and its hierarchical `a2a+p2p`
+exists for CP across nodes (p2p between them); the plan's layout says when a CP group spans nodes.
+A rollout server's TP group is a run of consecutive GPUs too: inside one node, or (real SGLang,
+`--nnodes`) whole nodes, one server process per node.
 Expert parallelism adds no GPU: megatron lays a training role's EP x ETP ranks over its
 TP x CP x DP ranks of each stage, SGLang a server's EP ranks over its TP ranks.
 
@@ -101,7 +106,20 @@ class RolePlacement:
         if self.ep > 1:
             expert_dp = self.tp * self.cp * self.dp // (self.ep * self.etp)
             shape += f" (experts: EP {self.ep} x ETP {self.etp} x expert-DP {expert_dp})"
+        if self.cp_spans_nodes():
+            shape += " (CP groups span nodes: their K/V ring crosses the inter-node network)"
         return shape
+
+    def cp_groups(self) -> list[list[Device]]:
+        """Training only: each context-parallel group's GPUs in CP rank order (megatron-core's rank
+        order, TP fastest then CP: the ranks TP apart inside each run of TP x CP ranks)."""
+        run = self.tp * self.cp
+        return [[self.devices[start + t + k * self.tp] for k in range(self.cp)]
+                for start in range(0, self.world_size, run) for t in range(self.tp)]
+
+    def cp_spans_nodes(self) -> bool:
+        """Whether a CP group crosses a node boundary (allowed; see the module docstring)."""
+        return self.cp > 1 and any(len({d.node for d in group}) > 1 for group in self.cp_groups())
 
     def server_devices(self, server: int) -> list[Device]:
         """Rollout only: the GPUs of server `server`."""

@@ -67,6 +67,11 @@ def expert_split_problem(num_experts: Optional[int], ep_size: int) -> Optional[s
     return None
 
 
+# SGLang 0.5.23's switch turning prefix caching off (srt/arg_groups/fields/*.py: MemoryArgs.disable_radix_cache),
+# which megarl's CPU server shares
+NO_PREFIX_CACHE_FLAG = "--disable-radix-cache"
+
+
 def cpu_server_command(
     model_path: str,
     port: int,
@@ -81,9 +86,11 @@ def cpu_server_command(
     lora: Optional[LoraServing] = None,
     return_routed_experts: bool = False,
     ep_size: int = 1,
+    prefix_caching: bool = True,
     python: str = sys.executable,
 ) -> list[str]:
     """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`).
+    `prefix_caching` false: SGLang's `--disable-radix-cache` (one prefill per sample, none shared).
     `ep_size` other than 1 is passed as SGLang's `--ep-size`, which the CPU server refuses: it serves a
     whole model in one process (a config rule says so first)."""
     cmd = [python, "-m", "megarl.rollout.cpu.server", "--model-path", model_path, "--host", host, "--port", str(port)]
@@ -100,6 +107,8 @@ def cpu_server_command(
         cmd += [ROUTED_EXPERTS_FLAG]
     if ep_size != 1:
         cmd += [EP_FLAG, str(ep_size)]
+    if not prefix_caching:
+        cmd += [NO_PREFIX_CACHE_FLAG]
     return cmd
 
 
@@ -153,6 +162,7 @@ def sglang_server_command(
     return_routed_experts: bool = False,
     multi_node: Optional[MultiNode] = None,
     lora: Optional[LoraServing] = None,
+    prefix_caching: bool = True,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
@@ -163,7 +173,8 @@ def sglang_server_command(
     divides `tp_size`: the config rule `rollout_expert_parallel_fits_server` cites SGLang's check).
     `deterministic`: SGLang's `--enable-deterministic-inference`, the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
-    (`--enable-return-routed-experts`, fields/exec_.py). Every flag here is one of SGLang 0.5.23's own
+    (`--enable-return-routed-experts`, fields/exec_.py). `prefix_caching` false: `--disable-radix-cache`
+    (SGLang's radix cache is on by default). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
     the wheel."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
@@ -181,6 +192,8 @@ def sglang_server_command(
         cmd += ["--enable-deterministic-inference"]
     if return_routed_experts:  # fields/exec_.py: enable_return_routed_experts
         cmd += [ROUTED_EXPERTS_FLAG]
+    if not prefix_caching:
+        cmd += [NO_PREFIX_CACHE_FLAG]
     if api_key:
         cmd += ["--api-key", api_key]
     if context_length:

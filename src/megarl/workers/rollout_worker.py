@@ -81,7 +81,7 @@ class RolloutWorker(RankedWorker):
                                              random_seed=self.config.trainer.seed + server, num_threads=1,
                                              lora=lora_serving(self.config),
                                              return_routed_experts=replays_routes(self.config),
-                                             ep_size=r.expert_parallel_size)
+                                             ep_size=r.expert_parallel_size, prefix_caching=r.enable_prefix_caching)
                 env = dict(os.environ)
             else:
                 # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
@@ -94,7 +94,7 @@ class RolloutWorker(RankedWorker):
                     api_key=self.api_key, dtype=r.dtype, context_length=context,
                     random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
                     return_routed_experts=replays_routes(self.config), multi_node=multi_node,
-                    lora=lora_serving(self.config),
+                    lora=lora_serving(self.config), prefix_caching=r.enable_prefix_caching,
                 )
                 env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
             return ServerProcess(name, command, f"http://{host}:{port}", env=env,

@@ -207,17 +207,21 @@ class CPUEngine:
         batch_wait_s: float = BATCH_WAIT_S,
         lora: Optional[LoraAdapters] = None,
         return_routed_experts: bool = False,
+        prefix_sharing: bool = True,
     ):
         """`batch_wait_s`: before starting a batch, wait while requests keep arriving (a burst from
         the client becomes one batch), for at most 20 such periods. The last period is idle time
         of every batch (`BATCH_WAIT_S`); a request that misses it joins the running batch at its
         next decode step. `return_routed_experts`:
-        SGLang's `--enable-return-routed-experts` (record the router's choices; MoE models)."""
+        SGLang's `--enable-return-routed-experts` (record the router's choices; MoE models).
+        `prefix_sharing`: one prefill per distinct prompt of a batch (this engine's prefix cache;
+        SGLang's `--disable-radix-cache` turns it off)."""
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)
         self.model = load_causal_lm(model_path, self.dtype)
         self.config = self.model.config
         self.return_routed_experts = return_routed_experts
+        self.prefix_sharing = prefix_sharing
         self._route_recorder = RouteRecorder(self.model) if return_routed_experts else None
         self.tokenizer = load_tokenizer_if_present(model_path)
         self.eos_token_ids = eos_token_ids(model_path, self.config)
@@ -603,7 +607,7 @@ class CPUEngine:
         # each distinct prompt once (a request's n samples share it, as in SGLang's prefix cache),
         # its keys, values and logits then copied to its samples' rows
         shared = False
-        if is_preallocated(cache):
+        if self.prefix_sharing and is_preallocated(cache):
             distinct, row_of = torch.unique(torch.cat([input_ids, mask], dim=1), dim=0, return_inverse=True)
             shared = len(distinct) < len(seqs)  # else nothing to share: no copy of the cache
             if shared:

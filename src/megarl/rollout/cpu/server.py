@@ -38,7 +38,7 @@ import megarl
 from megarl.rollout.cpu.checkpoint_names import model_tensors
 from megarl.rollout.cpu.engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
 from megarl.rollout.cpu.lora_adapters import LoraAdapters, add_lora_routes
-from megarl.rollout.launch import EP_FLAG
+from megarl.rollout.launch import EP_FLAG, NO_PREFIX_CACHE_FLAG
 from megarl.rollout import tensor_payload, weights_checker
 from megarl.rollout.protocol import BadRequestError, parse_generate_body
 from megarl.rollout.routed_experts import SERVER_FLAG, encode_routed_experts
@@ -490,6 +490,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora-target-modules", nargs="*", default=[], help="PEFT names, or all")
     p.add_argument("--log-level", default="warning")
     p.add_argument(SERVER_FLAG, action="store_true", help="record routed experts (MoE; SGLang's flag)")
+    p.add_argument(NO_PREFIX_CACHE_FLAG, action="store_true",
+                   help="prefill every sample on its own, sharing no prompt's keys and values (SGLang's flag)")
     p.add_argument(EP_FLAG, "--expert-parallel-size", type=int, default=1, dest="ep_size",
                    help="SGLang's expert parallel size: 1 only (one process serves the whole model)")
     args = p.parse_args(argv)
@@ -514,6 +516,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         batch_wait_s=args.batch_wait_ms / 1000,
         lora=LoraAdapters(args.enable_lora, args.max_lora_rank, args.lora_target_modules),
         return_routed_experts=args.enable_return_routed_experts,
+        prefix_sharing=not args.disable_radix_cache,
     )
     # uvloop's event loop and httptools' parser, as uvicorn's `standard` install picks them; named
     # here so that a missing one fails the start, not the speed
