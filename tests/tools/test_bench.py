@@ -129,5 +129,6 @@ def test_rollout_engine_rows_for_the_three_methods(tmp_path):
         assert row["cpu_vs_hf_generate"] == (pytest.approx(hf_cpu / cpu) if cpu > 0 else None)
 
 
-# overhead.py, grpo_vs_trl.py and training_floor.py are not run here: each trains the quickstart's SFT model
-# (the first two then two GRPO runs; grpo_vs_trl.py also installs TRL into .venv-bench), minutes of work, not a test.
+# overhead.py, grpo_vs_trl.py, training_floor.py and opd_vs_grpo.py are not run here: each trains the quickstart's
+# SFT model (the first two then two GRPO runs; grpo_vs_trl.py also installs TRL into .venv-bench; opd_vs_grpo.py a
+# teacher, a student and three runs per seed), minutes of work, not a test (opd_vs_grpo.py at its smallest: 138 s).

@@ -68,22 +68,24 @@ def warm_start(workdir: Path, sft_steps: int, timeout_s: float = 900) -> dict:
 
 
 def run_grpo(warm: dict, workdir: Path, name: str, steps: int, seed: int, overrides: list[str],
-             timeout_s: float = 1800) -> dict:
-    """One `python -m megarl.trainer.main_ppo --config configs/quickstart.yaml` run; returns its summary
-    (see `summarize`) with the exact command and the load averages before and after."""
+             timeout_s: float = 1800, config: str = "configs/quickstart.yaml") -> dict:
+    """One `python -m megarl.trainer.main_ppo --config <config>` run (the quickstart's by default) from
+    the warm start, its logs under <workdir>/runs/quickstart/<name>; returns its summary (see
+    `summarize`) with its metrics.jsonl path, the exact command and the load averages before and after."""
     runs = Path(workdir).resolve() / "runs"
     shutil.rmtree(runs / "quickstart" / name, ignore_errors=True)
-    command = [python_for_megarl(), "-m", "megarl.trainer.main_ppo", "--config", "configs/quickstart.yaml",
+    command = [python_for_megarl(), "-m", "megarl.trainer.main_ppo", "--config", config,
                f"actor_rollout_ref.model.path={warm['model']}", f"data.train_files={warm['train']}",
                f"data.val_files={warm['val']}", f"trainer.default_local_dir={runs}",
-               f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}",
-               f"trainer.test_freq={steps}", f"trainer.seed={seed}", f"data.seed={seed}", *overrides]
+               "trainer.project_name=quickstart", f"trainer.experiment_name={name}",
+               f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", f"trainer.seed={seed}",
+               f"data.seed={seed}", *overrides]
     load_before = load_average()
     run_logged(command, runs / f"{name}.log", timeout_s)
-    rows = [json.loads(line) for line in
-            (runs / "quickstart" / name / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return {**summarize(rows), "command": " ".join(command[1:]), "load_before": load_before,
-            "load_after": load_average()}
+    metrics = runs / "quickstart" / name / "logs" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {**summarize(rows), "metrics": str(metrics), "command": " ".join(command[1:]),
+            "load_before": load_before, "load_after": load_average()}
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -16,19 +16,13 @@ import argparse
 import json
 import time
 
-import pyarrow.parquet as pq
 import torch
 from datasets import Dataset
+from hf_greedy import greedy_accuracy, load_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from megarl.rewards.synthetic import exact_match
-
-
-def load_rows(path: str, limit: int | None = None) -> list[dict]:
-    """verl parquet rows -> {"prompt": chat messages, "ground_truth": answer}."""
-    rows = pq.read_table(path).to_pylist()[:limit]
-    return [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
 
 
 class StepClock(TrainerCallback):
@@ -54,22 +48,6 @@ class ExactMatchReward:
         self.tokens_per_call.append(sum(len(ids) for ids in completion_ids))
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [exact_match(text, answer) for text, answer in zip(texts, ground_truth)]
-
-
-@torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 512) -> float:
-    """Mean exact match of greedy responses (decoded with special tokens, cut at the first end marker)."""
-    model.eval()
-    correct = 0.0
-    for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
-        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for ids, r in zip(out[:, enc["input_ids"].shape[1]:], chunk):
-            correct += exact_match(tokenizer.decode(ids, skip_special_tokens=False), r["ground_truth"])
-    return correct / len(rows)
 
 
 def main() -> None:
