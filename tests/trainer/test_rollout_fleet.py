@@ -123,12 +123,18 @@ def test_a_fresh_api_key_per_run_or_the_users_from_an_environment_variable(monke
     from megarl.rollout.launch import rollout_api_key
 
     first, second = rollout_api_key(None), rollout_api_key(None)
-    assert first != second and len(first) >= 40  # 32 random bytes, URL-safe base64
+    assert first != second and len(first) == 64 and set(first) <= set("0123456789abcdef")  # 32 random bytes
+    # hex never starts with "-", which argparse (SGLang's, the CPU server's) would take for an option
+    keys = [rollout_api_key(None) for _ in range(2000)]
+    assert not [k for k in keys if k.startswith("-")]
     monkeypatch.setenv("MY_ROLLOUT_KEY", "the-users-key")
     assert rollout_api_key("MY_ROLLOUT_KEY") == "the-users-key"
     base = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
     config = load_and_validate(None, [*base, "actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY"])
     assert "the-users-key" not in repr(config)  # the config names the variable, never the key
+    monkeypatch.setenv("MY_ROLLOUT_KEY", "-starts-like-an-option")
+    with pytest.raises(ConfigError, match=r"api_key_env=MY_ROLLOUT_KEY: the key starts with '-'"):
+        load_and_validate(None, [*base, "actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY"])
     monkeypatch.delenv("MY_ROLLOUT_KEY")
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY: that environment "
                                           r"variable is not set"):

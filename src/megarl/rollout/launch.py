@@ -28,10 +28,11 @@ def rollout_api_key(api_key_env: Optional[str]) -> str:
     """The API key of a run's rollout servers and router (`actor_rollout_ref.rollout.api_key_env`):
     the named environment variable's value, or a fresh random one (256 bits) when unset, so that
     nobody else on the cluster network can generate with, release or push weights into the run's
-    servers (they listen on the node's address). Raises KeyError naming the key if the variable is
-    unset or empty (a config rule says so first)."""
+    servers (they listen on the node's address). Hex, so that it never starts with "-": the servers
+    and the router read it with argparse (`--api-key KEY`), which takes such a value for an option.
+    Raises KeyError naming the key if the variable is unset or empty (a config rule says so first)."""
     if api_key_env is None:
-        return secrets.token_urlsafe(32)
+        return secrets.token_hex(32)
     key = os.environ.get(api_key_env)
     if not key:
         raise KeyError(f"actor_rollout_ref.rollout.api_key_env={api_key_env}: that environment variable is not set")
