@@ -27,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench_common import DEFAULT_OUT, print_table, spread, write_result
+from bench_common import DEFAULT_OUT, by_group, print_table, write_result
 from megarl_run import run_grpo, steady, warm_start
 
 SPLIT = ["placement.mode=split", "trainer.n_gpus_per_node=2", "placement.rollout_gpus=1",
@@ -75,15 +75,8 @@ def off_policy_summary(metrics_jsonl: Path) -> dict:
 
 def by_mode(runs: list[dict]) -> list[dict]:
     """Per mode, over its seeds: mean (min, max) of s/step, hidden share and greedy accuracy gain."""
-    rows = []
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        mine = [r for r in runs if r["mode"] == mode]
-        row = {"mode": mode, "runs": len(mine)}
-        for key in ("s_per_step", "s_per_step_median", "hidden_share", "val_score", "val_gain", "tis_weight_mean"):
-            s = spread([r[key] for r in mine if r.get(key) is not None])
-            row.update({key: s["mean"], f"{key}_min": s["min"], f"{key}_max": s["max"]})
-        rows.append(row)
-    return rows
+    return by_group(runs, "mode",
+                    ("s_per_step", "s_per_step_median", "hidden_share", "val_score", "val_gain", "tis_weight_mean"))
 
 
 def main() -> None:

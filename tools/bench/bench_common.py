@@ -49,6 +49,20 @@ def spread(values: list[float]) -> dict:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def by_group(runs: list[dict], group: str, keys: tuple[str, ...]) -> list[dict]:
+    """One row per value of `group` (in first-seen order), over its runs: each of `keys` as the
+    `spread` of the runs that have it: `key` (mean), `key_min`, `key_max`; and `runs`, their count."""
+    rows = []
+    for value in dict.fromkeys(r[group] for r in runs):
+        mine = [r for r in runs if r[group] == value]
+        row = {group: value, "runs": len(mine)}
+        for key in keys:
+            s = spread([r[key] for r in mine if r.get(key) is not None])
+            row.update({key: s["mean"], f"{key}_min": s["min"], f"{key}_max": s["max"]})
+        rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (key, header, format spec such as '.3f'); missing values print as '-'."""
     widths = [max(len(header), 10) for _, header, _ in columns]

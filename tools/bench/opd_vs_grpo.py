@@ -29,7 +29,7 @@ import json
 import time
 from pathlib import Path
 
-from bench_common import DEFAULT_OUT, print_table, spread, write_result
+from bench_common import DEFAULT_OUT, by_group, print_table, write_result
 from hf_greedy import checkpoint_accuracy
 from megarl_run import run_grpo, steady, warm_start
 
@@ -79,15 +79,8 @@ def gap_closed(before: float, after: float, teacher: float) -> float | None:
 def by_method(runs: list[dict]) -> list[dict]:
     """Per method, over its seeds: mean, min and max of the final greedy accuracy, its gain, the gap
     closed and the reverse KL at the end; mean s/step after the first step."""
-    rows = []
-    for method in dict.fromkeys(r["method"] for r in runs):
-        mine = [r for r in runs if r["method"] == method]
-        row = {"method": method, "runs": len(mine)}
-        for key in ("val_score", "val_gain", "gap_closed", "reverse_kl_first", "reverse_kl_last", "s_per_step"):
-            s = spread([r[key] for r in mine if r.get(key) is not None])
-            row.update({key: s["mean"], f"{key}_min": s["min"], f"{key}_max": s["max"]})
-        rows.append(row)
-    return rows
+    return by_group(runs, "method",
+                    ("val_score", "val_gain", "gap_closed", "reverse_kl_first", "reverse_kl_last", "s_per_step"))
 
 
 def main() -> None:
