@@ -9,9 +9,10 @@ bundle's index:
   GPUs they got (`device_bundles`), so consecutive plan GPUs are consecutive real GPUs wherever
   Ray gave the pool a consecutive run;
 - a SGLang server takes `--base-gpu-id` + j for its TP rank j on each node (sglang 0.5.23
-  `entrypoints/engine.py::_launch_subprocesses`: `gpu_id = base_gpu_id + (tp_rank %
-  tp_size_per_node) * gpu_id_step`, step 1), so the GPUs of its bundles on a node must be exactly
-  that run (`server_gpu_problems`), else it would run on GPUs of another rank or role;
+  `srt/entrypoints/engine.py`, `_launch_scheduler_processes`: `gpu_id = base_gpu_id + (pp_rank %
+  pp_size_per_node) * tp_size_per_node + (tp_rank % tp_size_per_node) * gpu_id_step`; megarl's
+  servers have PP 1 and step 1), so the GPUs of its bundles on a node must be exactly that run
+  (`server_gpu_problems`), else it would run on GPUs of another rank or role;
 - colocated, the actor rank that serialises a server TP rank's CUDA IPC copy is the one on that
   TP rank's real GPU (`real_server_gpus` feeds `megarl.sync.colocation.colocated_peers`).
 
