@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -130,13 +129,14 @@ def test_a_rollout_server_larger_than_a_node_takes_whole_nodes_one_process_per_n
         plan_placement(ClusterSpec(3, 4), {"train": 2, "rollout": 8}, [train("actor", "train"), rollout("rollout", tp=8)])
 
 
-def test_plans_1024_nodes_in_well_under_a_second():
-    t0 = time.perf_counter()
+def test_plans_1024_nodes():
+    # how long this takes is measured by tools/bench/planner.py, never asserted in a test
     plan = plan_placement(ClusterSpec(1024, 8), {"train": 4096, "rollout": 4096},
                           [train("actor", "train", tp=8, pp=4), train("ref", "train", tp=4), rollout("rollout", tp=4)])
-    elapsed = time.perf_counter() - t0
     assert plan.roles["actor"].dp == 128 and plan.roles["rollout"].dp == 1024
-    assert elapsed < 0.5, elapsed
+    rollout_role = plan.roles["rollout"]  # the second half of the nodes: 512..1023, two servers each
+    assert rollout_role.server_processes()[-1] == (1023, 0, 4092)
+    assert (rollout_role.devices[4092].node, rollout_role.devices[4092].gpu) == (1023, 4)
 
 
 QWEN7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,

@@ -339,7 +339,7 @@ def test_a_rank_that_raises_before_a_collective_ends_the_call_on_every_rank_in_s
         with pytest.raises(WorkerGroupError, match=r"^actor.node_info: actor's workers were stopped after an "
                                                    r"earlier failure \(actor.fail_on_or_all_reduce: actor rank 1"):
             group.call(Probe.node_info, timeout_s=300)
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 10  # refused at once, not after the 300 s
         group.shutdown()
 
 
