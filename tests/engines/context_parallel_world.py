@@ -23,10 +23,10 @@ def _cp(cp: int) -> list[str]:
                                                                   "critic", "reward_model")]
 
 
-def _actor(cfg, checkpoint_dir=None) -> dict:
+def _actor(cfg, checkpoint_dir=None, sequence_layout=None) -> dict:
     from megarl.engines.megatron.roles import ActorEngine
 
-    actor = ActorEngine(cfg)
+    actor = ActorEngine(cfg, sequence_layout)
     mine = training_batch().chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, TEMPERATURE, with_entropy=True)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
@@ -37,15 +37,16 @@ def _actor(cfg, checkpoint_dir=None) -> dict:
     return {"dp_rank": actor.dp_rank, "output_rank": actor.is_output_rank, "scored": scored, "metrics": metrics,
             "after": after, "state": local_state(actor), "synced": resharded(actor),
             "core_attention": type(actor.model_chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
+            "sequence_layout": actor.sequence_layout,
             "input_lengths": [mb.input_ids.shape[1]
                               for mb in actor.micro_batches(mine, max_samples=2, max_tokens=None)],
             "budget_groups": [mb.rows.tolist() for mb in actor.micro_batches(mine, max_samples=None, max_tokens=30)]}
 
 
-def _critic(cfg) -> dict:
+def _critic(cfg, sequence_layout=None) -> dict:
     from megarl.engines.megatron.roles import CriticEngine
 
-    critic = CriticEngine(cfg)
+    critic = CriticEngine(cfg, sequence_layout)
     mine = training_batch().chunk(critic.dp_size)[critic.dp_rank]
     values = critic.compute_values(mine)
     mine["values"] = share_in_replica(values and values["values"])
@@ -78,22 +79,49 @@ def context_parallel_world(rank: int, world_size: int, port: int, models: dict, 
                                   *_cp(2)))
     out["rm_scores"] = rm.compute_rm_scores(ragged_batch(10, seed=3))
     reset_layout()
-    out["moe"] = moe_cases(world_size, moe_dir, {"cp1": (1, []), "cp2": (1, _cp(2))})
+    out["moe"] = moe_cases(world_size, moe_dir, {"cp1": (1, []), "cp2": (1, _cp(2)),
+                                                 "cp2_packed": (1, _cp(2), "packed")})
+    reset_layout()
+    # packed (THD) sequences: megarl's CPU reference attention at CP1 and CP2
+    for cp in (1, 2):
+        cfg = config(models["qwen2"], world_size, 1, 1, None, None, "actor_rollout_ref.rollout.n=1",
+                     f"actor_rollout_ref.rollout.temperature={TEMPERATURE}", *ACTOR_LOSS, *_cp(cp))
+        out[f"cp{cp}_packed"] = {"actor": _actor(cfg, sequence_layout="packed")}
+        reset_layout()
+    out["cp2_packed"]["critic"] = _critic(cfg, "packed")
+    reset_layout()
+    rm = RewardModelEngine(config(rm_dir, world_size, 1, 1, None, None, "reward_model.enable=true",
+                                  f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=3",
+                                  *_cp(2)), sequence_layout="packed")
+    out["rm_scores_packed"] = rm.compute_rm_scores(ragged_batch(10, seed=3))
+    reset_layout()
     return out
 
 
 SP = [f"{s}.megatron.sequence_parallel=true" for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")]
 
 
-def tp2_cp2_world(rank: int, world_size: int, port: int, models: dict) -> dict:
-    """4 ranks: the actor at TP1 (DP4), then at TP2 x CP2 with sequence parallelism (DP1): scores, one
-    PPO update, scores after it."""
+def tp2_cp2_world(rank: int, world_size: int, port: int, models: dict, odd_model: str) -> dict:
+    """4 ranks: the actor at TP1 (DP4), then at TP2 x CP2 (DP1) padded with sequence parallelism and
+    packed without and with it: scores, one PPO update, scores after it. Then an odd-shaped GQA model
+    (`odd_model`) scores in the three TP2 x CP2 layouts."""
+    from megarl.engines.megatron.roles import ActorEngine
+
     init_world(rank, world_size, port)
     out = {}
-    for name, tp, extra in (("tp1", 1, _cp(1)), ("tp2_cp2_sp", 2, _cp(2) + SP)):
+    for name, extra, layout in (("odd_sp", SP, None), ("odd_packed", [], "packed"), ("odd_sp_packed", SP, "packed")):
+        cfg = config(odd_model, world_size, 2, 1, None, None, "actor_rollout_ref.rollout.n=1", *_cp(2), *extra)
+        actor = ActorEngine(cfg, layout)
+        out[name] = {"dp_rank": actor.dp_rank, "sequence_layout": actor.sequence_layout,
+                     "scored": actor.compute_log_prob(training_batch(), TEMPERATURE, with_entropy=True)}
+        reset_layout()
+    for name, tp, extra, layout in (("tp1", 1, _cp(1), None), ("tp2_cp2_sp", 2, _cp(2) + SP, None),
+                                    ("tp2_cp2_packed", 2, _cp(2), "packed"),
+                                    ("tp2_cp2_sp_packed", 2, _cp(2) + SP, "packed")):
         cfg = config(models["qwen2"], world_size, tp, 1, None, None, "actor_rollout_ref.rollout.n=1",
                      f"actor_rollout_ref.rollout.temperature={TEMPERATURE}", *ACTOR_LOSS, *extra)
-        actor = _actor(cfg)
-        out[name] = {k: actor[k] for k in ("dp_rank", "output_rank", "scored", "metrics", "after", "input_lengths")}
+        actor = _actor(cfg, sequence_layout=layout)
+        out[name] = {k: actor[k] for k in ("dp_rank", "output_rank", "scored", "metrics", "after", "input_lengths",
+                                           "sequence_layout")}
         reset_layout()
     return out

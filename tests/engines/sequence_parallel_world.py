@@ -96,10 +96,10 @@ def forced_routes(batch, num_layers: int, num_experts: int, top_k: int, seed: in
         batch[key] = draw.argsort(-1)[..., :top_k].to(torch.uint8)
 
 
-def _moe_actor(cfg, batch) -> dict:
+def _moe_actor(cfg, batch, sequence_layout=None) -> dict:
     from megarl.engines.megatron.roles import ActorEngine
 
-    actor = ActorEngine(cfg)
+    actor = ActorEngine(cfg, sequence_layout)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, TEMPERATURE, with_entropy=True)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
@@ -109,8 +109,8 @@ def _moe_actor(cfg, batch) -> dict:
 
 
 def moe_cases(world_size: int, model_dir: str, cases: dict = MOE_CASES) -> dict:
-    """A tiny Qwen3-MoE actor in each layout of `cases` (name -> (TP, overrides); MOE_CASES: TP1 at
-    DP2, and TP2 with sequence parallelism at DP1): scores with expert counts, one PPO update, scores
+    """A tiny Qwen3-MoE actor in each layout of `cases` (name -> (TP, overrides[, sequence layout]);
+    MOE_CASES: TP1 at DP2, and TP2 with sequence parallelism at DP1): scores with expert counts, one PPO update, scores
     after it; then the same with routing replay of forced routes (`forced_routes`, seed 4). Keys:
     the cases' names, "_replay" added for the replayed."""
     from megarl.bridge import arch_from_hf_config, load_hf_config
@@ -120,11 +120,11 @@ def moe_cases(world_size: int, model_dir: str, cases: dict = MOE_CASES) -> dict:
     replayed = training_batch()
     forced_routes(replayed, arch.num_layers, arch.moe.num_experts, arch.moe.topk)
     out = {}
-    for name, (tp, extra) in cases.items():
+    for name, (tp, extra, *layout) in cases.items():
         for replay, data in ((False, batch), (True, replayed)):
             cfg = config(model_dir, world_size, tp, 1, None, None, "actor_rollout_ref.rollout.n=1",
                          f"actor_rollout_ref.rollout.temperature={TEMPERATURE}", *ACTOR_LOSS, *extra,
                          *(REPLAY if replay else []))
-            out[name + ("_replay" if replay else "")] = _moe_actor(cfg, data)
+            out[name + ("_replay" if replay else "")] = _moe_actor(cfg, data, *layout)
             reset_layout()
     return out

@@ -5,8 +5,11 @@ the CP1 step's metrics (gradient norm included) and weights; the critic's values
 reward model's scores (HF's sequence classification) and an MoE actor's log-probs, update and
 expert counts (its own routing and replayed routes) are those at CP1; a checkpoint saved at CP2
 loads at CP1 with identical weights; one output rank per replica, and only CP rank 0 sends the
-weights to the rollout (the CP1 run's tensors). On 4 ranks, TP2 x CP2 with sequence parallelism
-scores as HF and steps as TP1.
+weights to the rollout (the CP1 run's tensors). Packed (THD) sequences, each padded to a multiple of
+2 CP and cut into chunks one sequence at a time, give the same at CP1 and CP2 (actor, critic, reward
+model, MoE actor). On 4 ranks, TP2 x CP2, with and without sequence parallelism and packing, scores
+as HF and steps as TP1, and an odd-shaped GQA model (6 query heads over 2 groups, head_dim 12 with
+hidden 40, 3 layers) scores as HF in those layouts.
 
 To fp32 rounding, not bit for bit: at CP2 the attention runs over the gathered keys in another
 order and shape, sequences are padded to a multiple of 4, and each weight gradient is the sum of
@@ -47,7 +50,7 @@ def _whole(run, case, role, key, part):
 def test_cp2_runs_the_cpu_reference_attention_on_half_of_each_sequence_with_one_output_rank(run):
     for rank in run:
         cp1, cp2 = rank["cp1"]["actor"], rank["cp2"]["actor"]
-        assert cp1["core_attention"] == "DotProductAttention" and cp2["core_attention"] == "CpuContextParallelAttention"
+        assert cp1["core_attention"] == "DotProductAttention" and cp2["core_attention"] == "CpuReferenceAttention"
         # CP1 at DP2 holds half of the batch; CP2 the whole batch, each sequence padded to a multiple of 4, halved
         assert all(n % 2 == 0 for n in cp2["input_lengths"]) and any(n % 4 for n in cp1["input_lengths"])
     assert [rank["cp2"]["actor"]["output_rank"] for rank in run] == [True, False]  # CP rank 0 of DP replica 0
@@ -125,9 +128,11 @@ def _moe(run, case, key, part="log_probs"):
     return torch.cat([v for _, v in found]) if part != "expert_tokens" else sum(v for _, v in found)
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("replay", [False, True], ids=["own_routing", "replay"])
-def test_a_moe_actor_at_cp2_equals_cp1(run, moe_dir, replay):  # noqa: F811
-    cp1, cp2 = ("cp1_replay", "cp2_replay") if replay else ("cp1", "cp2")
+def test_a_moe_actor_at_cp2_equals_cp1(run, moe_dir, replay, layout):  # noqa: F811
+    cp2 = "cp2" if layout == "padded" else "cp2_packed"
+    cp1, cp2 = ("cp1_replay", cp2 + "_replay") if replay else ("cp1", cp2)
     for key in ("scored", "after"):
         close(_moe(run, cp2, key), _moe(run, cp1, key))
     for key, value in run[0]["moe"][cp1]["metrics"].items():
@@ -141,23 +146,76 @@ def test_a_moe_actor_at_cp2_equals_cp1(run, moe_dir, replay):  # noqa: F811
         assert torch.equal(counts, _hand_count(batch, arch.num_layers, arch.moe.num_experts))
 
 
+# ---------------------------------------------------------------------------------- packed sequences
+def test_packed_sequences_at_cp1_and_cp2_score_as_hf_and_step_as_padded_cp1(run, tiny_models):
+    hf_log_probs, hf_entropy, _ = hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)
+    for case in ("cp1_packed", "cp2_packed"):
+        for rank in run:
+            actor = rank[case]["actor"]
+            assert actor["sequence_layout"] == "packed" and actor["core_attention"] == "CpuReferenceAttention"
+        close(_whole(run, case, "actor", "scored", "log_probs"), hf_log_probs)
+        close(_whole(run, case, "actor", "scored", "entropy"), hf_entropy)
+        base, mine = run[0]["cp1"]["actor"]["metrics"], run[0][case]["actor"]["metrics"]
+        for key, value in base.items():
+            assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, key)
+        assert mine["actor/ppo_kl"] == 0.0
+        close(_whole(run, case, "actor", "after", "log_probs"), _whole(run, "cp1", "actor", "after", "log_probs"))
+    # CP2: one packed sequence per micro-batch, each rank holding half of every (padded) sample
+    assert all(n % 2 == 0 for rank in run for n in rank["cp2_packed"]["actor"]["input_lengths"])
+    assert [rank["cp2_packed"]["actor"]["output_rank"] for rank in run] == [True, False]
+    for rank in run:
+        a, b = rank["cp1"]["actor"]["state"], rank["cp2_packed"]["actor"]["state"]
+        for chunk in a:
+            for name in a[chunk]:
+                torch.testing.assert_close(b[chunk][name], a[chunk][name], rtol=0, atol=1e-5)
+
+
+def test_packed_cp2_critic_and_reward_model_equal_cp1_and_hf(run, reward_model):  # noqa: F811
+    for key in ("values", "after"):
+        close(_whole(run, "cp2_packed", "critic", key, "values"), _whole(run, "cp1", "critic", key, "values"))
+    scores = [rank["rm_scores_packed"] for rank in run]
+    assert scores[1] is None
+    close(scores[0]["rm_scores"], hf_scores(reward_model, ragged_batch(10, seed=3)))
+
+
 # ------------------------------------------------------------------------------------------ TP2 x CP2
 @pytest.fixture(scope="module")
-def tp2_cp2_run(tiny_models):
-    return run_gloo_workers(tp2_cp2_world, 4, args=(tiny_models,), timeout_s=600)
+def odd_model(tmp_path_factory):
+    """Odd-shaped GQA: 3 layers, 6 query heads over 2 key/value groups, head_dim 12 (6 x 12 != hidden 40),
+    q/k norms (Qwen3)."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("odd") / "qwen3", layers=3, hidden=40, heads=6, kv_heads=2,
+                           head_dim=12, intermediate=56, tie=False, seed=7)
 
 
-def test_tp2_cp2_with_sequence_parallelism_scores_as_hf_and_steps_as_tp1(tp2_cp2_run, tiny_models):
-    """4 ranks: TP2 x CP2 with sequence parallelism (sequences padded to a multiple of 4, each rank
-    holding half of them and splitting that over TP) against TP1 at DP4."""
+@pytest.fixture(scope="module")
+def tp2_cp2_run(tiny_models, odd_model):
+    return run_gloo_workers(tp2_cp2_world, 4, args=(tiny_models, str(odd_model)), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", ["odd_sp", "odd_packed", "odd_sp_packed"])
+def test_an_odd_shaped_gqa_model_at_tp2_cp2_scores_as_hf(tp2_cp2_run, odd_model, case):
+    hf_log_probs, hf_entropy, _ = hf_reference(odd_model, training_batch(), TEMPERATURE)
+    assert tp2_cp2_run[0][case]["sequence_layout"] == ("packed" if "packed" in case else "padded")
+    close(_whole(tp2_cp2_run, case, None, "scored", "log_probs"), hf_log_probs)
+    close(_whole(tp2_cp2_run, case, None, "scored", "entropy"), hf_entropy)
+
+
+@pytest.mark.parametrize("case", ["tp2_cp2_sp", "tp2_cp2_packed", "tp2_cp2_sp_packed"])
+def test_tp2_cp2_scores_as_hf_and_steps_as_tp1(tp2_cp2_run, tiny_models, case):
+    """4 ranks: TP2 x CP2, padded with sequence parallelism (sequences padded to a multiple of 4, each
+    rank holding half of them and splitting that over TP) and packed without and with it, against
+    TP1 at DP4."""
     hf_log_probs, hf_entropy, _ = hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)
-    assert [rank["tp2_cp2_sp"]["output_rank"] for rank in tp2_cp2_run] == [True, False, False, False]
-    assert all(n % 2 == 0 for rank in tp2_cp2_run for n in rank["tp2_cp2_sp"]["input_lengths"])
-    close(_whole(tp2_cp2_run, "tp2_cp2_sp", None, "scored", "log_probs"), hf_log_probs)
-    close(_whole(tp2_cp2_run, "tp2_cp2_sp", None, "scored", "entropy"), hf_entropy)
-    base, mine = tp2_cp2_run[0]["tp1"]["metrics"], tp2_cp2_run[0]["tp2_cp2_sp"]["metrics"]
-    assert all(rank["tp2_cp2_sp"]["metrics"] == mine for rank in tp2_cp2_run)
+    assert [rank[case]["output_rank"] for rank in tp2_cp2_run] == [True, False, False, False]
+    assert tp2_cp2_run[0][case]["sequence_layout"] == ("packed" if "packed" in case else "padded")
+    assert all(n % 2 == 0 for rank in tp2_cp2_run for n in rank[case]["input_lengths"])
+    close(_whole(tp2_cp2_run, case, None, "scored", "log_probs"), hf_log_probs)
+    close(_whole(tp2_cp2_run, case, None, "scored", "entropy"), hf_entropy)
+    base, mine = tp2_cp2_run[0]["tp1"]["metrics"], tp2_cp2_run[0][case]["metrics"]
+    assert all(rank[case]["metrics"] == mine for rank in tp2_cp2_run)
     for key, value in base.items():
         assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-    close(_whole(tp2_cp2_run, "tp2_cp2_sp", None, "after", "log_probs"),
+    close(_whole(tp2_cp2_run, case, None, "after", "log_probs"),
           _whole(tp2_cp2_run, "tp1", None, "after", "log_probs"))

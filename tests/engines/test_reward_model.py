@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification
 
 from megarl.bridge import ConversionError
 from megarl.testing import run_gloo_workers
-from megarl.engines.megatron.reward_model import check_score_head, check_tokenizer, last_token_index
+from megarl.engines.megatron.reward_model import check_score_head, check_tokenizer
 from megarl.engines.megatron.sequences import make_micro_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,13 +57,21 @@ def test_rm_scores_equal_hf_sequence_classification_scores(reward_model):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"TP{layout[0]} PP{layout[1]}")
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_last_token_index_picks_each_samples_last_real_token(layout):
+@pytest.mark.parametrize("layout, multiple, cp", [("padded", 1, 1), ("packed", 1, 1), ("packed", 4, 2)])
+def test_hidden_rows_pick_each_samples_last_real_token(layout, multiple, cp):
     batch = ragged_batch(5, seed=1)
     rows = [0, 2, 3, 4]
-    mb = make_micro_batch(batch, rows, layout, vocab_size=47, device=torch.device("cpu"))
-    flat_ids = mb.input_ids.t().reshape(-1) if layout == "padded" else mb.input_ids.reshape(-1)  # hidden's row order
-    index = last_token_index(batch.token_lengths()[rows], layout, mb.input_ids.shape[0])
+    mb = make_micro_batch(batch, rows, layout, vocab_size=47, device=torch.device("cpu"), multiple=multiple)
+    if cp > 1:  # the whole packed sequence: every CP rank's rows, put back in place
+        parts = [make_micro_batch(batch, rows, layout, 47, torch.device("cpu"), multiple=multiple, cp=cp, cp_rank=r)
+                 for r in range(cp)]
+        mb = parts[0]
+        flat_ids = torch.zeros(sum(p.input_ids.numel() for p in parts), dtype=torch.long)
+        for r, part in enumerate(parts):
+            flat_ids[mb.cp_rows[r]] = part.input_ids.reshape(-1)
+    else:
+        flat_ids = mb.input_ids.t().reshape(-1) if layout == "padded" else mb.input_ids.reshape(-1)  # hidden's row order
+    index = mb.hidden_rows(batch.token_lengths()[rows] - 1)
     last = [batch["response_ids"][r][batch["response_mask"][r].bool()][-1] for r in rows]
     assert flat_ids[index].tolist() == torch.stack(last).tolist()
 

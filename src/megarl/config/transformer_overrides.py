@@ -150,6 +150,20 @@ def cp_comm_type_problems(prefix: str, overrides: Mapping[str, Any]) -> list[str
     return problems
 
 
+def packed_cp_problems(prefix: str, cp_comm_type, *, cp: int) -> list[str]:
+    """Messages for packed (THD) sequences at context parallel size `cp` with a role's cp_comm_type
+    (None: "p2p"): transformer-engine's all-gather and a2a CP attention refuse them (`assert qkv_format
+    != "thd"` in AttnFuncWithCPAndKVAllGather and AttnFuncWithCPAndQKVOA2A, attention/dot_product_attention/
+    context_parallel.py); only "p2p" (AttnFuncWithCPAndKVP2P, with cu_seqlens_padded) takes them. megarl's
+    CPU reference attention refuses what transformer-engine refuses. None at CP 1."""
+    if cp == 1:
+        return []
+    return [f"{prefix}.cp_comm_type={value} with context_parallel_size={cp}: transformer-engine's {value} context-"
+            "parallel attention refuses packed (THD) sequences; use p2p, or the padded sequence layout"
+            for value in dict.fromkeys(_cp_comm_types(cp_comm_type if cp_comm_type is not None else "p2p"))
+            if value != "p2p"]
+
+
 def cp_comm_type_model_problems(prefix: str, cp_comm_type, *, cp: int, tp: int, heads: int, query_groups: int,
                                 sliding_window: bool) -> list[str]:
     """Messages for the combinations of a role's cp_comm_type (None: "p2p"), its layout and its model

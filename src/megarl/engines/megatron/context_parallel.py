@@ -5,6 +5,11 @@ megatron-core's layout (megatron/training/utils.py `get_batch_on_this_cp_rank`, 
 transformer-engine's CP attention and megatron's RoPE, `get_pos_emb_on_this_cp_rank`, assume): a
 sequence of S positions is cut into 2 x CP chunks of S / (2 CP); CP rank r holds chunks r and
 2 CP - 1 - r, in that order, so that every rank gets the same share of causal attention work.
+Packed sequences (THD) are cut the same way one sequence at a time: each is padded to a multiple
+of 2 CP (`cu_seqlens_padded`) and rank r holds chunks r and 2 CP - 1 - r of every sequence, the
+sequences in order (transformer-engine's `get_batch_on_this_cp_rank` for "thd", attention/
+dot_product_attention/context_parallel.py; megatron's RoPE reads the same split,
+models/common/embeddings/rope_utils.py `_get_thd_freqs_on_this_cp_rank`).
 
 Each CP rank's model returns the hidden states of its own positions only; a head scores the
 response tokens predicted there (`CpTokens.slots[rank]`), and `gather_tokens` all-gathers those
@@ -20,6 +25,7 @@ averages them over data x context parallel ranks (distributed_data_parallel.py: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,22 @@ def positions_of_rank(length: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
 
 
+def thd_positions_of_rank(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """[T / cp] int64: the rows of a packed sequence of T = `cu_seqlens_padded`[-1] tokens that CP
+    rank `rank` holds, in its order: for each sequence in turn, its chunk `rank` then its chunk
+    2 cp - 1 - rank. Every sequence's padded length must be a multiple of 2 cp."""
+    starts = cu_seqlens_padded.long().cpu()
+    if cp == 1:
+        return torch.arange(int(starts[-1]))
+    lengths = starts[1:] - starts[:-1]
+    if bool((lengths % (2 * cp)).any()):
+        i = int((lengths % (2 * cp)).nonzero()[0])
+        raise ValueError(f"packed sequence {i} of {int(lengths[i])} positions cannot be cut into 2 x {cp} equal "
+                         "context-parallel chunks (cu_seqlens_padded must pad each sequence to a multiple of 2 CP)")
+    return torch.cat([start + positions_of_rank(int(n), cp, rank) for start, n in zip(starts[:-1], lengths)]
+                     + [torch.zeros(0, dtype=torch.long)])
+
+
 @dataclass(frozen=True)
 class CpTokens:
     """Which of a micro-batch's N response tokens (row-major (sample, response position) order,
@@ -51,18 +73,20 @@ class CpTokens:
         return sum(int(s.numel()) for s in self.slots)
 
 
-def split_tokens(at: torch.Tensor, sample: torch.Tensor, length: int, sequences: int, cp: int,
-                 rank: int) -> tuple[CpTokens, torch.Tensor]:
-    """Tokens read from the hidden states at sequence positions `at` [N] of sequences `sample` [N]
-    (padded layout: hidden [S, sequences, H], S = `length`) -> (which CP rank reads each:
-    `CpTokens`, and this rank's rows of its flattened hidden states [S/CP * sequences] for its tokens)."""
-    owner, local = torch.empty(length, dtype=torch.long), torch.empty(length, dtype=torch.long)
-    for r in range(cp):
-        held = positions_of_rank(length, cp, r)
-        owner[held], local[held] = r, torch.arange(held.numel())
-    tokens = CpTokens(tuple((owner[at] == r).nonzero().squeeze(1) for r in range(cp)), rank)
-    mine = tokens.slots[rank]
-    return tokens, local[at[mine]] * sequences + sample[mine]
+def split_tokens(rows: torch.Tensor, held: Sequence[torch.Tensor], rank: int) -> tuple[CpTokens, torch.Tensor]:
+    """Tokens read from the whole micro-batch's flattened hidden states at `rows` [N] -> (which CP
+    rank reads each: `CpTokens`, and this rank's rows of its own flattened hidden states for its
+    tokens). `held[r]`: the whole micro-batch's rows CP rank r holds, in its order
+    (`MicroBatch.cp_rows`)."""
+    total = sum(int(h.numel()) for h in held)
+    owner, local = torch.full((total,), -1, dtype=torch.long), torch.empty(total, dtype=torch.long)
+    for r, mine in enumerate(held):
+        owner[mine], local[mine] = r, torch.arange(mine.numel())
+    rows = rows.long().cpu()
+    if bool((owner[rows] < 0).any()):
+        raise ValueError("a token is read at a row no CP rank holds")
+    tokens = CpTokens(tuple((owner[rows] == r).nonzero().squeeze(1) for r in range(len(held))), rank)
+    return tokens, local[rows[tokens.slots[rank]]]
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -1,18 +1,22 @@
-"""The CPU stand-in for transformer-engine's context-parallel attention, for gloo worlds.
+"""The CPU stand-in for transformer-engine's attention where megatron's own cannot run: context
+parallelism and packed (THD) sequences, for gloo worlds.
 
-megatron-core's own local attention refuses context parallelism (transformer/dot_product_attention.py:57
-"Context parallelism is only supported by TEDotProductAttention!"), and transformer-engine runs on
-GPUs only. `CpuContextParallelAttention` (the class `cpu_context_parallel_attention()` returns)
-takes the core attention's place in megatron's local layer spec (`with_core_attention`) when a
-role has CP > 1 without transformer-engine layers: it
-all-gathers the keys and values of every CP rank's positions over the CP group (megatron's
-`gather_from_sequence_parallel_region` on the CP group: all-gather forward, reduce-scatter of the
-gradients back to their ranks backward, transformer-engine's `cp_comm_type="all_gather"` scheme), and
-attends this rank's queries to the keys their positions may see: causal (key position <= query
-position) and within the sliding window where the model has one (megatron's `window_size` = (left, 0):
-query position - key position <= left). Positions follow megatron's CP layout
-(`context_parallel.positions_of_rank`). A reference, not a kernel: it materialises [b, heads, S/CP, S]
-scores. Padded sequence layout only (no packed sequences), no attention dropout (megarl's models have none).
+megatron-core's local attention refuses context parallelism (transformer/dot_product_attention.py:57
+"Context parallelism is only supported by TEDotProductAttention!") and packed sequences (`assert
+packed_seq_params is None`), and transformer-engine runs on GPUs only. `CpuReferenceAttention`
+(the class `cpu_reference_attention()` returns) takes the core attention's place in megatron's local
+layer spec (`with_core_attention`) when a role has CP > 1 or packed sequences without
+transformer-engine layers: it all-gathers the keys and values of every CP rank's positions over the
+CP group (megatron's `gather_from_sequence_parallel_region` on the CP group: all-gather forward,
+reduce-scatter of the gradients back to their ranks backward, transformer-engine's
+`cp_comm_type="all_gather"` scheme), and attends this rank's queries to the keys their positions may
+see: the same sequence (packed: `cu_seqlens_q_padded`, else `cu_seqlens_q`, as megatron's RoPE reads
+them), causal (key position <= query position), a real token of its sequence (packed: `cu_seqlens_q`,
+transformer-engine's padding_causal mask), and within the sliding window where the model has one
+(megatron's `window_size` = (left, 0): query position - key position <= left). Positions follow
+megatron's CP layout (`context_parallel.positions_of_rank`, `thd_positions_of_rank`). A reference,
+not a kernel: it materialises [heads, rows/CP, rows] scores. No attention dropout (megarl's models
+have none).
 """
 from __future__ import annotations
 
@@ -22,18 +26,26 @@ import math
 
 import torch
 
-from megarl.engines.megatron.context_parallel import positions_of_rank
+from megarl.engines.megatron.context_parallel import positions_of_rank, thd_positions_of_rank
+
+
+def thd_row_positions(cu_seqlens_padded: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position within it) [n] of `rows` [n] of a packed sequence laid out by
+    `cu_seqlens_padded` [s + 1]."""
+    starts = cu_seqlens_padded.long().to(rows.device)
+    sequence = torch.searchsorted(starts, rows, right=True) - 1
+    return sequence, rows - starts[sequence]
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_context_parallel_attention():
-    """The `CpuContextParallelAttention` class (defined on first use: megatron-core is imported then)."""
+def cpu_reference_attention():
+    """The `CpuReferenceAttention` class (defined on first use: megatron-core is imported then)."""
     from megatron.core.transformer.module import MegatronModule
 
-    class CpuContextParallelAttention(MegatronModule):
-        """Core attention over the CP group ([s/CP, b, heads, d] queries of this rank; keys and values
-        of its own positions, gathered from all CP ranks). Constructor and forward as megatron's
-        `DotProductAttention` (megatron-core 0.16.1 / 0.19.2)."""
+    class CpuReferenceAttention(MegatronModule):
+        """Core attention over the CP group: queries of this rank's positions ([s/CP, b, heads, d],
+        or packed [t/CP, heads, d]); keys and values of its own positions, gathered from all CP
+        ranks. Constructor and forward as megatron's `DotProductAttention` (megatron-core 0.16.1 / 0.19.2)."""
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -42,11 +54,11 @@ def cpu_context_parallel_attention():
             super().__init__(config=config)
             dropout = config.attention_dropout if attention_dropout is None else attention_dropout
             if dropout:
-                raise ValueError(f"CpuContextParallelAttention has no attention dropout (got {dropout})")
+                raise ValueError(f"CpuReferenceAttention has no attention dropout (got {dropout})")
             head_dim = config.kv_channels
             self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
             if config.apply_query_key_layer_scaling:
-                raise ValueError("CpuContextParallelAttention does not scale by the layer number "
+                raise ValueError("CpuReferenceAttention does not scale by the layer number "
                                  "(apply_query_key_layer_scaling)")
             self.window = None if config.window_size is None else config.window_size[0]
             self.cp_group = parallel_state.get_context_parallel_group()
@@ -56,21 +68,22 @@ def cpu_context_parallel_attention():
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             """query [s, b, np, d], key and value [s, b, ng, d] of this rank's s = S/CP positions ->
-            context [s, b, np * d]."""
+            context [s, b, np * d]; packed, query [t, np, d], key and value [t, ng, d] -> [t, np * d]."""
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("CpuContextParallelAttention takes padded sequences without an attention bias")
+            if attention_bias is not None:
+                raise ValueError("CpuReferenceAttention takes no attention bias")
+            packed = packed_seq_params is not None
+            if packed:
+                if packed_seq_params.qkv_format != "thd":
+                    raise ValueError(f"CpuReferenceAttention takes packed sequences in the thd format, not "
+                                     f"{packed_seq_params.qkv_format!r}")
+                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             s, b, heads, d = query.shape
-            # [CP * s, b, ng, d]: rank 0's positions, then rank 1's, ... (autograd: gradients reduce-scattered back)
-            key = gather_from_sequence_parallel_region(key, True, self.cp_group)
-            value = gather_from_sequence_parallel_region(value, True, self.cp_group)
-            length = s * self.cp
-            query_pos = positions_of_rank(length, self.cp, self.cp_rank).to(query.device)
-            key_pos = torch.cat([positions_of_rank(length, self.cp, r) for r in range(self.cp)]).to(query.device)
-            hidden = query_pos[:, None] < key_pos[None, :]  # [s, CP * s]
-            if self.window is not None:
-                hidden |= query_pos[:, None] - key_pos[None, :] > self.window
+            if self.cp > 1:  # [CP * s, b, ng, d]: rank 0's positions, then rank 1's, ... (gradients reduce-scattered back)
+                key = gather_from_sequence_parallel_region(key, True, self.cp_group)
+                value = gather_from_sequence_parallel_region(value, True, self.cp_group)
+            hidden = self._hidden(s * self.cp, packed_seq_params, query.device)  # [s, CP * s]
             groups = key.shape[2]
             key = key.repeat_interleave(heads // groups, dim=2)  # GQA: query head h reads key/value group h // (np/ng)
             value = value.repeat_interleave(heads // groups, dim=2)
@@ -78,9 +91,33 @@ def cpu_context_parallel_attention():
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
             context = torch.einsum("bhst,tbhd->sbhd", probs, value)
-            return context.reshape(s, b, heads * d)
+            return context.reshape(s, heads * d) if packed else context.reshape(s, b, heads * d)
 
-    return CpuContextParallelAttention
+        def _hidden(self, length: int, packed_seq_params, device) -> torch.Tensor:
+            """[length / CP, length] bool: which keys (all CP ranks' rows, rank 0's first) each of this
+            rank's queries may not see."""
+            if packed_seq_params is None:
+                query_pos = positions_of_rank(length, self.cp, self.cp_rank).to(device)
+                key_pos = torch.cat([positions_of_rank(length, self.cp, r) for r in range(self.cp)]).to(device)
+                hidden = query_pos[:, None] < key_pos[None, :]
+            else:
+                padded = packed_seq_params.cu_seqlens_q_padded
+                padded = (packed_seq_params.cu_seqlens_q if padded is None else padded).long().cpu()
+                if int(padded[-1]) != length:
+                    raise ValueError(f"the packed sequences' cu_seqlens end at {int(padded[-1])}, but the CP group "
+                                     f"holds {length} rows")
+                real = (packed_seq_params.cu_seqlens_q.long().cpu()[1:] - packed_seq_params.cu_seqlens_q.long().cpu()[:-1])
+                query_seq, query_pos = thd_row_positions(padded, thd_positions_of_rank(padded, self.cp, self.cp_rank))
+                key_seq, key_pos = thd_row_positions(
+                    padded, torch.cat([thd_positions_of_rank(padded, self.cp, r) for r in range(self.cp)]))
+                hidden = ((query_seq[:, None] != key_seq[None, :]) | (query_pos[:, None] < key_pos[None, :])
+                          | (key_pos >= real[key_seq])[None, :])
+                hidden, query_pos, key_pos = hidden.to(device), query_pos.to(device), key_pos.to(device)
+            if self.window is not None:
+                hidden |= query_pos[:, None] - key_pos[None, :] > self.window
+            return hidden
+
+    return CpuReferenceAttention
 
 
 def with_core_attention(spec, core_attention):

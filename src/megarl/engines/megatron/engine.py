@@ -43,7 +43,8 @@ from megarl.engines.megatron.parallel import compute_device, init_role_parallel_
 from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, router_rows, set_replay
 from megarl.engines.megatron.schedule import Head, run_schedule
 from megarl.engines.megatron.sequences import (Layout, MicroBatch, default_sequence_layout, fixed_shape,
-                                               length_multiple, make_micro_batch, micro_batch_groups)
+                                               length_multiple, make_micro_batch, micro_batch_groups,
+                                               sequence_layout_problems)
 from megarl.engines.megatron.training import (
     LossHead,
     check_mini_batches,
@@ -101,19 +102,20 @@ class MegatronEngine:
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
         te_available = transformer_engine_available()
         uses_te = builds_with_transformer_engine(te_available, lora is not None)
-        self.sequence_layout: Layout = sequence_layout or default_sequence_layout(uses_te, self.layout.cp)
-        if self.sequence_layout == "packed" and not uses_te:
-            raise ValueError(f"{section}: packed sequences need transformer-engine attention (a GPU with TE installed)")
-        if self.sequence_layout == "packed" and self.layout.cp > 1:
-            raise ValueError(f"{section}.megatron.context_parallel_size={self.layout.cp}: context parallelism takes "
-                             "the padded sequence layout (megarl does not partition packed sequences over CP ranks)")
+        where = dict(section=section, cp=self.layout.cp, on_cuda=self.device.type == "cuda",
+                     cp_comm_type=megatron_cfg.override_transformer_config.get("cp_comm_type"),
+                     transformer_engine_layers=uses_te)
+        self.sequence_layout: Layout = sequence_layout or default_sequence_layout(**where)
+        problems = sequence_layout_problems(self.sequence_layout, **where)
+        if problems:
+            raise ValueError("; ".join(problems))
         problem = sequence_parallel_problem(self.layout.sp, on_cuda=self.device.type == "cuda",
                                             transformer_engine_layers=uses_te)
         if problem:
             raise ValueError(f"{section}.megatron.{problem}")
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
-            value_head=value_head, transformer_engine=uses_te, section=section,
+            value_head=value_head, transformer_engine=uses_te, packed=self.sequence_layout == "packed", section=section,
             overrides=role_overrides(megatron_cfg.override_transformer_config, recompute),
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
@@ -190,7 +192,7 @@ class MegatronEngine:
             multiple_of=self.layout.pp if interleaved else 1,
         )
         multiple = length_multiple(self.layout.tp, self.layout.sp, self.layout.cp)
-        shape = fixed_shape(batch, groups, self.sequence_layout, multiple) if interleaved else None
+        shape = fixed_shape(batch, groups, self.sequence_layout, multiple, self.layout.cp) if interleaved else None
         routes = bool(self._routers) and all(k in batch for k in REPLAY_KEYS)
         return [make_micro_batch(batch, g, self.sequence_layout, self.arch.vocab_size, self.device, data_keys, shape,
                                  with_routes=routes, multiple=multiple, cp=self.layout.cp, cp_rank=self.cp_rank)

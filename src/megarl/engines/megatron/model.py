@@ -44,7 +44,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.expert_mlp import expert_mlp
 from megarl.config.transformer_overrides import (DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES,
                                                 cp_comm_type_model_problems)
-from megarl.engines.megatron.cp_attention import cpu_context_parallel_attention, with_core_attention
+from megarl.engines.megatron.cp_attention import cpu_reference_attention, with_core_attention
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 from megarl.engines.megatron.transformer_overrides import apply_overrides, transformer_config_fields
 
@@ -141,16 +141,18 @@ def sequence_parallel_problem(sp: bool, *, on_cuda: bool, transformer_engine_lay
     return None
 
 
-def context_parallel_attention(cp: int, *, on_cuda: bool, transformer_engine_layers: bool) -> Optional[str]:
-    """The core attention of a role's layers at context parallel size `cp`: "spec" (the layer
-    spec's own), "cpu_reference" (`cp_attention.CpuContextParallelAttention`), or None (none can
-    run it here). Rules: at CP 1 every spec's attention runs; transformer-engine's attention runs CP
-    itself, with megatron's `cp_comm_type` (extensions/transformer_engine.py TEDotProductAttention:
-    cp_group, cp_global_ranks, cp_stream, and "p2p" where the type is unset); megatron's local
-    attention refuses CP (transformer/dot_product_attention.py:57 "Context parallelism is only
-    supported by TEDotProductAttention!"), so without transformer-engine layers the CPU takes megarl's
-    reference, and a GPU none (a reference attention materialises [S/CP, S] scores per head)."""
-    if cp == 1 or transformer_engine_layers:
+def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_engine_layers: bool) -> Optional[str]:
+    """The core attention of a role's layers at context parallel size `cp`, with packed (THD)
+    sequences or not: "spec" (the layer spec's own), "cpu_reference"
+    (`cp_attention.CpuReferenceAttention`), or None (none can run it here). Rules: transformer-engine's
+    attention runs CP itself, with megatron's `cp_comm_type` (extensions/transformer_engine.py
+    TEDotProductAttention: cp_group, cp_global_ranks, cp_stream, and "p2p" where the type is unset),
+    and packed sequences (`PackedSeqParams`); megatron's local attention refuses both
+    (transformer/dot_product_attention.py:57 "Context parallelism is only supported by
+    TEDotProductAttention!", and `assert packed_seq_params is None`), so without transformer-engine
+    layers the CPU takes megarl's reference, and a GPU none (a reference attention materialises
+    [rows/CP, rows] scores per head)."""
+    if transformer_engine_layers or (cp == 1 and not packed):
         return "spec"
     return None if on_cuda else "cpu_reference"
 
@@ -271,6 +273,7 @@ def build_chunks(
     params_dtype: torch.dtype,
     value_head: bool,
     transformer_engine: bool,
+    packed: bool = False,
     moe_settings: Optional[dict] = None,
     fusions: Optional[dict] = None,
     overrides: Optional[Mapping[str, Any]] = None,
@@ -278,7 +281,7 @@ def build_chunks(
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
     megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head.
-    `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`);
+    `packed`: the role runs packed (THD) sequences (`core_attention_choice`). `moe_settings`: extra `TransformerConfig` arguments of an MoE model (`moe_settings()`);
     `fusions`: `fusion_flags()` (None: megatron's defaults, all off); `overrides`: the role's
     `TransformerConfig` fields on top (`megarl.config.transformer_overrides.role_overrides`: its
     `<section>.megatron.override_transformer_config` and recompute), checked by
@@ -318,15 +321,15 @@ def build_chunks(
         model_kwargs["share_embeddings_and_output_weights"] = False
     model_class = _gpt_model_class()
     spec = layer_spec(arch, transformer_engine, grouped_gemm=config.moe_grouped_gemm)
-    attention = context_parallel_attention(layout.cp, on_cuda=torch.cuda.is_available(),
-                                           transformer_engine_layers=transformer_engine)
+    attention = core_attention_choice(layout.cp, packed=packed, on_cuda=torch.cuda.is_available(),
+                                      transformer_engine_layers=transformer_engine)
     if attention is None:
         raise ValueError(f"{section}.megatron.context_parallel_size={layout.cp} on a GPU needs transformer-engine "
-                         "layers (megatron's local attention refuses context parallelism, "
+                         "layers (megatron's local attention refuses context parallelism and packed sequences, "
                          "transformer/dot_product_attention.py); install transformer-engine (LoRA roles build local "
                          "layers: no context parallelism with LoRA on GPUs)")
     if attention == "cpu_reference":
-        spec = with_core_attention(spec, cpu_context_parallel_attention())
+        spec = with_core_attention(spec, cpu_reference_attention())
     elif layout.cp > 1:  # transformer-engine's CP attention
         problems = cp_comm_type_model_problems(
             prefix, config.cp_comm_type, cp=layout.cp, tp=layout.tp, heads=arch.num_attention_heads,

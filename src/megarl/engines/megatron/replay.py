@@ -31,19 +31,15 @@ def token_routes(part: Batch) -> torch.Tensor:
     return routes
 
 
-def micro_batch_routes(part: Batch, positions: Optional[torch.Tensor], samples: Optional[torch.Tensor],
-                       rows: int, sequences: int) -> torch.Tensor:
-    """[L, rows * sequences, K] int64 for megatron's routers. Padded layout: the routes of real
-    token (sample j, position s) go to row s * sequences + j (`positions`, `samples` per real
-    token, `rows` = S). Packed layout (`positions` None): real tokens first, in order, in a
-    sequence of `rows` tokens (`sequences` = 1)."""
+def micro_batch_routes(part: Batch, token_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """[L, total_rows, K] int64 for megatron's routers: the routes of `part`'s real tokens (in
+    `token_routes` order) at their rows `token_rows` [T_real] of the micro-batch's flattened hidden
+    states (padded layout: position s of sample j at row s * sequences + j; packed: the sample's
+    first row + s; `MicroBatch.routed_rows` holds the same rows)."""
     routes = token_routes(part)
     layers, k = routes.shape[1:]
-    out = torch.arange(k).repeat(rows * sequences, layers, 1)
-    if positions is None:
-        out[: routes.shape[0]] = routes
-    else:
-        out[positions * sequences + samples] = routes
+    out = torch.arange(k).repeat(total_rows, layers, 1)
+    out[token_rows] = routes
     return out.transpose(0, 1).contiguous()
 
 

@@ -81,15 +81,6 @@ def check_score_head(path: str) -> None:
         )
 
 
-def last_token_index(lengths: torch.Tensor, layout: Layout, sequences: int) -> torch.Tensor:
-    """[b] rows of a micro-batch's flattened hidden states holding each sample's last real token,
-    for samples of `lengths` real tokens: padded layout, hidden [S, sequences, H] with sample i in
-    column i; packed layout, hidden [T, 1, H] with the samples back to back from row 0."""
-    if layout == "padded":
-        return (lengths - 1) * sequences + torch.arange(len(lengths))
-    return lengths.cumsum(0) - 1
-
-
 class RewardModelEngine(MegatronEngine):
     """The reward model (`reward_model`); forward only."""
 
@@ -120,16 +111,14 @@ class RewardModelEngine(MegatronEngine):
         (with context parallelism, on the CP rank holding that position: `mb.cp` says which)."""
         groups = super().micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
         lengths = batch.token_lengths()
-        if self.layout.cp == 1:
-            return [dataclasses.replace(mb, token_index=last_token_index(
-                lengths[mb.rows], self.sequence_layout, mb.input_ids.shape[0]).to(mb.token_index.device))
-                for mb in groups]
         out = []
         for mb in groups:
-            b = mb.input_ids.shape[0]
-            cp, rows = split_tokens(lengths[mb.rows] - 1, torch.arange(b), mb.input_ids.shape[1] * self.layout.cp, b,
-                                    self.layout.cp, self.cp_rank)
-            out.append(dataclasses.replace(mb, token_index=rows.to(mb.token_index.device), cp=cp))
+            rows = mb.hidden_rows(lengths[mb.rows] - 1)  # each sample's last real token
+            if mb.cp is None:
+                out.append(dataclasses.replace(mb, token_index=rows.to(mb.token_index.device)))
+                continue
+            cp, mine = split_tokens(rows, mb.cp_rows, mb.cp.rank)
+            out.append(dataclasses.replace(mb, token_index=mine.to(mb.token_index.device), cp=cp))
         return out
 
     def compute_rm_scores(self, batch: Batch) -> Optional[dict]:

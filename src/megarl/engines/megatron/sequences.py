@@ -6,7 +6,9 @@ removed, positions from 0). Two layouts of a micro-batch of b sequences:
     padded  input_ids [b, S], right-padded to the longest sequence S; causal attention alone keeps
             padding out of every real token's context. Works with every layer spec.
     packed  input_ids [1, T], the sequences back to back with `PackedSeqParams` (THD, cu_seqlens);
-            needs transformer-engine attention (GPU).
+            transformer-engine's attention on GPUs, megarl's reference attention on CPU
+            (`cp_attention`). With context parallelism each sequence is padded to a multiple
+            of 2 CP (`cu_seqlens_padded`), as transformer-engine requires.
 
 The model's last stage returns hidden states [S, b, H] (padded) or [T, 1, H] (packed).
 `MicroBatch.token_index` selects, in row-major (sample, response position) order, the hidden
@@ -21,10 +23,13 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
+from megarl.config.transformer_overrides import KEY as OVERRIDES_KEY
+from megarl.config.transformer_overrides import packed_cp_problems
 from megarl.data.batch import Batch
 from megarl.data.packing import pack
 from megarl.data.partition import token_budget_micro_batches
-from megarl.engines.megatron.context_parallel import CpTokens, gather_tokens, positions_of_rank, split_tokens
+from megarl.engines.megatron.context_parallel import (CpTokens, gather_tokens, positions_of_rank, split_tokens,
+                                                      thd_positions_of_rank)
 from megarl.engines.megatron.replay import micro_batch_routes
 
 Layout = Literal["padded", "packed"]
@@ -45,12 +50,28 @@ class MicroBatch:
     routes: Optional[torch.Tensor] = None  # [L, S*b or T, K] routing replay (megarl.engines.megatron.replay)
     # every real input token but each sample's last (the positions a rollout engine routes):
     routed_rows: Optional[torch.Tensor] = None  # [M] int64: its row of the flattened hidden states [S*b or T]
-    # Context parallelism (CP > 1): input_ids, position_ids [b, S/CP] hold this CP rank's positions;
-    # token_index [N_r] and targets [N_r] only the response tokens predicted there (`cp.slots[cp.rank]`);
-    # held_rows [S/CP*b]: the row of the whole sequence's flattened hidden states [S*b] of each of this
-    # rank's rows (routes and routed_rows keep the whole sequence's rows). None without CP.
+    # Context parallelism (CP > 1): input_ids, position_ids [b, S/CP] (padded) or [1, T/CP] (packed) hold
+    # this CP rank's positions; token_index [N_r] and targets [N_r] only the response tokens predicted
+    # there (`cp.slots[cp.rank]`); cp_rows[r]: the rows of the whole micro-batch's flattened hidden
+    # states [S*b or T] CP rank r holds, in its row order (routes and routed_rows keep the whole
+    # micro-batch's rows). None without CP.
     cp: Optional[CpTokens] = None
-    held_rows: Optional[torch.Tensor] = None
+    cp_rows: Optional[tuple[torch.Tensor, ...]] = None
+    # packed layout: [b] the row of each sample's first token in the whole packed sequence; None (padded)
+    sequence_starts: Optional[torch.Tensor] = None
+
+    @property
+    def held_rows(self) -> Optional[torch.Tensor]:
+        """This CP rank's rows of the whole micro-batch's flattened hidden states (None without CP)."""
+        return None if self.cp is None else self.cp_rows[self.cp.rank]
+
+    def hidden_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """[b] sequence position per sample -> its row of the whole micro-batch's flattened hidden
+        states: padded, position * sequences + sample; packed, the sample's first row + position."""
+        positions = positions.to(self.rows.device)
+        if self.sequence_starts is not None:
+            return self.sequence_starts + positions
+        return positions * self.input_ids.shape[0] + torch.arange(len(positions))
 
     @property
     def num_tokens(self) -> int:
@@ -108,19 +129,43 @@ def micro_batch_groups(
     return [list(range(s, s + size)) for s, size in zip(starts, sizes)]
 
 
-def default_sequence_layout(transformer_engine_layers: bool, cp: int) -> Layout:
-    """Packed where transformer-engine attention can take it (`PackedSeqParams`, THD) and the role
-    has no context parallelism (megarl partitions only padded sequences over CP ranks); else padded."""
-    return "packed" if transformer_engine_layers and cp == 1 else "padded"
+def sequence_layout_problems(layout: Layout, *, section: str, cp: int, cp_comm_type, on_cuda: bool,
+                             transformer_engine_layers: bool) -> list[str]:
+    """Why role `section` cannot take sequence `layout` here ([] if it can). Packed (THD) sequences
+    run in transformer-engine's attention (megatron's local attention asserts `packed_seq_params is
+    None`, transformer/dot_product_attention.py), so on a GPU they need transformer-engine layers; on
+    CPU megarl's reference attention takes them (`cp_attention`). With CP, only "p2p" takes them
+    (`transformer_overrides.packed_cp_problems`), on CPU as on GPUs."""
+    if layout not in ("padded", "packed"):
+        return [f"{section}: unknown sequence layout {layout!r}; choose 'padded' or 'packed'"]
+    if layout == "padded":
+        return []
+    problems = []
+    if on_cuda and not transformer_engine_layers:
+        problems.append(f"{section}: packed sequences need transformer-engine attention on a GPU (megatron's local "
+                        "attention refuses PackedSeqParams); install transformer-engine, or take the padded layout")
+    return problems + packed_cp_problems(f"{section}.{OVERRIDES_KEY}", cp_comm_type, cp=cp)
+
+
+def default_sequence_layout(*, section: str, cp: int, cp_comm_type, on_cuda: bool,
+                            transformer_engine_layers: bool) -> Layout:
+    """Packed where transformer-engine's attention takes it (`sequence_layout_problems`), else padded.
+    Never packed without transformer-engine: megarl's CPU reference attention materialises the scores
+    of a whole packed micro-batch, and megatron's local attention takes padded sequences itself."""
+    if transformer_engine_layers and not sequence_layout_problems(
+            "packed", section=section, cp=cp, cp_comm_type=cp_comm_type, on_cuda=on_cuda,
+            transformer_engine_layers=True):
+        return "packed"
+    return "padded"
 
 
 def length_multiple(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
-    """What a micro-batch's sequence length (padded layout) or token count (packed) must be a
-    multiple of. With context parallelism, 2 CP (`context_parallel.positions_of_rank`: 2 CP equal
-    chunks). With sequence parallelism, each CP rank's S / CP positions split evenly over the TP
-    ranks (megatron splits the embeddings' output along the sequence, tensor_parallel/mappings.py
-    `_split_along_first_dim`: "First dimension of the tensor should be divisible by tensor parallel
-    size"), so S a multiple of CP x TP too."""
+    """What a micro-batch's sequence length (padded layout) or, packed, each sequence's length
+    (with CP) or the token count (without) must be a multiple of. With context parallelism, 2 CP
+    (`context_parallel.positions_of_rank`: 2 CP equal chunks). With sequence parallelism, each CP
+    rank's S / CP positions split evenly over the TP ranks (megatron splits the embeddings' output
+    along the sequence, tensor_parallel/mappings.py `_split_along_first_dim`: "First dimension of
+    the tensor should be divisible by tensor parallel size"), so S a multiple of CP x TP too."""
     multiple = 2 * cp if cp > 1 else 1
     return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
@@ -129,13 +174,22 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def fixed_shape(batch: Batch, groups: Sequence[Sequence[int]], layout: Layout, multiple: int = 1) -> tuple[int, int]:
+def packed_length(lengths: Sequence[int], multiple: int, cp: int) -> int:
+    """Tokens of a packed micro-batch of sequences of `lengths` real tokens: with CP each sequence
+    padded to `multiple` (a multiple of 2 CP, `length_multiple`), without CP only the total."""
+    if cp > 1:
+        return sum(_round_up(n, multiple) for n in lengths)
+    return _round_up(sum(lengths), multiple)
+
+
+def fixed_shape(batch: Batch, groups: Sequence[Sequence[int]], layout: Layout, multiple: int = 1,
+                cp: int = 1) -> tuple[int, int]:
     """(sequences, tokens) that fit every micro-batch of `groups`: padded layout, the most samples
-    of a group and the longest sequence; packed layout, 1 and the most tokens of a group; tokens
-    rounded up to a multiple of `multiple` (`length_multiple`)."""
+    of a group and the longest sequence rounded up to a multiple of `multiple` (`length_multiple`);
+    packed layout, 1 and the most tokens of a group (`packed_length`)."""
     lengths = batch.token_lengths().tolist()
     if layout == "packed":
-        return 1, _round_up(max(sum(lengths[i] for i in g) for g in groups), multiple)
+        return 1, max(packed_length([lengths[i] for i in g], multiple, cp) for g in groups)
     return max(len(g) for g in groups), _round_up(max(max(lengths[i] for i in g) for g in groups), multiple)
 
 
@@ -156,68 +210,78 @@ def make_micro_batch(
     log-probs, advantages, ...) the head needs, copied to `device`. With `shape` (see
     `fixed_shape`) the inputs are padded to exactly that size: padded layout, extra all-padding
     sequences and columns; packed layout, one extra padding sequence (no response, never scored).
-    Without it the sequence length (padded) or token count (packed) is rounded up to a multiple of
-    `multiple` (`length_multiple`) the same way. `with_routes`: the batch's routed experts laid out
-    for megatron's routers (routing replay). `cp` > 1: the part of CP rank `cp_rank` (padded layout
-    only; see `MicroBatch` and `context_parallel`)."""
-    if cp > 1 and layout != "padded":
-        raise ValueError("context parallelism takes the padded sequence layout (megarl does not partition packed "
-                         "sequences over CP ranks)")
+    Without it the sequence length (padded) or token count (packed, `packed_length`) is rounded up
+    to a multiple of `multiple` (`length_multiple`) the same way. `with_routes`: the batch's routed
+    experts laid out for megatron's routers (routing replay). `cp` > 1: the part of CP rank
+    `cp_rank` (see `MicroBatch` and `context_parallel`)."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
     part = batch.select(index)
-    packed = pack(part)  # checks that prompt/response tokens are one run each
+    packed = pack(part, pad_to_multiple_of=multiple if layout == "packed" and cp > 1 else 1)  # one run each
     lengths = packed.prompt_lens + packed.response_lens
     if bool(((packed.response_lens > 0) & (packed.prompt_lens == 0)).any()):
         row = int(((packed.response_lens > 0) & (packed.prompt_lens == 0)).nonzero()[0])
         raise ValueError(f"sample {int(index[row])} has no prompt token: its first response token has no context")
-    bad = (packed.input_ids < 0) | (packed.input_ids >= vocab_size)
+    real_ids = _real_ids(packed, lengths)
+    bad = (real_ids < 0) | (real_ids >= vocab_size)
     if bool(bad.any()):
-        raise ValueError(
-            f"token id {int(packed.input_ids[bad][0])} is outside the model's vocabulary of {vocab_size} tokens"
-        )
+        raise ValueError(f"token id {int(real_ids[bad][0])} is outside the model's vocabulary of {vocab_size} tokens")
     response_mask = part["response_mask"].bool()
     b, width = response_mask.shape
     cols = torch.arange(width)
     predict_at = packed.prompt_lens[:, None] - 1 + cols[None, :]  # [b, R] sequence position predicting each token
-    sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)
-    routed = packed.position_ids < lengths[sample_of_token] - 1  # all but each sample's last token
+    sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)  # real tokens, sample 0's first
+    position_of_token = torch.cat([torch.arange(int(n)) for n in lengths] + [torch.zeros(0, dtype=torch.long)])
+    routed = position_of_token < lengths[sample_of_token] - 1  # all but each sample's last token
+    sequence_starts = None
     if layout == "padded":
         sequences, longest = shape or (b, _round_up(int(lengths.max()), multiple))
         input_ids = torch.zeros(sequences, longest, dtype=torch.long)
-        input_ids[sample_of_token, packed.position_ids] = packed.input_ids
+        input_ids[sample_of_token, position_of_token] = real_ids
         position_ids = torch.arange(longest).expand(sequences, -1).contiguous()
         flat = predict_at * sequences + torch.arange(b)[:, None]  # hidden states are [S, sequences, H]
         packed_seq_params = None
-        route_args = (packed.position_ids, sample_of_token, longest, sequences)
-        token_rows = packed.position_ids * sequences + sample_of_token
+        token_rows = position_of_token * sequences + sample_of_token
+        total_rows = longest * sequences
+        held = None if cp == 1 else [
+            (positions_of_rank(longest, cp, r)[:, None] * sequences + torch.arange(sequences)[None, :]).reshape(-1)
+            for r in range(cp)]
     elif layout == "packed":
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        total = _round_up(packed.num_tokens, multiple) if shape is None else shape[1]
+        total = packed_length(lengths.tolist(), multiple, cp) if shape is None else shape[1]
         filler = total - packed.num_tokens
+        if filler < 0 or (cp > 1 and filler % multiple):
+            raise ValueError(f"a packed micro-batch of {packed.num_tokens} tokens does not fit the shape of {total}")
         input_ids = torch.cat([packed.input_ids, torch.zeros(filler, dtype=torch.long)])[None, :]
         position_ids = torch.cat([packed.position_ids, torch.arange(filler)])[None, :]
-        flat = packed.cu_seqlens_padded[:-1, None].long() + predict_at
-        cu = packed.cu_seqlens if filler == 0 else torch.cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([total])])
+        sequence_starts = packed.cu_seqlens_padded[:-1].long()
+        flat = sequence_starts[:, None] + predict_at
+        cu, cu_padded = packed.cu_seqlens, packed.cu_seqlens_padded
+        if filler:  # the filler: one more sequence of `filler` tokens, never scored
+            cu, cu_padded = (torch.cat([c, c[-1:] + filler]) for c in (cu, cu_padded))
+        longest = max(packed.max_seqlen, filler)
+        padded_cu = {} if cp == 1 else {"cu_seqlens_q_padded": cu_padded.to(device),
+                                        "cu_seqlens_kv_padded": cu_padded.to(device)}
         packed_seq_params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
-            max_seqlen_q=max(packed.max_seqlen, filler), max_seqlen_kv=max(packed.max_seqlen, filler),
+            max_seqlen_q=longest, max_seqlen_kv=longest, **padded_cu,
         )
-        route_args = (None, None, total, 1)
-        token_rows = packed.cu_seqlens_padded[sample_of_token].long() + packed.position_ids
+        token_rows = sequence_starts[sample_of_token] + position_of_token
+        total_rows = total
+        held = None if cp == 1 else [thd_positions_of_rank(cu_padded, cp, r) for r in range(cp)]
     else:
         raise ValueError(f"unknown sequence layout {layout!r}; choose 'padded' or 'packed'")
     targets = part["response_ids"][response_mask].long()
-    cp_tokens = held_rows = None
+    flat = flat[response_mask]
+    cp_tokens = None
     if cp > 1:
-        held = positions_of_rank(longest, cp, cp_rank)
-        input_ids, position_ids = input_ids[:, held], position_ids[:, held]
-        held_rows = (held[:, None] * sequences + torch.arange(sequences)[None, :]).reshape(-1)
-        sample = torch.arange(b)[:, None].expand(b, width)[response_mask]
-        cp_tokens, flat = split_tokens(predict_at[response_mask], sample, longest, sequences, cp, cp_rank)
+        if layout == "padded":
+            columns = positions_of_rank(longest, cp, cp_rank)
+            input_ids, position_ids = input_ids[:, columns], position_ids[:, columns]
+        else:
+            input_ids, position_ids = input_ids[:, held[cp_rank]], position_ids[:, held[cp_rank]]
+        cp_tokens, flat = split_tokens(flat, held, cp_rank)
         targets = targets[cp_tokens.slots[cp_rank]]
-    else:
-        flat = flat[response_mask]
     data = {}
     for key in data_keys:
         if key not in part.tensors:
@@ -232,8 +296,17 @@ def make_micro_batch(
         token_index=flat.to(device),
         targets=targets.to(device),
         data=data,
-        routes=micro_batch_routes(part, *route_args) if with_routes else None,
+        routes=micro_batch_routes(part, token_rows, total_rows) if with_routes else None,
         routed_rows=token_rows[routed].to(device),
         cp=cp_tokens,
-        held_rows=None if held_rows is None else held_rows.to(device),
+        cp_rows=None if held is None else tuple(h.to(device) for h in held),
+        sequence_starts=sequence_starts,
     )
+
+
+def _real_ids(packed, lengths: torch.Tensor) -> torch.Tensor:
+    """The real tokens of packed sequences of `lengths` real tokens, sample 0's first (padding left out)."""
+    padded = packed.cu_seqlens_padded.long()
+    sample_of_row = torch.repeat_interleave(torch.arange(len(padded) - 1), padded[1:] - padded[:-1])
+    return packed.input_ids[packed.position_ids < lengths[sample_of_row]]
+
