@@ -101,19 +101,26 @@ def context_parallel_world(rank: int, world_size: int, port: int, models: dict, 
 SP = [f"{s}.megatron.sequence_parallel=true" for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")]
 
 
+# name, TP, CP, overrides, sequence layout (None: the engine's default, padded on CPU)
+ODD_CASES = (("odd_tp2_sp", 2, 1, SP, None), ("odd_cp2", 1, 2, [], None), ("odd_cp2_packed", 1, 2, [], "packed"),
+             ("odd_tp2_cp2_sp", 2, 2, SP, None), ("odd_tp2_cp2_packed", 2, 2, [], "packed"),
+             ("odd_tp2_cp2_sp_packed", 2, 2, SP, "packed"))
+
+
 def tp2_cp2_world(rank: int, world_size: int, port: int, models: dict, odd_model: str) -> dict:
     """4 ranks: the actor at TP1 (DP4), then at TP2 x CP2 (DP1) padded with sequence parallelism and
     packed without and with it: scores, one PPO update, scores after it. Then an odd-shaped GQA model
-    (`odd_model`) scores in the three TP2 x CP2 layouts."""
+    (`odd_model`) scores in each layout of ODD_CASES."""
     from megarl.engines.megatron.roles import ActorEngine
 
     init_world(rank, world_size, port)
     out = {}
-    for name, extra, layout in (("odd_sp", SP, None), ("odd_packed", [], "packed"), ("odd_sp_packed", SP, "packed")):
-        cfg = config(odd_model, world_size, 2, 1, None, None, "actor_rollout_ref.rollout.n=1", *_cp(2), *extra)
+    for name, tp, cp, extra, layout in ODD_CASES:
+        cfg = config(odd_model, world_size, tp, 1, None, None, "actor_rollout_ref.rollout.n=1", *_cp(cp), *extra)
         actor = ActorEngine(cfg, layout)
         out[name] = {"dp_rank": actor.dp_rank, "sequence_layout": actor.sequence_layout,
-                     "scored": actor.compute_log_prob(training_batch(), TEMPERATURE, with_entropy=True)}
+                     "scored": actor.compute_log_prob(training_batch().chunk(actor.dp_size)[actor.dp_rank],
+                                                      TEMPERATURE, with_entropy=True)}
         reset_layout()
     for name, tp, extra, layout in (("tp1", 1, _cp(1), None), ("tp2_cp2_sp", 2, _cp(2) + SP, None),
                                     ("tp2_cp2_packed", 2, _cp(2), "packed"),

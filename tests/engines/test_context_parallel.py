@@ -9,7 +9,7 @@ weights to the rollout (the CP1 run's tensors). Packed (THD) sequences, each pad
 2 CP and cut into chunks one sequence at a time, give the same at CP1 and CP2 (actor, critic, reward
 model, MoE actor). On 4 ranks, TP2 x CP2, with and without sequence parallelism and packing, scores
 as HF and steps as TP1, and an odd-shaped GQA model (6 query heads over 2 groups, head_dim 12 with
-hidden 40, 3 layers) scores as HF in those layouts.
+hidden 40, 3 layers) scores as HF at TP2 + SP, CP2 and TP2 x CP2, packed and not.
 
 To fp32 rounding, not bit for bit: at CP2 the attention runs over the gathered keys in another
 order and shape, sequences are padded to a multiple of 4, and each weight gradient is the sum of
@@ -18,7 +18,7 @@ within 9.1e-7.
 """
 import pytest
 import torch
-from context_parallel_world import TEMPERATURE, context_parallel_world, tp2_cp2_world
+from context_parallel_world import ODD_CASES, TEMPERATURE, context_parallel_world, tp2_cp2_world
 from engine_world import ragged_batch, training_batch
 from sequence_parallel_world import forced_routes
 from test_megatron_engine import close, hf_reference
@@ -194,8 +194,8 @@ def tp2_cp2_run(tiny_models, odd_model):
     return run_gloo_workers(tp2_cp2_world, 4, args=(tiny_models, str(odd_model)), timeout_s=600)
 
 
-@pytest.mark.parametrize("case", ["odd_sp", "odd_packed", "odd_sp_packed"])
-def test_an_odd_shaped_gqa_model_at_tp2_cp2_scores_as_hf(tp2_cp2_run, odd_model, case):
+@pytest.mark.parametrize("case", [case[0] for case in ODD_CASES])
+def test_an_odd_shaped_gqa_model_scores_as_hf_at_tp2_sp_cp2_and_tp2_cp2(tp2_cp2_run, odd_model, case):
     hf_log_probs, hf_entropy, _ = hf_reference(odd_model, training_batch(), TEMPERATURE)
     assert tp2_cp2_run[0][case]["sequence_layout"] == ("packed" if "packed" in case else "padded")
     close(_whole(tp2_cp2_run, case, None, "scored", "log_probs"), hf_log_probs)
