@@ -22,6 +22,10 @@ from megarl.testing import init_gloo_model_parallel, reinit_model_parallel
 
 DIVISIBLE_BY = 8
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 4, 2), (4, 1, 1)]
+# megatron's uneven pipeline stages over the tiny models' 8 layers: [3, 5]; [1, 3, 3, 1];
+# [2, 6] in 2 virtual chunks each (chunks of 1 and 3 layers)
+UNEVEN_LAYOUTS = [ParallelLayout(2, 2, first_stage_layers=3), ParallelLayout(1, 4, first_stage_layers=1, last_stage_layers=1),
+                  ParallelLayout(1, 2, 2, first_stage_layers=2)]
 
 
 def _ps():
@@ -149,11 +153,10 @@ def world(rank: int, world_size: int, port: int, cases: dict, out_dir: str) -> d
     lap("init + expected map")
 
     # load the converted checkpoint (made for TP=1) at every layout; compare with the pure shards
-    for tp, pp, vpp in LAYOUTS:
-        layout = ParallelLayout(tp, pp, vpp)
-        reinit_model_parallel(tp, pp, vpp if vpp > 1 else None)
+    for layout in [ParallelLayout(*t) for t in LAYOUTS] + UNEVEN_LAYOUTS:
+        reinit_model_parallel(layout.tp, layout.pp, layout.vpp if layout.vpp > 1 else None)
         for name, case in cases.items():
-            weights = weights_for(case["hf_dir"], tp)
+            weights = weights_for(case["hf_dir"], layout.tp)
             chunks = build_chunks(weights, layout)
             load_checkpoint(chunks, case["ckpt_dir"])
             assert_matches_pure_shards(chunks, weights, full_tensors(weights, hf[name]), layout, f"{name} at {layout}")

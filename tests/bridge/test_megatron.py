@@ -11,7 +11,7 @@ from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_t
 from megarl.bridge.torch_dist_io import expected_objects, expected_tensors
 from megarl.bridge.transforms import padded_vocab_size
 from megarl.testing import run_gloo_workers
-from megatron_world import LAYOUTS, world
+from megatron_world import LAYOUTS, UNEVEN_LAYOUTS, world
 from tiny_hf import DIVISIBLE_BY, INPUT_IDS, VARIANTS, hf_tensors, logits, make_model
 
 pytestmark = pytest.mark.slow  # one 4-process megatron world for the module: 35-60 s on 2 cores
@@ -47,13 +47,13 @@ def test_converter_writes_exactly_what_a_gpt_model_saves(variant, megatron_run):
     assert ours == result["sharded_keys"][variant]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "TP%d-PP%d-VPP%d" % t)
+@pytest.mark.parametrize("layout", [ParallelLayout(*t) for t in LAYOUTS] + UNEVEN_LAYOUTS, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_through_real_megatron_is_bit_exact(variant, layout, megatron_run):
     """HF -> torch_dist -> stock GPTModel chunks at the layout -> merge -> HF, bit for bit.
-    (Each rank also asserted that its loaded state dict equals the pure shard functions' output.)"""
+    (Each rank also asserted that its loaded state dict equals the pure shard functions' output:
+    with uneven stages, megatron's own layer numbering against `sharding.stage_layers`.)"""
     cases, result, _ = megatron_run
-    layout = ParallelLayout(*layout)
     shards = {key: sd for (name, lay, key), sd in result["state_dicts"].items() if name == variant and lay == str(layout)}
     assert len(shards) == layout.tp * layout.pp * layout.vpp
     weights = weights_for(cases[variant]["hf_dir"], layout.tp)

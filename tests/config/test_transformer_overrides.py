@@ -90,21 +90,24 @@ def test_layout_and_dtype_names_may_repeat_megarls_keys_but_not_differ():
 
 
 @pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model"])
-def test_uneven_pipeline_stages_are_refused_naming_the_key(role):
-    """verl's Qwen3-235B-A22B example sets num_layers_in_first/last_pipeline_stage in this dict;
-    megarl's bridge, resharder, checkpoints and plan assume even stages, so every name that cuts
-    stages unevenly is refused at config time; megatron-core's defaults (null, false) load."""
+def test_uneven_pipeline_stages_load_by_first_and_last_stage_only(role):
+    """verl's Qwen3-235B-A22B example sets num_layers_in_first/last_pipeline_stage in this dict: they
+    load at PP > 1 (the engine checks them against the model's layers); not at PP 1, not as anything
+    but a positive integer; megatron's other ways of cutting stages are refused naming the key."""
     key = f"{role}.megatron.override_transformer_config"
     layout = [f"{role}.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=8"]
     enable = {"critic": ["critic.enable=true"], "reward_model": ["reward_model.enable=true",
                                                                  "reward_model.model.path=/models/rm"]}.get(role, [])
-    msg = fails(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=3",
-                f"+{key}.num_layers_in_last_pipeline_stage=1", f"+{key}.account_for_loss_in_pipeline_split=true")
-    for name, value in (("num_layers_in_first_pipeline_stage", 3), ("num_layers_in_last_pipeline_stage", 1),
-                        ("account_for_loss_in_pipeline_split", True)):
-        assert f"{key}.{name}={value}: uneven pipeline stages are not supported by megarl yet" in msg
-    assert f"{key}.pipeline_model_parallel_layout=Et|tL: uneven" in fails(
+    ok(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=3", f"+{key}.num_layers_in_last_pipeline_stage=1")
+    msg = fails(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=0",
+                f"+{key}.account_for_loss_in_pipeline_split=true")
+    assert f"{key}.num_layers_in_first_pipeline_stage=0: must be a positive integer or null" in msg
+    assert (f"{key}.account_for_loss_in_pipeline_split=True: megarl cuts uneven pipeline stages with "
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage only; remove it") in msg
+    assert f"{key}.pipeline_model_parallel_layout=Et|tL: megarl cuts" in fails(
         *layout, *enable, f"+{key}.pipeline_model_parallel_layout='Et|tL'")
+    assert (f"{key}.num_layers_in_last_pipeline_stage=2 needs pipeline_model_parallel_size > 1" in
+            fails(*enable, f"+{key}.num_layers_in_last_pipeline_stage=2"))
     ok(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=null",
        f"+{key}.account_for_embedding_in_pipeline_split=false")
 

@@ -220,6 +220,29 @@ def test_activations_divided_by_cp_and_by_tp_only_with_sequence_parallelism(tp, 
         assert ("/ CP" in actor.split) == (cp > 1) and ("with sequence parallelism" in actor.split) == (tp > 1 and sp)
 
 
+def test_uneven_pipeline_stages_are_planned_by_their_largest_stage():
+    """megatron's uneven split: Qwen2-7B's 28 layers at PP4 with 4 on the first and last stages
+    leave 10 on each middle stage; at PP2 with 20 on the first stage, 20 (not 14) layers' activations
+    of 2 micro-batches in flight, and more parameters than the even split."""
+    from megarl.placement.memory import most_stage_layers
+
+    assert most_stage_layers(28, 4, 4, 4) == 10 and most_stage_layers(28, 4) == 7 and most_stage_layers(28, 2, 20) == 20
+    assert most_stage_layers(94, 4, None, 22) == 24  # 72 layers over the 3 other stages
+    arch = arch_from_hf_config(QWEN7B)
+    base = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=100",
+            "data.max_response_length=100", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=true"]
+    even = estimate(plan_from_config(cfg(*base)), cfg(*base), arch).roles[0]
+    c = cfg(*base, f"{RECOMPUTE}.num_layers_in_first_pipeline_stage=20")
+    uneven = estimate(plan_from_config(c), c, arch).roles[0]
+    layer, logits = 200 * 3584 * 34 / 4, 200 * 152064 / 4 * 4
+    assert even.activations == int(2 * 14 * layer + logits)
+    assert uneven.activations == int(2 * 20 * layer + logits)
+    assert uneven.states > even.states
+
+
 def test_cp_groups_follow_megatron_rank_order_and_may_span_nodes():
     """TP 2 x CP 2 x DP 4 on 2 nodes of 8: rank r's TP index is r % 2, its CP index (r // 2) % 2, so a
     CP group is ranks {b + t, b + t + 2} of each run of 4 (megatron-core's order tp-cp-dp-pp). CP 4 x

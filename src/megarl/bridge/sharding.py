@@ -1,8 +1,11 @@
 """Pure TP / PP / VPP sharding of megatron-core parameters (no process groups, no megatron import).
 
 A model chunk is identified by (pp_rank, vp_stage); its `GPTModel` numbers its layers locally
-from 0. With an even split, chunk (p, v) holds `L / (pp * vpp)` layers starting at global layer
-`v * L / vpp + p * L / (pp * vpp)` (megatron-core `get_transformer_layer_offset`). The embedding
+from 0. Pipeline stage p holds `stage_layers(L, layout)[p]` layers: L / pp each, or, with
+megatron's uneven split (`num_layers_in_first_pipeline_stage` / `..._last_...`), the given counts on
+the first and last stages and the rest evenly on the middle ones. Chunk (p, v) holds 1 / vpp of
+its stage's layers, starting at global layer `v * L / vpp + sum(stage_layers[:p]) / vpp`
+(megatron-core `get_transformer_layer_offset`, transformer_layer.py). The embedding
 lives in chunk (0, 0), the final norm and output layer in chunk (pp-1, vpp-1); with tied
 embeddings and more than one chunk, the last chunk keeps its own copy of the embedding as
 `output_layer.weight`.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Optional
 
 import torch
 
@@ -48,6 +51,9 @@ class ParallelLayout:
     vpp: int = 1  # model chunks per pipeline rank (1: no virtual pipeline)
     ep: int = 1  # expert parallel: ranks the experts of a layer are spread over
     etp: int = 0  # expert tensor parallel: 1, or 0 meaning TP (megatron's default)
+    # megatron's uneven pipeline split: layers of the first / last stage (None: its share of an even split)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     def __post_init__(self):
         for field in ("tp", "pp", "vpp", "ep"):
@@ -55,6 +61,14 @@ class ParallelLayout:
                 raise ConversionError(f"parallel layout: {field} must be a positive integer, got {getattr(self, field)!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ConversionError("parallel layout: vpp > 1 needs pp > 1 (megatron's interleaved schedule)")
+        for field, name in UNEVEN_FIELDS.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConversionError(f"parallel layout: {name}={value!r} must be a positive integer")
+            if self.pp == 1:
+                raise ConversionError(f"parallel layout: {name}={value} needs pp > 1 (one stage holds every layer)")
         if self.etp not in (0, 1, self.tp):
             raise ConversionError(f"parallel layout: etp={self.etp} must be 1 or tp={self.tp}")
         if self.expert_tp != self.tp and self.ep == 1:
@@ -88,16 +102,47 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         experts = f" EP={self.ep} ETP={self.expert_tp}" if self.ep > 1 or self.etp else ""
-        return f"TP={self.tp} PP={self.pp} VPP={self.vpp}{experts}"
+        uneven = "".join(f" {name}={getattr(self, field)}" for field, name in UNEVEN_FIELDS.items()
+                         if getattr(self, field) is not None)
+        return f"TP={self.tp} PP={self.pp} VPP={self.vpp}{experts}{uneven}"
+
+
+# ParallelLayout field -> megatron-core's TransformerConfig field
+UNEVEN_FIELDS = {"first_stage_layers": "num_layers_in_first_pipeline_stage",
+                 "last_stage_layers": "num_layers_in_last_pipeline_stage"}
+
+
+def stage_layers(num_layers: int, layout: ParallelLayout) -> list[int]:
+    """Layers of each pipeline stage, as megatron-core splits them (transformer_config.py "Uneven PP"
+    checks, transformer_layer.py `get_transformer_layer_offset`): the first and last stages hold
+    `layout.first_stage_layers` / `last_stage_layers` where set, the middle stages the rest evenly;
+    each stage's layers must divide by VPP. Raises `ConversionError` naming the fields."""
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    middle_stages = layout.pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if first is None and last is None:
+        if num_layers % (layout.pp * layout.vpp):
+            raise ConversionError(f"{layout}: num_hidden_layers={num_layers} is not a multiple of "
+                                  f"pp*vpp={layout.pp * layout.vpp}")
+        return [num_layers // layout.pp] * layout.pp
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            middle_stages and middle_layers % middle_stages):
+        raise ConversionError(f"{layout}: the {middle_layers} layers of num_hidden_layers={num_layers} left for the "
+                              f"{middle_stages} middle pipeline stage(s) do not split evenly over them (megatron-core's rule)")
+    stages = [middle_layers // middle_stages if middle_stages else 0] * layout.pp
+    if first is not None:
+        stages[0] = first
+    if last is not None:
+        stages[-1] = last
+    if any(n % layout.vpp for n in stages):
+        raise ConversionError(f"{layout}: pipeline stages of {stages} layers cannot each be cut into vpp={layout.vpp} "
+                              "equal chunks (megatron-core's rule)")
+    return stages
 
 
 def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
     """Raise `ConversionError` naming the config field that `layout` cannot split evenly."""
-    chunks = layout.pp * layout.vpp
-    if arch.num_layers % chunks:
-        raise ConversionError(
-            f"{layout}: num_hidden_layers={arch.num_layers} is not a multiple of pp*vpp={chunks}"
-        )
+    stage_layers(arch.num_layers, layout)
     moe = arch.moe
     tp_fields = [("num_attention_heads", arch.num_attention_heads)]
     if moe is None:
@@ -124,9 +169,14 @@ def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
 
 
 def layer_offset(num_layers: int, layout: ParallelLayout, pp_rank: int, vp_stage: int) -> int:
-    """Global index of the first layer of chunk (pp_rank, vp_stage) (even split)."""
-    per_chunk = num_layers // (layout.pp * layout.vpp)
-    return vp_stage * (num_layers // layout.vpp) + pp_rank * per_chunk
+    """Global index of the first layer of chunk (pp_rank, vp_stage)."""
+    stages = stage_layers(num_layers, layout)
+    return vp_stage * (num_layers // layout.vpp) + sum(stages[:pp_rank]) // layout.vpp
+
+
+def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int) -> int:
+    """Layers of each model chunk of pipeline stage `pp_rank`."""
+    return stage_layers(num_layers, layout)[pp_rank] // layout.vpp
 
 
 _LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)\.")
@@ -196,7 +246,7 @@ def chunk_param_names(
     arch = weights.arch
     first, last = layout.is_first(pp_rank, vp_stage), layout.is_last(pp_rank, vp_stage)
     start = layer_offset(arch.num_layers, layout, pp_rank, vp_stage)
-    stop = start + arch.num_layers // (layout.pp * layout.vpp)
+    stop = start + chunk_layers(arch.num_layers, layout, pp_rank)
     per_rank = experts_per_rank(weights, layout)
     names = []
     for name in weights.mcore_names():

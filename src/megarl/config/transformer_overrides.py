@@ -26,12 +26,12 @@ METHODS = (None, "uniform", "block")
 LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
                 "sequence_parallel", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")
-# TransformerConfig fields that cut the layers into uneven pipeline stages (megatron-core's defaults: None, None,
-# None, False, False); megarl's weight mapping per stage, weight sync, checkpoints and `megarl plan` assume
-# num_layers / PP layers on every stage, so a value other than the default is refused (`uneven_stage_problems`)
-UNEVEN_STAGE_NAMES = {"num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
-                      "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
-                      "account_for_loss_in_pipeline_split": False}
+# TransformerConfig fields that cut the layers into uneven pipeline stages: megarl follows the first
+# two (the bridge, weight sync, checkpoints and `megarl plan` read megarl.bridge.sharding.stage_layers)
+# and refuses the others set to other than megatron-core's default (None, False, False)
+UNEVEN_STAGE_LAYERS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+OTHER_STAGE_NAMES = {"pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
+                     "account_for_loss_in_pipeline_split": False}
 DTYPE_NAMES = ("params_dtype", "pipeline_dtype", "bf16", "fp16")  # from actor_rollout_ref.model.dtype
 
 
@@ -96,14 +96,25 @@ def recompute_problems(prefix: str, overrides: Mapping[str, Any], gradient_check
     return problems
 
 
-def uneven_stage_problems(prefix: str, overrides: Mapping[str, Any]) -> list[str]:
-    """Messages for the names of `UNEVEN_STAGE_NAMES` set to other than megatron-core's default
-    (`prefix` = `<section>.megatron.override_transformer_config`): uneven pipeline stages are not
-    supported by megarl yet."""
-    return [f"{prefix}.{name}={overrides[name]}: uneven pipeline stages are not supported by megarl yet (its weight "
-            "mapping per stage, weight sync, checkpoints and `megarl plan` assume num_layers / "
-            "pipeline_model_parallel_size layers on every stage); remove it"
-            for name, default in UNEVEN_STAGE_NAMES.items() if name in overrides and overrides[name] != default]
+def uneven_stage_problems(prefix: str, overrides: Mapping[str, Any], pp: int) -> list[str]:
+    """Messages for uneven pipeline stages (`prefix` = `<section>.megatron.override_transformer_config`,
+    `pp` its role's pipeline_model_parallel_size): `UNEVEN_STAGE_LAYERS` must be positive integers and
+    need PP > 1; `OTHER_STAGE_NAMES` are refused. Whether the model's layers split that way is
+    checked when the engine reads the model (megarl.bridge.sharding.stage_layers)."""
+    problems = []
+    for name in UNEVEN_STAGE_LAYERS:
+        value = overrides.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{prefix}.{name}={value!r}: must be a positive integer or null")
+        elif pp == 1:
+            problems.append(f"{prefix}.{name}={value} needs pipeline_model_parallel_size > 1 (one stage holds every "
+                            "layer)")
+    problems += [f"{prefix}.{name}={overrides[name]}: megarl cuts uneven pipeline stages with "
+                 f"{' / '.join(UNEVEN_STAGE_LAYERS)} only; remove it"
+                 for name, default in OTHER_STAGE_NAMES.items() if name in overrides and overrides[name] != default]
+    return problems
 
 
 def megarl_key_problems(prefix: str, section: str, overrides: Mapping[str, Any], megatron_cfg,

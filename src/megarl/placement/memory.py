@@ -115,17 +115,36 @@ def total_params(arch: ModelArch) -> int:
     return arch.num_layers * layer_params(arch) + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
 
 
-def stage_params(arch: ModelArch, pp: int) -> int:
+def most_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> int:
+    """Layers of the pipeline stage holding the most: ceil(layers / pp), or with megatron's uneven
+    split (`first` / `last`: num_layers_in_first/last_pipeline_stage) the most of the first, the
+    last and a middle stage (the rest over the middle stages, megarl.bridge.sharding.stage_layers)."""
+    middle_stages = pp - (first is not None) - (last is not None)
+    counts = [n for n in (first, last) if n is not None]
+    if middle_stages > 0:
+        counts.append(math.ceil(max(num_layers - sum(counts), 0) / middle_stages))
+    return max(counts)
+
+
+def stage_layers_of(arch: ModelArch, m: MegatronConfig) -> int:
+    """`most_stage_layers` of a role's `megatron` section."""
+    overrides = m.override_transformer_config
+    return most_stage_layers(arch.num_layers, m.pipeline_model_parallel_size,
+                             overrides.get("num_layers_in_first_pipeline_stage"),
+                             overrides.get("num_layers_in_last_pipeline_stage"))
+
+
+def stage_params(arch: ModelArch, pp: int, stage_layers: int | None = None) -> int:
     """Parameters of the largest pipeline stage (embedding on the first, output layer on the last),
-    routed experts excluded (`stage_expert_params`)."""
-    layers = math.ceil(arch.num_layers / pp) * dense_layer_params(arch)
+    routed experts excluded (`stage_expert_params`); `stage_layers`: its layers (None: an even split)."""
+    layers = (stage_layers or math.ceil(arch.num_layers / pp)) * dense_layer_params(arch)
     embed = arch.vocab_size * arch.hidden_size
     if pp == 1:
         return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
     return layers + embed + arch.hidden_size  # first or last stage: one vocab matrix each
 
 
-def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int) -> int:
+def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int, stage_layers: int | None = None) -> int:
     """Adapter parameters of one rank of the largest pipeline stage: per target A [r, in] and
     B [out, r]; a column-parallel base (q/k/v, gate/up) splits B over TP, a row-parallel one
     (o, down) splits A (megarl.bridge.lora)."""
@@ -140,12 +159,13 @@ def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int) -> int:
         out, inp = shapes[target]
         column = TARGETS[target][1]
         per_layer += rank * inp + out * rank / tp if column else rank * inp / tp + out * rank
-    return int(math.ceil(arch.num_layers / pp) * per_layer)
+    return int((stage_layers or math.ceil(arch.num_layers / pp)) * per_layer)
 
 
-def stage_expert_params(arch: ModelArch, pp: int) -> int:
+def stage_expert_params(arch: ModelArch, pp: int, stage_layers: int | None = None) -> int:
     """Routed-expert parameters of the largest pipeline stage (0 for a dense model)."""
-    return math.ceil(arch.num_layers / pp) * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
+    layers = stage_layers or math.ceil(arch.num_layers / pp)
+    return layers * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
 
 
 def layer_activation_bytes(tokens: float, micro: int, hidden: int, tp: int, sp: bool,
@@ -235,8 +255,9 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     sp = m.sequence_parallel and tp > 1
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
-    expert_params = stage_expert_params(arch, pp) / (ep * etp)
-    dense_params = stage_params(arch, pp) / tp
+    layers = stage_layers_of(arch, m)
+    expert_params = stage_expert_params(arch, pp, layers) / (ep * etp)
+    dense_params = stage_params(arch, pp, layers) / tp
     params = dense_params + expert_params
     logits = seq / cp * micro * arch.vocab_size / tp * 4
     if not trains:
@@ -256,7 +277,7 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
     layer, layer_input = layer_activation_bytes(seq / cp, micro, arch.hidden_size, tp, sp, DTYPE_BYTES[dtype])
-    acts = stage_activations(math.ceil(arch.num_layers / pp), pp, layer, layer_input, recompute) + logits
+    acts = stage_activations(layers, pp, layer, layer_input, recompute) + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable,
                       int(weight_bytes) if offload.params else 0, recompute_label(recompute),
                       activation_label(tp, cp, sp))
@@ -267,7 +288,7 @@ def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
     if lora.rank <= 0:
         return None
     return lora_params(arch, lora.rank, lora_targets(lora.target_modules), megatron_cfg.tensor_model_parallel_size,
-                       megatron_cfg.pipeline_model_parallel_size)
+                       megatron_cfg.pipeline_model_parallel_size, stage_layers_of(arch, megatron_cfg))
 
 
 def _recompute(m: MegatronConfig, gradient_checkpointing: bool) -> Recompute:

@@ -18,8 +18,8 @@ def transformer_overrides_fit(config: ExperimentConfig, sizes: DerivedSizes) -> 
     """Each training role's transformer overrides: recompute values megatron-core accepts and that
     agree with enable_gradient_checkpointing (actor and critic), no layout or dtype name that
     differs from the megarl key it comes from, and a context-parallel communication type
-    (`cp_comm_type`) megatron-core names and megarl's groups can run, and no uneven pipeline stages
-    (`num_layers_in_first_pipeline_stage` and the like: not supported yet).
+    (`cp_comm_type`) megatron-core names and megarl's groups can run, and uneven pipeline stages
+    only by `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage` at PP > 1.
 
     Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.enable, critic.megatron,
     reward_model.enable, reward_model.megatron, actor_rollout_ref.model.enable_gradient_checkpointing,
@@ -32,4 +32,4 @@ def transformer_overrides_fit(config: ExperimentConfig, sizes: DerivedSizes) -> 
         yield from recompute_problems(prefix, overrides, checkpointed)
         yield from megarl_key_problems(prefix, section, overrides, megatron, arr.model.dtype)
         yield from cp_comm_type_problems(prefix, overrides)
-        yield from uneven_stage_problems(prefix, overrides)
+        yield from uneven_stage_problems(prefix, overrides, megatron.pipeline_model_parallel_size)

@@ -34,10 +34,15 @@ class RoleLayout:
     etp: Optional[int] = None  # expert tensor parallel; None: tp
     sp: bool = False  # sequence parallel (only with tp > 1: `sequence_parallel_on`)
     cp: int = 1  # context parallel
+    # uneven pipeline stages: layers of the first / last stage (override_transformer_config's
+    # num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage; None: an even split)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @property
     def bridge_layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tp, self.pp, self.vpp, ep=self.ep, etp=self.etp or 0)
+        return ParallelLayout(self.tp, self.pp, self.vpp, ep=self.ep, etp=self.etp or 0,
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
 
     @property
     def expert_tp(self) -> int:
@@ -58,8 +63,11 @@ def role_layout(megatron_cfg, section: str) -> RoleLayout:
         raise ValueError(f"{section}.context_parallel_size={cp}: must be a positive integer")
     if vpp > 1 and pp == 1:
         raise ValueError(f"{section}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
+    overrides = megatron_cfg.override_transformer_config
     return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size,
-                      sp=sequence_parallel_on(megatron_cfg.sequence_parallel, tp), cp=cp)
+                      sp=sequence_parallel_on(megatron_cfg.sequence_parallel, tp), cp=cp,
+                      first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
+                      last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"))
 
 
 def sequence_parallel_on(requested: bool, tp: int) -> bool:
