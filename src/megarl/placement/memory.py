@@ -57,6 +57,8 @@ import math
 from dataclasses import dataclass, field
 
 from megarl.bridge import ModelArch
+from megarl.bridge.errors import ConversionError
+from megarl.bridge.sharding import ParallelLayout, stage_layers
 from megarl.config import ExperimentConfig
 from megarl.config.rules.lora import lora_targets
 from megarl.config.schema import MegatronConfig
@@ -116,14 +118,13 @@ def total_params(arch: ModelArch) -> int:
 
 
 def most_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> int:
-    """Layers of the pipeline stage holding the most: ceil(layers / pp), or with megatron's uneven
-    split (`first` / `last`: num_layers_in_first/last_pipeline_stage) the most of the first, the
-    last and a middle stage (the rest over the middle stages, megarl.bridge.sharding.stage_layers)."""
-    middle_stages = pp - (first is not None) - (last is not None)
-    counts = [n for n in (first, last) if n is not None]
-    if middle_stages > 0:
-        counts.append(math.ceil(max(num_layers - sum(counts), 0) / middle_stages))
-    return max(counts)
+    """Layers of the pipeline stage holding the most, as megatron-core splits them
+    (`megarl.bridge.sharding.stage_layers`; `first` / `last`: num_layers_in_first/last_pipeline_stage).
+    A split megatron refuses (the engine names it when it builds) is counted as ceil(layers / pp)."""
+    try:
+        return max(stage_layers(num_layers, ParallelLayout(pp=pp, first_stage_layers=first, last_stage_layers=last)))
+    except ConversionError:
+        return math.ceil(num_layers / pp)
 
 
 def stage_layers_of(arch: ModelArch, m: MegatronConfig) -> int:

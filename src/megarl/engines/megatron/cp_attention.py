@@ -101,12 +101,13 @@ def cpu_reference_attention():
                 key_pos = torch.cat([positions_of_rank(length, self.cp, r) for r in range(self.cp)]).to(device)
                 hidden = query_pos[:, None] < key_pos[None, :]
             else:
+                cu = packed_seq_params.cu_seqlens_q.long().cpu()
                 padded = packed_seq_params.cu_seqlens_q_padded
-                padded = (packed_seq_params.cu_seqlens_q if padded is None else padded).long().cpu()
+                padded = cu if padded is None else padded.long().cpu()
                 if int(padded[-1]) != length:
                     raise ValueError(f"the packed sequences' cu_seqlens end at {int(padded[-1])}, but the CP group "
                                      f"holds {length} rows")
-                real = (packed_seq_params.cu_seqlens_q.long().cpu()[1:] - packed_seq_params.cu_seqlens_q.long().cpu()[:-1])
+                real = cu[1:] - cu[:-1]  # each sequence's real tokens
                 query_seq, query_pos = thd_row_positions(padded, thd_positions_of_rank(padded, self.cp, self.cp_rank))
                 key_seq, key_pos = thd_row_positions(
                     padded, torch.cat([thd_positions_of_rank(padded, self.cp, r) for r in range(self.cp)]))

@@ -221,7 +221,8 @@ def make_micro_batch(
     if bool(((packed.response_lens > 0) & (packed.prompt_lens == 0)).any()):
         row = int(((packed.response_lens > 0) & (packed.prompt_lens == 0)).nonzero()[0])
         raise ValueError(f"sample {int(index[row])} has no prompt token: its first response token has no context")
-    real_ids = _real_ids(packed, lengths)
+    real = _real_rows(packed, lengths)
+    real_ids, position_of_token = packed.input_ids[real], packed.position_ids[real]  # sample 0's first
     bad = (real_ids < 0) | (real_ids >= vocab_size)
     if bool(bad.any()):
         raise ValueError(f"token id {int(real_ids[bad][0])} is outside the model's vocabulary of {vocab_size} tokens")
@@ -230,7 +231,6 @@ def make_micro_batch(
     cols = torch.arange(width)
     predict_at = packed.prompt_lens[:, None] - 1 + cols[None, :]  # [b, R] sequence position predicting each token
     sample_of_token = torch.repeat_interleave(torch.arange(b), lengths)  # real tokens, sample 0's first
-    position_of_token = torch.cat([torch.arange(int(n)) for n in lengths] + [torch.zeros(0, dtype=torch.long)])
     routed = position_of_token < lengths[sample_of_token] - 1  # all but each sample's last token
     sequence_starts = None
     if layout == "padded":
@@ -242,9 +242,9 @@ def make_micro_batch(
         packed_seq_params = None
         token_rows = position_of_token * sequences + sample_of_token
         total_rows = longest * sequences
-        held = None if cp == 1 else [
-            (positions_of_rank(longest, cp, r)[:, None] * sequences + torch.arange(sequences)[None, :]).reshape(-1)
-            for r in range(cp)]
+        columns = [positions_of_rank(longest, cp, r) for r in range(cp)]  # each CP rank's positions
+        held = None if cp == 1 else [(c[:, None] * sequences + torch.arange(sequences)[None, :]).reshape(-1)
+                                     for c in columns]
     elif layout == "packed":
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -275,11 +275,8 @@ def make_micro_batch(
     flat = flat[response_mask]
     cp_tokens = None
     if cp > 1:
-        if layout == "padded":
-            columns = positions_of_rank(longest, cp, cp_rank)
-            input_ids, position_ids = input_ids[:, columns], position_ids[:, columns]
-        else:
-            input_ids, position_ids = input_ids[:, held[cp_rank]], position_ids[:, held[cp_rank]]
+        mine = columns[cp_rank] if layout == "padded" else held[cp_rank]  # packed: rows are positions
+        input_ids, position_ids = input_ids[:, mine], position_ids[:, mine]
         cp_tokens, flat = split_tokens(flat, held, cp_rank)
         targets = targets[cp_tokens.slots[cp_rank]]
     data = {}
@@ -304,9 +301,10 @@ def make_micro_batch(
     )
 
 
-def _real_ids(packed, lengths: torch.Tensor) -> torch.Tensor:
-    """The real tokens of packed sequences of `lengths` real tokens, sample 0's first (padding left out)."""
+def _real_rows(packed, lengths: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the rows of packed sequences of `lengths` real tokens that hold a real token (not the
+    padding after each sequence)."""
     padded = packed.cu_seqlens_padded.long()
     sample_of_row = torch.repeat_interleave(torch.arange(len(padded) - 1), padded[1:] - padded[:-1])
-    return packed.input_ids[packed.position_ids < lengths[sample_of_row]]
+    return packed.position_ids < lengths[sample_of_row]
 
