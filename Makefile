@@ -26,7 +26,18 @@ PY312_TESTS ?= tests/bridge tests/engines tests/sync --ignore=tests/sync/test_se
 	tests/tools/test_tools.py::test_the_gpu_check_script_runs_its_bf16_path_on_cpu \
 	tests/trainer/test_rl_e2e.py::test_grpo_colocated
 
-.PHONY: install test demo clean install-py312 test-py312 lock
+# Real SGLang 0.5.23 serving on the CPU, for the tests that run it (tests/sglang/) and for
+# `actor_rollout_ref.rollout.name=sglang` without a GPU (docs/sglang-on-cpu.md): its own venv, since SGLang
+# pins other versions than megarl's (transformers, tokenizers). The lock (`make lock`) holds SGLang without
+# its CUDA requirements and the CPU build of torch; the check after it refuses a CUDA build, under which
+# SGLang's scheduler dies at its first memory release.
+VENV_SGLANG  := .venv-sglang
+PY_SGLANG    := $(VENV_SGLANG)/bin/python
+STAMP_SGLANG := $(VENV_SGLANG)/.megarl-installed
+LOCK_SGLANG  := requirements/sglang-cpu-py311.lock
+PYTHON311    ?= $(shell $(PYTHON) -c 'import sys; print(sys.version_info[:2] == (3, 11))' | grep -q True && echo $(PYTHON) || echo python3.11)
+
+.PHONY: install test demo clean install-py312 test-py312 install-sglang lock
 
 # Installs once; again when setup.py or the lock changes. The lock (requirements/cpu-py3X.lock of
 # $(PYTHON)'s version, written by `make lock`) pins every package, so tests and benchmarks see the
@@ -41,8 +52,8 @@ $(STAMP): setup.py $(LOCK)
 
 install: $(STAMP)
 
-test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install install-sglang
+	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Resolves every lock again with each line's pip (installs nothing; `make install` then installs
 # what changed): the CPU test sets (requirements/cpu-py3*.lock), the benchmark environment's
@@ -52,6 +63,7 @@ lock: install install-py312
 	$(PY) tools/lock_cpu.py --python $(PY)
 	$(PY) tools/lock_cpu.py --python $(PY312)
 	$(PY) tools/lock_cpu.py --python $(PY) --bench
+	$(PY) tools/lock_cpu.py --python $(PY) --sglang
 	$(PY) tools/lock_gpu.py --python $(PY)
 	$(PY312) tools/lock_gpu.py --python $(PY312)
 
@@ -68,8 +80,17 @@ install-py312: $(STAMP312)
 test-py312: install-py312
 	$(PY312) -m pytest $(PY312_TESTS) $(PYTEST_ARGS)
 
+$(STAMP_SGLANG): $(LOCK_SGLANG)
+	test -x $(PY_SGLANG) || $(PYTHON311) -m venv $(VENV_SGLANG)
+	$(PY_SGLANG) -m pip install -q --upgrade pip
+	$(PY_SGLANG) -m pip install -q --no-deps -r $(LOCK_SGLANG)
+	$(PY_SGLANG) -c 'import torch, sys; sys.exit(torch.version.cuda and "$(VENV_SGLANG): torch " + torch.__version__ + " is a CUDA build; SGLang on the CPU needs the CPU build")'
+	touch $(STAMP_SGLANG)
+
+install-sglang: $(STAMP_SGLANG)
+
 demo: install
 	$(PY) -m megarl.demo
 
 clean:
-	rm -rf $(VENV) $(VENV312) build src/*.egg-info outputs
+	rm -rf $(VENV) $(VENV312) $(VENV_SGLANG) build src/*.egg-info outputs

@@ -341,6 +341,9 @@ class RolloutConfig:
     # None: a fresh random key for each run. The key itself is never in a config, a log or a metric.
     api_key_env: Optional[str] = None
     max_server_restarts: int = 3  # per server over the run; a dead server beyond this stops the run
+    # name=sglang: the Python interpreter that runs the SGLang servers, where SGLang lives in an environment of
+    # its own (on a CPU, `make install-sglang`'s .venv-sglang/bin/python); None: the rollout workers' own
+    server_python: Optional[str] = None
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses, for old log-probs
     # verl's keys of the old-log-prob pass (the actor's compute_log_prob, and the no-grad pass of
     # actor.old_log_probs_in_update): micro-batches under a token budget per GPU instead of

@@ -2,7 +2,8 @@
 would refuse at start that a model's config shows beforehand. Pure functions.
 
 * megarl's CPU engine: `python -m megarl.rollout.cpu.server ...`
-* real SGLang (GPU, the `[gpu]` extra, 0.5.23): `python -m sglang.launch_server ...`
+* real SGLang (GPU, the `[gpu]` extra, 0.5.23): `python -m sglang.launch_server ...`; the same on a CPU,
+  from its own venv (`make install-sglang`), with `sglang_cpu_flags` and `sglang_server_env`
 * the router (PyPI `sglang-router`, a Rust binary in a Python wheel; runs on CPU):
   `python -m sglang_router.launch_router --worker-urls ...`
 """
@@ -145,10 +146,31 @@ class MultiNode:
             raise ValueError(f"multi-node SGLang server: dist_init_addr {self.dist_init_addr!r} is not host:port")
 
 
+# SGLang 0.5.23's flags that make it serve on a CPU without AMX (docs/sglang-on-cpu.md; each is a field of
+# `srt/arg_groups/fields/*.py`, which tests/rollout/test_sglang_flags.py checks against the wheel):
+# device.py `device`; the backends with a torch-native path (attention `torch_native`, sampling `pytorch`,
+# no grammar backend, which would load xgrammar's compiled matcher); no overlap scheduler (it runs the
+# next batch's scheduling on a CUDA stream); no CUDA graphs, prefill or decode.
+SGLANG_CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                    "--grammar-backend", "none", "--disable-overlap-schedule",
+                    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
+
+
+def sglang_cpu_flags(context_length: int, max_running_requests: int) -> list[str]:
+    """SGLANG_CPU_FLAGS and the KV-cache bounds of a server on a CPU: SGLang sizes its cache as a
+    fraction of the machine's free memory (`--mem-fraction-static`, gigabytes on a CPU); a pool of
+    `--max-total-tokens` = `context_length` x `max_running_requests` tokens holds every request at
+    full length and no more."""
+    return [*SGLANG_CPU_FLAGS, "--max-total-tokens", str(context_length * max_running_requests),
+            "--max-running-requests", str(max_running_requests)]
+
+
 def sglang_server_command(
     model_path: str,
     port: int,
     *,
+    device: str = "cuda",
+    max_running_requests: int = 64,
     host: str = "127.0.0.1",
     tp_size: int = 1,
     ep_size: int = 1,
@@ -167,7 +189,10 @@ def sglang_server_command(
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
-    """`enable_memory_saver` when colocated with training (release/resume memory between phases);
+    """`device` cuda or cpu (the training roles' device, `megarl.config.devices`): on a CPU, SGLang's own
+    flags for it (`sglang_cpu_flags`; `context_length` and `max_running_requests` bound its KV cache), and
+    no memory saver (torch_memory_saver needs libcuda; a config rule says so first).
+    `enable_memory_saver` when colocated with training (release/resume memory between phases);
     `base_gpu_id` is the first of this node's GPUs the server takes, an index into the server
     process's CUDA_VISIBLE_DEVICES (`megarl.config.devices.visible_gpu_index`); `tp_size` is the server's whole TP size, over
     all its nodes with `multi_node`; `ep_size` its expert parallel size, laid over those TP ranks (it
@@ -178,8 +203,15 @@ def sglang_server_command(
     (SGLang's radix cache is on by default). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
     the wheel."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"SGLang server device {device!r}: cuda or cpu")
+    if device == "cpu" and (enable_memory_saver or not context_length):
+        raise ValueError("SGLang on a CPU: no memory saver (it needs libcuda), and a context_length to size the "
+                         "KV cache by")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--dtype", dtype, "--skip-server-warmup"]
+    if device == "cpu":
+        cmd += sglang_cpu_flags(context_length, max_running_requests)
     if ep_size != 1:
         cmd += [EP_FLAG, str(ep_size)]
     if multi_node is not None:  # fields/parallel.py: nnodes, node_rank, dist_init_addr
@@ -206,6 +238,32 @@ def sglang_server_command(
         if enable_memory_saver:  # fields/exec_.py: releasing the weights keeps them in CPU memory, as only
             cmd += ["--enable-weights-cpu-backup"]  # adapters are pushed and the base must come back as it was
     return cmd + list(extra_args)
+
+
+def uses_memory_saver(device: str, colocated: bool) -> bool:
+    """Whether a SGLang server starts with `--enable-memory-saver`: colocated with training on GPUs, so
+    that `/release_memory_occupation` frees its GPU memory for the trainer. Never on a CPU:
+    torch_memory_saver's allocator hooks need libcuda (SGLang 0.5.23 then fails at start); there the
+    release and resume calls still answer as SGLang's state machine says, and free nothing."""
+    return colocated and device == "cuda"
+
+
+# What SGLang needs on a CPU that PyPI does not have (docs/sglang-on-cpu.md): a stand-in for its compiled
+# `sgl_kernel` CPU kernels and a `sitecustomize` that lets PyPI's CUDA-built torchvision import. This folder
+# goes first on the server's PYTHONPATH, and on no other process's.
+SGLANG_CPU_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "sglang_site")
+
+
+def sglang_server_env(base_env: Mapping[str, str], *, device: str, enable_memory_saver: bool,
+                      colocated: bool) -> dict[str, str]:
+    """The environment of a real SGLang server: `base_env` with `sglang_env_overrides`, and on a CPU
+    `SGLANG_USE_CPU_ENGINE=1` (SGLang 0.5.23 `srt/utils/common.py::is_cpu`, which picks its CPU code
+    paths) and SGLANG_CPU_SITE first on PYTHONPATH."""
+    env = apply_env_overrides(base_env, sglang_env_overrides(enable_memory_saver, colocated=colocated))
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SGLANG_CPU_SITE, base_env.get("PYTHONPATH")) if p)
+    return env
 
 
 def sglang_env_overrides(enable_memory_saver: bool, colocated: bool = False) -> dict[str, Optional[str]]:

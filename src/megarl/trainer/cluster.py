@@ -119,7 +119,7 @@ class Cluster:
         self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated, api_key=self.api_key,
                                     single_node=self.plan.cluster.nnodes == 1,
                                     startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
-                                    on_restart=self._resync_restarted_rollout)
+                                    on_restart=self._resync_restarted_rollout, device=self.devices.device)
 
     def _make_sync(self, urls: list[str]) -> None:
         """A new weight sync over `urls` (at start, and after servers restarted: the push that

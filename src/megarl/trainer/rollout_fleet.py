@@ -112,9 +112,9 @@ def server_log_name(server: int, node: Optional[MultiNode]) -> str:
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
                  single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
-                 on_restart: Callable[[list[str]], None] = lambda urls: None):
+                 on_restart: Callable[[list[str]], None] = lambda urls: None, device: str = "cuda"):
         """`on_restart(urls)`: called after servers restarted (idle, out of the router) to bring
-        every server in `urls` to the current weights."""
+        every server in `urls` to the current weights. `device`: the run's (cuda or cpu), where SGLang serves."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
         # seconds, each memory release or resume call: SGLang maps a large model's weights back from
@@ -131,10 +131,10 @@ class RolloutFleet:
         if problems:
             raise GpuOrderError("the rollout servers cannot start on the GPUs Ray gave them:\n"
                                 + "\n".join(f"  - {p}" for p in problems))
-        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" else {}
+        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if r.name == "sglang" and device == "cuda" else {}
         # each worker owns an independent server process: one's failure does not stop the others' calls
-        self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key, env=env,
-                                   collective=False)
+        self.workers = WorkerGroup(RolloutWorker, role, pools, config, colocated=colocated, api_key=api_key,
+                                   device=device, env=env, collective=False)
         processes = role.server_processes()  # (server, node rank, first GPU), one per worker rank
         self.server_of = [server for server, _, _ in processes]  # worker rank -> server
         self.members = [[k for k, s in enumerate(self.server_of) if s == i] for i in range(role.dp)]  # node 0 first

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -23,10 +24,10 @@ from megarl.rollout.control import ServerControl
 from megarl.rollout.launch import (
     LoraServing,
     MultiNode,
-    apply_env_overrides,
     cpu_server_command,
-    sglang_env_overrides,
     sglang_server_command,
+    sglang_server_env,
+    uses_memory_saver,
 )
 from megarl.rollout.process import ServerProcess, log_tail, start_on_a_free_port
 from megarl.workers.base import RankedWorker
@@ -44,9 +45,10 @@ def lora_serving(config) -> Optional[LoraServing]:
 
 class RolloutWorker(RankedWorker):
     def __init__(self, rank: int, world_size: int, role: str, config, *, colocated: bool = False,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, device: str = "cuda"):
+        """`device`: the run's device (cuda or cpu, `megarl.config.devices`); real SGLang serves on it."""
         super().__init__(rank, world_size, role)
-        self.config, self.colocated, self.api_key = config, colocated, api_key
+        self.config, self.colocated, self.api_key, self.device = config, colocated, api_key, device
         self.process: Optional[ServerProcess] = None
         self.multi_node: Optional[MultiNode] = None
 
@@ -86,17 +88,22 @@ class RolloutWorker(RankedWorker):
             else:
                 # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the
                 # raylet's GPUs, and --base-gpu-id indexes them
-                base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                on_gpu = self.device == "cuda"
+                base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")) if on_gpu else 0
+                saver = uses_memory_saver(self.device, self.colocated)
                 command = sglang_server_command(
-                    model_path, port, host=host, tp_size=r.tensor_model_parallel_size,
+                    model_path, port, device=self.device, max_running_requests=r.max_concurrent_requests,
+                    host=host, tp_size=r.tensor_model_parallel_size,
                     ep_size=r.expert_parallel_size, base_gpu_id=base_gpu,
-                    mem_fraction_static=r.gpu_memory_utilization, enable_memory_saver=self.colocated,
+                    mem_fraction_static=r.gpu_memory_utilization if on_gpu else None, enable_memory_saver=saver,
                     api_key=self.api_key, dtype=r.dtype, context_length=context,
                     random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
                     return_routed_experts=replays_routes(self.config), multi_node=multi_node,
                     lora=lora_serving(self.config), prefix_caching=r.enable_prefix_caching,
+                    python=r.server_python or sys.executable,
                 )
-                env = apply_env_overrides(os.environ, sglang_env_overrides(self.colocated, colocated=self.colocated))
+                env = sglang_server_env(os.environ, device=self.device, enable_memory_saver=saver,
+                                        colocated=self.colocated)
             return ServerProcess(name, command, f"http://{host}:{port}", env=env,
                                  health_path="/health" if serves_http else None,
                                  log_path=log_path, startup_timeout_s=startup_timeout_s)

@@ -181,9 +181,14 @@ def offload_only_where_it_happens(config: ExperimentConfig, sizes: DerivedSizes)
 
 
 def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """SGLang needs GPUs.
+    """Real SGLang serves on a CPU one process per server (docs/sglang-on-cpu.md): its CPU all-reduce
+    across TP ranks is a kernel of `sgl_kernel` (`shm_allreduce`), a compiled CPU build PyPI does not
+    have, so a server of more than one TP rank cannot run there.
 
-    Reads: actor_rollout_ref.rollout.name, trainer.device
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.device
     """
-    if config.actor_rollout_ref.rollout.name == "sglang" and config.trainer.device == "cpu":
-        yield "actor_rollout_ref.rollout.name=sglang needs GPUs; with trainer.device=cpu use rollout.name=cpu"
+    r = config.actor_rollout_ref.rollout
+    if r.name == "sglang" and config.trainer.device == "cpu" and r.tensor_model_parallel_size > 1:
+        yield (f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} with "
+               "rollout.name=sglang and trainer.device=cpu: SGLang on a CPU serves one TP rank per server (its CPU "
+               "all-reduce is a compiled sgl_kernel op that PyPI lacks); set 1")

@@ -1,0 +1,46 @@
+"""Starting real SGLang 0.5.23 servers on the CPU for the tests, through the launch code users run
+(`sglang_server_command`, `sglang_server_env`) and megarl's `ServerProcess` (stopped by PID)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.launch import sglang_server_command, sglang_server_env
+from megarl.rollout.process import ServerProcess, start_on_a_free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CONTEXT = 256  # the tiny models' max_position_embeddings
+
+
+def sglang_python() -> str:
+    """The interpreter with SGLang: $MEGARL_SGLANG_PYTHON (`make test` sets it) or the repository's
+    .venv-sglang. Fails the test, never skips it, when it is missing."""
+    python = os.environ.get("MEGARL_SGLANG_PYTHON") or str(REPO / ".venv-sglang" / "bin" / "python")
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"no SGLang interpreter at {python}: run `make install-sglang` (or `make test`, which does)")
+    return python
+
+
+def make_model(arch: str, out_dir, **sizes) -> str:
+    """A tiny random `arch` checkpoint in float32 with the character tokenizer (SGLang loads a tokenizer)."""
+    return str(make_tiny_model(arch, out_dir, dtype="float32", **sizes))
+
+
+def start_sglang(model_dir: str, log_dir, *, name: str = "sglang", api_key: Optional[str] = None,
+                 dtype: str = "float32", max_running_requests: int = 8, extra_args: Sequence[str] = (),
+                 startup_timeout_s: float = 300.0, **command_args) -> ServerProcess:
+    """A started SGLang server on a free port of 127.0.0.1, its log in `log_dir`/<name>.log."""
+
+    def server_on(port: int) -> ServerProcess:
+        command = sglang_server_command(model_dir, port, device="cpu", max_running_requests=max_running_requests,
+                                        api_key=api_key, dtype=dtype, context_length=CONTEXT,
+                                        extra_args=extra_args, python=sglang_python(), **command_args)
+        env = sglang_server_env(os.environ, device="cpu", enable_memory_saver=False, colocated=False)
+        return ServerProcess(name, command, f"http://127.0.0.1:{port}", env=env,
+                             log_path=str(Path(log_dir) / f"{name}.log"), startup_timeout_s=startup_timeout_s)
+
+    return start_on_a_free_port(server_on, "127.0.0.1")
