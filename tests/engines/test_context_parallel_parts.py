@@ -105,7 +105,7 @@ def test_a_cp_ranks_packed_micro_batch_holds_two_chunks_of_every_sequence():
     assert sorted(torch.cat(parts[0].cp.slots).tolist()) == list(range(5))
     # a fixed shape (VPP): each sequence padded to 2 CP first, then one filler sequence
     three = Batch.from_token_lists([[11, 12, 13], [21], [31]], [[14, 15], [22, 23, 24], [32, 33]])
-    assert fixed_shape(three, [[0, 1, 2]], "packed", 4, 2) == (1, 16)  # 8 + 4 + 4
+    assert fixed_shape(three, [[0, 1, 2]], "packed", 4, 2) == (1, 20)  # 8 + 4 + 4, and 4 of filler (3 -> 4: thd_filler)
     assert fixed_shape(three, [[0, 1, 2]], "packed", 4) == (1, 12)  # without CP: 12 tokens in all
     filled = make_micro_batch(batch, [0, 1], "packed", 47, CPU, shape=(1, 20), multiple=4, cp=2, cp_rank=0)
     assert filled.packed_seq_params.cu_seqlens_q_padded.tolist() == [0, 8, 12, 20]

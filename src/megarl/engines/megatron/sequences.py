@@ -8,7 +8,8 @@ removed, positions from 0). Two layouts of a micro-batch of b sequences:
     packed  input_ids [1, T], the sequences back to back with `PackedSeqParams` (THD, cu_seqlens);
             transformer-engine's attention on GPUs, megarl's reference attention on CPU
             (`cp_attention`). With context parallelism each sequence is padded to a multiple
-            of 2 CP (`cu_seqlens_padded`), as transformer-engine requires.
+            of 2 CP (`cu_seqlens_padded`), as transformer-engine requires, and a filler sequence
+            follows a last sequence that ends in padding (`thd_filler`).
 
 The model's last stage returns hidden states [S, b, H] (padded) or [T, 1, H] (packed).
 `MicroBatch.token_index` selects, in row-major (sample, response position) order, the hidden
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal, Optional, Sequence
 
 import torch
@@ -174,11 +176,36 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def thd_filler(cu_seqlens: Sequence[int], cu_seqlens_padded: Sequence[int], cp: int, multiple: int) -> int:
+    """Tokens the filler sequence after packed sequences must have at least, so that
+    transformer-engine's CP attention reads their padded offsets: `multiple` (`length_multiple`, a
+    multiple of 2 CP) when the last sequence ends in padding, else 0; 0 without CP (transformer-engine
+    then gets no `cu_seqlens_padded`). `cu_seqlens` [n + 1]: cumulative real tokens of the n
+    sequences; `cu_seqlens_padded` [n + 1]: where each starts, padding counted."""
+    # transformer-engine 2.11, pytorch/attention/dot_product_attention/dot_product_attention.py,
+    # DotProductAttention.forward ("check if there is padding between sequences"): pad_between_seqs =
+    # not torch.equal(cu_seqlens_q_padded[:-1], cu_seqlens_q[:-1]) (or the same for kv), blind to the
+    # last sequence's padding. When False, its p2p CP attention (context_parallel.py
+    # cp_p2p_fwd_prepare_qkv) cuts each rank's sequences at cu_seqlens_q // cp_size, not at the padded
+    # offsets (get_cu_seqlens_on_cp_rank): right only when no sequence has padding. A filler sequence
+    # puts the last sequence's padding between sequences. megatron-core 0.16.1 cannot pass
+    # pad_between_seqs (0.19 can: PackedSeqParams.pad_between_seqs, extensions/transformer_engine.py);
+    # transformer-engine >= 2.18 sets it whenever cu_seqlens_*_padded are not the very cu_seqlens_*
+    # tensors (megarl's never are), so the filler suits every version.
+    if cp == 1 or len(cu_seqlens) < 2:
+        return 0
+    real = int(cu_seqlens[-1]) - int(cu_seqlens[-2])
+    padded = int(cu_seqlens_padded[-1]) - int(cu_seqlens_padded[-2])
+    return multiple if padded > real else 0
+
+
 def packed_length(lengths: Sequence[int], multiple: int, cp: int) -> int:
     """Tokens of a packed micro-batch of sequences of `lengths` real tokens: with CP each sequence
-    padded to `multiple` (a multiple of 2 CP, `length_multiple`), without CP only the total."""
+    padded to `multiple` (a multiple of 2 CP, `length_multiple`), then the filler a padded last
+    sequence needs (`thd_filler`); without CP only the total, rounded up to `multiple`."""
     if cp > 1:
-        return sum(_round_up(n, multiple) for n in lengths)
+        padded = [_round_up(n, multiple) for n in lengths]
+        return sum(padded) + thd_filler([0, *accumulate(lengths)], [0, *accumulate(padded)], cp, multiple)
     return _round_up(sum(lengths), multiple)
 
 
@@ -211,8 +238,9 @@ def make_micro_batch(
     `fixed_shape`) the inputs are padded to exactly that size: padded layout, extra all-padding
     sequences and columns; packed layout, one extra padding sequence (no response, never scored).
     Without it the sequence length (padded) or token count (packed, `packed_length`) is rounded up
-    to a multiple of `multiple` (`length_multiple`) the same way. `with_routes`: the batch's routed
-    experts laid out for megatron's routers (routing replay). `cp` > 1: the part of CP rank
+    to a multiple of `multiple` (`length_multiple`) the same way; packed with CP, a last sequence
+    that ends in padding is always followed by a filler (`thd_filler`). `with_routes`: the batch's
+    routed experts laid out for megatron's routers (routing replay). `cp` > 1: the part of CP rank
     `cp_rank` (see `MicroBatch` and `context_parallel`)."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
     part = batch.select(index)
@@ -250,8 +278,10 @@ def make_micro_batch(
 
         total = packed_length(lengths.tolist(), multiple, cp) if shape is None else shape[1]
         filler = total - packed.num_tokens
-        if filler < 0 or (cp > 1 and filler % multiple):
-            raise ValueError(f"a packed micro-batch of {packed.num_tokens} tokens does not fit the shape of {total}")
+        needed = thd_filler(packed.cu_seqlens, packed.cu_seqlens_padded, cp, multiple)
+        if filler < needed or (cp > 1 and filler % multiple):
+            raise ValueError(f"a packed micro-batch of {packed.num_tokens} tokens and a filler of at least {needed} "
+                             f"does not fit the shape of {total}")
         input_ids = torch.cat([packed.input_ids, torch.zeros(filler, dtype=torch.long)])[None, :]
         position_ids = torch.cat([packed.position_ids, torch.arange(filler)])[None, :]
         sequence_starts = packed.cu_seqlens_padded[:-1].long()
