@@ -158,6 +158,12 @@ def test_deterministic_inference_follows_exact_resume_unless_set():
     assert det("trainer.resume_mode=disable") is False
     assert det("actor_rollout_ref.rollout.deterministic_inference=false") is False
     assert det("trainer.resume_mode=disable", "actor_rollout_ref.rollout.deterministic_inference=true") is True
+    # SGLang on a CPU cannot: its deterministic mode takes GPU attention backends only
+    # (srt/arg_groups/overrides.py::_deterministic_attention_backend); unset it is off there, set it is refused
+    assert det("trainer.device=cpu") is False
+    assert det("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu") is True  # the CPU engine's seeds hold
+    assert "SGLang's deterministic inference needs a GPU attention backend" in fails(
+        "trainer.device=cpu", "actor_rollout_ref.rollout.deterministic_inference=true")
 
 
 def test_a_rollout_server_may_span_whole_nodes_with_sglang_only():

@@ -1,14 +1,19 @@
 """Command lines for SGLang, the CPU engine and the router; rollout metrics."""
+import os
+
 import pytest
 
 from megarl.rollout.cpu.server import parse_args
 from megarl.rollout.launch import (
+    SGLANG_CPU_SITE,
     MultiNode,
     apply_env_overrides,
     cpu_server_command,
     router_command,
     sglang_env_overrides,
     sglang_server_command,
+    sglang_server_env,
+    uses_memory_saver,
 )
 from megarl.rollout.metrics import RequestRecord, percentile, summarize
 
@@ -61,6 +66,45 @@ def test_a_multi_node_server_runs_the_same_command_on_every_node_but_its_rank():
 def test_deterministic_inference_is_a_switch_that_is_off_by_default():
     assert "--enable-deterministic-inference" in sglang_server_command("/m", 1, deterministic=True)
     assert "--enable-deterministic-inference" not in sglang_server_command("/m", 1)
+
+
+def test_sglang_on_a_cpu_gets_its_cpu_flags_and_a_kv_pool_of_every_request_at_full_length():
+    cmd = sglang_server_command("/m", 1, device="cpu", context_length=256, max_running_requests=8)
+    assert cmd[cmd.index("--device") + 1] == "cpu"
+    assert cmd[cmd.index("--attention-backend") + 1] == "torch_native"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == str(256 * 8)
+    assert cmd[cmd.index("--max-running-requests") + 1] == "8"
+    assert "--disable-overlap-schedule" in cmd
+    gpu = sglang_server_command("/m", 1, context_length=256)
+    assert not {"--device", "--attention-backend", "--max-total-tokens"} & set(gpu)
+
+
+@pytest.mark.parametrize("refused", [dict(enable_memory_saver=True, context_length=256),
+                                     dict(deterministic=True, context_length=256), dict()])
+def test_sglang_on_a_cpu_refuses_what_cannot_run_there(refused):
+    # no memory saver (torch_memory_saver needs libcuda), no deterministic inference (GPU attention backends
+    # only), and no KV pool without a context length
+    with pytest.raises(ValueError, match="SGLang on a CPU"):
+        sglang_server_command("/m", 1, device="cpu", **refused)
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        sglang_server_command("/m", 1, device="tpu")
+
+
+@pytest.mark.parametrize("device, colocated, saver", [("cuda", True, True), ("cuda", False, False),
+                                                      ("cpu", True, False), ("cpu", False, False)])
+def test_the_memory_saver_is_for_colocated_gpus_only(device, colocated, saver):
+    assert uses_memory_saver(device, colocated) is saver
+
+
+def test_sglang_on_a_cpu_gets_the_cpu_engine_switch_and_megarls_site_first_on_its_path():
+    base = {"PYTHONPATH": "/user/lib", "HOME": "/h"}
+    env = sglang_server_env(base, device="cpu", enable_memory_saver=False, colocated=False)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HOME"] == "/h"
+    assert env["PYTHONPATH"].split(os.pathsep) == [SGLANG_CPU_SITE, "/user/lib"]
+    assert os.path.isfile(os.path.join(SGLANG_CPU_SITE, "sgl_kernel", "__init__.py"))
+    assert os.path.isfile(os.path.join(SGLANG_CPU_SITE, "sitecustomize.py"))
+    gpu = sglang_server_env(base, device="cuda", enable_memory_saver=True, colocated=True)
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu and gpu["PYTHONPATH"] == "/user/lib"
 
 
 def test_cpu_server_command_parses_back():

@@ -147,6 +147,9 @@ def every_command() -> dict[str, list[str]]:
     for key, value in full.items():
         commands[key] = sglang_server_command("/m", 30000, **{key: value})
     commands["all"] = sglang_server_command("/m", 30000, **full)
+    on_cpu = {k: v for k, v in full.items() if k not in ("enable_memory_saver", "deterministic")}
+    commands["cpu"] = sglang_server_command("/m", 30000, device="cpu", context_length=256, max_running_requests=8)
+    commands["cpu, all"] = sglang_server_command("/m", 30000, device="cpu", max_running_requests=8, **on_cpu)
     return commands
 
 

@@ -49,7 +49,11 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         log_prob_max_token_len_per_gpu=(arr.actor.ppo_max_token_len_per_gpu
                                         if arr.rollout.log_prob_max_token_len_per_gpu is None
                                         else arr.rollout.log_prob_max_token_len_per_gpu),
-        deterministic_inference=(config.trainer.resume_mode != "disable" if arr.rollout.deterministic_inference is None
+        # on unless resuming is off, and unless SGLang serves on a CPU, where it cannot (rule
+        # deterministic_inference_fits_device)
+        deterministic_inference=(config.trainer.resume_mode != "disable"
+                                 and not (arr.rollout.name == "sglang" and config.trainer.device == "cpu")
+                                 if arr.rollout.deterministic_inference is None
                                  else arr.rollout.deterministic_inference),
     )
     critic = config.critic

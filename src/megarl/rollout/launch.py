@@ -205,9 +205,10 @@ def sglang_server_command(
     the wheel."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"SGLang server device {device!r}: cuda or cpu")
-    if device == "cpu" and (enable_memory_saver or not context_length):
-        raise ValueError("SGLang on a CPU: no memory saver (it needs libcuda), and a context_length to size the "
-                         "KV cache by")
+    if device == "cpu" and (enable_memory_saver or deterministic or not context_length):
+        raise ValueError("SGLang on a CPU: no memory saver (it needs libcuda), no deterministic inference (it needs "
+                         "a GPU attention backend: actor_rollout_ref.rollout.deterministic_inference=false), and a "
+                         "context_length to size the KV cache by")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--dtype", dtype, "--skip-server-warmup"]
     if device == "cpu":

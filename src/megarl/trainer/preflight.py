@@ -6,7 +6,9 @@ validated on a laptop); these look at files and devices, and name the key to fix
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from pathlib import Path
+from typing import Optional
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.config.devices import Devices, devices_from_config
@@ -74,14 +76,32 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     cuda = devices is not None and devices.device == "cuda"
     problems += [p for p in [gpu_count_problem(config, cuda, torch.cuda.device_count() if cuda else 0)] if p]
     if kind == "rl" and config.actor_rollout_ref.rollout.name == "sglang":
-        if not torch.cuda.is_available():
-            problems.append("actor_rollout_ref.rollout.name=sglang needs a CUDA GPU, and this machine has no CUDA GPU; "
-                            "on CPU use trainer.device=cpu actor_rollout_ref.rollout.name=cpu")
-        elif importlib.util.find_spec("sglang") is None:
-            problems.append("actor_rollout_ref.rollout.name=sglang: sglang is not installed (pip install -e .[gpu])")
+        problem = sglang_install_problem(config.actor_rollout_ref.rollout.server_python, cuda)
+        if problem and not cuda and config.trainer.device == "auto":
+            problem += "; this machine has no CUDA GPU, so trainer.device=auto runs the experiment on the CPU"
+        problems += [problem] if problem else []
     if problems:
         raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))
     return config
+
+
+def sglang_install_problem(server_python: Optional[str], on_cuda: bool) -> Optional[str]:
+    """Why the SGLang servers could not start here, or None: `server_python`
+    (actor_rollout_ref.rollout.server_python; None: this interpreter) must import sglang. On a CPU,
+    SGLang comes from its own venv (`make install-sglang`, docs/sglang-on-cpu.md)."""
+    key = "actor_rollout_ref.rollout.name=sglang"
+    how = ("pip install -e .[gpu]" if on_cuda else
+           "make install-sglang, then actor_rollout_ref.rollout.server_python=.venv-sglang/bin/python "
+           "(docs/sglang-on-cpu.md); or actor_rollout_ref.rollout.name=cpu, megarl's CPU engine")
+    if server_python is None:
+        return None if importlib.util.find_spec("sglang") else f"{key}: sglang is not installed here ({how})"
+    try:
+        found = subprocess.run([server_python, "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('sglang') is None)"],
+                               capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"actor_rollout_ref.rollout.server_python={server_python}: cannot run it ({e})"
+    return None if found else f"actor_rollout_ref.rollout.server_python={server_python} has no sglang ({how})"
 
 
 def resolve_devices(config: ExperimentConfig) -> Devices:

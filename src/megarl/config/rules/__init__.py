@@ -21,6 +21,7 @@ from megarl.config.rules.choices import (
     reward_model_holds_a_sequence,
     reward_model_settings,
     rollout_engine_fits_device,
+    deterministic_inference_fits_device,
     token_budget_holds_a_sequence,
     warmup_fits_schedule,
 )
@@ -87,6 +88,7 @@ RULES: list[Rule] = [
     reward_model_settings,
     offload_only_where_it_happens,
     rollout_engine_fits_device,
+    deterministic_inference_fits_device,
     weight_sync_transport_fits_devices,
     weight_check_needs_cpu_engine,
     placement_pools,

@@ -192,3 +192,18 @@ def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) ->
         yield (f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} with "
                "rollout.name=sglang and trainer.device=cpu: SGLang on a CPU serves one TP rank per server (its CPU "
                "all-reduce is a compiled sgl_kernel op that PyPI lacks); set 1")
+
+
+def deterministic_inference_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """SGLang 0.5.23's deterministic inference takes only GPU attention backends
+    (`srt/arg_groups/overrides.py::_deterministic_attention_backend`: ascend, fa3, fa4, flashinfer,
+    intel_xpu, triton) and refuses the torch-native one a CPU uses, so the server would not start.
+    Left unset it is off there (`validate.py`).
+
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.deterministic_inference, trainer.device
+    """
+    r = config.actor_rollout_ref.rollout
+    if r.name == "sglang" and config.trainer.device == "cpu" and r.deterministic_inference:
+        yield ("actor_rollout_ref.rollout.deterministic_inference=true with rollout.name=sglang and trainer.device=cpu: "
+               "SGLang's deterministic inference needs a GPU attention backend; set it false (a resumed run then "
+               "samples anew) or use rollout.name=cpu, whose seeds always hold")
