@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from megarl.config import ConfigError, load_and_validate, load_config
-from megarl.config.devices import Devices, decide_devices, devices_from_config, visible_gpu_index
+from megarl.config.devices import GPU_ENV_VARS, Devices, decide_devices, devices_from_config, visible_gpu_index
 from megarl.placement import plan_from_config
 from megarl.sync.colocation import colocated_peers
 
@@ -26,6 +26,10 @@ TIMEOUT_S = 1800.0  # actor_rollout_ref.nccl_timeout's default
 # abort + tear down on error, the monitor on, a heartbeat no shorter than the 1800 s collective timeout
 WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
                 "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800"}
+# and one CUDA work queue, which megatron-core's overlapped collectives are written for
+# (tensor_parallel/layers.py: "Here we rely on CUDA_DEVICE_MAX_CONNECTIONS=1"): tests/config/test_cuda_env.py
+CUDA_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+CUDA_TRAINING_ENV = {**CUDA_ENV, **WATCHDOG_ENV}
 
 
 def device_backends(backend: str) -> dict[str, str]:
@@ -72,7 +76,7 @@ def test_cuda_colocated_auto_sends_ipc_handles_made_on_each_server_gpu(gpus, rol
     peers = colocated_peers(plan.roles["actor"].devices, [rollout.server_devices(s) for s in range(rollout.dp)])
     assert sorted(k for row in peers for k in row) == list(range(gpus))  # every GPU: one server rank, one actor rank
     d = devices_from_config(config, True)
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, WATCHDOG_ENV)
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("tensor", None, CUDA_TRAINING_ENV)
 
 
 def test_cpu_colocated_tensor_shares_memory_on_one_machine():
@@ -84,19 +88,20 @@ def test_cuda_split_auto_broadcasts_over_nccl_with_sglangs_nccl_environment():
     d = decide_devices("auto", True, "split", "sglang", "auto", collective_timeout_s=TIMEOUT_S)
     assert (d.weight_sync_transport, d.weight_sync_backend) == ("distributed", "nccl")
     # sglang entrypoints/engine.py::_set_envs_and_config: what the servers' side of the group runs with
-    assert d.training_env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", **WATCHDOG_ENV}
+    assert d.training_env == {**CUDA_ENV, "NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", **WATCHDOG_ENV}
 
 
 def test_cuda_disk_needs_no_group_and_no_weight_group_nccl_environment():
     d = decide_devices("cuda", True, "colocate", "sglang", "disk", collective_timeout_s=TIMEOUT_S)
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, WATCHDOG_ENV)
+    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("disk", None, CUDA_TRAINING_ENV)
 
 
 def test_cuda_with_the_cpu_engine_broadcasts_over_gloo():
     # the CPU engine's tensors live on the CPU and it has no tensor endpoint; gloo broadcasts CUDA
     # tensors too (the support table), so no NCCL weight group and none of SGLang's NCCL environment
     d = decide_devices("cuda", True, "colocate", "cpu", "auto", collective_timeout_s=TIMEOUT_S)
-    assert (d.weight_sync_transport, d.weight_sync_backend, d.training_env) == ("distributed", "gloo", WATCHDOG_ENV)
+    assert (d.weight_sync_transport, d.weight_sync_backend) == ("distributed", "gloo")
+    assert d.training_env == CUDA_TRAINING_ENV
     assert "broadcast" not in GLOO_CUDA_UNSUPPORTED
 
 
@@ -218,6 +223,8 @@ def test_the_trainer_applies_the_decision_to_the_machine_it_starts_on(monkeypatc
     from megarl.trainer.preflight import check_environment, resolve_devices
 
     config = load_and_validate(None, REQUIRED + [f"{KEY}=distributed"])
+    for name in GPU_ENV_VARS + ("RAY_ADDRESS",):  # a CPU machine's environment (auto would be refused
+        monkeypatch.delenv(name, raising=False)  # where the job shows GPUs: tests/config/test_auto_device.py)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_devices(config).weight_sync_backend == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -50,7 +50,7 @@ def test_on_cuda_the_watchdog_aborts_on_error_monitors_and_beats_no_shorter_than
                                          ("TORCH_NCCL_ENABLE_MONITORING", "1"),
                                          ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "1800"))
     d = decide_devices("cuda", True, "split", "sglang", "auto", collective_timeout_s=7200.0)
-    assert d.training_env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0",
+    assert d.training_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0",
                               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
                               "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "7200"}
     # what `megarl plan` and the run's log print

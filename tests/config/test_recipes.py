@@ -123,7 +123,8 @@ def test_two_node_recipe_splits_rollout_onto_its_own_node(capsys):
     assert "rollout" not in node0.split("node0:\n")[1] and "actor rank" not in node1.split("\nactor:")[0]
     assert "model: 14.770 B parameters" in out
     assert ("device cuda, training groups cpu:gloo,cuda:nccl, weight sync distributed over nccl, "
-            "trainer env NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "
+            "trainer env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0 "
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "
             "TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800\n") in out
 
 

@@ -95,6 +95,30 @@ def test_megarl_submit_writes_a_script_that_runs_this_config_from_anywhere(tmp_p
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.parametrize("device, added", [
+    ("auto", ["trainer.device=cuda"]),  # the batch step that would resolve auto may see none of the job's GPUs
+    ("cuda", []),
+    ("cpu", []),  # a CPU cluster with logical GPUs keeps its choice
+])
+def test_the_job_never_leaves_the_device_to_its_batch_step(device, added):
+    from megarl.launch import sbatch
+
+    assert sbatch.device_overrides(device) == added
+
+
+def test_megarl_submit_says_trainer_device_cuda_for_a_config_that_says_auto(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = megarl_main(["submit", "--config", str(CONFIG), "--log-dir", "logs", "--no-submit",
+                      "trainer.experiment_name=exp2", "trainer.device=auto"])
+    assert rc == 0
+    text = (tmp_path / "logs" / "exp2.sbatch").read_text()
+    # after the user's overrides, so the job's controller is told, whatever the config file says
+    assert f"set -- --config {CONFIG} trainer.experiment_name=exp2 trainer.device=auto trainer.device=cuda" in text
+    # and the template's own usage line says it too
+    usage = [line for line in default_template().read_text().splitlines() if line.startswith("#   sbatch ")]
+    assert usage and all("trainer.device=cuda" in line for line in usage)
+
+
 def test_an_installed_megarl_finds_its_sbatch_template(tmp_path):
     """`pip install --no-deps --target` (a real, non-editable install of this source tree) ships
     the template as package data; the installed megarl, not this checkout, finds it. The checkout's

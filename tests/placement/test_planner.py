@@ -316,7 +316,8 @@ def test_megarl_plan_command(tmp_path):
     assert "actor: TP 2 x CP 1 x PP 1 x DP 4" in r.stdout
     # colocated on 8 GPUs: tensor (each server TP rank's CUDA IPC copy is made by the actor rank on its GPU)
     assert ("device cuda, training groups cpu:gloo,cuda:nccl, weight sync tensor, trainer env "
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800\n"
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=1 "
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800\n"
             in r.stdout)
     assert ": fits" in r.stdout
     assert "  phases per GPU: training " in r.stdout and ", push " in r.stdout and ", rollout " in r.stdout

@@ -3,14 +3,17 @@
 `decide_devices` turns `trainer.device`, whether CUDA is available, the placement mode, the rollout
 engine and `actor_rollout_ref.rollout.weight_sync_transport` into the device of the training
 roles, their torch.distributed backend, the weight-sync transport actually used with its group
-backend, and the NCCL environment the training workers need (SGLang's NCCL settings for a shared
-weight-update group, and NCCL's watchdog: `nccl_watchdog_env`); or a ConfigError naming the keys of
-a combination that cannot work. It imports nothing heavy: the caller passes `cuda_available`.
+backend, and the environment the training workers need (the CUDA connections megatron-core
+schedules for: `cuda_connections_env`; SGLang's NCCL settings for a shared weight-update group, and
+NCCL's watchdog: `nccl_watchdog_env`); or a ConfigError naming the keys of a combination that
+cannot work. `auto_device_refusal` refuses `trainer.device=auto` where the controller that resolves
+it cannot see the job's GPUs. It imports nothing heavy: the caller passes `cuda_available` (and the
+facts `auto_device_refusal` reads).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -28,6 +31,43 @@ NCCL_WEIGHT_GROUP_ENV = (("NCCL_CUMEM_ENABLE", "0"), ("NCCL_NVLS_ENABLE", "0"))
 # 60 * 8 s), raised from 2 min because shorter values killed jobs that would have completed
 # (pytorch/pytorch#116267, #133028).
 TORCH_HEARTBEAT_DEFAULT_S = 480
+
+
+# What megatron-core's overlapped communication is written for (below: `cuda_connections_env`).
+CUDA_CONNECTIONS_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)
+
+
+def cuda_connections_env(device: str) -> tuple[tuple[str, str], ...]:
+    """(name, value) of the CUDA runtime the training workers on `device` ("cuda" or "cpu", as
+    decided) start with: CUDA_DEVICE_MAX_CONNECTIONS=1 on CUDA, nothing on CPU.
+
+    The CUDA runtime reads it when CUDA initialises in the process (CUDA Programming Guide, "CUDA
+    Environment Variables": the number of compute and copy engine connections, or work queues, from
+    the host to each device; default 8), so it must be in the worker's environment when the process
+    starts (the Ray actor's runtime_env, `WorkerGroup`), not set from Python once torch may have
+    touched CUDA. With one work queue, kernels start in the order they were launched, whatever their
+    stream. megatron-core (0.16.1) launches its asynchronous collectives first for exactly that
+    reason:
+    - tensor_parallel/layers.py, `LinearWithGradAccumulationAndAsyncCommunication.backward`:
+      "Here we rely on CUDA_DEVICE_MAX_CONNECTIONS=1 to ensure that the" sequence-parallel
+      all-gather, and the input-gradient all-reduce or reduce-scatter, "is scheduled before" the
+      gradient GEMMs it overlaps; `linear_with_grad_accumulation_and_async_allreduce` warns "When
+      using sequence parallelism it is recommended to set the environment variable
+      CUDA_DEVICE_MAX_CONNECTIONS to 1" (and the same for the async gradient all-reduce at TP > 1);
+    - distributed/distributed_data_parallel.py (bucket groups, overlap_grad_reduce): "because of the
+      use of CUDA_DEVICE_MAX_CONNECTIONS=1, having multiple back-to-back communications will
+      prevent the overlap".
+    Megatron-LM's own trainer refuses TP > 1 or CP > 1 without it before Blackwell
+    (megatron/training/arguments.py::validate_args: "Using tensor model parallelism or context
+    parallelism require setting the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1"). Its
+    exceptions only warn: FSDP (megarl trains without it) and overlap_moe_expert_parallel_comm
+    (megarl sets it nowhere; a user's override_transformer_config may, and Megatron-LM then leaves
+    "1 or 32" to whichever overlap is to be preferred). The one place megatron-core wants it other
+    than 1, the UCC pipeline backend (parallel_state.py: "UCC-backend requires
+    CUDA_DEVICE_MAX_CONNECTIONS > 1"), megarl never selects (engines/megatron/parallel.py passes no
+    pipeline_model_parallel_comm_backend). One environment serves every training role, whatever its
+    layout: 1 on CUDA. On CPU there is no CUDA context and nothing to set."""
+    return CUDA_CONNECTIONS_ENV if device == "cuda" else ()
 
 
 def nccl_watchdog_env(collective_timeout_s: float) -> tuple[tuple[str, str], ...]:
@@ -68,16 +108,17 @@ class Devices:
     weight_sync_transport: Literal["distributed", "tensor", "disk"]
     weight_sync_backend: Optional[str]  # of the distributed weight-update group; None for tensor and disk
     nccl_env: tuple[tuple[str, str], ...] = ()  # (name, value) the training workers' processes need
+    cuda_env: tuple[tuple[str, str], ...] = ()  # (name, value) of the CUDA runtime: `cuda_connections_env`
 
     @property
     def training_env(self) -> dict[str, str]:
         """The environment variables to start the training workers with."""
-        return dict(self.nccl_env)
+        return dict(self.cuda_env + self.nccl_env)
 
     def summary(self) -> str:
         """One line for logs and `megarl plan`."""
         sync = self.weight_sync_transport + (f" over {self.weight_sync_backend}" if self.weight_sync_backend else "")
-        env = " ".join(f"{k}={v}" for k, v in self.nccl_env)
+        env = " ".join(f"{k}={v}" for k, v in self.training_env.items())
         return (f"device {self.device}, training groups {self.training_backend}, weight sync {sync}"
                 + (f", trainer env {env}" if env else ""))
 
@@ -140,13 +181,72 @@ def decide_devices(device: str, cuda_available: bool, placement_mode: str, rollo
         # broadcast (PyTorch's backend support table).
         sync_backend = "nccl" if on_cuda and rollout_engine == "sglang" else "gloo"
     if not on_cuda:
-        return Devices("cpu", "gloo", transport, sync_backend)
+        return Devices("cpu", "gloo", transport, sync_backend, (), cuda_connections_env("cpu"))
     # PyTorch's backend support table: gloo cannot send, recv or barrier CUDA tensors, and megatron's
     # pipeline is send/recv; megatron's TP/PP/DP groups inherit the world's backend
     # (parallel_state.create_group(backend=None)). So CUDA tensors go over NCCL and CPU objects over
     # gloo, one default group for both (verl: utils/distributed.py).
     nccl_env = weight_group_nccl_env(sync_backend) + nccl_watchdog_env(collective_timeout_s)
-    return Devices("cuda", "cpu:gloo,cuda:nccl", transport, sync_backend, nccl_env)
+    return Devices("cuda", "cpu:gloo,cuda:nccl", transport, sync_backend, nccl_env, cuda_connections_env("cuda"))
+
+
+# Where the controller's environment shows the job's GPUs. Slurm (man sbatch / srun, OUTPUT
+# ENVIRONMENT VARIABLES): SLURM_GPUS_ON_NODE "Number of GPUs allocated to the batch step";
+# SLURM_JOB_GPUS "The global GPU IDs of the GPUs allocated to this job" (SLURM_STEP_GPUS: of the
+# step); SLURM_GPUS "Number of GPUs requested" (-G, --gpus) and SLURM_GPUS_PER_NODE "Requested GPU
+# count per allocated node" (--gpus-per-node, as slurm/megarl.sbatch asks), both "[type:]count".
+# CUDA: CUDA_VISIBLE_DEVICES lists indexes or GPU-/MIG- UUIDs, and only the devices before the first
+# invalid entry are visible (CUDA C Programming Guide, "CUDA Environment Variables"), so "-1", ""
+# or Slurm's "NoDevFiles" name none.
+GPU_ENV_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS", "SLURM_GPUS_PER_NODE",
+                "CUDA_VISIBLE_DEVICES")
+
+
+def _names_gpus(name: str, value: str) -> bool:
+    """Whether `value` of the variable `name` (one of GPU_ENV_VARS) says there are GPUs."""
+    value = value.strip()
+    if name == "SLURM_GPUS_ON_NODE":
+        return value.isdigit() and int(value) > 0
+    if name in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):  # ids: 0,1,... (or ranges, 0-3)
+        return bool(value) and value[0].isdigit()
+    if name in ("SLURM_GPUS", "SLURM_GPUS_PER_NODE"):  # [type:]count[,[type:]count...]
+        counts = [item.rsplit(":", 1)[-1].strip() for item in value.split(",")]
+        return any(c.isdigit() and int(c) > 0 for c in counts)
+    first = value.split(",")[0].strip()  # CUDA_VISIBLE_DEVICES: the first entry decides whether any is visible
+    return first.isdigit() or first.startswith(("GPU-", "MIG-"))
+
+
+def job_gpu_env(env: Mapping[str, str]) -> tuple[str, ...]:
+    """`NAME=value` of every variable of `env` (GPU_ENV_VARS) that says this process's job has GPUs."""
+    return tuple(f"{name}={env[name]}" for name in GPU_ENV_VARS if name in env and _names_gpus(name, env[name]))
+
+
+def auto_device_refusal(device: str, cuda_available: bool, cluster_gpus: Optional[float],
+                        env: Mapping[str, str]) -> Optional[str]:
+    """Why `trainer.device` (`device`) must not be resolved here, or None. The caller gathers the
+    facts: `cuda_available`, whether this (the controller's) process sees a CUDA GPU
+    (torch.cuda.is_available()); `cluster_gpus`, the GPUs of the Ray cluster it joined (None when it
+    joined none: before Ray starts, or a cluster it started itself with the config's logical GPUs);
+    `env`, its environment (GPU_ENV_VARS).
+
+    `auto` is decided by the controller, and the workers follow it (`decide_devices`): CPU and gloo
+    where it sees no GPU. The controller is not where the training runs: a Slurm batch step given
+    none of the job's GPUs, a login or head node without them, a CPU-only torch on a GPU node, would
+    each silently train a GPU job on CPU. So when the controller sees no CUDA but the job shows GPUs
+    (the cluster advertises some, or the environment lists some), `auto` is refused, naming the
+    key; `cuda` and `cpu` are the user's own decision and pass (`cuda` without CUDA here is
+    `decide_devices`' refusal)."""
+    if device != "auto" or cuda_available:
+        return None
+    shown = ([f"the Ray cluster it joined (RAY_ADDRESS) advertises {cluster_gpus:g} GPU(s)"] if cluster_gpus else []) \
+        + list(job_gpu_env(env))
+    if not shown:
+        return None
+    return ("trainer.device=auto is decided on this controller, which sees no CUDA GPU (torch.cuda.is_available() "
+            "is False: a Slurm batch step given none of the job's GPUs, no driver here, or a CPU-only torch), so the "
+            f"run would train on CPU over gloo; but this job has GPUs: {'; '.join(shown)}. Set trainer.device=cuda "
+            "to train on them (slurm/megarl.sbatch's usage and `megarl submit` do), or trainer.device=cpu if they are "
+            "not this run's (Ray's logical GPUs of a CPU machine, e.g. launch/local.sh on CPU)")
 
 
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:

@@ -6,7 +6,7 @@ before anything is queued.
 The rendered script is the template with the #SBATCH lines megarl submit sets replaced (the
 template has one option per #SBATCH line), plus two shell lines: the Python that rendered it (so
 the job finds megarl from any directory) and the experiment arguments (used when sbatch is given
-none).
+none), with `trainer.device=cuda` where the config leaves the device to `auto` (`device_overrides`).
 """
 from __future__ import annotations
 
@@ -150,6 +150,18 @@ def render_sbatch(template: str, options: SbatchOptions, python: str, experiment
     return "\n".join(out) + "\n"
 
 
+def device_overrides(device: str) -> list[str]:
+    """What the job adds to the experiment's overrides for `trainer.device` (`device`):
+    `trainer.device=cuda` where the config leaves it to `auto`, nothing where it names one.
+
+    `auto` is decided by the controller (megarl.config.devices.auto_device_refusal), which here is
+    the batch step on the job's first node, and a batch step may be given none of the job's GPUs
+    (a site's gres/cgroup settings, or --gpus rather than --gpus-per-node): the job asks Slurm for
+    GPUs (--gpus-per-node=trainer.n_gpus_per_node), so it trains on them. A config that says `cpu`
+    (a CPU cluster whose GPUs are Ray's logical ones) keeps it."""
+    return ["trainer.device=cuda"] if device == "auto" else []
+
+
 def write_script(config: ExperimentConfig, config_file: str | None, overrides: list[str], *, log_dir: str,
                  template: str | None = None, **sizes_and_limits) -> tuple[Path, str]:
     """Render the template for this experiment into <log_dir>/<job name>.sbatch; returns the
@@ -161,7 +173,8 @@ def write_script(config: ExperimentConfig, config_file: str | None, overrides: l
     source = Path(template) if template else default_template()
     if not source.is_file():
         raise ConfigError(f"sbatch template not found: {source} (pass --script path/to/megarl.sbatch)")
-    experiment = (["--config", str(Path(config_file).resolve())] if config_file else []) + list(overrides)
+    experiment = ((["--config", str(Path(config_file).resolve())] if config_file else []) + list(overrides)
+                  + device_overrides(config.trainer.device))
     text = render_sbatch(source.read_text(), options, python=sys.executable, experiment_args=experiment,
                          source=str(source))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ CPU tensors travel as shared-memory file names (`file_system` sharing strategy):
 the sender's multiprocessing key, which an unrelated server process does not have
 (`reference/sglang-protocol.md` §1.4). A shared file lives while a process holds it: the sender
 keeps its copy until the server acknowledged the request, the server drops its view after loading.
+The first such share starts torch's `torch_shm_manager` helper, which would keep this process's
+standard streams open as long as any server lives: `file_system_sharing` starts it without them.
 
 The receiving side unpickles with an allow-list (tensor and storage rebuild functions, dtypes,
 plain containers; SGLang's metadata classes only if SGLang is installed), never a plain
@@ -28,8 +30,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import pickle
 import os
+import pickle
+import sys
 import threading
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
@@ -41,6 +44,7 @@ import torch.multiprocessing as torch_mp
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 _STRATEGY_LOCK = threading.Lock()
 _FDS_CLOSED_ON_EXEC = False
+_SHM_MANAGER_STARTED = False
 
 
 def _keep_fds_from_shm_manager() -> None:
@@ -63,14 +67,60 @@ def _keep_fds_from_shm_manager() -> None:
     _FDS_CLOSED_ON_EXEC = True
 
 
+def _start_shm_manager_without_our_streams() -> None:
+    """Start torch's `torch_shm_manager` now, once, with /dev/null as its stdin, stdout and stderr.
+    Call with the `file_system` strategy set and `_STRATEGY_LOCK` held.
+
+    torch starts the helper on this process's first share by file name (`THManagedMapAllocator`,
+    torch/lib/libshm/core.cpp::start_manager): fork + exec, replacing only its stdout (by the pipe
+    it reports its socket through), so it inherits our stdin and stderr. It lives until the last
+    process connected to it has gone (libshm/manager.cpp: it exits 2 s after its last client):
+    this one, and every rollout server that opened one of our shared files (they run in sessions
+    of their own). A caller reading our stderr through a pipe (`megarl train ... 2>&1 | tee log`,
+    subprocess.run(capture_output=True)) would get EOF only once the servers are gone, not when we
+    exit. There is no option to start it otherwise, so its first share happens here, a one-element
+    tensor, with fds 0, 1 and 2 pointing at /dev/null, then restored; libshm keeps the connection
+    (core.cpp `managers`), so every later share of this process uses that helper and forks nothing.
+    Output other threads write to fds 1 and 2 during those few milliseconds is lost."""
+    global _SHM_MANAGER_STARTED
+    if _SHM_MANAGER_STARTED or os.name != "posix":
+        return
+    for stream in (sys.stdout, sys.stderr):  # what Python buffered goes out to the real streams first
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, closed or detached
+            pass
+    devnull = os.open(os.devnull, os.O_RDWR)
+    saved = {}
+    try:
+        for fd in (0, 1, 2):
+            try:
+                saved[fd] = os.dup(fd)  # not inheritable (PEP 446): the helper gets none of these copies
+            except OSError:  # closed in this process: closed again afterwards
+                saved[fd] = None
+            os.dup2(devnull, fd)
+        torch.empty(1).share_memory_()  # file_system: the helper starts here (none running yet)
+    finally:
+        for fd, copy in saved.items():
+            if copy is None:
+                os.close(fd)
+            else:
+                os.dup2(copy, fd)
+                os.close(copy)
+        os.close(devnull)
+    _SHM_MANAGER_STARTED = True
+
+
 @contextmanager
 def file_system_sharing():
-    """Share CPU storage by file name within the block (torch reads the strategy when it shares)."""
+    """Share CPU storage by file name within the block (torch reads the strategy when it shares).
+    The first call starts torch's shared-memory helper without this process's descriptors."""
     with _STRATEGY_LOCK:
         _keep_fds_from_shm_manager()
         previous = torch_mp.get_sharing_strategy()
         torch_mp.set_sharing_strategy("file_system")
         try:
+            _start_shm_manager_without_our_streams()
             yield
         finally:
             torch_mp.set_sharing_strategy(previous)
