@@ -37,7 +37,7 @@ STAMP_SGLANG := $(VENV_SGLANG)/.megarl-installed
 LOCK_SGLANG  := requirements/sglang-cpu-py311.lock
 PYTHON311    ?= $(shell $(PYTHON) -c 'import sys; print(sys.version_info[:2] == (3, 11))' | grep -q True && echo $(PYTHON) || echo python3.11)
 
-.PHONY: install test demo clean install-py312 test-py312 install-sglang lock
+.PHONY: install test demo clean install-py312 test-py312 install-sglang test-sglang lock
 
 # Installs once; again when setup.py or the lock changes. The lock (requirements/cpu-py3X.lock of
 # $(PYTHON)'s version, written by `make lock`) pins every package, so tests and benchmarks see the
@@ -88,6 +88,10 @@ $(STAMP_SGLANG): $(LOCK_SGLANG)
 	touch $(STAMP_SGLANG)
 
 install-sglang: $(STAMP_SGLANG)
+
+# The real-SGLang tier alone (`make test` runs it too); `.ci/run` runs it beside line 1.
+test-sglang: install install-sglang
+	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) $(PY) -m pytest tests/sglang $(PYTEST_ARGS)
 
 demo: install
 	$(PY) -m megarl.demo
