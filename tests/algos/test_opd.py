@@ -11,6 +11,8 @@ tool's reply (mask 0: no signal, though it is a real token).
 OPD + RL: A - 0.5 d;  pure OPD: -0.5 d;  reverse_kl_mean = (1 - 0.5 + 0 + 1 - 2 + 0 + 0.5) / 7 = 0,
 teacher_log_prob_mean = (-1.5 - 0.5 - 2 - 1.2 - 1 - 1 - 0.6) / 7 = -7.8 / 7.
 """
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,38 @@ def test_no_gradient_flows_through_the_signal():
     student = S.clone().requires_grad_(True)
     adv, d = opd_advantages(A, student, T, MASK, kl_coef=1.0, use_task_rewards=False)
     assert not adv.requires_grad and not d.requires_grad
+
+
+def test_at_a_rollout_temperature_not_1_both_sides_of_the_signal_are_the_models_own():
+    """One sampled token (id 0) of a 2-token vocabulary, the student's logits [2, 0], sampled at
+    rollout temperature 0.5. Row 0's teacher is the student itself; row 1's has logits [0, 0]. By
+    hand (nats):
+        student at T = 0.5  log softmax([4, 0])[0] = -log(1 + e^-4) = -0.0181499 (the old log-prob)
+        student at T = 1    log softmax([2, 0])[0] = -log(1 + e^-2) = -0.1269280
+        teacher, row 0      the student's, at T = 1 (an SGLang teacher's only)   = -0.1269280
+        teacher, row 1      log softmax([0, 0])[0] = -log 2                      = -0.6931472
+    Pure OPD, kl_coef 1: A' = -(student at 1 - teacher) = [0, -0.5662192]; a student distilled from
+    itself gets no signal. The old mix (student at T = 0.5, teacher at 1) gave row 0 -0.1087781."""
+    from megarl.config import load_config
+    from megarl.data.batch import Batch
+    from megarl.trainer.experience import distill
+
+    batch = Batch.from_token_lists([[1], [1]], [[0], [0]])
+    batch["advantages"] = torch.tensor([[0.3], [0.3]])
+    batch["old_log_probs"] = torch.full((2, 1), -math.log1p(math.exp(-4)))  # at T = 0.5: the PPO ratio's
+    batch["opd_student_log_probs"] = torch.full((2, 1), -math.log1p(math.exp(-2)))  # at T = 1
+    batch["teacher_log_probs"] = torch.tensor([[-math.log1p(math.exp(-2))], [-math.log(2)]])
+    config = load_config(None, ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m",
+                                "distillation.enabled=true", "distillation.use_task_rewards=false",
+                                "actor_rollout_ref.rollout.temperature=0.5"])
+    metrics = distill(batch, config)
+    assert batch["advantages"][:, 0].tolist() == [pytest.approx(0.0, abs=1e-7), pytest.approx(-0.5662192, abs=1e-6)]
+    assert metrics["opd/reverse_kl_mean"] == pytest.approx(0.5662192 / 2, abs=1e-6)
+
+
+def test_the_student_needs_a_pass_of_its_own_only_where_the_rollout_temperature_is_not_1():
+    from megarl.algos.opd import OPD_TEMPERATURE, student_needs_own_pass
+
+    assert OPD_TEMPERATURE == 1.0
+    assert student_needs_own_pass(0.5) and student_needs_own_pass(1.5) and student_needs_own_pass(0.999)
+    assert not student_needs_own_pass(1.0)

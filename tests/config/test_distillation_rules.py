@@ -22,6 +22,10 @@ SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teac
     (SGLANG + ["distillation.teacher.request_timeout_s=0"], "distillation.teacher.request_timeout_s=0.0: must be > 0"),
     (ON + ["distillation.teacher.url=http://t:1"],
      "distillation.teacher.url='http://t:1' is for distillation.type=sglang"),
+    (ON + ["distillation.teacher.api_key_env=TEACHER_KEY"],
+     "distillation.teacher.api_key_env='TEACHER_KEY' is for distillation.type=sglang"),
+    (SGLANG + ["distillation.teacher.api_key_env=MEGARL_TEST_UNSET_TEACHER_KEY"],
+     "distillation.teacher.api_key_env=MEGARL_TEST_UNSET_TEACHER_KEY: that environment variable is not set"),
     (ON + ["distillation.use_task_rewards=false", "algorithm.adv_estimator=gae"],
      "distillation.use_task_rewards=false (pure OPD: the advantage is the teacher's signal alone) leaves nothing for "
      "algorithm.adv_estimator=gae's critic"),
@@ -44,6 +48,16 @@ SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teac
 ])
 def test_refused_naming_the_keys(overrides, expected):
     assert expected in fails(*overrides)
+
+
+def test_the_teachers_key_comes_from_a_set_variable_and_never_sits_in_the_config(monkeypatch):
+    monkeypatch.setenv("MEGARL_TEST_TEACHER_KEY", "s3cret")
+    config = ok(*SGLANG, "distillation.teacher.api_key_env=MEGARL_TEST_TEACHER_KEY")
+    assert config.distillation.teacher.api_key_env == "MEGARL_TEST_TEACHER_KEY"
+    assert "s3cret" not in repr(config)
+    monkeypatch.setenv("MEGARL_TEST_TEACHER_KEY", "")
+    assert "MEGARL_TEST_TEACHER_KEY: that environment variable is not set (or empty)" in fails(
+        *SGLANG, "distillation.teacher.api_key_env=MEGARL_TEST_TEACHER_KEY")
 
 
 def test_disabled_distillation_ignores_its_keys():

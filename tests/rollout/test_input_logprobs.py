@@ -1,13 +1,15 @@
 """SGLang's input log-probs on the CPU engine (`return_logprob` + `logprob_start_len`, entries in
 `meta_info.input_token_logprobs`), and the client's `score` that an SGLang teacher answers with:
-the numbers are the HF model's own log-probs of those tokens."""
+the numbers are the HF model's own log-probs of those tokens (temperature 1: SGLang's only; real
+SGLang's answers are in tests/sglang/test_teacher_scoring.py)."""
 import pytest
 import requests
 import torch
 
-from megarl.rollout.client import RolloutClient, RolloutRequestError, input_log_probs
+from megarl.rollout.client import RolloutClient, RolloutRequestError, input_log_probs, reported_input_id_matches
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+VOCAB = 128  # the tiny model's (tests/rollout/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +27,19 @@ def hf_input_log_probs(model, ids, temperature=1.0):
     return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_scores_equal_the_hf_models_log_probs(server, tiny_hf, temperature):
+def test_scores_equal_the_hf_models_log_probs(server, tiny_hf):
     starts = [0, 2, 7]  # the whole sequence, from the third token, the last token only (nothing to score)
-    with RolloutClient(server.url, max_retries=1) as client:
-        scores = client.score(SEQUENCES, starts, temperature)
+    with RolloutClient(server.url, max_retries=1, vocab_size=VOCAB) as client:
+        scores = client.score(SEQUENCES, starts)
     for ids, start, got in zip(SEQUENCES, starts, scores):
         assert len(got) == len(ids) - start - 1
-        expected = hf_input_log_probs(tiny_hf, ids, temperature)[start:]
+        expected = hf_input_log_probs(tiny_hf, ids)[start:]
         torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=1e-5)
-    # negative control: the other temperature's numbers differ
-    other = hf_input_log_probs(tiny_hf, SEQUENCES[0], 1.0 if temperature != 1.0 else 0.7)
+    # negative control: another temperature's numbers differ
+    other = hf_input_log_probs(tiny_hf, SEQUENCES[0], 0.7)
     assert not torch.allclose(torch.tensor(scores[0]), other, atol=1e-3)
+    with pytest.raises(ValueError, match="vocab_size"), RolloutClient(server.url) as client:
+        client.score(SEQUENCES, starts)
 
 
 def test_the_wire_format_is_sglangs(server):
@@ -65,10 +68,34 @@ def test_a_start_at_or_past_the_input_is_refused_as_sglang_aborts_it(server, sta
 
 def test_answers_that_do_not_match_the_sequence_are_refused():
     ok = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.5, 6, None]]}}
-    assert input_log_probs(ok, [5, 6], 0) == [-1.5]
+    assert input_log_probs(ok, [5, 6], 0, VOCAB) == [-1.5]
     with pytest.raises(RolloutRequestError, match="sequence 3|prompt 3"):
-        input_log_probs(ok, [5, 7], 0, index=3)
+        input_log_probs(ok, [5, 7], 0, VOCAB, index=3)
     with pytest.raises(RolloutRequestError, match="input_token_logprobs: none"):
-        input_log_probs({"meta_info": {}}, [5, 6], 0)
+        input_log_probs({"meta_info": {}}, [5, 6], 0, VOCAB)
     with pytest.raises(RolloutRequestError, match="null there"):
-        input_log_probs({"meta_info": {"input_token_logprobs": [[-0.1, 5, None], [-1.5, 6, None]]}}, [5, 6], 0)
+        input_log_probs({"meta_info": {"input_token_logprobs": [[-0.1, 5, None], [-1.5, 6, None]]}}, [5, 6], 0, VOCAB)
+    with pytest.raises(RolloutRequestError, match="expected one entry for each of the 3 input tokens"):
+        input_log_probs(ok, [5, 6, 7], 0, VOCAB)  # an entry missing at the end
+
+
+@pytest.mark.parametrize("reported, sent, matches", [
+    (5, 5, True),    # an id below vocab_size - 1: reported as sent
+    (0, 5, False),   # ... and never as 0
+    (6, 5, False),   # another id
+    (0, 0, True),    # id 0 itself
+    (0, 46, True),   # vocab_size - 1 (47 tokens): SGLang 0.5.23 reports 0
+    (46, 46, True),  # ... or a server that does not clip reports it as sent
+    (45, 46, False),  # anything else still does not match
+    (0, 47, True),   # past the vocabulary (SGLang's rule is >= vocab_size - 1)
+    (0, 45, False),  # vocab_size - 2 is not clipped
+])
+def test_sglangs_reported_input_ids_per_case(reported, sent, matches):
+    assert reported_input_id_matches(reported, sent, 47) is matches
+
+
+def test_the_last_vocabulary_id_comes_back_as_0_and_is_read():
+    answer = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.5, 0, None], [-0.5, 7, None]]}}
+    assert input_log_probs(answer, [5, 46, 7], 0, 47) == [-1.5, -0.5]
+    with pytest.raises(RolloutRequestError, match="ids \\[5, 0, 7\\]"):
+        input_log_probs(answer, [5, 45, 7], 0, 47)

@@ -1,7 +1,9 @@
 """On-policy distillation end to end on CPU (configs/tiny/opd.yaml): `python -m megarl.trainer.main_ppo`
 with a Megatron teacher on the actor's logical GPU, and with an SGLang teacher (a CPU-engine server
 started here, stopped by its PID). The teacher is the tiny model's architecture with other weights
-(seed 1) and the same character tokenizer; pure OPD, one response per prompt, three steps."""
+(seed 1) and the same character tokenizer; pure OPD, one response per prompt, three steps, sampled
+at temperature 0.7: the reverse KL is at OPD's temperature (1) on both sides all the same
+(megarl.algos.opd), which takes the student a pass of its own."""
 import json
 import math
 import sys
@@ -15,6 +17,7 @@ from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
+ROLLOUT_TEMPERATURE = 0.7
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +33,8 @@ def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *ove
            f"data.train_files={tiny_assets / 'data/train.parquet'}",
            f"data.val_files={tiny_assets / 'data/val.parquet'}",
            f"trainer.default_local_dir={out}", f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
-           "trainer.val_before_train=false", "trainer.logger=[console]", *overrides]
+           "trainer.val_before_train=false", "trainer.logger=[console]",
+           f"actor_rollout_ref.rollout.temperature={ROLLOUT_TEMPERATURE}", *overrides]
     run_to_completion(cmd, out, 400, "OPD experiment")
     logs = out / "megarl-tiny" / "opd" / "logs"
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
@@ -38,6 +42,7 @@ def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *ove
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for row in train:
         assert row["timing/teacher_log_prob_s"] > 0 and row["timing/old_log_prob_s"] > 0  # both before the advantages
+        assert row["timing/opd_student_log_prob_s"] > 0  # the student at OPD's temperature, not the rollout's
         assert row["opd/coverage"] == 1.0
         assert math.isfinite(row["opd/reverse_kl_mean"]) and row["opd/teacher_log_prob_mean"] < 0
         assert row["rollout/samples"] == 8  # 8 prompts x n=1
@@ -78,6 +83,7 @@ def test_sglang_teacher_server(sglang_run):
 
 def test_both_teachers_score_the_first_step_alike(megatron_run, sglang_run):
     """Step 1 samples the same responses in both runs (the same seeds, the same start): the
-    Megatron teacher's forward and the server's input log-probs give the same signal."""
+    Megatron teacher's forward and the server's input log-probs give the same signal, both at OPD's
+    temperature (an SGLang server's input log-probs are at 1 whatever the request says)."""
     for key in ("opd/teacher_log_prob_mean", "opd/reverse_kl_mean"):
         assert megatron_run[0][key] == pytest.approx(sglang_run[0][key], abs=1e-4), key

@@ -13,8 +13,22 @@ reverse KL(pi_student || pi_teacher) on the student's own states (Thinking Machi
 subtraction follow slime's `--use-opd --opd-kl-coef` (`apply_opd_kl_to_advantages` in
 slime/backends/megatron_utils/loss.py: advantages - opd_kl_coef * (student - teacher)); the switch
 between pure OPD and OPD + RL is verl's `distillation.distillation_loss.use_task_rewards`
-(docs/algo/opd.md, PG OPD with the k1 estimator). The student's log-probs are the trainer's old
-log-probs of the batch (slime's `log_probs`), taken at the rollout temperature, as the teacher's.
+(docs/algo/opd.md, PG OPD with the k1 estimator).
+
+Both sides of d_t are at one temperature, `OPD_TEMPERATURE` = 1 (softmax(logits): the models
+themselves), whatever `actor_rollout_ref.rollout.temperature` the student samples at; the
+policy-gradient terms keep the rollout temperature (the PPO ratio is the sampling policy's). Why 1:
+an SGLang teacher gives nothing else. SGLang 0.5.23 takes a plain log_softmax of the logits for input
+tokens whatever the request's temperature (`srt/layers/logprob_processor.py`,
+`InputLogprobProcessor._forward_by_chunk`), and a score at T = 1 cannot be turned into one at T
+without the whole vocabulary's logits. So the student's side and a Megatron teacher follow, and both
+teacher types give the same signal; a student at T against a teacher at 1 would be biased (distilled
+from itself, it would get d_t != 0). What the signal drives to is unchanged: d_t = 0 on every sampled
+token exactly where the two models agree, and models that agree at T = 1 agree at every T. At T != 1
+the tokens come from the tempered student, so the mean of d_t weighs the models' per-token gaps by
+where that student goes, and the student takes one more forward pass per step
+(`student_needs_own_pass`). Refusing T != 1 with an SGLang teacher was the other way out; it would
+forbid the usual sampling temperatures and change nothing in what a zero signal means.
 
 `teacher_mask` marks the response tokens the teacher scored (None: all of `mask`); a token it did
 not score carries no OPD signal (d_t = 0 there), and `coverage` says how many were scored.
@@ -24,6 +38,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+OPD_TEMPERATURE = 1.0  # the temperature of both sides of the reverse KL (module docstring)
+
+
+def student_needs_own_pass(rollout_temperature: float) -> bool:
+    """Whether the student's log-probs for d_t need a forward pass of their own at
+    `OPD_TEMPERATURE`: the trainer's old-log-prob pass runs at the rollout temperature and serves
+    only when that is `OPD_TEMPERATURE`."""
+    return rollout_temperature != OPD_TEMPERATURE
 
 
 def reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

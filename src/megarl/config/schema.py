@@ -465,6 +465,9 @@ class TeacherConfig:
     # type=sglang: the teacher's SGLang server or router (slime's --rm-url for --opd-type sglang), e.g.
     # http://teacher-host:30000; it scores prompt + response with SGLang's input log-probs
     url: Optional[str] = None
+    # type=sglang: the environment variable holding the key of the teacher's server (its --api-key); None: no
+    # key. The key itself is never in a config, a log or a metric.
+    api_key_env: Optional[str] = None
     max_concurrent_requests: int = 64  # type=sglang: scoring requests in flight
     request_timeout_s: float = 600.0
 

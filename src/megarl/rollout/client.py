@@ -145,6 +145,7 @@ class RolloutClient:
         continue_aborted: bool = False,
         routed_experts: Optional[tuple[int, int, int]] = None,
         server_urls: Optional[list[str]] = None,
+        vocab_size: Optional[int] = None,
     ):
         """`routed_experts`: (layers, top_k, num_experts) of an MoE model whose routes every sample
         brings back, narrowed (routing replay; the servers run with `--enable-return-routed-experts`). `server_urls`:
@@ -153,7 +154,9 @@ class RolloutClient:
         GenerateRequest has no such field), so routing replay goes around it.
         `abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
         `continue_aborted` (partial rollouts): a sample the server aborted (`/pause_generation`)
-        is continued from its tokens instead of generated again (`_continue`)."""
+        is continued from its tokens instead of generated again (`_continue`).
+        `vocab_size`: the served model's (its HF config's), which `score` needs to read the token
+        ids SGLang reports (`reported_input_id_matches`); None: `score` refuses to run."""
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.max_concurrency = max_concurrency
@@ -166,6 +169,7 @@ class RolloutClient:
         self.lora_name: Optional[str] = None  # adapter-only LoRA sync: the adapter every request names
         self.routed_experts = routed_experts
         self.server_urls = server_urls or []  # the fleet's own list: a restarted server's new URL shows
+        self.vocab_size = vocab_size
         self._aborting = threading.Event()
         self._lock = threading.Lock()  # guards `_loop`
         self._loop: Optional[LoopThread] = None  # started by the first call
@@ -194,15 +198,21 @@ class RolloutClient:
         coroutine = self._generate(prompts, sampling, return_logprob, seeds, keep_going)
         return await (coroutine if loop.in_loop() else loop.wrap(coroutine))
 
-    def score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
         """A teacher's scores (on-policy distillation): for sequence i, the log-probs of its tokens
-        at positions starts[i] + 1 .. end, each given the tokens before it, under softmax(logits / T)
+        at positions starts[i] + 1 .. end, each given the tokens before it, under softmax(logits)
         (SGLang's input log-probs: `return_logprob`, `logprob_start_len` = starts[i], `max_new_tokens`
-        0; `input_log_probs`). Retries and refusals as `generate` (`RolloutRequestError` names the
+        0; `input_log_probs`). Temperature 1 only: SGLang 0.5.23 takes a plain log_softmax of the
+        logits for input tokens whatever the request's temperature (`srt/layers/logprob_processor.py`,
+        `InputLogprobProcessor._forward_by_chunk`); the request says 1. Needs the client's
+        `vocab_size`. Retries and refusals as `generate` (`RolloutRequestError` names the
         sequence's index); blocking, from any thread."""
         if len(starts) != len(sequences):
             raise ValueError(f"starts has {len(starts)} entries for {len(sequences)} sequences")
-        return self._loop_thread().run(self._score(sequences, starts, temperature))
+        if self.vocab_size is None:
+            raise ValueError("score needs the served model's vocab_size (RolloutClient(vocab_size=...)) to read "
+                             "the token ids SGLang reports")
+        return self._loop_thread().run(self._score(sequences, starts))
 
     def close(self) -> None:
         """Cancel what still runs, close the session and stop the client's loop thread. A later
@@ -278,9 +288,9 @@ class RolloutClient:
             except ServerError:
                 pass  # a server that cannot be reached has nothing running for us
 
-    async def _score(self, sequences: list[list[int]], starts: list[int], temperature: float) -> list[list[float]]:
+    async def _score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
         """`score`, on the client's loop."""
-        sampling = SamplingParams(max_new_tokens=0, temperature=temperature)
+        sampling = SamplingParams(max_new_tokens=0)
         semaphore, session = asyncio.Semaphore(self.max_concurrency), self._session_here()
 
         async def one(index: int) -> list[float]:
@@ -290,7 +300,7 @@ class RolloutClient:
                 for attempt in range(1, self.max_retries + 2):
                     try:
                         (output,) = await self._attempt(session, index, payload, 1, as_sent=True)
-                        return input_log_probs(output, ids, start, index)
+                        return input_log_probs(output, ids, start, self.vocab_size, index)
                     except _Retry as e:
                         if attempt > self.max_retries:
                             raise RolloutRequestError(index, None, f"gave up after {attempt} attempts: {e}") from None
@@ -445,13 +455,27 @@ class RolloutClient:
         return (replace(sample, weight_versions=versions) if len(set(versions)) > 1 else sample), retries
 
 
-def input_log_probs(output: dict[str, Any], ids: list[int], start: int, index: int = 0) -> list[float]:
+def reported_input_id_matches(reported: int, sent: int, vocab_size: int) -> bool:
+    """Whether `reported`, an entry's token id in `input_token_logprobs`, stands for input token
+    `sent`: the same id, or 0 where `sent` >= vocab_size - 1, as SGLang 0.5.23 reports those
+    (`srt/managers/scheduler_components/logprob_result_processor.py`,
+    `SchedulerLogprobResultProcessor._process_input_token_logprobs` clips what it takes for padded
+    image-token hashes; its `vocab_size` is the served model's `ModelConfig.vocab_size`, the HF
+    config's). Output token ids are reported as sampled."""
+    return reported == sent or (reported == 0 and sent >= vocab_size - 1)
+
+
+def input_log_probs(output: dict[str, Any], ids: list[int], start: int, vocab_size: int,
+                    index: int = 0) -> list[float]:
     """The log-probs of ids[start + 1:] from one `/generate` answer's `meta_info.input_token_logprobs`
     (entries [logprob, token_id, text] for ids[start:], the first logprob null, as SGLang sends
-    them). Raises `RolloutRequestError` (naming sequence `index`) when the entries are missing or do
-    not match `ids`."""
+    them; each token_id as `reported_input_id_matches` allows for the served model's `vocab_size`).
+    Raises `RolloutRequestError` (naming sequence `index`) when the entries are missing or do not
+    match `ids`."""
     entries = output.get("meta_info", {}).get("input_token_logprobs")
-    if entries is None or [e[1] for e in entries] != ids[start:]:
+    sent = ids[start:]
+    if entries is None or len(entries) != len(sent) or not all(
+            reported_input_id_matches(e[1], i, vocab_size) for e, i in zip(entries, sent)):
         got = "none" if entries is None else f"ids {[e[1] for e in entries][:8]}..."
         raise RolloutRequestError(index, 200, f"input_token_logprobs: {got}, expected one entry for each of the "
                                   f"{len(ids) - start} input tokens from logprob_start_len={start}")

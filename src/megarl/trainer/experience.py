@@ -148,13 +148,14 @@ def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None)
 
 def distill(batch: Batch, config: ExperimentConfig) -> dict:
     """On-policy distillation (`distillation`, megarl.algos.opd): `advantages` become the
-    estimator's minus kl_coef x the reverse KL of the old log-probs to `teacher_log_probs` [B, R]
-    (or that term alone with use_task_rewards=false), on `response_mask` tokens only (a multi-turn
-    row's tool tokens carry none). Sets `opd_reverse_kl` [B, R]; returns the `opd/...` metrics."""
+    estimator's minus kl_coef x the reverse KL of `opd_student_log_probs` to `teacher_log_probs`
+    [B, R], both at `OPD_TEMPERATURE` (or that term alone with use_task_rewards=false), on
+    `response_mask` tokens only (a multi-turn row's tool tokens carry none). Sets `opd_reverse_kl`
+    [B, R]; returns the `opd/...` metrics."""
     d = config.distillation
     mask = batch["response_mask"]
     batch["advantages"], batch["opd_reverse_kl"] = opd_advantages(
-        batch["advantages"], batch["old_log_probs"], batch["teacher_log_probs"], mask, kl_coef=d.kl_coef,
+        batch["advantages"], batch["opd_student_log_probs"], batch["teacher_log_probs"], mask, kl_coef=d.kl_coef,
         use_task_rewards=d.use_task_rewards)
     return opd_metrics(batch["opd_reverse_kl"], batch["teacher_log_probs"], mask)
 
@@ -208,8 +209,9 @@ def old_log_probs_in_update(config: ExperimentConfig) -> bool:
     reads them with the advantages; nor with `use_rollout_log_probs`, where the rollout's are the
     old ones and the trainer's pass only measures the mismatch; nor with `algorithm.rollout_correction`,
     whose weights and mask are made from them before the update (`rollout_correction`); nor with
-    on-policy distillation (`distillation.enabled`), whose reverse KL in the advantage is the old
-    log-probs' distance to the teacher's. (Steps in `trainer.critic_warmup` do not update the actor:
+    on-policy distillation (`distillation.enabled`), whose reverse KL in the advantage reads the
+    trainer's log-probs of the batch before the update (at `OPD_TEMPERATURE`: this pass's when the
+    rollout temperature is that, megarl.algos.opd). (Steps in `trainer.critic_warmup` do not update the actor:
     the controller then runs the separate pass.)"""
     actor = config.actor_rollout_ref.actor
     return (actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs

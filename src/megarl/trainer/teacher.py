@@ -1,27 +1,31 @@
 """The on-policy-distillation teacher as the controller sees it (`distillation`, megarl.algos.opd):
-one call, `Teacher.log_probs(batch, temperature)`, whichever form it takes.
+one call, `Teacher.log_probs(batch)`, whichever form it takes.
 
   type megatron  the `teacher` role's engine group (a `TeacherEngine` per rank, placed by the
                  planner on the training pool or its own, offloaded with the reference's rules)
   type sglang    a teacher SGLang server or router at `distillation.teacher.url`, asked for the input
                  log-probs of prompt + response (`RolloutClient.score`: `return_logprob`,
-                 `logprob_start_len` = prompt length - 1, `max_new_tokens` 0)
+                 `logprob_start_len` = prompt length - 1, `max_new_tokens` 0), with the key in the
+                 environment variable `distillation.teacher.api_key_env` where its server has one
 
 Either way the result is `teacher_log_probs` [B, R] float32 aligned with `response_ids`: at response
-position t, log p_teacher(response_ids[t] | prompt, response[:t]) under softmax(logits / T), 0 at
+position t, log p_teacher(response_ids[t] | prompt, response[:t]) under softmax(logits) (T =
+`OPD_TEMPERATURE`, whatever the rollout's: SGLang's input log-probs are at T = 1 only), 0 at
 padding. A multi-turn row is scored whole (its tool tokens are context); the reverse KL keeps only
 its `response_mask` tokens. The teacher must share the student's tokenizer: `check_same_tokenizer`
 refuses a run whose tokenizers differ, naming both paths.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from megarl.algos.opd import OPD_TEMPERATURE
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
-from megarl.rollout.client import RolloutClient
+from megarl.rollout.client import RolloutClient, RolloutRequestError
 from megarl.trainer.roles import TeacherRole
 
 
@@ -51,6 +55,26 @@ def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
             "On-policy distillation scores the student's token ids as they are: use a teacher of the same tokenizer")
 
 
+def served_vocab_size(model_path: str) -> int:
+    """The `vocab_size` of the teacher's HF config (a multimodal config's text model's: transformers'
+    `get_text_config`), which SGLang's `ModelConfig.vocab_size` is (`srt/configs/model_config.py`:
+    `hf_text_config.vocab_size`): the score client needs it to read the input token ids SGLang
+    reports (`megarl.rollout.client.reported_input_id_matches`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
+
+
+def unauthorized_message(url: str, api_key_env: Optional[str]) -> str:
+    """Why the teacher server at `url` answered HTTP 401, and which key to set (never the key)."""
+    if api_key_env is None:
+        return (f"the teacher server at {url} refused to score (HTTP 401 Unauthorized): it was started with "
+                "--api-key; set distillation.teacher.api_key_env to the name of an environment variable holding "
+                "that key")
+    return (f"the teacher server at {url} refused the key in ${api_key_env} (distillation.teacher.api_key_env; "
+            "HTTP 401 Unauthorized): it is not the key the server was started with (--api-key)")
+
+
 def scoring_requests(batch: Batch) -> tuple[list[list[int]], list[int]]:
     """(sequences, starts) for `RolloutClient.score`: each row's real prompt tokens then its real
     response tokens (tool tokens of a multi-turn row included), and the index of its last prompt
@@ -78,24 +102,35 @@ class Teacher:
     def __init__(self, config: ExperimentConfig, engines: Optional[TeacherRole] = None):
         d = config.distillation
         check_same_tokenizer(student_tokenizer_path(config), d.teacher.model_path)
-        self.type, self.engines, self.client = d.type, engines, None
+        self.type, self.engines, self.client, self.api_key_env = d.type, engines, None, d.teacher.api_key_env
         if d.type == "megatron" and engines is None:
             raise ValueError("distillation.type=megatron: the cluster has no teacher role")
         if d.type == "sglang":
-            self.client = RolloutClient(d.teacher.url, max_concurrency=d.teacher.max_concurrent_requests,
-                                        request_timeout_s=d.teacher.request_timeout_s)
+            key = os.environ[self.api_key_env] if self.api_key_env else None  # never logged
+            self.client = RolloutClient(d.teacher.url, api_key=key,
+                                        max_concurrency=d.teacher.max_concurrent_requests,
+                                        request_timeout_s=d.teacher.request_timeout_s,
+                                        vocab_size=served_vocab_size(d.teacher.model_path))
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, engines: Optional[TeacherRole] = None) -> Optional[Teacher]:
         """The teacher, or None when `distillation.enabled` is false."""
         return cls(config, engines) if config.distillation.enabled else None
 
-    def log_probs(self, batch: Batch, temperature: float) -> torch.Tensor:
-        """`teacher_log_probs` [B, R] float32 of the batch's responses (module docstring)."""
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """`teacher_log_probs` [B, R] float32 of the batch's responses at `OPD_TEMPERATURE` (module
+        docstring). An SGLang teacher that refuses the key (HTTP 401) raises ConfigError naming
+        `distillation.teacher.api_key_env`."""
         if self.type == "megatron":
-            return self.engines.compute_teacher_log_prob(batch, temperature)["teacher_log_probs"]
+            return self.engines.compute_teacher_log_prob(batch, OPD_TEMPERATURE)["teacher_log_probs"]
         sequences, starts = scoring_requests(batch)
-        return response_grid(self.client.score(sequences, starts, temperature), batch)
+        try:
+            scores = self.client.score(sequences, starts)
+        except RolloutRequestError as e:
+            if e.status == 401:
+                raise ConfigError(unauthorized_message(self.client.url, self.api_key_env)) from e
+            raise
+        return response_grid(scores, batch)
 
     def close(self) -> None:
         if self.client is not None:

@@ -2,6 +2,7 @@
 type, its place and layout, and the combinations with the RL keys that cannot work."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from megarl.config.rules.common import DerivedSizes, positive
@@ -40,9 +41,15 @@ def distillation_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
         yield from positive(f"{KEY}.teacher.max_concurrent_requests", t.max_concurrent_requests)
         if t.request_timeout_s <= 0:
             yield f"{KEY}.teacher.request_timeout_s={t.request_timeout_s}: must be > 0"
-    elif t.url:
-        yield (f"{KEY}.teacher.url={t.url!r} is for {KEY}.type=sglang; a Megatron teacher runs on the "
-               f"training GPUs (remove the url, or set {KEY}.type=sglang)")
+        if t.api_key_env is not None and not os.environ.get(t.api_key_env):
+            yield (f"{KEY}.teacher.api_key_env={t.api_key_env}: that environment variable is not set (or empty) "
+                   "here; export it with the teacher server's --api-key, or leave the key unset for a server "
+                   "without one")
+    else:
+        for key in ("url", "api_key_env"):
+            if getattr(t, key):
+                yield (f"{KEY}.teacher.{key}={getattr(t, key)!r} is for {KEY}.type=sglang; a Megatron teacher runs "
+                       f"on the training GPUs (remove it, or set {KEY}.type=sglang)")
     if not d.use_task_rewards:
         pure = f"{KEY}.use_task_rewards=false (pure OPD: the advantage is the teacher's signal alone)"
         if config.algorithm.adv_estimator == "gae":
