@@ -180,7 +180,7 @@ def test_resuming_memory_never_released_ends_the_server_as_sglang_does(tiny_mode
             assert time.monotonic() < deadline, "the server did not exit"
             time.sleep(0.05)
         assert proc.returncode == 1
-        assert "KeyError: 'weights': resume_memory_occupation of memory that was never released" in \
+        assert "KeyError: 'weights': resume_memory_occupation of memory that is not released" in \
             (tmp_path / "crash.log").read_text()
     finally:
         proc.stop(timeout_s=15)

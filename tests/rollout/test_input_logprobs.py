@@ -1,7 +1,9 @@
 """SGLang's input log-probs on the CPU engine (`return_logprob` + `logprob_start_len`, entries in
 `meta_info.input_token_logprobs`), and the client's `score` that an SGLang teacher answers with:
-the numbers are the HF model's own log-probs of those tokens (temperature 1: SGLang's only; real
-SGLang's answers are in tests/sglang/test_teacher_scoring.py)."""
+the numbers are the HF model's own log-probs of those tokens, log_softmax(logits) whatever the
+request's temperature, as SGLang 0.5.23 computes them (tests/sglang/test_differential.py holds
+the CPU engine to a real SGLang server on this; the client's scores against a real SGLang teacher
+are in tests/sglang/test_teacher_scoring.py)."""
 import pytest
 import requests
 import torch
@@ -50,16 +52,33 @@ def test_the_wire_format_is_sglangs(server):
     entries = out["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == ids and entries[0][0] is None and all(e[2] is None for e in entries)
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
-    # without logprob_start_len (-1): the last input token only, null
-    del body["logprob_start_len"]
+    # without logprob_start_len (-1), or at the input's length: none (SGLang 0.5.23 sets -1 to the
+    # input's length, `managers/scheduler.py::handle_generate_request`)
     body["sampling_params"]["max_new_tokens"] = 2
-    out = requests.post(server.url + "/generate", json=body, timeout=60).json()
+    for start in (-1, len(ids)):
+        out = requests.post(server.url + "/generate", json={**body, "logprob_start_len": start}, timeout=60).json()
+        assert out["meta_info"]["input_token_logprobs"] == []
+        assert len(out["meta_info"]["output_token_logprobs"]) == 2
+    # the last one: null
+    out = requests.post(server.url + "/generate", json={**body, "logprob_start_len": len(ids) - 1}, timeout=60).json()
     assert out["meta_info"]["input_token_logprobs"] == [[None, ids[-1], None]]
-    assert len(out["meta_info"]["output_token_logprobs"]) == 2
 
 
-@pytest.mark.parametrize("start", [6, 99, -2, "0"])
-def test_a_start_at_or_past_the_input_is_refused_as_sglang_aborts_it(server, start):
+def test_ids_from_the_vocabularys_end_are_named_0_in_the_entries(server, tiny_hf):
+    """SGLang 0.5.23 reports input ids >= vocab_size - 1 as 0, the log-prob still the real token's
+    (`managers/scheduler_components/logprob_result_processor.py`); output entries keep theirs."""
+    last = tiny_hf.config.vocab_size - 1
+    ids = [5, last, 6, last - 1]
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0}}
+    entries = requests.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == [5, 0, 6, last - 1]
+    torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), hf_input_log_probs(tiny_hf, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start", [7, 99, -2, "0"])
+def test_a_start_past_the_input_is_refused_as_sglang_aborts_it(server, start):
     body = {"input_ids": SEQUENCES[0], "return_logprob": True, "logprob_start_len": start,
             "sampling_params": {"max_new_tokens": 0}}
     resp = requests.post(server.url + "/generate", json=body, timeout=60)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import pytest
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.rollout.launch import sglang_server_command, sglang_server_env
+from megarl.rollout.launch import cpu_server_command, sglang_server_command, sglang_server_env
 from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,15 +32,18 @@ def make_model(arch: str, out_dir, **sizes) -> str:
 
 def start_sglang(model_dir: str, log_dir, *, name: str = "sglang", api_key: Optional[str] = None,
                  dtype: str = "float32", max_running_requests: int = 8, extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 300.0, **command_args) -> ServerProcess:
-    """A started SGLang server on a free port of 127.0.0.1, its log in `log_dir`/<name>.log."""
+                 startup_timeout_s: float = 300.0, env: Optional[Mapping[str, str]] = None,
+                 **command_args) -> ServerProcess:
+    """A started SGLang server on a free port of 127.0.0.1, its log in `log_dir`/<name>.log; `env`:
+    variables set for it besides the launch code's."""
 
     def server_on(port: int) -> ServerProcess:
         command = sglang_server_command(model_dir, port, device="cpu", max_running_requests=max_running_requests,
                                         api_key=api_key, dtype=dtype, context_length=CONTEXT,
                                         extra_args=extra_args, python=sglang_python(), **command_args)
-        env = sglang_server_env(os.environ, device="cpu", enable_memory_saver=False, colocated=False)
-        return ServerProcess(name, command, f"http://127.0.0.1:{port}", env=env,
+        server_env = {**sglang_server_env(os.environ, device="cpu", enable_memory_saver=False, colocated=False),
+                      **(env or {})}
+        return ServerProcess(name, command, f"http://127.0.0.1:{port}", env=server_env,
                              log_path=str(Path(log_dir) / f"{name}.log"), startup_timeout_s=startup_timeout_s)
 
     return start_on_a_free_port(server_on, "127.0.0.1")
@@ -62,3 +65,17 @@ def run_to_completion(cmd: list[str], cwd, timeout_s: float, what: str) -> str:
         pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}")
     assert proc.returncode == 0, output[-8000:]
     return output
+
+
+def start_cpu_engine(model_dir: str, log_dir, *, name: str = "cpu-engine", api_key: Optional[str] = None,
+                     startup_timeout_s: float = 120.0) -> ServerProcess:
+    """megarl's CPU engine serving `model_dir` in float32 on a free port of 127.0.0.1, with the context
+    length the SGLang servers get (`start_sglang`): the stand-in to hold to SGLang's answers."""
+
+    def server_on(port: int) -> ServerProcess:
+        command = cpu_server_command(model_dir, port, api_key=api_key, dtype="float32", context_length=CONTEXT,
+                                     num_threads=1)
+        return ServerProcess(name, command, f"http://127.0.0.1:{port}", log_path=str(Path(log_dir) / f"{name}.log"),
+                             startup_timeout_s=startup_timeout_s)
+
+    return start_on_a_free_port(server_on, "127.0.0.1")

@@ -10,9 +10,12 @@ engine rejects what SGLang rejects. Response shapes:
      "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency", ...}}
 
 With `return_logprob`, `meta_info.input_token_logprobs` lists the input tokens from `logprob_start_len`
-(-1: the last one) as [logprob, token_id, null]: entry i is log p(input[start + i] | input[:start + i])
-under softmax(logits / T), except entry 0, always null (SGLang pads the first one: scheduler output
-processor, `input_token_logprobs_val = [None] + ...`). A scorer sends the whole sequence with
+(-1, the default: none) as [logprob, token_id, null]: entry i is log p(input[start + i] | input[:start + i])
+under log_softmax(logits), whatever the request's temperature (SGLang 0.5.23
+`layers/logprob_processor.py::InputLogprobProcessor`), except entry 0, always null (SGLang pads the
+first one: `managers/scheduler_components/logprob_result_processor.py`,
+`input_token_logprobs_val = [None] + ...`); an entry's token_id is 0 for ids from vocab_size - 1 up
+(SGLang clips them there; the log-prob is the real token's). A scorer sends the whole sequence with
 `logprob_start_len` 0 (or its prompt length - 1) and `max_new_tokens` 0.
 
 A request with one prompt and `n == 1` gets one such object; a batch of prompts, or `n > 1`, gets a
@@ -194,7 +197,7 @@ class PromptRequest:
     return_routed_experts: bool = False  # see megarl.rollout.routed_experts
     routed_experts_start_len: int = 0
     # with return_logprob: `meta_info.input_token_logprobs` covers input positions [start, prompt
-    # tokens) (SGLang's `logprob_start_len`; -1: the last input token only)
+    # tokens) (SGLang's `logprob_start_len`; -1: none, as a start at the prompt's length)
     logprob_start_len: int = -1
 
 
@@ -226,7 +229,9 @@ def parse_generate_body(body: Any) -> GenerateBody:
     if body.get("stream"):
         raise BadRequestError("stream=true is not supported by the megarl CPU engine")
     input_ids, text = body.get("input_ids"), body.get("text")
-    if (input_ids is None) == (text is None):
+    if input_ids is None and text is None:
+        raise BadRequestError("Either text, input_ids or input_embeds should be provided.")  # SGLang's words
+    if input_ids is not None and text is not None:
         raise BadRequestError("give exactly one of `input_ids` and `text`")
     if input_ids is not None:
         if _is_token_list(input_ids):
@@ -266,12 +271,13 @@ def parse_generate_body(body: Any) -> GenerateBody:
             raise BadRequestError(f"routed_experts_start_len={start!r} must be an int in [0, {len(prompts[i])}] "
                                   "(the number of input tokens)")
         logprob_start = logprob_starts[i]
-        # SGLang 0.5.23 aborts a request whose logprob_start_len is not below its input length
-        # (srt/managers/scheduler.py, handle_generate_request; -1 means the last input token); here HTTP 400
+        # SGLang 0.5.23 aborts a request whose logprob_start_len is higher than its input length
+        # (srt/managers/scheduler.py, handle_generate_request; -1 means the input length), HTTP 400;
+        # one below -1 fails its scheduler (an AssertionError ends the server): refused here too
         if bool(logprobs[i]) and not (isinstance(logprob_start, int) and not isinstance(logprob_start, bool)
-                                      and -1 <= logprob_start < len(prompts[i])):
+                                      and -1 <= logprob_start <= len(prompts[i])):
             raise BadRequestError(f"logprob_start_len={logprob_start!r} is higher than the number of input tokens "
-                                  f"{len(prompts[i])}, or not an int >= -1; use a smaller logprob_start_len")
+                                  f"{len(prompts[i])}, or not an int >= -1. Please use a smaller logprob_start_len.")
         parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], lora_path=loras[i],
                                     return_routed_experts=bool(routed[i]), routed_experts_start_len=start,
                                     logprob_start_len=logprob_start))

@@ -12,16 +12,20 @@ Only sequences of the batch's adapter join, and none while another adapter's req
 them, while generation is paused, or while a weight update waits for the model (updates run
 between batches).
 
-Log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
+Output log-probs follow SGLang's default: the log-prob of the sampled token under softmax(logits / T),
 before top-k/top-p filtering; greedy (T = 0) gives log_softmax(logits). A trainer recomputing
-log-probs at the same temperature gets the same numbers (float32 on CPU).
+log-probs at the same temperature gets the same numbers (float32 on CPU). Input log-probs
+(`return_logprob` with `logprob_start_len`) are log_softmax(logits) whatever the temperature, as
+SGLang 0.5.23 computes them (`layers/logprob_processor.py::InputLogprobProcessor`).
 
-Memory release/resume has nothing to free on CPU; it is kept as SGLang 0.5.23's state machine, as
-strict as SGLang (managers/scheduler_components/weight_updater.py): releasing asserts the server is
-idle, and resuming removes each tag from the released ones (`offload_tags.remove(tag)`), so a tag
-never released raises KeyError; either failure is an exception in SGLang's scheduler, which exits
-and takes the server with it: here `SchedulerCrash`, on which the server process exits. Generation
-and weight updates are refused while weights are released.
+Memory release/resume has nothing to free on CPU; it is kept as SGLang 0.5.23's state machine
+(managers/scheduler_components/weight_updater.py, `release_memory_occupation` and
+`resume_memory_occupation`): releasing asserts the server is idle and adds each tag to the released
+ones, any string (None or []: all of `MEMORY_TAGS`); resuming removes each tag in the request's order
+(`offload_tags.remove(tag)`), so a tag not released raises KeyError; either failure is an exception
+in SGLang's scheduler, which exits and takes the server with it: here `SchedulerCrash`, on which the
+server process exits. Generation and weight updates are refused while weights or the KV cache are
+released: SGLang has no such check, but with its memory saver (GPU) it would run on freed memory.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ from megarl.rollout.cpu.route_recorder import RouteRecorder
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang 0.5.23 `constants.py::GPU_MEMORY_ALL_TYPES`
 
 
 class SchedulerCrash(RuntimeError):
@@ -301,7 +305,8 @@ class CPUEngine:
         `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model).
         `routed_experts_start_len`: record routes (None: not asked, or not enabled).
         `logprob_start_len`: with `return_logprob`, the first prompt position of `input_logprobs`
-        (-1: the last one; checked by `megarl.rollout.protocol.parse_generate_body`)."""
+        (-1: the prompt's length, none, as SGLang 0.5.23 `managers/scheduler.py::handle_generate_request`
+        sets it; checked by `megarl.rollout.protocol.parse_generate_body`)."""
         self.check_can_generate()
         self.check_prompt(prompt_ids, sampling)
         lora = self.lora.resolve(lora_name, self.model)
@@ -312,7 +317,7 @@ class CPUEngine:
                 seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
                 seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora,
                                      routed_experts_start_len=routed_experts_start_len,
-                                     logprob_start_len=len(prompt_ids) - 1 if logprob_start_len == -1
+                                     logprob_start_len=len(prompt_ids) if logprob_start_len == -1
                                      else logprob_start_len))
             self._waiting.extend(seqs)
             self._cond.notify()
@@ -370,30 +375,21 @@ class CPUEngine:
 
     # ---------------------------------------------------------------- memory state
     def release_memory(self, tags: Optional[list[str]]) -> None:
-        """SGLang asserts an idle server first: a release with requests running or waiting ends it."""
-        tags = self._check_tags(tags)
+        """SGLang asserts an idle server first: a release with requests running or waiting ends it.
+        Any tag is taken (SGLang's `offload_tags.add(tag)`); None or []: all of `MEMORY_TAGS`."""
         if not self.is_idle():
             raise SchedulerCrash("AssertionError: release_memory_occupation should be called only when server is "
                                  f"idle ({self.num_running} running, {self.num_waiting} waiting)")
-        self.released |= tags
+        self.released |= set(tags or MEMORY_TAGS)
 
     def resume_memory(self, tags: Optional[list[str]]) -> None:
-        """Every tag must be released (SGLang's `offload_tags.remove(tag)`): resuming one that is
-        resident ends the server, as SGLang's KeyError ends its scheduler."""
-        tags = self._check_tags(tags)
-        resident = sorted(tags - self.released, key=MEMORY_TAGS.index)
-        if resident:
-            raise SchedulerCrash(f"KeyError: {resident[0]!r}: resume_memory_occupation of memory that was never "
-                                 f"released (released: {sorted(self.released, key=MEMORY_TAGS.index)})")
-        self.released -= tags
-
-    @staticmethod
-    def _check_tags(tags: Optional[list[str]]) -> set[str]:
-        tags = set(tags or MEMORY_TAGS)
-        unknown = tags - set(MEMORY_TAGS)
-        if unknown:
-            raise BadRequestError(f"unknown memory tags {sorted(unknown)}; expected a subset of {list(MEMORY_TAGS)}")
-        return tags
+        """Every tag must be released (SGLang's `offload_tags.remove(tag)`, in the request's order):
+        resuming one that is not ends the server, as SGLang's KeyError ends its scheduler."""
+        for tag in tags or MEMORY_TAGS:
+            if tag not in self.released:
+                raise SchedulerCrash(f"KeyError: {tag!r}: resume_memory_occupation of memory that is not released "
+                                     f"(released: {sorted(self.released)})")
+            self.released.remove(tag)
 
     # ---------------------------------------------------------------- weights
     @contextmanager
@@ -518,8 +514,12 @@ class CPUEngine:
         seq.finish_reason = reason
         seq.finished_s = time.monotonic()
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.sampling.skip_special_tokens)
             matched = reason.get("matched")
+            # SGLang 0.5.23 leaves a matched stop token (an int) out of the text, and a stop string
+            # with what follows it, unless no_stop_trim (`managers/detokenizer_manager.py::trim_matched_stop`)
+            trim_token = isinstance(matched, int) and not seq.sampling.no_stop_trim
+            ids = seq.output_ids[:-1] if trim_token else seq.output_ids
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling.skip_special_tokens)
             if isinstance(matched, str) and not seq.sampling.no_stop_trim:
                 seq.text = seq.text[: seq.text.find(matched)] if matched in seq.text else seq.text
         self.num_finished += 1
@@ -569,17 +569,18 @@ class CPUEngine:
     def _score_inputs(self, seq: Sequence) -> None:
         """`seq.input_logprobs` (return_logprob): SGLang's input log-probs of prompt positions
         [logprob_start_len, prompt): None first, then log p(prompt[t] | prompt[:t]) under
-        softmax(logits / T) (T = 0: T = 1), as the sampled tokens' (`sample_tokens`). A forward of
-        its own over the prompt when it covers more than the last position."""
+        log_softmax(logits), whatever the request's temperature (SGLang 0.5.23
+        `layers/logprob_processor.py::InputLogprobProcessor` takes no temperature); none when the
+        start is the prompt's length. A forward of its own over the prompt when it covers more
+        than the last position."""
         start, ids = seq.logprob_start_len, seq.prompt_ids
-        seq.input_logprobs = [None]
+        seq.input_logprobs = [None] if start < len(ids) else []
         if start >= len(ids) - 1:
             return
         logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         if self._route_recorder is not None:  # this forward's routes are no generation's
             self._route_recorder.take(1, len(ids))
-        temperature = seq.sampling.temperature or 1.0
-        logp = torch.log_softmax(logits[start:-1] / temperature, dim=-1)
+        logp = torch.log_softmax(logits[start:-1], dim=-1)
         seq.input_logprobs += logp.gather(-1, torch.tensor(ids[start + 1:])[:, None])[:, 0].tolist()
 
     def _startable(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -13,7 +13,9 @@ status codes and state rules: `/generate`, `/health`, `/health_generate`, `/mode
 (`rollout.cpu.lora_adapters`). Tensor and
 distributed updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session,
 as SGLang 0.5.23 refuses them. Bad requests get HTTP 400 with
-`{"error": {"message": ...}}`; admin calls answer `{"success", "message"}`. It binds to 127.0.0.1
+`{"error": {"message": ...}}`, bodies that miss a field or have one of the wrong type HTTP 400 with
+SGLang's `{"object": "error", "message", "type", "param", "code"}`; admin calls answer
+`{"success", "message"}`. It binds to 127.0.0.1
 unless told otherwise. With `--api-key`, every endpoint but `/health*` needs `Authorization: Bearer KEY`.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Literal, Optional
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
@@ -101,6 +104,13 @@ class BeginWeightUpdateReq(BaseModel):
     selector: str = "all"
 
 
+class MemoryOccupationReq(BaseModel):
+    """SGLang 0.5.23 `ReleaseMemoryOccupationReqInput` / `ResumeMemoryOccupationReqInput`: a body is
+    required; tags None or []: all."""
+
+    tags: Optional[list[str]] = None
+
+
 class AbortReq(BaseModel):
     rid: str = ""
     abort_all: bool = False
@@ -159,6 +169,14 @@ def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
 
 
+def input_entry_id(token_id: int, vocab_size: int) -> int:
+    """The token id an `input_token_logprobs` entry names: SGLang 0.5.23 reports the ids from
+    vocab_size - 1 up as 0 (`managers/scheduler_components/logprob_result_processor.py::
+    _process_input_token_logprobs`, "Clip padded hash values from image tokens"; the log-prob is
+    still that of the real token). Output entries are not clipped."""
+    return token_id if token_id < vocab_size - 1 else 0
+
+
 def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": seq.rid if n == 1 else f"{seq.rid}-{seq.index}",
@@ -171,7 +189,8 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     }
     if seq.return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in
+        vocab_size = engine.config.vocab_size  # SGLang's `model_config.vocab_size`: the checkpoint's
+        meta["input_token_logprobs"] = [[lp, input_entry_id(tok, vocab_size), None] for lp, tok in
                                         zip(seq.input_logprobs, seq.prompt_ids[seq.logprob_start_len:])]
     if seq.routed_experts_start_len is not None and seq.routes:
         meta["routed_experts"] = encode_routed_experts(seq.routed_experts())
@@ -233,6 +252,15 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
     @app.exception_handler(BadRequestError)
     async def bad_request(request: Request, exc: BadRequestError):
         return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        """HTTP 400 (FastAPI's default is 422) with SGLang 0.5.23's body and message
+        (`entrypoints/http_server.py::validation_exception_handler`)."""
+        exc_str, errors_str = str(exc), str(exc.errors())
+        message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
+        return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                             "code": 400}, status_code=400)
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -321,7 +349,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
             await asyncio.sleep(0.05)
         if not engine.is_idle():
             return PlainTextResponse("Flush cache failed: requests are running or waiting.\n", status_code=400)
-        return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                                 "or waiting requests, the operation will not be performed.)\n")
 
     @app.post("/abort_request")
     async def abort_request(req: AbortReq):
@@ -329,16 +358,12 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         return Response(status_code=200)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(request: Request):
-        tags = (await _json_body(request, required=False)).get("tags")
-        _or_crash(lambda: engine.release_memory(tags), "release_memory_occupation")
-        return Response(status_code=200)
+    async def release_memory_occupation(req: MemoryOccupationReq):
+        _or_crash(lambda: engine.release_memory(req.tags), "release_memory_occupation")  # answers null, as SGLang
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(request: Request):
-        tags = (await _json_body(request, required=False)).get("tags")
-        _or_crash(lambda: engine.resume_memory(tags), "resume_memory_occupation")
-        return Response(status_code=200)
+    async def resume_memory_occupation(req: MemoryOccupationReq):
+        _or_crash(lambda: engine.resume_memory(req.tags), "resume_memory_occupation")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitWeightsUpdateGroupReq):
@@ -377,8 +402,11 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         return _result(True, "Success")
 
     def after_update(weight_version: Optional[str], flush: bool, message: str, **extra: Any) -> JSONResponse:
+        """SGLang 0.5.23's end of an update: the new version (named in the message, as
+        `managers/tokenizer_control_mixin.py` adds it), then the cache flush, refused while requests run."""
         if weight_version is not None:
             engine.weight_version = weight_version
+            message += f" Weight version updated to {weight_version}."
         if flush and not engine.is_idle():
             return _result(
                 False,
@@ -397,7 +425,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         group = sync.groups.get(req.group_name)
         if group is None:
             known = list(sync.groups)
-            return _result(False, f"Group {req.group_name} not in {known}. Call /init_weights_update_group first.")
+            return _result(False, f"Failed to receive weights: Group {req.group_name} not in {known}. "
+                                  "Please call `init_weights_update_group` first.")
         if req.abort_all_requests:
             engine.abort(abort_all=True)
         try:
@@ -405,10 +434,10 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         except (ValueError, RuntimeError) as e:
             return _result(False, f"Failed to receive weights: {e}")
         try:
-            count = await asyncio.to_thread(engine.load_weights, tensors)
+            await asyncio.to_thread(engine.load_weights, tensors)
         except BadRequestError as e:
             return _result(False, f"Failed to update parameter online: {e}")
-        return after_update(req.weight_version, req.flush_cache, f"Succeeded to update {count} parameters online.")
+        return after_update(req.weight_version, req.flush_cache, "Succeeded to update parameter online.")
 
     def load_tensor_payload(entry: str, load_format: Optional[str]) -> int:
         """Deserialise this rank's entry and load it; the shared tensors are dropped on return."""
@@ -432,10 +461,10 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         if req.abort_all_requests:
             engine.abort(abort_all=True)
         try:
-            count = await asyncio.to_thread(load_tensor_payload, req.serialized_named_tensors[0], req.load_format)
+            await asyncio.to_thread(load_tensor_payload, req.serialized_named_tensors[0], req.load_format)
         except BadRequestError as e:
             return _result(False, f"Failed to update parameter online: {e}")
-        return after_update(req.weight_version, req.flush_cache, f"Succeeded to update {count} parameters online.")
+        return after_update(req.weight_version, req.flush_cache, "Success")  # SGLang's words for a tensor push
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskReq):
