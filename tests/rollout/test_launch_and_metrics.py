@@ -100,6 +100,7 @@ def test_sglang_on_a_cpu_gets_the_cpu_engine_switch_and_megarls_site_first_on_it
     base = {"PYTHONPATH": "/user/lib", "HOME": "/h"}
     env = sglang_server_env(base, device="cpu", enable_memory_saver=False, colocated=False)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HOME"] == "/h"
+    assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "false"
     assert env["PYTHONPATH"].split(os.pathsep) == [SGLANG_CPU_SITE, "/user/lib"]
     assert os.path.isfile(os.path.join(SGLANG_CPU_SITE, "sgl_kernel", "__init__.py"))
     assert os.path.isfile(os.path.join(SGLANG_CPU_SITE, "sitecustomize.py"))

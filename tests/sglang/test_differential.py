@@ -31,13 +31,7 @@ KEY = "differential-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 KINDS = ("sglang", "cpu")
 VOCAB_END = 46  # vocab_size - 1 of the 47-token character vocabulary
-SGLANG_ENV = {
-    "SGLANG_RETURN_ORIGINAL_LOGPROB": "false",  # its default, whatever the caller's environment says
-    # a scheduler exception otherwise sleeps 65 s for py-spy and CUDA core dumps before the server exits
-    # (`managers/tokenizer_manager.py`, the crash dump)
-    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "false",
-    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "false",
-}
+SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}  # its default, whatever the caller's environment says
 ATOL = 1e-4  # float32: SGLang's torch-native attention and the CPU engine's HF forward against one HF forward
 
 

@@ -259,10 +259,13 @@ def sglang_server_env(base_env: Mapping[str, str], *, device: str, enable_memory
                       colocated: bool) -> dict[str, str]:
     """The environment of a real SGLang server: `base_env` with `sglang_env_overrides`, and on a CPU
     `SGLANG_USE_CPU_ENGINE=1` (SGLang 0.5.23 `srt/utils/common.py::is_cpu`, which picks its CPU code
-    paths) and SGLANG_CPU_SITE first on PYTHONPATH."""
+    paths), SGLANG_CPU_SITE first on PYTHONPATH, and no crash dumps: before a crashed server exits,
+    SGLang waits up to 60 s for a CUDA core dump and runs py-spy (`srt/environ.py`
+    SGLANG_CUDA_COREDUMP_BEFORE_CRASH, SGLANG_PYSPY_DUMP_BEFORE_CRASH), neither of which a CPU venv has."""
     env = apply_env_overrides(base_env, sglang_env_overrides(enable_memory_saver, colocated=colocated))
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = "false"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (SGLANG_CPU_SITE, base_env.get("PYTHONPATH")) if p)
     return env
 
