@@ -44,6 +44,11 @@ def test_resolve_fills_derived_defaults():
         (["algorithm.adv_estimator=gae", "critic.enable=false"], "algorithm.adv_estimator=gae needs a critic"),
         (["trainer.device=cpu", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
          "SGLang on a CPU serves one TP rank per server"),
+        (["trainer.device=cpu", "actor_rollout_ref.actor.router_replay.mode=R3"],
+         "router_replay.mode=R3 with rollout.name=sglang and trainer.device=cpu: SGLang 0.5.23 cannot return routed "
+         "experts on a CPU"),
+        (["trainer.device=cpu", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.sync=adapter"],
+         "lora.sync=adapter with rollout.name=sglang and trainer.device=cpu: SGLang 0.5.23 cannot serve LoRA adapters"),
         (["reward_model.enable=true"], "reward_model.enable=true needs reward_model.model.path"),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
          "ppo_max_token_len_per_gpu=100 tokens is less than one full sequence"),
@@ -237,3 +242,11 @@ def test_gen_batch_size_with_dynamic_sampling_or_equal_to_the_train_batch():
     assert ok(*dapo, "data.gen_batch_size=3072").data.prompts_per_generation == 3072
     assert ok("data.gen_batch_size=1024").data.prompts_per_generation == 1024
     assert ok().data.prompts_per_generation == 1024
+
+
+def test_sglang_on_a_cpu_takes_merged_lora_and_the_cpu_engine_takes_replay_and_adapters():
+    """What SGLang on a CPU cannot start with (routing replay, LoRA adapters) megarl's CPU engine serves;
+    merged LoRA sends SGLang plain weights."""
+    ok("trainer.device=cpu", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.sync=merged")
+    ok("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu", "actor_rollout_ref.actor.router_replay.mode=R3",
+       "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.sync=adapter")

@@ -1,5 +1,6 @@
 """Starting real SGLang 0.5.23 servers on the CPU for the tests, through the launch code users run
-(`sglang_server_command`, `sglang_server_env`) and megarl's `ServerProcess` (stopped by PID)."""
+(`sglang_server_command`, `sglang_server_env`) and megarl's `ServerProcess` (stopped by PID); the
+tests' oracle, HF transformers' float32 log-probs of a checkpoint (`hf_logprobs`)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.launch import cpu_server_command, sglang_server_command, sglang_server_env
@@ -79,3 +82,33 @@ def start_cpu_engine(model_dir: str, log_dir, *, name: str = "cpu-engine", api_k
                              startup_timeout_s=startup_timeout_s)
 
     return start_on_a_free_port(server_on, "127.0.0.1")
+
+
+def sglang_client_env() -> dict:
+    """The environment of a process that imports SGLang on the CPU (a sender of SGLang's own payload
+    classes): what the launch code gives a server (`sglang_server_env`: its CPU site first on PYTHONPATH),
+    with megarl's `src` after it."""
+    env = sglang_server_env(os.environ, device="cpu", enable_memory_saver=False, colocated=False)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO / "src")])
+    return env
+
+
+def hf_logprobs(model, prompt: Sequence[int], response: Sequence[int]) -> torch.Tensor:
+    """HF transformers' float32 log-probs of `response` given `prompt`: log_softmax(logits), what SGLang
+    reports for greedy samples (and for sampled ones at temperature 1); float64, [len(response)]."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+
+
+def logprob_error(model, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> float:
+    """The largest |logprobs[t] - HF's log-prob of tokens[t]| of one sample (`hf_logprobs`)."""
+    return (hf_logprobs(model, prompt, tokens) - torch.tensor(list(logprobs), dtype=torch.float64)).abs().max().item()
+
+
+def load_hf(model_dir) -> torch.nn.Module:
+    """The checkpoint in HF transformers, float32, eval mode: the oracle of the servers' log-probs."""
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+

@@ -69,9 +69,12 @@ class Outgoing:
     commit: bool = False  # the coordinator's last bucket: its copies live until release()
 
 
-def sglang_serialisation():
+def sglang_serialisation(patch_cuda_reductions: bool = True):
     """(SGLang's `MultiprocessingSerializer`, its `FlattenedTensorMetadata`), with torch's CUDA
-    reductions patched to name GPUs by UUID (the server's CUDA_VISIBLE_DEVICES may differ)."""
+    reductions patched to name GPUs by UUID (the server's CUDA_VISIBLE_DEVICES may differ) unless
+    `patch_cuda_reductions` is False: SGLang 0.5.23's patched `reduce_tensor`
+    (utils/patch_torch.py::_reduce_tensor_modified) rewrites argument 6 of every tensor's
+    reduction, which only a CUDA tensor's has, so a CPU tensor then fails to pickle (IndexError)."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -81,7 +84,8 @@ def sglang_serialisation():
             "the tensor transport on GPU serialises CUDA IPC handles with SGLang's own classes (its server "
             f"accepts no others); install the GPU extras: pip install -e '.[gpu]' ({type(e).__name__}: {e})"
         ) from e
-    monkey_patch_torch_reductions()
+    if patch_cuda_reductions:
+        monkey_patch_torch_reductions()
     return MultiprocessingSerializer, FlattenedTensorMetadata
 
 
@@ -90,12 +94,19 @@ def serialise_copy(copy: torch.Tensor, slots: Sequence[TensorSlot]) -> tuple[str
     SGLang's `flattened_bucket` of IPC handles, a CPU copy (in shared memory) as (name, tensor)
     views with load_format null."""
     if copy.is_cuda:
-        serializer, metadata_class = sglang_serialisation()
-        metadata = [metadata_class(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
-                                   end_idx=s.end, numel=s.end - s.start) for s in slots]
-        return serializer.serialize({"flattened_tensor": copy, "metadata": metadata}, output_str=True), \
-            "flattened_bucket"
+        return flattened_bucket_entry(copy, slots), "flattened_bucket"
     return tensor_payload.serialize(unflatten_tensors(copy, list(slots))), None
+
+
+def flattened_bucket_entry(copy: torch.Tensor, slots: Sequence[TensorSlot]) -> str:
+    """SGLang's `flattened_bucket` entry of one copy (uint8, laid out as `slots` say), serialised
+    with SGLang's own serializer and metadata class (SGLang needed). A CUDA copy travels as IPC
+    handles; a CPU copy must be in shared memory and serialised under
+    `tensor_payload.file_system_sharing()` (tests/sglang push one so into a real server)."""
+    serializer, metadata_class = sglang_serialisation(patch_cuda_reductions=copy.is_cuda)
+    metadata = [metadata_class(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
+                               end_idx=s.end, numel=s.end - s.start) for s in slots]
+    return serializer.serialize({"flattened_tensor": copy, "metadata": metadata}, output_str=True)
 
 
 def fresh_copy(flat: torch.Tensor) -> torch.Tensor:

@@ -183,10 +183,17 @@ def offload_only_where_it_happens(config: ExperimentConfig, sizes: DerivedSizes)
 def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Real SGLang serves on a CPU one process per server (docs/sglang-on-cpu.md): its CPU all-reduce
     across TP ranks is a kernel of `sgl_kernel` (`shm_allreduce`), a compiled CPU build PyPI does not
-    have, so a server of more than one TP rank cannot run there.
+    have, so a server of more than one TP rank cannot run there. Nor can SGLang 0.5.23 start there
+    with routing replay or LoRA adapters: both pin host memory, which a CPU build of torch cannot
+    (the routed-experts capturer's host buffer goes through `cudaHostRegister`:
+    `srt/state_capturer/base.py::BaseHostCache`, `srt/mem_cache/pool_host/common.py::_cuda_host_register`,
+    "Torch not compiled with CUDA enabled"; every LoRA layer makes a `pin_memory=True` tensor:
+    `srt/lora/layers.py::ColumnParallelLinearWithLoRA`, whatever `--lora-backend`); the server exits at start.
 
-    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.device
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.device,
+    actor_rollout_ref.actor.router_replay.mode, actor_rollout_ref.model.lora.rank, actor_rollout_ref.model.lora.sync
     """
+<<<<<<< HEAD
     r = config.actor_rollout_ref.rollout
     if r.name == "sglang" and config.trainer.device == "cpu" and r.tensor_model_parallel_size > 1:
         yield (f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} with "
@@ -207,3 +214,22 @@ def deterministic_inference_fits_device(config: ExperimentConfig, sizes: Derived
         yield ("actor_rollout_ref.rollout.deterministic_inference=true with rollout.name=sglang and trainer.device=cpu: "
                "SGLang's deterministic inference needs a GPU attention backend; set it false (a resumed run then "
                "samples anew) or use rollout.name=cpu, whose seeds always hold")
+=======
+    arr = config.actor_rollout_ref
+    r, lora = arr.rollout, arr.model.lora
+    if r.name != "sglang" or config.trainer.device != "cpu":
+        return
+    where = "with rollout.name=sglang and trainer.device=cpu"
+    if r.tensor_model_parallel_size > 1:
+        yield (f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} {where}: "
+               "SGLang on a CPU serves one TP rank per server (its CPU all-reduce is a compiled sgl_kernel op that "
+               "PyPI lacks); set 1")
+    if arr.actor.router_replay.mode == "R3":
+        yield (f"actor_rollout_ref.actor.router_replay.mode=R3 {where}: SGLang 0.5.23 cannot return routed experts "
+               "on a CPU (its capturer pins host memory through CUDA) and exits at start; use "
+               "actor_rollout_ref.rollout.name=cpu")
+    if lora.rank > 0 and lora.sync == "adapter":
+        yield (f"actor_rollout_ref.model.lora.sync=adapter {where}: SGLang 0.5.23 cannot serve LoRA adapters on a "
+               "CPU (its LoRA layers pin host memory, which needs CUDA) and exits at start; use lora.sync=merged or "
+               "actor_rollout_ref.rollout.name=cpu")
+>>>>>>> wt-tier
