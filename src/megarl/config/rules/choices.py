@@ -193,28 +193,6 @@ def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) ->
     Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.device,
     actor_rollout_ref.actor.router_replay.mode, actor_rollout_ref.model.lora.rank, actor_rollout_ref.model.lora.sync
     """
-<<<<<<< HEAD
-    r = config.actor_rollout_ref.rollout
-    if r.name == "sglang" and config.trainer.device == "cpu" and r.tensor_model_parallel_size > 1:
-        yield (f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} with "
-               "rollout.name=sglang and trainer.device=cpu: SGLang on a CPU serves one TP rank per server (its CPU "
-               "all-reduce is a compiled sgl_kernel op that PyPI lacks); set 1")
-
-
-def deterministic_inference_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """SGLang 0.5.23's deterministic inference takes only GPU attention backends
-    (`srt/arg_groups/overrides.py::_deterministic_attention_backend`: ascend, fa3, fa4, flashinfer,
-    intel_xpu, triton) and refuses the torch-native one a CPU uses, so the server would not start.
-    Left unset it is off there (`validate.py`).
-
-    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.deterministic_inference, trainer.device
-    """
-    r = config.actor_rollout_ref.rollout
-    if r.name == "sglang" and config.trainer.device == "cpu" and r.deterministic_inference:
-        yield ("actor_rollout_ref.rollout.deterministic_inference=true with rollout.name=sglang and trainer.device=cpu: "
-               "SGLang's deterministic inference needs a GPU attention backend; set it false (a resumed run then "
-               "samples anew) or use rollout.name=cpu, whose seeds always hold")
-=======
     arr = config.actor_rollout_ref
     r, lora = arr.rollout, arr.model.lora
     if r.name != "sglang" or config.trainer.device != "cpu":
@@ -232,4 +210,18 @@ def deterministic_inference_fits_device(config: ExperimentConfig, sizes: Derived
         yield (f"actor_rollout_ref.model.lora.sync=adapter {where}: SGLang 0.5.23 cannot serve LoRA adapters on a "
                "CPU (its LoRA layers pin host memory, which needs CUDA) and exits at start; use lora.sync=merged or "
                "actor_rollout_ref.rollout.name=cpu")
->>>>>>> wt-tier
+
+
+def deterministic_inference_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """SGLang 0.5.23's deterministic inference takes only GPU attention backends
+    (`srt/arg_groups/overrides.py::_deterministic_attention_backend`: ascend, fa3, fa4, flashinfer,
+    intel_xpu, triton) and refuses the torch-native one a CPU uses, so the server would not start.
+    Left unset it is off there (`validate.py`).
+
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.deterministic_inference, trainer.device
+    """
+    r = config.actor_rollout_ref.rollout
+    if r.name == "sglang" and config.trainer.device == "cpu" and r.deterministic_inference:
+        yield ("actor_rollout_ref.rollout.deterministic_inference=true with rollout.name=sglang and trainer.device=cpu: "
+               "SGLang's deterministic inference needs a GPU attention backend; set it false (a resumed run then "
+               "samples anew) or use rollout.name=cpu, whose seeds always hold")
