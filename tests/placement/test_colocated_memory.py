@@ -1,8 +1,9 @@
-"""The colocated memory state machine (issue 40, finding 1): SGLang 0.5.23's rules for memory tags
-and the order around train -> push -> generate, with hand-written expected moves."""
+"""The colocated memory state machine (issue 40, finding 1; issue 49, finding 4: restarts): SGLang
+0.5.23's rules for memory tags and the order around train -> push -> generate, with hand-written
+expected moves."""
 import pytest
 
-from megarl.placement.colocated_memory import ColocatedMemory, IllegalMemoryMove
+from megarl.placement.colocated_memory import ColocatedMemory, IllegalMemoryMove, Moves
 from megarl.placement.colocation import OffloadParts
 
 ALL = OffloadParts(True, True, True)
@@ -44,20 +45,49 @@ def test_a_step_releases_then_frees_training_memory_before_each_resume():
     assert train[1].onload == ("actor", "ref")
 
 
-def test_a_restarted_server_starts_resident_and_is_never_resumed():
+def test_a_restarted_server_starts_resident_and_is_released_before_it_is_resumed():
     """The failure of issue 40: after a restart the push resumed `weights` on a server that
-    released nothing, which ends a SGLang 0.5.23 server (KeyError)."""
-    memory = ColocatedMemory(2, {}, releases=True)
+    released nothing, which ends a SGLang 0.5.23 server (KeyError). Issue 49: the push then
+    onloaded the actor beside the restarted server's KV cache; it releases everything first."""
+    memory = ColocatedMemory(2, PLAN, releases=True)
     memory.apply(memory.before_training())
     memory.server_restarted(1)  # died while training; its new process holds all its memory
     push = memory.before_push()
-    assert push.resume == {0: ("weights",)}
-    assert memory.flush_before_push() == [False, True]  # the restarted one is flushed, not resumed
+    assert push.release == {1: ("weights", "kv_cache", "cuda_graph")}
+    assert push.resume == {0: ("weights",), 1: ("weights",)}
     memory.apply(push)
+    assert memory.flush_before_push() == [False, False]  # no KV cache is resident: nothing to flush
     rollout = memory.after_push()
-    assert rollout.resume == {0: ("kv_cache", "cuda_graph")}
+    assert rollout.resume == {0: ("kv_cache", "cuda_graph"), 1: ("kv_cache", "cuda_graph")}
     memory.apply(rollout)
     assert memory.released == [set(), set()]
+
+
+def test_before_a_restart_every_planned_part_leaves_the_device():
+    """Issue 49: SGLang sizes a new server's KV cache from the memory free when it starts, which
+    must be what the trainer leaves free while generating."""
+    memory = ColocatedMemory(2, PLAN, releases=True)
+    memory.apply(memory.before_training())  # training: every role on the device
+    restart = memory.before_restart()
+    assert restart.offload == PLAN and restart.empty_cache
+    assert restart.release == restart.resume == {} and restart.onload == ()
+    memory.apply(restart)
+    memory.apply(memory.before_push())  # the push phase: only the actor's parameters on the device
+    restart = memory.before_restart()
+    assert restart.offload == {"actor": OffloadParts(params=True)} and restart.empty_cache
+    memory.apply(restart)
+    assert memory.before_restart() == Moves({}, {}, {}, (), False)  # the rollout phase: nothing left
+
+
+def test_a_push_between_generations_has_every_server_release_before_the_actor_comes_back():
+    """Issue 49: a server restarted at generation start gets the weights again while the others
+    hold weights, KV cache and CUDA graphs; the actor (all of it) comes back only once they released."""
+    memory = ColocatedMemory(2, PLAN, releases=True)
+    step(memory)  # the rollout phase: every server holds all its memory
+    memory.server_restarted(0)
+    push = memory.before_push()
+    assert push.release == {0: ("weights", "kv_cache", "cuda_graph"), 1: ("weights", "kv_cache", "cuda_graph")}
+    assert push.onload == ("actor",) and push.resume == {0: ("weights",), 1: ("weights",)}
 
 
 def test_moves_sglang_refuses_are_refused():

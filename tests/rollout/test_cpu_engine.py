@@ -2,6 +2,7 @@
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +20,15 @@ def engine(tiny_model_dir):
     eng = CPUEngine(tiny_model_dir, max_running_requests=64, random_seed=3)
     yield eng
     eng.shutdown()
+
+
+def wait_idle(engine, timeout_s=30):
+    """Until the scheduler retired its last batch, which it does after the batch's last answer
+    went out (as SGLang's scheduler does in its next loop)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.is_idle():
+        assert time.monotonic() < deadline, f"the engine was not idle within {timeout_s} s"
+        time.sleep(0.001)
 
 
 def run(engine, prompts, sampling, return_logprob=True, timeout_s=60):
@@ -113,10 +123,11 @@ def test_abort_stops_running_and_waiting_samples(engine):
     for seq in seqs:
         assert seq.finish_reason["type"] == "abort"
         assert 0 < len(seq.output_ids) < 200 and len(seq.logprobs) == len(seq.output_ids)
-    assert engine.is_idle()
+    wait_idle(engine)
 
 
 def test_released_memory_blocks_generation_and_weight_updates(engine):
+    wait_idle(engine)
     engine.release_memory(["weights"])
     try:
         with pytest.raises(BadRequestError, match="released"):
@@ -145,9 +156,35 @@ def test_release_needs_an_idle_engine(engine):
     assert engine.released == set()
 
 
+def test_a_release_as_the_last_answer_goes_out_crashes_as_sglang_does(engine):
+    """Issue 49, finding 3: SGLang 0.5.23's scheduler keeps a finished request in `running_batch` /
+    `last_batch` until its next loop (`Scheduler.is_fully_idle` false meanwhile), so a release that
+    comes after the last answer went out but before that loop fails its idle assertion and ends the
+    server. The engine is idle only once its scheduler thread retired the batch: a release from the
+    moment the answer goes out (`on_done`, on that thread) crashes, one once it is idle does not."""
+    wait_idle(engine)
+    seen, done = [], threading.Event()
+
+    def on_done(seq) -> None:  # the scheduler thread, as the request's answer goes out
+        seen.append(engine.is_idle())
+        try:
+            engine.release_memory(None)
+        except SchedulerCrash as crash:
+            seen.append(str(crash))
+        done.set()
+
+    engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True), False, "last", on_done)
+    assert done.wait(30)
+    assert seen[0] is False and "only when server is idle" in seen[1], seen
+    wait_idle(engine)
+    engine.release_memory(None)
+    engine.resume_memory(None)
+
+
 def test_resuming_memory_never_released_crashes_as_sglang_does(engine):
     """SGLang 0.5.23 resumes with `offload_tags.remove(tag)` in the request's order (None: kv_cache,
     weights, cuda_graph): a KeyError at the first tag not released, those before it removed."""
+    wait_idle(engine)
     with pytest.raises(SchedulerCrash, match="KeyError: 'weights'"):
         engine.resume_memory(["weights"])
     engine.release_memory(["kv_cache", "cuda_graph"])

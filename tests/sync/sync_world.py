@@ -541,7 +541,7 @@ def servers_story(rank: int, case: dict) -> dict:
     perturb(chunks, weights, seed=4)
     if rank == 0:
         for url in urls:
-            ServerControl(url).release_memory_occupation()
+            ServerControl(url).release_memory_when_idle()
             ServerControl(url).resume_memory_occupation(["weights"])
     disk = WeightSync(chunks, weights, urls, SyncConfig(
         transport="disk", bucket_bytes=case["bucket_bytes"], disk_dir=case["disk_dir"], hf_assets_dir=str(hf_dir),
@@ -680,7 +680,7 @@ def tensor_story(chunks: list, weights: WeightMap, vocab: int, case: dict, versi
         before = compare(chunks, vocab, urls) if seed == 5 else None  # the servers are behind the update
         if dist.get_rank() == 0:  # training: the colocated servers released their memory; weights back for the push
             for url in urls:
-                ServerControl(url).release_memory_occupation()
+                ServerControl(url).release_memory_when_idle()
                 ServerControl(url).resume_memory_occupation(["weights"])
         seen = {"in_flight": []}
         tracker.reset()

@@ -332,21 +332,24 @@ def test_the_memory_estimate_offloads_what_the_trainer_offloads(runs):
     assert offloaded == {"on": {"actor", "ref"}, "off": set()}
 
 
-def test_a_restarted_server_holds_its_memory_and_is_never_resumed(runs):
+def test_a_restarted_server_holds_its_memory_and_is_resumed_only_once_released(runs):
     """Issue 40, finding 1: after a restart the push resumed `weights` on a server that had released
-    nothing, which ends a SGLang 0.5.23 server (KeyError; the CPU server ends the same way). Killed
-    between steps at TP1, the server is restarted resident: the push at the current version that
-    brings it up to date flushes it and resumes nothing, and the step then runs in the usual order."""
+    nothing, which ends a SGLang 0.5.23 server (KeyError; the CPU server ends the same way). Issue 49,
+    finding 4: the push then onloaded the actor beside the server's KV cache. Killed between steps
+    at TP1, the server is restarted holding all its memory; the push at the current version that
+    brings it up to date has it release everything before the actor comes back, and resumes only
+    what it released; the step then runs in the usual order."""
     on, _ = runs
     events, metrics = on["restart_step"]
     assert metrics["faults/rollout_server_restarts"] == 1 and metrics["rollout/samples"] > 0
     first_push = compact(events).index(("push", "actor"))
-    # the generation found it dead: restarted, then the push at the current version, which resumes
-    # and releases nothing (the other parts of the push's moves as always)
+    # the generation found it dead: restarted (in the rollout phase: nothing left to offload), then
+    # the push at the current version, with the push's moves as always
     assert compact(events)[:first_push + 1] == [
-        ("generate",), ("onload", "actor"), ("offload", "actor", ("grads", "optimizer")), ("empty_cache", "actor"),
-        ("empty_cache", "ref"), ("push", "actor")]
-    # after the restart's push, the step as always: the weights resumed only once released
+        ("generate",), ("release", {0: ALL_TAGS}), ("onload", "actor"), ("offload", "actor", ("grads", "optimizer")),
+        ("empty_cache", "actor"), ("empty_cache", "ref"), ("resume", {0: ("weights",)}), ("push", "actor")]
+    # after the restart's push, its KV cache back, then the step as always
     rest = compact(events)[first_push + 1:]
     assert [e for e in rest if e[0] in ("release", "resume")] == [
-        ("release", {0: ALL_TAGS}), ("resume", {0: ("weights",)}), ("resume", {0: ("kv_cache", "cuda_graph")})]
+        ("resume", {0: ("kv_cache", "cuda_graph")}), ("release", {0: ALL_TAGS}), ("resume", {0: ("weights",)}),
+        ("resume", {0: ("kv_cache", "cuda_graph")})]

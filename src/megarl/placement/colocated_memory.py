@@ -25,6 +25,17 @@ The order of one colocated step (`COLOCATED_ORDER`; `memory.estimate` models its
             again, then the servers' KV cache and CUDA graphs come back
 With `rollout.free_cache_engine` false the servers keep all their memory: nothing is released or
 resumed, and a push flushes their KV cache instead (`flush_before_push`).
+
+Restarts (a server that died or hung, started again by the rollout fleet): SGLang sizes a server's
+KV cache from the device memory free when it starts (model_runner's memory profile, a fraction of
+what is free after its weights load), so
+  restart   before it, every planned part leaves the device and the caches are emptied
+            (`before_restart`): the server sizes its memory from what the trainer leaves free
+            while generating, wherever the restart comes in the step; it then holds all its memory
+  push      a push that finds servers holding memory (a restarted one; all of them when the push
+            re-gives the weights between generations) has them release everything first (when
+            servers release at all): the actor then comes back (all of it, `onload`) in the
+            training phase's memory, never beside a server's KV cache and CUDA graphs
 """
 from __future__ import annotations
 
@@ -76,19 +87,40 @@ class ColocatedMemory:
         self.offloaded: dict[str, OffloadParts] = {role: OffloadParts() for role in self.plan}
 
     # ------------------------------------------------------------------ what to do next
+    def _release_all(self) -> dict[int, tuple[str, ...]]:
+        """Every server releases what it holds (if `releases`)."""
+        if not self.releases:
+            return {}
+        release = {i: tuple(t for t in TAGS if t not in r) for i, r in enumerate(self.released)}
+        return {i: tags for i, tags in release.items() if tags}
+
     def before_training(self) -> Moves:
         """Every server releases what it holds (if `releases`), then every offloaded role onloads."""
-        release = {}
-        if self.releases:
-            release = {i: tuple(t for t in TAGS if t not in r) for i, r in enumerate(self.released)}
-            release = {i: tags for i, tags in release.items() if tags}
         onload = tuple(role for role, parts in self.offloaded.items() if parts.any())
-        return Moves(release, {}, {}, onload, False)
+        return Moves(self._release_all(), {}, {}, onload, False)
+
+    def _offload_the_rest(self) -> dict[str, OffloadParts]:
+        """{role: its planned parts still on the device}."""
+        offload = {}
+        for role, planned in self.plan.items():
+            todo = _parts_minus(planned, self.offloaded[role])
+            if todo.any():
+                offload[role] = todo
+        return offload
+
+    def before_restart(self) -> Moves:
+        """Before servers start again: every planned part still on the device leaves and the caches
+        are emptied, the rollout phase's training memory, which the new servers size theirs from."""
+        offload = self._offload_the_rest()
+        return Moves({}, {}, offload, (), bool(offload))
 
     def before_push(self) -> Moves:
-        """The actor comes back if its parameters are off (the push reads them: a push between
-        generations, for a restarted server), every planned part except the actor's parameters
-        leaves, the caches are emptied, then the servers whose weights are released resume them."""
+        """Servers that hold memory release it (if `releases`: restarted ones, or all of them for a
+        push between generations), the actor comes back if its parameters are off (the push reads
+        them), every planned part except the actor's parameters leaves, the caches are emptied,
+        then every server whose weights are released resumes them."""
+        release = self._release_all()
+        released = [r | set(release.get(i, ())) for i, r in enumerate(self.released)]
         onload = ("actor",) if "actor" in self.offloaded and self.offloaded["actor"].params else ()
         offload = {}
         for role, planned in self.plan.items():
@@ -97,22 +129,18 @@ class ColocatedMemory:
             todo = _parts_minus(_parts_minus(planned, keep), done)
             if todo.any():
                 offload[role] = todo
-        resume = {i: ("weights",) for i, r in enumerate(self.released) if "weights" in r}
-        return Moves({}, resume, offload, onload, bool(offload) or bool(resume))
+        resume = {i: ("weights",) for i, r in enumerate(released) if "weights" in r}
+        return Moves(release, resume, offload, onload, bool(offload) or bool(resume))
 
     def flush_before_push(self) -> list[bool]:
         """Per server, whether the push flushes its KV cache first (`/flush_cache`, which needs it
-        resident: a restarted server, or servers that keep their memory)."""
+        resident: servers that keep their memory)."""
         return ["kv_cache" not in r for r in self.released]
 
     def after_push(self) -> Moves:
         """The rest of the plan (the actor's parameters) leaves, the caches are emptied, then the
         servers resume their KV cache and CUDA graphs where released."""
-        offload = {}
-        for role, planned in self.plan.items():
-            todo = _parts_minus(planned, self.offloaded[role])
-            if todo.any():
-                offload[role] = todo
+        offload = self._offload_the_rest()
         resume = {i: tuple(t for t in AFTER_PUSH if t in r) for i, r in enumerate(self.released)}
         resume = {i: tags for i, tags in resume.items() if tags}
         return Moves({}, resume, offload, (), bool(offload) or bool(resume))

@@ -110,8 +110,22 @@ class ServerControl:
 
     # ---------------------------------------------------------------- memory
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        """Free GPU memory (`weights`, `kv_cache`, `cuda_graph`; None = all). The server must be idle."""
+        """Free GPU memory (`weights`, `kv_cache`, `cuda_graph`; None = all). The server must be
+        idle, or it ends: `release_memory_when_idle` waits for that."""
         self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    def release_memory_when_idle(self, tags: Optional[list[str]] = None) -> None:
+        """`release_memory_occupation` once the server is idle, as slime does: `flush_cache` until it
+        succeeds (bounded by its retries). SGLang 0.5.23 asserts an idle scheduler on a release and
+        its server exits on the AssertionError (managers/scheduler_components/weight_updater.py,
+        `release_memory_occupation`), while it can still be busy after the last answer came back:
+        a request the client gave up on runs on, and the scheduler holds a finished batch until its
+        next loop (`Scheduler.is_fully_idle`: `running_batch`, `last_batch`, the overlap loop's
+        `result_queue`). Its `/flush_cache` runs only when that same `is_fully_idle` holds
+        (`Scheduler.flush_cache`) and refuses with HTTP 400 otherwise; nothing new is sent between
+        the two calls."""
+        self.flush_cache()
+        self.release_memory_occupation(tags)
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         """Re-occupy memory; resume `weights` before pushing new weights and `kv_cache` after."""

@@ -119,7 +119,8 @@ class Cluster:
         self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated, api_key=self.api_key,
                                     single_node=self.plan.cluster.nnodes == 1,
                                     startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
-                                    on_restart=self._resync_restarted_rollout, device=self.devices.device)
+                                    on_restart=self._resync_restarted_rollout, before_restart=self._before_restart,
+                                    device=self.devices.device)
 
     def _make_sync(self, urls: list[str]) -> None:
         """A new weight sync over `urls` (at start, and after servers restarted: the push that
@@ -153,14 +154,21 @@ class Cluster:
                 raise
             return None
 
+    def _before_restart(self) -> None:
+        """Rollout servers are about to start again (the fleet calls this): the training roles
+        free what they free for generation, the memory a new server sizes its KV cache from
+        (`memory.before_restart`). (Before the engines exist there is nothing to free.)"""
+        if self.actor is not None:
+            self._do(self.memory.before_restart())
+
     def _resync_restarted_rollout(self, urls: list[str]) -> None:
         """Rollout servers restarted (the fleet calls this while they are out of the router): a new
         weight sync over `urls` (the old weight-update groups held the dead process), and the
         actor's weights pushed again at the current version (the policy did not change), so the
         restarted servers answer with the same weights and version as the others. A restarted
-        server holds all its memory: the push neither resumes nor releases anything of it
-        (`memory`). (Colocated, a restart before the engines exist needs nothing: the first push
-        follows them.)"""
+        server holds all its memory: colocated, the push has every server that holds memory
+        release it first, and resumes only what was released (`memory`). (Colocated, a restart
+        before the engines exist needs nothing: the first push follows them.)"""
         if self.actor is None:
             self._note_restarts()
             return
@@ -184,10 +192,13 @@ class Cluster:
         """Colocated: the servers that hold memory free it for the training phase (unless
         `rollout.free_cache_engine` is false; a dead or hung one is restarted first), then every
         offloaded role comes back. The push resumes the servers' weights and, after it, their KV
-        cache."""
+        cache. A push always follows (the step's, a checkpoint's): a server restarted here gets
+        only a new weight sync, and releases its memory with the others; that push brings it up
+        to date."""
         if self.releases_memory:
-            self.rollout.recover()
-        self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()))
+            self.rollout.recover(on_restart=self._make_sync)
+        self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()),
+                            on_restart=self._make_sync)
 
     def _with_recovery(self, what: str, attempt: Callable[[], T], on_restart=None) -> T:
         """`attempt()`, again after the rollout servers that died or hung are restarted (within
@@ -266,14 +277,16 @@ class Cluster:
 
     def _push(self, version: int | None = None) -> dict:
         """`sync_weights` without the fault counts; `version`: the servers' new version (default
-        the next one; the current one re-gives the servers the weights they had)."""
+        the next one; the current one re-gives the servers the weights they had). A server found
+        dead starts again only once the roles freed generation's memory (`_before_restart`)."""
         self.rollout.recover(on_restart=self._make_sync)
         return self._push_now(version)
 
     def _push_now(self, version: int | None) -> dict:
-        """The push with its memory moves (`placement.colocated_memory`): the actor's parameters on
-        the device, the rest of the planned training states off, the caches emptied, the released
-        servers' weights back; the push (flushing only the servers whose KV cache is resident);
+        """The push with its memory moves (`placement.colocated_memory`): servers that hold memory
+        (restarted, or all between generations) release it, the actor's parameters on the device,
+        the rest of the planned training states off, the caches emptied, the released servers'
+        weights back; the push (flushing only the servers whose KV cache is resident);
         then the actor's parameters off, the caches emptied, the KV caches back. Servers that die
         or hang during the push are restarted and the push sent again."""
         target = self.weight_version + 1 if version is None else version

@@ -112,9 +112,13 @@ def server_log_name(server: int, node: Optional[MultiNode]) -> str:
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
                  single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
-                 on_restart: Callable[[list[str]], None] = lambda urls: None, device: str = "cuda"):
+                 on_restart: Callable[[list[str]], None] = lambda urls: None,
+                 before_restart: Callable[[], None] = lambda: None, device: str = "cuda"):
         """`on_restart(urls)`: called after servers restarted (idle, out of the router) to bring
-        every server in `urls` to the current weights. `device`: the run's (cuda or cpu), where SGLang serves."""
+        every server in `urls` to the current weights. `before_restart()`: called once servers are
+        found dead, before they start again (colocated: the trainer frees the memory it frees for
+        generation, which a new server sizes its KV cache from). `device`: the run's (cuda or
+        cpu), where SGLang serves."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
         # seconds, each memory release or resume call: SGLang maps a large model's weights back from
@@ -123,6 +127,7 @@ class RolloutFleet:
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = r.max_server_restarts
         self.on_restart = on_restart
+        self.before_restart = before_restart
         self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         # SGLang runs TP rank j on --base-gpu-id + j: each server's bundles must have got such a run of GPUs
@@ -259,8 +264,9 @@ class RolloutFleet:
     def recover(self, on_restart: Optional[Callable[[list[str]], None]] = None) -> int:
         """Restart every server whose process died or that hung (alive, but no answer to `/health`
         within `HUNG_AFTER_S`: its worker kills it first); returns how many. Call it only while no
-        generation runs (the weight push needs idle servers). `on_restart`: called instead of the
-        fleet's own after a restart (the weight push brings restarted servers up to date itself).
+        generation runs (the weight push needs idle servers). `before_restart` runs before the
+        servers start again; `on_restart`: called instead of the fleet's own after a restart (the
+        weight push brings restarted servers up to date itself).
         Raises `RolloutServerLost` for a server past `max_server_restarts` or one that does not
         come back."""
         statuses = self._statuses()
@@ -285,6 +291,7 @@ class RolloutFleet:
                 self.router.remove_worker(self.urls[i])
             self.restarts[i] += 1
         self._faults["rollout_server_restarts"] += len(dead)
+        self.before_restart()
         try:
             self.workers.call_ranks([k for i in dead for k in self.members[i]], RolloutWorker.restart,
                                     timeout_s=self.startup_timeout_s + 60)
@@ -371,10 +378,11 @@ class RolloutFleet:
 
     def release_memory(self, tags: dict[int, tuple[str, ...]]) -> dict[int, str]:
         """Colocated: server i frees its memory `tags[i]` (SGLang's tags; the caller's
-        `placement.colocated_memory` decides which), all at once. The servers must be idle: SGLang
-        0.5.23 asserts it, and its server ends otherwise. Returns {server: error} of the calls that
-        failed (a dead or hung server: `recover` restarts it); the others released."""
-        return self._memory_calls(tags, lambda server, t: server.release_memory_occupation(t))
+        `placement.colocated_memory` decides which), all at once, each once it is idle (SGLang
+        0.5.23 asserts that, and its server ends otherwise: `ServerControl.release_memory_when_idle`).
+        Returns {server: error} of the calls that failed (a dead or hung server: `recover` restarts
+        it; one busy past the wait); the others released."""
+        return self._memory_calls(tags, lambda server, t: server.release_memory_when_idle(t))
 
     def resume_memory(self, tags: dict[int, tuple[str, ...]]) -> dict[int, str]:
         """Colocated: server i takes its memory `tags[i]` back (each released before: SGLang 0.5.23

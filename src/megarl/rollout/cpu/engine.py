@@ -358,10 +358,24 @@ class CPUEngine:
             self._cond.notify_all()
 
     def is_idle(self) -> bool:
-        """Nothing running or queued. While paused, requests sent since wait outside the scheduler
-        in SGLang (`tokenizer_manager.py`: `is_pause_cond`), so they do not count (a weight update
-        may flush the cache then)."""
-        return self.num_running == 0 and (self.paused or self.num_waiting == 0)
+        """No batch in the scheduler and nothing queued: SGLang 0.5.23's `Scheduler.is_fully_idle`,
+        which its `/flush_cache`, weight updates' flush and `/release_memory_occupation` ask. A
+        batch counts until the scheduler thread has retired it (`_retire_batch`), also after its
+        last answer went out: SGLang's scheduler keeps a finished request in `running_batch` /
+        `last_batch` until its next loop (`event_loop_normal`; the overlap loop holds it in
+        `result_queue` too), and a release that comes meanwhile ends its server. While paused,
+        requests sent since wait outside the scheduler in SGLang (`tokenizer_manager.py`:
+        `is_pause_cond`), so they do not count (a weight update may flush the cache then)."""
+        with self._cond:
+            return not self._running and (self.paused or not self._waiting)
+
+    def _retire_batch(self) -> None:
+        """The scheduler thread is done with its batch (every sequence of it answered): only now
+        may the engine be idle (`is_idle`). Called before the model lock is let go, so that a
+        weight update waiting for it finds the engine idle."""
+        with self._cond:
+            self._running = []
+            self.decode_step = 0
 
     @property
     def num_waiting(self) -> int:
@@ -473,6 +487,7 @@ class CPUEngine:
             try:
                 with self._model_lock, applied(self.model, adapter):
                     self._run_batch(adapter)
+                    self._retire_batch()
             except Exception as e:  # a bug must not kill the server: fail this batch, keep serving
                 log.exception("batch failed")
                 with self._cond:
@@ -481,9 +496,7 @@ class CPUEngine:
                     if seq.finish_reason is None:
                         seq.error = f"{type(e).__name__}: {e}"
                         self._finish(seq, finish_abort(seq.error))
-            with self._cond:
-                self._running = []
-                self.decode_step = 0
+                self._retire_batch()
 
     def _can_start(self) -> bool:
         """Called holding `_cond`: a batch may start (requests wait, not paused, no weight update waiting)."""
