@@ -184,3 +184,18 @@ def test_a_rollout_ep_the_model_cannot_take_is_named_before_any_server_starts(ti
 
     two = load_and_validate(None, [*sglang, f"actor_rollout_ref.model.path={moe}", f"{key}=2"])
     assert rollout_expert_split_problem(two) is None
+
+
+def test_real_sglang_on_a_cpu_is_refused_a_mixture_of_experts_model(tiny_assets, tmp_path):
+    """SGLang 0.5.23's CPU MoE path answers, but not with the model's log-probs (docs/sglang-on-cpu.md):
+    a run with rollout.name=sglang on a CPU refuses an MoE checkpoint before any server starts."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe")
+    sglang = ["actor_rollout_ref.rollout.name=sglang"]
+    train = tiny_assets / "data/train.parquet"
+    assert "SGLang 0.5.23's CPU MoE path does not compute the model's log-probs" in _problems(
+        _config(moe, train, *sglang))
+    dense = _problems(_config(tiny_assets / "model", train, *sglang))  # only: no sglang in this interpreter
+    assert "MoE path" not in dense and "has no sglang" not in dense and "sglang is not installed here" in dense
+    check_environment(_config(moe, train))  # the CPU engine serves it

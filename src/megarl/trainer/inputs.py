@@ -158,6 +158,25 @@ def rollout_expert_split_problem(config: ExperimentConfig) -> Optional[str]:
     return expert_split_problem(moe.num_experts if moe else None, arr.rollout.expert_parallel_size)
 
 
+def sglang_cpu_model_problem(config: ExperimentConfig) -> Optional[str]:
+    """Why real SGLang must not serve the model on a CPU, or None: a mixture-of-experts model starts
+    and answers there, but not with the model's numbers (measured with SGLang 0.5.23, the tiny
+    qwen3_moe of `megarl.data.tiny_model`: greedy log-probs 0.76 nats from HF's, other tokens; a
+    dense model of the same size agrees within 3e-7; docs/sglang-on-cpu.md). Call only where SGLang
+    serves on a CPU, with the config `model_inputs` resolved."""
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+
+    try:
+        moe = arch_from_hf_config(load_hf_config(config.actor_rollout_ref.model.path)).moe
+    except (ConversionError, OSError):
+        return None  # model_inputs names the problem
+    if moe is None:
+        return None
+    return ("actor_rollout_ref.rollout.name=sglang on the CPU with a mixture-of-experts model: SGLang 0.5.23's CPU "
+            "MoE path does not compute the model's log-probs (docs/sglang-on-cpu.md); use "
+            "actor_rollout_ref.rollout.name=cpu, megarl's CPU engine, which does")
+
+
 def transformer_override_problems(config: ExperimentConfig) -> list[str]:
     """Each training role's `megatron.override_transformer_config` names that are no field of the
     installed megatron-core's TransformerConfig, found before any worker starts (the engine checks

@@ -22,6 +22,7 @@ from megarl.trainer.inputs import (
     model_inputs,
     moe_tensor_parallel_problem,
     rollout_expert_split_problem,
+    sglang_cpu_model_problem,
     schedule_problems,
     transformer_override_problems,
 )
@@ -82,6 +83,8 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
         if problem and not cuda and config.trainer.device == "auto":
             problem += "; this machine has no CUDA GPU, so trainer.device=auto runs the experiment on the CPU"
         problems += [problem] if problem else []
+        if not cuda and not model_problems:
+            problems += [p for p in [sglang_cpu_model_problem(config)] if p]
     if problems:
         raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))
     return config
