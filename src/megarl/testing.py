@@ -181,3 +181,22 @@ def _run_ranks(fn: Callable, world_size: int, port: int, args: tuple, timeout_s:
                     process.kill()
                     process.join(timeout=10)
         return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def run_to_completion(cmd: list[str], cwd, timeout_s: float, what: str) -> str:
+    """Run `cmd` (a trainer, a tool) in its own process session, its output piped; killed as a group
+    if it overruns `timeout_s` seconds. Raises AssertionError (quoting the output's end) unless it
+    exits 0 in time; returns its output, stdout and stderr together."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}") from None
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{output[-8000:]}"
+    return output

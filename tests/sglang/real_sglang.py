@@ -52,24 +52,6 @@ def start_sglang(model_dir: str, log_dir, *, name: str = "sglang", api_key: Opti
     return start_on_a_free_port(server_on, "127.0.0.1")
 
 
-def run_to_completion(cmd: list[str], cwd, timeout_s: float, what: str) -> str:
-    """Run `cmd` in its own process session, killed as a group if it overruns (the test fails); it
-    must exit 0. Returns its output (stdout and stderr together)."""
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-8000:]
-    return output
-
-
 def start_cpu_engine(model_dir: str, log_dir, *, name: str = "cpu-engine", api_key: Optional[str] = None,
                      startup_timeout_s: float = 120.0) -> ServerProcess:
     """megarl's CPU engine serving `model_dir` in float32 on a free port of 127.0.0.1, with the context

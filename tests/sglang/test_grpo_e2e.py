@@ -10,13 +10,13 @@ after every step. The exactness figures of the CPU-engine runs must hold with th
 """
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from megarl.data.synthetic import write_task_dataset
 from megarl.data.tiny_model import make_tiny_model
-from real_sglang import REPO, run_to_completion, sglang_python
+from megarl.testing import run_to_completion
+from real_sglang import REPO, sglang_python
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from megarl.config import ConfigError, load_and_validate
 from megarl.data.batch import Batch
 from megarl.data.synthetic import write_task_dataset
 from megarl.trainer.teacher import Teacher, served_vocab_size
-from real_sglang import REPO, run_to_completion, start_sglang
+from megarl.testing import run_to_completion
+from real_sglang import REPO, start_sglang
 
 VOCAB = 47  # the tiny Qwen2's character vocabulary: id 46 ('z') is vocab_size - 1
 ROLLOUT_TEMPERATURE = 0.7

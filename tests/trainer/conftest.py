@@ -3,8 +3,6 @@ test session. (test_rl_e2e.py builds its own with its module fixture `tiny`, whi
 there; it could use `tiny_assets` instead.)"""
 import contextlib
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,21 +38,10 @@ def ray_two_gpus(tmp_path_factory):
 @pytest.fixture(scope="session")
 def run_to_completion():
     """run(cmd, cwd, timeout_s, what) -> output: a trainer command in its own process session,
-    killed as a group if it overruns (the test fails); it must exit 0."""
+    killed as a group if it overruns (the test fails); it must exit 0 (`megarl.testing`)."""
+    from megarl.testing import run_to_completion
 
-    def run(cmd: list[str], cwd: Path, timeout_s: float, what: str) -> str:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            output, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}")
-        assert proc.returncode == 0, output[-8000:]
-        return output
-
-    return run
+    return run_to_completion
 
 
 @pytest.fixture(scope="session")
