@@ -70,6 +70,12 @@ Checks 6-8 (tools/gpu_check_colocated.py) follow the colocated path as productio
      production) and its CUDA graphs are not simulated. A measurement: the figures are printed
      even when it fails. --cpu: the same moves with every device figure 0 (not compared).
 
+Check 9 (tools/gpu_check_thd.py): transformer-engine's THD decision on megarl's packed micro-batch of one
+  5-token sample at CP=2 (cu_seqlens [0, 5], padded [0, 8], plus the filler sequence): TE's rule for
+  pad_between_seqs says True on the cu_seqlens megarl passes, and with TE on the GPU its DotProductAttention
+  (THD, CP 1) on them equals a plain causal attention on the real rows. --cpu, or without TE: the
+  decision only, TE's run reported as skipped and why.
+
 `--cpu` runs the same code on a machine without a GPU (gloo, float32, small sizes) to check the
 script itself; its figures mean nothing (`--cpu --dtype bfloat16` checks the bf16 path).
 """
@@ -90,6 +96,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_check_colocated import check_ipc_spellings, check_memory_ledger, check_production_world
+from gpu_check_thd import check_thd_decision
 
 H200_BF16_DENSE_TFLOPS = 989.0  # also H100 SXM; dense bf16, no sparsity
 
@@ -482,6 +489,8 @@ def main() -> int:
         ok &= report("release -> push -> resume against the memory ledger"
                      + (" (--cpu: device figures all 0, not compared)" if args.cpu else ""),
                      lambda: check_memory_ledger(model_dir, args))
+        ok &= report("TE's THD decision on megarl's packed micro-batch (cu [0, 5], padded [0, 8], CP 2)",
+                     lambda: check_thd_decision(args.cpu))
     dist.destroy_process_group()
     print(f"\n{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - start:.1f} s")
     return 0 if ok else 1

@@ -102,3 +102,20 @@ def test_the_gpu_check_script_runs_its_bf16_path_on_cpu(tmp_path):
             "PASS") in r.stdout
     assert ("state_after: server 0: weights=resident,kv_cache=resident,cuda_graph=resident; "
             "actor: params=offloaded,grads=offloaded,optimizer=offloaded") in r.stdout
+    # 9: TE's THD decision runs without TE too (test_the_thd_check_decides_as_te_on_cpu checks its figures)
+    assert "--- TE's THD decision on megarl's packed micro-batch (cu [0, 5], padded [0, 8], CP 2): PASS" in r.stdout
+    assert "te_attention: skipped: no GPU (TE's attention runs on CUDA only)" in r.stdout
+
+
+def test_the_thd_check_decides_as_te_on_cpu(tmp_path):
+    """tools/gpu_check_thd.py (gpu_check's check 9) without a GPU: megarl's packed micro-batch of one
+    5-token sample at CP 2 hands TE cu_seqlens [0, 5, 9] and padded [0, 8, 12] (the filler after the
+    padded sequence), on which TE 2.11's rule decides there is padding between sequences, as it would not
+    on [0, 5] / [0, 8] alone; TE's own attention is skipped, saying why."""
+    r = run_tool("gpu_check_thd.py", "--cpu", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    for line in ["cu_seqlens: [0, 5, 9]", "cu_seqlens_padded: [0, 8, 12]", "max_seqlen: 8",
+                 "te_pad_between_seqs_per_cp_rank: [True, True]", "te_pad_between_seqs_without_the_filler: False",
+                 "te_attention: skipped: no GPU (TE's attention runs on CUDA only)",
+                 "--- TE's THD decision on megarl's packed micro-batch: PASS"]:
+        assert f"{line}\n" in r.stdout, line
