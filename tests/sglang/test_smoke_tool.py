@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from real_sglang import REPO, make_model, run_to_completion, sglang_python
+from megarl.testing import run_to_completion
+from real_sglang import REPO, make_model, sglang_python
 
 pytestmark = pytest.mark.slow
 
