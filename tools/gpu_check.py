@@ -97,6 +97,7 @@ import torch.distributed as dist
 
 from gpu_check_colocated import check_ipc_spellings, check_memory_ledger, check_production_world
 from gpu_check_thd import check_thd_decision
+from sglang_smoke import greedy_vs_actor
 
 H200_BF16_DENSE_TFLOPS = 989.0  # also H100 SXM; dense bf16, no sparsity
 
@@ -365,7 +366,6 @@ def check_1b(model_dir: Path, args) -> dict:
 def check_tensor_push(workdir: Path, cpu: bool) -> dict:
     """Check 5: the actor (this process) pushes into megarl's engine server (a child process,
     stopped by PID) through /update_weights_from_tensor."""
-    from megarl.data.batch import Batch
     from megarl.data.tiny_model import make_tiny_model
     from megarl.engines.megatron.roles import ActorEngine
     from megarl.net import free_port
@@ -373,7 +373,6 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
     from megarl.rollout.control import ServerControl
     from megarl.rollout.launch import cpu_server_command
     from megarl.rollout.process import ServerProcess
-    from megarl.rollout.protocol import SamplingParams
     from megarl.sync import SyncConfig, WeightSync
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -389,14 +388,8 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
 
         def difference_to_actor() -> float:
             with RolloutClient(server.url, max_retries=0) as client:
-                out = client.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-            samples = [s[0] for s in out.samples]
-            batch = Batch.from_token_lists(prompts, [s.token_ids for s in samples])
-            ours = engine.compute_log_prob(batch, 1.0)["log_probs"]
-            theirs = torch.zeros_like(ours)
-            for i, s in enumerate(samples):
-                theirs[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-            return (ours - theirs)[batch["response_mask"].bool()].abs().max().item()
+                gap, _, _, _ = greedy_vs_actor(client, engine, prompts, 6, lambda a, b: (a - b).abs().max().item())
+            return gap
 
         result = {"same_weights_max_abs": difference_to_actor()}
         with torch.no_grad():  # an "update": seeded noise on every parameter
@@ -406,7 +399,7 @@ def check_tensor_push(workdir: Path, cpu: bool) -> dict:
                     param.add_((torch.randn(param.shape, generator=g) * 0.05).to(param.device, param.dtype))
         result["before_push_max_abs"] = difference_to_actor()
         control = ServerControl(server.url)
-        control.release_memory_occupation()  # the colocated server's state during training
+        control.release_memory_when_idle()  # the colocated server's state during training, released as the fleet does
         control.resume_memory_occupation(["weights"])  # what the cluster does before a push (colocated_memory)
         sync = WeightSync(engine.model_chunks, engine.weight_map, [server.url],
                           SyncConfig(transport="tensor", bucket_bytes=64 * 1024, timeout_s=120))
