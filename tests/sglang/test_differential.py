@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.rollout import tensor_payload
+from megarl.rollout.control import ServerControl
 from real_sglang import start_cpu_engine, start_sglang
 
 pytestmark = pytest.mark.slow
@@ -91,6 +92,14 @@ def ask(server, method, path, body=None, headers=AUTH, timeout_s=60.0):
 
 def both(servers, method, path, body=None, **kwargs):
     return {kind: ask(servers[kind], method, path, body, **kwargs) for kind in KINDS}
+
+
+def wait_idle(servers):
+    """Both servers idle, as a release needs (`ServerControl.flush_cache` retries until SGLang flushes,
+    which it does only when fully idle): a release right after a generation can find the scheduler
+    still holding the finished batch, and SGLang's idle assertion then ends the server (finding 3)."""
+    for kind in KINDS:
+        ServerControl(servers[kind].url, KEY, timeout_s=60).flush_cache()
 
 
 def assert_same(answers):
@@ -291,6 +300,7 @@ def test_memory_release_and_resume_follow_sglangs_state_machine(servers, prompt)
              ("/resume_memory_occupation", ["cuda_graph", "weights"]),
              ("/release_memory_occupation", None), ("/resume_memory_occupation", []),
              ("/release_memory_occupation", []), ("/resume_memory_occupation", None)]
+    wait_idle(servers)
     for path, tags in steps:
         assert assert_same(both(servers, "POST", path, {"tags": tags})) == ok, (path, tags)
     assert generated(servers, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})
@@ -303,6 +313,7 @@ def test_generating_on_released_memory_is_where_the_stand_in_is_stricter(servers
     fails on the CPU too."""
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
     for tags in (["weights"], ["kv_cache"]):
+        wait_idle(servers)
         assert assert_same(both(servers, "POST", "/release_memory_occupation", {"tags": tags})) == (200, None)
         try:
             answers = both(servers, "POST", "/generate", body)

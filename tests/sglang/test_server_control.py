@@ -198,7 +198,7 @@ def test_release_all_then_resume_by_tag_around_a_push(server, control, checkpoin
     released (it checks no tag on /generate): the samples are the same as before the release."""
     control.update_weights_from_disk(checkpoints["A"], weight_version="a")
     before = greedy(server.url)
-    control.release_memory_occupation()  # tags None: all of them
+    control.release_memory_when_idle()  # tags None: all of them; once idle, as the fleet releases
     released = greedy(server.url)
     assert [s.token_ids for s in released] == [s.token_ids for s in before]
     assert max_diff(hf["A"], released) < TOLERANCE
@@ -213,7 +213,7 @@ def test_release_all_then_resume_by_tag_around_a_push(server, control, checkpoin
 def test_release_and_resume_of_each_tag_alone(server, control, checkpoints, hf):
     control.update_weights_from_disk(checkpoints["A"], weight_version="a")
     for tag in TAGS:
-        control.release_memory_occupation([tag])
+        control.release_memory_when_idle([tag])
         control.resume_memory_occupation([tag])
         assert max_diff(hf["A"], greedy(server.url)) < TOLERANCE, tag
 
