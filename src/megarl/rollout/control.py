@@ -83,8 +83,12 @@ class ServerControl:
     # ---------------------------------------------------------------- scheduling
     def flush_cache(self, retries: int = 60, interval_s: float = 1.0) -> None:
         """Flush the prefix cache; SGLang refuses while requests run, so retry a refusal like slime
-        does. A server that does not answer (no connection, or none within `timeout_s`) is not asked
-        again: `retries` such waits would hold a weight push for `retries` x `timeout_s` on a hung server."""
+        does: at most `retries` attempts, the waits between them doubling from 20 ms up to
+        `interval_s` seconds (a server that just answered its last request is idle a scheduler loop
+        later). A server that does not answer (no connection, or none within `timeout_s`) is not
+        asked again: `retries` such waits would hold a weight push for `retries` x `timeout_s` on a
+        hung server."""
+        pause = min(0.02, interval_s)
         for attempt in range(retries):
             try:
                 self._call("POST", "/flush_cache")
@@ -92,7 +96,8 @@ class ServerControl:
             except ServerError as e:
                 if attempt == retries - 1 or isinstance(e.__cause__, requests.RequestException):
                     raise
-                time.sleep(interval_s)
+                time.sleep(pause)
+                pause = min(2 * pause, interval_s)
 
     def abort_all(self) -> None:
         self._call("POST", "/abort_request", {"abort_all": True})
