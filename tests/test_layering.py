@@ -17,6 +17,8 @@ SRC = ROOT / "src" / "megarl"
 #   demo      the quickstart command, beside cli
 #   launch    starts Ray clusters and runs the experiment as a subprocess (`megarl submit`,
 #             `check-cluster`); its cluster check places probe workers like the trainer does
+#   runtime   what the loops drive (cluster, rollout fleet, role handles, devices), apart from the
+#             loops in trainer; above workers, whose Ray actors it places and calls
 #   agents    multi-turn episodes against the rollout servers, for the trainer; built on data's
 #             prompts and batches, so above data
 #   config    the floor: every package reads the config, and it imports nothing of megarl
@@ -26,6 +28,7 @@ SRC = ROOT / "src" / "megarl"
 LAYERS = [
     {"cli", "demo", "testing"},
     {"trainer", "launch"},
+    {"runtime"},
     {"workers", "agents"},
     {"engines", "sync", "placement", "data"},
     {"bridge", "rollout", "algos", "rewards", "checkpoint", "tracking"},

@@ -236,7 +236,7 @@ def free_gpu_bytes(cuda: bool) -> int:
 
 
 class Colocated:
-    """The colocated cycle as the trainer runs it (`trainer/cluster.py`): `placement.colocated_memory`
+    """The colocated cycle as the trainer runs it (`runtime/cluster.py`): `placement.colocated_memory`
     says which memory each phase releases and resumes, the actor's allocator cache is emptied before
     a resume, and `WeightSync` (tensor transport) pushes. The actor offloads nothing (a small model)."""
 

@@ -82,7 +82,7 @@ def no_gpu_env(monkeypatch):
 
 
 def test_the_trainer_refuses_auto_in_a_slurm_step_without_gpus(no_gpu_env, monkeypatch):
-    from megarl.trainer.preflight import resolve_devices
+    from megarl.runtime.devices import resolve_devices
 
     config = load_and_validate(None, REQUIRED)
     assert config.trainer.device == "auto"
@@ -97,7 +97,7 @@ def test_the_trainer_refuses_auto_in_a_slurm_step_without_gpus(no_gpu_env, monke
 def test_the_trainer_refuses_auto_when_the_ray_cluster_it_joined_has_gpus(no_gpu_env, monkeypatch):
     import ray
 
-    from megarl.trainer.preflight import resolve_devices
+    from megarl.runtime.devices import resolve_devices
 
     config = load_and_validate(None, REQUIRED)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)

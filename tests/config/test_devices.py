@@ -220,7 +220,8 @@ def test_the_trainer_applies_the_decision_to_the_machine_it_starts_on(monkeypatc
     process starts, refuses it where torch sees CUDA and runs it on gloo where it does not."""
     import torch
 
-    from megarl.trainer.preflight import check_environment, resolve_devices
+    from megarl.runtime.devices import resolve_devices
+    from megarl.trainer.preflight import check_environment
 
     config = load_and_validate(None, REQUIRED + [f"{KEY}=distributed"])
     for name in GPU_ENV_VARS + ("RAY_ADDRESS",):  # a CPU machine's environment (auto would be refused

@@ -7,7 +7,6 @@ import torch
 from megarl.data.batch import Batch
 from megarl.engines.megatron.context_parallel import positions_of_rank, split_tokens, thd_positions_of_rank
 from megarl.engines.megatron.model import core_attention_choice
-from megarl.engines.megatron.replay import router_rows
 from megarl.engines.megatron.sequences import (default_sequence_layout, fixed_shape, length_multiple, make_micro_batch,
                                                sequence_layout_problems)
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.cpu.engine import load_causal_lm
-from megarl.trainer.engine_group import join_outputs
+from megarl.runtime.engine_group import join_outputs
 from megarl.trainer.experience import expert_load_metrics
 from megarl.testing import run_gloo_workers
 from engine_world import ragged_batch

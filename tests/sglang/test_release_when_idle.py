@@ -16,7 +16,7 @@ import requests
 from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.launch import cpu_server_command
 from megarl.rollout.process import ServerProcess, log_tail, start_on_a_free_port
-from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.runtime.rollout_fleet import RolloutFleet
 from real_sglang import CONTEXT, start_sglang
 
 TAGS = ("weights", "kv_cache", "cuda_graph")

@@ -60,7 +60,7 @@ def _tiny_grpo_cluster(tiny_assets: Path, out_dir: Path, *overrides: str):
 
     from megarl.config import load_and_validate
     from megarl.rewards.custom import select_score_fn
-    from megarl.trainer.cluster import Cluster
+    from megarl.runtime.cluster import Cluster
     from megarl.trainer.rl import RLTrainer
 
     config = load_and_validate(str(REPO / "configs/tiny/grpo.yaml"), [

@@ -20,9 +20,9 @@ import pytest
 
 from megarl.config import load_and_validate
 from megarl.rollout.control import ServerError
-from megarl.trainer import cluster as cluster_module
-from megarl.trainer.cluster import Cluster
-from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.runtime import cluster as cluster_module
+from megarl.runtime.cluster import Cluster
+from megarl.runtime.rollout_fleet import RolloutFleet
 from megarl.workers.rollout_worker import RolloutWorker
 
 REPO = Path(__file__).resolve().parents[2]

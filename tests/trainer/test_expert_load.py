@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.trainer.engine_group import join_outputs
+from megarl.runtime.engine_group import join_outputs
 from megarl.trainer.experience import expert_load_metrics
 
 
@@ -31,7 +31,7 @@ def test_expert_load_metrics_of_hand_built_counts():
 
 def test_replay_needs_an_moe_model(tmp_path):
     from megarl.config import ConfigError, load_and_validate
-    from megarl.trainer.routing import routed_experts_layout
+    from megarl.runtime.routing import routed_experts_layout
 
     def layout(arch):
         model = make_tiny_model(arch, tmp_path / arch, layers=2, hidden=32, heads=2, kv_heads=1, intermediate=16)

@@ -18,7 +18,7 @@ from megarl.placement.worker_group import WorkerGroupError
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl
 from megarl.rollout.protocol import SamplingParams
-from megarl.trainer.rollout_fleet import HUNG_AFTER_S, RolloutFleet, RolloutServerLost
+from megarl.runtime.rollout_fleet import HUNG_AFTER_S, RolloutFleet, RolloutServerLost
 from megarl.workers.rollout_worker import RolloutWorker
 from megarl.workers.train_worker import TrainWorker
 

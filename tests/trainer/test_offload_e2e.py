@@ -31,10 +31,10 @@ import torch
 from megarl.bridge import arch_from_hf_config, load_hf_config
 from megarl.placement.memory import estimate
 from megarl.rollout.control import ServerControl
-from megarl.trainer import cluster as cluster_module
-from megarl.trainer.engine_group import EngineGroup
-from megarl.trainer.roles import ActorRole, TrainingRole
-from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.runtime import cluster as cluster_module
+from megarl.runtime.engine_group import EngineGroup
+from megarl.runtime.roles import ActorRole, TrainingRole
+from megarl.runtime.rollout_fleet import RolloutFleet
 from megarl.workers.rollout_worker import RolloutWorker
 
 pytestmark = pytest.mark.slow

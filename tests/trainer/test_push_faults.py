@@ -28,7 +28,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl, ServerError
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
-from megarl.trainer.rollout_fleet import RolloutServerLost
+from megarl.runtime.rollout_fleet import RolloutServerLost
 from megarl.workers.rollout_worker import RolloutWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def server_calls_bounded(cluster, seconds: float):
     by `seconds` (`SyncConfig.timeout_s`, 600 s in the cluster's own), and the memory resumes around
     the push too (the fleet's `memory_call_timeout_s`); the cluster's own again after."""
     from megarl.sync.weight_sync import SyncConfig
-    from megarl.trainer import cluster as cluster_module
+    from megarl.runtime import cluster as cluster_module
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cluster_module, "SyncConfig", functools.partial(SyncConfig, timeout_s=seconds))

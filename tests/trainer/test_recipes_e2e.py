@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from megarl.config import load_and_validate
 from megarl.data.batch import Batch
-from megarl.trainer.cluster import Cluster
+from megarl.runtime.cluster import Cluster
 from megarl.trainer.rl import RLTrainer
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def first_char_is_digit(data_source, solution_str, ground_truth, extra_info=None
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import ray  # after megarl.trainer.cluster, which sets Ray's auth default for a local cluster
+    import ray  # after megarl.runtime.cluster, which sets Ray's auth default for a local cluster
 
     # address="local": a Ray of our own even when another cluster runs on this machine
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), num_gpus=GPUS, include_dashboard=False,

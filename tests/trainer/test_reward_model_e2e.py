@@ -18,7 +18,7 @@ from megarl.data.batch import Batch
 from megarl.data.synthetic import write_task_dataset
 from megarl.data.tiny_model import make_tiny_model
 from megarl.trainer import experience
-from megarl.trainer.cluster import Cluster, connect_ray
+from megarl.runtime.cluster import Cluster, connect_ray
 from megarl.trainer.rl import RLTrainer, Timer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from megarl.placement import plan_from_config
 from megarl.placement.ray_pools import create_pools
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.launch import server_startup_timeout_s
-from megarl.trainer.rollout_fleet import RolloutFleet, RolloutServerLost
+from megarl.runtime.rollout_fleet import RolloutFleet, RolloutServerLost
 from megarl.workers.rollout_worker import RolloutWorker
 
 
@@ -104,7 +104,7 @@ def test_the_startup_timeout_by_engine():
 def test_the_nodes_of_a_multi_node_server_meet_at_its_node_0_address():
     """Planner order (server, node rank): server 0 on two nodes, server 1 on one, server 2 on two."""
     from megarl.rollout.launch import MultiNode
-    from megarl.trainer.rollout_fleet import multi_node_args
+    from megarl.runtime.rollout_fleet import multi_node_args
 
     members = [[0, 1], [2], [3, 4]]
     args = multi_node_args(members, {0: "10.0.0.1:29500", 3: "10.0.0.3:29501"})

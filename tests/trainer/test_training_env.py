@@ -11,7 +11,7 @@ from megarl.placement import plan_from_config
 from megarl.placement import worker_group
 from megarl.placement.gpu_order import BundleGpu
 from megarl.placement.ray_pools import RayNode, RealisedPools
-from megarl.trainer.engine_group import EngineGroup
+from megarl.runtime.engine_group import EngineGroup
 from megarl.workers.train_worker import TrainWorker
 
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m", "trainer.n_gpus_per_node=4",

@@ -1,5 +1,5 @@
 """What each training role moves off the GPUs while the rollout servers generate: the offload
-plan, a pure function of the config. The trainer (`trainer/cluster.py`) executes it and the memory
+plan, a pure function of the config. The trainer (`runtime/cluster.py`) executes it and the memory
 estimate (`memory.py`) subtracts it, so `megarl plan` and a run agree by construction.
 
 Only colocated placement offloads: split pools give the servers their own GPUs, so moving a
@@ -14,7 +14,7 @@ the keys there). Per role, its `megatron.{param,grad,optimizer}_offload` keys ch
   reward_model    nothing: it scores between generation rounds, while the servers hold their
                   memory, so offloading it would not lower the peak (a config rule rejects the keys)
 
-The order of one colocated step (`trainer/rl.py`, `trainer/cluster.py`):
+The order of one colocated step (`trainer/rl.py`, `runtime/cluster.py`):
 
   generate (every role offloaded as planned; servers hold weights and KV cache)
   -> release the servers' memory -> onload every planned role

@@ -40,7 +40,7 @@ generated it. Staleness of a rollout trained at version v: v minus its version.
   rollout's `version` stays the one it started with). A checkpoint waits for it to finish. A
   server that dies inside that pause is restarted by the push, paused too, and the requests lost
   with it are sent again from their tokens (from scratch past the client's retries, counted) and
-  wait there for the pushed weights (megarl.trainer.rollout_fleet).
+  wait there for the pushed weights (megarl.runtime.rollout_fleet).
 
 Metrics per step: `async/staleness_mean`, `async/staleness_max` (versions, per sample),
 `async/dropped_samples`, `async/buffered_rollouts`, and `timing/generate_hidden_s`: seconds of

@@ -26,8 +26,8 @@ from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.offline import run_offline
-from megarl.trainer.preflight import resolve_devices
-from megarl.trainer.roles import DPOActorRole, RefRole
+from megarl.runtime.devices import resolve_devices
+from megarl.runtime.roles import DPOActorRole, RefRole
 
 
 class DPOTrainer:

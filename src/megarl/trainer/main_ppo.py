@@ -66,7 +66,7 @@ def run(config) -> dict:
     from megarl.checkpoint import find_resume_dir
     from megarl.rewards.custom import select_score_fn
     from megarl.tracking import Tracker
-    from megarl.trainer.cluster import Cluster, connect_ray
+    from megarl.runtime.cluster import Cluster, connect_ray
     from megarl.trainer.rl import RLTrainer
 
     c, t = config, config.trainer

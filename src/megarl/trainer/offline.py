@@ -21,7 +21,7 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
     from transformers import AutoTokenizer
 
     from megarl.tracking import Tracker
-    from megarl.trainer.cluster import connect_ray
+    from megarl.runtime.cluster import connect_ray
 
     t = config.trainer
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)

@@ -27,7 +27,7 @@ from typing import Protocol
 from megarl.config.schema import AsyncTrainingConfig
 from megarl.data.batch import Batch
 from megarl.trainer.async_rollout import GenerateFn, Rollout, RolloutProducer
-from megarl.trainer.rollout_fleet import RolloutFleet
+from megarl.runtime.rollout_fleet import RolloutFleet
 from megarl.trainer.timing import Timer
 
 Scored = tuple[Batch, dict[str, float]]  # a scored batch and its metrics

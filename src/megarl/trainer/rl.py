@@ -38,10 +38,10 @@ from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import experience
 from megarl.trainer.async_rollout import Rollout, RolloutInterrupted
-from megarl.trainer.cluster import Cluster
+from megarl.runtime.cluster import Cluster
 from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.producers import make_producer
-from megarl.trainer.rollout_fleet import GenerationInterrupted
+from megarl.runtime.rollout_fleet import GenerationInterrupted
 from megarl.trainer.teacher import Teacher
 from megarl.trainer.timing import Timer
 

@@ -20,8 +20,8 @@ from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl.trainer.offline import run_offline
-from megarl.trainer.preflight import resolve_devices
-from megarl.trainer.roles import SFTActorRole
+from megarl.runtime.devices import resolve_devices
+from megarl.runtime.roles import SFTActorRole
 
 
 def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:

@@ -26,7 +26,7 @@ from megarl.algos.opd import OPD_TEMPERATURE
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.rollout.client import RolloutClient, RolloutRequestError
-from megarl.trainer.roles import TeacherRole
+from megarl.runtime.roles import TeacherRole
 
 
 def student_tokenizer_path(config: ExperimentConfig) -> str:

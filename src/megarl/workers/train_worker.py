@@ -1,7 +1,7 @@
 """`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic, reward model,
 teacher); it hosts that role's Megatron engine. Each engine method the controller calls has a method
 here of the same name that forwards to it, so a call is followed by name from the controller's role
-handle (megarl.trainer.roles) through `WorkerGroup` into the engine."""
+handle (megarl.runtime.roles) through `WorkerGroup` into the engine."""
 from __future__ import annotations
 
 from contextlib import nullcontext

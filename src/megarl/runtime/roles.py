@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megarl.data.batch import Batch
-from megarl.trainer.engine_group import EngineGroup
+from megarl.runtime.engine_group import EngineGroup
 from megarl.workers.train_worker import TrainWorker
 
 

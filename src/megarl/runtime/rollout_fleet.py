@@ -48,7 +48,7 @@ from megarl.rollout.metrics import summarize
 from megarl.rollout.process import exit_description
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
-from megarl.trainer.routing import routed_experts_layout
+from megarl.runtime.routing import routed_experts_layout
 from megarl.workers.rollout_worker import RolloutWorker
 
 log = logging.getLogger("megarl.rollout")

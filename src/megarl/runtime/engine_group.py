@@ -1,6 +1,6 @@
 """A training role's worker group of engines, with the batch cut by data-parallel rank on the way
 in and the output ranks' results joined on the way out. Each call names the `TrainWorker` method
-it runs; the controller calls the typed role handles built on this (megarl.trainer.roles)."""
+it runs; the controller calls the typed role handles built on this (megarl.runtime.roles)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -36,8 +36,8 @@ from megarl.rollout.launch import rollout_api_key, server_startup_timeout_s  # n
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.colocation import ColocationError, colocated_peers  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
-from megarl.trainer.preflight import resolve_devices  # noqa: E402
-from megarl.trainer.roles import (  # noqa: E402
+from megarl.runtime.devices import resolve_devices  # noqa: E402
+from megarl.runtime.roles import (  # noqa: E402
     ActorRole,
     CriticRole,
     RefRole,
@@ -45,9 +45,9 @@ from megarl.trainer.roles import (  # noqa: E402
     TeacherRole,
     TrainingRole,
 )
-from megarl.trainer.rollout_fleet import RolloutFleet  # noqa: E402
+from megarl.runtime.rollout_fleet import RolloutFleet  # noqa: E402
 
-log = logging.getLogger("megarl.trainer")
+log = logging.getLogger("megarl.runtime")
 T = TypeVar("T")
 
 
