@@ -7,6 +7,7 @@ from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megarl.tracking import ConsoleLogger, Tracker
+from megarl.tracking.plot import is_sparse
 
 
 @pytest.fixture
@@ -74,14 +75,15 @@ def test_sft_and_dpo_runs_plot_their_own_metrics(tmp_path, saved_figures):
 
 
 def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
-    """The curves in the saved figure are the values TensorBoard recorded, panel by panel."""
+    """The curves in the saved figure are the values TensorBoard recorded, panel by panel: a dense
+    series raw and smoothed, a sparse one (logged at only some steps) as measured."""
     import matplotlib.image
 
     tracker = Tracker(["tensorboard"], "proj", "exp", log_dir=tmp_path, total_steps=4)
     logged = {1: {"reward/mean": 0.5, "actor/ppo_kl": 0.0, "response_length/mean": 12.0},
-              2: {"reward/mean": 0.25, "actor/ppo_kl": 0.01, "val/score": 0.4},
+              2: {"reward/mean": 0.25, "actor/ppo_kl": 0.01, "response_length/mean": 10.0, "val/score": 0.4},
               3: {"reward/mean": 0.75, "actor/ppo_kl": 0.02, "response_length/mean": 9.0},
-              4: {"reward/mean": 1.0, "actor/ppo_kl": 0.005, "val/score": 0.6}}
+              4: {"reward/mean": 1.0, "actor/ppo_kl": 0.005, "response_length/mean": 8.0, "val/score": 0.6}}
     for step, metrics in logged.items():
         tracker.log(metrics, step=step)
     plot = tracker.finish()
@@ -101,14 +103,57 @@ def test_the_plot_draws_the_logged_series(tmp_path, saved_figures):
         if metric is None:  # never logged: an empty panel
             assert lines == []
             continue
-        raw, smooth = lines  # the per-step values and a smoothed line over them
         steps, values = zip(*recorded[metric])
+        if metric == "val/score":  # sparse: one line through the measured values
+            [measured] = lines
+            assert list(measured.get_xdata()) == list(steps) and list(measured.get_ydata()) == pytest.approx(values)
+            continue
+        raw, smooth = lines  # the per-step values and a smoothed line over them
         assert list(raw.get_xdata()) == list(steps) == list(smooth.get_xdata()), title
         assert list(raw.get_ydata()) == pytest.approx(values, abs=1e-6), title  # TensorBoard stores float32
         assert list(smooth.get_ydata()) == pytest.approx(tensorboard_smoothing(values), abs=1e-6), title
     assert figure._suptitle.get_text() == "proj/exp"  # the run
     width, height = (figure.get_size_inches() * dpi).round().astype(int)
     assert matplotlib.image.imread(plot).shape[:2] == (height, width)  # the file holds this figure
+
+
+@pytest.mark.parametrize("series_steps, history_steps, sparse", [
+    ({1, 2, 3}, {1, 2, 3}, False),                 # a training metric, every step
+    ({1, 2, 3}, {0, 1, 2, 3}, False),              # the same with a validation before training (step 0)
+    ({0, 1, 2, 3}, {0, 1, 2, 3}, False),           # validation every step (test_freq 1)
+    ({101, 102}, {101, 102}, False),               # a resumed run's history starts after its checkpoint
+    ({0, 2, 4, 5}, {0, 1, 2, 3, 4, 5}, True),      # validation every test_freq=2 steps and at the last
+    ({0}, {0, 1, 2}, True),                        # only before training
+    ({1, 3}, {1, 2, 3}, True),                     # missing at a training step
+])
+def test_a_series_is_sparse_when_a_training_step_lacks_it(series_steps, history_steps, sparse):
+    assert is_sparse(series_steps, history_steps) is sparse
+
+
+def test_a_sparse_series_is_plotted_as_measured_and_a_dense_one_smoothed(tmp_path, saved_figures):
+    """Issue 50: with few validation points the smoothed line ended at 0.57 where the run scored
+    0.613. The validation score's line must end at the last score logged."""
+    tracker = Tracker([], "proj", "exp", log_dir=tmp_path, total_steps=4)
+    logged = {0: {"val/score": 0.25},  # validation before training, then every test_freq=2 steps
+              1: {"reward/mean": 0.0},
+              2: {"reward/mean": 1.0, "val/score": 0.5},
+              3: {"reward/mean": 1.0},
+              4: {"reward/mean": 1.0, "val/score": 0.613}}
+    for step, metrics in logged.items():
+        tracker.log(metrics, step=step)
+    tracker.finish()
+    [(figure, _)] = saved_figures
+    panels = {ax.get_title(): ax for ax in figure.axes}
+
+    [measured] = panels["validation score"].get_lines()
+    assert list(measured.get_xdata()) == [0, 2, 4]
+    assert list(measured.get_ydata()) == [0.25, 0.5, 0.613]  # exactly as logged: it ends at 0.613
+
+    raw, smooth = panels["reward (train, mean)"].get_lines()
+    assert list(raw.get_ydata()) == [0.0, 1.0, 1.0, 1.0]
+    # TensorBoard's EMA (weight 0.8) by hand: running r_t = 0.8 r_{t-1} + 0.2 x_t, shown r_t / (1 - 0.8^t):
+    # r = 0, 0.2, 0.36, 0.488 over 1 - 0.8^t = 0.2, 0.36, 0.488, 0.5904 -> 0, 5/9, 45/61, 305/369
+    assert list(smooth.get_ydata()) == pytest.approx([0.0, 5 / 9, 45 / 61, 305 / 369])
 
 
 def test_console_prints_one_plain_line_per_step_with_progress_and_eta_when_not_a_terminal():

@@ -1,5 +1,7 @@
 """The end-of-run PNG: one panel per headline metric of the trainer that ran (RL, SFT or DPO),
-titled with the run, each with the raw per-step values and a smoothed line over them."""
+titled with the run. A dense series (logged at every training step) is drawn raw with a smoothed
+line over it; a sparse one (e.g. `val/*`, logged every `test_freq` steps) as measured, its points
+joined, so its last point is the last value logged."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,6 +41,13 @@ def smoothed(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
+def is_sparse(series_steps: set[int], history_steps: set[int]) -> bool:
+    """Whether a series is sparse: some training step of the run (a step >= 1 in the history; step 0
+    is the validation before training) lacks it. A sparse series is plotted as measured, unsmoothed;
+    a dense one (logged at every training step, with or without step 0) is smoothed."""
+    return not {s for s in history_steps if s >= 1} <= series_steps
+
+
 def panels_for(history: list[dict]) -> tuple[tuple[str, str], ...]:
     """The panel set of the trainer whose metrics the history holds most of (RL on a tie)."""
     logged = {k for row in history for k in row}
@@ -54,15 +63,19 @@ def plot_history(history: list[dict], path: Path, title: Optional[str] = None) -
     import matplotlib.pyplot as plt
 
     panels = panels_for(history)
+    history_steps = {row["step"] for row in history}
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
     for ax, (key, name) in zip(axes, panels):
         points = [(row["step"], row[key]) for row in history if key in row]
         if points:
             steps, values = zip(*points)
-            raw = ax.plot(steps, values, marker="o" if len(points) < 20 else None, markersize=3, alpha=0.35,
-                          linewidth=1, label="per step")[0]
-            ax.plot(steps, smoothed(list(values)), color=raw.get_color(), linewidth=2,
-                    label=f"smoothed (EMA {SMOOTHING:g})")
+            if is_sparse(set(steps), history_steps):
+                ax.plot(steps, values, marker="o", markersize=3, linewidth=2, label="as measured")
+            else:
+                raw = ax.plot(steps, values, marker="o" if len(points) < 20 else None, markersize=3, alpha=0.35,
+                              linewidth=1, label="per step")[0]
+                ax.plot(steps, smoothed(list(values)), color=raw.get_color(), linewidth=2,
+                        label=f"smoothed (EMA {SMOOTHING:g})")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set_title(name, fontsize=10)

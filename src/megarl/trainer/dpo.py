@@ -25,7 +25,7 @@ from megarl.data.preferences import PreferenceDataset, pairs_to_batch
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.offline import run_offline
+from megarl.trainer.offline import log_step, run_offline
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import DPOActorRole, RefRole
 
@@ -88,9 +88,7 @@ class DPOTrainer:
             done = time.perf_counter()
             metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
                             "timing/step_s": done - start})
-            if validating and (step % t.test_freq == 0 or step == self.total_steps):
-                metrics.update(self.validate())
-            tracker.log(metrics, step=step)
+            log_step(tracker, metrics, step, self.total_steps, t.test_freq, self.validate if validating else None)
         return metrics
 
     def export(self, out_dir: Path) -> Path:

@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 from megarl.config import ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
+
+
+def log_step(tracker, metrics: dict, step: int, total_steps: int, test_freq: int,
+             validate: Callable[[], dict] | None) -> None:
+    """Log training step `step`'s `metrics`, first adding `validate()`'s into them (in place) every
+    `test_freq` steps and at the last step; never when `validate` is None or `test_freq` is 0."""
+    if validate is not None and test_freq > 0 and (step % test_freq == 0 or step == total_steps):
+        metrics.update(validate())
+    tracker.log(metrics, step=step)
 
 
 def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:

@@ -19,7 +19,7 @@ from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.offline import run_offline
+from megarl.trainer.offline import log_step, run_offline
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import SFTActorRole
 
@@ -70,9 +70,8 @@ class SFTTrainer:
             batch = as_batch(self.train_data.take(self.sampler.next_batch()))
             metrics = self.actor.sft_step(batch)
             metrics["timing/step_s"] = time.perf_counter() - start
-            if self.val_data is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                metrics.update(self.validation_nll())
-            tracker.log(metrics, step=step)
+            log_step(tracker, metrics, step, self.total_steps, t.test_freq,
+                     self.validation_nll if self.val_data is not None else None)
         return metrics
 
     def export(self, out_dir: Path) -> Path:
