@@ -45,6 +45,25 @@ def test_a_step_releases_then_frees_training_memory_before_each_resume():
     assert train[1].onload == ("actor", "ref")
 
 
+def test_in_the_push_phase_the_push_asks_again_and_nothing_moves_until_a_server_restarts():
+    """Issue 50: the loop enters the push phase (`push_phase`), then the push asks `before_push`
+    again before each attempt: from the push phase's own state nothing moves (a second release of
+    the weights would cost a release and a resume per server per step); once a server restarted
+    (it holds all its memory) every server releases everything again, as between generations."""
+    for releases in (True, False):
+        memory = ColocatedMemory(2, PLAN, releases=releases)
+        memory.apply(memory.before_training())
+        memory.apply(memory.before_push())
+        assert memory.before_push() == Moves({}, {}, {}, (), False)
+    memory = ColocatedMemory(2, PLAN, releases=True)
+    memory.apply(memory.before_training())
+    memory.apply(memory.before_push())
+    memory.server_restarted(1)
+    again = memory.before_push()
+    assert again.release == {0: ("weights",), 1: ("weights", "kv_cache", "cuda_graph")}
+    assert again.resume == {0: ("weights",), 1: ("weights",)}
+
+
 def test_a_restarted_server_starts_resident_and_is_released_before_it_is_resumed():
     """The failure of issue 40: after a restart the push resumed `weights` on a server that
     released nothing, which ends a SGLang 0.5.23 server (KeyError). Issue 49: the push then

@@ -308,7 +308,7 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
     victim = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     restarts_before, killers, generate = fleet.restarts[0], [], run.producer.rollouts._generate
     restarting_threads = []
-    recover = fleet.recover
+    recover = cluster.recover
 
     def recording_recover(*args, **kwargs):
         restarting_threads.append(threading.current_thread() is threading.main_thread())
@@ -324,12 +324,13 @@ def test_a_server_killed_during_an_async_generation_is_restarted_between_steps_a
         return generate(index, version, prompt_indices, partial)
 
     trained = record_takes(run, lambda batch, metrics: list(batch["uid"]))
-    run.producer.rollouts._generate, fleet.recover = killing, recording_recover
+    run.producer.rollouts._generate, cluster.recover = killing, recording_recover
     tracker = Recorder()
     try:
         run.fit(tracker)
     finally:
-        fleet.recover, fleet.client.max_retries = recover, 5
+        del cluster.recover  # the cluster's own method again
+        fleet.client.max_retries = 5
         for killer in killers:
             killer.join(timeout=60)
     now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]

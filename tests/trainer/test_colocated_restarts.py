@@ -5,7 +5,7 @@ enough memory"); and the actor onloaded beside servers that hold their weights, 
 graphs needs more memory than either phase of the step has.
 
 The real `Cluster` (its __init__, memory state machine, pushes and recoveries) and the real
-`RolloutFleet.recover` run against stand-ins for the processes: engines that record offload,
+`RolloutFleet` restart steps run against stand-ins for the processes: engines that record offload,
 onload, empty_cache and the push, servers that record release, resume and restart, each as SGLang
 0.5.23 and megatron hold memory. The check is written from those calls alone, not from
 `placement.colocated_memory`: a server (re)starts only when every planned part is off the device
@@ -176,10 +176,10 @@ class FakeRouter:
 
 
 class FakeFleet(RolloutFleet):
-    """The real `recover` (and the rest of `RolloutFleet`) over stand-in server processes."""
+    """The real restart steps (and the rest of `RolloutFleet`) over stand-in server processes."""
 
-    def __init__(self, role, pools, config, *, on_restart, world: World, before_restart=lambda: None, **_):
-        self.world, self.on_restart, self.before_restart = world, on_restart, before_restart
+    def __init__(self, role, pools, config, *, world: World, **_):
+        self.world = world
         self.api_key, self.max_restarts, self.paused = None, config.actor_rollout_ref.rollout.max_server_restarts, False
         self.urls = [f"http://server-{i}" for i in range(SERVERS)]
         self.server_of, self.members = list(range(SERVERS)), [[i] for i in range(SERVERS)]
@@ -242,7 +242,7 @@ def rollout_phase(world: World) -> None:
 def test_a_server_that_died_while_training_restarts_once_the_engines_offloaded(cluster):
     """The push's recovery restarted the server first, while the engines held every state."""
     world = cluster.world
-    cluster.before_training()
+    cluster.training_phase()
     world.dead.add(1)
     world.events.clear()
     cluster.sync_weights()
@@ -257,13 +257,13 @@ def test_a_server_that_died_while_training_restarts_once_the_engines_offloaded(c
 
 
 def test_a_restart_at_generation_start_pushes_again_with_the_servers_memory_released(cluster):
-    """The generation's first step (`generate` runs `recover`) found server 0 dead: restarted in
+    """The generation's first step (`Cluster.generate` runs `recover`) found server 0 dead: restarted in
     the rollout phase, then the weights pushed again at the current version, the actor onloaded
     beside servers holding weights, KV cache and CUDA graphs."""
     world = cluster.world
     world.dead.add(0)
     world.events.clear()
-    assert cluster.rollout.recover() == 1
+    assert cluster.recover() == 1
     rollout_phase(world)
     assert world.events[0] == ("restart", 0)
     onload = world.events.index(("onload", "actor"))
@@ -273,12 +273,12 @@ def test_a_restart_at_generation_start_pushes_again_with_the_servers_memory_rele
 
 
 def test_a_restart_before_training_leaves_the_weights_to_the_steps_push(cluster):
-    """`before_training` found server 1 dead: restarted in the rollout phase, released with the
+    """`training_phase` found server 1 dead: restarted in the rollout phase, released with the
     others; the actor onloads with every server released; the step's push gives it the weights."""
     world = cluster.world
     world.dead.add(1)
     world.events.clear()
-    cluster.before_training()
+    cluster.training_phase()
     assert world.problems == [], "\n".join(world.problems)
     assert world.events[0] == ("restart", 1)
     assert world.held == [set(), set()] and world.on_device == {"actor": set(ALL_PARTS), "ref": {"params"}}
@@ -292,7 +292,7 @@ def test_a_server_dying_during_the_push_restarts_once_the_actor_offloaded_its_pa
     the other server's weights resumed: the restart waits for the actor's parameters to leave, and
     the second try onloads the actor only once both servers released what they hold."""
     world = cluster.world
-    cluster.before_training()
+    cluster.training_phase()
     world.dies_at_next_push = 1
     world.events.clear()
     cluster.sync_weights()

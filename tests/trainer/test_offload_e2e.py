@@ -179,7 +179,7 @@ def _run(tiny_assets, out_dir, tiny_grpo_cluster, monkeypatch, *overrides, resta
         saved = trainer.save_checkpoint()
         result["save"] = (list(Recorder.events), (saved / "actor").is_dir(),
                           [ServerControl(url, cluster.rollout.api_key).weight_version() for url in cluster.rollout.urls])
-        cluster.before_training()  # the engines back on their devices, to be read
+        cluster.training_phase()  # the engines back on their devices, to be read
         result["actor_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.actor.workers.actors])
         result["ref_bytes"] = ray.get([a.__ray_call__.remote(_state_bytes) for a in cluster.ref.workers.actors])
         result["weights"] = ray.get([a.__ray_call__.remote(_weights) for a in cluster.actor.workers.actors])

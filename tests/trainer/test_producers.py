@@ -24,9 +24,6 @@ class Fleet:
     def __init__(self, events: list, dead: bool = False, pauses: bool = True):
         self.events, self.dead, self.pauses = events, dead, pauses
 
-    def recover(self) -> int:
-        return 0
-
     def dead_servers(self) -> list[int]:
         return [0] if self.dead else []
 
@@ -36,6 +33,16 @@ class Fleet:
 
     def continue_generation(self) -> None:
         self.events.append("servers continue")
+
+
+class Runtime:
+    """The runtime's parts a producer uses: its fleet and `recover` (which restarts nothing here)."""
+
+    def __init__(self, fleet: Fleet):
+        self.rollout = fleet
+
+    def recover(self) -> int:
+        return 0
 
 
 class Rollouts:
@@ -57,7 +64,7 @@ class Rollouts:
 
 def async_producer(mode: str, events: list, **fleet) -> OneStepOffProducer | FullyAsyncProducer:
     config = AsyncTrainingConfig(mode=mode, max_staleness=3, partial_rollout=mode == "fully_async")
-    producer = make_producer(config, Fleet(events, **fleet), limit=10, collect=None, generate=None, score=None)
+    producer = make_producer(config, Runtime(Fleet(events, **fleet)), limit=10, collect=None, generate=None, score=None)
     producer.rollouts = Rollouts(events)
     return producer
 
@@ -72,7 +79,7 @@ def push(producer, events: list, fails: bool = False) -> Timer:
 
 
 def test_each_mode_gets_its_producer_with_its_staleness_and_schedule():
-    fleet = Fleet([])
+    fleet = Runtime(Fleet([]))
     sync = make_producer(AsyncTrainingConfig(), fleet, limit=10, collect=None, generate=None, score=None)
     assert isinstance(sync, SyncProducer)
     one = make_producer(AsyncTrainingConfig(mode="one_step_off", max_staleness=3), fleet, limit=10,

@@ -5,7 +5,7 @@ push that fails while every server is alive raises at once; a death past `max_se
 stops the run naming the server; a server that hangs (SIGSTOP) during the push makes it fail within
 the sync's timeouts, and the cluster kills it by PID, restarts it and pushes again.
 
-The seam: with the colocated servers' memory released (as after `before_training`), server 1 is
+The seam: with the colocated servers' memory released (as after `training_phase`), server 1 is
 stopped (SIGSTOP) once the push checked that every server runs and answers (`recover`, which
 would otherwise kill it as hung), so the push waits in its first phase on it, while server 0
 completes that phase (it resumes its weights' memory and, distributed, opens its update session);
@@ -57,17 +57,17 @@ def released(url: str, api_key: str) -> list[str]:
     return ServerControl(url, api_key, timeout_s=5).server_info()["internal_states"][0]["released_memory"]
 
 
-def stop_after_the_liveness_check(fleet, pid: int) -> None:
-    """SIGSTOP `pid` right after the fleet's next `recover` (the push's first step: every server
+def stop_after_the_liveness_check(cluster, pid: int) -> None:
+    """SIGSTOP `pid` right after the cluster's next `recover` (the push's first step: every server
     runs and answers /health), so the push meets a stopped server in its first phase."""
 
     def recover(*args, **kwargs):
-        del fleet.recover  # once: the fleet's own method again
-        restarted = fleet.recover(*args, **kwargs)
+        del cluster.recover  # once: the cluster's own method again
+        restarted = cluster.recover(*args, **kwargs)
         os.kill(pid, signal.SIGSTOP)
         return restarted
 
-    fleet.recover = recover
+    cluster.recover = recover
 
 
 def kill_during_push(cluster) -> threading.Thread:
@@ -76,10 +76,10 @@ def kill_during_push(cluster) -> threading.Thread:
     session to open), kill server 0, wait until its worker sees it dead, continue server 1.
     Returns the thread (started)."""
     fleet = cluster.rollout
-    cluster.before_training()
+    cluster.training_phase()
     victim, held = fleet.workers.call(RolloutWorker.status, timeout_s=30)
     assert "weights" in released(victim["url"], fleet.api_key)
-    stop_after_the_liveness_check(fleet, held["pid"])
+    stop_after_the_liveness_check(cluster, held["pid"])
 
     def run():
         try:
@@ -183,9 +183,9 @@ def server_calls_bounded(cluster, seconds: float):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cluster_module, "SyncConfig", functools.partial(SyncConfig, timeout_s=seconds))
         patch.setattr(cluster.rollout, "memory_call_timeout_s", seconds)  # the cluster's resumes around the push
-        cluster._make_sync(cluster.rollout.urls)
+        cluster._make_sync()
         yield
-    cluster._make_sync(cluster.rollout.urls)
+    cluster._make_sync()
 
 
 def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_completes(grpo):
@@ -196,13 +196,13 @@ def test_a_server_hanging_during_the_push_is_killed_restarted_and_the_push_compl
     fleet = cluster.rollout
     held = fleet.workers.call(RolloutWorker.status, timeout_s=30)[1]
     with server_calls_bounded(cluster, SYNC_CALL_TIMEOUT_S):
-        cluster.before_training()
-        stop_after_the_liveness_check(fleet, held["pid"])
+        cluster.training_phase()
+        stop_after_the_liveness_check(cluster, held["pid"])
         started = time.monotonic()
         try:
             metrics = cluster.sync_weights()
         finally:
-            vars(fleet).pop("recover", None)
+            vars(cluster).pop("recover", None)
         seconds = time.monotonic() - started
     # the prepare and the end of the sessions (2 x 5 s), the probe (10 s), the restart and the push
     # again: about 20 s here (2 cores shared with other work)

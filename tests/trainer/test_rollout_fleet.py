@@ -44,7 +44,10 @@ def test_fleet_generates_restarts_and_stops(ray_two_gpus, tmp_path):
         while fleet.workers.call(RolloutWorker.status, timeout_s=60)[1]["running"]:  # until the worker sees it gone
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        result = fleet.generate(prompts, SamplingParams(max_new_tokens=3, n=2, ignore_eos=True))  # restarts it first
+        assert fleet.take_down_failed() == [1]  # what the runtime's `recover` has the fleet do
+        fleet.restart([1])
+        fleet.rejoin([1])
+        result = fleet.generate(prompts, SamplingParams(max_new_tokens=3, n=2, ignore_eos=True))
         now = fleet.workers.call(RolloutWorker.status, timeout_s=60)[1]
         assert now["restarts"] == 1 and now["running"] and now["pid"] != statuses[1]["pid"]
         assert sum(len(s.token_ids) for row in result.samples for s in row) == 6 * 2 * 3

@@ -115,11 +115,14 @@ class ColocatedMemory:
         return Moves({}, {}, offload, (), bool(offload))
 
     def before_push(self) -> Moves:
-        """Servers that hold memory release it (if `releases`: restarted ones, or all of them for a
-        push between generations), the actor comes back if its parameters are off (the push reads
-        them), every planned part except the actor's parameters leaves, the caches are emptied,
-        then every server whose weights are released resumes them."""
-        release = self._release_all()
+        """Servers that hold memory release it (if `releases`: all of them, for a push between
+        generations or once a server restarted, unless every server is ready for the push: its
+        weights resident and nothing else), the actor comes back if its parameters are off (the
+        push reads them), every planned part except the actor's parameters leaves, the caches are
+        emptied, then every server whose weights are released resumes them. In the push phase's own
+        state (these moves done) it moves nothing: the push asks again before every attempt."""
+        ready = all(r == set(AFTER_PUSH) for r in self.released)
+        release = {} if ready else self._release_all()
         released = [r | set(release.get(i, ())) for i, r in enumerate(self.released)]
         onload = ("actor",) if "actor" in self.offloaded and self.offloaded["actor"].params else ()
         offload = {}

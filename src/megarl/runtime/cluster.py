@@ -1,14 +1,28 @@
-"""Everything the controller drives, brought up from a plan: the training roles' engine groups,
-the rollout fleet, and the weight sync between them. Also the colocation hooks (what to release,
-offload, onload and resume around training; the plan is `placement.colocation.offload_plan`) and
-checkpoint save/load across roles.
+"""Everything the loops drive, brought up from a plan: the training roles' engine groups, the
+rollout fleet, and the weight sync between them; the phases of a step over them; checkpoints
+across roles.
+
+A step, as `RLTrainer.train_step` calls it (the phases of `placement.colocated_memory.COLOCATED_ORDER`):
+
+    generate(prompts, ...)   the rollout servers generate (dead or hung servers restarted first)
+    training_phase()         colocated: the servers release their memory, offloaded roles come back
+    ... the roles compute and update ...
+    push_phase()             colocated: every planned training state but the actor's parameters
+                             leaves the device, the servers' weights come back
+    push_weights()           the actor's weights into every server as the next version
+    rollout_phase()          colocated: the actor's parameters leave, the servers' KV cache comes back
+
+Split placements run the same calls; their memory moves are empty. Every memory move, of a server
+or a role, is one that `placement.colocated_memory.ColocatedMemory` (`self.memory`) gives, done
+here and reported back to it: no other flag says what is where. Restarting rollout servers is this
+module's too (`recover`: the memory a new server sizes itself from, a new weight sync, the current
+weights, in that order); every phase restarts the servers it finds dead or hung and tries again
+(`_with_recovery`); the fleet only finds, takes down, restarts and rejoins servers.
 
 Colocated, the servers start first and release their memory (SGLang sizes its KV cache from the
 memory free when it starts), then the engines initialise, then a first push gives the servers
 their weights (version 0, the model the servers started from) and the planned roles offload
-before the servers resume their KV cache. Every memory move, of a server or a role, is one that
-`placement.colocated_memory.ColocatedMemory` (`self.memory`) gives, done here and reported back to it:
-no other flag says what is where.
+before the servers resume their KV cache.
 """
 from __future__ import annotations
 
@@ -31,8 +45,10 @@ from megarl.placement.colocation import offload_plan, releases_server_memory  # 
 from megarl.placement.gpu_order import real_server_gpus  # noqa: E402
 from megarl.placement.ray_pools import create_pools  # noqa: E402
 from megarl.placement.worker_group import WorkerGroupError  # noqa: E402
+from megarl.rollout.client import RolloutResult  # noqa: E402
 from megarl.rollout.control import ServerError  # noqa: E402
 from megarl.rollout.launch import rollout_api_key, server_startup_timeout_s  # noqa: E402
+from megarl.rollout.protocol import SamplingParams  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.colocation import ColocationError, colocated_peers  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
@@ -45,7 +61,7 @@ from megarl.runtime.roles import (  # noqa: E402
     TeacherRole,
     TrainingRole,
 )
-from megarl.runtime.rollout_fleet import RolloutFleet  # noqa: E402
+from megarl.runtime.rollout_fleet import GenerationInterrupted, RolloutFleet  # noqa: E402
 
 log = logging.getLogger("megarl.runtime")
 T = TypeVar("T")
@@ -90,7 +106,6 @@ class Cluster:
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
         self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
                                       self.releases_memory)
-        self._restarts_seen = [0] * self.plan.roles["rollout"].dp  # per server, the restarts `memory` knows of
         self._offload_totals = dict.fromkeys(("offload_s", "onload_s", "offload_bytes", "offload_freed_bytes"), 0.0)
         try:
             roles = self.plan.roles
@@ -106,10 +121,10 @@ class Cluster:
             self.teacher = TeacherRole(roles["teacher"], self.pools, config, d) if "teacher" in roles else None
             if not self.colocated:
                 self._start_rollout(roles["rollout"])
-            self._make_sync(self.rollout.urls)
+            self._make_sync()
             if self.colocated:  # the servers get version 0 (and their memory back if released), the engines make room
                 self._push(version=self.weight_version)
-                self.offload_metrics()  # start-up moves are not a step's
+                self.step_metrics()  # start-up moves and counts are not a step's
         except BaseException:
             self.shutdown()
             raise
@@ -119,13 +134,10 @@ class Cluster:
         self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated, api_key=self.api_key,
                                     single_node=self.plan.cluster.nnodes == 1,
                                     startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
-                                    on_restart=self._resync_restarted_rollout, before_restart=self._before_restart,
                                     device=self.devices.device)
 
-    def _make_sync(self, urls: list[str]) -> None:
-        """A new weight sync over `urls` (at start, and after servers restarted: the push that
-        follows brings them up to date)."""
-        self._note_restarts()
+    def _make_sync(self) -> None:
+        """A new weight sync over the fleet's servers (at start, and after servers restarted)."""
         r, transport = self.config.actor_rollout_ref.rollout, self.devices.weight_sync_transport
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
@@ -136,7 +148,7 @@ class Cluster:
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,
             colocated_peers=self._colocated_peers() if transport == "tensor" else None,
         )
-        self.actor.init_weight_sync(urls, sync_config, self.weight_version, self.api_key)
+        self.actor.init_weight_sync(self.rollout.urls, sync_config, self.weight_version, self.api_key)
 
     def _colocated_peers(self) -> list[list[int]] | None:
         """Per server, per TP rank: the actor rank on that TP rank's real GPU, from the GPUs Ray gave
@@ -154,66 +166,119 @@ class Cluster:
                 raise
             return None
 
-    def _before_restart(self) -> None:
-        """Rollout servers are about to start again (the fleet calls this): the training roles
-        free what they free for generation, the memory a new server sizes its KV cache from
-        (`memory.before_restart`). (Before the engines exist there is nothing to free.)"""
+    # ------------------------------------------------------------------ generation and restarts
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutResult:
+        """The fleet's `generate`, with the servers that died or hung restarted (`recover`): those
+        found before it starts, and those whose death lost prompts, which are then sent again with
+        their seeds. On the controller's thread only (a restart pushes weights)."""
+        self.recover()
+        partial = None
+        while True:
+            try:
+                return self.rollout.generate(prompts, sampling, seeds, partial=partial)
+            except GenerationInterrupted as cut:
+                self.recover()
+                partial = cut
+
+    def recover(self, push_follows: bool = False) -> int:
+        """Restart every rollout server that died or hung; returns how many. Only while nothing
+        generates. In order: the fleet takes them down (hung ones killed, out of the router); the
+        training roles free what they free for generation (`memory.before_restart`: a new server
+        sizes its KV cache from what is free); the servers start again, holding all their memory
+        (`memory.server_restarted`); a new weight sync over the server set (the old weight-update
+        groups held the dead process); unless a push follows (`push_follows`: it sends every server
+        the whole model), the actor's weights again at the current version, so restarted servers
+        answer with the weights and version of the others; then they rejoin the router. Before the
+        engines exist (a colocated start) only the restart: the first push follows."""
+        dead = self.rollout.take_down_failed()
+        if not dead:
+            return 0
         if self.actor is not None:
             self._do(self.memory.before_restart())
+        self.rollout.restart(dead)
+        for server in dead:
+            self.memory.server_restarted(server)
+        if self.actor is not None:
+            self._make_sync()
+            if not push_follows and self.rollout.weight_version is not None:  # a push happened (colocated: at start)
+                self._push(version=self.weight_version)
+        self.rollout.rejoin(dead)
+        return len(dead)
 
-    def _resync_restarted_rollout(self, urls: list[str]) -> None:
-        """Rollout servers restarted (the fleet calls this while they are out of the router): a new
-        weight sync over `urls` (the old weight-update groups held the dead process), and the
-        actor's weights pushed again at the current version (the policy did not change), so the
-        restarted servers answer with the same weights and version as the others. A restarted
-        server holds all its memory: colocated, the push has every server that holds memory
-        release it first, and resumes only what was released (`memory`). (Colocated, a restart
-        before the engines exist needs nothing: the first push follows them.)"""
-        if self.actor is None:
-            self._note_restarts()
-            return
-        self._make_sync(urls)
-        if self.rollout.weight_version is not None:  # a push happened (colocated: at start, version 0)
-            self._push_now(self.weight_version)
-
-    def _note_restarts(self) -> None:
-        """Tell `memory` which servers restarted since it last heard (a new process holds all its
-        memory, resident). The fleet's `recover` calls one of the two restart callbacks
-        (`_make_sync`, `_resync_restarted_rollout`) after every restart: they call this."""
-        if self.rollout is None:
-            return
-        for i, count in enumerate(self.rollout.restarts):
-            if count != self._restarts_seen[i]:
-                self.memory.server_restarted(i)
-                self._restarts_seen[i] = count
-
-    # ------------------------------------------------------------------ phases
-    def before_training(self) -> None:
-        """Colocated: the servers that hold memory free it for the training phase (unless
-        `rollout.free_cache_engine` is false; a dead or hung one is restarted first), then every
-        offloaded role comes back. The push resumes the servers' weights and, after it, their KV
-        cache. A push always follows (the step's, a checkpoint's): a server restarted here gets
-        only a new weight sync, and releases its memory with the others; that push brings it up
-        to date."""
-        if self.releases_memory:
-            self.rollout.recover(on_restart=self._make_sync)
-        self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()),
-                            on_restart=self._make_sync)
-
-    def _with_recovery(self, what: str, attempt: Callable[[], T], on_restart=None) -> T:
+    def _with_recovery(self, what: str, attempt: Callable[[], T], push_follows: bool = False) -> T:
         """`attempt()`, again after the rollout servers that died or hung are restarted (within
-        `max_server_restarts`; `on_restart`: the fleet's `recover` argument), until it succeeds;
-        its own error when every server is alive and answers (a retry would repeat it)."""
+        `max_server_restarts`; `push_follows`: `recover`'s), until it succeeds; its own error when
+        every server is alive and answers (a retry would repeat it)."""
         while True:
             try:
                 return attempt()
             except (WorkerGroupError, ServerError) as failed:
-                if self.rollout.recover(on_restart=on_restart) == 0:
+                if self.recover(push_follows) == 0:
                     raise
                 first = str(failed).splitlines()[:2][-1].strip()  # the first line of the first rank, no traceback
                 log.warning("%s failed as rollout servers died or hung; they were restarted, trying again. The "
                             "failure: %s", what, first)
 
+    # ------------------------------------------------------------------ the phases of a step
+    def training_phase(self) -> None:
+        """Colocated: the servers that hold memory free it for training (unless
+        `rollout.free_cache_engine` is false; a dead or hung one is restarted first), then every
+        offloaded role comes back. A push always follows (the step's, a checkpoint's): a server
+        restarted here gets only a new weight sync, and releases its memory with the others."""
+        if self.releases_memory:
+            self.recover(push_follows=True)
+        self._with_recovery("releasing the rollout servers' memory", lambda: self._do(self.memory.before_training()),
+                            push_follows=True)
+
+    def push_phase(self) -> None:
+        """Before the push (dead or hung servers restarted first, once the roles freed generation's
+        memory): servers that hold memory (restarted, or all between generations) release it, the
+        actor's parameters come on the device, the rest of the planned training states leave, the
+        caches are emptied, the released servers' weights come back."""
+        self.recover(push_follows=True)
+        self._with_recovery("preparing the weight push", lambda: self._do(self.memory.before_push()),
+                            push_follows=True)
+
+    def push_weights(self, version: int | None = None) -> dict:
+        """The actor's weights into every rollout server as `version` (default the next one; the
+        current one re-gives the servers the weights they had), flushing only the servers whose KV
+        cache is resident. Servers that die or hang during it are restarted and the push sent again
+        (after `push_phase`'s moves again, only what is not done yet), so every server ends at the
+        new version; a push that fails while every server is alive raises its own error at once.
+        Returns the push metrics (the same on every rank)."""
+        target = self.weight_version + 1 if version is None else version
+
+        def push() -> dict:
+            self._do(self.memory.before_push())
+            return self.actor.push_weights(version, self.memory.flush_before_push())
+
+        metrics = self._with_recovery(f"the weight push to version {target}", push, push_follows=True)
+        self.weight_version = int(metrics["sync/weight_version"])
+        self.rollout.weight_version = str(self.weight_version)
+        self.rollout.client.lora_name = served_adapter(self.config, self.weight_version)
+        return metrics
+
+    def rollout_phase(self) -> None:
+        """After the push: the actor's planned parameters leave too, the caches are emptied, the
+        servers' KV cache and CUDA graphs come back. A server restarted here is given the current
+        weights again (`recover`)."""
+        self._with_recovery("resuming the rollout servers' KV cache", lambda: self._do(self.memory.after_push()))
+
+    def _push(self, version: int | None = None) -> dict:
+        """The push with its phases (`push_phase`, `push_weights`, `rollout_phase`) as one call: at
+        start, around a checkpoint, after a restart. Returns the push metrics."""
+        self.push_phase()
+        metrics = self.push_weights(version)
+        self.rollout_phase()
+        return metrics
+
+    def sync_weights(self) -> dict:
+        """The push to the next version with its phases as one call, and the rollout fault counts
+        since the last call (`faults/*`)."""
+        return {**self._push(), **self.rollout.fault_metrics()}
+
+    # ------------------------------------------------------------------ memory moves
     def _do(self, moves: Moves) -> None:
         """Carry out `moves` in their order (releases, onloads, offloads, the caches emptied, resumes)
         and report each to `memory` once done. Raises `ServerError` naming the servers whose
@@ -253,56 +318,15 @@ class Cluster:
                  "teacher": self.teacher}
         return {name: role for name, role in roles.items() if role is not None}
 
-    def offload_metrics(self) -> dict[str, float]:
+    def step_metrics(self) -> dict[str, float]:
         """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,
         the slowest rank of each role, roles one after the other), `perf/offload_bytes` (bytes
-        copied to host memory, all ranks and roles) and `perf/offload_freed_bytes` (device bytes
-        released, copied or dropped gradients). The counters restart."""
+        copied to host memory, all ranks and roles), `perf/offload_freed_bytes` (device bytes
+        released, copied or dropped gradients) and the rollout fault counts (`faults/*`). The
+        counters restart."""
         out = {f"perf/{k}": float(v) for k, v in self._offload_totals.items()}
         self._offload_totals = dict.fromkeys(self._offload_totals, 0.0)
-        return out
-
-    def sync_weights(self) -> dict:
-        """Push the actor's weights into every rollout server as the next version, with the
-        colocated memory moves around it (`_push_now`). A server found dead or hung, before the
-        push or after a failed one, is restarted (within `max_server_restarts`) and the push sent
-        again, so every server ends at the new version; a push that fails while every server is
-        alive raises its own error at once. Returns the push metrics (the same on every rank) and
-        the rollout fault counts since the last push (`faults/*`, so once per step).
-
-        Restarted servers get only a new weight sync here (`_make_sync`), not the re-push at the
-        current version of `_resync_restarted_rollout`: the push that follows sends every server
-        the whole model, and the actor's weights are no longer those of the current version."""
-        return {**self._push(), **self.rollout.fault_metrics()}
-
-    def _push(self, version: int | None = None) -> dict:
-        """`sync_weights` without the fault counts; `version`: the servers' new version (default
-        the next one; the current one re-gives the servers the weights they had). A server found
-        dead starts again only once the roles freed generation's memory (`_before_restart`)."""
-        self.rollout.recover(on_restart=self._make_sync)
-        return self._push_now(version)
-
-    def _push_now(self, version: int | None) -> dict:
-        """The push with its memory moves (`placement.colocated_memory`): servers that hold memory
-        (restarted, or all between generations) release it, the actor's parameters on the device,
-        the rest of the planned training states off, the caches emptied, the released servers'
-        weights back; the push (flushing only the servers whose KV cache is resident);
-        then the actor's parameters off, the caches emptied, the KV caches back. Servers that die
-        or hang during the push are restarted and the push sent again."""
-        target = self.weight_version + 1 if version is None else version
-
-        def push() -> dict:
-            self._do(self.memory.before_push())  # again on a retry: only what is not done yet
-            return self.actor.push_weights(version, self.memory.flush_before_push())
-
-        # the push sends every server the whole model: restarted servers need only a new sync
-        metrics = self._with_recovery(f"the weight push to version {target}", push, on_restart=self._make_sync)
-        self.weight_version = int(metrics["sync/weight_version"])
-        self.rollout.weight_version = str(self.weight_version)
-        self.rollout.client.lora_name = served_adapter(self.config, self.weight_version)
-        # a server restarted here is given the current weights again (`_resync_restarted_rollout`)
-        self._with_recovery("resuming the rollout servers' KV cache", lambda: self._do(self.memory.after_push()))
-        return metrics
+        return {**out, **self.rollout.fault_metrics()}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
@@ -311,7 +335,7 @@ class Cluster:
         the current version gives them their weights back afterwards."""
         offloaded = any(parts.any() for parts in self.memory.offloaded.values())
         if offloaded:
-            self.before_training()
+            self.training_phase()
         started = time.monotonic()
         tmp = checkpoint.begin(root, step)
         self.actor.save_checkpoint(str(tmp / "actor"))
@@ -327,11 +351,11 @@ class Cluster:
     def load_checkpoint(self, directory: Path) -> dict:
         """Restore the engines from `directory`, push the weights to the servers; returns the
         controller state."""
-        self.before_training()  # offloaded roles come back (the servers release their memory first)
+        self.training_phase()  # offloaded roles come back (the servers release their memory first)
         self.actor.load_checkpoint(str(directory / "actor"))
         if self.critic is not None:
             self.critic.load_checkpoint(str(directory / "critic"))
-        self.sync_weights()
+        self._push()
         return checkpoint.load_controller_state(directory)
 
     def shutdown(self) -> None:

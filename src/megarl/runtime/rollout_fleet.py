@@ -1,25 +1,26 @@
 """The controller's handle on generation: rollout servers (one Ray actor each, placed by the plan)
 behind the real sglang-router, and the client that drives them.
 
-A server whose process dies is restarted by the fleet, between generations: taken out of the
-router, started again at its URL, given the current weights by `on_restart(urls)` (the cluster
-re-creates the weight sync for the server set and pushes the actor's weights at the current
-version), and put back. (A server that dies during a weight push is restarted the same way,
-and the cluster pushes again; inside a partial rollout's pause it comes back paused too, so the
-requests lost with it, sent again by the client, wait there for the pushed weights.) The prompts it lost, and any answer whose `weight_version` is not
-`weight_version` (the last pushed one), are sent again with the same seeds. Each server may
-restart `actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops
-the run with `RolloutServerLost`, naming the server, its node and the tail of its log.
+The fleet serves generation and finds, takes down, restarts and rejoins servers; when to restart
+and what comes around it (the colocated memory moves, a new weight sync, a push of the current
+weights) is the runtime's (`Cluster.recover`): the fleet calls nothing back. A server whose process
+died is taken out of the router (`take_down_failed`), started again at its URL (`restart`), given
+the current weights by the runtime, and put back (`rejoin`). A generation that lost prompts to a
+dead server raises `GenerationInterrupted` with the answers it has; `generate(partial=)` finishes
+it after the restart, sending only the lost prompts (and any answer whose `weight_version` is not
+`weight_version`, the last pushed one) again with the same seeds. Each server may restart
+`actor_rollout_ref.rollout.max_server_restarts` times over the run; one more death stops the run
+with `RolloutServerLost`, naming the server, its node and the tail of its log.
 
 A server whose process runs but does not answer (SIGSTOPped, its HTTP process deadlocked or stuck
-in the kernel) is hung, and treated as dead: every `recover` (and `dead_servers`) has each
+in the kernel) is hung, and treated as dead: every `take_down_failed` (and `dead_servers`) has each
 worker ask its server's `/health`, and one that gives no HTTP 200 within `HUNG_AFTER_S` is killed
 by its worker (SIGKILL to its process group), logged as hung, then restarted as above, counting
 against `max_server_restarts`. What bounds the time until then: a generation request stuck on it
 ends after `actor_rollout_ref.rollout.request_timeout_s` (the client's total timeout per attempt,
 retried `max_retries` times, through the router, whose own health checks stop sending it work); a
 weight push into it fails within the weight sync's timeouts (`SyncConfig`: one on each server
-call, one on each collective of the weight-update group), and `Cluster._push` then recovers and
+call, one on each collective of the weight-update group), and the runtime then recovers and
 pushes again.
 
 A SGLang server larger than a node runs one process per node (`RolePlacement.server_processes`):
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -75,14 +75,15 @@ class RolloutServerLost(RuntimeError):
 
 
 class GenerationInterrupted(RuntimeError):
-    """`generate(..., recover=False)` lost prompts to a dead server: the answers so far, to be
-    passed back as `generate(..., partial=)` once the caller has had the server restarted.
-    `samples[i]`, `records[i]`: prompt i's (None while it has no answer); `attempts[i]`: requests
-    sent for it so far."""
+    """`generate` lost prompts to a dead server: the answers so far, to be passed back as
+    `generate(..., partial=)` once the caller has had the server restarted. `samples[i]`,
+    `records[i]`: prompt i's (None while it has no answer); `attempts[i]`: requests sent for it so
+    far; `started`: when the generation began (`time.monotonic()`), which its metrics count from."""
 
-    def __init__(self, samples: list, records: list, attempts: list[int], lost: dict[int, str]):
+    def __init__(self, samples: list, records: list, attempts: list[int], lost: dict[int, str], started: float):
         super().__init__(f"{len(lost)} prompt(s) lost to a dead rollout server")
         self.samples, self.records, self.attempts, self.lost = samples, records, attempts, lost
+        self.started = started
 
 
 def multi_node_args(members: list[list[int]], addresses: dict[int, str]) -> list[Optional[MultiNode]]:
@@ -112,13 +113,8 @@ def server_log_name(server: int, node: Optional[MultiNode]) -> str:
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
                  single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
-                 on_restart: Callable[[list[str]], None] = lambda urls: None,
-                 before_restart: Callable[[], None] = lambda: None, device: str = "cuda"):
-        """`on_restart(urls)`: called after servers restarted (idle, out of the router) to bring
-        every server in `urls` to the current weights. `before_restart()`: called once servers are
-        found dead, before they start again (colocated: the trainer frees the memory it frees for
-        generation, which a new server sizes its KV cache from). `device`: the run's (cuda or
-        cpu), where SGLang serves."""
+                 device: str = "cuda"):
+        """`device`: the run's (cuda or cpu), where SGLang serves."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
         # seconds, each memory release or resume call: SGLang maps a large model's weights back from
@@ -126,8 +122,6 @@ class RolloutFleet:
         self.memory_call_timeout_s = 600.0
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = r.max_server_restarts
-        self.on_restart = on_restart
-        self.before_restart = before_restart
         self._versions: list[Optional[str]] = [None]  # every push's version (`weight_version`), in order
         self._faults = {"rollout_server_restarts": 0, "rollout_requests_retried": 0}
         # SGLang runs TP rank j on --base-gpu-id + j: each server's bundles must have got such a run of GPUs
@@ -192,28 +186,23 @@ class RolloutFleet:
         return multi_node_args(self.members, dict(zip(heads, addresses)))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 seeds: Optional[list[int]] = None, *, recover: bool = True,
-                 partial: Optional[GenerationInterrupted] = None) -> RolloutResult:
+                 seeds: Optional[list[int]] = None, *, partial: Optional[GenerationInterrupted] = None) -> RolloutResult:
         """`sampling.n` samples per prompt, all from live servers at `weight_version`. `seeds`:
         per-prompt sampling seeds (see RolloutClient.agenerate); a prompt sent again keeps its seed.
         Records count every attempt a prompt took, over the client's retries and the fleet's.
-        Servers found dead or hung before, or whose death or hang lost prompts, are restarted
-        (`recover`); one that died or hung while the router sent its work elsewhere is restarted by
-        the next `recover`, which
-        every later use of the servers runs first (the push, `release_memory`, the next
-        generation): one status call per generation, not two. With `recover=False`
-        (a thread that must not push weights: the async producer) nothing is restarted: prompts
-        lost to a dead server (or one the controller restarted meanwhile) raise `GenerationInterrupted`, and `partial=` that error finishes
-        the same prompts later, sending only the lost ones (answers kept carry their version)."""
-        started, since, restarts = time.monotonic(), len(self._versions) - 1, sum(self.restarts)
-        if recover:
-            self.recover()
+        Nothing is restarted here (the runtime restarts servers where nothing generates:
+        `Cluster.generate`, the push): prompts lost to a dead server (or one restarted meanwhile)
+        raise `GenerationInterrupted`, and `partial=` that error finishes the same prompts later,
+        sending only the lost ones (answers kept carry their version). Prompts lost while every
+        server lives and none restarted raise `RolloutRequestError` (a retry would repeat it)."""
+        started = partial.started if partial else time.monotonic()
+        since, restarts = len(self._versions) - 1, sum(self.restarts)
         n = len(prompts)
         samples: list = list(partial.samples) if partial else [None] * n
         records: list = list(partial.records) if partial else [None] * n
         attempts = list(partial.attempts) if partial else [0] * n
         todo = [i for i in range(n) if samples[i] is None]
-        while todo:
+        if todo:
             part = self.client.generate([prompts[i] for i in todo], sampling,
                                         seeds=[seeds[i] for i in todo] if seeds is not None else None,
                                         keep_going=True)
@@ -226,19 +215,13 @@ class RolloutFleet:
                     samples[i], records[i] = part.samples[j], part.records[j]
                 else:
                     lost[i] = why
-            if not lost:
-                break
-            log.warning("%d of %d prompts got no usable answer (e.g. prompt %d: %s)", len(lost), len(todo),
-                        *next(iter(lost.items())))
-            if not recover:  # interrupted if a server is dead, or was restarted (by the controller) meanwhile
+            if lost:
+                log.warning("%d of %d prompts got no usable answer (e.g. prompt %d: %s)", len(lost), len(todo),
+                            *next(iter(lost.items())))
                 if not self.dead_servers() and sum(self.restarts) == restarts:
                     index, why = next(iter(lost.items()))
                     raise RolloutRequestError(index, None, f"{why} (and no rollout server died or hung)")
-                raise GenerationInterrupted(samples, records, attempts, lost)
-            if self.recover() == 0:
-                index, why = next(iter(lost.items()))
-                raise RolloutRequestError(index, None, f"{why} (and no rollout server died or hung)")
-            todo = sorted(lost)
+                raise GenerationInterrupted(samples, records, attempts, lost, started)
         records = [replace(r, attempts=a) for r, a in zip(records, attempts)]
         metrics = summarize(records, time.monotonic() - started)
         self._faults["rollout_requests_retried"] += metrics.retried_requests
@@ -261,19 +244,14 @@ class RolloutFleet:
                 failed.setdefault(self.server_of[k], k)
         return failed
 
-    def recover(self, on_restart: Optional[Callable[[list[str]], None]] = None) -> int:
-        """Restart every server whose process died or that hung (alive, but no answer to `/health`
-        within `HUNG_AFTER_S`: its worker kills it first); returns how many. Call it only while no
-        generation runs (the weight push needs idle servers). `before_restart` runs before the
-        servers start again; `on_restart`: called instead of the fleet's own after a restart (the
-        weight push brings restarted servers up to date itself).
-        Raises `RolloutServerLost` for a server past `max_server_restarts` or one that does not
-        come back."""
+    def take_down_failed(self) -> list[int]:
+        """The servers whose process died or that hung (alive, but no answer to `/health` within
+        `HUNG_AFTER_S`: their worker kills them), each taken out of the router and counted as a
+        restart; [] when every server answers. Call it only while no generation runs. Raises
+        `RolloutServerLost` for a server past `max_server_restarts` (every hung one is killed first)."""
         statuses = self._statuses()
         failed = self._failed(statuses)
         dead = sorted(failed)
-        if not dead:
-            return 0
         for i in dead:  # every hung server is killed, also when the run stops below: none is left stopped
             k = failed[i]
             if statuses[k]["running"]:
@@ -285,25 +263,31 @@ class RolloutFleet:
             log.warning("rollout server %d at %s: its process on %s %s; restart %d of at most %d", i,
                         self.urls[i], self.workers.locations[k], self._what_happened(statuses[k]),
                         self.restarts[i] + 1, self.max_restarts)
-        registered = set(self.router.worker_urls())
+        registered = set(self.router.worker_urls()) if dead else set()
         for i in dead:
             if self.urls[i] in registered:
                 self.router.remove_worker(self.urls[i])
             self.restarts[i] += 1
         self._faults["rollout_server_restarts"] += len(dead)
-        self.before_restart()
+        return dead
+
+    def restart(self, servers: list[int]) -> None:
+        """Start `servers` (taken down) again at their URLs, every node of each; they stay out of the
+        router until `rejoin`. Raises `RolloutServerLost` when one does not come back."""
         try:
-            self.workers.call_ranks([k for i in dead for k in self.members[i]], RolloutWorker.restart,
+            self.workers.call_ranks([k for i in servers for k in self.members[i]], RolloutWorker.restart,
                                     timeout_s=self.startup_timeout_s + 60)
         except WorkerGroupError as e:
-            urls = [self.urls[i] for i in dead]
+            urls = [self.urls[i] for i in servers]
             raise RolloutServerLost(f"restarting rollout server(s) {urls} failed ({self._startup_bound()}): {e}") from None
-        (on_restart or self.on_restart)(list(self.urls))
-        for i in dead:
-            if self.paused:  # restarted inside a push's pause: it holds the requests sent again until the continue
+
+    def rejoin(self, servers: list[int]) -> None:
+        """Restarted `servers` (at the current weights) back in the router; inside a push's pause
+        (partial rollouts) paused too, so the requests sent again wait there until the continue."""
+        for i in servers:
+            if self.paused:
                 self.servers()[i].pause_generation("abort")
             self.router.add_worker(self.urls[i], timeout_s=120)
-        return len(dead)
 
     def _startup_bound(self) -> str:
         return (f"each may take actor_rollout_ref.rollout.server_startup_timeout_s={self.startup_timeout_s:g} s to "
@@ -380,7 +364,7 @@ class RolloutFleet:
         """Colocated: server i frees its memory `tags[i]` (SGLang's tags; the caller's
         `placement.colocated_memory` decides which), all at once, each once it is idle (SGLang
         0.5.23 asserts that, and its server ends otherwise: `ServerControl.release_memory_when_idle`).
-        Returns {server: error} of the calls that failed (a dead or hung server: `recover` restarts
+        Returns {server: error} of the calls that failed (a dead or hung server: the runtime restarts
         it; one busy past the wait); the others released."""
         return self._memory_calls(tags, lambda server, t: server.release_memory_when_idle(t))
 

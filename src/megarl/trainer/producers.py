@@ -4,7 +4,7 @@ interface, so `RLTrainer.train_step` reads the same in every mode:
     batch, metrics = producer.take(timer)          # the step's scored batch
     ... train on it ...
     with producer.push(timer, version):            # around the weight push, what the mode needs
-        cluster.sync_weights()
+        cluster.push_phase(); cluster.push_weights(); cluster.rollout_phase()
 
     sync          `SyncProducer`: the step generates and scores its own batch; the push finds the
                   servers idle.
@@ -27,6 +27,7 @@ from typing import Protocol
 from megarl.config.schema import AsyncTrainingConfig
 from megarl.data.batch import Batch
 from megarl.trainer.async_rollout import GenerateFn, Rollout, RolloutProducer
+from megarl.runtime.cluster import Cluster
 from megarl.runtime.rollout_fleet import RolloutFleet
 from megarl.trainer.timing import Timer
 
@@ -109,20 +110,20 @@ class OneStepOffProducer(_AheadProducer):
     """one_step_off: staleness 1 on a fixed schedule (`fill_window`: every rollout the gate allows
     runs before the push), so rollout j+1 is always generated with the weights of step j."""
 
-    def __init__(self, generate: GenerateFn, score: Callable[[Rollout, Timer], Scored], fleet: RolloutFleet, *,
-                 stale_samples: str, limit: int):
+    def __init__(self, generate: GenerateFn, score: Callable[[Rollout, Timer], Scored], recover: Callable[[], int],
+                 *, stale_samples: str, limit: int):
         super().__init__(RolloutProducer(generate, max_staleness=1, stale_samples=stale_samples, fill_window=True,
-                                         limit=limit, recover=fleet.recover), score)
+                                         limit=limit, recover=recover), score)
 
 
 class FullyAsyncProducer(_AheadProducer):
     """fully_async: generation runs whenever the gate (`max_staleness` versions) allows; with
     `partial_rollout` the push interrupts the generation in flight."""
 
-    def __init__(self, generate: GenerateFn, score: Callable[[Rollout, Timer], Scored], fleet: RolloutFleet, *,
-                 max_staleness: int, stale_samples: str, partial_rollout: bool, limit: int):
+    def __init__(self, generate: GenerateFn, score: Callable[[Rollout, Timer], Scored], recover: Callable[[], int],
+                 fleet: RolloutFleet, *, max_staleness: int, stale_samples: str, partial_rollout: bool, limit: int):
         super().__init__(RolloutProducer(generate, max_staleness=max_staleness, stale_samples=stale_samples,
-                                         limit=limit, recover=fleet.recover), score)
+                                         limit=limit, recover=recover), score)
         self.fleet, self.partial_rollout = fleet, partial_rollout
 
     @contextmanager
@@ -150,14 +151,15 @@ class FullyAsyncProducer(_AheadProducer):
         self.rollouts.pushed(version)
 
 
-def make_producer(a: AsyncTrainingConfig, fleet: RolloutFleet, limit: int, *, collect: Callable[[Timer], Scored],
+def make_producer(a: AsyncTrainingConfig, cluster: Cluster, limit: int, *, collect: Callable[[Timer], Scored],
                   generate: GenerateFn, score: Callable[[Rollout, Timer], Scored]) -> BatchProducer:
     """The producer of `async_training.mode` (`a`): `collect` is the sync step's generation,
     `generate` and `score` the async modes' (a rollout in the producer thread; its scored batch
-    when taken); `limit`: the run's total steps."""
+    when taken); `limit`: the run's total steps. The async producers restart dead servers through
+    the runtime (`cluster.recover`), on the controller's thread."""
     if a.mode == "sync":
         return SyncProducer(collect)
     if a.mode == "one_step_off":
-        return OneStepOffProducer(generate, score, fleet, stale_samples=a.stale_samples, limit=limit)
-    return FullyAsyncProducer(generate, score, fleet, max_staleness=a.max_staleness, stale_samples=a.stale_samples,
-                              partial_rollout=a.partial_rollout, limit=limit)
+        return OneStepOffProducer(generate, score, cluster.recover, stale_samples=a.stale_samples, limit=limit)
+    return FullyAsyncProducer(generate, score, cluster.recover, cluster.rollout, max_staleness=a.max_staleness,
+                              stale_samples=a.stale_samples, partial_rollout=a.partial_rollout, limit=limit)

@@ -6,11 +6,14 @@
         log-probs itself where nothing needs them before it) -> sync weights to the rollout
         servers -> log -> validate every test_freq -> checkpoint every save_freq
 
-The controller owns no accelerator: it drives worker groups (Megatron engines) and the rollout
-fleet (servers behind the router) placed by the planner. Colocated and split placements run the
-same loop; colocation adds releasing the rollout servers' memory and onloading the training roles
-before training (`before_training`), and around the push the memory moves of one state machine
-(inside `sync_weights`; see megarl.placement.colocated_memory).
+The controller owns no accelerator: it drives the runtime (megarl.runtime.cluster: worker groups
+of Megatron engines and the rollout fleet, placed by the planner) through the phases of a step,
+named as the colocation order names them: `training_phase`, `push_phase`, `push_weights`,
+`rollout_phase`. Colocated and split placements run the same loop; colocated, each phase carries
+out its memory moves (the servers release their memory and the offloaded roles come back for
+training; around the push, the training states leave and the servers' weights, then their KV
+cache, come back: megarl.placement.colocated_memory). Restarts of dead servers and retries stay
+inside the runtime.
 
 The step takes its batch from the producer of `async_training.mode` and pushes the weights inside
 the producer's `push` (megarl.trainer.producers): in sync the step generates its batch itself; in
@@ -87,6 +90,11 @@ def sampling_seed(seed: int, uid_prefix: str, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # 31 bits: an int any server accepts
 
 
+def sampling_seeds(seed: int, uid_prefix: str, prompts) -> list[int]:
+    """`sampling_seed` of each of `prompts` (with `.index`), in order."""
+    return [sampling_seed(seed, uid_prefix, p.index) for p in prompts]
+
+
 class RLTrainer:
     def __init__(self, config: ExperimentConfig, cluster: Cluster, tokenizer, score_fn):
         self.config, self.cluster, self.tokenizer, self.score_fn = config, cluster, tokenizer, score_fn
@@ -105,7 +113,7 @@ class RLTrainer:
             from megarl.agents.runner import AgentRunner
 
             self.agent = AgentRunner.from_config(config, cluster.rollout.client, tokenizer, score_fn)
-        self.producer = make_producer(config.async_training, cluster.rollout, self.total_steps,
+        self.producer = make_producer(config.async_training, cluster, self.total_steps,
                                       collect=self.collect_experience, generate=self.generate_rollout,
                                       score=self.score_rollout)
 
@@ -120,12 +128,12 @@ class RLTrainer:
         rollout = c.actor_rollout_ref.rollout
         metrics: dict[str, float] = {}
         with timer("generate"):
-            seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
-            result = cl.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
+            seeds = sampling_seeds(c.trainer.seed, uid_prefix, prompts)
+            result = cl.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds)
             batch = experience.experience_batch(prompts, result.samples, uid_prefix=uid_prefix)
             metrics.update(result.metrics.as_dict())
             if c.algorithm.adv_estimator == "remax":  # ReMax's baseline: the reward of a greedy response
-                greedy = cl.rollout.generate([p.input_ids for p in prompts],
+                greedy = cl.generate([p.input_ids for p in prompts],
                                              SamplingParams(max_new_tokens=rollout.response_length, temperature=0.0))
                 baseline = experience.experience_batch(prompts, greedy.samples, uid_prefix=uid_prefix)
         with timer("reward"):
@@ -145,11 +153,11 @@ class RLTrainer:
         c = self.config
         prompts = self.train_data.take(self.sampler.next_batch() if prompt_indices is None else prompt_indices)
         uid_prefix = f"s{index}"
-        seeds = [sampling_seed(c.trainer.seed, uid_prefix, p.index) for p in prompts]
+        seeds = sampling_seeds(c.trainer.seed, uid_prefix, prompts)
         start = time.perf_counter()
         try:
             result = self.cluster.rollout.generate([p.input_ids for p in prompts], sampling_params(c), seeds=seeds,
-                                                   recover=False, partial=partial)
+                                                   partial=partial)
         except GenerationInterrupted as cut:
             raise RolloutInterrupted([p.index for p in prompts], cut) from cut
         return Rollout(index, uid_prefix, [p.index for p in prompts], result.samples, version,
@@ -212,7 +220,7 @@ class RLTrainer:
         step_start = time.perf_counter()
 
         batch, metrics = self.producer.take(timer)
-        cl.before_training()
+        cl.training_phase()  # colocated: the servers release their memory, offloaded roles come back
 
         update_actor = self.step >= c.trainer.critic_warmup
         # the actor's update makes the old log-probs itself where nothing needs them before it
@@ -257,8 +265,10 @@ class RLTrainer:
                                                        c.trainer.max_consecutive_skipped_steps, self.step + 1)
         # async modes: the generation ahead pauses for the push, or the push interrupts it (producers)
         with self.producer.push(timer, version=self.step + 1), timer("sync_weights"):
-            metrics.update(cl.sync_weights())
-        metrics.update(cl.offload_metrics())
+            cl.push_phase()  # colocated: training states off but the actor's parameters, the servers' weights back
+            metrics.update(cl.push_weights())
+            cl.rollout_phase()  # colocated: the actor's parameters off, the servers' KV cache back
+        metrics.update(cl.step_metrics())  # offloads and rollout faults since the last step
 
         metrics.update(experience.data_metrics(batch))
         metrics.update(timer.metrics())
@@ -291,7 +301,7 @@ class RLTrainer:
                 if prefix == "val":
                     metrics.update({f"val/{k}": v for k, v in agent_metrics.items() if k.startswith("agent/")})
             else:
-                result = self.cluster.rollout.generate(ids, sampling)
+                result = self.cluster.generate(ids, sampling)
                 batch = experience.experience_batch(prompts, result.samples, uid_prefix="val")
                 self.score(batch)
             metrics.update(experience.mean_scores(batch["scores"], batch["data_source"], prefix))
