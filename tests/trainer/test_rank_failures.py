@@ -45,9 +45,9 @@ def test_a_rank_raising_before_the_checkpoint_collectives_ends_the_call_on_every
 
     t0 = time.monotonic()
     with pytest.raises(WorkerGroupError) as error:  # rank 0 loads; rank 1 fails before any collective
-        cluster.actor.workers.call_each(TrainWorker.load_checkpoint, [(str(saved / "actor"),),
-                                                                      (str(tmp_path / "missing"),)],
-                                        timeout_s=600)
+        cluster.actor.workers.call_each(TrainWorker.run_engine, [("load_checkpoint", str(saved / "actor")),
+                                                                 ("load_checkpoint", str(tmp_path / "missing"))],
+                                        timeout_s=600, call_name="load_checkpoint")
     elapsed = time.monotonic() - t0
     assert elapsed < 15, elapsed  # the grace (3 s) and Ray's answers, not the collective's 300 s
     lines = str(error.value).splitlines()

@@ -6,11 +6,12 @@ names); the controller does
 
     group = WorkerGroup(TrainWorker, plan.roles["actor"], pools, config)
     group.init_process_group(backend="gloo")
-    losses = group.call(TrainWorker.update_policy, batch, timeout_s=600)
+    metrics = group.call(TrainWorker.push_weights, timeout_s=600)
 
-A call names the worker class's method itself (`TrainWorker.update_policy`), never its name as a
+A call names the worker class's method itself (`TrainWorker.push_weights`), never its name as a
 string: a reader, an IDE or a rename follows it into the worker. This module is the one place
-that turns it into Ray's remote call by name.
+that turns it into Ray's remote call by name. A call through a worker's dispatcher
+(`TrainWorker.run_engine`) is reported by the name of what it dispatches (`call_name`).
 
 A rank that does not answer within the timeout, dies, or raises is reported by rank and node. The
 first rank that dies, or in a training role raises, ends the call on every rank within seconds: its
@@ -219,7 +220,7 @@ class WorkerGroup:
 
     def _remote_name(self, method: Callable) -> str:
         """The name Ray calls `method` by on this group's actors. `method` is a method of the
-        group's worker class or of a class it derives from (`TrainWorker.save_checkpoint`);
+        group's worker class or of a class it derives from (`TrainWorker.node_info`);
         a subclass's override of it is what runs."""
         name = getattr(method, "__name__", None)
         if not any(name in vars(cls) and vars(cls)[name] is method for cls in self.worker_cls.__mro__):
@@ -227,20 +228,24 @@ class WorkerGroup:
                             f"{self.worker_cls.__name__}")
         return name
 
-    def call(self, method: Callable[..., R], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[R]:
-        """Call the workers' `method` with the same arguments on every rank; results in rank order."""
+    def call(self, method: Callable[..., R], *args: Any, timeout_s: float = 600.0, call_name: str | None = None,
+             **kwargs: Any) -> list[R]:
+        """Call the workers' `method` with the same arguments on every rank; results in rank order.
+        `call_name`: the call's name in reports (default `method`'s)."""
         name = self._remote_name(method)
         refs = [getattr(a, name).remote(*args, **kwargs) for a in self.actors]
-        return self._gather(refs, f"{self.role.name}.{name}", timeout_s)
+        return self._gather(refs, f"{self.role.name}.{call_name or name}", timeout_s)
 
-    def call_each(self, method: Callable[..., R], per_rank_args: list[tuple], timeout_s: float = 600.0) -> list[R]:
-        """Call the workers' `method` on rank r with per_rank_args[r]; results in rank order."""
+    def call_each(self, method: Callable[..., R], per_rank_args: list[tuple], timeout_s: float = 600.0,
+                  call_name: str | None = None) -> list[R]:
+        """Call the workers' `method` on rank r with per_rank_args[r]; results in rank order.
+        `call_name`: the call's name in reports (default `method`'s)."""
         name = self._remote_name(method)
+        what = f"{self.role.name}.{call_name or name}"
         if len(per_rank_args) != len(self.actors):
-            raise ValueError(f"{self.role.name}.{name}: {len(per_rank_args)} argument tuples for "
-                             f"{len(self.actors)} ranks")
+            raise ValueError(f"{what}: {len(per_rank_args)} argument tuples for {len(self.actors)} ranks")
         refs = [getattr(a, name).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        return self._gather(refs, f"{self.role.name}.{name}", timeout_s)
+        return self._gather(refs, what, timeout_s)
 
     def call_ranks(self, ranks: list[int], method: Callable[..., R], *args: Any, timeout_s: float = 600.0,
                    **kwargs: Any) -> list[R]:

@@ -1,6 +1,8 @@
 """A training role's worker group of engines, with the batch cut by data-parallel rank on the way
-in and the output ranks' results joined on the way out. Each call names the `TrainWorker` method
-it runs; the controller calls the typed role handles built on this (megarl.runtime.roles)."""
+in and the output ranks' results joined on the way out. Each call names the engine method it runs
+(`ActorEngine.update_policy`, an `EngineMethod` on the controller, where megatron is not loaded);
+every rank's `TrainWorker.run_engine` runs it by that name. The controller calls the typed role
+handles built on this (megarl.runtime.roles)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,6 +35,32 @@ def join_outputs(parts: list[dict], size: int, padded: bool) -> dict[str, torch.
     return joined
 
 
+class EngineMethod:
+    """On the controller, an engine's method by name (`EngineClass`'s attributes)."""
+
+    def __init__(self, engine: str, name: str):
+        self.engine = engine  # the name of the class it is named on (`ActorEngine`)
+        self.__name__ = name
+        self.__qualname__ = f"{engine}.{name}"
+
+    def __repr__(self) -> str:
+        return f"<engine method {self.__qualname__}>"
+
+
+class EngineClass:
+    """On the controller, an engine class by name, its attributes its methods (`EngineMethod`s):
+    megarl.runtime.roles binds the engine classes' names to these and imports the classes only for
+    a type checker or an IDE, which so follow `ActorEngine.update_policy` into the engine."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+
+    def __getattr__(self, name: str) -> EngineMethod:
+        if name.startswith("_"):  # no engine method; and copy, pickle and the like probe these
+            raise AttributeError(f"{self.__name__}.{name}")
+        return EngineMethod(self.__name__, name)
+
+
 class EngineGroup:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, devices: Devices,
                  timeout_s: float = 3600.0):
@@ -50,18 +78,20 @@ class EngineGroup:
             raise RuntimeError(f"{self.name}: expected one output rank per DP rank, got {self.output_ranks}")
 
     def call(self, method: Callable, *args, **kwargs) -> list:
-        """The workers' `method` on every rank with the same arguments; results in rank order."""
-        return self.workers.call(method, *args, timeout_s=self.timeout_s, **kwargs)
+        """The engine's `method` on every rank with the same arguments; results in rank order."""
+        name = method.__name__
+        return self.workers.call(TrainWorker.run_engine, name, *args, timeout_s=self.timeout_s, call_name=name,
+                                 **kwargs)
 
     def run_on_batch(self, method: Callable, batch: Batch, *args) -> list:
-        """Give each DP replica its contiguous share of `batch` and run the workers' `method`;
+        """Give each DP replica its contiguous share of `batch` and run the engine's `method`;
         results in rank order."""
+        name = method.__name__
         if len(batch) % self.dp_size:
-            raise ValueError(f"{self.name}.{method.__name__}: {len(batch)} samples do not split over DP size "
-                             f"{self.dp_size}")
+            raise ValueError(f"{self.name}.{name}: {len(batch)} samples do not split over DP size {self.dp_size}")
         shards = batch.chunk(self.dp_size)
-        per_rank = [(shards[dp], *args) for dp in self.dp_ranks]
-        return self.workers.call_each(method, per_rank, timeout_s=self.timeout_s)
+        per_rank = [(name, shards[dp], *args) for dp in self.dp_ranks]
+        return self.workers.call_each(TrainWorker.run_engine, per_rank, timeout_s=self.timeout_s, call_name=name)
 
     def compute(self, method: Callable, batch: Batch, *args) -> dict[str, torch.Tensor]:
         """A per-sample computation (log-probs, values, scores): the output ranks' dicts joined in

@@ -1,20 +1,38 @@
 """The controller's typed handles on the training roles: one class per role, whose methods the
-trainers call (`actor.update_policy(batch)`, `ref.compute_ref_log_prob(batch, t)`). Each is a
-one-line forward through its `EngineGroup` to the `TrainWorker` method of the same name, which
-runs the engine's (megarl.engines.megatron.roles): a reader or an IDE follows a batch from the
-trainer into the engine by name, and renaming an engine method is a rename, not a grep.
+trainers call (`actor.update_policy(batch)`, `ref.compute_ref_log_prob(batch, t)`). Each names the
+engine method it runs once, `ActorEngine.update_policy`: `EngineGroup` sends that name to every
+rank's `TrainWorker.run_engine`, which runs the method on the rank's engine
+(megarl.engines.megatron) after checking it is a public method of the engine's class. A reader or
+an IDE follows the name into the engine; renaming an engine method is a rename, not a grep.
+
+Megatron loads in the workers only: here the engine classes are imported for a type checker or an
+IDE, and at run time are `EngineClass`es, whose attributes are the methods' names.
 
 Per-sample computations come back joined over the DP ranks (`EngineGroup.compute`), updates as
-rank 0's metrics (`EngineGroup.update`). A new role is one more class here (and its engine's
-methods on `TrainWorker`).
+rank 0's metrics (`EngineGroup.update`). A new role is one more class here (and its engine in
+`megarl.workers.train_worker.engine_class`).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from megarl.data.batch import Batch
-from megarl.runtime.engine_group import EngineGroup
+from megarl.runtime.engine_group import EngineClass, EngineGroup
 from megarl.workers.train_worker import TrainWorker
+
+if TYPE_CHECKING:
+    from megarl.engines.megatron.engine import MegatronEngine
+    from megarl.engines.megatron.reward_model import RewardModelEngine
+    from megarl.engines.megatron.roles import ActorEngine, CriticEngine, RefEngine, TeacherEngine
+else:
+    MegatronEngine = EngineClass("MegatronEngine")
+    ActorEngine = EngineClass("ActorEngine")
+    RefEngine = EngineClass("RefEngine")
+    CriticEngine = EngineClass("CriticEngine")
+    RewardModelEngine = EngineClass("RewardModelEngine")
+    TeacherEngine = EngineClass("TeacherEngine")
 
 
 class TrainingRole(EngineGroup):
@@ -22,34 +40,35 @@ class TrainingRole(EngineGroup):
 
     def offload(self, params: bool, grads: bool, optimizer: bool) -> list[dict]:
         """The chosen parts off the device; per rank, `MegatronEngine.offload`'s stats."""
-        return self.call(TrainWorker.offload, params=params, grads=grads, optimizer=optimizer)
+        return self.call(MegatronEngine.offload, params=params, grads=grads, optimizer=optimizer)
 
     def onload(self) -> list[dict]:
         """What `offload` moved, back; per rank, `MegatronEngine.onload`'s stats."""
-        return self.call(TrainWorker.onload)
+        return self.call(MegatronEngine.onload)
 
     def empty_cache(self) -> list[dict]:
-        return self.call(TrainWorker.empty_cache)
+        """The caching allocator's unused device memory given back; per rank, its stats."""
+        return self.call(MegatronEngine.empty_cache)
 
     def save_checkpoint(self, path: str) -> None:
-        self.call(TrainWorker.save_checkpoint, path)
+        self.call(MegatronEngine.save_checkpoint, path)
 
     def load_checkpoint(self, path: str) -> None:
-        self.call(TrainWorker.load_checkpoint, path)
+        self.call(MegatronEngine.load_checkpoint, path)
 
 
 class ActorRole(TrainingRole):
-    """The RL policy (`ActorEngine`) and its weight push into the rollout servers."""
+    """The RL policy (`ActorEngine`) and its weight push into the rollout servers (the worker's own)."""
 
     def compute_log_prob(self, batch: Batch, temperature: float,
                          with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_log_prob, batch, temperature, with_entropy)
+        return self.compute(ActorEngine.compute_log_prob, batch, temperature, with_entropy)
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        return self.update(TrainWorker.update_policy, batch)
+        return self.update(ActorEngine.update_policy, batch)
 
     def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        return self.update_and_compute(TrainWorker.update_policy_with_old_log_probs, batch)
+        return self.update_and_compute(ActorEngine.update_policy_with_old_log_probs, batch)
 
     def init_weight_sync(self, server_urls: list[str], sync_config, version: int, api_key: str | None) -> None:
         self.workers.call(TrainWorker.init_weight_sync, server_urls, sync_config, version, api_key, timeout_s=600)
@@ -63,54 +82,54 @@ class SFTActorRole(TrainingRole):
     """The policy fine-tuned on reference responses (megarl.trainer.sft)."""
 
     def compute_log_prob(self, batch: Batch, temperature: float) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_log_prob, batch, temperature)
+        return self.compute(ActorEngine.compute_log_prob, batch, temperature)
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
-        return self.update(TrainWorker.sft_step, batch)
+        return self.update(ActorEngine.sft_step, batch)
 
     def export_hf(self, out_dir: str) -> None:
-        self.call(TrainWorker.export_hf, out_dir)
+        self.call(ActorEngine.export_hf, out_dir)
 
 
 class DPOActorRole(TrainingRole):
     """The policy trained on preference pairs (megarl.trainer.dpo)."""
 
     def dpo_step(self, batch: Batch) -> dict[str, float]:
-        return self.update(TrainWorker.dpo_step, batch)
+        return self.update(ActorEngine.dpo_step, batch)
 
     def dpo_eval(self, batch: Batch) -> dict[str, float]:
-        return self.update(TrainWorker.dpo_eval, batch)
+        return self.update(ActorEngine.dpo_eval, batch)
 
     def export_hf(self, out_dir: str) -> None:
-        self.call(TrainWorker.export_hf, out_dir)
+        self.call(ActorEngine.export_hf, out_dir)
 
 
 class RefRole(TrainingRole):
     """The frozen reference policy (`RefEngine`)."""
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_ref_log_prob, batch, temperature)
+        return self.compute(RefEngine.compute_ref_log_prob, batch, temperature)
 
 
 class CriticRole(TrainingRole):
     """PPO's value model (`CriticEngine`)."""
 
     def compute_values(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_values, batch)
+        return self.compute(CriticEngine.compute_values, batch)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.update(TrainWorker.update_critic, batch)
+        return self.update(CriticEngine.update_critic, batch)
 
 
 class RewardModelRole(TrainingRole):
     """A sequence-classification reward model (`RewardModelEngine`), forward only."""
 
     def compute_rm_scores(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_rm_scores, batch)
+        return self.compute(RewardModelEngine.compute_rm_scores, batch)
 
 
 class TeacherRole(TrainingRole):
     """On-policy distillation's frozen Megatron teacher (`TeacherEngine`, megarl.trainer.teacher)."""
 
     def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> dict[str, torch.Tensor]:
-        return self.compute(TrainWorker.compute_teacher_log_prob, batch, temperature)
+        return self.compute(TeacherEngine.compute_teacher_log_prob, batch, temperature)

@@ -1,24 +1,36 @@
 """`TrainWorker`: the Ray actor of one rank of a training role (actor, ref, critic, reward model,
-teacher); it hosts that role's Megatron engine. Each engine method the controller calls has a method
-here of the same name that forwards to it, so a call is followed by name from the controller's role
-handle (megarl.runtime.roles) through `WorkerGroup` into the engine."""
+teacher); it hosts that role's Megatron engine (`engine_class`). The controller's role handles
+(megarl.runtime.roles) name an engine method once, `ActorEngine.update_policy`; `EngineGroup` sends
+its name to every rank's `run_engine`, which runs it on the engine after checking it is a public
+method of the engine's class. The worker's own methods are its setup and the actor's weight push.
+"""
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any
 
-from megarl.data.batch import Batch
 from megarl.workers.base import RankedWorker
 
-if TYPE_CHECKING:  # megatron loads in the worker only (`init_engine`)
+if TYPE_CHECKING:  # megatron loads in the worker only (`engine_class`)
     from megarl.engines.megatron import ActorEngine, CriticEngine, RefEngine, RewardModelEngine, TeacherEngine
+    from megarl.engines.megatron.engine import MegatronEngine
 
 
 def adapter_dir(config) -> str:
     """Where adapter-only sync with `lora.sync_via=disk` writes the actor's PEFT adapters (readable
     by every rollout server)."""
     return str((Path(config.trainer.default_local_dir) / "lora_sync").absolute())
+
+
+def engine_class(role: str) -> type[MegatronEngine]:
+    """The engine class a training role's workers host (imported here: megatron loads in the worker only)."""
+    from megarl.engines.megatron.reward_model import RewardModelEngine
+    from megarl.engines.megatron.roles import ActorEngine, CriticEngine, RefEngine, TeacherEngine
+
+    return {"actor": ActorEngine, "ref": RefEngine, "critic": CriticEngine, "reward_model": RewardModelEngine,
+            "teacher": TeacherEngine}[role]
 
 
 class TrainWorker(RankedWorker):
@@ -38,69 +50,20 @@ class TrainWorker(RankedWorker):
 
     def init_engine(self) -> dict:
         """Build the role's engine (after `init_process_group`); returns its data-parallel place."""
-        # imported here: megatron loads in the worker only
-        from megarl.engines.megatron.reward_model import RewardModelEngine
-        from megarl.engines.megatron.roles import ActorEngine, CriticEngine, RefEngine, TeacherEngine
-
-        engines = {"actor": ActorEngine, "ref": RefEngine, "critic": CriticEngine, "reward_model": RewardModelEngine,
-                   "teacher": TeacherEngine}
-        self.engine = engines[self.role](self.config)
+        self.engine = engine_class(self.role)(self.config)
         return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size,
                 "is_output_rank": self.engine.is_output_rank}
 
-    # ------------------------------------------------------------------ every role's engine
-    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
-        return self.engine.offload(params=params, grads=grads, optimizer=optimizer)
-
-    def onload(self) -> dict:
-        return self.engine.onload()
-
-    def empty_cache(self) -> dict:
-        return self.engine.empty_cache()
-
-    def save_checkpoint(self, path: str) -> None:
-        return self.engine.save_checkpoint(path)
-
-    def load_checkpoint(self, path: str) -> None:
-        return self.engine.load_checkpoint(path)
-
-    # ------------------------------------------------------------------ ActorEngine
-    def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
-        return self.engine.compute_log_prob(batch, temperature, with_entropy)
-
-    def update_policy(self, batch: Batch) -> dict[str, float]:
-        return self.engine.update_policy(batch)
-
-    def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], Optional[dict]]:
-        return self.engine.update_policy_with_old_log_probs(batch)
-
-    def sft_step(self, batch: Batch) -> dict[str, float]:
-        return self.engine.sft_step(batch)
-
-    def dpo_step(self, batch: Batch) -> dict[str, float]:
-        return self.engine.dpo_step(batch)
-
-    def dpo_eval(self, batch: Batch) -> dict[str, float]:
-        return self.engine.dpo_eval(batch)
-
-    def export_hf(self, out_dir: str) -> str:
-        return self.engine.export_hf(out_dir)
-
-    # ------------------------------------------------------------------ RefEngine, CriticEngine, RewardModelEngine
-    def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
-        return self.engine.compute_ref_log_prob(batch, temperature)
-
-    def compute_values(self, batch: Batch) -> Optional[dict]:
-        return self.engine.compute_values(batch)
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.engine.update_critic(batch)
-
-    def compute_rm_scores(self, batch: Batch) -> Optional[dict]:
-        return self.engine.compute_rm_scores(batch)
-
-    def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
-        return self.engine.compute_teacher_log_prob(batch, temperature)
+    def run_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The engine's `method` on `args` and `kwargs`, and what it returns: every call of the role
+        handles (megarl.runtime.roles) comes here. Refused (TypeError naming the role, the method and
+        the engine's class): a name with a leading underscore, or that is no function defined on the
+        engine's class (an instance attribute, a property, another role's method)."""
+        engine_cls = type(self.engine)
+        defined = next((vars(cls)[method] for cls in engine_cls.__mro__ if method in vars(cls)), None)
+        if method.startswith("_") or not inspect.isfunction(defined):
+            raise TypeError(f"{self.role}: {method!r} is not a public method of its engine, {engine_cls.__name__}")
+        return getattr(self.engine, method)(*args, **kwargs)
 
     # ------------------------------------------------------------------ the actor's weight push
     def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0,

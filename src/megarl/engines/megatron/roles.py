@@ -59,6 +59,16 @@ def _sequence_sums(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (log_probs.double() * mask).sum(1)
 
 
+def _policy_model(config: ExperimentConfig) -> dict:
+    """The `MegatronEngine` keywords the actor and the reference share: the policy's model
+    (`actor_rollout_ref.model`), the actor's routing replay (the reference replays the batch's
+    routes too) and the collective timeout."""
+    arr = config.actor_rollout_ref
+    return dict(model_path=arr.model.path, model_key="actor_rollout_ref.model.path",
+                override_config=arr.model.override_config, dtype=arr.model.dtype,
+                router_replay=arr.actor.router_replay.mode == "R3", collective_timeout_s=arr.nccl_timeout)
+
+
 def lora_spec(lora) -> Optional[LoraSpec]:
     """A role's adapters from its `model.lora` (None when its rank is 0)."""
     from megarl.config.rules.lora import lora_targets
@@ -77,17 +87,12 @@ class ActorEngine(MegatronEngine):
         self.actor = arr.actor
         super().__init__(
             section="actor_rollout_ref.actor",
-            model_path=arr.model.path,
-            model_key="actor_rollout_ref.model.path",
-            override_config=arr.model.override_config,
-            dtype=arr.model.dtype,
             megatron_cfg=arr.actor.megatron,
             optim_cfg=arr.actor.optim,
             recompute=arr.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
             lora=lora_spec(arr.model.lora),
-            router_replay=arr.actor.router_replay.mode == "R3",
-            collective_timeout_s=arr.nccl_timeout,
+            **_policy_model(config),
         )
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
@@ -288,14 +293,9 @@ class RefEngine(MegatronEngine):
         self.ref = arr.ref
         super().__init__(
             section="actor_rollout_ref.ref",
-            model_path=arr.model.path,
-            model_key="actor_rollout_ref.model.path",
-            override_config=arr.model.override_config,
-            dtype=arr.model.dtype,
             megatron_cfg=arr.ref.megatron,
             sequence_layout=sequence_layout,
-            router_replay=arr.actor.router_replay.mode == "R3",
-            collective_timeout_s=arr.nccl_timeout,
+            **_policy_model(config),
         )
 
     def compute_ref_log_prob(self, batch: Batch, temperature: float) -> Optional[dict]:
