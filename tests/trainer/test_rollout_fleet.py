@@ -144,3 +144,64 @@ def test_a_fresh_api_key_per_run_or_the_users_from_an_environment_variable(monke
         load_and_validate(None, [*base, "actor_rollout_ref.rollout.api_key_env=MY_ROLLOUT_KEY"])
     with pytest.raises(KeyError, match="api_key_env=MY_ROLLOUT_KEY"):
         rollout_api_key("MY_ROLLOUT_KEY")
+
+
+class HealthServer:
+    """An HTTP server on loopback whose `/health` answers `status` (a stand-in for a rollout
+    server's HTTP process: only the probe's answer matters here)."""
+
+    def __init__(self, status: int):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(handler):  # noqa: N805
+                handler.send_response(status if handler.path == "/health" else 404)
+                handler.end_headers()
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class StatusWorkers:
+    """The fleet's workers, recording each `status` round (each worker process reported running)."""
+
+    def __init__(self, urls: list[str], answers: list[bool]):
+        self.urls, self.answers, self.rounds = urls, answers, 0
+
+    def call(self, method, *args, timeout_s: float):
+        assert method is RolloutWorker.status
+        self.rounds += 1
+        return [{"url": u, "running": True, "answers": a} for u, a in zip(self.urls, self.answers)]
+
+
+def test_servers_that_all_answer_health_to_the_driver_cost_no_call_to_their_workers():
+    """Issue 50: the liveness check before every generation and push is one `/health` call per
+    server from the driver; the workers are asked (their own probe, HUNG_AFTER_S) only when a
+    server does not answer 200 at once, or a server spans nodes (whose other nodes serve no HTTP)."""
+    healthy, broken = HealthServer(200), HealthServer(503)
+    try:
+        fleet = RolloutFleet.__new__(RolloutFleet)
+        fleet.api_key, fleet.server_of = None, [0, 1]
+        fleet.members = [[0], [1]]
+        fleet.urls = [healthy.url, healthy.url]
+        fleet.workers = StatusWorkers(fleet.urls, [True, True])
+        assert fleet._failed_servers() == ({}, []) and fleet.dead_servers() == []
+        assert fleet.workers.rounds == 0
+        fleet.urls = [healthy.url, broken.url]  # server 1 answers 503: its worker decides
+        fleet.workers = StatusWorkers(fleet.urls, [True, False])
+        assert fleet.dead_servers() == [1] and fleet.workers.rounds == 1
+        fleet.urls, fleet.members, fleet.server_of = [healthy.url], [[0, 1]], [0, 0]  # one server on two nodes
+        fleet.workers = StatusWorkers([healthy.url, ""], [True, None])
+        assert fleet.dead_servers() == [] and fleet.workers.rounds == 1
+    finally:
+        healthy.close()
+        broken.close()

@@ -69,6 +69,12 @@ log = logging.getLogger("megarl.rollout")
 # or hung") instead of restarting the server.
 HUNG_AFTER_S = 10.0
 
+# How long the driver's own `/health` probe of every server waits (seconds) before the fleet asks
+# the servers' workers instead (`RolloutFleet._failed_servers`): a live server answers in
+# milliseconds, so an answer within this bound from every server means none died or hung; anything
+# else, however slow, is decided by the workers' probe and its `HUNG_AFTER_S`.
+QUICK_HEALTH_S = 2.0
+
 
 class RolloutServerLost(RuntimeError):
     """A rollout server died or hung more often than `max_server_restarts` allows, or did not come back."""
@@ -230,7 +236,18 @@ class RolloutFleet:
     def dead_servers(self) -> list[int]:
         """The servers whose process died or that hung (asks each worker, which probes `/health`
         for at most `HUNG_AFTER_S`; kills and restarts nothing)."""
-        return sorted(self._failed(self._statuses()))
+        return sorted(self._failed_servers()[0])
+
+    def _failed_servers(self) -> tuple[dict[int, int], list[dict]]:
+        """(server -> the worker rank of its first process that died or hung, every worker's
+        status). At once ({}, []) when every server is one process and answers `/health` to the
+        driver within `QUICK_HEALTH_S`: one HTTP call per server, no call to the workers (a
+        multi-node server's other nodes serve no HTTP: only their workers see them)."""
+        if all(len(ranks) == 1 for ranks in self.members) and all(
+                answered is True for answered in on_each(self.servers(), lambda s: s.health(QUICK_HEALTH_S))):
+            return {}, []
+        statuses = self._statuses()
+        return self._failed(statuses), statuses
 
     def _statuses(self) -> list[dict]:
         """Every worker's `status`, with its server's `/health` probed (at once on all workers)."""
@@ -249,8 +266,7 @@ class RolloutFleet:
         `HUNG_AFTER_S`: their worker kills them), each taken out of the router and counted as a
         restart; [] when every server answers. Call it only while no generation runs. Raises
         `RolloutServerLost` for a server past `max_server_restarts` (every hung one is killed first)."""
-        statuses = self._statuses()
-        failed = self._failed(statuses)
+        failed, statuses = self._failed_servers()
         dead = sorted(failed)
         for i in dead:  # every hung server is killed, also when the run stops below: none is left stopped
             k = failed[i]
