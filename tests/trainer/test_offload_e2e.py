@@ -343,13 +343,15 @@ def test_a_restarted_server_holds_its_memory_and_is_resumed_only_once_released(r
     events, metrics = on["restart_step"]
     assert metrics["faults/rollout_server_restarts"] == 1 and metrics["rollout/samples"] > 0
     first_push = compact(events).index(("push", "actor"))
-    # the generation found it dead: restarted (in the rollout phase: nothing left to offload), then
-    # the push at the current version, with the push's moves as always
+    # the generation (`Cluster.generate`, before the fleet generates) found it dead: restarted (in the
+    # rollout phase: nothing left to offload), then the push at the current version, with the push's
+    # moves as always
     assert compact(events)[:first_push + 1] == [
-        ("generate",), ("release", {0: ALL_TAGS}), ("onload", "actor"), ("offload", "actor", ("grads", "optimizer")),
+        ("release", {0: ALL_TAGS}), ("onload", "actor"), ("offload", "actor", ("grads", "optimizer")),
         ("empty_cache", "actor"), ("empty_cache", "ref"), ("resume", {0: ("weights",)}), ("push", "actor")]
-    # after the restart's push, its KV cache back, then the step as always
+    # after the restart's push, its KV cache back, the fleet generates, then the step as always
     rest = compact(events)[first_push + 1:]
+    assert rest[rest.index(("resume", {0: ("kv_cache", "cuda_graph")})) + 1] == ("generate",)
     assert [e for e in rest if e[0] in ("release", "resume")] == [
         ("resume", {0: ("kv_cache", "cuda_graph")}), ("release", {0: ALL_TAGS}), ("resume", {0: ("weights",)}),
         ("resume", {0: ("kv_cache", "cuda_graph")})]
