@@ -1,5 +1,5 @@
 """What each training role moves off the GPUs while the rollout servers generate: the offload
-plan, a pure function of the config. The trainer (`runtime/cluster.py`) executes it and the memory
+plan, a pure function of the config. The runtime (`runtime/cluster.py`) executes it and the memory
 estimate (`memory.py`) subtracts it, so `megarl plan` and a run agree by construction.
 
 Only colocated placement offloads: split pools give the servers their own GPUs, so moving a
