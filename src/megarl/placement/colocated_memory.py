@@ -1,7 +1,7 @@
 """The colocated GPUs' memory as one state machine: which memory each rollout server holds, which
 training states each role holds, the moves SGLang allows, and the order of a colocated step.
-Pure: the runtime (`runtime/cluster.py`, each phase of a step) asks it what to do next, does it, and reports back; the
-weight push is told per server what to resume and what to flush.
+Pure: the runtime (`runtime/cluster.py`, each phase of a step) asks it what to do next, does it,
+and reports back; the weight push is told per server what to resume and what to flush.
 
 Rollout servers (SGLang 0.5.23, managers/scheduler_components/weight_updater.py): memory comes in
 three tags, `weights`, `kv_cache` and `cuda_graph`, each resident or released.
