@@ -27,6 +27,7 @@ CORE = [
     "httptools>=0.6",
     "aiohttp>=3.9",  # the rollout client
     "requests>=2.31",
+    "urllib3>=2",  # the admin calls' kept-alive connections (megarl.rollout.control)
     "openai>=1.40",  # the client agent episodes use against megarl's OpenAI-compatible endpoint
 ]
 

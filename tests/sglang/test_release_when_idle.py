@@ -9,6 +9,7 @@ engine alike. One server of each kind for the module; the last test ends it."""
 import json
 import threading
 import time
+from typing import Optional
 
 import pytest
 import requests
@@ -48,13 +49,14 @@ class Generation(threading.Thread):
     """A long generation (ignore_eos) from a thread; `start_and_wait_running` returns once the
     server runs it. `answer`: its samples' answers (JSON), once done."""
 
-    def __init__(self, engine: str, url: str):
+    def __init__(self, engine: str, url: str, new_tokens: Optional[int] = None):
         super().__init__(daemon=True)
         self.engine, self.url, self.answer, self.error = engine, url, None, None
+        self.new_tokens = new_tokens or NEW_TOKENS[engine]
         self.running = threading.Event()
 
     def run(self) -> None:
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS[self.engine], "temperature": 1.0,
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": self.new_tokens, "temperature": 1.0,
                                                           "ignore_eos": True, "n": SAMPLES[self.engine]}}
         try:
             if self.engine == "sglang":  # streamed: its first chunk means the scheduler runs it
@@ -109,6 +111,38 @@ def test_the_fleets_release_waits_until_the_server_is_idle(server):
     out = requests.post(proc.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
                         timeout=120)
     assert out.status_code == 200, out.text
+
+
+def test_a_flush_waits_until_the_server_is_idle_and_flushes_take_turns(server):
+    """SGLang 0.5.23's `/flush_cache?timeout=` (managers/scheduler_components/flush_wrapper.py,
+    `SchedulerFlushWrapper`), which `ServerControl.flush_cache` uses (the release's drain, the
+    push's): on a busy server a flush that may not wait is refused at once, one that may is
+    answered once the server is idle (the generation ran to its end, nothing aborted); a flush
+    sent while one waits waits its turn (the tokenizer manager's queueing `FanOutCommunicator`,
+    managers/communicator.py) and is answered after it; a negative wait is a bad request."""
+    engine, proc = server
+    control = ServerControl(proc.url, timeout_s=60)
+    generation = Generation(engine, proc.url, new_tokens=CONTEXT - len(PROMPT))  # as long as it can be
+    generation.start_and_wait_running()
+    with pytest.raises(ServerError, match="/flush_cache.*: HTTP 400"):
+        control.flush_cache(wait_s=0)
+    answered = []  # (which flush, HTTP status), in the order the answers came
+
+    def flush(name: str, query: str) -> None:
+        answered.append((name, requests.post(proc.url + "/flush_cache" + query, timeout=300).status_code))
+
+    first = threading.Thread(target=flush, args=("waits", "?timeout=120"), daemon=True)
+    first.start()
+    time.sleep(0.2)  # its request reaches the server first (not a bound on anything)
+    busy = generation.is_alive()
+    flush("does not wait", "")
+    first.join(300)
+    generation.join(300)
+    assert busy, "the generation ended before the second flush was sent: the test saw no queue"
+    assert answered == [("waits", 200), ("does not wait", 200)]
+    assert generation.error is None, generation.error
+    assert [a["meta_info"]["finish_reason"]["type"] for a in generation.answer] == ["length"] * SAMPLES[engine]
+    assert requests.post(proc.url + "/flush_cache?timeout=-1", timeout=30).status_code == 400
 
 
 def test_a_bare_release_while_the_server_is_busy_ends_it(server):

@@ -131,7 +131,7 @@ REFUSED_CALLS = {  # every call megarl makes on a server, as megarl makes it
     "model_info": lambda s: s.model_info(),
     "server_info": lambda s: s.server_info(),
     "weight_version": lambda s: s.weight_version(),
-    "flush_cache": lambda s: s.flush_cache(retries=1),
+    "flush_cache": lambda s: s.flush_cache(wait_s=0),
     "abort_all": lambda s: s.abort_all(),
     "abort": lambda s: s.abort("some-request"),
     "pause_generation": lambda s: s.pause_generation("abort"),

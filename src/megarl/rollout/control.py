@@ -6,9 +6,17 @@ from tensors or the distributed group must sit inside `begin_weight_update()` ..
 (SGLang 0.5.23 refuses them otherwise); `update_weights_from_disk` needs no session.
 `on_all(servers, call)` runs `call(server)` on every server concurrently, one thread per server,
 and raises one `ServerError` naming every server that failed (the others' calls still complete).
+
+The calls of one process to one server share kept-alive connections (`connections`): a weight
+push makes five calls per server in a few milliseconds, and a new connection and HTTP client per
+call cost ~1 ms each of them on a busy 2-core machine (tools/bench/push_profile.py). They go
+straight to the server, as the rollout client's `/generate` requests do (no proxy from the
+environment).
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import threading
 import time
@@ -16,9 +24,64 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
-import requests
+import urllib3
 
 from megarl.rollout.protocol import error_message
+
+# A kept connection idle for longer than this is closed instead of used again (seconds). The server
+# closes a connection idle for its keep-alive timeout, uvicorn's `timeout_keep_alive` (5 s by
+# default: the CPU engine's; SGLang 0.5.23 passes SGLANG_TIMEOUT_KEEP_ALIVE, 5 s, in
+# `entrypoints/http_server.py::launch_server`), and a request sent just as it closes one fails
+# unanswered; 2 s keeps 3 s clear of that. One the server closed sooner (a restart) is found
+# closed before it is used (urllib3's `is_connection_dropped`) and replaced.
+REUSE_IDLE_S = 2.0
+# The connections kept per server: calls beyond this many at once open one more each, closed after.
+CONNECTIONS_PER_SERVER = 8
+# The calls that get no answer (no connection, a dropped one, none within the timeout).
+UNANSWERED = (urllib3.exceptions.HTTPError, OSError)
+
+
+class _IdleBound:
+    """A urllib3 connection pool that does not reuse a connection idle for over REUSE_IDLE_S."""
+
+    def _get_conn(self, timeout=None):
+        conn = super()._get_conn(timeout)
+        if time.monotonic() - getattr(conn, "megarl_idle_since", math.inf) > REUSE_IDLE_S:
+            conn.close()  # it connects again when used
+        return conn
+
+    def _put_conn(self, conn) -> None:
+        if conn is not None:
+            conn.megarl_idle_since = time.monotonic()
+        super()._put_conn(conn)
+
+
+class _HTTPPool(_IdleBound, urllib3.HTTPConnectionPool):
+    pass
+
+
+class _HTTPSPool(_IdleBound, urllib3.HTTPSConnectionPool):
+    pass
+
+
+_pools: dict[str, urllib3.HTTPConnectionPool] = {}  # url -> its pool
+_pools_pid: Optional[int] = None
+_pools_lock = threading.Lock()
+
+
+def connections(url: str) -> urllib3.HTTPConnectionPool:
+    """This process's keep-alive connections to the server at `url` (`scheme://host:port`, a path
+    ignored; a forked child makes its own)."""
+    global _pools_pid
+    with _pools_lock:
+        if _pools_pid != os.getpid():
+            _pools.clear()  # the parent's connections are not this process's to use
+            _pools_pid = os.getpid()
+        if url not in _pools:
+            parsed = urllib3.util.parse_url(url)
+            pool = _HTTPSPool if parsed.scheme == "https" else _HTTPPool
+            _pools[url] = pool(parsed.host, parsed.port, maxsize=CONNECTIONS_PER_SERVER)
+        return _pools[url]
 
 
 class ServerError(RuntimeError):
@@ -30,29 +93,40 @@ class ServerControl:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._path = urllib3.util.parse_url(self.url).path or ""  # of the URL, before each endpoint's
 
     # ---------------------------------------------------------------- plumbing
+    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
+                 headers: Optional[dict] = None) -> urllib3.BaseHTTPResponse:
+        """One HTTP exchange, not retried; `timeout_s` bounds connecting and each read (seconds).
+        Raises `UNANSWERED` errors."""
+        timeout_s = timeout_s or self.timeout_s
+        return connections(self.url).request(
+            method, self._path + path, body=None if body is None else json.dumps(body).encode(),
+            headers={**(headers or {}), **({} if body is None else {"Content-Type": "application/json"})},
+            timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, redirect=False,
+        )
+
     def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
         try:
-            resp = requests.request(
-                method, self.url + path, json=body, headers=self._headers, timeout=timeout_s or self.timeout_s
-            )
-        except requests.RequestException as e:
+            resp = self._request(method, path, body, timeout_s, self._headers)
+        except UNANSWERED as e:
             raise ServerError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        text = resp.data.decode("utf-8", "replace")
         try:
-            payload = resp.json() if resp.content else None
+            payload = json.loads(text) if text else None
         except ValueError:
-            payload = resp.text
-        if resp.status_code >= 400 or (isinstance(payload, dict) and payload.get("success") is False):
+            payload = text
+        if resp.status >= 400 or (isinstance(payload, dict) and payload.get("success") is False):
             message = error_message(payload, payload if isinstance(payload, str) else resp.reason)
-            raise ServerError(f"{self.url}{path}: HTTP {resp.status_code}: {message}")
+            raise ServerError(f"{self.url}{path}: HTTP {resp.status}: {message}")
         return payload
 
     # ---------------------------------------------------------------- health and info
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
-            return requests.get(self.url + "/health", timeout=timeout_s).status_code == 200
-        except requests.RequestException:
+            return self._request("GET", "/health", timeout_s=timeout_s).status == 200
+        except UNANSWERED:
             return False
 
     def wait_healthy(
@@ -64,9 +138,9 @@ class ServerControl:
             if not alive():
                 raise ServerError(f"{self.url}: the server process exited while starting")
             try:
-                if requests.get(self.url + path, timeout=min(5.0, timeout_s)).status_code == 200:
+                if self._request("GET", path, timeout_s=min(5.0, timeout_s)).status == 200:
                     return
-            except requests.RequestException:
+            except UNANSWERED:
                 pass
             time.sleep(poll_s)
         raise ServerError(f"{self.url}{path}: not healthy after {timeout_s:.0f} s")
@@ -81,23 +155,14 @@ class ServerControl:
         return self.model_info()["weight_version"]
 
     # ---------------------------------------------------------------- scheduling
-    def flush_cache(self, retries: int = 60, interval_s: float = 1.0) -> None:
-        """Flush the prefix cache; SGLang refuses while requests run, so retry a refusal like slime
-        does: at most `retries` attempts, the waits between them doubling from 20 ms up to
-        `interval_s` seconds (a server that just answered its last request is idle a scheduler loop
-        later). A server that does not answer (no connection, or none within `timeout_s`) is not
-        asked again: `retries` such waits would hold a weight push for `retries` x `timeout_s` on a
-        hung server."""
-        pause = min(0.02, interval_s)
-        for attempt in range(retries):
-            try:
-                self._call("POST", "/flush_cache")
-                return
-            except ServerError as e:
-                if attempt == retries - 1 or isinstance(e.__cause__, requests.RequestException):
-                    raise
-                time.sleep(pause)
-                pause = min(2 * pause, interval_s)
+    def flush_cache(self, wait_s: float = 60.0) -> None:
+        """Flush the prefix cache once the server is idle, waiting there up to `wait_s` seconds:
+        SGLang 0.5.23's `/flush_cache?timeout=` (`entrypoints/http_server.py::flush_cache`;
+        `managers/scheduler_components/flush_wrapper.py::SchedulerFlushWrapper`) flushes at once
+        if the scheduler is idle, else in the first scheduler loop that finds it idle (a server
+        that just answered its last request is idle a loop later), and refuses with HTTP 400 once
+        `wait_s` passed (0: refuse at once if busy). The call's read bound is `timeout_s` + `wait_s`."""
+        self._call("POST", f"/flush_cache?timeout={wait_s:g}", timeout_s=self.timeout_s + wait_s)
 
     def abort_all(self) -> None:
         self._call("POST", "/abort_request", {"abort_all": True})
@@ -120,15 +185,15 @@ class ServerControl:
         self._call("POST", "/release_memory_occupation", {"tags": tags})
 
     def release_memory_when_idle(self, tags: Optional[list[str]] = None) -> None:
-        """`release_memory_occupation` once the server is idle, as slime does: `flush_cache` until it
-        succeeds (bounded by its retries). SGLang 0.5.23 asserts an idle scheduler on a release and
-        its server exits on the AssertionError (managers/scheduler_components/weight_updater.py,
-        `release_memory_occupation`), while it can still be busy after the last answer came back:
-        a request the client gave up on runs on, and the scheduler holds a finished batch until its
-        next loop (`Scheduler.is_fully_idle`: `running_batch`, `last_batch`, the overlap loop's
-        `result_queue`). Its `/flush_cache` runs only when that same `is_fully_idle` holds
-        (`Scheduler.flush_cache`) and refuses with HTTP 400 otherwise; nothing new is sent between
-        the two calls."""
+        """`release_memory_occupation` once the server is idle, as slime does: `flush_cache`
+        first, which returns once the server is idle (within its wait). SGLang 0.5.23 asserts an
+        idle scheduler on a release and its server exits on the AssertionError
+        (managers/scheduler_components/weight_updater.py, `release_memory_occupation`), while it
+        can still be busy after the last answer came back: a request the client gave up on runs
+        on, and the scheduler holds a finished batch until its next loop (`Scheduler.is_fully_idle`:
+        `running_batch`, `last_batch`, the overlap loop's `result_queue`). Its `/flush_cache` runs
+        only when that same `is_fully_idle` holds (`SchedulerFlushWrapper`) and refuses with HTTP
+        400 once its wait passed; nothing new is sent between the two calls."""
         self.flush_cache()
         self.release_memory_occupation(tags)
 

@@ -297,7 +297,9 @@ class WeightSync:
 
         report = self._stream(decision, progress)
         reports = None
-        if g.is_emitter:
+        if g.is_emitter and dist.get_world_size(g.emitter_group) == 1:
+            reports = [report]  # the coordinator is the only emitter: nothing to gather
+        elif g.is_emitter:
             reports = [None] * dist.get_world_size(g.emitter_group) if g.is_coordinator else None
             dist.gather_object(report, reports, dst=dist.get_global_rank(g.emitter_group, 0), group=g.emitter_group)
         outcome = None

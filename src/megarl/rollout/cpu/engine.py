@@ -335,6 +335,7 @@ class CPUEngine:
             waiting = [s for s in self._waiting if s.abort_requested]
             for seq in waiting:
                 self._waiting.remove(seq)
+            self._cond.notify_all()  # `wait_idle`
         for seq in waiting:
             self._finish(seq, finish_abort("Aborted before the request started running."))
         return len(hit)
@@ -349,7 +350,7 @@ class CPUEngine:
             raise BadRequestError(f"pause_generation mode {mode!r}: megarl's CPU engine implements 'abort' only")
         with self._cond:
             self.paused = True
-        self.abort(abort_all=True)
+        self.abort(abort_all=True)  # wakes `wait_idle`
 
     def continue_generation(self) -> None:
         """SGLang 0.5.23 `/continue_generation`: waiting requests run again."""
@@ -367,7 +368,16 @@ class CPUEngine:
         requests sent since wait outside the scheduler in SGLang (`tokenizer_manager.py`:
         `is_pause_cond`), so they do not count (a weight update may flush the cache then)."""
         with self._cond:
-            return not self._running and (self.paused or not self._waiting)
+            return self._idle()
+
+    def _idle(self) -> bool:
+        """`is_idle`, called holding `_cond`."""
+        return not self._running and (self.paused or not self._waiting)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether the engine is idle (`is_idle`) now or becomes so within `timeout_s` seconds."""
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout_s)
 
     def _retire_batch(self) -> None:
         """The scheduler thread is done with its batch (every sequence of it answered): only now
@@ -376,6 +386,7 @@ class CPUEngine:
         with self._cond:
             self._running = []
             self.decode_step = 0
+            self._cond.notify_all()  # `wait_idle`
 
     @property
     def num_waiting(self) -> int:

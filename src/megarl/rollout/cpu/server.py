@@ -32,7 +32,7 @@ from typing import Any, Literal, Optional
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
@@ -245,6 +245,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application serving `engine` with SGLang's endpoints."""
     app = FastAPI(title="megarl CPU engine")
     sync = WeightSyncState()
+    flush_turn = asyncio.Lock()  # FIFO: flushes are answered one at a time, in arrival order
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -343,12 +344,17 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         return JSONResponse(outputs if body.batched else outputs[0])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(timeout: float = 0.0):
-        deadline = time.monotonic() + timeout
-        while not engine.is_idle() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if not engine.is_idle():
-            return PlainTextResponse("Flush cache failed: requests are running or waiting.\n", status_code=400)
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)):
+        """SGLang 0.5.23's `/flush_cache`: at once when idle; with `timeout` (seconds) once the
+        engine is idle within it (`managers/scheduler_components/flush_wrapper.py::
+        SchedulerFlushWrapper`), else HTTP 400. One flush at a time, the others wait their turn in
+        arrival order (its tokenizer manager's `FanOutCommunicator` in "queueing" mode,
+        `managers/communicator.py`)."""
+        async with flush_turn:
+            if timeout > 0 and not engine.is_idle() and not await asyncio.to_thread(engine.wait_idle, timeout):
+                return PlainTextResponse("Timed out waiting for idle state.", status_code=400)
+            if not engine.is_idle():
+                return PlainTextResponse("Flush cache failed: requests are running or waiting.\n", status_code=400)
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running "
                                  "or waiting requests, the operation will not be performed.)\n")
 
