@@ -13,8 +13,10 @@ it after the restart, sending only the lost prompts (and any answer whose `weigh
 with `RolloutServerLost`, naming the server, its node and the tail of its log.
 
 A server whose process runs but does not answer (SIGSTOPped, its HTTP process deadlocked or stuck
-in the kernel) is hung, and treated as dead: every `take_down_failed` (and `dead_servers`) has each
-worker ask its server's `/health`, and one that gives no HTTP 200 within `HUNG_AFTER_S` is killed
+in the kernel) is hung, and treated as dead: every `take_down_failed` (and `dead_servers`) asks
+each server's `/health` from the driver, and where one does not answer 200 at once (or a server
+spans nodes) has each worker ask its server's `/health` and look at its process: one that gives no
+HTTP 200 within `HUNG_AFTER_S` is killed
 by its worker (SIGKILL to its process group), logged as hung, then restarted as above, counting
 against `max_server_restarts`. What bounds the time until then: a generation request stuck on it
 ends after `actor_rollout_ref.rollout.request_timeout_s` (the client's total timeout per attempt,
