@@ -6,9 +6,11 @@ a finished batch waits for the scheduler's next loop). The rollout fleet's relea
 (`RolloutFleet.release_memory`) waits until the server is idle (`/flush_cache`, which SGLang runs
 only then) and releases; a bare release at that moment ends the server, real SGLang and the CPU
 engine alike. One server of each kind for the module; the last test ends it."""
+import http.client
 import json
 import threading
 import time
+import urllib.parse
 from typing import Optional
 
 import pytest
@@ -127,16 +129,19 @@ def test_a_flush_waits_until_the_server_is_idle_and_flushes_take_turns(server):
     with pytest.raises(ServerError, match="/flush_cache.*: HTTP 400"):
         control.flush_cache(wait_s=0)
     answered = []  # (which flush, HTTP status), in the order the answers came
-
-    def flush(name: str, query: str) -> None:
-        answered.append((name, requests.post(proc.url + "/flush_cache" + query, timeout=300).status_code))
-
-    first = threading.Thread(target=flush, args=("waits", "?timeout=120"), daemon=True)
-    first.start()
-    time.sleep(0.2)  # its request reaches the server first (not a bound on anything)
+    # The first flush's request is on the wire (http.client sends it and returns) before the second
+    # one's connection opens, so the server reads it first however loaded this machine is; a
+    # thread waits for its answer.
+    first = http.client.HTTPConnection(urllib.parse.urlsplit(proc.url).hostname,
+                                       urllib.parse.urlsplit(proc.url).port, timeout=300)
+    first.request("POST", "/flush_cache?timeout=120")
+    waiting = threading.Thread(target=lambda: answered.append(("waits", first.getresponse().status)), daemon=True)
+    waiting.start()
+    time.sleep(0.2)  # margin for the server to read it (the order above is what the test relies on)
     busy = generation.is_alive()
-    flush("does not wait", "")
-    first.join(300)
+    answered.append(("does not wait", requests.post(proc.url + "/flush_cache", timeout=300).status_code))
+    waiting.join(300)
+    first.close()
     generation.join(300)
     assert busy, "the generation ended before the second flush was sent: the test saw no queue"
     assert answered == [("waits", 200), ("does not wait", 200)]
