@@ -20,6 +20,7 @@ import math
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
@@ -97,19 +98,21 @@ class ServerControl:
 
     # ---------------------------------------------------------------- plumbing
     def _request(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
-                 headers: Optional[dict] = None) -> urllib3.BaseHTTPResponse:
-        """One HTTP exchange, not retried; `timeout_s` bounds connecting and each read (seconds).
-        Raises `UNANSWERED` errors."""
+                 headers: Optional[dict] = None, query: Optional[dict] = None) -> urllib3.BaseHTTPResponse:
+        """One HTTP exchange, not retried; `timeout_s` bounds connecting and each read (seconds);
+        `query`: the URL's query parameters. Raises `UNANSWERED` errors."""
         timeout_s = timeout_s or self.timeout_s
+        target = self._path + path + ("?" + urllib.parse.urlencode(query) if query else "")
         return connections(self.url).request(
-            method, self._path + path, body=None if body is None else json.dumps(body).encode(),
+            method, target, body=None if body is None else json.dumps(body).encode(),
             headers={**(headers or {}), **({} if body is None else {"Content-Type": "application/json"})},
             timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, redirect=False,
         )
 
-    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
+    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
+              query: Optional[dict] = None) -> Any:
         try:
-            resp = self._request(method, path, body, timeout_s, self._headers)
+            resp = self._request(method, path, body, timeout_s, self._headers, query)
         except UNANSWERED as e:
             raise ServerError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
         text = resp.data.decode("utf-8", "replace")
@@ -162,7 +165,7 @@ class ServerControl:
         if the scheduler is idle, else in the first scheduler loop that finds it idle (a server
         that just answered its last request is idle a loop later), and refuses with HTTP 400 once
         `wait_s` passed (0: refuse at once if busy). The call's read bound is `timeout_s` + `wait_s`."""
-        self._call("POST", f"/flush_cache?timeout={wait_s:g}", timeout_s=self.timeout_s + wait_s)
+        self._call("POST", "/flush_cache", timeout_s=self.timeout_s + wait_s, query={"timeout": f"{wait_s:g}"})
 
     def abort_all(self) -> None:
         self._call("POST", "/abort_request", {"abort_all": True})
