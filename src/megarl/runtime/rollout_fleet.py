@@ -16,9 +16,8 @@ A server whose process runs but does not answer (SIGSTOPped, its HTTP process de
 in the kernel) is hung, and treated as dead: every `take_down_failed` (and `dead_servers`) asks
 each server's `/health` from the driver, and where one does not answer 200 at once (or a server
 spans nodes) has each worker ask its server's `/health` and look at its process: one that gives no
-HTTP 200 within `HUNG_AFTER_S` is killed
-by its worker (SIGKILL to its process group), logged as hung, then restarted as above, counting
-against `max_server_restarts`. What bounds the time until then: a generation request stuck on it
+HTTP 200 within `HUNG_AFTER_S` is killed by its worker (SIGKILL to its process group), logged as
+hung, then restarted as above, counting against `max_server_restarts`. What bounds the time until then: a generation request stuck on it
 ends after `actor_rollout_ref.rollout.request_timeout_s` (the client's total timeout per attempt,
 retried `max_retries` times, through the router, whose own health checks stop sending it work); a
 weight push into it fails within the weight sync's timeouts (`SyncConfig`: one on each server
@@ -73,8 +72,9 @@ HUNG_AFTER_S = 10.0
 
 # How long the driver's own `/health` probe of every server waits (seconds) before the fleet asks
 # the servers' workers instead (`RolloutFleet._failed_servers`): a live server answers in
-# milliseconds, so an answer within this bound from every server means none died or hung; anything
-# else, however slow, is decided by the workers' probe and its `HUNG_AFTER_S`.
+# milliseconds (SGLang 0.5.23 from its HTTP process, with no API key, as for `HUNG_AFTER_S` above;
+# tests/sglang/test_server_control.py), so an answer within this bound from every server means none
+# died or hung; anything else, however slow, is decided by the workers' probe and its `HUNG_AFTER_S`.
 QUICK_HEALTH_S = 2.0
 
 
