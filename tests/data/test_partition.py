@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from megarl.data.partition import BALANCERS, balance_across_ranks, karmarkar_karp, token_budget_micro_batches
+from megarl.data.partition import (BALANCERS, balance_across_ranks, balance_batch_order, balance_metrics, karmarkar_karp,
+                                   token_budget_micro_batches, verl_workload)
 
 
 def lengths_of(seed, n, low=1, high=500):
@@ -87,3 +88,34 @@ def test_bad_arguments():
         balance_across_ranks([1] * 10, 3)
     with pytest.raises(ValueError, match="unknown balancing method 'best'"):
         balance_across_ranks([1] * 4, 2, "best")
+
+
+def test_verls_workload_weighs_length_linearly_and_attention_quadratically():
+    # verl 0.9.1 utils/seqlen_balancing.py calculate_workload: 24576 * L + L ** 2
+    assert [verl_workload(n) for n in (0, 1, 10, 4096)] == [0, 24577, 245860, 24576 * 4096 + 4096 ** 2]
+
+
+def test_balance_batch_pairs_the_longest_with_the_shortest_and_puts_light_samples_at_both_ends():
+    # 4 samples over 2 ranks: {1, 4} and {2, 3} tokens is the only split with equal sums of length,
+    # and it has the least workload spread (17 - 13 in the L^2 term against 25 - 5 and 20 - 10)
+    assert balance_batch_order([1, 2, 3, 4], 2) == [[0, 3], [1, 2]]
+    # one rank: by length 1, 2, 3, 4, 5 (samples 1, 3, 4, 2, 0); the even places rising, then the odd falling
+    assert balance_batch_order([5, 1, 4, 2, 3], 1) == [[1, 4, 0, 2, 3]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_balance_batch_gives_every_rank_as_many_samples_and_near_equal_tokens(seed):
+    lengths = lengths_of(seed, 256, 6, 12)
+    order = balance_batch_order(lengths, 2)
+    assert sorted(i for part in order for i in part) == list(range(256)) and [len(p) for p in order] == [128, 128]
+    tokens = [sum(lengths[i] for i in part) for part in order]
+    assert max(tokens) - min(tokens) <= 1  # against the halves as they came
+    assert order == balance_batch_order(list(lengths), 2)
+
+
+def test_balance_metrics_are_verls_per_rank_token_sums_before_and_after():
+    lengths = [4, 4, 1, 1, 3, 3]  # halves as they came: 9 and 7 tokens
+    order = [[0, 2, 4], [1, 3, 5]]  # 8 and 8
+    assert balance_metrics(lengths, order) == {
+        "global_seqlen/min": 7, "global_seqlen/max": 9, "global_seqlen/minmax_diff": 2,
+        "global_seqlen/balanced_min": 8, "global_seqlen/balanced_max": 8, "global_seqlen/mean": 8.0}

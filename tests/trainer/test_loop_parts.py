@@ -10,7 +10,7 @@ from megarl.algos.losses import policy_loss
 from megarl.config import load_config
 from megarl.trainer.experience import (best_of_n, mean_scores, old_log_probs, old_log_probs_in_update,
                                          rollout_correction, rollout_mismatch, take_old_log_probs)
-from megarl.trainer.rl import NonFiniteTrainingError, sampling_seed, skipped_steps_in_a_row
+from megarl.trainer.rl import NonFiniteTrainingError, balanced_over_ranks, sampling_seed, skipped_steps_in_a_row
 
 
 def test_sampling_seeds_depend_on_seed_step_and_prompt_only():
@@ -18,6 +18,21 @@ def test_sampling_seeds_depend_on_seed_step_and_prompt_only():
     seeds = {sampling_seed(seed, prefix, i) for seed in (1, 2) for prefix in ("s0", "s1", "s1r1") for i in range(50)}
     assert len(seeds) == 2 * 3 * 50  # no collisions among these
     assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_balancing_moves_whole_samples_so_each_rank_gets_as_many_tokens():
+    # 4 samples of 1 + 1, 1 + 2, 1 + 3, 1 + 4 tokens (prompt + response): the halves as they come
+    # hold 5 and 9 tokens; {2, 5} and {3, 4} hold 7 each, so ranks 0 and 1 get samples 0, 3 and 1, 2
+    batch = Batch.from_token_lists([[5]] * 4, [[6], [6, 7], [6, 7, 8], [6, 7, 8, 9]], uid=["a", "a", "b", "b"])
+    batch["scores"] = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    metrics = {}
+    balanced = balanced_over_ranks(batch, 2, metrics)
+    assert balanced["uid"] == ["a", "b", "a", "b"]
+    assert balanced["scores"].tolist() == [0.0, 3.0, 1.0, 2.0]
+    assert balanced["response_mask"].sum(1).tolist() == [1, 4, 2, 3]
+    assert (metrics["global_seqlen/max"], metrics["global_seqlen/balanced_max"]) == (9, 7)
+    odd = batch.select([0, 1, 2])  # 3 samples over 2 ranks: left as they were
+    assert balanced_over_ranks(odd, 2, {}) is odd
 
 
 def test_skipped_steps_are_counted_in_a_row_and_too_many_stop_the_run():

@@ -62,6 +62,8 @@ def check_steps(rows: list[dict], steps: int, phases=PHASES) -> list[dict]:
         assert row["sync/bytes"] > 0 and row["sync/buckets"] >= 1
         assert row["sync/checked_tensors"] > 0  # tiny/grpo.yaml: the servers' checksums equal the tensors sent
         assert row["actor/tokens"] > 0
+        # balance_batch (on by default): the actor's one DP rank holds every prompt and response token
+        assert row["global_seqlen/balanced_max"] == pytest.approx(row["throughput/tokens_per_s"] * row["timing/step_s"])
     assert "val/score" in rows[0] and rows[0]["step"] == 0  # validation before training
     assert "val/score" in train[-1]
     return train

@@ -79,6 +79,40 @@ def balance_across_ranks(lengths: Sequence[int], world_size: int, method: str = 
     return _balancer(method)(lengths, world_size, True)
 
 
+def verl_workload(length: int) -> int:
+    """verl's relative compute of one sequence of `length` tokens, which its batch balancing
+    evens out (verl 0.9.1 utils/seqlen_balancing.py `calculate_workload`: 24576 L + L^2, a dense
+    block's 12 h^2 L + 2 h L^2 over 2 h at h = 4096)."""
+    return 24576 * length + length * length
+
+
+def balance_batch_order(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """verl's `trainer.balance_batch` (0.9.1 trainer/ppo/ray_trainer.py `_balance_batch`): per
+    data-parallel rank, an equal number of sample indices with near-equal `verl_workload` (largest
+    differencing), each rank's indices ordered by workload with the lighter ones at both ends
+    (sorted by (workload, index), then the even positions rising and the odd ones falling: verl's
+    order against pipeline bubbles). Concatenated, rank r's samples are the r-th of `dp_size` equal
+    consecutive pieces, as the trainer hands them out."""
+    workloads = [verl_workload(n) for n in lengths]
+    order = []
+    for part in balance_across_ranks(workloads, dp_size):
+        part = sorted(part, key=lambda i: (workloads[i], i))
+        order.append(part[::2] + part[1::2][::-1])
+    return order
+
+
+def balance_metrics(lengths: Sequence[int], order: Sequence[Sequence[int]], prefix: str = "global_seqlen") -> dict:
+    """verl's balance metrics (utils/seqlen_balancing.py `log_seqlen_unbalance`), tokens per rank:
+    `min`/`max` of the equal consecutive pieces before balancing, `minmax_diff`, `balanced_min`/
+    `balanced_max` after it (`order`, from `balance_batch_order`), `mean`."""
+    piece = len(lengths) // len(order)
+    before = [sum(lengths[start : start + piece]) for start in range(0, len(lengths), piece)]
+    after = [sum(lengths[i] for i in part) for part in order]
+    return {f"{prefix}/min": min(before), f"{prefix}/max": max(before), f"{prefix}/minmax_diff": max(before) - min(before),
+            f"{prefix}/balanced_min": min(after), f"{prefix}/balanced_max": max(after),
+            f"{prefix}/mean": sum(lengths) / len(order)}
+
+
 def token_budget_micro_batches(
     lengths: Sequence[int], max_tokens: int, *, min_micro_batches: int = 1, method: str = "karmarkar_karp"
 ) -> list[list[int]]:

@@ -36,6 +36,7 @@ from megarl.algos import DynamicSampler, make_kl_controller
 from megarl.algos.opd import OPD_TEMPERATURE, student_needs_own_pass
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
+from megarl.data.partition import balance_batch_order, balance_metrics
 from megarl.data.prompts import PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.rollout.protocol import SamplingParams
@@ -93,6 +94,20 @@ def sampling_seed(seed: int, uid_prefix: str, prompt_index: int) -> int:
 def sampling_seeds(seed: int, uid_prefix: str, prompts) -> list[int]:
     """`sampling_seed` of each of `prompts` (with `.index`), in order."""
     return [sampling_seed(seed, uid_prefix, p.index) for p in prompts]
+
+
+def balanced_over_ranks(batch: Batch, dp_size: int, metrics: dict) -> Batch:
+    """`trainer.balance_batch`, verl's: `batch` reordered so that each of the actor's `dp_size`
+    data-parallel ranks, which take equal consecutive pieces, gets a near-equal token workload
+    (`megarl.data.partition.balance_batch_order`); verl's `global_seqlen/*` metrics added to
+    `metrics`. Advantages group by uid, so only which rows share a rank and a mini-batch changes.
+    A batch that does not split evenly over the ranks is left as it is (the update refuses it)."""
+    if len(batch) % dp_size:
+        return batch
+    lengths = batch.token_lengths().tolist()
+    order = balance_batch_order(lengths, dp_size)
+    metrics.update(balance_metrics(lengths, order))
+    return batch.select([i for part in order for i in part])
 
 
 class RLTrainer:
@@ -220,6 +235,8 @@ class RLTrainer:
         step_start = time.perf_counter()
 
         batch, metrics = self.producer.take(timer)
+        if c.trainer.balance_batch:
+            batch = balanced_over_ranks(batch, cl.actor.dp_size, metrics)
         cl.training_phase()  # colocated: the servers release their memory, offloaded roles come back
 
         update_actor = self.step >= c.trainer.critic_warmup
