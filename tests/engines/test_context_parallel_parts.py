@@ -113,8 +113,8 @@ def test_a_cp_ranks_packed_micro_batch_holds_two_chunks_of_every_sequence():
 
 
 @pytest.mark.parametrize("cp, packed, on_cuda, te, expected", [
-    (1, False, False, False, "spec"),  # no CP, padded: megatron's local attention
-    (1, False, True, False, "spec"),
+    (1, False, False, False, "cpu_reference"),  # no CP, padded, CPU: megarl's, through torch's fused kernel
+    (1, False, True, False, "spec"),  # ... on a GPU: megatron's local attention
     (2, False, True, True, "spec"),  # transformer-engine's attention runs CP (cp_comm_type)
     (1, True, True, True, "spec"),  # and packed sequences
     (2, True, True, True, "spec"),

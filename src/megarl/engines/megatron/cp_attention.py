@@ -74,6 +74,8 @@ def cpu_reference_attention():
             if attention_bias is not None:
                 raise ValueError("CpuReferenceAttention takes no attention bias")
             packed = packed_seq_params is not None
+            if self.cp == 1 and not packed and self.window is None:  # one causal sequence per row: torch's kernel
+                return self._causal(query, key, value)
             if packed:
                 if packed_seq_params.qkv_format != "thd":
                     raise ValueError(f"CpuReferenceAttention takes packed sequences in the thd format, not "
@@ -92,6 +94,16 @@ def cpu_reference_attention():
             probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
             context = torch.einsum("bhst,tbhd->sbhd", probs, value)
             return context.reshape(s, heads * d) if packed else context.reshape(s, b, heads * d)
+
+        def _causal(self, query, key, value):
+            """query [s, b, np, d], key and value [s, b, ng, d] -> context [s, b, np * d]: plain causal
+            attention through torch's `scaled_dot_product_attention` (its fused CPU kernel, the one HF's
+            models use on CPU by default; no [s, s] scores kept for the backward)."""
+            s, b, heads, d = query.shape
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads)
+            return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
         def _hidden(self, length: int, packed_seq_params, device) -> torch.Tensor:
             """[length / CP, length] bool: which keys (all CP ranks' rows, rank 0's first) each of this

@@ -151,8 +151,11 @@ def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_e
     (transformer/dot_product_attention.py:57 "Context parallelism is only supported by
     TEDotProductAttention!", and `assert packed_seq_params is None`), so without transformer-engine
     layers the CPU takes megarl's reference, and a GPU none (a reference attention materialises
-    [rows/CP, rows] scores per head)."""
-    if transformer_engine_layers or (cp == 1 and not packed):
+    [rows/CP, rows] scores per head). On the CPU the reference serves plain causal rows too (CP 1,
+    not packed), through torch's fused `scaled_dot_product_attention`, as HF's models do there:
+    megatron's local attention computes them unfused (baddbmm, masked softmax, bmm), which made the
+    quickstart's update 5-7% slower (docs/benchmarks.md, issue 50)."""
+    if transformer_engine_layers or (on_cuda and cp == 1 and not packed):
         return "spec"
     return None if on_cuda else "cpu_reference"
 
