@@ -8,7 +8,8 @@ rollout servers: a `sitecustomize` on PYTHONPATH that wraps the push's functions
 are imported; megarl's own code runs unchanged). Each wrapped call
 appends (process, name, start, end) to a file per process, on the system-wide monotonic clock
 (`time.perf_counter`, CLOCK_MONOTONIC on Linux), and this script splits every push
-(`Cluster.sync_weights` in the driver) into its parts: median seconds per push over the pushes after
+(from `Cluster.push_phase` to `Cluster.rollout_phase` in the driver, as `RLTrainer.train_step` calls
+them) into its parts: median seconds per push over the pushes after
 the first two.
 
     .venv/bin/python tools/bench/push_profile.py --steps 20 [--model DIR --train P --val P] [KEY=VALUE ...]
@@ -138,12 +139,12 @@ def _patch_rollout_worker(m):
 
 
 def _patch_cluster(m):
-    for method in ("sync_weights", "_push", "_push_now", "_do"):
+    for method in ("push_phase", "push_weights", "rollout_phase", "recover", "_do"):
         _timed(m.Cluster, method, f"Cluster.{method}")
 
 
 def _patch_fleet(m):
-    for method in ("recover", "_statuses", "fault_metrics"):
+    for method in ("take_down_failed", "_failed_servers", "_statuses", "fault_metrics"):
         _timed(m.RolloutFleet, method, f"RolloutFleet.{method}")
 
 
@@ -281,10 +282,11 @@ def split_push(records: list[dict], t0: float, t1: float) -> dict[str, float]:
 
     ranks = [total("TrainWorker.push_weights", rank=r) for r in (0, 1)]
     out = {
-        "push (Cluster.sync_weights)": t1 - t0,
-        "  recover: the fleet's status round": total("RolloutFleet.recover"),
+        "push (Cluster.push_phase to Cluster.rollout_phase)": t1 - t0,
+        "  recover: the fleet's liveness check (Cluster.recover)": total("Cluster.recover"),
+        "    RolloutFleet._failed_servers (driver-side /health)": total("RolloutFleet._failed_servers"),
         "    RolloutWorker.status, /health probe (longest)": longest("RolloutWorker.status"),
-        "  memory moves (Cluster._do x2)": total("Cluster._do"),
+        "  memory moves (push_phase + rollout_phase)": total("Cluster.push_phase") + total("Cluster.rollout_phase"),
         "  ActorRole.push_weights (the Ray call)": total("ActorRole.push_weights"),
         "    Ray's share (call - slowest rank)": total("ActorRole.push_weights") - max(ranks),
         "    TrainWorker.push_weights rank 0": ranks[0],
@@ -314,8 +316,9 @@ def split_push(records: list[dict], t0: float, t1: float) -> dict[str, float]:
 def profile(directory: Path, skip: int = 2) -> tuple[list[str], dict[str, float], list[dict]]:
     """(row names, median seconds per push of each, every push's split)."""
     records = load(directory)
-    pushes = sorted((r for r in records if r["name"] == "Cluster.sync_weights"), key=lambda r: r["t0"])
-    splits = [split_push(records, p["t0"], p["t1"]) for p in pushes]
+    starts = sorted((r for r in records if r["name"] == "Cluster.push_phase"), key=lambda r: r["t0"])
+    ends = sorted((r for r in records if r["name"] == "Cluster.rollout_phase"), key=lambda r: r["t0"])
+    splits = [split_push(records, start["t0"], end["t1"]) for start, end in zip(starts, ends)]
     steady = splits[skip:] if len(splits) > skip else splits
     names = list(dict.fromkeys(k for s in steady for k in s))
     return names, {k: median([s.get(k, 0.0) for s in steady]) for k in names}, splits
