@@ -37,7 +37,14 @@ STAMP_SGLANG := $(VENV_SGLANG)/.megarl-installed
 LOCK_SGLANG  := requirements/sglang-cpu-py311.lock
 PYTHON311    ?= $(shell $(PYTHON) -c 'import sys; print(sys.version_info[:2] == (3, 11))' | grep -q True && echo $(PYTHON) || echo python3.11)
 
-.PHONY: install test demo clean install-py312 test-py312 install-sglang test-sglang lock
+# verl 0.9.1's wheel, for the test that runs verl's own rollout corrections against megarl's
+# (tests/algos/test_rollout_correction_verl.py): downloaded once, hash-checked, never installed (the
+# test reads verl's files out of it and needs none of verl's dependencies); MEGARL_VERL_WHEEL names it.
+VERL_ORACLE       := .verl-oracle
+VERL_ORACLE_LOCK  := requirements/verl-oracle.lock
+STAMP_VERL_ORACLE := $(VERL_ORACLE)/.megarl-downloaded
+
+.PHONY: install test demo clean install-py312 test-py312 install-sglang test-sglang install-verl-oracle lock
 
 # Installs once; again when setup.py or the lock changes. The lock (requirements/cpu-py3X.lock of
 # $(PYTHON)'s version, written by `make lock`) pins every package, so tests and benchmarks see the
@@ -52,8 +59,9 @@ $(STAMP): setup.py $(LOCK)
 
 install: $(STAMP)
 
-test: install install-sglang
-	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) $(PY) -m pytest $(PYTEST_ARGS)
+test: install install-sglang install-verl-oracle
+	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) MEGARL_VERL_WHEEL=$(abspath $(VERL_ORACLE))/verl-0.9.1-py3-none-any.whl \
+		$(PY) -m pytest $(PYTEST_ARGS)
 
 # Resolves every lock again with each line's pip (installs nothing; `make install` then installs
 # what changed): the CPU test sets (requirements/cpu-py3*.lock), the benchmark environment's
@@ -89,6 +97,12 @@ $(STAMP_SGLANG): $(LOCK_SGLANG)
 
 install-sglang: $(STAMP_SGLANG)
 
+$(STAMP_VERL_ORACLE): $(VERL_ORACLE_LOCK) | $(STAMP)
+	$(PY) -m pip download -q --no-deps --require-hashes -r $(VERL_ORACLE_LOCK) -d $(VERL_ORACLE)
+	touch $(STAMP_VERL_ORACLE)
+
+install-verl-oracle: $(STAMP_VERL_ORACLE)
+
 # The real-SGLang tier alone (`make test` runs it too); `.ci/run` runs it beside line 1.
 test-sglang: install install-sglang
 	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) $(PY) -m pytest tests/sglang $(PYTEST_ARGS)
@@ -97,4 +111,4 @@ demo: install
 	$(PY) -m megarl.demo
 
 clean:
-	rm -rf $(VENV) $(VENV312) $(VENV_SGLANG) build src/*.egg-info outputs
+	rm -rf $(VENV) $(VENV312) $(VENV_SGLANG) $(VERL_ORACLE) build src/*.egg-info outputs

@@ -1,8 +1,8 @@
 """algorithm.rollout_correction at load time: its refusals, one by one, and its keyword arguments."""
 import pytest
 
-from megarl.algos.from_config import rollout_correction_kwargs
-from megarl.config.rules.rollout_correction import parse_band
+from megarl.algos.from_config import bypass_kwargs, rollout_correction_kwargs
+from megarl.config.rules.rollout_correction import parse_band, parse_rejection
 
 from config_cases import fails, ok
 
@@ -26,15 +26,35 @@ RC = "algorithm.rollout_correction"
     ([f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5_1.0_2.0"],
      "rollout_is_threshold='0.5_1.0_2.0': must be a number or"),
     ([f"{RC}.rollout_rs=token_k1"], f"{RC}.rollout_rs=token_k1 needs {RC}.rollout_rs_threshold"),
-    ([f"{RC}.rollout_rs=seq_sum_k1", f"{RC}.rollout_rs_threshold=0"], "rollout_rs_threshold='0': bounds must be > 0"),
+    ([f"{RC}.rollout_rs=seq_sum_k1", f"{RC}.rollout_rs_threshold=0"],
+     f"{RC}.rollout_rs='seq_sum_k1', {RC}.rollout_rs_threshold='0': rollout_rs_threshold '0' of seq_sum_k1: "
+     "bounds must be > 0"),
     ([f"{RC}.rollout_rs=seq_sum_k1", f"{RC}.rollout_rs_threshold=0.5"],
-     "rollout_rs_threshold='0.5': the upper bound must be >= 1"),
+     "rollout_rs_threshold '0.5' of seq_sum_k1: the upper bound must be >= 1"),
     ([f"{RC}.rollout_rs=seq_mean_k1", f"{RC}.rollout_rs_threshold=1.1_3.0"],
-     "rollout_rs_threshold='1.1_3.0': the band must hold 1"),
-    ([f"{RC}.rollout_rs=seq_max_k2", f"{RC}.rollout_rs_threshold=2"], f"{RC}.rollout_rs: 'seq_max_k2' is not one of"),
+     "rollout_rs_threshold '1.1_3.0' of seq_mean_k1: the band must hold 1"),
+    ([f"{RC}.rollout_rs=seq_max_k1", f"{RC}.rollout_rs_threshold=2"], "rollout_rs option 'seq_max_k1' is not one of"),
+    ([f"{RC}.rollout_rs=token_k1,seq_maxk2", f"{RC}.rollout_rs_threshold=2"],
+     "rollout_rs option 'seq_maxk2' is not one of"),
+    ([f"{RC}.rollout_rs=seq_max_k2", f"{RC}.rollout_rs_threshold=0.5_2.0"],
+     "rollout_rs_threshold '0.5_2.0' of seq_max_k2: an upper bound on its divergence, one number"),
+    ([f"{RC}.rollout_rs=seq_mean_k3", f"{RC}.rollout_rs_threshold=0"], "rollout_rs_threshold '0' of seq_mean_k3: must be > 0"),
+    ([f"{RC}.rollout_rs=token_k1,seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0,0.01,3'"],
+     "rollout_rs_threshold='0.5_2.0,0.01,3' gives 3 thresholds for 2 options"),
     ([f"{RC}.rollout_is=geometric"], f"{RC}.rollout_is: 'geometric' is not one of 'token', 'sequence'"),
-    ([f"{RC}.rollout_is=token", f"{RC}.rollout_is_batch_normalize=true"],
-     f"{RC}.rollout_is_batch_normalize=true: megarl does not normalise the weights"),
+    ([f"{RC}.rollout_is_batch_normalize=true"],
+     f"{RC}.rollout_is_batch_normalize=true normalises importance weights, but {RC}.rollout_is=null makes none"),
+    ([f"{RC}.rollout_is=token", f"{RC}.rollout_is_batch_normalize=true", f"{RC}.bypass_mode=true"],
+     f"{RC}.rollout_is_batch_normalize=true with {RC}.bypass_mode=true"),
+    ([f"{RC}.loss_type=reinforce"], f"{RC}.loss_type=reinforce is the loss of bypass mode ({RC}.bypass_mode=true)"),
+    ([f"{RC}.loss_type=a2c"], f"{RC}.loss_type: 'a2c' is not one of 'ppo_clip', 'reinforce'"),
+    ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=2"],
+     f"{RC}.bypass_mode=true makes the rollout's log-probs the old ones: "
+     "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0 would weigh every token by 1"),
+    ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+     "replaces actor_rollout_ref.actor.policy_loss.loss_mode=gspo; set loss_mode=vanilla"),
+    ([f"{RC}.bypass_mode=true", "distillation.enabled=true"],
+     f"{RC}.bypass_mode=true skips the trainer's log-prob pass that distillation.enabled=true reads"),
 ])
 def test_bad_settings_are_refused_naming_the_key(overrides, expected):
     assert expected in fails(*overrides)
@@ -64,6 +84,10 @@ def test_verls_importance_weights_are_the_off_policy_correction_async_modes_need
     assert ok(*split, f"{RC}.rollout_is=sequence").algorithm.rollout_correction.rollout_is == "sequence"
     # a mask alone leaves the gradient the behaviour policy's: still refused
     assert f"async_training.mode={mode}" in fails(*split, f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
+    # bypass mode's PPO ratio is to the rollout policy (as use_rollout_log_probs); its REINFORCE needs weights
+    ok(*split, f"{RC}.bypass_mode=true")
+    assert f"async_training.mode={mode}" in fails(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce")
+    ok(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence")
 
 
 @pytest.mark.parametrize("spec, reciprocal, band", [
@@ -80,8 +104,32 @@ def test_threshold_strings_parse_as_verl_writes_them(spec, reciprocal, band):
 def test_the_section_maps_onto_the_keyword_arguments():
     config = ok(f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_threshold=0.5_2.0", f"{RC}.rollout_rs=seq_mean_k1",
                 f"{RC}.rollout_rs_threshold=1.5")
-    assert rollout_correction_kwargs(config.algorithm.rollout_correction) == pytest.approx({
-        "rollout_is": "sequence", "is_lower": 0.5, "is_upper": 2.0,
-        "rollout_rs": "seq_mean_k1", "rs_lower": 1 / 1.5, "rs_upper": 1.5})
+    kwargs = rollout_correction_kwargs(config.algorithm.rollout_correction)
+    assert kwargs.pop("rejection") == [("seq_mean_k1", pytest.approx(1 / 1.5), 1.5)]
+    assert kwargs == {"rollout_is": "sequence", "is_lower": 0.5, "is_upper": 2.0, "is_batch_normalize": False}
     off = ok().algorithm.rollout_correction
-    assert not off.enabled and rollout_correction_kwargs(off) == {"rollout_is": None, "rollout_rs": None}
+    assert not off.enabled and rollout_correction_kwargs(off) == {"rollout_is": None, "is_batch_normalize": False,
+                                                                  "rejection": []}
+    assert bypass_kwargs(off) is None
+
+
+def test_option_lists_take_one_threshold_for_all_or_one_each_as_verl():
+    """verl's decoupled_k3_rs_token_tis-like lists: repeats dropped in order, a lone threshold shared."""
+    assert parse_rejection("token_k1, seq_mean_k3,token_k1", "0.5_2.0,0.01") == [
+        ("token_k1", 0.5, 2.0), ("seq_mean_k3", None, 0.01)]
+    assert parse_rejection("seq_sum_k2,seq_max_k3", "0.3") == [("seq_sum_k2", None, 0.3), ("seq_max_k3", None, 0.3)]
+    assert parse_rejection("token_k1,seq_sum_k1", "4") == [("token_k1", 0.25, 4.0), ("seq_sum_k1", 0.25, 4.0)]
+    config = ok(f"{RC}.rollout_rs=token_k1,seq_max_k2", "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0,0.2'")
+    assert rollout_correction_kwargs(config.algorithm.rollout_correction)["rejection"] == [
+        ("token_k1", 0.5, 2.0), ("seq_max_k2", None, 0.2)]
+
+
+def test_bypass_mode_is_accepted_with_its_loss_types_and_maps_to_the_loss():
+    config = ok(f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
+                f"{RC}.rollout_rs=seq_mean_k1", f"{RC}.rollout_rs_threshold=0.999_1.001")
+    assert bypass_kwargs(config.algorithm.rollout_correction) == {
+        "loss_type": "reinforce", "correction": {"rollout_is": "sequence", "is_lower": None, "is_upper": 2.0,
+                                                 "is_batch_normalize": False,
+                                                 "rejection": [("seq_mean_k1", 0.999, 1.001)]}}
+    # bypass compares the current policy with the rollout's: use_rollout_log_probs is then no conflict
+    ok(f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token", "actor_rollout_ref.actor.use_rollout_log_probs=true")

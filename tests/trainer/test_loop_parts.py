@@ -8,8 +8,9 @@ import torch
 from megarl.data.batch import Batch
 from megarl.algos.losses import policy_loss
 from megarl.config import load_config
-from megarl.trainer.experience import (best_of_n, mean_scores, old_log_probs, old_log_probs_in_update,
-                                         rollout_correction, rollout_mismatch, take_old_log_probs)
+from megarl.trainer.experience import (best_of_n, data_metrics, mean_scores, old_log_probs, old_log_probs_in_update,
+                                         rewards_and_advantages, rollout_correction, rollout_mismatch,
+                                         take_old_log_probs)
 from megarl.trainer.rl import NonFiniteTrainingError, balanced_over_ranks, sampling_seed, skipped_steps_in_a_row
 
 
@@ -102,6 +103,7 @@ def test_the_old_log_probs_are_the_trainers_or_the_rollouts_and_the_loss_follows
     (["algorithm.rollout_correction.rollout_is=token"], False),  # the correction reads them before the update
     (["algorithm.rollout_correction.rollout_rs=token_k1",
       "algorithm.rollout_correction.rollout_rs_threshold=2"], False),
+    (["algorithm.rollout_correction.bypass_mode=true"], False),  # the rollout's are the old ones: no pass at all
     (["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
       "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=2"], True),
 ])
@@ -158,23 +160,92 @@ def test_best_of_n_takes_each_prompts_best_response():
         "val/best@2/score": pytest.approx(0.5), "val/best@2/a/score": pytest.approx(0.75), "val/best@2/b/score": 0.0}
 
 
-def test_the_rollout_correction_gives_the_actor_weights_and_a_mask_and_leaves_the_batch_alone():
+RC = "algorithm.rollout_correction"
+
+
+def test_the_rollout_correction_puts_weights_and_its_mask_in_the_batch():
     """Row 0: rho = pi_old / pi_rollout = 0.5/0.25 = 2, 0.2/0.2 = 1, 0.9/0.3 = 3; row 1: 0.1/0.2 = 0.5.
     Token TIS at cap 2.5 weighs them 2, 1, 2.5, 0.5; the mask [0.6, 2.5] drops 3 and 0.5, so
-    row 1 has no token left. The model still reads every token (response_attention_mask)."""
+    row 1 has no token left; from then on the batch's response_mask is the kept tokens (advantages,
+    critic and actor), as verl's. The model still reads every token (response_attention_mask)."""
     batch = Batch.from_token_lists([[5, 6], [7]], [[8, 9, 10], [11]])
     batch["old_log_probs"] = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.1, 1.0, 1.0]]))
     batch["rollout_log_probs"] = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.2, 1.0, 1.0]]))
-    rc = "algorithm.rollout_correction"
-    config = load_config(None, [f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=2.5", f"{rc}.rollout_rs=token_k1",
-                                f"{rc}.rollout_rs_threshold=0.6_2.5"])
-    actor_batch, metrics = rollout_correction(batch, config)
-    assert actor_batch["rollout_is_weights"].flatten().tolist() == pytest.approx([2, 1, 2.5, 0.5, 0, 0])
-    assert actor_batch["response_mask"].tolist() == [[1, 1, 0], [0, 0, 0]]
-    assert actor_batch["response_attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert actor_batch["response_mask"].dtype == batch["response_mask"].dtype
-    assert batch["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and "rollout_is_weights" not in batch
+    config = load_config(None, [f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.5", f"{RC}.rollout_rs=token_k1",
+                                f"{RC}.rollout_rs_threshold=0.6_2.5"])
+    dtype = batch["response_mask"].dtype
+    metrics = rollout_correction(batch, config)
+    assert batch["rollout_is_weights"].flatten().tolist() == pytest.approx([2, 1, 2.5, 0.5, 0, 0])
+    assert batch["response_mask"].tolist() == [[1, 1, 0], [0, 0, 0]] and batch["response_mask"].dtype == dtype
+    assert batch["response_attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 4)
     assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 2)
-    assert metrics["rollout_corr/rollout_is_capped_fraction"] == pytest.approx(1 / 4)
-    assert rollout_correction(batch, load_config(None, [])) == (batch, {})  # off: the batch itself
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 4)
+    untouched = Batch(dict(batch.tensors), dict(batch.meta))
+    for off in ([], [f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token"]):  # none on; bypass: the loss makes them
+        assert rollout_correction(untouched, load_config(None, off)) == {}
+        assert untouched.tensors == batch.tensors
+
+
+def _rejection_batch(rho: list, scores: list) -> Batch:
+    """Two responses of one prompt (lengths 3 and 2), score on each last token, the old log-probs
+    log 0.5 and the rollout's making the per-token ratios `rho`."""
+    batch = Batch.from_token_lists([[5], [5]], [[8, 9, 10], [11, 12]], uid=["p", "p"])
+    batch["old_log_probs"] = torch.full((2, 3), math.log(0.5))
+    batch["rollout_log_probs"] = batch["old_log_probs"] - torch.log(torch.tensor(rho))
+    batch["token_level_scores"] = torch.tensor([[0.0, 0.0, scores[0]], [0.0, scores[1], 0.0]])
+    return batch
+
+
+def test_rejected_tokens_leave_the_advantages_as_verls():
+    """REINFORCE++ (gamma 1) with token_k1 on [0.5, 2.0]: row 0's middle token (rho 3) is rejected
+    before the advantages, as verl's trainer does. Returns over the kept tokens [1, 1 | 0, 0],
+    whitened: mean 0.5, unbiased std sqrt(1/3), so +-0.866; the rejected token's advantage is 0.
+    (Rejecting only after the advantages, as megarl did, whitens [1, 1, 1 | 0, 0]: 0.730 and -1.095.)"""
+    batch = _rejection_batch([[1.0, 3.0, 1.0], [1.0, 1.0, 1.0]], [1.0, 0.0])
+    config = load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", f"{RC}.rollout_rs=token_k1",
+                                f"{RC}.rollout_rs_threshold=0.5_2.0"])
+    metrics = rewards_and_advantages(batch, config)
+    assert batch["response_mask"].tolist() == [[1, 0, 1], [1, 1, 0]]
+    z = 0.5 / math.sqrt(1 / 3)
+    assert batch["advantages"].flatten().tolist() == pytest.approx([z, 0.0, z, -z, -z, 0.0], abs=1e-5)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 5)
+
+
+def test_a_rejected_token_keeps_its_reward_in_the_outcome_score_as_verls():
+    """GRPO: verl sums each row's token rewards over every position, so rejecting the token that
+    carries the score (row 0's last, rho 3) leaves the group's scores [1, 0]: advantages +-1/sqrt(2)
+    on the kept tokens (summing over the kept tokens only would make the group uniform: all 0)."""
+    batch = _rejection_batch([[1.0, 1.0, 3.0], [1.0, 1.0, 1.0]], [1.0, 0.0])
+    config = load_config(None, ["algorithm.adv_estimator=grpo", f"{RC}.rollout_rs=token_k1",
+                                f"{RC}.rollout_rs_threshold=0.5_2.0"])
+    rewards_and_advantages(batch, config)
+    assert batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 0]]
+    a = 1 / math.sqrt(2)
+    assert batch["advantages"].flatten().tolist() == pytest.approx([a, a, 0.0, -a, -a, 0.0], abs=1e-5)
+
+
+def test_the_data_metrics_measure_lengths_on_the_real_tokens_not_the_kept_ones():
+    batch = _rejection_batch([[1.0, 3.0, 1.0], [1.0, 1.0, 1.0]], [1.0, 0.0])
+    batch.meta.update(finish_reason=["stop", "length"])
+    batch["scores"] = torch.tensor([1.0, 0.0])
+    rewards_and_advantages(batch, load_config(None, ["algorithm.adv_estimator=grpo", f"{RC}.rollout_rs=token_k1",
+                                                     f"{RC}.rollout_rs_threshold=0.5_2.0"]))
+    m = data_metrics(batch)
+    assert m["response_length/mean"] == 2.5 and m["response_length/max"] == 3  # 3 and 2, one token rejected
+    assert m["advantages/min"] == pytest.approx(-1 / math.sqrt(2), abs=1e-5)  # over the kept tokens
+
+
+def test_the_off_policy_diagnostics_are_logged_with_every_correction_off():
+    """verl logs them whenever the rollout's log-probs exist: kl = mean(rollout - trainer) over valid
+    tokens; chi2_token = mean(rho^2) - 1; the per-row perplexities exp(-mean log p)."""
+    batch = Batch.from_token_lists([[5, 6], [7]], [[8, 9, 10], [11]])
+    batch["rollout_log_probs"] = torch.log(torch.tensor([[0.5, 0.2, 0.4], [0.1, 1.0, 1.0]]))
+    scored = {"log_probs": torch.log(torch.tensor([[0.5, 0.25, 0.4], [0.2, 1.0, 1.0]])),
+              "entropy": torch.ones(2, 3)}
+    m = take_old_log_probs(batch, scored, load_config(None, []))
+    rho = [1.0, 1.25, 1.0, 2.0]
+    assert m["rollout_corr/kl"] == pytest.approx(-sum(math.log(r) for r in rho) / 4)
+    assert m["rollout_corr/chi2_token"] == pytest.approx(sum(r * r for r in rho) / 4 - 1)
+    row_ppl = [math.exp(-(math.log(0.5) + math.log(0.25) + math.log(0.4)) / 3), 1 / 0.2]
+    assert m["rollout_corr/training_ppl"] == pytest.approx(sum(row_ppl) / 2)

@@ -303,8 +303,9 @@ def test_rollout_corrections_correct_a_bf16_rollout(ray_session, tiny_assets, tm
     differ (rho = exp(old - rollout) of 0.996-1.0045 per token). With tis_imp_ratio_cap each token's
     loss is weighted by min(rho, cap) inside the update; with verl's algorithm.rollout_correction the
     controller gives the update sequence weights min(prod_t rho_t, 1.01) and drops the tokens whose
-    rho leaves [0.998, 1.002], which then leave the update's token count too (one mini-batch of one
-    micro-batch, so the logged values are the batch's)."""
+    rho leaves [0.998, 1.002] before the advantages, which then leave the update's token count too
+    (one mini-batch of one micro-batch, so the logged values are the batch's). Either way verl's
+    off-policy diagnostics are logged (rollout_corr/kl: the mean of rollout - trainer log-probs)."""
     run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.dtype=bfloat16", *correction,
                      "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
@@ -313,15 +314,17 @@ def test_rollout_corrections_correct_a_bf16_rollout(ray_session, tiny_assets, tm
     assert m["training/rollout_log_probs_diff_max"] > 1e-3, m  # bf16 sampling is visibly off the trainer
     log_ratio = (batch["old_log_probs"] - batch["rollout_log_probs"]).double()
     rho = torch.exp(log_ratio)
+    assert m["rollout_corr/kl"] == pytest.approx(-log_ratio[mask].mean().item(), abs=1e-7)
     if correction[0].startswith("actor_rollout_ref"):
         raw = rho[mask]
         assert abs(m["actor/tis_weight_mean"] - raw.clamp(max=1.002).mean().item()) < 1e-5, m
         assert m["actor/tis_capfrac"] == pytest.approx((raw > 1.002).float().mean().item(), abs=1e-6)
         assert 0 < m["actor/tis_capfrac"] < 1, "the cap should bind on some tokens (bf16 weights: 0.996-1.0045)"
-        assert not any(key.startswith("rollout_corr/") for key in m)
+        assert not any(key.startswith(("rollout_corr/rollout_is", "rollout_corr/rollout_rs")) for key in m)
         return
     keep = mask & (rho >= 0.998) & (rho <= 1.002)
     assert torch.equal(batch["response_mask"].bool(), keep)
+    assert torch.all(batch["advantages"][mask & ~keep] == 0)  # the advantages were made on the kept tokens
     dropped = 1 - keep.sum().item() / mask.sum().item()
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(dropped)
     assert 0 < dropped < 1, "the band should drop some tokens and keep others"
@@ -333,6 +336,55 @@ def test_rollout_corrections_correct_a_bf16_rollout(ray_session, tiny_assets, tm
         seq.clamp(max=1.01)[:, None].expand_as(mask)[mask].tolist(), abs=1e-6)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx((seq > 1.01).double().mean().item())
     assert "actor/tis_weight_mean" not in m
+
+
+def hf_log_probs(model_dir: Path, batch: Batch) -> torch.Tensor:
+    """[B, R] float64: each response token's log-prob under the HF model at temperature 1, 0 at padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(len(batch)):
+            prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+            n = int(batch.response_tokens()[i].sum())
+            response = batch["response_ids"][i, :n]
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1:-1]
+            out[i, :n] = torch.log_softmax(logits.double(), -1).gather(1, response[:, None])[:, 0]
+    return out
+
+
+def test_bypass_mode_uses_the_rollouts_log_probs_and_corrects_in_the_loss(ray_session, tiny_assets, tmp_path):
+    """verl's bypass mode (bypass_pg_geo_rs_seq_tis-like: REINFORCE with sequence TIS weights and a
+    token band, bf16 rollouts): no trainer log-prob pass, the rollout's log-probs are the old ones,
+    the batch reaches the actor unmasked and unweighted, and the loss makes the corrections from the
+    current policy, logged under verl's names (rollout_corr/...). One mini-batch of one micro-batch:
+    the current policy is the initial model, so the logged diagnostics are those of the HF model's
+    log-probs of the batch against the rollout's (megarl.algos.rollout_correction, whose parity
+    with verl's code tests/algos/test_rollout_correction_verl.py checks)."""
+    from megarl.algos.rollout_correction import offpolicy_metrics, rollout_correction
+
+    run = run_recipe("grpo", tiny_assets, tmp_path, "actor_rollout_ref.rollout.dtype=bfloat16",
+                     f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
+                     f"{RC}.rollout_is_threshold=1.01", f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.998_1.002",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")
+    batch, m = run.actor_batches[0], run.metrics
+    mask = batch.response_tokens()
+    assert "timing/old_log_prob_s" not in m and "training/rollout_log_probs_diff_max" not in m
+    assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    assert torch.equal(batch["response_mask"], mask) and "rollout_is_weights" not in batch
+    assert m["actor/tokens"] == mask.sum().item()  # the loss's rejections keep the mini-batch's counts, as verl
+    assert "actor/pg_clipfrac" not in m  # REINFORCE: no clipping
+    assert not any(key.startswith("actor/rollout_corr") for key in m)
+    current = hf_log_probs(tiny_assets / "model", batch)
+    _, keep, expected = rollout_correction(current, batch["rollout_log_probs"], mask, rollout_is="sequence",
+                                           is_upper=1.01, rejection=[("token_k1", 0.998, 1.002)])
+    expected.update(offpolicy_metrics(current, batch["rollout_log_probs"], mask))
+    assert 0 < keep.sum() < mask.sum(), "the band should drop some tokens and keep others"
+    for name in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/training_ppl", "rollout_corr/chi2_token",
+                 "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max", "rollout_corr/rollout_rs_token_k1_mean"):
+        assert m[name] == pytest.approx(expected[name], abs=1e-5), name
+    assert abs(m["rollout_corr/rollout_rs_masked_fraction"] - expected["rollout_corr/rollout_rs_masked_fraction"]) <= 2 / mask.sum()
 
 
 # ------------------------------------------------------------------------------ agent episodes

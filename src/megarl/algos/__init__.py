@@ -8,7 +8,8 @@ entropy     per-token entropy from logits, also from vocabulary-parallel shards
 dpo         DPO (sigmoid, IPO) losses
 dapo        dynamic sampling (group filter) and the soft overlong penalty
 masked      masked sum/mean/var/whiten
-rollout_correction  rollout/trainer mismatch: truncated IS (token, sequence), IcePop, masked IS
+rollout_correction  rollout/trainer mismatch (verl's rollout_corr_helper): truncated IS (token, sequence),
+            IcePop, rejection (k1/k2/k3 per token, row sum/mean/max), off-policy diagnostics
 opd         on-policy distillation: the teacher's reverse KL in the advantage (pure or beside RL)
 from_config config sections -> keyword arguments
 
@@ -19,7 +20,8 @@ Where megarl differs from verl's `core_algos` (the implementation users compare 
 - REINFORCE++-baseline, a group whose scores are all equal: advantage exactly 0 after the batch
   whitening (verl whitens the zeros too, giving them -mean/std).
 - A response's outcome score sums its token rewards over `response_mask` only (verl sums every
-  position); a reward placed on a masked token does not count.
+  position); a reward placed on a masked token does not count. (A token the rollout correction
+  rejected still counts: `compute_advantages`'s `score_mask`, as verl's row sum counts it.)
 - GSPO honours `loss_agg_mode` (verl always aggregates GSPO by seq-mean-token-mean); the sequence
   ratio averages the tokens' log-ratios unclamped and clamps only the sequence's at 10, as verl.
   `ppo_kl` is the unclamped mean of old - new (verl's GSPO too; vanilla clamps each token to

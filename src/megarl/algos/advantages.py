@@ -3,7 +3,9 @@
 Shapes: per-token tensors are `[batch, response_len]` with `response_mask` (1 = real response
 token); `reward_baselines` is `[batch]`; `uids` is a sequence of `batch` hashable prompt ids
 (responses with the same uid answer the same prompt and form one group). A response's outcome
-score is the sum of its token-level rewards over the mask.
+score is the sum of its token-level rewards over the mask (`score_mask` where given: the tokens the
+policy generated, before a rollout rejection mask took some out of `response_mask`, whose rewards
+still count, as verl's sum over every position counts them).
 
 Every estimator returns `AdvantageResult(advantages, returns, metrics)`: both tensors are
 `[batch, response_len]`, float32 (float64 if the rewards are float64), exactly 0 on padding.
@@ -120,12 +122,13 @@ def grpo_advantages(
     uids: Sequence[Hashable],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    score_mask: Optional[torch.Tensor] = None,
 ) -> AdvantageResult:
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon) on every token of response i, where s is the
     outcome score and mean_g, std_g (Bessel-corrected) are over i's group. With
     `norm_adv_by_std_in_grpo=False` (Dr.GRPO) A_i = s_i - mean_g. returns = advantages.
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     stats = group_stats(scores, uids)
     centred = scores - stats.mean
     per_sample = centred / (stats.std + epsilon) if norm_adv_by_std_in_grpo else centred
@@ -136,12 +139,13 @@ def grpo_advantages(
 
 @torch.no_grad()
 def rloo_advantages(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable]
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
+    score_mask: Optional[torch.Tensor] = None,
 ) -> AdvantageResult:
     """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j over i's group of n responses,
     which equals n / (n - 1) * (s_i - mean_g). returns = advantages.
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     stats = group_stats(scores, uids)
     per_sample = (scores - stats.mean) * stats.size / (stats.size - 1).clamp(min=1)
     per_sample = torch.where(stats.degenerate, torch.zeros_like(per_sample), per_sample)
@@ -188,13 +192,14 @@ def reinforce_plus_plus_advantages(
 
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantages(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable]
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
+    score_mask: Optional[torch.Tensor] = None,
 ) -> AdvantageResult:
     """REINFORCE++-baseline: a_i = s_i - mean_g on every token of response i, whitened over all
     valid tokens of the batch; responses of degenerate groups are then set back to exactly 0.
     returns = advantages.
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     stats = group_stats(scores, uids)
     centred = torch.where(stats.degenerate, torch.zeros_like(scores), scores - stats.mean)
     dtype = _work_dtype(token_level_rewards)
@@ -232,8 +237,11 @@ def compute_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    score_mask: Optional[torch.Tensor] = None,
 ) -> AdvantageResult:
     """Run the estimator named `estimator` with the inputs it uses; the others are ignored.
+    `score_mask` [batch, response_len]: the tokens whose rewards make an outcome score (default
+    `response_mask`).
 
     Raises ValueError for an unknown name or a missing input the estimator needs.
     """
@@ -248,6 +256,7 @@ def compute_advantages(
     available = dict(
         uids=uids, values=values, reward_baselines=reward_baselines, gamma=gamma, lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon,
+        score_mask=response_mask if score_mask is None else score_mask,
     )
     kwargs = {}
     for name in list(inspect.signature(fn).parameters)[2:]:

@@ -5,10 +5,10 @@ The algos functions take plain arguments; these helpers read a config section by
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megarl.algos.kl import KLController, make_kl_controller
-from megarl.config.rules.rollout_correction import parse_band
+from megarl.config.rules.rollout_correction import parse_band, parse_rejection
 
 
 def advantage_kwargs(algorithm: Any) -> dict[str, Any]:
@@ -34,12 +34,22 @@ def actor_loss_kwargs(actor: Any) -> dict[str, Any]:
 
 def rollout_correction_kwargs(rollout_correction: Any) -> dict[str, Any]:
     """algorithm.rollout_correction -> `rollout_correction` keywords (the threshold strings as bounds)."""
-    kwargs: dict[str, Any] = {"rollout_is": rollout_correction.rollout_is, "rollout_rs": rollout_correction.rollout_rs}
-    if rollout_correction.rollout_is is not None:
-        kwargs["is_lower"], kwargs["is_upper"] = parse_band(rollout_correction.rollout_is_threshold, reciprocal=False)
-    if rollout_correction.rollout_rs is not None:
-        kwargs["rs_lower"], kwargs["rs_upper"] = parse_band(rollout_correction.rollout_rs_threshold, reciprocal=True)
+    rc = rollout_correction
+    kwargs: dict[str, Any] = {"rollout_is": rc.rollout_is, "is_batch_normalize": rc.rollout_is_batch_normalize,
+                              "rejection": []}
+    if rc.rollout_is is not None:
+        kwargs["is_lower"], kwargs["is_upper"] = parse_band(rc.rollout_is_threshold, reciprocal=False)
+    if rc.rollout_rs is not None:
+        kwargs["rejection"] = parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
     return kwargs
+
+
+def bypass_kwargs(rollout_correction: Any) -> Optional[dict[str, Any]]:
+    """algorithm.rollout_correction -> `actor_loss`'s `bypass`: {"loss_type", "correction" (the
+    `rollout_correction` keywords)}, or None outside bypass mode."""
+    if not rollout_correction.bypass_mode:
+        return None
+    return {"loss_type": rollout_correction.loss_type, "correction": rollout_correction_kwargs(rollout_correction)}
 
 
 def value_loss_kwargs(critic: Any) -> dict[str, Any]:

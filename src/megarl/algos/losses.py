@@ -17,7 +17,13 @@ import torch
 from megarl.algos.kl import kl_penalty
 from megarl.algos.masked import masked_count, masked_mean, masked_sum
 from megarl.algos.metrics import Metrics, Reduction
-from megarl.algos.rollout_correction import level_log_ratio, truncated_is_weights
+from megarl.algos.rollout_correction import (
+    LOSS_TYPES,
+    level_log_ratio,
+    offpolicy_metrics,
+    rollout_correction,
+    truncated_is_weights,
+)
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSS_MODES = ("vanilla", "gspo")
@@ -183,6 +189,78 @@ def policy_loss(
     return loss, metrics
 
 
+def reinforce_loss(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """REINFORCE with importance weights, verl's `compute_policy_loss_reinforce` (bypass mode's
+    loss_type=reinforce): L_t = -A_t w_t log pi(y_t), w [batch, response_len] the weights of
+    `megarl.algos.rollout_correction` (no gradient; 1 without them), aggregated by `agg_loss`; the
+    gradient is -A w grad log pi, no clipping. Metrics: pg_loss; ppo_kl (mean of
+    rollout_log_prob - log_prob over valid tokens)."""
+    loss_mat = -advantages * log_prob
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode,
+                    num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    metrics = Metrics()
+    metrics.add("pg_loss", loss.detach(), Reduction.SUM)
+    metrics.add("ppo_kl", masked_mean((rollout_log_prob - log_prob).detach(), response_mask), Reduction.TOKEN_MEAN)
+    return loss, metrics
+
+
+def bypass_policy_loss(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_type: str,
+    correction: dict,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+    **ppo,
+) -> tuple[torch.Tensor, Metrics]:
+    """verl's bypass mode (`algorithm.rollout_correction.bypass_mode`, verl's
+    `compute_policy_loss_bypass_mode`): the old log-probs are the rollout's. The weights and the
+    rejection mask are made here, per micro-batch, from the current policy's `log_prob` (detached)
+    against `rollout_log_prob` (`megarl.algos.rollout_correction.rollout_correction` with the
+    keywords `correction`); the loss then runs on the kept tokens only (the counts `num_tokens`,
+    `num_seqs` stay the mini-batch's). `loss_type` "ppo_clip": `policy_loss` against the rollout's
+    log-probs (keywords `ppo`), without weights (its ratio is the correction); "reinforce":
+    `reinforce_loss` with the weights. Metrics: the loss's, plus the corrections' and
+    `offpolicy_metrics` named as in the controller (`rollout_corr/...`), combined over
+    micro-batches by the token-weighted mean, those ending in _max / _min as extremes (verl
+    averages its micro-batches' values)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown bypass loss_type {loss_type!r}; choose from {list(LOSS_TYPES)}")
+    with torch.no_grad():
+        weights, keep, corrections = rollout_correction(log_prob.detach(), rollout_log_prob, response_mask,
+                                                        **correction)
+        corrections.update(offpolicy_metrics(log_prob.detach(), rollout_log_prob, response_mask))
+    agg = dict(loss_agg_mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    if loss_type == "reinforce":
+        weights = None if weights is None else weights.to(log_prob.dtype)
+        loss, metrics = reinforce_loss(log_prob, rollout_log_prob, advantages, keep, rollout_is_weights=weights, **agg)
+    else:
+        loss, metrics = policy_loss(rollout_log_prob, log_prob, advantages, keep, **ppo, **agg)
+    for name, value in corrections.items():
+        reduction = (Reduction.MAX if name.endswith("_max") else Reduction.MIN if name.endswith("_min")
+                     else Reduction.TOKEN_MEAN)
+        metrics.add(name, torch.tensor(value, dtype=torch.float64), reduction)
+    return loss, metrics
+
+
 def value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
@@ -234,6 +312,7 @@ def actor_loss(
     use_kl_loss: bool = False,
     kl_loss_coef: float = 0.001,
     kl_loss_type: str = "low_var_kl",
+    bypass: Optional[dict] = None,
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
@@ -243,15 +322,23 @@ def actor_loss(
     `entropy` is the per-token entropy `[batch, response_len]` (see `megarl.algos.entropy`),
     needed when entropy_coeff != 0 and reported whenever given. With `use_kl_loss` the KL to the
     reference (`ref_log_prob`, estimator `kl_loss_type`) is added, aggregated like the policy loss.
-    Metrics: those of `policy_loss`, plus entropy, kl_loss, kl_coef where used, and actor_loss.
+    With `bypass` ({"loss_type", "correction"}: megarl.algos.from_config.bypass_kwargs) the policy
+    term is `bypass_policy_loss` with `old_log_prob` the rollout's; entropy and KL keep
+    `response_mask`, as verl's.
+    Metrics: those of `policy_loss` (or `bypass_policy_loss`), plus entropy, kl_loss, kl_coef where
+    used, and actor_loss.
     """
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
-    loss, metrics = policy_loss(
-        old_log_prob, log_prob, advantages, response_mask,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, rollout_log_prob=rollout_log_prob,
-        tis_imp_ratio_cap=tis_imp_ratio_cap, rollout_is_weights=rollout_is_weights, **agg,
-    )
+    clips = dict(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    if bypass is not None:
+        loss, metrics = bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, **bypass, **clips,
+                                           loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, **agg)
+    else:
+        loss, metrics = policy_loss(
+            old_log_prob, log_prob, advantages, response_mask, **clips,
+            loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, rollout_log_prob=rollout_log_prob,
+            tis_imp_ratio_cap=tis_imp_ratio_cap, rollout_is_weights=rollout_is_weights, **agg,
+        )
     if entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy_coeff={entropy_coeff} needs the per-token entropy")
     if entropy is not None:

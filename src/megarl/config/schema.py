@@ -56,9 +56,12 @@ class DPOConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """Corrections of the rollout/trainer mismatch from the rollout's log-probs, verl 0.9.1's
-    `algorithm.rollout_correction` (megarl.algos.rollout_correction). The trainer's old log-probs
-    are then computed before the update (actor_rollout_ref.actor.old_log_probs_in_update does not
-    apply), as verl computes the correction once per batch."""
+    `algorithm.rollout_correction` (megarl.algos.rollout_correction; verl's presets:
+    megarl.config.rollout_correction_presets). Decoupled mode (the default): the trainer's old
+    log-probs are computed before the update (actor_rollout_ref.actor.old_log_probs_in_update does
+    not apply), the weights and the rejection mask once per batch before the advantages. Bypass
+    mode: the rollout's log-probs are the old ones, without the trainer's pass; both are made per
+    micro-batch in the loss from the current policy's log-probs."""
 
     # importance weights per token or per sequence (the product of the tokens' ratios); null: none
     rollout_is: Optional[Literal["token", "sequence"]] = None
@@ -66,12 +69,20 @@ class RolloutCorrectionConfig:
     # rho inside [lower, upper] and 0 outside. A band needs a decimal point in its upper bound:
     # YAML reads 0.5_2 as the number 0.52
     rollout_is_threshold: str = "2.0"
-    # masked IS: drop the tokens (token_k1) or whole sequences (seq_sum_k1: the product of the
-    # ratios, seq_mean_k1: their geometric mean) whose ratio leaves rollout_rs_threshold; null: none
-    rollout_rs: Optional[Literal["token_k1", "seq_sum_k1", "seq_mean_k1"]] = None
-    # "lower_upper" ratio band (e.g. "0.5_2.0"), or a number U for [1/U, U]
+    # divide the weights by their batch mean (over tokens, or over rows at sequence level)
+    rollout_is_batch_normalize: bool = False
+    # rejection: comma-separated options, all of which must keep a token (verl's names, e.g.
+    # "token_k1", "seq_mean_k3", "token_k1,seq_max_k2"): token_* per token, seq_sum/seq_mean/seq_max_*
+    # whole rows, of k1 (the ratio), k2 ((log rho)^2 / 2) or k3 (rho - 1 - log rho); null: none
+    rollout_rs: Optional[str] = None
+    # one threshold for every option or one per option, comma-separated: a k1 option's ratio band
+    # "lower_upper" (e.g. "0.5_2.0") or a number U for [1/U, U]; a k2/k3 option's upper bound
     rollout_rs_threshold: Optional[str] = None
-    rollout_is_batch_normalize: bool = False  # verl's key; megarl has only false
+    # true: the rollout's log-probs are the old ones (no trainer pass before the update)
+    bypass_mode: bool = False
+    # bypass mode's policy loss: ppo_clip (the PPO ratio to the rollout policy, no weights) or
+    # reinforce (-A * w * log pi with the rollout_is weights, no clipping)
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
     @property
     def enabled(self) -> bool:
@@ -257,7 +268,7 @@ class ActorConfig:
     # the first mini-batch's rows and a call (megarl.engines.megatron.old_log_probs). Applies
     # where nothing needs them before the update: not with algorithm.use_kl_in_reward,
     # use_rollout_log_probs, algorithm.rollout_correction or distillation (then, and in critic_warmup steps, a
-    # separate pass as with false)
+    # separate pass as with false); with algorithm.rollout_correction.bypass_mode there is no pass
     old_log_probs_in_update: bool = True
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     entropy_coeff: float = 0.0

@@ -12,6 +12,7 @@ from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalt
 from megarl.algos.expert_load import expert_load
 from megarl.algos.from_config import rollout_correction_kwargs
 from megarl.algos.opd import opd_advantages, opd_metrics
+from megarl.algos.rollout_correction import offpolicy_metrics
 from megarl.algos.rollout_correction import rollout_correction as correct_rollout
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
@@ -119,7 +120,10 @@ def combine_rm_scores(batch: Batch, rm_scores: torch.Tensor, config: ExperimentC
 
 def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None) -> dict:
     """Token-level rewards (minus the KL penalty when `algorithm.use_kl_in_reward`, which also
-    updates `kl_ctrl`), then the configured estimator's `advantages` and `returns` [B, R]."""
+    updates `kl_ctrl`), then `algorithm.rollout_correction`'s weights and rejection mask
+    (`rollout_correction`), then the configured estimator's `advantages` and `returns` [B, R] on
+    the kept tokens, in verl's order (ray_trainer.py: KL penalty, correction, compute_advantage):
+    GAE and REINFORCE++ skip the rejected tokens, whose rewards still count in outcome scores."""
     a = config.algorithm
     metrics = {}
     if a.use_kl_in_reward:
@@ -132,11 +136,13 @@ def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None)
     else:
         rewards = batch["token_level_scores"]
     batch["token_level_rewards"] = rewards
+    generated = batch["response_mask"]
+    metrics.update(rollout_correction(batch, config))
     result = compute_advantages(
         a.adv_estimator, rewards, batch["response_mask"], uids=batch["uid"],
         values=batch["values"] if "values" in batch else None,
         reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
-        gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, score_mask=generated,
     )
     batch["advantages"] = result.advantages
     batch["returns"] = result.returns
@@ -161,9 +167,11 @@ def distill(batch: Batch, config: ExperimentConfig) -> dict:
 
 
 def data_metrics(batch: Batch) -> dict:
-    """Scores, advantages, lengths and finish reasons of the step's experience."""
+    """Scores, advantages (over `response_mask`), lengths (of the real response tokens, as verl's
+    from the attention mask: a rollout rejection mask leaves them) and finish reasons of the step's
+    experience."""
     mask = batch["response_mask"].bool()
-    lengths = mask.sum(-1).float()
+    lengths = batch.response_tokens().sum(-1).float()
     prompt_lengths = batch["prompt_mask"].sum(-1).float()
     adv = batch["advantages"][mask] if "advantages" in batch else None
     finish = batch["finish_reason"]
@@ -212,43 +220,50 @@ def old_log_probs_in_update(config: ExperimentConfig) -> bool:
     on-policy distillation (`distillation.enabled`), whose reverse KL in the advantage reads the
     trainer's log-probs of the batch before the update (at `OPD_TEMPERATURE`: this pass's when the
     rollout temperature is that, megarl.algos.opd). (Steps in `trainer.critic_warmup` do not update the actor:
-    the controller then runs the separate pass.)"""
-    actor = config.actor_rollout_ref.actor
+    the controller then runs the separate pass.) Nor in `algorithm.rollout_correction.bypass_mode`,
+    where the rollout's log-probs are the old ones and nothing makes the trainer's."""
+    actor, rc = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
     return (actor.old_log_probs_in_update and not config.algorithm.use_kl_in_reward and not actor.use_rollout_log_probs
-            and not config.algorithm.rollout_correction.enabled and not config.distillation.enabled)
+            and not rc.enabled and not rc.bypass_mode and not config.distillation.enabled)
 
 
-def rollout_correction(batch: Batch, config: ExperimentConfig) -> tuple[Batch, dict]:
-    """The batch the actor's update takes, with `algorithm.rollout_correction` applied as verl
-    applies it, once per batch from the old log-probs (`megarl.algos.rollout_correction`): a copy
-    holding `rollout_is_weights` [B, R] with `rollout_is`, and with `rollout_rs` a `response_mask`
-    without the dropped tokens, which then leave the actor's loss and its token and sequence counts
-    (`response_attention_mask` keeps the tokens the model reads). Returns (that batch, its
-    `rollout_corr/...` metrics); `batch` itself and {} when no correction is on."""
+def rollout_correction(batch: Batch, config: ExperimentConfig) -> dict:
+    """`algorithm.rollout_correction` in decoupled mode, applied to `batch` as verl's
+    `compute_rollout_correction_and_add_to_batch` applies it, once per batch from the old log-probs
+    (`megarl.algos.rollout_correction`): sets `rollout_is_weights` [B, R] with `rollout_is`; with
+    `rollout_rs`, `response_mask` loses the rejected tokens, which then leave the advantages, the
+    critic's and the actor's losses and their token and sequence counts (`response_attention_mask`
+    keeps the tokens the model reads). Returns the `rollout_corr/...` metrics; {} with no correction
+    on, in bypass mode (the loss makes them there: megarl.algos.losses.bypass_policy_loss) or
+    without a valid token."""
     rc = config.algorithm.rollout_correction
-    if not rc.enabled:
-        return batch, {}
-    weights, keep, metrics = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+    if not rc.enabled or rc.bypass_mode:
+        return {}
+    mask = batch["response_mask"]
+    weights, keep, metrics = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], mask,
                                              **rollout_correction_kwargs(rc))
-    actor_batch = Batch(dict(batch.tensors), dict(batch.meta))
     if weights is not None:
-        actor_batch["rollout_is_weights"] = weights
+        batch["rollout_is_weights"] = weights
     if rc.rollout_rs is not None:
-        actor_batch["response_attention_mask"] = batch.response_tokens()
-        actor_batch["response_mask"] = keep.to(batch["response_mask"].dtype)
-    return actor_batch, metrics
+        batch["response_attention_mask"] = batch.response_tokens()
+        batch["response_mask"] = keep.to(mask.dtype)
+    return metrics if mask.any() else {}
 
 
 def take_old_log_probs(batch: Batch, scored: dict, config: ExperimentConfig) -> dict:
     """Sets `batch["old_log_probs"]` (`old_log_probs`) from the actor's log-probs of the batch
     before the update, `scored` ({"log_probs", "entropy"} [B, R], "expert_tokens" [L, E] for an
-    MoE actor); returns their metrics: `actor/entropy_before_update`, the rollout mismatch, the
-    expert load."""
+    MoE actor); returns their metrics: `actor/entropy_before_update`, the rollout mismatch
+    (`rollout_mismatch`, and verl's off-policy diagnostics `rollout_corr/...` of the trainer's
+    log-probs against the rollout's, which verl logs whenever the rollout's exist,
+    `megarl.algos.rollout_correction.offpolicy_metrics`), the expert load."""
     batch["old_log_probs"] = old_log_probs(scored["log_probs"], batch["rollout_log_probs"],
                                            config.actor_rollout_ref.actor.use_rollout_log_probs)
     mask = batch["response_mask"].bool()
     metrics = {"actor/entropy_before_update": scored["entropy"][mask].mean().item() if mask.any() else 0.0}
     metrics.update(rollout_mismatch(scored["log_probs"], batch["rollout_log_probs"], mask))
+    if mask.any():  # as rollout_mismatch: nothing to measure in a batch without a valid token
+        metrics.update(offpolicy_metrics(scored["log_probs"], batch["rollout_log_probs"], mask))
     if "expert_tokens" in scored:  # an MoE actor
         metrics.update(expert_load_metrics(scored["expert_tokens"]))
     return metrics

@@ -242,7 +242,9 @@ class RLTrainer:
         update_actor = self.step >= c.trainer.critic_warmup
         # the actor's update makes the old log-probs itself where nothing needs them before it
         old_in_update = update_actor and experience.old_log_probs_in_update(c)
-        if not old_in_update:
+        if c.algorithm.rollout_correction.bypass_mode:  # verl's apply_bypass_mode: no trainer pass
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif not old_in_update:
             with timer("old_log_prob"):
                 out = cl.actor.compute_log_prob(batch, rollout.temperature, with_entropy=True)
                 metrics.update(experience.take_old_log_probs(batch, out, c))
@@ -273,9 +275,7 @@ class RLTrainer:
                     update, out = cl.actor.update_policy_with_old_log_probs(batch)
                     metrics.update(experience.take_old_log_probs(batch, out, c))
                 else:
-                    actor_batch, corrections = experience.rollout_correction(batch, c)
-                    metrics.update(corrections)
-                    update = cl.actor.update_policy(actor_batch)
+                    update = cl.actor.update_policy(batch)
                 metrics.update(update)
 
         self.skipped_in_a_row = skipped_steps_in_a_row(self.skipped_in_a_row, metrics,
@@ -290,7 +290,7 @@ class RLTrainer:
         metrics.update(experience.data_metrics(batch))
         metrics.update(timer.metrics())
         step_s = time.perf_counter() - step_start
-        tokens = int(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+        tokens = int(batch.token_lengths().sum())
         metrics.update({
             "timing/step_s": step_s,
             "throughput/tokens_per_s": tokens / step_s,

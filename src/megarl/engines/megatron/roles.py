@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.dpo import dpo_loss
-from megarl.algos.from_config import actor_loss_kwargs, value_loss_kwargs
+from megarl.algos.from_config import actor_loss_kwargs, bypass_kwargs, value_loss_kwargs
 from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.algos.metrics import Metrics, Reduction
 from megarl.config.schema import ExperimentConfig
@@ -121,8 +121,12 @@ class ActorEngine(MegatronEngine):
         loss of `megarl.algos.actor_loss`. Needs `old_log_probs` and `advantages` (and
         `ref_log_probs` with use_kl_loss, `rollout_log_probs` with tis_imp_ratio_cap,
         `rollout_is_weights` with algorithm.rollout_correction.rollout_is: the controller's
-        `megarl.algos.rollout_correction`, whose mask is already in `response_mask`). Logits are
-        divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged over mini-batches, equal on every rank."""
+        `megarl.algos.rollout_correction`, whose mask is already in `response_mask`). In
+        algorithm.rollout_correction.bypass_mode `old_log_probs` are the rollout's and the loss makes
+        the corrections per micro-batch (`megarl.algos.losses.bypass_policy_loss`). Logits are
+        divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged
+        over mini-batches (the bypass corrections' as `rollout_corr/...`, verl's names), equal on
+        every rank."""
         return self._update_policy(batch, None)
 
     def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], Optional[dict]]:
@@ -140,10 +144,12 @@ class ActorEngine(MegatronEngine):
     def _update_policy(self, batch: Batch, old: Optional[OldLogProbsInUpdate]) -> dict[str, float]:
         """`update_policy`; with `old`, the old log-probs come from it (see there)."""
         actor, rollout = self.actor, self.config.actor_rollout_ref.rollout
+        rc = self.config.algorithm.rollout_correction
         keys = (["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
                 + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else [])
-                + (["rollout_is_weights"] if self.config.algorithm.rollout_correction.rollout_is is not None else []))
+                + (["rollout_is_weights"] if rc.rollout_is is not None and not rc.bypass_mode else []))
         loss_kwargs = actor_loss_kwargs(actor)
+        bypass = bypass_kwargs(rc)
         norm_length = _response_length(self.config)
 
         def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
@@ -158,11 +164,11 @@ class ActorEngine(MegatronEngine):
                 log_probs, old_log_probs, mb.data["advantages"], mb.response_mask,
                 entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"),
                 rollout_log_prob=mb.data.get("rollout_log_probs"),
-                rollout_is_weights=mb.data.get("rollout_is_weights"), **loss_kwargs, **counts,
+                rollout_is_weights=mb.data.get("rollout_is_weights"), bypass=bypass, **loss_kwargs, **counts,
                 norm_length=norm_length,
             )
 
-        return self.train_batch(
+        metrics = self.train_batch(
             batch,
             mini_batch_size=actor.ppo_mini_batch_size * rollout.n // self.dp_size,
             epochs=actor.ppo_epochs,
@@ -174,6 +180,9 @@ class ActorEngine(MegatronEngine):
             prefix="actor",
             before_mini_batch=None if old is None else old.before_mini_batch,
         )
+        # bypass mode's corrections under verl's names (rollout_corr/..., rollout_corr_megarl/...), not actor/
+        return {name.removeprefix("actor/") if name.startswith("actor/rollout_corr") else name: value
+                for name, value in metrics.items()}
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on this rank's samples: the token-mean
