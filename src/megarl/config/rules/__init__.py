@@ -17,6 +17,7 @@ from megarl.config.rules.choices import (
     gen_batch_only_with_dynamic_sampling,
     group_estimator_has_groups,
     lr_schedule_has_step_count,
+    offload_in_split_placement,
     offload_only_where_it_happens,
     reward_model_holds_a_sequence,
     reward_model_settings,
@@ -93,7 +94,6 @@ RULES: list[Rule] = [
     weight_check_needs_cpu_engine,
     placement_pools,
     async_modes_fit_the_loop,
-    async_modes_correct_off_policy,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     distillation_teacher_fits,
@@ -105,4 +105,10 @@ RULES: list[Rule] = [
     batch_arithmetic,
 ]
 
-__all__ = ["RULES", "DerivedSizes", "Rule"]
+# Rules whose messages are warnings: what they find runs (as in verl, which warns), but is likely a mistake
+WARNING_RULES: list[Rule] = [
+    async_modes_correct_off_policy,
+    offload_in_split_placement,
+]
+
+__all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]
