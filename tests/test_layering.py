@@ -25,8 +25,9 @@ SRC = ROOT / "src" / "megarl"
 #   net       free ports, for every package that opens one
 #   megarl    the package's own __init__ (`megarl.__version__`)
 #   testing   the harness of gloo worlds for tests and benchmarks, on top: nothing in src imports it
+#   experimental  verl's verl.experimental entry points under megarl's name, beside cli
 LAYERS = [
-    {"cli", "demo", "testing"},
+    {"cli", "demo", "testing", "experimental"},
     {"trainer", "launch"},
     {"runtime"},
     {"workers", "agents"},

@@ -1,4 +1,6 @@
 """The async_training keys at load time (rule `async_modes_fit_the_loop`)."""
+import logging
+
 import pytest
 
 from megarl.config import ConfigError, load_and_validate
@@ -53,17 +55,24 @@ def test_partial_rollouts_belong_to_fully_async(mode):
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
-def test_async_modes_need_the_off_policy_correction(mode):
-    """Trained at version v on samples of version v - 1 or older: without truncated importance
-    sampling the gradient is the behaviour policy's; sync mode does not need it."""
-    message = errors(*SPLIT, f"async_training.mode={mode}")
-    assert f"async_training.mode={mode}" in message and "actor_rollout_ref.actor.tis_imp_ratio_cap" in message
-    assert load_and_validate(None, REQUIRED + SPLIT + TIS + [f"async_training.mode={mode}"])
-    assert load_and_validate(None, REQUIRED + SPLIT).actor_rollout_ref.actor.tis_imp_ratio_cap == -1
-    assert "actor_rollout_ref.actor.use_rollout_log_probs=true" in message
-    # the rollout's log-probs as the PPO ratio's old ones: the ratio itself is the importance weight
-    rollout_old = ["actor_rollout_ref.actor.use_rollout_log_probs=true"]
-    assert load_and_validate(None, REQUIRED + SPLIT + rollout_old + [f"async_training.mode={mode}"])
+def test_async_modes_without_an_off_policy_correction_warn_and_run_as_verl_does(mode, caplog):
+    """Trained at version v on samples of version v - 1 or older: without a correction the gradient
+    is the behaviour policy's. verl runs such a config with a warning (issue 52: megarl refused it);
+    megarl now warns once, naming the keys that correct it, and sync mode says nothing."""
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        config = load_and_validate(None, REQUIRED + SPLIT + [f"async_training.mode={mode}"])
+    assert config.async_training.mode == mode
+    lines = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
+    assert len(lines) == 1 and f"async_training.mode={mode}" in lines[0], lines
+    assert "actor_rollout_ref.actor.tis_imp_ratio_cap" in lines[0]
+    assert "actor_rollout_ref.actor.use_rollout_log_probs=true" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        load_and_validate(None, REQUIRED + SPLIT + TIS + [f"async_training.mode={mode}"])
+        load_and_validate(None, REQUIRED + SPLIT + ["actor_rollout_ref.actor.use_rollout_log_probs=true",
+                                                    f"async_training.mode={mode}"])
+        load_and_validate(None, REQUIRED + SPLIT)
+    assert not [r for r in caplog.records if "off-policy" in r.getMessage()]
 
 
 def test_rollout_log_probs_with_truncated_importance_sampling_is_refused_naming_both_keys():

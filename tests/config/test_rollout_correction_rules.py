@@ -1,4 +1,6 @@
 """algorithm.rollout_correction at load time: its refusals, one by one, and its keyword arguments."""
+import logging
+
 import pytest
 
 from megarl.algos.from_config import bypass_kwargs, rollout_correction_kwargs
@@ -51,13 +53,20 @@ RC = "algorithm.rollout_correction"
     ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.tis_imp_ratio_cap=2"],
      f"{RC}.bypass_mode=true makes the rollout's log-probs the old ones: "
      "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0 would weigh every token by 1"),
-    ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
-     "replaces actor_rollout_ref.actor.policy_loss.loss_mode=gspo; set loss_mode=vanilla"),
     ([f"{RC}.bypass_mode=true", "distillation.enabled=true"],
      f"{RC}.bypass_mode=true skips the trainer's log-prob pass that distillation.enabled=true reads"),
 ])
 def test_bad_settings_are_refused_naming_the_key(overrides, expected):
     assert expected in fails(*overrides)
+
+
+def test_bypass_mode_replaces_another_loss_mode_with_a_warning_as_verl_does(caplog):
+    """verl 0.9.1's apply_bypass_mode sets policy_loss.loss_mode="bypass_mode" and runs (issue 52:
+    verl's grpo_qwen35_35b_megatron_async.sh runs GSPO's loss_mode under the fully async defaults)."""
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        config = ok(f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+    assert config.algorithm.rollout_correction.bypass_mode
+    assert any("replaces actor_rollout_ref.actor.policy_loss.loss_mode=gspo" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("correction", [f"{RC}.rollout_is=token", f"{RC}.rollout_is=sequence",
@@ -78,16 +87,25 @@ def test_the_older_cap_and_verls_weights_are_refused_together_naming_both():
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
-def test_verls_importance_weights_are_the_off_policy_correction_async_modes_need(mode):
+def test_verls_importance_weights_are_the_off_policy_correction_async_modes_need(mode, caplog):
+    """Without a correction the async modes warn (as verl does; issue 52), naming rollout_is."""
     split = ["placement.mode=split", "placement.rollout_gpus=4", f"async_training.mode={mode}"]
-    assert "algorithm.rollout_correction.rollout_is=token|sequence" in fails(*split)
+
+    def warnings(*overrides):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megarl.config"):
+            ok(*overrides)
+        return " ".join(r.getMessage() for r in caplog.records if "off-policy" in r.getMessage())
+
+    assert "algorithm.rollout_correction.rollout_is=token|sequence" in warnings(*split)
+    assert not warnings(*split, f"{RC}.rollout_is=sequence")
     assert ok(*split, f"{RC}.rollout_is=sequence").algorithm.rollout_correction.rollout_is == "sequence"
-    # a mask alone leaves the gradient the behaviour policy's: still refused
-    assert f"async_training.mode={mode}" in fails(*split, f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
+    # a mask alone leaves the gradient the behaviour policy's: still warned about
+    assert f"async_training.mode={mode}" in warnings(*split, f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2")
     # bypass mode's PPO ratio is to the rollout policy (as use_rollout_log_probs); its REINFORCE needs weights
-    ok(*split, f"{RC}.bypass_mode=true")
-    assert f"async_training.mode={mode}" in fails(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce")
-    ok(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence")
+    assert not warnings(*split, f"{RC}.bypass_mode=true")
+    assert f"async_training.mode={mode}" in warnings(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce")
+    assert not warnings(*split, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence")
 
 
 @pytest.mark.parametrize("spec, reciprocal, band", [

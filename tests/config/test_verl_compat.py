@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, load_and_validate, load_config
-from megarl.config.verl_compat import VERL_KEYS
+from megarl.config.verl_compat import FULLY_ASYNC_DEFAULTS, ONE_STEP_OFF_DEFAULTS, VERL_KEYS
 
 HERE = Path(__file__).resolve().parent
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -144,3 +144,125 @@ def test_verl_qwen3_moe_sglang_megatron_script_loads_every_override(tmp_path):
     assert f"data.train_files: file not found: {tmp_path}/data/dapo-math-17k.parquet" in r.stderr
     for key in ("model_engine", "actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn"):
         assert f"megarl: WARNING: {key} (verl key" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 52: verl's newer keys, its fully async / one-step-off keys and entry points
+# ---------------------------------------------------------------------------------------------
+def test_ray_kwargs_py_executable_is_accepted_with_one_warning_and_env_vars_are_refused(caplog):
+    key = "ray_kwargs.ray_init.runtime_env.py_executable"
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        load_and_validate(None, BASE + [f"{key}=uv -v run --frozen"])
+    assert len([line for line in _warnings(caplog) if line.startswith(key + " (verl key")]) == 1
+    with pytest.raises(ConfigError, match="runtime_env is not built yet"):
+        load_config(None, BASE + ["+ray_kwargs.ray_init.runtime_env.env_vars.X=0"])
+
+
+@pytest.mark.parametrize("prefix", ["+reward.reward_kwargs", "+reward_model.reward_kwargs"])
+def test_dapo_overlong_kwargs_reach_megarls_overlong_keys(prefix):
+    """verl-recipe's dapo/test_dapo_7b_math_megatron.sh writes +reward_model.reward_kwargs.*, verl's newer
+    scripts +reward.reward_kwargs.* with reward.reward_manager.name: megarl's reward_model keys take them."""
+    config = load_and_validate(None, BASE + [
+        "reward.reward_manager.name=dapo", "data.max_response_length=2048",
+        f"{prefix}.overlong_buffer_cfg.enable=True", f"{prefix}.overlong_buffer_cfg.len=512",
+        f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5", f"{prefix}.overlong_buffer_cfg.log=False",
+        f"{prefix}.max_resp_len=2048"])
+    rm = config.reward_model
+    assert (rm.reward_manager, rm.overlong_buffer_len, rm.overlong_penalty_factor) == ("dapo", 512, 0.5)
+    off = load_and_validate(None, BASE + [f"{prefix}.overlong_buffer_cfg.enable=False",
+                                          f"{prefix}.overlong_buffer_cfg.len=512"])
+    assert off.reward_model.overlong_buffer_len == 0
+    with pytest.raises(ConfigError, match="max_resp_len=4096: megarl's overlong penalty counts from"):
+        load_config(None, BASE + [f"{prefix}.overlong_buffer_cfg.enable=True", f"{prefix}.overlong_buffer_cfg.len=8",
+                                  f"{prefix}.max_resp_len=4096"])
+
+
+ASYNC = ["rollout.nnodes=1", "rollout.n_gpus_per_node=8", "async_training.staleness_threshold=0.5",
+         "async_training.trigger_parameter_sync_step=4", "async_training.require_batches=2",
+         "rollout.total_rollout_steps=204800", "data.train_batch_size=0", "actor_rollout_ref.hybrid_engine=False",
+         "data.gen_batch_size=1"]
+VERL_GPUS = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+             "trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+
+
+def test_fully_async_keys_on_main_ppo_are_refused_rather_than_run_synchronously():
+    with pytest.raises(ConfigError, match="megarl.experimental.fully_async_policy.fully_async_main"):
+        load_config(None, VERL_GPUS + ASYNC)
+
+
+def test_fully_async_keys_with_the_fully_async_entry_points_defaults():
+    """verl's grpo_*_fully-async scripts: a trainer step of require_batches x ppo_mini_batch_size prompts
+    and a sync every trigger_parameter_sync_step steps is megarl's step of 2 x 4 x 32 = 256 prompts;
+    204800 prompts are 800 steps; the rollout's node joins the two training nodes."""
+    config = load_and_validate(None, [*FULLY_ASYNC_DEFAULTS, *VERL_GPUS, *ASYNC])
+    assert config.async_training.mode == "fully_async" and config.async_training.partial_rollout
+    assert config.data.train_batch_size == 256 and config.data.gen_batch_size is None
+    assert config.async_training.max_staleness == 1  # ceil(0.5)
+    assert config.trainer.total_training_steps == 800
+    assert (config.placement.mode, config.placement.rollout_gpus, config.trainer.nnodes) == ("split", 8, 3)
+    assert config.algorithm.rollout_correction.bypass_mode  # verl's fully async yaml: the rollout's log-probs are the old ones
+
+
+def test_one_step_off_pools_on_one_node_share_it():
+    """verl's dapo_7b_math_megatron_4_12.sh shape: 6 training + 2 rollout GPUs on one 8-GPU node."""
+    config = load_and_validate(None, [*ONE_STEP_OFF_DEFAULTS, "actor_rollout_ref.model.path=/m",
+                                      "data.train_files=/d.parquet", "data.train_batch_size=12",
+                                      "actor_rollout_ref.actor.ppo_mini_batch_size=6", "trainer.nnodes=1",
+                                      "trainer.n_gpus_per_node=6", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"])
+    assert (config.trainer.n_gpus_per_node, config.placement.rollout_gpus) == (8, 2)
+    assert config.async_training.mode == "one_step_off"
+
+
+def test_moe_overrides_go_to_megarls_keys_at_their_defaults_and_show_once():
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    config = load_and_validate(None, BASE + [f"+{otc}.moe_grouped_gemm=True", f"+{otc}.moe_aux_loss_coeff=0.01",
+                                             f"+{otc}.moe_z_loss_coeff=0.001"])
+    m = config.actor_rollout_ref.actor.megatron
+    assert (m.moe_grouped_gemm, m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (True, 0.01, 0.001)
+    assert m.override_transformer_config == {}
+    with pytest.raises(ConfigError, match="moe_aux_loss_coeff=0.01 conflicts with"):
+        load_and_validate(None, BASE + ["actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.02",
+                                        f"+{otc}.moe_aux_loss_coeff=0.01"])
+
+
+def test_hydra_double_plus_and_verls_default_transformer_keys_without_plus():
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    config = load_config(None, BASE + [f"++{otc}.attention_backend=auto", f"{otc}.recompute_granularity=full",
+                                       "++trainer.nnodes=1"])
+    assert config.actor_rollout_ref.actor.megatron.override_transformer_config == {
+        "attention_backend": "auto", "recompute_granularity": "full"}
+    with pytest.raises(ConfigError, match="add it with"):  # not a key of verl's default: '+' as Hydra wants
+        load_config(None, BASE + [f"{otc}.moe_router_dtype=fp32"])
+    with pytest.raises(ConfigError, match="Could not append to config"):
+        load_config(None, BASE + ["+algorithm.filter_groups.enable=True"])
+
+
+def test_optimizer_overrides_reach_megatrons_optimizer_config_and_conflicts_are_refused():
+    import torch
+
+    from megarl.config.schema import OptimConfig
+    from megarl.engines.megatron.optim import optimizer_config_fields, optimizer_kwargs
+
+    fields = optimizer_config_fields()
+    optim = OptimConfig(lr=1e-6, override_optimizer_config={
+        "optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5, "use_precision_aware_optimizer": True,
+        "overlap_cpu_optimizer_d2h_h2d": True, "lr": 1e-6})
+    kwargs = optimizer_kwargs(optim, torch.bfloat16, True, False, fields, "actor_rollout_ref.actor")
+    assert (kwargs["optimizer_cpu_offload"], kwargs["optimizer_offload_fraction"], kwargs["bf16"]) == (True, 0.5, True)
+    bad = OptimConfig(lr=1e-6, override_optimizer_config={"offload_fraction": 1.0, "lr": 1e-5})
+    with pytest.raises(ValueError) as info:
+        optimizer_kwargs(bad, torch.bfloat16, True, False, fields, "actor_rollout_ref.actor")
+    assert "override_optimizer_config.offload_fraction: not a field of megatron-core's OptimizerConfig" in str(info.value)
+    assert "override_optimizer_config.lr=1e-05 conflicts with optim.lr" in str(info.value)
+
+
+def test_fully_async_module_runs_the_fully_async_mode(tmp_path):
+    """The renamed module: its dry run describes split placement (the rollout's own GPUs), not the synchronous
+    colocated trainer that main_ppo with the same keys would have been."""
+    r = subprocess.run([sys.executable, "-m", "megarl.experimental.fully_async_policy.fully_async_main", "--dry-run",
+                        "--config-path=config", "--config-name=fully_async_ppo_megatron_trainer.yaml",
+                        *VERL_GPUS, *ASYNC], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert "config OK" in r.stdout, r.stderr
+    assert "3 node(s) x 8 = 24 (split: 16 training, 8 rollout" in r.stdout
+    assert "step: 256 prompts" in r.stdout

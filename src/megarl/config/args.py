@@ -29,7 +29,9 @@ def add_experiment_args(parser: argparse.ArgumentParser) -> None:
 
 
 # verl's packaged base configs: megarl's schema defaults play their part.
-VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
+VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer",
+                     # verl/experimental/*/config: the entry point's own defaults (megarl.config.verl_compat.VERL_MODULES)
+                     "fully_async_ppo_megatron_trainer", "one_step_off_ppo_megatron_trainer", "sft_trainer_engine")
 
 
 def experiment_file(args: argparse.Namespace) -> str | None:

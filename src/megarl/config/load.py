@@ -20,7 +20,8 @@ import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import ExperimentConfig
-from megarl.config.verl_compat import check_value, map_verl_values, pop_verl_keys, verl_key, warn_key
+from megarl.config.verl_compat import (VERL_TRANSFORMER_DEFAULTS, check_value, map_verl_values, pop_verl_keys,
+                                       resolve_verl_groups, verl_key, warn_key)
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 _DEFAULTS_KEY = "defaults"  # a YAML file's list of base files, merged before the file itself
@@ -159,9 +160,11 @@ def read_yaml_experiment(path: str | Path, origins: dict, _stack: tuple = ()) ->
 # Command-line overrides
 # --------------------------------------------------------------------------------------------
 def parse_override(text: str) -> tuple[list[str], Any, bool]:
-    """'a.b.c=value' -> (['a','b','c'], parsed value, is_addition for a leading '+')."""
+    """'a.b.c=value' -> (['a','b','c'], parsed value, is_addition for a leading '+'). Hydra's '++'
+    (add the key or override it, whichever applies) is read as '+' inside a free-form dict and as
+    a plain override elsewhere (apply_override)."""
     add = text.startswith("+")
-    body = text[1:] if add else text
+    body = text[2:] if text.startswith("++") else text[1:] if add else text
     key, sep, raw = body.partition("=")
     if not sep or not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", key):
         hint = " (a YAML experiment file goes after --config)" if text.endswith((".yaml", ".yml")) else ""
@@ -176,6 +179,7 @@ def parse_override(text: str) -> tuple[list[str], Any, bool]:
 def apply_override(tree: dict, text: str, origins: dict) -> None:
     """Apply one override to the raw config tree in place; ConfigError if it cannot apply."""
     path, value, add = parse_override(text)
+    force = text.startswith("++")
     dotted = ".".join(path)
     try:
         _, free_from = _type_at(path)
@@ -193,12 +197,16 @@ def apply_override(tree: dict, text: str, origins: dict) -> None:
         node = child
     exists = path[-1] in node
     inside_free = free_from is not None and free_from < len(path)
-    if add and not inside_free:
+    if add and not inside_free and not force:
         raise ConfigError(
             f"override '{text}': '+' adds keys only inside free-form dicts; "
-            f"'{dotted}' is a schema key, so write '{text[1:]}'"
+            f"'{dotted}' is a schema key, so write '{text[1:]}' (Hydra, and so verl, refuses it too: "
+            f"\"Could not append to config. An item is already at '{dotted}'\"; '++' sets it either way)"
         )
-    if inside_free and not exists and not add:
+    # verl's defaults define some keys of a free-form dict (override_transformer_config's recompute_* and
+    # attention_backend, engine/megatron.yaml), which verl's scripts then override without '+'
+    verl_default = inside_free and path[-2] == "override_transformer_config" and path[-1] in VERL_TRANSFORMER_DEFAULTS
+    if inside_free and not exists and not add and not verl_default:
         raise ConfigError(
             f"override '{text}': '{dotted}' does not exist in the free-form dict "
             f"'{'.'.join(path[:free_from])}'; add it with '+{text}'"
@@ -357,15 +365,26 @@ def build(cls, tree: dict, prefix: str, origins: dict, errors: list):
     return cls(**kwargs)
 
 
-def _verl_override(text: str) -> str | None:
-    """`text`, or its rewrite for a verl key of megarl.config.verl_compat (None: dropped), warning once."""
+def _verl_override(text: str, grouped: dict) -> str | None:
+    """`text`, or its rewrite for a verl key of megarl.config.verl_compat (None: dropped, or kept in
+    `grouped` for resolve_verl_groups), warning once."""
     path, value, _ = parse_override(text)
     entry = verl_key(".".join(path))
     if entry is None:
         return text
+    if entry.grouped:
+        grouped[".".join(path)] = (value, f"override '{text}'")
+        return None
     check_value(".".join(path), entry, value, f"override '{text}'")
     warn_key(".".join(path), entry, f"override '{text}'")
     return None if entry.target is None else f"{entry.target}={text.partition('=')[2]}"
+
+
+def _drop_empty_groups(tree: dict, cls) -> None:
+    """Remove the groups that pop_verl_keys emptied and the schema does not have (e.g. verl's `reward:`)."""
+    fields = _fields(cls)
+    for key in [k for k, v in tree.items() if v == {} and k not in fields]:
+        del tree[key]
 
 
 def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
@@ -374,18 +393,21 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
     Raises ConfigError listing every problem. Semantic checks live in megarl.config.validate.
     """
     origins: dict[str, str] = {}
+    grouped: dict[str, tuple[Any, str]] = {}  # verl keys read together (verl_compat.resolve_verl_groups)
     tree = dataclasses.asdict(ExperimentConfig())
     if config_file is not None:
         tree = _merge(tree, read_yaml_experiment(config_file, origins), {}, "")
-        pop_verl_keys(tree, origins)  # verl's keys megarl accepts (megarl.config.verl_compat), one warning each
+        pop_verl_keys(tree, origins, grouped)  # verl's keys megarl accepts (megarl.config.verl_compat), one warning each
+        _drop_empty_groups(tree, ExperimentConfig)
     errors: list[str] = []
     for text in overrides:
         try:
-            text = _verl_override(text)
+            text = _verl_override(text, grouped)
             if text is not None:
                 apply_override(tree, text, origins)
         except ConfigError as exc:
             errors.append(str(exc))
+    errors += resolve_verl_groups(tree, grouped, origins)
     map_verl_values(tree, origins)
     tree = _interpolate(tree, tree, "", errors)
     config = build(ExperimentConfig, tree, "", origins, errors)

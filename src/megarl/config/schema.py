@@ -184,11 +184,23 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0
+    # the decay after warm-up (verl's Megatron key lr_decay_style means the same), over lr_decay_steps
     warmup_style: Literal["constant", "cosine", "linear"] = "constant"
     total_training_steps: int = -1  # -1: filled in from the trainer's step count
+    # updates over which the learning rate decays to lr x min_lr_ratio, warm-up included (megatron's
+    # OptimizerParamScheduler lr_decay_steps; verl's Megatron key); null: total_training_steps. Past it the
+    # rate stays at the minimum
+    lr_decay_steps: Optional[int] = None
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     clip_grad: float = 1.0
+    # megatron-core `OptimizerConfig` fields set on top of megarl's own (verl's key), e.g. the optimizer's CPU
+    # offload (optimizer_cpu_offload, optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d) or the
+    # precision-aware optimizer (use_precision_aware_optimizer, exp_avg_dtype, ...). Each name must be a field
+    # of the installed megatron-core's OptimizerConfig (checked by the preflight / --dry-run and when the
+    # engine builds); a name megarl sets from another key (lr, weight_decay, betas, clip_grad, the dtype, the
+    # distributed optimizer) is refused where it differs (megarl.engines.megatron.optim.optimizer_kwargs)
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,15 +7,41 @@ and the data-parallel size used.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from megarl.config.errors import ConfigError
-from megarl.config.rules import RULES, DerivedSizes
+from megarl.config.rules import RULES, WARNING_RULES, DerivedSizes
 from megarl.config.schema import ExperimentConfig, MegatronConfig
+
+
+# megatron-core TransformerConfig fields that are also megarl keys of `<role>.megatron` (verl sets them only in
+# override_transformer_config): an override's value is taken as megarl's key while that key is at its default
+MOVED_OVERRIDES = ("moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+
+
+def _own_keys(megatron: MegatronConfig) -> MegatronConfig:
+    """`megatron` with the MOVED_OVERRIDES of its override_transformer_config in megarl's keys of the same
+    name where those are at their defaults (so that `config show` prints each once); a differing value
+    set both ways stays, for the rule that refuses it."""
+    overrides, defaults, moved = dict(megatron.override_transformer_config), MegatronConfig(), {}
+    for name in MOVED_OVERRIDES:
+        if name in overrides and getattr(megatron, name) == getattr(defaults, name):
+            moved[name] = overrides.pop(name)
+    return replace(megatron, override_transformer_config=overrides, **moved) if moved else megatron
 
 
 def resolve(config: ExperimentConfig) -> ExperimentConfig:
     """Return a copy with every 'None means same as ...' key filled in."""
+    config = replace(
+        config,
+        actor_rollout_ref=replace(
+            config.actor_rollout_ref,
+            actor=replace(config.actor_rollout_ref.actor, megatron=_own_keys(config.actor_rollout_ref.actor.megatron)),
+            ref=replace(config.actor_rollout_ref.ref, megatron=_own_keys(config.actor_rollout_ref.ref.megatron))),
+        critic=replace(config.critic, megatron=_own_keys(config.critic.megatron)),
+        reward_model=replace(config.reward_model, megatron=_own_keys(config.reward_model.megatron)),
+    )
     arr = config.actor_rollout_ref
     steps = config.trainer.total_training_steps
 
@@ -112,6 +138,9 @@ def validate(config: ExperimentConfig) -> ExperimentConfig:
     config = resolve(config)
     sizes = DerivedSizes.from_config(config)
     errors = [message for rule in RULES for message in rule(config, sizes)]
+    for rule in WARNING_RULES:
+        for message in rule(config, sizes):
+            logging.getLogger("megarl.config").warning("%s", message)
     if errors:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
     return config

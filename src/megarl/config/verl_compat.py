@@ -8,6 +8,7 @@ unknown key is still an error. Hydra's `--config-path/--config-name` are read in
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,11 +21,14 @@ log = logging.getLogger("megarl.config")
 class VerlKey:
     """What megarl does with a verl key: `target` takes its value (None: the value is dropped);
     `instead` is the sentence of the warning; `only`: the one value accepted (None: any), another
-    is refused with `instead` as the reason."""
+    is refused with `instead` as the reason; `grouped`: see below."""
 
     instead: str
     target: Optional[str] = None
     only: Optional[Any] = None
+    # the value is kept for `resolve_verl_groups`, which reads it with the other keys of its group
+    # (a verl setting spread over several keys, or one whose meaning depends on the entry point)
+    grouped: bool = False
 
 
 _PACKED = "megarl always packs sequences without padding (THD layout with cu_seqlens)"
@@ -37,6 +41,14 @@ _FLASH = ("use_flash_attn is Megatron-LM's command-line flag, not a field of meg
           "megarl's GPU layers use transformer-engine attention, which picks flash attention where it can "
           "(override_transformer_config.attention_backend=flash forces it)")
 _TRANSFORMER = ".megatron.override_transformer_config.use_flash_attn"
+
+_MEGATRON_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
+_OPTIMS = ("actor_rollout_ref.actor.optim", "critic.optim")
+_NEVER = object()
+# the keys verl's own default override_transformer_config defines (verl/trainer/config/engine/megatron.yaml),
+# so that verl's scripts override them without '+'
+VERL_TRANSFORMER_DEFAULTS = ("recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
+                             "attention_backend")  # `only` for a key that no value makes acceptable
 
 # Exact dotted paths; a path ending in ".*" covers every key under that group.
 VERL_KEYS: dict[str, VerlKey] = {
@@ -64,6 +76,85 @@ VERL_KEYS: dict[str, VerlKey] = {
     "trainer.default_hdfs_dir": VerlKey("megarl writes checkpoints to trainer.default_local_dir only"),
     "trainer.del_local_ckpt_after_load": VerlKey("megarl keeps checkpoints (see trainer.max_actor_ckpt_to_keep)"),
     "ray_init.*": VerlKey("megarl starts or joins Ray itself (megarl.launch)"),
+    # verl's newer spelling of ray_init (verl/trainer/config/ppo_trainer.yaml `ray_kwargs.ray_init`); its
+    # runtime_env.py_executable (the interpreter of Ray's workers, e.g. `uv run ...`) means nothing here:
+    # megarl's workers run the driver's own Python
+    "ray_kwargs.ray_init.runtime_env.env_vars.*": VerlKey(
+        "megarl's Ray workers inherit the environment of the command that starts the run; passing variables "
+        "through Ray's runtime_env is not built yet: export the variable before the run instead", only=_NEVER),
+    "ray_kwargs.*": VerlKey("megarl starts or joins Ray itself (megarl.launch) and its workers run the driver's "
+                            "own Python; Ray's runtime_env (py_executable) and init arguments do not apply"),
+    **{f"{role}.megatron.vanilla_mbridge": VerlKey(_MBRIDGE) for role in _MEGATRON_ROLES},
+    **{f"{role}.megatron.use_remove_padding": VerlKey(_PACKED) for role in _MEGATRON_ROLES},
+    # verl's engine dtype of a Megatron role (verl/trainer/config/engine/megatron.yaml `dtype`): megarl
+    # trains every role in actor_rollout_ref.model.dtype
+    **{f"{role}.megatron.dtype": VerlKey("megarl trains every role in actor_rollout_ref.model.dtype",
+                                         "actor_rollout_ref.model.dtype") for role in _MEGATRON_ROLES},
+    # verl's initial weights from a converted Megatron distributed checkpoint (engine/megatron.yaml
+    # use_dist_checkpointing / dist_checkpointing_path): megarl reads the HF checkpoint (its own bridge)
+    **{f"{role}.megatron.use_dist_checkpointing": VerlKey(
+        "megarl loads the initial weights from actor_rollout_ref.model.path, an HF checkpoint or a torch_dist one "
+        "written by `megarl convert`; reading a checkpoint converted by verl's converter from "
+        "dist_checkpointing_path is not built yet", only=False) for role in _MEGATRON_ROLES},
+    **{f"{role}.megatron.dist_checkpointing_path": VerlKey(
+        "read by verl only with use_dist_checkpointing=true, which megarl does not build yet")
+       for role in _MEGATRON_ROLES},
+    "actor_rollout_ref.actor.model_engine": VerlKey(
+        "megarl trains with Megatron only; its schema defaults stand for verl's megatron actor", only="megatron"),
+    # megarl's LoRA A starts kaiming-uniform, as PEFT's (megarl.engines.megatron.lora); verl's default is xavier
+    "actor_rollout_ref.model.lora.lora_A_init_method": VerlKey(
+        "megarl initialises LoRA's A kaiming-uniform (PEFT's init); another init is not built yet", only="kaiming"),
+    "actor_rollout_ref.rollout.data_parallel_size": VerlKey(
+        "megarl runs one SGLang server per tensor_model_parallel_size GPUs behind sglang-router; attention data "
+        "parallelism inside one server (SGLang's --dp-size) is not built yet", only=1),
+    "data.filter_overlong_prompts_workers": VerlKey("megarl filters the prompts in one process"),
+    "actor_rollout_ref.ref.use_torch_compile": VerlKey("megarl does not torch.compile the Megatron model"),
+    # verl's router replay key under the engine config (engine/megatron.yaml `router_replay.mode`)
+    "actor_rollout_ref.actor.megatron.router_replay.mode": VerlKey(
+        "megarl names it actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.actor.router_replay.mode"),
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": VerlKey(
+        "megarl's servers return the routed experts whenever actor_rollout_ref.actor.router_replay.mode=R3 "
+        "(SGLang's --enable-return-routed-experts)"),
+    "actor_rollout_ref.rollout.skip_tokenizer_init": VerlKey(
+        "megarl sends SGLang token ids and reads the generated token ids, whichever way the server loads its "
+        "tokenizer"),
+    "actor_rollout_ref.rollout.disable_log_stats": VerlKey("SGLang's own logging defaults stand"),
+    # verl's name for the servers' concurrent sequences (vLLM max_num_seqs; SGLang --max-running-requests)
+    "actor_rollout_ref.rollout.max_num_seqs": VerlKey(
+        "megarl names it actor_rollout_ref.rollout.max_concurrent_requests (SGLang's --max-running-requests)",
+        "actor_rollout_ref.rollout.max_concurrent_requests"),
+    "actor_rollout_ref.rollout.max_model_len": VerlKey("", grouped=True),
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": VerlKey(
+        "megarl names it actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": VerlKey(
+        "megarl picks the weight transport from actor_rollout_ref.rollout.weight_sync_transport"),
+    # verl's tokenizer/processor flag of the dataset; megarl loads the tokenizer with the model's flag
+    "data.trust_remote_code": VerlKey("megarl loads the tokenizer with actor_rollout_ref.model.trust_remote_code",
+                                      "actor_rollout_ref.model.trust_remote_code"),
+    # verl's Megatron learning-rate schedule (optim/megatron.yaml): the decay style and length
+    **{f"{optim}.lr_decay_style": VerlKey("megarl names the decay style warmup_style", f"{optim}.warmup_style")
+       for optim in _OPTIMS},
+    # the DAPO reward of verl's newer scripts (reward.reward_manager.name, reward.reward_kwargs) and of
+    # verl-recipe's (reward_model.reward_kwargs): megarl's reward_model.reward_manager / overlong_* keys
+    "reward.reward_manager.name": VerlKey("megarl names it reward_model.reward_manager",
+                                          "reward_model.reward_manager"),
+    "reward.reward_kwargs.*": VerlKey("", grouped=True),
+    "reward_model.reward_kwargs.*": VerlKey("", grouped=True),
+    # verl's fully async / one-step-off keys (verl/experimental/*/config/*.yaml): resolve_verl_groups
+    "actor_rollout_ref.hybrid_engine": VerlKey("", grouped=True),
+    "rollout.nnodes": VerlKey("", grouped=True),
+    "rollout.n_gpus_per_node": VerlKey("", grouped=True),
+    "rollout.total_rollout_steps": VerlKey("", grouped=True),
+    "async_training.staleness_threshold": VerlKey("", grouped=True),
+    "async_training.trigger_parameter_sync_step": VerlKey("", grouped=True),
+    "async_training.require_batches": VerlKey("", grouped=True),
+    "async_training.use_trainer_do_validate": VerlKey("megarl validates in the trainer's loop", only=False),
+    # verl's on-policy distillation schema (verl/trainer/config/distillation/distillation.yaml)
+    "distillation.teacher_models.*": VerlKey("", grouped=True),
+    "distillation.distillation_loss.*": VerlKey("", grouped=True),
+    "distillation.nnodes": VerlKey("", grouped=True),
+    "distillation.n_gpus_per_node": VerlKey("", grouped=True),
     # verl's Hydra defaults group choosing its actor/ref/critic base configs (dp: FSDP, megatron, ...)
     "model_engine": VerlKey("megarl trains with Megatron only; its schema defaults stand for verl's megatron "
                             "actor, ref and critic configs", only="megatron"),
@@ -88,6 +179,7 @@ VERL_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
     ("reward_model.strategy", "fsdp2"): ("megatron", _FSDP),
     # verl scripts pass `data.return_raw_chat=$return_raw_chat` with the variable unset: Hydra reads ''
     ("data.return_raw_chat", ""): (False, "an empty value is false, as in verl"),
+    ("actor_rollout_ref.rollout.name", "trtllm"): ("sglang", "megarl's GPU rollout engine is SGLang"),
 }
 
 
@@ -105,6 +197,8 @@ def verl_key(path: str) -> Optional[VerlKey]:
 
 def check_value(path: str, entry: VerlKey, value: Any, source: str) -> None:
     """Raise a ConfigError naming `path` if `entry` accepts one value only and `value` is another."""
+    if entry.only is _NEVER:
+        raise ConfigError(f"{path}={value} ({source}): {entry.instead}")
     if entry.only is not None and value != entry.only:
         raise ConfigError(f"{path}={value} ({source}): {entry.instead}; megarl accepts {path}={entry.only} only")
 
@@ -115,9 +209,9 @@ def warn_key(path: str, entry: VerlKey, source: str) -> None:
     log.warning("%s (verl key, %s): %s; %s", path, source, entry.instead, action)
 
 
-def pop_verl_keys(root: dict, origins: dict) -> None:
-    """Remove the verl keys of a raw config tree (moving mapped ones to their target), in place,
-    warning once each."""
+def pop_verl_keys(root: dict, origins: dict, grouped: dict) -> None:
+    """Remove the verl keys of a raw config tree (moving mapped ones to their target, grouped ones
+    into `grouped`), in place, warning once each."""
 
     def walk(node: dict, prefix: str) -> None:
         for key in list(node):
@@ -125,6 +219,10 @@ def pop_verl_keys(root: dict, origins: dict) -> None:
             entry = verl_key(path)
             if entry is not None:
                 value = node.pop(key)
+                if entry.grouped:
+                    grouped.update({f"{path}.{sub}" if sub else path: (v, origins.get(path, "YAML"))
+                                    for sub, v in _flat(value)})
+                    continue
                 check_value(path, entry, value, origins.get(path, "YAML"))
                 warn_key(path, entry, origins.get(path, "YAML"))
                 if entry.target is not None:
@@ -140,6 +238,13 @@ def pop_verl_keys(root: dict, origins: dict) -> None:
     walk(root, "")
 
 
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted sub-path, leaf) of a YAML value: ("", value) for a leaf."""
+    if not isinstance(value, dict) or not value:
+        return [(prefix, value)]
+    return [pair for k, v in value.items() for pair in _flat(v, f"{prefix}.{k}" if prefix else k)]
+
+
 def map_verl_values(tree: dict, origins: dict) -> None:
     """Replace the verl values of VERL_VALUES in a raw config tree, in place, warning once each."""
     for (path, verl_value), (value, instead) in VERL_VALUES.items():
@@ -151,3 +256,278 @@ def map_verl_values(tree: dict, origins: dict) -> None:
             node[leaf] = value
             log.warning("%s=%s (verl value, %s): %s; using %s", path, verl_value, origins.get(path, "YAML"),
                         instead, value)
+
+
+# --------------------------------------------------------------------------------------------
+# verl settings spread over several keys (VerlKey.grouped): read together once every override is in
+# --------------------------------------------------------------------------------------------
+def _get(tree: dict, path: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _set(tree: dict, path: str, value: Any, origins: dict, source: str) -> None:
+    *groups, leaf = path.split(".")
+    node = tree
+    for part in groups:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    origins[path] = source
+
+
+def _under(grouped: dict, prefix: str) -> dict[str, tuple[Any, str]]:
+    """The grouped keys under `prefix` (with its trailing dot), by the rest of their path."""
+    return {path[len(prefix):]: v for path, v in grouped.items() if path.startswith(prefix)}
+
+
+def _max_model_len(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    if "actor_rollout_ref.rollout.max_model_len" not in grouped:
+        return []
+    value, source = grouped["actor_rollout_ref.rollout.max_model_len"]
+    rollout = tree["actor_rollout_ref"]["rollout"]
+    need = (rollout.get("prompt_length") or _get(tree, "data.max_prompt_length")) + \
+        (rollout.get("response_length") or _get(tree, "data.max_response_length"))
+    if value is None:
+        return []
+    if not isinstance(value, int) or value < need:
+        # the engine refuses a request longer than its context (SGLang: --context-length)
+        return [f"actor_rollout_ref.rollout.max_model_len={value} ({source}): the rollout engine's context must hold a "
+                f"prompt and its response, {need} tokens (the server refuses longer requests)"]
+    log.warning("actor_rollout_ref.rollout.max_model_len=%s (verl key, %s): megarl sets SGLang's --context-length to "
+                "prompt + response length (%s tokens), which every request fits; ignored", value, source, need)
+    return []
+
+
+# verl's DAPORewardManager(max_resp_len, overlong_buffer_cfg) (verl/workers/reward_manager/dapo.py): its only kwargs
+_REWARD_KWARGS = ("overlong_buffer_cfg.enable", "overlong_buffer_cfg.len", "overlong_buffer_cfg.penalty_factor",
+                  "overlong_buffer_cfg.log", "max_resp_len")
+
+
+def _reward_kwargs(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's DAPO overlong shaping (`reward.reward_kwargs` / `reward_model.reward_kwargs`) onto megarl's
+    reward_model.overlong_buffer_len / overlong_penalty_factor (megarl.algos.overlong_penalty: verl's formula,
+    from data.max_response_length)."""
+    errors = []
+    for prefix in ("reward.reward_kwargs.", "reward_model.reward_kwargs."):
+        kwargs = _under(grouped, prefix)
+        if not kwargs:
+            continue
+        for name, (value, source) in kwargs.items():
+            if name not in _REWARD_KWARGS:
+                errors.append(f"{prefix}{name} ({source}): verl's DAPO reward manager takes "
+                              f"{', '.join(_REWARD_KWARGS)} only (any other keyword fails its constructor)")
+        enable = kwargs.get("overlong_buffer_cfg.enable", (False, ""))[0]
+        where = kwargs.get("overlong_buffer_cfg.enable", (None, "verl's default"))[1]
+        if enable:
+            length = kwargs.get("overlong_buffer_cfg.len", (None, ""))[0]
+            if not isinstance(length, int) or length < 1:
+                errors.append(f"{prefix}overlong_buffer_cfg.len={length}: the overlong buffer needs a length in tokens")
+                continue
+            _set(tree, "reward_model.overlong_buffer_len", length, origins, f"verl key {prefix}overlong_buffer_cfg.len")
+            if "overlong_buffer_cfg.penalty_factor" in kwargs:
+                _set(tree, "reward_model.overlong_penalty_factor", kwargs["overlong_buffer_cfg.penalty_factor"][0],
+                     origins, f"verl key {prefix}overlong_buffer_cfg.penalty_factor")
+        else:
+            _set(tree, "reward_model.overlong_buffer_len", 0, origins, f"verl key {prefix}overlong_buffer_cfg.enable")
+        max_resp = kwargs.get("max_resp_len", (None, ""))[0]
+        response = _get(tree, "data.max_response_length")
+        if enable and max_resp is not None and max_resp != response:
+            errors.append(f"{prefix}max_resp_len={max_resp}: megarl's overlong penalty counts from "
+                          f"data.max_response_length={response}; a different length is not built yet")
+        log.warning("%s* (verl keys, %s): DAPO's overlong shaping goes to reward_model.overlong_buffer_len / "
+                    "overlong_penalty_factor (max_resp_len is data.max_response_length; overlong_buffer_cfg.log: megarl "
+                    "logs reward/overlong_penalty_mean whenever the penalty is on)", prefix, where)
+    return errors
+
+
+def _add_pool(tree: dict, origins: dict, group: str, nodes: int, per_node: int) -> str | None:
+    """Grow megarl's cluster (trainer.nnodes x trainer.n_gpus_per_node, every GPU of the run) by verl's
+    resource pool `group`.nnodes x `group`.n_gpus_per_node, which verl places beside the trainer's pool:
+    nodes of the same size add nodes; as many nodes as the trainer's share them (each node holds both
+    pools' GPUs, e.g. verl's 6 + 2 on one 8-GPU node). The problem, if the pools fit neither way."""
+    t_nodes, t_per_node = _get(tree, "trainer.nnodes"), _get(tree, "trainer.n_gpus_per_node")
+    source = f"verl keys {group}.nnodes / {group}.n_gpus_per_node beside trainer.nnodes / trainer.n_gpus_per_node"
+    if per_node == t_per_node:
+        _set(tree, "trainer.nnodes", t_nodes + nodes, origins, source)
+    elif nodes == t_nodes:
+        _set(tree, "trainer.n_gpus_per_node", t_per_node + per_node, origins, source)
+    else:
+        return (f"{group}.nnodes={nodes} x {group}.n_gpus_per_node={per_node} beside trainer.nnodes={t_nodes} x "
+                f"trainer.n_gpus_per_node={t_per_node}: megarl's cluster is trainer.nnodes nodes of "
+                "trainer.n_gpus_per_node GPUs each, so the pools need nodes of one size or as many nodes")
+    log.warning("%s.nnodes=%s x %s.n_gpus_per_node=%s (verl keys): the cluster is now trainer.nnodes=%s x "
+                "trainer.n_gpus_per_node=%s, the trainer's pool and this one", group, nodes, group, per_node,
+                _get(tree, "trainer.nnodes"), _get(tree, "trainer.n_gpus_per_node"))
+    return None
+
+
+_ASYNC_KEYS = ("rollout.nnodes", "rollout.n_gpus_per_node", "rollout.total_rollout_steps",
+               "async_training.staleness_threshold", "async_training.trigger_parameter_sync_step",
+               "async_training.require_batches")
+# verl's defaults for them (verl/experimental/fully_async_policy/config/fully_async_ppo_megatron_trainer.yaml)
+ASYNC_DEFAULTS = {"async_training.staleness_threshold": 0.1, "async_training.trigger_parameter_sync_step": 4,
+                  "async_training.require_batches": 1}
+FULLY_ASYNC_MODULE = "megarl.experimental.fully_async_policy.fully_async_main"
+ONE_STEP_OFF_MODULE = "megarl.experimental.one_step_off_policy.main_ppo"
+
+
+def _async(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's fully async / one-step-off keys onto async_training.mode's megarl keys:
+    - hybrid_engine=false with rollout.nnodes x rollout.n_gpus_per_node rollout GPUs (verl: a pool beside the
+      trainer's trainer.nnodes x trainer.n_gpus_per_node): placement.mode=split, placement.rollout_gpus, and
+      trainer.nnodes counting both pools (megarl's trainer.* is the whole cluster);
+    - fully async: a training step of require_batches x ppo_mini_batch_size prompts and a weight sync every
+      trigger_parameter_sync_step steps is megarl's step of data.train_batch_size = their product prompts
+      (the same optimizer steps per weight version); staleness_threshold (a fraction of a version's samples
+      generated ahead) bounds staleness at ceil(threshold) versions (async_training.max_staleness, >= 1);
+      total_rollout_steps prompts are total_rollout_steps // train_batch_size steps."""
+    mode = _get(tree, "async_training.mode")
+    present = {k: grouped[k] for k in (*_ASYNC_KEYS, "actor_rollout_ref.hybrid_engine") if k in grouped}
+    if not present:
+        return []
+    hybrid = present.get("actor_rollout_ref.hybrid_engine", (True, ""))[0]
+    if mode == "sync":
+        named = [k for k in present if not (k == "actor_rollout_ref.hybrid_engine" and hybrid)]
+        if named:
+            return [f"{', '.join(named)} ({present[named[0]][1]}): verl's fully async / one-step-off keys; they mean "
+                    f"something with {FULLY_ASYNC_MODULE} or {ONE_STEP_OFF_MODULE} (verl's module names with megarl "
+                    "for verl), or async_training.mode=fully_async|one_step_off; this run is synchronous"]
+        return []
+    errors = []
+    if hybrid:
+        errors.append(f"actor_rollout_ref.hybrid_engine=true with async_training.mode={mode}: verl's {mode} trainer "
+                      "needs its rollout on GPUs of their own (hybrid_engine=false and rollout.nnodes / "
+                      "rollout.n_gpus_per_node)")
+    nodes = present.get("rollout.nnodes", (None, ""))[0]
+    per_node = present.get("rollout.n_gpus_per_node", (None, ""))[0]
+    if nodes is not None or per_node is not None:
+        nodes = 1 if nodes is None else nodes
+        per_node = 8 if per_node is None else per_node
+        problem = _add_pool(tree, origins, "rollout", nodes, per_node)
+        if problem:
+            errors.append(problem)
+        else:
+            _set(tree, "placement.mode", "split", origins, "verl keys rollout.nnodes / rollout.n_gpus_per_node")
+            _set(tree, "placement.rollout_gpus", nodes * per_node, origins,
+                 "verl keys rollout.nnodes x rollout.n_gpus_per_node")
+    if mode == "fully_async":
+        values = {k: present.get(k, (ASYNC_DEFAULTS.get(k), "verl's default"))[0] for k in _ASYNC_KEYS}
+        mini = _get(tree, "actor_rollout_ref.actor.ppo_mini_batch_size")
+        require, trigger = values["async_training.require_batches"], values["async_training.trigger_parameter_sync_step"]
+        batch = require * trigger * mini
+        _set(tree, "data.train_batch_size", batch, origins, "verl keys async_training.require_batches x "
+             "trigger_parameter_sync_step x actor_rollout_ref.actor.ppo_mini_batch_size")
+        staleness = values["async_training.staleness_threshold"]
+        _set(tree, "async_training.max_staleness", max(1, math.ceil(staleness)), origins,
+             "verl key async_training.staleness_threshold")
+        total = values["rollout.total_rollout_steps"]
+        if total is not None:
+            _set(tree, "trainer.total_training_steps", max(1, total // batch), origins,
+                 "verl key rollout.total_rollout_steps")
+        if _get(tree, "data.gen_batch_size") is not None:  # verl's rollouter's fetch size (1 only); none here
+            _set(tree, "data.gen_batch_size", None, origins, "fully async")
+        log.warning("async_training (verl keys): a step trains data.train_batch_size=%s prompts (require_batches=%s x "
+                    "trigger_parameter_sync_step=%s x ppo_mini_batch_size=%s) and then pushes the weights; "
+                    "async_training.max_staleness=%s (staleness_threshold=%s)%s", batch, require, trigger, mini,
+                    max(1, math.ceil(staleness)), staleness,
+                    "" if total is None else f"; trainer.total_training_steps={max(1, total // batch)} "
+                    f"(total_rollout_steps={total} prompts)")
+    elif any(k.startswith("async_training.") or k == "rollout.total_rollout_steps" for k in present):
+        named = [k for k in present if k.startswith("async_training.") or k == "rollout.total_rollout_steps"]
+        errors.append(f"{', '.join(named)}: verl's fully async keys; async_training.mode={mode} does not read them")
+    return errors
+
+
+def _distillation(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's on-policy distillation schema (distillation/distillation.yaml) onto megarl's OPD
+    (megarl.algos.opd: the teacher's reverse KL log p - log q per token in the advantage, scored by the
+    teacher on Megatron). verl's loss_mode=k1 with use_policy_gradient=true is that; its other losses
+    (k3 or top-k forward KL added to the policy loss) are not built yet."""
+    teachers: dict[str, dict] = {}
+    for path, (value, source) in _under(grouped, "distillation.teacher_models.").items():
+        name, _, rest = path.partition(".")
+        teachers.setdefault(name, {})[rest] = (value, source)
+    loss = _under(grouped, "distillation.distillation_loss.")
+    pool = {k: grouped[f"distillation.{k}"] for k in ("nnodes", "n_gpus_per_node") if f"distillation.{k}" in grouped}
+    if not (teachers or loss or pool):
+        return []
+    errors = []
+    if len(teachers) > 1:
+        errors.append(f"distillation.teacher_models: {', '.join(teachers)}: megarl's OPD has one teacher; verl's "
+                      "routing of samples to several teachers (teacher_key) is not built yet")
+    for name, keys in teachers.items():
+        for rest, (value, source) in keys.items():
+            path = f"distillation.teacher_models.{name}.{rest}"
+            if rest == "model_path":
+                _set(tree, "distillation.teacher.model_path", value, origins, f"verl key {path}")
+            elif rest == "inference.tensor_model_parallel_size":
+                _set(tree, "distillation.teacher.megatron.tensor_model_parallel_size", value, origins, f"verl key {path}")
+            elif rest == "key" and value is not None:
+                errors.append(f"{path}={value}: routing samples to teachers by key is not built yet (one teacher)")
+            elif rest.startswith("inference.") or rest in ("num_replicas", "key"):
+                log.warning("%s (verl key, %s): megarl scores with the teacher on Megatron (distillation.type=megatron), "
+                            "its layout distillation.teacher.megatron.*; verl's inference-server settings do not apply; "
+                            "ignored", path, source)
+            else:
+                errors.append(f"{path}: not a key of verl's teacher model config (model_path, key, num_replicas, "
+                              "inference.*)")
+    mode = loss.get("loss_mode", ("k3", "verl's default"))[0]
+    gradient = loss.get("use_policy_gradient", (False, "verl's default"))[0]
+    if mode != "k1" or not gradient:
+        errors.append(f"distillation.distillation_loss.loss_mode={mode} with use_policy_gradient={gradient}: "
+                      "megarl's OPD is verl's loss_mode=k1 with use_policy_gradient=true (the reverse KL in the "
+                      "advantage); verl's other distillation losses (k3, top-k forward KL beside the policy loss) "
+                      "are not built yet")
+    for name, (value, source) in loss.items():
+        path = f"distillation.distillation_loss.{name}"
+        if name == "use_task_rewards":
+            _set(tree, "distillation.use_task_rewards", value, origins, f"verl key {path}")
+        elif name == "distillation_loss_coef":
+            _set(tree, "distillation.kl_coef", value, origins, f"verl key {path}")
+        elif name in ("loss_max_clamp", "log_prob_min_clamp") and value is not None:
+            errors.append(f"{path}={value}: clamping the distillation term is not built yet")
+        elif name == "policy_loss_mode" and value != "vanilla":
+            errors.append(f"{path}={value}: megarl's OPD trains with the actor's policy loss")
+        elif name not in ("loss_mode", "use_policy_gradient", "topk", "loss_max_clamp", "log_prob_min_clamp",
+                          "policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            errors.append(f"{path}: not a key of verl's distillation_loss config")
+    if pool:
+        nodes = pool.get("nnodes", (0, ""))[0]
+        per_node = pool.get("n_gpus_per_node", (8, ""))[0]
+        if nodes:
+            problem = _add_pool(tree, origins, "distillation", nodes, per_node)
+            if problem:
+                errors.append(problem)
+            else:
+                _set(tree, "distillation.teacher.gpus", nodes * per_node, origins,
+                     "verl keys distillation.nnodes x distillation.n_gpus_per_node")
+    return errors
+
+
+def resolve_verl_groups(tree: dict, grouped: dict[str, tuple[Any, str]], origins: dict) -> list[str]:
+    """Apply the grouped verl keys (path -> (value, where it came from)) to the raw config tree, in
+    place; the problems found, one message each."""
+    return [*_max_model_len(tree, grouped, origins), *_reward_kwargs(tree, grouped, origins),
+            *_async(tree, grouped, origins), *_distillation(tree, grouped, origins)]
+
+
+# verl's entry points and megarl's (the same name under megarl), with the defaults verl's module brings
+# (its Hydra config, verl/experimental/*/config/*_megatron_trainer.yaml), put before the user's overrides
+# Both of verl's configs set algorithm.rollout_correction.bypass_mode=true (the rollout's log-probs are
+# the old ones, no trainer pass; the fully async one adds use_rollout_log_probs=true, which megarl's
+# bypass mode already means); a script's bypass_mode=false with rollout_is makes the trainer's pass.
+FULLY_ASYNC_DEFAULTS = ("async_training.mode=fully_async", "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
+                        "rollout.n_gpus_per_node=8", "async_training.partial_rollout=true",
+                        "algorithm.rollout_correction.bypass_mode=true")
+ONE_STEP_OFF_DEFAULTS = ("async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
+                         "rollout.n_gpus_per_node=8", "algorithm.rollout_correction.bypass_mode=true")
+VERL_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "verl.trainer.main_ppo": ("megarl.trainer.main_ppo", ()),
+    "verl.experimental.fully_async_policy.fully_async_main": (FULLY_ASYNC_MODULE, FULLY_ASYNC_DEFAULTS),
+    "verl.experimental.one_step_off_policy.main_ppo": (ONE_STEP_OFF_MODULE, ONE_STEP_OFF_DEFAULTS),
+    "verl.trainer.sft_trainer": ("megarl.trainer.sft_trainer", ()),
+}

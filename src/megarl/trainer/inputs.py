@@ -194,6 +194,22 @@ def transformer_override_problems(config: ExperimentConfig) -> list[str]:
     return [problem for section, overrides in roles for problem in unknown_names(overrides, f"{section}.{KEY}", fields)]
 
 
+def optimizer_override_problems(config: ExperimentConfig) -> list[str]:
+    """The trained roles' `optim.override_optimizer_config` names that are no field of the installed
+    megatron-core's OptimizerConfig, found before any worker starts (the engine checks them again with
+    their values when it builds its optimizer)."""
+    roles = [(section, optim.override_optimizer_config) for section, optim in
+             (("actor_rollout_ref.actor", config.actor_rollout_ref.actor.optim), ("critic", config.critic.optim))
+             if optim.override_optimizer_config]
+    if not roles:
+        return []
+    from megarl.engines.megatron.optim import optimizer_config_fields, unknown_optimizer_names
+
+    fields = optimizer_config_fields()
+    return [problem for section, overrides in roles
+            for problem in unknown_optimizer_names(overrides, f"{section}.optim.override_optimizer_config", fields)]
+
+
 def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Optional[str]:
     """On one CUDA node, the run needs trainer.n_gpus_per_node visible GPUs. (Several nodes: the
     controller sees only its own; launch/check.py checks the whole cluster.)"""

@@ -15,8 +15,8 @@ from megarl.trainer.preemption import signals_held
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, check_environment
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megarl.trainer.main_ppo", description=__doc__)
+def build_parser(prog: str = "python -m megarl.trainer.main_ppo", description: str = __doc__) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_experiment_args(parser)
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     return parser
@@ -48,8 +48,15 @@ def describe(config) -> str:
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)
-    config = load_and_validate(experiment_file(args), args.overrides)
+    return main_with_defaults(argv)
+
+
+def main_with_defaults(argv: list[str] | None, defaults: tuple[str, ...] = (), prog: str = "python -m megarl.trainer.main_ppo",
+                       description: str = __doc__) -> int:
+    """main(), with `defaults` (overrides) before the command line's: the entry points of verl's other
+    trainers (megarl.config.verl_compat.VERL_MODULES) run this loop in their mode."""
+    args = build_parser(prog, description).parse_intermixed_args(argv)
+    config = load_and_validate(experiment_file(args), [*defaults, *args.overrides])
     print(describe(config))
     print("config OK; checking data, model and this machine")
     config = check_environment(config, "rl")  # seconds, before Ray or any server starts

@@ -19,6 +19,7 @@ from megarl.trainer.inputs import (
     gpu_count_problem,
     model_inputs,
     moe_tensor_parallel_problem,
+    optimizer_override_problems,
     rollout_expert_split_problem,
     sglang_cpu_model_problem,
     schedule_problems,
@@ -38,6 +39,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     problems, train_rows = data_problems(config, kind)
     problems += schedule_problems(config, kind, train_rows)
     problems += transformer_override_problems(config)
+    problems += optimizer_override_problems(config)
     model_problems, config = model_inputs(config)
     problems += model_problems
     if not model_problems:

@@ -17,6 +17,7 @@ from megarl.config.rules.choices import (
     gen_batch_only_with_dynamic_sampling,
     group_estimator_has_groups,
     lr_schedule_has_step_count,
+    offload_in_split_placement,
     offload_only_where_it_happens,
     reward_model_holds_a_sequence,
     reward_model_settings,
@@ -40,7 +41,8 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
-from megarl.config.rules.rollout_correction import rollout_correction_fits_actor, rollout_correction_settings
+from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
+                                                    rollout_correction_settings)
 from megarl.config.rules.router_replay import router_replay_fits
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.transformer import transformer_overrides_fit
@@ -93,7 +95,6 @@ RULES: list[Rule] = [
     weight_check_needs_cpu_engine,
     placement_pools,
     async_modes_fit_the_loop,
-    async_modes_correct_off_policy,
     rollout_servers_fit_nodes,
     parallel_sizes_fit_training_gpus,
     distillation_teacher_fits,
@@ -105,4 +106,11 @@ RULES: list[Rule] = [
     batch_arithmetic,
 ]
 
-__all__ = ["RULES", "DerivedSizes", "Rule"]
+# Rules whose messages are warnings: what they find runs (as in verl, which warns), but is likely a mistake
+WARNING_RULES: list[Rule] = [
+    async_modes_correct_off_policy,
+    offload_in_split_placement,
+    bypass_replaces_loss_mode,
+]
+
+__all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]

@@ -45,10 +45,11 @@ def async_modes_correct_off_policy(config: ExperimentConfig, sizes: DerivedSizes
     requires `use_importance_sampling_correction`; AReaL's decoupled loss, verl's `rollout_correction`).
     The other correction is the rollout's own log-probs as the old ones (`use_rollout_log_probs`,
     verl's one-step-off and fully async recipes): the PPO ratio is then the importance weight itself.
-    So the async modes need one of the two; verl 0.9's importance weights
+    So the async modes want one of the two; verl 0.9's importance weights
     (`algorithm.rollout_correction.rollout_is`, token or sequence) count as the first, its bypass
     mode with the PPO loss (`bypass_mode`, `loss_type=ppo_clip`: the ratio to the rollout's
-    log-probs) as the second.
+    log-probs) as the second. A warning (megarl.config.rules.WARNING_RULES), not a refusal: verl
+    runs such a config, and so does megarl.
 
     Reads: async_training.mode, actor_rollout_ref.actor.tis_imp_ratio_cap,
     actor_rollout_ref.actor.use_rollout_log_probs, algorithm.rollout_correction.rollout_is,
@@ -59,8 +60,9 @@ def async_modes_correct_off_policy(config: ExperimentConfig, sizes: DerivedSizes
     weighted = cap > 0 or rc.rollout_is is not None
     rollout_ratio = actor.use_rollout_log_probs or (rc.bypass_mode and rc.loss_type == "ppo_clip")
     if mode != "sync" and not weighted and not rollout_ratio:
-        yield (f"async_training.mode={mode} trains on samples from older weights: it needs an off-policy "
-               f"correction, actor_rollout_ref.actor.tis_imp_ratio_cap >= 1 (e.g. 2.0; not {cap}), "
+        yield (f"async_training.mode={mode} trains on samples from older weights without an off-policy "
+               "correction (the gradient is then the behaviour policy's); to correct it set "
+               f"actor_rollout_ref.actor.tis_imp_ratio_cap >= 1 (e.g. 2.0; not {cap}), "
                "algorithm.rollout_correction.rollout_is=token|sequence, "
                "actor_rollout_ref.actor.use_rollout_log_probs=true or algorithm.rollout_correction.bypass_mode=true "
                "with loss_type=ppo_clip")

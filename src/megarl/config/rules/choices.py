@@ -156,28 +156,42 @@ def reward_model_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
 OFFLOAD_KEYS = ("param_offload", "grad_offload", "optimizer_offload")
 
 
-def offload_only_where_it_happens(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """Offload keys only where offload happens (megarl.placement.colocation): in colocated
-    placement, for the actor, reference and critic. Split pools give the rollout servers their
-    own GPUs; the reward model scores while the servers hold their memory.
-
-    Reads: placement.mode, actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron,
-    critic.megatron, reward_model.megatron
-    """
+def _offload_keys(config: ExperimentConfig) -> dict[str, list[str]]:
+    """Role prefix -> the offload keys set true under it."""
     arr = config.actor_rollout_ref
     sections = {"actor_rollout_ref.actor.megatron": arr.actor.megatron, "actor_rollout_ref.ref.megatron":
                 arr.ref.megatron, "critic.megatron": config.critic.megatron,
                 "reward_model.megatron": config.reward_model.megatron}
-    for prefix, m in sections.items():
-        keys = [f"{prefix}.{key}" for key in OFFLOAD_KEYS if getattr(m, key)]
-        if not keys:
-            continue
-        if config.placement.mode != "colocate":
-            yield (f"{', '.join(keys)}: offload happens only with placement.mode=colocate (split pools give the "
-                   "rollout servers their own GPUs, so nothing would be offloaded); set them to false")
-        elif prefix == "reward_model.megatron":
-            yield (f"{', '.join(keys)}: the reward model scores while the rollout servers hold their memory, so it "
-                   "is never offloaded; set them to false")
+    return {prefix: keys for prefix, m in sections.items()
+            if (keys := [f"{prefix}.{key}" for key in OFFLOAD_KEYS if getattr(m, key)])}
+
+
+def offload_only_where_it_happens(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The reward model is never offloaded (megarl.placement.colocation): it scores while the
+    servers hold their memory.
+
+    Reads: placement.mode, actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.megatron,
+    reward_model.megatron
+    """
+    keys = _offload_keys(config).get("reward_model.megatron")
+    if keys and config.placement.mode == "colocate":
+        yield (f"{', '.join(keys)}: the reward model scores while the rollout servers hold their memory, so it "
+               "is never offloaded; set them to false")
+
+
+def offload_in_split_placement(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A warning (WARNING_RULES): offload keys in split placement, where the rollout servers have GPUs of
+    their own and nothing is offloaded (megarl.placement.colocation). verl's split-placement scripts
+    (fully async, one-step-off) set them; the run goes on without offload.
+
+    Reads: placement.mode, actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron,
+    critic.megatron, reward_model.megatron
+    """
+    if config.placement.mode == "colocate":
+        return
+    for keys in _offload_keys(config).values():
+        yield (f"{', '.join(keys)}: offload happens only with placement.mode=colocate (split pools give the "
+               "rollout servers their own GPUs, so nothing is offloaded); ignored")
 
 
 def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

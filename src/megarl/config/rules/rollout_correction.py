@@ -118,13 +118,13 @@ def rollout_correction_fits_actor(config: ExperimentConfig, sizes: DerivedSizes)
     refused (as `rollout_log_probs_without_tis` refuses it for the cap). `tis_imp_ratio_cap` and
     `rollout_is` both weight each token's loss (the cap is `rollout_is=token` under its older
     name): one of them. Bypass mode makes the rollout's log-probs the old ones without a trainer
-    pass: the cap would weigh every token by 1; its loss replaces the actor's `policy_loss.loss_mode`
-    (verl replaces it), which must then be vanilla; distillation reads the trainer's log-probs of
-    the batch from that pass.
+    pass: the cap would weigh every token by 1; distillation reads the trainer's log-probs of the
+    batch from that pass. (Its loss replacing `policy_loss.loss_mode` is a warning:
+    `bypass_replaces_loss_mode`.)
 
     Reads: algorithm.rollout_correction.rollout_is, algorithm.rollout_correction.rollout_rs,
     algorithm.rollout_correction.bypass_mode, actor_rollout_ref.actor.use_rollout_log_probs,
-    actor_rollout_ref.actor.tis_imp_ratio_cap, actor_rollout_ref.actor.policy_loss.loss_mode, distillation.enabled
+    actor_rollout_ref.actor.tis_imp_ratio_cap, distillation.enabled
     """
     rc, actor = config.algorithm.rollout_correction, config.actor_rollout_ref.actor
     on = [f"{KEY}.{name}={value}" for name, value in (("rollout_is", rc.rollout_is), ("rollout_rs", rc.rollout_rs))
@@ -134,10 +134,6 @@ def rollout_correction_fits_actor(config: ExperimentConfig, sizes: DerivedSizes)
             yield (f"{KEY}.bypass_mode=true makes the rollout's log-probs the old ones: "
                    f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} would weigh every token by 1; "
                    f"set it to -1 ({KEY}.rollout_is weights against the current policy there)")
-        if actor.policy_loss.loss_mode != "vanilla":
-            yield (f"{KEY}.bypass_mode=true computes the policy loss by {KEY}.loss_type={rc.loss_type}, which "
-                   f"replaces actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode}; "
-                   "set loss_mode=vanilla")
         if config.distillation.enabled:
             yield (f"{KEY}.bypass_mode=true skips the trainer's log-prob pass that distillation.enabled=true "
                    "reads; turn one off")
@@ -150,3 +146,18 @@ def rollout_correction_fits_actor(config: ExperimentConfig, sizes: DerivedSizes)
         yield (f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} and {KEY}.rollout_is="
                f"{rc.rollout_is} both weight each token's loss; set one (the cap C is "
                f"{KEY}.rollout_is=token with rollout_is_threshold=C)")
+
+
+def bypass_replaces_loss_mode(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A warning (megarl.config.rules.WARNING_RULES): bypass mode's loss (`loss_type`) replaces the
+    actor's `policy_loss.loss_mode`, as verl 0.9.1's `apply_bypass_mode` sets loss_mode="bypass_mode"
+    (trainer/ppo/rollout_corr_helper.py) and runs; a loss_mode other than vanilla is then not used.
+
+    Reads: algorithm.rollout_correction.bypass_mode, algorithm.rollout_correction.loss_type,
+    actor_rollout_ref.actor.policy_loss.loss_mode
+    """
+    rc, loss_mode = config.algorithm.rollout_correction, config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.bypass_mode and loss_mode != "vanilla":
+        yield (f"{KEY}.bypass_mode=true computes the policy loss by {KEY}.loss_type={rc.loss_type}, which "
+               f"replaces actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} (as verl's bypass mode "
+               "does): that loss is not used; set bypass_mode=false to train with it")

@@ -144,7 +144,7 @@ class MegatronEngine:
             )
             self.optimizer = build_optimizer(
                 self._ddp_chunks, optim_cfg, self.params_dtype, megatron_cfg.use_distributed_optimizer,
-                self.transformer_config, overlap_param_gather=overlap["overlap_param_gather"],
+                self.transformer_config, overlap_param_gather=overlap["overlap_param_gather"], section=section,
             )
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
         self.use_distributed_optimizer = optim_cfg is not None and megatron_cfg.use_distributed_optimizer

@@ -92,33 +92,77 @@ def wrap_ddp(chunks: list, config, use_distributed_optimizer: bool, overlap: dic
     return wrapped
 
 
+def optimizer_config_fields() -> set[str]:
+    """The field names of the installed megatron-core's `OptimizerConfig`."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    return {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
+def unknown_optimizer_names(overrides: dict, prefix: str, fields: set[str]) -> list[str]:
+    """One message per `override_optimizer_config` name that is no field of megatron-core's
+    OptimizerConfig (verl passes them to `OptimizerConfig(**args)`, which fails on such a name too)."""
+    import difflib
+
+    messages = []
+    for name in overrides:
+        if name not in fields:
+            near = difflib.get_close_matches(str(name), sorted(fields), n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            messages.append(f"{prefix}.{name}: not a field of megatron-core's OptimizerConfig{hint}")
+    return messages
+
+
+def optimizer_kwargs(optim_cfg, params_dtype: torch.dtype, use_distributed_optimizer: bool, overlap_param_gather: bool,
+                     fields: set[str], section: str) -> dict:
+    """megatron-core `OptimizerConfig` arguments of an `OptimConfig`: megarl's own, then
+    `optim.override_optimizer_config` on top (verl's key, applied the same way: verl/utils/megatron/
+    optimizer.py `init_megatron_optim_config`). A name megarl derives from its keys may be repeated with
+    the same value but not changed; an unknown name is refused. Raises ValueError listing every problem."""
+    if len(optim_cfg.betas) != 2:
+        raise ValueError(f"optim.betas must hold two numbers, got {optim_cfg.betas}")
+    derived = {
+        "optimizer": (optim_cfg.optimizer, "optim.optimizer"),
+        "lr": (optim_cfg.lr, "optim.lr"),
+        "min_lr": (optim_cfg.lr * optim_cfg.min_lr_ratio, "optim.lr x optim.min_lr_ratio"),
+        "weight_decay": (optim_cfg.weight_decay, "optim.weight_decay"),
+        "adam_beta1": (optim_cfg.betas[0], "optim.betas"),
+        "adam_beta2": (optim_cfg.betas[1], "optim.betas"),
+        "clip_grad": (optim_cfg.clip_grad, "optim.clip_grad"),
+        "bf16": (params_dtype == torch.bfloat16, "actor_rollout_ref.model.dtype"),
+        "fp16": (params_dtype == torch.float16, "actor_rollout_ref.model.dtype"),
+        "params_dtype": (params_dtype, "actor_rollout_ref.model.dtype"),
+        "use_distributed_optimizer": (use_distributed_optimizer, "megatron.use_distributed_optimizer"),
+        "overlap_param_gather": (overlap_param_gather, "the DDP overlap (megarl.engines.megatron.optim.ddp_overlap)"),
+    }
+    kwargs = {name: value for name, (value, _) in derived.items()}
+    kwargs["adam_eps"] = ADAM_EPS
+    prefix = f"{section}.optim.override_optimizer_config"
+    overrides = dict(optim_cfg.override_optimizer_config)
+    problems = unknown_optimizer_names(overrides, prefix, fields)
+    for name, value in overrides.items():
+        if name in derived and value != derived[name][0]:
+            problems.append(f"{prefix}.{name}={value} conflicts with {derived[name][1]}, from which megarl sets "
+                            f"{name}={derived[name][0]}; set that key only")
+        elif name in fields:
+            kwargs[name] = value
+    if problems:
+        raise ValueError("; ".join(problems))
+    return kwargs
+
+
 def build_optimizer(ddp_chunks: list, optim_cfg, params_dtype: torch.dtype, use_distributed_optimizer: bool, config,
-                    overlap_param_gather: bool = False):
-    """megatron's optimizer over the DDP-wrapped chunks, from an `OptimConfig`.
+                    overlap_param_gather: bool = False, section: str = "actor_rollout_ref.actor"):
+    """megatron's optimizer over the DDP-wrapped chunks, from an `OptimConfig` (`optimizer_kwargs`).
     `overlap_param_gather`: the DDP config's (OptimizerConfig's field "is intended to have the same
     value", megatron-core optimizer_config.py)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if len(optim_cfg.betas) != 2:
-        raise ValueError(f"optim.betas must hold two numbers, got {optim_cfg.betas}")
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=optim_cfg.optimizer,
-            lr=optim_cfg.lr,
-            min_lr=optim_cfg.lr * optim_cfg.min_lr_ratio,
-            weight_decay=optim_cfg.weight_decay,
-            adam_beta1=optim_cfg.betas[0],
-            adam_beta2=optim_cfg.betas[1],
-            adam_eps=ADAM_EPS,
-            clip_grad=optim_cfg.clip_grad,
-            bf16=params_dtype == torch.bfloat16,
-            fp16=params_dtype == torch.float16,
-            params_dtype=params_dtype,
-            use_distributed_optimizer=use_distributed_optimizer,
-            overlap_param_gather=overlap_param_gather,
-        ),
-        ddp_chunks,
-    )
+    kwargs = optimizer_kwargs(optim_cfg, params_dtype, use_distributed_optimizer, overlap_param_gather,
+                              optimizer_config_fields(), section)
+    optimizer = get_megatron_optimizer(OptimizerConfig(**kwargs), ddp_chunks)
     if params_dtype == torch.float16:
         config.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling
     return optimizer
@@ -150,6 +194,9 @@ def build_scheduler(optimizer, optim_cfg, section: str):
         total = max(warmup + 1, 1)  # constant after warm-up: the decay length is never reached
     if warmup >= total:
         raise ValueError(f"{section}.optim: {warmup} warm-up steps must be fewer than total_training_steps={total}")
+    decay = total if optim_cfg.lr_decay_steps is None else optim_cfg.lr_decay_steps
+    if decay <= warmup:  # megatron's scheduler asserts lr_decay_steps > 0 and decays over decay - warm-up steps
+        raise ValueError(f"{section}.optim.lr_decay_steps={decay} must exceed the {warmup} warm-up steps")
     lr = optim_cfg.lr
     return OptimizerParamScheduler(
         optimizer,
@@ -157,7 +204,7 @@ def build_scheduler(optimizer, optim_cfg, section: str):
         max_lr=lr,
         min_lr=lr * optim_cfg.min_lr_ratio,
         lr_warmup_steps=warmup,
-        lr_decay_steps=total,
+        lr_decay_steps=decay,
         lr_decay_style=style,
         start_wd=optim_cfg.weight_decay,
         end_wd=optim_cfg.weight_decay,

@@ -1,0 +1,1 @@
+"""verl.experimental.fully_async_policy under megarl's name."""

@@ -1,0 +1,1 @@
+"""verl.experimental.one_step_off_policy under megarl's name."""
