@@ -40,6 +40,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.quantization import fp8_rollout_fits
 from megarl.config.rules.rollout_correction import rollout_correction_fits_actor, rollout_correction_settings
 from megarl.config.rules.router_replay import router_replay_fits
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
@@ -89,6 +90,7 @@ RULES: list[Rule] = [
     offload_only_where_it_happens,
     rollout_engine_fits_device,
     deterministic_inference_fits_device,
+    fp8_rollout_fits,
     weight_sync_transport_fits_devices,
     weight_check_needs_cpu_engine,
     placement_pools,
