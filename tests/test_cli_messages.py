@@ -47,3 +47,8 @@ def test_check_cluster_names_the_cluster_it_checks_or_says_why_not(monkeypatch):
     said.clear()
     assert check_running_cluster(config, log=said.append) == CLUSTER_FAILURE_EXIT
     assert said[0].startswith("cluster check FAILED: no Ray cluster answers at RAY_ADDRESS=127.0.0.1:")
+
+
+def test_export_refuses_fp8_of_an_adapter(capsys):
+    assert main(["export", "/nowhere", "--lora", "--fp8"]) == 2
+    assert "megarl export: --fp8 quantizes full weights; --lora writes an adapter" in capsys.readouterr().err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megarl.config import load_and_validate, load_config, to_yaml, validate
 from megarl.config.args import add_experiment_args, entry_point, experiment_file
@@ -125,6 +126,9 @@ def _export(args) -> int:
     from megarl.checkpoint import export_hf, export_lora
     from megarl.config import ConfigError
 
+    if args.lora and args.fp8:
+        print("megarl export: --fp8 quantizes full weights; --lora writes an adapter", file=sys.stderr)
+        return 2
     try:
         if args.lora:
             out = export_lora(args.checkpoint, args.out)
@@ -132,11 +136,24 @@ def _export(args) -> int:
             return 0
         with progress_bar("export actor -> hf") as show:
             out = export_hf(args.checkpoint, args.out, on_progress=show)
+        print(f"wrote the actor as an HF checkpoint to {out}")
+        if args.fp8:
+            print(f"wrote it in block FP8 to {export_fp8(args.checkpoint, out)}")
     except (ConversionError, ConfigError, ValueError) as error:
         print(f"megarl export: {error}", file=sys.stderr)
         return 2
-    print(f"wrote the actor as an HF checkpoint to {out}")
     return 0
+
+
+def export_fp8(checkpoint: str, hf_dir: Path) -> Path:
+    """`<hf_dir>_fp8`: the export `hf_dir` in block FP8 (megarl.sync.fp8_checkpoint), planned for the
+    checkpoint's run's rollout servers (their TP and EP sizes), as its rollout.quantization=fp8 serves it."""
+    from megarl.checkpoint import resolve_checkpoint
+    from megarl.sync.fp8_checkpoint import fp8_plan_of, write_fp8_checkpoint
+
+    rollout = load_config(resolve_checkpoint(checkpoint) / "config.yaml").actor_rollout_ref.rollout
+    plan = fp8_plan_of(hf_dir, rollout.tensor_model_parallel_size, rollout.expert_parallel_size)
+    return write_fp8_checkpoint(hf_dir, Path(f"{hf_dir}_fp8"), plan)
 
 
 def _doctor(args) -> int:
@@ -225,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(adapter_config.json + adapter_model.safetensors; default --out <checkpoint>/actor_lora)")
     kind.add_argument("--merged", action="store_true", help="a LoRA run: write base + adapters merged as a full HF "
                       "checkpoint (what export does for a LoRA run without --lora)")
+    export.add_argument("--fp8", action="store_true", help="also write the export in block FP8 to <out>_fp8 (e4m3, "
+                        "128 x 128 blocks: what rollout.quantization=fp8 serves; transformers and SGLang load it)")
     export.set_defaults(func=_export, overrides=[])
     return parser
 

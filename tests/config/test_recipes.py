@@ -20,7 +20,8 @@ MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen3-32B": RECIPES / "models/qwen3-32b"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-            "dpo", "grpo_2node", "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b", "grpo_qwen3_8b_32k"}
+            "dpo", "grpo_2node", "grpo_fp8",
+            "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b", "grpo_qwen3_8b_32k"}
 
 
 def test_every_algorithm_has_a_recipe():
@@ -214,6 +215,8 @@ TINY = {
                               "algorithm.use_kl_in_reward": True},
     "grpo_lora": {"actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.actor.optim.lr": 3e-3,
                   "actor_rollout_ref.model.lora.sync": "adapter", "actor_rollout_ref.rollout.check_weight_update": False},
+    "grpo_fp8": {"actor_rollout_ref.rollout.quantization": "fp8", "actor_rollout_ref.rollout.dtype": "bfloat16",
+                 "algorithm.rollout_correction.rollout_is": "token"},
     "opd": {"distillation.enabled": True, "distillation.use_task_rewards": False, "actor_rollout_ref.rollout.n": 1},
     "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
              "actor_rollout_ref.actor.clip_ratio_high": 4e-4,

@@ -22,6 +22,7 @@ SAFETENSORS_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,  # block FP8 weights (megarl.rollout.fp8)
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,

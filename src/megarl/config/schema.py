@@ -348,6 +348,10 @@ class RolloutConfig:
     prompt_length: Optional[int] = None  # None: data.max_prompt_length
     response_length: Optional[int] = None  # None: data.max_response_length
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # verl's key: fp8 serves block-FP8 weights (e4m3 values, 128 x 128 blocks, float32 weight_scale_inv:
+    # megarl.rollout.fp8) while training stays in its own precision: megarl writes the servers' first
+    # checkpoint in FP8 (trainer.default_local_dir/rollout_fp8) and quantizes every push; null: `dtype`
+    quantization: Optional[Literal["fp8"]] = None
     tensor_model_parallel_size: int = 1  # GPUs per rollout server
     # verl's key, SGLang's --ep-size: the ranks each MoE layer's routed experts are split over inside one server.
     # SGLang 0.5.23 lays them over the server's TP ranks (no GPU is added), so it divides tensor_model_parallel_size;

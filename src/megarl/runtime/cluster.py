@@ -51,6 +51,7 @@ from megarl.rollout.launch import rollout_api_key, server_startup_timeout_s  # n
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
 from megarl.sync.adapter_sync import served_adapter  # noqa: E402
 from megarl.sync.colocation import ColocationError, colocated_peers  # noqa: E402
+from megarl.sync.fp8_checkpoint import write_rollout_checkpoint  # noqa: E402
 from megarl.sync.weight_sync import SyncConfig  # noqa: E402
 from megarl.runtime.devices import resolve_devices  # noqa: E402
 from megarl.runtime.roles import (  # noqa: E402
@@ -102,6 +103,7 @@ class Cluster:
         self.reward_model: RewardModelRole | None = None
         self.teacher: TeacherRole | None = None  # on-policy distillation's Megatron teacher (megarl.trainer.teacher)
         self.rollout: RolloutFleet | None = None
+        self.rollout_fp8: tuple[str, frozenset[str]] | None = None  # rollout.quantization=fp8: `_write_rollout_fp8`
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
         self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
@@ -109,6 +111,7 @@ class Cluster:
         self._offload_totals = dict.fromkeys(("offload_s", "onload_s", "offload_bytes", "offload_freed_bytes"), 0.0)
         try:
             roles = self.plan.roles
+            self.rollout_fp8 = self._write_rollout_fp8()
             if self.colocated:  # the servers size their memory before the engines take theirs
                 self._start_rollout(roles["rollout"])
                 self._do(self.memory.before_training())  # servers release what they hold; no role exists yet
@@ -129,20 +132,36 @@ class Cluster:
             self.shutdown()
             raise
 
+    def _write_rollout_fp8(self) -> tuple[str, frozenset[str]] | None:
+        """rollout.quantization=fp8: the servers' first checkpoint, the actor's HF model in block FP8
+        (`sync.fp8_checkpoint`, under trainer.default_local_dir, which every server's node must see),
+        as (its path, the HF weights every push quantizes); None otherwise."""
+        r = self.config.actor_rollout_ref.rollout
+        if r.quantization != "fp8":
+            return None
+        out = Path(self.config.trainer.default_local_dir) / "rollout_fp8"
+        plan = write_rollout_checkpoint(self.config.actor_rollout_ref.model.path, out, r.tensor_model_parallel_size,
+                                        r.expert_parallel_size)
+        log.info("FP8 rollout: the servers start from %s (%d weights in block FP8)", out, len(plan.quantized))
+        return str(out), plan.quantized
+
     def _start_rollout(self, role) -> None:
         r = self.config.actor_rollout_ref.rollout
         self.rollout = RolloutFleet(role, self.pools, self.config, colocated=self.colocated, api_key=self.api_key,
                                     single_node=self.plan.cluster.nnodes == 1,
                                     startup_timeout_s=server_startup_timeout_s(r.name, r.server_startup_timeout_s),
-                                    device=self.devices.device)
+                                    device=self.devices.device,
+                                    model_path=self.rollout_fp8[0] if self.rollout_fp8 else None)
 
     def _make_sync(self) -> None:
         """A new weight sync over the fleet's servers (at start, and after servers restarted)."""
         r, transport = self.config.actor_rollout_ref.rollout, self.devices.weight_sync_transport
+        fp8_path, fp8_weights = self.rollout_fp8 or (None, frozenset())
         sync_config = SyncConfig(
             transport=transport, backend=self.devices.weight_sync_backend,
             bucket_bytes=r.update_weights_bucket_megabytes * 2**20,
-            hf_assets_dir=self.config.actor_rollout_ref.model.path,
+            # the disk transport's pushes take config.json from here: the FP8 checkpoint's has its quantization_config
+            hf_assets_dir=fp8_path or self.config.actor_rollout_ref.model.path, fp8_weights=fp8_weights,
             check_weights=r.check_weight_update, weight_update_groups=r.weight_update_groups,
             group_timeout_s=self.config.actor_rollout_ref.nccl_timeout,
             disk_dir=str(Path(self.config.trainer.default_local_dir) / "weight_sync") if transport == "disk" else None,

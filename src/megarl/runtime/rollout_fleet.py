@@ -121,8 +121,9 @@ def server_log_name(server: int, node: Optional[MultiNode]) -> str:
 class RolloutFleet:
     def __init__(self, role: RolePlacement, pools: RealisedPools, config, *, colocated: bool,
                  single_node: bool, api_key: Optional[str] = None, startup_timeout_s: float = 600.0,
-                 device: str = "cuda"):
-        """`device`: the run's (cuda or cpu), where SGLang serves."""
+                 device: str = "cuda", model_path: Optional[str] = None):
+        """`device`: the run's (cuda or cpu), where SGLang serves. `model_path`: the checkpoint the servers
+        start from (the FP8 one with rollout.quantization=fp8); None: actor_rollout_ref.model.path."""
         r = config.actor_rollout_ref.rollout
         self.api_key = api_key
         # seconds, each memory release or resume call: SGLang maps a large model's weights back from
@@ -149,7 +150,7 @@ class RolloutFleet:
         self.client: Optional[RolloutClient] = None  # made once the router runs
         try:
             bind = "127.0.0.1" if single_node else None
-            path = config.actor_rollout_ref.model.path
+            path = model_path or config.actor_rollout_ref.model.path
             logs = run_logs_dir(config)
             try:
                 urls = self.workers.call_each(

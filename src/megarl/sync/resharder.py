@@ -18,7 +18,9 @@ every replica for its own share of the buckets):
    `flattened_bucket`: every transform of `WeightMap.to_hf` (QKV and fc1 split, vocab padding
    dropped) is a selection of rows of the TP-merged tensor (`WeightMap.hf_rows`), so the plan
    turns it into runs of rows (`Copy`) of the ranks' shards; the emitter's own shards are read
-   from its parameters. No merged tensor is ever built.
+   from its parameters. No merged tensor is ever built, but for the weights sent in block FP8
+   (`quantized`, `actor_rollout_ref.rollout.quantization=fp8`): each is merged whole at the
+   parameter's precision, then quantized into its values' and scales' slots (`megarl.rollout.fp8`).
 
 Experts at EP > 1 (`groups.py`): each rank lists its local experts under their global names
 (local expert k of EP rank r is global expert `r * experts_per_rank + k`) and plans them after the
@@ -33,7 +35,8 @@ same shapes), so a stage's buckets are numbered without a collective: the D dens
 Extra memory, allocated once per pass and reused by every bucket: on the emitter, the other ranks'
 shards of one bucket ((TP-1)/TP of its gathered bytes) and one bucket of HF tensors, so at most 2
 buckets (a bucket: `bucket_bytes`, or the largest parameter if larger); on the other TP ranks,
-their share of a bucket. The conversion allocates nothing of a bucket's size.
+their share of a bucket. The conversion allocates nothing of a bucket's size (with FP8 weights: one
+merged HF weight at a time, at its parameter's precision, while it is quantized).
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ from megarl.bridge.lora import is_lora_param
 from megarl.bridge.mapping import REPLICATED, TPSplit, tp_split
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import layer_index, shift_layer
+from megarl.rollout import fp8
 from megarl.rollout.weight_group import TensorSlot, bucket_layout, dtype_name, unflatten_tensors
 from megarl.sync.groups import ParallelGroups
 
@@ -175,6 +179,7 @@ class BucketPlan:
     hf_slots: tuple[TensorSlot, ...]  # where each HF tensor goes in the bucket's flat buffer
     ranks: int = 1  # ranks of the gather: TP, or (expert bucket) expert-TP
     expert: bool = False  # gathered over the expert-TP group
+    quantized: frozenset[str] = frozenset()  # its HF weights sent in block FP8 (values and weight_scale_inv slots)
 
     @property
     def hf_bytes(self) -> int:
@@ -190,12 +195,13 @@ def gathered_bytes(param: LocalParam, tp_size: int, etp_size: int = 1) -> int:
 
 def plan_buckets(
     params: Sequence[LocalParam], weights: WeightMap, tp_size: int, bucket_bytes: int,
-    dtype: Optional[torch.dtype] = None, etp_size: int = 1,
+    dtype: Optional[torch.dtype] = None, etp_size: int = 1, quantized: frozenset[str] = frozenset(),
 ) -> list[BucketPlan]:
     """Pack `params` in order into buckets of at most `bucket_bytes` gathered bytes (a larger
     parameter gets a bucket of its own): the dense parameters first, then this EP rank's experts
     at EP > 1 (`LocalParam.expert`, gathered over `etp_size` ranks). The HF tensors get `dtype`
-    (None: their parameter's). Within a bucket,
+    (None: their parameter's), but those named in `quantized`, which go as block FP8: e4m3 values
+    and their float32 `weight_scale_inv` (`megarl.rollout.fp8`), both in the bucket. Within a bucket,
     the gathered row and the HF buffer hold wider dtypes first, so every tensor starts aligned for
     its dtype."""
     if bucket_bytes <= 0:
@@ -212,29 +218,40 @@ def plan_buckets(
             groups[-1].append(param)
             size += nbytes
         ranks = etp_size if expert else tp_size
-        plans += [_plan(group, weights, ranks, expert, dtype) for group in groups]
+        plans += [_plan(group, weights, ranks, expert, dtype, quantized) for group in groups]
     return plans
 
 
+def _hf_entries(weights: WeightMap, param: LocalParam, dtype: Optional[torch.dtype],
+               quantized: frozenset[str]) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of every HF tensor `param` is sent as: each of its HF tensors in `dtype`
+    (None: the parameter's), or, named in `quantized`, its FP8 values and their scales."""
+    out = []
+    for name in weights.hf_names_of(param.name):
+        shape = list(weights.hf_shape(name))
+        if name in quantized:
+            out += [(name, fp8.FP8_DTYPE, shape), (fp8.scale_name(name), torch.float32, list(fp8.scale_shape(shape)))]
+        else:
+            out.append((name, dtype or param.tensor.dtype, shape))
+    return out
+
+
 def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, expert: bool,
-          dtype: Optional[torch.dtype]) -> BucketPlan:
+          dtype: Optional[torch.dtype], quantized: frozenset[str]) -> BucketPlan:
     offsets: dict[str, int] = {}
     row = 0
     for param in sorted(group, key=lambda p: -p.tensor.element_size()):
         if ranks > 1 and param.split.dim is not None:
             offsets[param.name] = row
             row += param.tensor.numel() * param.tensor.element_size()
-    hf = sorted(
-        [(hf_name, dtype or param.tensor.dtype) for param in group for hf_name in weights.hf_names_of(param.name)],
-        key=lambda item: -item[1].itemsize,
-    )
-    slots = bucket_layout(
-        [n for n, _ in hf], [dtype_name(d) for _, d in hf], [list(weights.hf_shape(n)) for n, _ in hf]
-    )
+    hf = sorted([entry for param in group for entry in _hf_entries(weights, param, dtype, quantized)],
+                key=lambda entry: -entry[1].itemsize)
+    slots = bucket_layout([n for n, _, _ in hf], [dtype_name(d) for _, d, _ in hf], [s for _, _, s in hf])
     planned = tuple(PlannedParam(p, offsets.get(p.name),
                                  copy_runs(weights, p.name, p.split, ranks if p.name in offsets else 1))
                     for p in group)
-    return BucketPlan(planned, _align(row), tuple(slots), ranks, expert)
+    return BucketPlan(planned, _align(row), tuple(slots), ranks, expert,
+                      frozenset(n for p in group for n in weights.hf_names_of(p.name) if n in quantized))
 
 
 @dataclass
@@ -317,19 +334,23 @@ class Resharder:
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], weights: WeightMap, groups: ParallelGroups,
                  bucket_bytes: int, dtype: Optional[torch.dtype] = None,
-                 hf_memory: Optional[Callable[[int], torch.Tensor]] = None):
+                 hf_memory: Optional[Callable[[int], torch.Tensor]] = None, quantized: frozenset[str] = frozenset()):
         """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's.
         `hf_memory(nbytes)`: fresh uint8 memory for each bucket's HF tensors, handed to the caller
-        (the tensor transport's shareable memory, sent without a copy); None: one reused buffer."""
+        (the tensor transport's shareable memory, sent without a copy); None: one reused buffer.
+        `quantized`: the HF weights sent in block FP8 (`plan_buckets`), each quantized by the emitter
+        from the whole HF tensor it merged from its gathered shards (never from a TP or EP shard, so
+        no 128 x 128 block straddles two ranks' rows), at the parameter's own precision."""
         self.model_chunks, self.weights, self.groups = list(model_chunks), weights, groups
         self.bucket_bytes, self.dtype, self.hf_memory = bucket_bytes, dtype, hf_memory
+        self.quantized = frozenset(quantized)
         self.timings = ReshardTimings()
 
     def plan(self) -> list[BucketPlan]:
         """This rank's plans: its stage's dense buckets, then its EP rank's expert buckets."""
         g = self.groups
         params = local_params(self.model_chunks, self.weights, g.tp_size, g.ep_size, g.etp_size, g.ep_rank)
-        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.etp_size)
+        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.etp_size, self.quantized)
 
     def _takes_part(self, plan: BucketPlan, index: int, count: int) -> bool:
         g = self.groups
@@ -434,9 +455,16 @@ class Resharder:
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
         rows = self._rows(plan, buffers) if plan.row_bytes else None
         for planned in plan.params:
-            name = planned.param.name
-            write_runs(planned.copies, self._pieces(plan, planned, rows),
-                       [targets[n] for n in self.weights.hf_names_of(name)])
+            tensor = planned.param.tensor
+            names = self.weights.hf_names_of(planned.param.name)
+            # a quantized weight is merged whole at the parameter's precision first, then quantized into its slots
+            merged = {n: torch.empty(self.weights.hf_shape(n), dtype=tensor.dtype, device=tensor.device)
+                      for n in names if n in plan.quantized}
+            write_runs(planned.copies, self._pieces(plan, planned, rows), [merged.get(n, targets[n]) for n in names])
+            for name, whole in merged.items():
+                values, scale_inv = fp8.quantize(whole)
+                targets[name].copy_(values)
+                targets[fp8.scale_name(name)].copy_(scale_inv)
         return HFBucket(index, count, flat, plan.hf_slots, owned=self.hf_memory is not None, final=final)
 
 

@@ -1,7 +1,8 @@
 """The equality check of a push: did every server load exactly the HF tensors the actor sent?
 
 Each emitter hashes the HF tensors of every bucket before it hands the bucket to its transport
-(`bucket_checksums`, cast first to the servers' dtype, as a server casts what it loads); after the
+(`bucket_checksums`, cast first to the servers' dtype, as a server casts what it loads, but block
+FP8 values and scales, which it holds as sent: `rollout.fp8.held_as_sent`); after the
 commit the coordinator asks every server for the checksums of what it holds (`/weights_checker`,
 `SyncServer.weights_checksums`) and `mismatches` names each tensor and server that differ. The hash
 is SGLang's (`rollout.weights_checker.tensor_checksum`). Servers must answer with one rank in HF
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megarl.rollout.fp8 import held_as_sent
 from megarl.rollout.weights_checker import tensor_checksum
 from megarl.sync.resharder import HFBucket
 
@@ -28,8 +30,9 @@ def server_dtype(name: str) -> torch.dtype:
 
 
 def bucket_checksums(bucket: HFBucket, dtype: Optional[torch.dtype]) -> dict[str, str]:
-    """{HF name: checksum} of the bucket's tensors, each cast to `dtype` (None: as sent)."""
-    return {name: tensor_checksum(t if dtype is None else t.to(dtype)) for name, t in bucket.named_tensors()}
+    """{HF name: checksum} of the bucket's tensors, each cast to `dtype` (None, or FP8 values and scales: as sent)."""
+    return {name: tensor_checksum(t if dtype is None or held_as_sent(name, t.dtype) else t.to(dtype))
+            for name, t in bucket.named_tensors()}
 
 
 def mismatches(url: str, sent: dict[str, str], ranks: list[dict[str, str]]) -> list[str]:

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge import WeightMap
+from megarl.rollout import fp8
 from megarl.rollout.control import ServerError, on_all
 from megarl.sync.groups import WEIGHT_UPDATE_GROUPS, ParallelGroups
 from megarl.sync import ipc_copies
@@ -93,7 +94,9 @@ class SyncConfig:
     backend: Optional[str] = None  # distributed, required: "nccl" or "gloo", as megarl.config.devices decides
     master_address: Optional[str] = None  # distributed: None = this node's address on the route to the first server
     disk_dir: Optional[str] = None  # disk: where pushes are written (visible to the servers)
-    hf_assets_dir: Optional[str] = None  # disk: the HF directory whose config and tokenizer files are copied
+    # disk: the HF directory whose config and tokenizer files are copied (FP8: the servers' FP8 checkpoint, whose
+    # config.json carries the quantization_config)
+    hf_assets_dir: Optional[str] = None
     timeout_s: float = 600.0  # seconds, each server call
     # seconds, every collective of the sync: the weight-update groups (forming them and each broadcast),
     # the colocated copies' relay group, the emitters' group (the trainer: actor_rollout_ref.nccl_timeout)
@@ -110,6 +113,9 @@ class SyncConfig:
     # tensor transport: colocated_peers[s][r] is the actor rank on server s's TP rank r's real GPU (the trainer
     # maps it from the GPUs Ray gave each bundle: placement.gpu_order); None: the planner's layout
     colocated_peers: Optional[list[list[int]]] = None
+    # rollout.quantization=fp8: the HF weights pushed in block FP8, values and weight_scale_inv (the servers'
+    # checkpoint's plan: megarl.sync.fp8_checkpoint); the other tensors go in `dtype`
+    fp8_weights: frozenset[str] = frozenset()
 
     @property
     def shares_dp(self) -> bool:
@@ -212,6 +218,9 @@ class WeightSync:
         versions count up from `initial_version` (the first push sets initial_version + 1)."""
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
+        unknown = sorted(config.fp8_weights - set(weights.hf_names()))
+        if unknown:
+            raise ValueError(f"weight sync: fp8_weights names tensors the model does not have: {unknown[:5]}")
         self.config = config
         self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.shares_dp,
                                                                    timeout_s=config.group_timeout_s)
@@ -222,7 +231,8 @@ class WeightSync:
         # tensor transport: each bucket is written straight into memory a server may open, and sent without a copy
         hf_memory = ((lambda nbytes: ipc_copies.shareable_empty(nbytes, self.copies_on_gpu))
                      if config.transport == "tensor" else None)
-        self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype, hf_memory)
+        self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype, hf_memory,
+                                   config.fp8_weights)
         self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0
@@ -266,7 +276,9 @@ class WeightSync:
         if c.transport == "tensor":
             return TensorTransport(self.servers, dist.get_rank(), dist.get_world_size(), on_gpu=self.copies_on_gpu,
                                    peers=c.colocated_peers)
-        return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir, self.weights.hf_names())
+        names = self.weights.hf_names()
+        return DiskTransport(self.servers, stage, c.disk_dir, c.hf_assets_dir,
+                             names + [fp8.scale_name(n) for n in names if n in c.fp8_weights])
 
     # ------------------------------------------------------------------ the push
     def push(self, version: Optional[int] = None, progress: Optional[Progress] = None,

@@ -41,6 +41,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
                                                     rollout_correction_settings)
 from megarl.config.rules.router_replay import router_replay_fits
@@ -91,6 +92,7 @@ RULES: list[Rule] = [
     offload_only_where_it_happens,
     rollout_engine_fits_device,
     deterministic_inference_fits_device,
+    fp8_rollout_fits,
     weight_sync_transport_fits_devices,
     weight_check_needs_cpu_engine,
     placement_pools,
@@ -111,6 +113,7 @@ WARNING_RULES: list[Rule] = [
     async_modes_correct_off_policy,
     offload_in_split_placement,
     bypass_replaces_loss_mode,
+    fp8_rollout_corrected,
 ]
 
 __all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]

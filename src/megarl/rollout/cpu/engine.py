@@ -48,7 +48,8 @@ from transformers import (
     GenerationConfig,
 )
 
-from megarl.rollout.cpu.checkpoint_names import checkpoint_tensor
+from megarl.rollout.cpu.checkpoint_names import checkpoint_tensor, model_tensors
+from megarl.rollout.cpu.fp8_weights import Fp8Weights, checkpoint_quantization, load_fp8_causal_lm
 from megarl.rollout.cpu.decode_rows import DecodeRows
 from megarl.rollout.cpu.lora_adapters import LoadedAdapter, LoraAdapters, applied
 from megarl.rollout.cpu.kv_cache import append_rows, can_append_rows, gather_rows, is_preallocated, preallocated_cache
@@ -93,6 +94,16 @@ def load_causal_lm(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval().requires_grad_(False)
     return model
+
+
+def load_served_model(model_path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Optional[Fp8Weights]]:
+    """(model, its block-FP8 weights or None): `load_causal_lm`, or for a block-FP8 checkpoint
+    (config.json's `quantization_config`) `load_fp8_causal_lm`, which dequantizes it per block.
+    Raises ValueError for a quantized checkpoint SGLang would refuse."""
+    serving = checkpoint_quantization(model_path) if os.path.isfile(os.path.join(model_path, "config.json")) else None
+    if serving is not None:
+        return load_fp8_causal_lm(model_path, serving, dtype)
+    return load_causal_lm(model_path, dtype), None
 
 
 def load_tokenizer_if_present(model_path: str):
@@ -222,7 +233,7 @@ class CPUEngine:
         SGLang's `--disable-radix-cache` turns it off)."""
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)
-        self.model = load_causal_lm(model_path, self.dtype)
+        self.model, self.fp8 = load_served_model(model_path, self.dtype)  # fp8: the block-FP8 weights, if quantized
         self.config = self.model.config
         self.return_routed_experts = return_routed_experts
         self.prefix_sharing = prefix_sharing
@@ -437,9 +448,14 @@ class CPUEngine:
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors named as in a checkpoint (per-expert names too: `checkpoint_names`) into the
-        model, cast to its dtype; all-or-nothing. Returns the count."""
+        model, cast to its dtype; a quantized model's block-FP8 weights come with their scales and
+        are held and dequantized (`Fp8Weights`). All-or-nothing. Returns the count."""
         self._check_weights_resident()
         state = self.model.state_dict()  # detached, sharing the parameters' storage
+        count = len(named_tensors)
+        fp8_updates = {}
+        if self.fp8 is not None:
+            named_tensors, fp8_updates = self.fp8.split(named_tensors, state)
         targets = [checkpoint_tensor(state, name) for name, _ in named_tensors]
         for (name, tensor), target in zip(named_tensors, targets):
             if target is None:
@@ -451,22 +467,37 @@ class CPUEngine:
         with self.exclusive_model(), torch.no_grad():
             for (_, tensor), target in zip(named_tensors, targets):
                 target.copy_(tensor)
-        return len(named_tensors)
+            if fp8_updates:
+                self.fp8.apply(fp8_updates, state)
+        return count
+
+    def checked_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """What `/weights_checker` hashes: the model's tensors under checkpoint names (`model_tensors`),
+        block-FP8 weights as SGLang holds them, values and weight_scale_inv (`Fp8Weights.checked_tensors`).
+        Call it holding the model (`exclusive_model`)."""
+        tensors = model_tensors(model)
+        return tensors if self.fp8 is None else self.fp8.checked_tensors(tensors)
 
     def load_weights_from_disk(self, model_path: str) -> None:
-        """Swap in the weights of another checkpoint of the same architecture; the old ones stay on failure."""
+        """Swap in the weights of another checkpoint of the same architecture and quantization (SGLang
+        keeps the quantization it started with); the old ones stay on failure."""
         self._check_weights_resident()
         try:
-            new_model = load_causal_lm(model_path, self.dtype)
+            new_model, new_fp8 = load_served_model(model_path, self.dtype)
         except (OSError, ValueError) as e:
             raise BadRequestError(f"Failed to load weights from {model_path}: {e}") from e
+        served = None if self.fp8 is None else self.fp8.quantized
+        if served != (None if new_fp8 is None else new_fp8.quantized):
+            raise BadRequestError(f"{model_path} is not quantized as the served model is (block FP8 weights: "
+                                  f"{'none' if served is None else len(served)} served, "
+                                  f"{'none' if new_fp8 is None else len(new_fp8.quantized)} there)")
         old = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         new = {k: tuple(v.shape) for k, v in new_model.state_dict().items()}
         if old != new:
             diff = sorted(set(old.items()) ^ set(new.items()))[:3]
             raise BadRequestError(f"{model_path} does not match the served architecture (first differences: {diff})")
         with self.exclusive_model():
-            self.model = new_model
+            self.model, self.fp8 = new_model, new_fp8
             self.model_path = model_path
             if self._route_recorder is not None:
                 self._route_recorder.remove()

@@ -38,7 +38,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 import megarl
-from megarl.rollout.cpu.checkpoint_names import model_tensors
 from megarl.rollout.cpu.engine import BATCH_WAIT_S, CPUEngine, SchedulerCrash, Sequence
 from megarl.rollout.cpu.lora_adapters import LoraAdapters, add_lora_routes
 from megarl.rollout.launch import EP_FLAG, NO_PREFIX_CACHE_FLAG
@@ -293,6 +292,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
             "dp_size": 1,
             "context_length": engine.context_length,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": "fp8" if engine.fp8 is not None else None,  # SGLang's server argument
             "max_running_requests": engine.max_running_requests,
             "version": f"megarl-cpu-engine {megarl.__version__}",
             "internal_states": [
@@ -496,7 +496,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         def checksums() -> dict:
             engine._check_weights_resident()
             with engine.exclusive_model() as model:
-                return weights_checker.checksum_response(model_tensors(model), req.skip_tensor_list)
+                return weights_checker.checksum_response(engine.checked_tensors(model), req.skip_tensor_list)
 
         try:
             return await asyncio.to_thread(checksums)
