@@ -227,6 +227,36 @@ def test_a_warm_up_longer_than_the_run_is_refused_at_load_time():
     ok("trainer.total_training_steps=20", "algorithm.adv_estimator=grpo", "critic.optim.lr_warmup_steps=20")  # no critic
 
 
+def test_a_warm_up_longer_than_the_run_but_not_than_lr_decay_steps_is_accepted():
+    """verl's fully async scripts set lr_decay_steps (total_rollout_steps) and a 10-step warm-up: megatron's
+    scheduler asserts only lr_warmup_steps < lr_decay_steps (verl/utils/megatron/optimizer.py
+    get_megatron_optimizer_param_scheduler passes both), so a shorter run is still in its warm-up."""
+    warmup = "actor_rollout_ref.actor.optim.lr_warmup_steps=10"
+    ok("trainer.total_training_steps=2", warmup, "actor_rollout_ref.actor.optim.lr_decay_steps=51200")
+    msg = fails("trainer.total_training_steps=200", warmup, "actor_rollout_ref.actor.optim.lr_decay_steps=10")
+    assert ("actor_rollout_ref.actor.optim.lr_warmup_steps=10: the warm-up must end before "
+            "actor_rollout_ref.actor.optim.lr_decay_steps=10") in msg
+    # a ratio is of lr_decay_steps, as verl reads it: 1.0 x 8 steps, not x 100
+    msg = fails("trainer.total_training_steps=100", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.0",
+                "actor_rollout_ref.actor.optim.lr_decay_steps=8", "actor_rollout_ref.actor.optim.warmup_style=cosine")
+    assert "lr_warmup_steps_ratio=1.0 (8 steps): the warm-up must end before" in msg
+    # a decaying schedule over lr_decay_steps needs no step count
+    ok("trainer.total_training_steps=null", "actor_rollout_ref.actor.optim.warmup_style=cosine",
+       "actor_rollout_ref.actor.optim.lr_decay_steps=100")
+
+
+def test_verls_absolute_min_lr_is_the_decays_floor_set_once_and_within_lr():
+    c = ok("actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.min_lr=1e-7")
+    assert c.actor_rollout_ref.actor.optim.final_lr() == 1e-7
+    assert ok("actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.min_lr_ratio=0.5"
+              ).actor_rollout_ref.actor.optim.final_lr() == 5e-7
+    msg = fails("actor_rollout_ref.actor.optim.min_lr=1e-7", "actor_rollout_ref.actor.optim.min_lr_ratio=0.1")
+    assert ("actor_rollout_ref.actor.optim.min_lr=1e-07 and actor_rollout_ref.actor.optim.min_lr_ratio=0.1 both set "
+            "where the learning rate decays to: set one") in msg
+    msg = fails("actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.min_lr=1e-5")
+    assert "the learning rate decays to 1e-05 (min_lr, or lr x min_lr_ratio), which must lie in [0, lr=1e-06]" in msg
+
+
 def test_the_lr_schedule_takes_the_trainers_step_count_or_asks_for_one():
     c = ok("trainer.total_training_steps=200", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
     assert c.actor_rollout_ref.actor.optim.total_training_steps == 200

@@ -266,3 +266,4 @@ def test_fully_async_module_runs_the_fully_async_mode(tmp_path):
     assert "config OK" in r.stdout, r.stderr
     assert "3 node(s) x 8 = 24 (split: 16 training, 8 rollout" in r.stdout
     assert "step: 256 prompts" in r.stdout
+    assert "mode: fully_async, samples at most 1 weight version(s) old, partial rollouts" in r.stdout

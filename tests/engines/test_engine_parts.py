@@ -1,5 +1,7 @@
 """The engine's pure parts, in-process (no megatron world): micro-batch planning and layout,
 storage offload, the LR schedule, the padded vocabulary, config-level refusals."""
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -207,6 +209,34 @@ def test_lr_schedule_warms_up_from_the_first_update_then_decays():
     assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lrs[-1] == pytest.approx(1e-4) and all(b <= a for a, b in zip(lrs[3:], lrs[4:]))
     assert optimizer.param_groups[0]["weight_decay"] == 0.01
+
+
+def test_lr_schedule_over_lr_decay_steps_may_outlast_the_run():
+    """verl's reading (verl/utils/megatron/optimizer.py get_megatron_optimizer_param_scheduler): the decay runs
+    over lr_decay_steps, a warm-up ratio is a fraction of it; megatron's linear warm-up is lr x step / warm-up."""
+    optimizer, scheduler = _scheduler(lr_warmup_steps=10, lr_decay_steps=100, total_training_steps=2)
+    lrs = []
+    for _ in range(2):
+        scheduler.step(1)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([1e-4, 2e-4])
+    optimizer, scheduler = _scheduler(lr_warmup_steps_ratio=0.1, lr_decay_steps=40, total_training_steps=2)
+    scheduler.step(1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)  # 0.1 x 40 = 4 warm-up steps
+    with pytest.raises(ValueError, match=r"10 warm-up steps must be fewer than the 10 decay steps"):
+        _scheduler(lr_warmup_steps=10, lr_decay_steps=10, total_training_steps=200)
+
+
+def test_lr_schedule_decays_to_verls_absolute_min_lr():
+    """verl's Megatron optim.min_lr is megatron's OptimizerParamScheduler min_lr: a cosine decay over 4 updates
+    from 1e-3 ends at it, through min + (max - min) (1 + cos(pi k / 4)) / 2 (megatron's formula, by hand)."""
+    optimizer, scheduler = _scheduler(min_lr=2e-4, warmup_style="cosine", lr_warmup_steps=0, total_training_steps=4)
+    lrs = []
+    for _ in range(4):
+        scheduler.step(1)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([2e-4 + 8e-4 * (1 + math.cos(math.pi * k / 4)) / 2 for k in (1, 2, 3, 4)])
+    assert lrs[-1] == pytest.approx(2e-4)
 
 
 def test_lr_schedule_errors_name_the_config_key():

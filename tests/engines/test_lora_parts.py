@@ -1,5 +1,8 @@
 """LoRA parts without a process group: the fused-layer layout of the adapters' merged weights
 against the bridge's own HF -> megatron transforms, the PEFT names, and the TE decision."""
+import math
+import zlib
+
 import torch
 
 from megarl.bridge import arch_from_hf_config, load_hf_config
@@ -122,3 +125,40 @@ def test_dropout_is_peft_lora_dropout_in_training_and_off_in_eval(tiny_models, m
         else:
             assert torch.equal(ours, adapter(x).detach())  # eval is deterministic
             torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_xavier_init_of_a_is_megatron_bridges_and_reaches_every_tp_layout(tiny_models):
+    """verl's Megatron LoRA default, lora_A_init_method=xavier: Megatron-Bridge's ParallelLinearAdapter
+    initialises A with nn.init.xavier_normal_, N(0, std^2) with std = sqrt(2 / (fan_in + fan_out)) = sqrt(2 /
+    (in + r)) for A [r, in]. Drawn from the adapter's seeded generator, sharded like kaiming's A."""
+    from megarl.config import load_and_validate
+    from megarl.engines.megatron.lora import initial_factor
+    from megarl.engines.megatron.roles import lora_spec
+
+    arch = arch_from_hf_config(load_hf_config(tiny_models["qwen2"]))
+    rank = 64
+    name = AdapterName(1, "gate_proj", "A")
+    a = initial_factor(name, arch, rank, seed=5, init_A="xavier")
+    inp = arch.hidden_size
+    assert a.shape == (rank, inp)
+    std = math.sqrt(2 / (inp + rank))  # hand-computed: 0.102 for in 128, r 64
+    assert abs(a.mean().item()) < 0.05 * std and abs(a.std().item() / std - 1) < 0.05  # 8192 draws: ~1% noise
+    beyond = (a.abs() > 2 * std).double().mean().item()
+    assert 0.035 < beyond < 0.06  # a normal's 4.55%; a uniform of that std never passes 1.73 std
+    generator = torch.Generator().manual_seed(5 + zlib.crc32(name.mcore.encode()))  # the adapter's own seed
+    assert torch.equal(a, torch.nn.init.xavier_normal_(torch.empty(rank, inp), generator=generator))
+    kaiming = initial_factor(name, arch, rank, seed=5)
+    assert kaiming.abs().max() <= inp ** -0.5 and not torch.equal(kaiming, a)  # the default stays PEFT's
+
+    spec = LoraSpec(rank=3, alpha=6.0, targets=("down_proj",), init_A="xavier")
+    whole = LoraAdapter("row", 1, ["down_proj"], spec, arch, 1, 0, 0, torch.float32, torch.device("cpu"))
+    down_a = AdapterName(1, "down_proj", "A")
+    assert torch.equal(whole.down_proj_A, initial_factor(down_a, arch, 3, 0, "xavier"))
+    for tp_rank in range(2):
+        half = LoraAdapter("row", 1, ["down_proj"], spec, arch, 2, tp_rank, 0, torch.float32, torch.device("cpu"))
+        assert torch.equal(half.down_proj_A, shard_tp(down_a.tp, whole.down_proj_A, 2, tp_rank))
+    # verl's key, under verl's name
+    config = load_and_validate(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet",
+                                      "actor_rollout_ref.model.lora.rank=8",
+                                      "actor_rollout_ref.model.lora.lora_A_init_method=xavier"])
+    assert lora_spec(config.actor_rollout_ref.model.lora).init_A == "xavier"

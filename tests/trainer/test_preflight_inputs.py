@@ -2,6 +2,7 @@
 the model's config and tokenizer (a hub id through the HF cache), the schedule the data allows and
 the GPUs this machine shows. Issue 26 items 1, 3 and 4: each bad input below used to pass --dry-run
 and fail 35-76 s into the run, after the cluster was up."""
+import json
 import os
 import shutil
 import subprocess
@@ -78,7 +79,52 @@ def test_model_config_and_tokenizer_are_checked(tiny_assets, tmp_path):
     assert f"actor_rollout_ref.model.path: no tokenizer files in {broken}" in text
     (broken / "config.json").write_text('{"model_type": "gpt2"}')
     text = _problems(_config(broken, tiny_assets / "data/train.parquet"))
-    assert "`model_type`='gpt2' is not supported" in text
+    assert f"{broken}/config.json: `model_type`='gpt2' is not supported: megarl maps these HF architectures" in text
+
+
+# config.json of models megarl does not map onto megatron-core (their fields as their HF configs have them,
+# trimmed; no weights: the check reads config.json only)
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "n_routed_experts": 256, "num_experts_per_tok": 8, "vocab_size": 129280}
+QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 2048,
+           "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 248320,
+           "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
+# Qwen2.5-Math-RM-72B, whole: a known model_type whose class has weights of its own (a two-layer score head);
+# before, it passed as a causal LM
+QWEN2_RM = {"architectures": ["Qwen2ForRewardModel"], "model_type": "qwen2", "hidden_act": "silu",
+            "hidden_size": 8192, "intermediate_size": 29568, "max_position_embeddings": 4096, "num_attention_heads": 64,
+            "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "sliding_window": 4096, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 152064}
+SUPPORTED = ("LlamaForCausalLM (llama), MistralForCausalLM (mistral), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM "
+             "(qwen3), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe), MixtralForCausalLM "
+             "(mixtral); and each one's *ForSequenceClassification with num_labels=1 as a reward model")
+
+
+def model_dir_with(config_json: dict, tiny_model: Path, out: Path) -> Path:
+    """`out` holding `config_json` as config.json beside the tiny model's tokenizer files (so that the
+    architecture is the only problem)."""
+    out.mkdir()
+    for f in tiny_model.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config_json))
+    return out
+
+
+@pytest.mark.parametrize("hf_config", [DEEPSEEK_V3, QWEN3_5, QWEN2_RM], ids=lambda c: c["architectures"][0])
+def test_an_architecture_megarl_does_not_map_is_named_with_its_config_and_the_supported_ones(hf_config, tiny_assets,
+                                                                                             tmp_path):
+    model = model_dir_with(hf_config, tiny_assets / "model", tmp_path / "model")
+    text = _problems(_config(model, tiny_assets / "data/train.parquet"))
+    architecture = hf_config["architectures"][0]
+    assert (f"actor_rollout_ref.model.path='{model}': {model}/config.json: architecture {architecture} "
+            f"(`model_type`='{hf_config['model_type']}') is not supported: megarl maps these HF architectures onto "
+            f"megatron-core: {SUPPORTED}") in text
+    assert text.count("\n  - ") == 1  # the only problem
+    # the reward model's path is checked the same way
+    rm = _problems(_config(tiny_assets / "model", tiny_assets / "data/train.parquet", "reward_model.enable=true",
+                           f"reward_model.model.path={model}"))
+    assert f"reward_model.model.path='{model}': {model}/config.json: architecture {architecture}" in rm
 
 
 def test_gpu_count_on_one_node():

@@ -165,17 +165,37 @@ def _score_head(config: Mapping[str, Any], source: str) -> bool:
     return True
 
 
+def supported_architectures() -> str:
+    """The HF architectures megarl maps onto megatron-core, with their model_type, for messages."""
+    causal = ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES.values())
+    return f"{causal}; and each one's *{SEQ_CLS_SUFFIX} with num_labels=1 as a reward model"
+
+
+def _family(config: Mapping[str, Any], source: str) -> Family:
+    """The family of a config's `model_type`, which must list (in `architectures`, where present) only that
+    family's causal LM or sequence-classification class: another class of a known model_type has other
+    weights (e.g. Qwen2.5-Math-RM's Qwen2ForRewardModel, model_type qwen2, has a two-layer score head)."""
+    model_type = config.get("model_type")
+    architectures = [str(a) for a in config.get("architectures") or []]
+    family = FAMILIES.get(model_type)
+    allowed = () if family is None else (family.architecture,
+                                         family.architecture.removesuffix("ForCausalLM") + SEQ_CLS_SUFFIX)
+    if family is None or any(a not in allowed for a in architectures):
+        named = f"`model_type`={model_type!r}"
+        if architectures:
+            named = f"architecture {', '.join(architectures)} ({named})"
+        raise ConversionError(f"{source}: {named} is not supported: megarl maps these HF architectures onto "
+                              f"megatron-core: {supported_architectures()}")
+    return family
+
+
 def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") -> ModelArch:
     """Translate an HF config (the dict of `config.json`) into a `ModelArch`.
 
     Raises `ConversionError` naming `source` and the field for anything unsupported.
     """
-    model_type = config.get("model_type")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise ConversionError(
-            f"{source}: `model_type`={model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
-        )
+    family = _family(config, source)
+    model_type = family.model_type
     if config.get("quantization_config"):
         raise ConversionError(f"{source}: `quantization_config` is set; quantized checkpoints are not supported")
     for key in family.must_be_false:

@@ -182,12 +182,15 @@ class OptimConfig:
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-6
     min_lr_ratio: float = 0.0
+    # the learning rate the decay ends at, absolute (megatron's OptimizerParamScheduler min_lr, verl's Megatron
+    # key); null: lr x min_lr_ratio
+    min_lr: Optional[float] = None
     lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0
     # the decay after warm-up (verl's Megatron key lr_decay_style means the same), over lr_decay_steps
     warmup_style: Literal["constant", "cosine", "linear"] = "constant"
     total_training_steps: int = -1  # -1: filled in from the trainer's step count
-    # updates over which the learning rate decays to lr x min_lr_ratio, warm-up included (megatron's
+    # updates over which the learning rate decays to final_lr(), warm-up included (megatron's
     # OptimizerParamScheduler lr_decay_steps; verl's Megatron key); null: total_training_steps. Past it the
     # rate stays at the minimum
     lr_decay_steps: Optional[int] = None
@@ -201,6 +204,22 @@ class OptimConfig:
     # engine builds); a name megarl sets from another key (lr, weight_decay, betas, clip_grad, the dtype, the
     # distributed optimizer) is refused where it differs (megarl.engines.megatron.optim.optimizer_kwargs)
     override_optimizer_config: dict[str, Any] = field(default_factory=dict)
+
+    def final_lr(self) -> float:
+        """The learning rate the decay ends at: min_lr, else lr x min_lr_ratio."""
+        return self.lr * self.min_lr_ratio if self.min_lr is None else self.min_lr
+
+    def schedule_steps(self) -> tuple[int, int]:
+        """(warm-up, decay) updates of megatron's OptimizerParamScheduler, as verl reads these keys
+        (verl/utils/megatron/optimizer.py `get_megatron_optimizer_param_scheduler`): the decay runs over
+        lr_decay_steps, else total_training_steps, and a warm-up ratio is a fraction of it. decay <= 0:
+        neither is known (then a ratio gives no warm-up here)."""
+        decay = self.total_training_steps if self.lr_decay_steps is None else self.lr_decay_steps
+        if self.lr_warmup_steps >= 0:
+            return self.lr_warmup_steps, decay
+        if self.lr_warmup_steps_ratio > 0 and decay > 0:
+            return int(self.lr_warmup_steps_ratio * decay), decay
+        return 0, decay
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +236,9 @@ class LoraConfig:
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input in training passes (log-prob passes: none)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT names, or ["all-linear"]
+    # A's initial values (B starts at 0): kaiming, PEFT's U(+-1/sqrt(in)); xavier, Megatron-Bridge's (verl's
+    # Megatron LoRA, its default) N(0, 2 / (in + rank)) (megarl.engines.megatron.lora.initial_factor)
+    lora_A_init_method: Literal["kaiming", "xavier"] = "kaiming"
     sync: Literal["merged", "adapter"] = "merged"  # merged: push base + scale x B A as full weights
     # sync=adapter, how the adapters reach the servers: tensors: in the request (SGLang's
     # /load_lora_adapter_from_tensors, no shared filesystem); disk: a PEFT directory under

@@ -101,9 +101,6 @@ VERL_KEYS: dict[str, VerlKey] = {
        for role in _MEGATRON_ROLES},
     "actor_rollout_ref.actor.model_engine": VerlKey(
         "megarl trains with Megatron only; its schema defaults stand for verl's megatron actor", only="megatron"),
-    # megarl's LoRA A starts kaiming-uniform, as PEFT's (megarl.engines.megatron.lora); verl's default is xavier
-    "actor_rollout_ref.model.lora.lora_A_init_method": VerlKey(
-        "megarl initialises LoRA's A kaiming-uniform (PEFT's init); another init is not built yet", only="kaiming"),
     "actor_rollout_ref.rollout.data_parallel_size": VerlKey(
         "megarl runs one SGLang server per tensor_model_parallel_size GPUs behind sglang-router; attention data "
         "parallelism inside one server (SGLang's --dp-size) is not built yet", only=1),

@@ -87,7 +87,7 @@ def model_inputs(config: ExperimentConfig) -> tuple[list[str], ExperimentConfig]
         try:
             local = local_model_dir(path, key)
             if architecture:
-                arch_from_hf_config(load_hf_config(local), f"{key}={path!r}: config.json")
+                arch_from_hf_config(load_hf_config(local), f"{key}={path!r}: {Path(local) / 'config.json'}")
         except ConversionError as error:
             problems.append(str(error))
             return path

@@ -27,6 +27,17 @@ def _ep(size: int) -> str:
     return f", EP {size}" if size > 1 else ""
 
 
+def _mode(async_training) -> str:
+    """How generation and training take turns (async_training.*), in words."""
+    a = async_training
+    if a.mode == "fully_async":
+        return f"fully_async, samples at most {a.max_staleness} weight version(s) old" + (
+            ", partial rollouts" if a.partial_rollout else "")
+    if a.mode == "one_step_off":
+        return "one_step_off, step k+1's batch generated while step k trains"
+    return "sync, generate -> train -> push in turn"
+
+
 def describe(config) -> str:
     """One paragraph a user can check before a job waits in a queue."""
     plan = batch_plan(config)
@@ -42,7 +53,8 @@ def describe(config) -> str:
         f" x DP {plan.actor_dp}{_ep(m.expert_model_parallel_size)}\n"
         f"  step: {config.data.train_batch_size} prompts x n={arr.rollout.n} = {plan.responses_per_step} responses; "
         f"{plan.actor_mini_batches_per_epoch} mini-batch(es) per epoch, "
-        f"{plan.actor_responses_per_mini_batch_per_rank} responses per DP rank per mini-batch"
+        f"{plan.actor_responses_per_mini_batch_per_rank} responses per DP rank per mini-batch\n"
+        f"  mode: {_mode(config.async_training)}"
     )
 
 

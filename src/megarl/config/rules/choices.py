@@ -101,7 +101,7 @@ def gen_batch_only_with_dynamic_sampling(config: ExperimentConfig, sizes: Derive
 
 
 def lr_schedule_has_step_count(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """A warmup ratio or a non-constant schedule needs the number of steps.
+    """A warmup ratio or a non-constant schedule needs the number of steps (or lr_decay_steps).
 
     Reads: actor_rollout_ref.actor.optim, critic.optim, trainer.total_training_steps
     """
@@ -109,7 +109,9 @@ def lr_schedule_has_step_count(config: ExperimentConfig, sizes: DerivedSizes) ->
                 ("critic.optim", config.critic.optim))
     for section, optim in sections:
         needs_total = optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0 or optim.warmup_style != "constant"
-        if needs_total and optim.total_training_steps <= 0 and not config.trainer.total_training_steps:
+        known = (optim.lr_decay_steps is not None or optim.total_training_steps > 0
+                 or config.trainer.total_training_steps)
+        if needs_total and not known:
             yield (f"{section}: lr_warmup_steps_ratio / warmup_style={optim.warmup_style} need the number of "
                    f"steps: set trainer.total_training_steps (or {section}.total_training_steps)")
 
@@ -124,20 +126,35 @@ def warmup_fits_schedule(config: ExperimentConfig, sizes: DerivedSizes) -> Itera
     if config.critic.enable:
         sections.append(("critic.optim", config.critic.optim))
     for section, optim in sections:
-        total = optim.total_training_steps  # resolve() filled -1 from trainer.total_training_steps
-        if total <= 0:
+        warmup, decay = optim.schedule_steps()  # resolve() filled total_training_steps from the trainer's
+        if decay <= 0 or warmup < decay:
             continue
         if optim.lr_warmup_steps >= 0:
-            warmup, source = optim.lr_warmup_steps, f"{section}.lr_warmup_steps={optim.lr_warmup_steps}"
-        elif optim.lr_warmup_steps_ratio > 0:
-            warmup = int(optim.lr_warmup_steps_ratio * total)
-            source = f"{section}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} ({warmup} steps)"
+            source = f"{section}.lr_warmup_steps={optim.lr_warmup_steps}"
         else:
-            continue
-        if warmup >= total:
-            yield (f"{source}: the warm-up must end before the last of the {total} training steps "
+            source = f"{section}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} ({warmup} steps)"
+        if optim.lr_decay_steps is None:
+            yield (f"{source}: the warm-up must end before the last of the {decay} training steps "
                    f"(trainer.total_training_steps or {section}.total_training_steps); lower the warm-up or "
                    "raise the step count")
+        else:  # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps
+            yield f"{source}: the warm-up must end before {section}.lr_decay_steps={decay}"
+
+
+def min_lr_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """The decay's floor is set once (min_lr, verl's Megatron key, or min_lr_ratio, its FSDP one) and lies in
+    [0, lr] (megatron's OptimizerParamScheduler asserts min_lr >= 0 and max_lr >= min_lr).
+
+    Reads: actor_rollout_ref.actor.optim, critic.optim
+    """
+    for section, optim in (("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim),
+                           ("critic.optim", config.critic.optim)):
+        if optim.min_lr is not None and optim.min_lr_ratio != 0:
+            yield (f"{section}.min_lr={optim.min_lr} and {section}.min_lr_ratio={optim.min_lr_ratio} both set where "
+                   "the learning rate decays to: set one")
+        elif not 0 <= optim.final_lr() <= optim.lr:
+            yield (f"{section}: the learning rate decays to {optim.final_lr()} (min_lr, or lr x min_lr_ratio), "
+                   f"which must lie in [0, lr={optim.lr}]")
 
 
 def reward_model_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

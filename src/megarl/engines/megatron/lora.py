@@ -20,8 +20,11 @@ Fused layers: q/k/v adapters fill their rows of megatron's per-query-group QKV o
 group g, k_g, v_g] per local group); gate/up adapters fill fc1's two halves [gate_local; up_local].
 
 Initialisation follows PEFT: B = 0 (the model starts equal to the base, exactly), A uniform in
-+-1/sqrt(in) (kaiming-uniform, a = sqrt(5)), drawn whole from a generator seeded by the seed and
-the adapter's global name, then sharded: every TP/PP layout starts from the same adapters.
++-1/sqrt(in) (kaiming-uniform, a = sqrt(5)), or with `init_A="xavier"` as Megatron-Bridge's LoRA
+(verl's Megatron default) draws it: torch's xavier_normal_, N(0, 2 / (in + r)). A is drawn whole
+from a generator seeded by the seed and the adapter's global name, then sharded: every TP/PP
+layout starts from the same adapters (Megatron-Bridge's GPU initialisation draws each TP shard
+with the shard's own fans: the same at TP 1).
 
 Only megatron's local linear layers (no transformer-engine fusion of the input norm into
 linear_qkv / linear_fc1) are supported: `attach_lora` refuses anything else by name.
@@ -47,6 +50,7 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]  # PEFT names
     dropout: float = 0.0  # on the adapter's input, in training passes only (PEFT's lora_dropout)
+    init_A: str = "kaiming"  # "kaiming" | "xavier": see the module's docstring
 
     @property
     def scale(self) -> float:
@@ -61,12 +65,18 @@ def full_shape(arch: ModelArch, target: str) -> tuple[int, int]:
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
 
 
-def initial_factor(name: AdapterName, arch: ModelArch, rank: int, seed: int) -> torch.Tensor:
-    """The full float32 factor at initialisation: A [r, in] ~ U(-1/sqrt(in), 1/sqrt(in)), B [out, r] = 0."""
+def initial_factor(name: AdapterName, arch: ModelArch, rank: int, seed: int, init_A: str = "kaiming") -> torch.Tensor:
+    """The full float32 factor at initialisation: B [out, r] = 0; A [r, in] ~ U(-1/sqrt(in), 1/sqrt(in))
+    (kaiming), or N(0, 2 / (in + r)) (xavier: Megatron-Bridge's `ParallelLinearAdapter._get_init_fn`
+    gives nn.init.xavier_normal_, which reads fan_in = in, fan_out = r from A's shape)."""
     out, inp = full_shape(arch, name.target)
     if name.factor == "B":
         return torch.zeros(out, rank)
     generator = torch.Generator().manual_seed(seed + zlib.crc32(name.mcore.encode()))
+    if init_A == "xavier":
+        return torch.nn.init.xavier_normal_(torch.empty(rank, inp), generator=generator)
+    if init_A != "kaiming":
+        raise ValueError(f"LoRA A init {init_A!r}: kaiming or xavier")
     bound = inp ** -0.5
     return (torch.rand(rank, inp, generator=generator) * 2 - 1) * bound
 
@@ -86,7 +96,7 @@ class LoraAdapter(torch.nn.Module):
         for target in self.targets:
             for factor in "AB":
                 name = AdapterName(layer, target, factor)
-                shard = shard_tp(name.tp, initial_factor(name, arch, spec.rank, seed), tp, tp_rank)
+                shard = shard_tp(name.tp, initial_factor(name, arch, spec.rank, seed, spec.init_A), tp, tp_rank)
                 param = torch.nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
                 if name.tp.dim is not None:  # as megatron tags its own TP shards (grad-norm counting)
                     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, name.tp.dim, 1

@@ -6,7 +6,7 @@ all-gather with the next forward: `ddp_overlap`);
 the optimizer is megatron's (Adam with decoupled weight decay, none on biases and norms, gradient
 clipping; float32 main weights under bf16/fp16; optionally the distributed optimizer) and the
 schedule is megatron's `OptimizerParamScheduler` (linear warm-up, then constant, linear or cosine
-decay to `lr * min_lr_ratio`).
+decay to `optim.min_lr`, else `lr * min_lr_ratio`).
 
 The schedule counts *updates* (calls of `update_policy` / `update_critic`, i.e. RL steps), as
 `optim.total_training_steps` does: update k (k = 1, 2, ...) runs at the learning rate of
@@ -126,7 +126,7 @@ def optimizer_kwargs(optim_cfg, params_dtype: torch.dtype, use_distributed_optim
     derived = {
         "optimizer": (optim_cfg.optimizer, "optim.optimizer"),
         "lr": (optim_cfg.lr, "optim.lr"),
-        "min_lr": (optim_cfg.lr * optim_cfg.min_lr_ratio, "optim.lr x optim.min_lr_ratio"),
+        "min_lr": (optim_cfg.final_lr(), "optim.min_lr (or optim.lr x optim.min_lr_ratio)"),
         "weight_decay": (optim_cfg.weight_decay, "optim.weight_decay"),
         "adam_beta1": (optim_cfg.betas[0], "optim.betas"),
         "adam_beta2": (optim_cfg.betas[1], "optim.betas"),
@@ -172,42 +172,34 @@ def build_scheduler(optimizer, optim_cfg, section: str):
     """megatron's `OptimizerParamScheduler` for an `OptimConfig` (`section` names it in errors)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    total = optim_cfg.total_training_steps
     style = DECAY_STYLES[optim_cfg.warmup_style]
-    if optim_cfg.lr_warmup_steps >= 0:
-        warmup = optim_cfg.lr_warmup_steps
-    elif optim_cfg.lr_warmup_steps_ratio > 0:
-        if total <= 0:
+    warmup, decay = optim_cfg.schedule_steps()
+    if decay <= 0:
+        if optim_cfg.lr_warmup_steps < 0 and optim_cfg.lr_warmup_steps_ratio > 0:
             raise ValueError(
                 f"{section}.optim.lr_warmup_steps_ratio={optim_cfg.lr_warmup_steps_ratio} needs "
-                f"{section}.optim.total_training_steps (-1 was not filled in by the trainer)"
+                f"{section}.optim.total_training_steps (-1 was not filled in by the trainer) or lr_decay_steps"
             )
-        warmup = int(optim_cfg.lr_warmup_steps_ratio * total)
-    else:
-        warmup = 0
-    if total <= 0:
         if style != "constant":
             raise ValueError(
                 f"{section}.optim.warmup_style={optim_cfg.warmup_style} decays the learning rate over "
-                f"{section}.optim.total_training_steps, which is {total} (not filled in by the trainer)"
+                f"{section}.optim.total_training_steps, which is {decay} (not filled in by the trainer)"
             )
-        total = max(warmup + 1, 1)  # constant after warm-up: the decay length is never reached
-    if warmup >= total:
-        raise ValueError(f"{section}.optim: {warmup} warm-up steps must be fewer than total_training_steps={total}")
-    decay = total if optim_cfg.lr_decay_steps is None else optim_cfg.lr_decay_steps
-    if decay <= warmup:  # megatron's scheduler asserts lr_decay_steps > 0 and decays over decay - warm-up steps
-        raise ValueError(f"{section}.optim.lr_decay_steps={decay} must exceed the {warmup} warm-up steps")
+        decay = warmup + 1  # constant after warm-up: the decay length is never reached
+    if warmup >= decay:  # megatron's scheduler asserts lr_warmup_steps < lr_decay_steps
+        raise ValueError(f"{section}.optim: {warmup} warm-up steps must be fewer than the {decay} decay steps "
+                         "(lr_decay_steps, else total_training_steps)")
     lr = optim_cfg.lr
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=lr,
-        min_lr=lr * optim_cfg.min_lr_ratio,
+        min_lr=optim_cfg.final_lr(),
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
         lr_decay_style=style,
         start_wd=optim_cfg.weight_decay,
         end_wd=optim_cfg.weight_decay,
-        wd_incr_steps=total,
+        wd_incr_steps=decay,  # any length: the weight decay is constant
         wd_incr_style="constant",
     )

@@ -73,7 +73,9 @@ def lora_spec(lora) -> Optional[LoraSpec]:
     """A role's adapters from its `model.lora` (None when its rank is 0)."""
     from megarl.config.rules.lora import lora_targets
 
-    return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules), lora.dropout) if lora.rank > 0 else None
+    if lora.rank <= 0:
+        return None
+    return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules), lora.dropout, lora.lora_A_init_method)
 
 
 class ActorEngine(MegatronEngine):
