@@ -62,6 +62,12 @@ def test_resolve_fills_derived_defaults():
          "needs actor_rollout_ref.actor.megatron.pipeline_model_parallel_size > 1"),
         (["actor_rollout_ref.rollout.check_weight_update=true"],
          "actor_rollout_ref.rollout.check_weight_update=true needs actor_rollout_ref.rollout.name=cpu (got 'sglang')"),
+        (["actor_rollout_ref.rollout.batch_requests_per_server=true"],
+         "batch_requests_per_server=true needs actor_rollout_ref.rollout.name=cpu (got 'sglang')"),
+        (["actor_rollout_ref.rollout.batch_requests_per_server=true", "actor_rollout_ref.rollout.agent.path=/a.py"],
+         "batch_requests_per_server=true with actor_rollout_ref.rollout.agent.path: agent turns are single requests"),
+        (["actor_rollout_ref.rollout.batch_requests_per_server=true", "actor_rollout_ref.actor.router_replay.mode=R3"],
+         "batch_requests_per_server=true with actor_rollout_ref.actor.router_replay.mode=R3: routing replay sends"),
     ],
 )
 def test_impossible_values(overrides, expected):
@@ -145,6 +151,13 @@ def test_parallel_sizes_against_gpus():
            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
            "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "trainer.nnodes=4")
     assert batch_plan(c).actor_dp == 8
+
+
+def test_batched_requests_per_server_are_off_by_default_and_fit_the_cpu_engine():
+    assert ok().actor_rollout_ref.rollout.batch_requests_per_server is False
+    batched = ok("actor_rollout_ref.rollout.name=cpu", "trainer.device=cpu",
+                 "actor_rollout_ref.rollout.batch_requests_per_server=true")
+    assert batched.actor_rollout_ref.rollout.batch_requests_per_server is True
 
 
 def test_verls_enable_prefix_caching_is_a_rollout_key_on_by_default():

@@ -368,6 +368,27 @@ def test_a_late_request_joins_the_running_batch_and_samples_as_if_alone(engine, 
     assert late_seqs[0].output_ids != late_seqs[1].output_ids  # seed + sample index
 
 
+def test_prompts_submitted_together_start_in_one_batch_without_a_burst_wait(tiny_model_dir):
+    """With batch_wait_s=0 the scheduler starts a batch at the first request it sees; the prompts
+    of one batched request, submitted within `submitting()`, still start together (none joins
+    later), however long their submission takes."""
+    eng = CPUEngine(tiny_model_dir, batch_wait_s=0.0)
+    batches, run_batch = [], eng._run_batch
+    eng._run_batch = lambda adapter: (batches.append(len(eng._running)), run_batch(adapter))
+    try:
+        done = threading.Semaphore(0)
+        sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+        with eng.submitting():
+            for prompt in PROMPTS:
+                eng.submit(prompt, sampling, True, None, lambda seq: done.release())
+                time.sleep(0.05)  # the scheduler, woken by the first, would start without the others
+        for _ in PROMPTS:
+            assert done.acquire(timeout=60)
+        assert batches == [len(PROMPTS)] and eng.num_joined == 0
+    finally:
+        eng.shutdown()
+
+
 def test_a_weight_update_waits_for_the_batch_and_late_requests_wait_for_the_update(engine, tiny_hf, helpers):
     """Weights change between batches only: an update sent while a batch decodes waits for it, the
     batch takes no newcomers meanwhile, and a request sent then runs on the new weights (oracle:

@@ -134,6 +134,38 @@ def test_the_client_keeps_one_session_for_its_life_and_close_ends_it(server, mon
     assert made[0].closed and loops() == before
 
 
+def test_a_batch_per_server_gives_each_prompt_what_its_own_request_gives(server, client, tiny_hf, helpers, monkeypatch):
+    """batch_per_server: the prompts of each of two server URLs (here the same server twice) go in one
+    batched /generate each (counted at aiohttp's own method), and every prompt gets the samples its
+    seeds give when sent on its own, with HF's log-probs."""
+    prompts, seeds = PROMPTS + [[30, 31, 32]], [11, 22, 33, 44]
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.8, n=2)
+    alone = client.generate(prompts, sampling, seeds=seeds)
+    posts = []
+    request = aiohttp.ClientSession._request
+
+    async def counted(self, method, url, **kwargs):
+        posts.append(kwargs["json"]["input_ids"])
+        return await request(self, method, url, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "_request", counted)
+    with RolloutClient(server.url, api_key=KEY, server_urls=[server.url] * 2, batch_per_server=True) as batched:
+        together = batched.generate(prompts, sampling, seeds=seeds)
+    assert posts == [[prompts[0], prompts[2]], [prompts[1], prompts[3]]]  # prompt i to server i % 2
+    assert [[s.token_ids for s in g] for g in together.samples] == [[s.token_ids for s in g] for g in alone.samples]
+    assert_matches_hf(together, prompts, tiny_hf, 0.8, helpers)
+    assert (together.metrics.requests, together.metrics.samples) == (4, 8)  # a record per prompt
+
+
+def test_a_refused_batch_names_its_prompts(server):
+    with RolloutClient(server.url, api_key=KEY, server_urls=[server.url] * 2, batch_per_server=True) as client:
+        with pytest.raises(RolloutRequestError, match=r"prompt 0: HTTP 400: in the batched request of prompts "
+                                                      r"\[0, 2\]: prompt 1: .*longer than the model's context"):
+            client.generate([[3, 4], [6, 7], [5] * 300], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="batch_per_server needs server_urls"):
+        RolloutClient(server.url, batch_per_server=True)
+
+
 def test_unknown_sampling_key_gets_400_not_a_crash(server):
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "bogus_key": 3}}
     resp = requests.post(server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)

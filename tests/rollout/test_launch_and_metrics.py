@@ -116,6 +116,8 @@ def test_cpu_server_command_parses_back():
     assert args.host == "127.0.0.1"
     assert not args.disable_radix_cache  # prefix sharing on, as SGLang's radix cache by default
     assert parse_args(cpu_server_command("/m", 31000, prefix_caching=False)[3:]).disable_radix_cache
+    assert parse_args(cpu_server_command("/m", 31000)[3:]).batch_wait_ms == 3.0  # engine.BATCH_WAIT_S
+    assert parse_args(cpu_server_command("/m", 31000, batch_wait_ms=0)[3:]).batch_wait_ms == 0.0
 
 
 def test_the_cpu_server_takes_sglangs_ep_flag_at_1_only(capsys):

@@ -185,6 +185,16 @@ def test_the_meta_info_megarl_reads(servers, prompt):
     batch = generated(servers, {"input_ids": [prompt, prompt[:3]], "sampling_params": {"temperature": 0,
                                                                                        "max_new_tokens": 2}})
     assert [o["output_ids"] for o in batch["cpu"]] == [o["output_ids"] for o in batch["sglang"]]
+    # the batch megarl's client sends the CPU engine (rollout.batch_requests_per_server): a sampling_params
+    # per prompt, n > 1; prompt-major answers (`managers/tokenizer_manager.py::_handle_batch_request`),
+    # each prompt under its own parameters
+    params = [{"temperature": 0, "max_new_tokens": 2, "n": 2, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 3, "n": 2, "ignore_eos": True}]
+    batch = generated(servers, {"input_ids": [prompt, prompt[:3]], "sampling_params": params, "return_logprob": True})
+    for kind, out in batch.items():
+        assert [len(o["output_ids"]) for o in out] == [2, 2, 3, 3], kind
+        assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in out), kind
+    assert [o["output_ids"] for o in batch["cpu"]] == [o["output_ids"] for o in batch["sglang"]]
 
 
 def test_weight_pushes_outside_a_session_are_refused_and_inside_one_load(servers, hf, qwen2_dir, prompt):

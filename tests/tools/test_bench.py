@@ -132,5 +132,7 @@ def test_rollout_engine_rows_for_the_three_methods(tmp_path):
 # overhead.py, grpo_vs_trl.py, training_floor.py and opd_vs_grpo.py are not run here: each trains the quickstart's
 # SFT model (the first two then two GRPO runs; grpo_vs_trl.py also installs TRL into .venv-bench; opd_vs_grpo.py a
 # teacher, a student and three runs per seed), minutes of work, not a test (opd_vs_grpo.py at its smallest: 138 s).
+# generate_profile.py neither: it starts the quickstart's two servers and the router and runs 30 steps' generation
+# (about 45 s).
 # push_profile.py neither: it brings up the quickstart's whole cluster (Ray, two actor ranks, two servers and the
 # router) for a run, about a minute.

@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -478,6 +479,31 @@ def test_grpo_with_the_tensor_transport_serves_the_pushed_weights(ray_session, t
     m = run.metrics
     assert m["sync/bytes"] > 0 and m["sync/weight_version"] == 2, m
     assert m["actor/grad_norm"] > 0  # step 2's samples came from weights that step 1 changed
+
+
+def test_grpo_with_batched_requests_sends_each_server_its_prompts_in_one_request(ray_session, tiny_assets, tmp_path,
+                                                                               monkeypatch):
+    """`rollout.batch_requests_per_server` in the quickstart's layout (actor DP=2, two colocated
+    servers): the step's 8 prompts go out as one /generate per server, straight to it (recorded at
+    aiohttp's own method in this process, the controller's), prompt i to server i % 2, and the
+    samples come back with the actor's log-probs (run_recipe's check, < 1e-4 in fp32), which a
+    response paired with another prompt would not have. That a batch samples what a request per
+    prompt samples: tests/rollout/test_cpu_server.py."""
+    posts = []
+    request = aiohttp.ClientSession._request
+
+    async def recorded(self, method, url, **kwargs):
+        if str(url).endswith("/generate"):
+            posts.append((str(url), kwargs["json"]["input_ids"]))
+        return await request(self, method, url, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "_request", recorded)
+    run = run_recipe("grpo", tiny_assets, tmp_path, *TWO_GPUS_DP2, "actor_rollout_ref.rollout.batch_requests_per_server=true")
+    batch = run.actor_batches[0]
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    prompts = rows[::4]  # the step's 8 prompts, in order, n=4 rows each
+    assert len(posts) == 2 and len({url for url, _ in posts}) == 2, posts  # the two servers, not the router
+    assert [ids for _, ids in posts] == [prompts[0::2], prompts[1::2]]
 
 
 # ------------------------------------------------------------------------------ LoRA

@@ -206,11 +206,15 @@ PATCHES = {
 }
 
 
-class _PatchingFinder:
-    """Finds the modules of PATCHES with the other finders and patches each once it has run."""
+class PatchingFinder:
+    """Finds the modules named in `patches` (module name -> patch function) with the other
+    finders and patches each once it has run (tools/bench/generate_profile.py uses it too)."""
+
+    def __init__(self, patches: dict):
+        self.patches = patches
 
     def find_spec(self, name, path=None, target=None):
-        if name not in PATCHES:
+        if name not in self.patches:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -224,14 +228,14 @@ class _PatchingFinder:
 
         def exec_module(module):
             run(module)
-            PATCHES[name](module)
+            self.patches[name](module)
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install() -> None:
     """Called by the generated sitecustomize in every process where HOOK_ENV is set."""
-    sys.meta_path.insert(0, _PatchingFinder())
+    sys.meta_path.insert(0, PatchingFinder(PATCHES))
 
 
 SITECUSTOMIZE = f"""import os

@@ -416,6 +416,14 @@ class RolloutConfig:
     # --disable-radix-cache). The CPU engine's counterpart: one prefill per distinct prompt of a batch,
     # its keys and values copied to the prompt's samples; false prefills every sample on its own.
     enable_prefix_caching: bool = True
+    # CPU engine: each generation sends every server its prompts in one batched /generate (a list of
+    # prompts with their sampling_params), straight to the server, instead of one request per prompt
+    # through the router (whose batches take one sampling_params, which cannot hold each prompt's
+    # seed); the servers then start a batch at once. Fewer requests, no router hop; a dead server's
+    # batch is retried and then sent again after its restart, not moved to another server. Not with
+    # SGLang (it prefills a batch's prompts one after the other when n > 1), agents (their turns are
+    # single requests) or routing replay (routes are read per prompt's request).
+    batch_requests_per_server: bool = False
     # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
     # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
     # Costs generation speed (docs/checkpoints.md). The CPU engine always honours seeds.

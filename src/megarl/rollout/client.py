@@ -1,7 +1,8 @@
 """The rollout client: many `/generate` requests in flight against an SGLang-protocol endpoint.
 
 The endpoint is an `sglang-router` or a single server (real SGLang or megarl's CPU engine). Each
-prompt is one request with `sampling_params.n` samples, so SGLang shares the prompt's prefill. The
+prompt is one request with `sampling_params.n` samples, so SGLang shares the prompt's prefill (with
+`batch_per_server`, each server's prompts are one batched request, sent to it straight). The
 client keeps at most `max_concurrency` requests in flight, retries connection errors, timeouts and
 5xx answers with exponential backoff, and fails fast on a 4xx, naming the prompt index. `abort()`
 (from any thread) stops what is queued and asks the servers to abort what is running; the partial
@@ -18,6 +19,7 @@ thread and `agenerate` from any event loop run there, not a loop and a connectio
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -145,6 +147,7 @@ class RolloutClient:
         continue_aborted: bool = False,
         routed_experts: Optional[tuple[int, int, int]] = None,
         server_urls: Optional[list[str]] = None,
+        batch_per_server: bool = False,
         vocab_size: Optional[int] = None,
     ):
         """`routed_experts`: (layers, top_k, num_experts) of an MoE model whose routes every sample
@@ -152,6 +155,13 @@ class RolloutClient:
         send prompt i's requests to server i % len straight, not through `url`: sglang-router
         0.3.2 (the newest) drops `return_routed_experts` from the requests it forwards (its
         GenerateRequest has no such field), so routing replay goes around it.
+        `batch_per_server` (with `server_urls`, without routing replay): the prompts of a
+        `generate` that go to one server go in one batched `/generate` (SGLang's list of prompts
+        with a list of `sampling_params`; at most `max_concurrency` prompts a request) rather than
+        one request each: a step sends one request per server instead of one per prompt. The
+        router cannot carry such a batch: its GenerateRequest takes one `sampling_params` for all
+        prompts, which cannot hold each prompt's `sampling_seed`. A batch is retried, refused or
+        lost as a whole, and each of its prompts' records has the batch's latency and attempts.
         `abort_urls`: the servers `abort()` tells to stop (behind a router: its workers; default `url`).
         `continue_aborted` (partial rollouts): a sample the server aborted (`/pause_generation`)
         is continued from its tokens instead of generated again (`_continue`).
@@ -169,6 +179,10 @@ class RolloutClient:
         self.lora_name: Optional[str] = None  # adapter-only LoRA sync: the adapter every request names
         self.routed_experts = routed_experts
         self.server_urls = server_urls or []  # the fleet's own list: a restarted server's new URL shows
+        if batch_per_server and (not self.server_urls or routed_experts is not None):
+            raise ValueError("batch_per_server needs server_urls and no routed_experts (each prompt's routes are "
+                             "read against its own request)")
+        self.batch_per_server = batch_per_server
         self.vocab_size = vocab_size
         self._aborting = threading.Event()
         self._lock = threading.Lock()  # guards `_loop`
@@ -263,18 +277,24 @@ class RolloutClient:
         started = time.monotonic()
         semaphore = asyncio.Semaphore(self.max_concurrency)
         session = self._session_here()
+        groups = self._request_groups(len(prompts))
         tasks = [
-            asyncio.create_task(
-                self._generate_one(session, semaphore, i, prompt, per_prompt[i], return_logprob, keep_going))
-            for i, prompt in enumerate(prompts)
+            asyncio.create_task(self._generate_group(
+                session, semaphore, group, [prompts[i] for i in group], [per_prompt[i] for i in group],
+                return_logprob, keep_going))
+            for group in groups
         ]
         try:
-            results = await asyncio.gather(*tasks)
+            answers = await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        results: list = [None] * len(prompts)
+        for group, answer in zip(groups, answers):
+            for i, result in zip(group, answer):
+                results[i] = result
         samples, records = [s for s, _, _ in results], [r for _, r, _ in results]
         failed = {i: why for i, (_, _, why) in enumerate(results) if why is not None}
         return RolloutResult(samples, summarize(records, time.monotonic() - started), records, failed)
@@ -315,7 +335,17 @@ class RolloutClient:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    # ---------------------------------------------------------------- one prompt
+    # ---------------------------------------------------------------- one request
+    def _request_groups(self, count: int) -> list[list[int]]:
+        """The prompt indices of each request: one prompt each, or with `batch_per_server` the
+        prompts of each server (prompt i goes to server i % servers, as `_attempt` sends them) in
+        requests of at most `max_concurrency` prompts."""
+        if not self.batch_per_server:
+            return [[i] for i in range(count)]
+        servers, size = len(self.server_urls), self.max_concurrency
+        mine = [list(range(s, count, servers)) for s in range(servers)]
+        return [prompts[k:k + size] for prompts in mine for k in range(0, len(prompts), size)]
+
     def _payload(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool,
                  routed_experts_start_len: Optional[int] = None) -> dict[str, Any]:
         """A `/generate` body for one prompt: with the LoRA adapter to generate with (SGLang's
@@ -330,55 +360,72 @@ class RolloutClient:
                 payload["routed_experts_start_len"] = routed_experts_start_len
         return payload
 
-    async def _generate_one(
+    async def _generate_group(
         self,
         session: aiohttp.ClientSession,
         semaphore: asyncio.Semaphore,
-        index: int,
-        prompt: list[int],
-        sampling: SamplingParams,
+        indices: list[int],
+        prompts: list[list[int]],
+        samplings: list[SamplingParams],
         return_logprob: bool,
         keep_going: bool,
-    ) -> tuple[list[Sample], RequestRecord, Optional[str]]:
-        """(samples, record, None), or with `keep_going` ([], record, why) for a prompt that got no answer."""
-        payload = self._payload(list(prompt), sampling, return_logprob)
+    ) -> list[tuple[list[Sample], RequestRecord, Optional[str]]]:
+        """One request for prompts `indices` (one, or a batch to one server: `_request_groups`);
+        per prompt (samples, record, None), or with `keep_going` ([], record, why) for prompts that
+        got no answer."""
+        if len(prompts) == 1:
+            payload = self._payload(list(prompts[0]), samplings[0], return_logprob)
+        else:  # SGLang's batch: a list of prompts, one sampling_params each; the answer prompt-major
+            payload = {"input_ids": [list(p) for p in prompts], "sampling_params": [s.to_json() for s in samplings],
+                       "return_logprob": return_logprob}
+            if self.lora_name is not None:
+                payload["lora_path"] = self.lora_name
+        counts = [s.n for s in samplings]
         attempts = 0
         async with semaphore:
             while True:
                 if self._aborting.is_set():
-                    samples = [Sample.aborted() for _ in range(sampling.n)]
-                    return samples, RequestRecord(len(prompt), (0,) * sampling.n, 0.0, attempts, sampling.n), None
+                    return [([Sample.aborted() for _ in range(n)], RequestRecord(len(p), (0,) * n, 0.0, attempts, n),
+                             None) for p, n in zip(prompts, counts)]
                 attempts += 1
                 sent = time.monotonic()
                 try:
-                    samples = await self._attempt(session, index, payload, sampling.n)
+                    outputs = await self._attempt(session, indices[0], payload, sum(counts), batch=indices)
+                    ends = list(itertools.accumulate(counts))
+                    per_prompt = [outputs[end - n:end] for end, n in zip(ends, counts)]
+                    retried = [0] * len(prompts)  # continuations sent again, per prompt
                     if self.continue_aborted:
-                        continued = [await self._continue(session, index, prompt, sampling, j, s, return_logprob)
-                                     for j, s in enumerate(samples)]
-                        samples = [s for s, _ in continued]
-                        attempts += sum(failed for _, failed in continued)  # continuations sent again
+                        for k, (index, prompt, sampling) in enumerate(zip(indices, prompts, samplings)):
+                            continued = [await self._continue(session, index, prompt, sampling, j, s, return_logprob)
+                                         for j, s in enumerate(per_prompt[k])]
+                            per_prompt[k] = [s for s, _ in continued]
+                            retried[k] = sum(failed for _, failed in continued)
                 except _Retry as e:
                     if attempts > self.max_retries:
                         why = f"gave up after {attempts} attempts: {e}"
                         if keep_going:
-                            return [], RequestRecord(len(prompt), (), 0.0, attempts, 0), why
-                        raise RolloutRequestError(index, None, why) from None
+                            return [([], RequestRecord(len(p), (), 0.0, attempts, 0), why) for p in prompts]
+                        raise RolloutRequestError(indices[0], None, why) from None
                     await asyncio.sleep(min(self.max_backoff_s, self.retry_backoff_s * 2 ** (attempts - 1)))
                     continue
-                record = RequestRecord(
+                latency = time.monotonic() - sent
+                return [(samples, RequestRecord(
                     prompt_tokens=len(prompt),
                     response_tokens=tuple(len(s.token_ids) for s in samples),
-                    latency_s=time.monotonic() - sent,
-                    attempts=attempts,
+                    latency_s=latency,
+                    attempts=attempts + extra,
                     aborted_samples=sum(s.finish_reason == "abort" for s in samples),
-                )
-                return samples, record, None
+                ), None) for prompt, samples, extra in zip(prompts, per_prompt, retried)]
 
     async def _attempt(
-        self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int, as_sent: bool = False
+        self, session: aiohttp.ClientSession, index: int, payload: dict[str, Any], n: int, as_sent: bool = False,
+        batch: Optional[list[int]] = None,
     ) -> list[Sample] | list[dict[str, Any]]:
-        """The `n` samples of one request (`as_sent`: the server's output dicts as they came)."""
+        """The `n` samples of one request for prompt `index` (`as_sent`: the server's output dicts
+        as they came); of a batch, those of prompts `batch` (`index` its first), prompt-major."""
         url = self.server_urls[index % len(self.server_urls)] if self.server_urls else self.url
+        # a refusal of a batch names its prompts (the server numbers them from 0 within it)
+        sent_with = f"in the batched request of prompts {batch}: " if batch is not None and len(batch) > 1 else ""
         try:
             async with session.post(url + "/generate", json=payload) as resp:
                 status, raw = resp.status, await resp.read()
@@ -390,14 +437,14 @@ class RolloutClient:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        fallback = str(body)[:500] if body else "(empty body)"
-        if status in RETRYABLE_STATUS:
-            raise _Retry(f"HTTP {status}: {error_message(body, fallback)}")
-        if status != 200:
-            raise RolloutRequestError(index, status, error_message(body, fallback))
+        if status != 200:  # the body's text only for an error: an answer's would cost more than parsing it
+            message = error_message(body, str(body)[:500] if body else "(empty body)")
+            if status in RETRYABLE_STATUS:
+                raise _Retry(f"HTTP {status}: {message}")
+            raise RolloutRequestError(index, status, sent_with + message)
         outputs = body if isinstance(body, list) else [body]
         if len(outputs) != n:
-            raise RolloutRequestError(index, status, f"expected {n} outputs, got {len(outputs)}")
+            raise RolloutRequestError(index, status, f"{sent_with}expected {n} outputs, got {len(outputs)}")
         if as_sent:
             return outputs
         experts = None if self.routed_experts is None else self.routed_experts[2]
@@ -406,7 +453,7 @@ class RolloutClient:
         if aborts and not self._aborting.is_set():
             status_code = aborts[0].get("status_code")
             if status_code is not None and 400 <= status_code < 500:
-                raise RolloutRequestError(index, status_code, aborts[0].get("message", "aborted"))
+                raise RolloutRequestError(index, status_code, sent_with + aborts[0].get("message", "aborted"))
             if not self.continue_aborted:
                 raise _Retry(f"aborted by the server: {aborts[0].get('message')}")  # not ours: regenerate
         return samples

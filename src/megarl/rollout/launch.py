@@ -89,10 +89,13 @@ def cpu_server_command(
     return_routed_experts: bool = False,
     ep_size: int = 1,
     prefix_caching: bool = True,
+    batch_wait_ms: Optional[float] = None,
     python: str = sys.executable,
 ) -> list[str]:
     """`return_routed_experts`: routing replay (SGLang's flag, `megarl.rollout.routed_experts`).
     `prefix_caching` false: SGLang's `--disable-radix-cache` (one prefill per sample, none shared).
+    `batch_wait_ms`: how long the engine waits for more requests before starting a batch (None:
+    the server's default, `engine.BATCH_WAIT_S`; 0 when each step's prompts come in one request).
     `ep_size` other than 1 is passed as SGLang's `--ep-size`, which the CPU server refuses: it serves a
     whole model in one process (a config rule says so first)."""
     cmd = [python, "-m", "megarl.rollout.cpu.server", "--model-path", model_path, "--host", host, "--port", str(port)]
@@ -111,6 +114,8 @@ def cpu_server_command(
         cmd += [EP_FLAG, str(ep_size)]
     if not prefix_caching:
         cmd += [NO_PREFIX_CACHE_FLAG]
+    if batch_wait_ms is not None:
+        cmd += ["--batch-wait-ms", str(batch_wait_ms)]
     return cmd
 
 

@@ -175,7 +175,8 @@ class RolloutFleet:
                                     max_concurrency=r.max_concurrent_requests, request_timeout_s=r.request_timeout_s,
                                     continue_aborted=config.async_training.partial_rollout,
                                     routed_experts=routes,
-                                    server_urls=self.urls if routes else None)
+                                    server_urls=self.urls if routes or r.batch_requests_per_server else None,
+                                    batch_per_server=r.batch_requests_per_server)
 
     @property
     def weight_version(self) -> Optional[str]:

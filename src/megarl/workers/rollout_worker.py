@@ -83,7 +83,9 @@ class RolloutWorker(RankedWorker):
                                              random_seed=self.config.trainer.seed + server, num_threads=1,
                                              lora=lora_serving(self.config),
                                              return_routed_experts=replays_routes(self.config),
-                                             ep_size=r.expert_parallel_size, prefix_caching=r.enable_prefix_caching)
+                                             ep_size=r.expert_parallel_size, prefix_caching=r.enable_prefix_caching,
+                                             # a step's prompts come in one request per server: no burst to wait for
+                                             batch_wait_ms=0 if r.batch_requests_per_server else None)
                 env = dict(os.environ)
             else:
                 # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (the fleet sets it): this process sees the

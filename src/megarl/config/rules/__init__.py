@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from megarl.config.rules.access import api_key_env_is_set
 from megarl.config.rules.async_modes import async_modes_correct_off_policy, async_modes_fit_the_loop
 from megarl.config.rules.choices import (
+    batched_requests_fit_rollout,
     filter_groups_has_groups,
     gae_has_critic,
     gen_batch_only_with_dynamic_sampling,
@@ -93,6 +94,7 @@ RULES: list[Rule] = [
     reward_model_settings,
     offload_only_where_it_happens,
     rollout_engine_fits_device,
+    batched_requests_fit_rollout,
     deterministic_inference_fits_device,
     fp8_rollout_fits,
     weight_sync_transport_fits_devices,

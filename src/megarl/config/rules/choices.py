@@ -211,6 +211,32 @@ def offload_in_split_placement(config: ExperimentConfig, sizes: DerivedSizes) ->
                "rollout servers their own GPUs, so nothing is offloaded); ignored")
 
 
+def batched_requests_fit_rollout(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """`batch_requests_per_server` sends each server its share of a generation's prompts in one
+    request, around the router (`megarl.rollout.client.RolloutClient`'s `batch_per_server`). For the
+    CPU engine only: SGLang 0.5.23 answers a batch with n > 1 by prefilling its prompts one after
+    the other before it samples any (`managers/tokenizer_manager.py::_handle_batch_request`, whose
+    FIXME and warning say so), where one request per prompt prefills them together. Agent turns
+    are single requests, which would then all go to the first server, and routing replay reads each
+    prompt's routes against its own request.
+
+    Reads: actor_rollout_ref.rollout.batch_requests_per_server, actor_rollout_ref.rollout.name,
+    actor_rollout_ref.rollout.agent.path, actor_rollout_ref.actor.router_replay.mode
+    """
+    arr = config.actor_rollout_ref
+    if not arr.rollout.batch_requests_per_server:
+        return
+    key = "actor_rollout_ref.rollout.batch_requests_per_server=true"
+    if arr.rollout.name != "cpu":
+        yield (f"{key} needs actor_rollout_ref.rollout.name=cpu (got {arr.rollout.name!r}): SGLang prefills the "
+               "prompts of a batch with n > 1 one after the other; set it false")
+    if arr.rollout.agent.path:
+        yield f"{key} with actor_rollout_ref.rollout.agent.path: agent turns are single requests; set it false"
+    if arr.actor.router_replay.mode == "R3":
+        yield (f"{key} with actor_rollout_ref.actor.router_replay.mode=R3: routing replay sends each prompt on its "
+               "own; set it false")
+
+
 def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Real SGLang serves on a CPU one process per server (docs/sglang-on-cpu.md): its CPU all-reduce
     across TP ranks is a kernel of `sgl_kernel` (`shm_allreduce`), a compiled CPU build PyPI does not

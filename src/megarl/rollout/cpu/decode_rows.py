@@ -85,10 +85,8 @@ class DecodeRows:
 
     def prompt_ids(self) -> torch.Tensor:
         """[B, length] the prompts left-padded with 0 (the prefill's input)."""
-        ids = torch.zeros(len(self), self.length, dtype=torch.long)
-        for row, seq in enumerate(self.seqs):
-            ids[row, int(self.pad[row]):] = torch.tensor(seq.prompt_ids)
-        return ids
+        return torch.tensor([[0] * pad + seq.prompt_ids for pad, seq in zip(self.pad.tolist(), self.seqs)],
+                            dtype=torch.long)
 
     def attention_mask(self, columns: int) -> torch.Tensor:
         """[B, columns] long: 0 in each row's left padding, 1 elsewhere."""
@@ -114,9 +112,13 @@ class DecodeRows:
         """The tokens row `row` sampled so far, without the last with `drop_last`."""
         return self.out_ids[row, : int(self.counts[row]) - int(drop_last)].tolist()
 
-    def logprobs(self, row: int, drop_last: bool = False) -> list[float]:
-        """The log-probs of `token_ids(row, drop_last)`."""
-        return self.out_logprobs[row, : int(self.counts[row]) - int(drop_last)].tolist()
+    def outputs(self, rows: list[int], drop_last: set[int]) -> list[tuple[list[int], list[float]]]:
+        """(tokens, their log-probs) sampled so far by each of `rows`, those in `drop_last`
+        without their last: `token_ids` for several rows, one conversion to lists for all."""
+        index = torch.tensor(rows, dtype=torch.long)
+        ids, logprobs = self.out_ids[index].tolist(), self.out_logprobs[index].tolist()
+        ends = [count - (row in drop_last) for row, count in zip(rows, self.counts[index].tolist())]
+        return [(i[:end], lp[:end]) for i, lp, end in zip(ids, logprobs, ends)]
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (the KV cache must keep the same ones)."""

@@ -200,9 +200,10 @@ def sample_tokens(
             if bool(shared.any()):
                 noise[shared] = torch.empty(int(shared.sum()), probs.shape[-1]).exponential_(generator=shared_generator)
             greedy_rows = set(greedy.nonzero()[:, 0].tolist())
+            noise_rows = noise.unbind(0)  # views of the rows, made in one call
             for row, generator in generators.items():
                 if row not in greedy_rows:
-                    noise[row].exponential_(generator=generator)
+                    noise_rows[row].exponential_(generator=generator)
         tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
@@ -333,6 +334,13 @@ class CPUEngine:
             self._waiting.extend(seqs)
             self._cond.notify()
         return seqs
+
+    @contextmanager
+    def submitting(self) -> Iterator[None]:
+        """Hold the queue while submitting several prompts (one batched request's): the
+        scheduler takes all of them into a batch or none, whatever its `batch_wait_s`."""
+        with self._cond:
+            yield
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Abort waiting and running sequences of `rid` (or all); returns how many were hit."""
@@ -734,12 +742,13 @@ class CPUEngine:
                 abort_epoch = self._abort_epoch
                 aborted_rows = {r for r, s in enumerate(rows.seqs) if s.abort_requested}
             generated += len(rows) - len(aborted_rows)
-            for row in sorted(ended_rows | aborted_rows):
+            finished = sorted(ended_rows | aborted_rows)
+            for row, (ids, logprobs) in zip(finished, rows.outputs(finished, drop_last=aborted_rows)):
                 seq = rows.seqs[row]
                 aborted = row in aborted_rows  # an aborted row drops this step's token
-                seq.output_ids = rows.token_ids(row, drop_last=aborted)
+                seq.output_ids = ids
                 if seq.return_logprob:
-                    seq.logprobs = rows.logprobs(row, drop_last=aborted)
+                    seq.logprobs = logprobs
                 if aborted:
                     self._finish(seq, finish_abort("Aborted by /abort_request while running."))
                 else:

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -188,7 +191,9 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     }
     if seq.return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-        vocab_size = engine.config.vocab_size  # SGLang's `model_config.vocab_size`: the checkpoint's
+        # SGLang's `model_config.vocab_size`, the checkpoint's; read only for input entries (reading
+        # a transformers config attribute takes microseconds, and this runs for every sample)
+        vocab_size = engine.config.vocab_size if seq.input_logprobs else None
         meta["input_token_logprobs"] = [[lp, input_entry_id(tok, vocab_size), None] for lp, tok in
                                         zip(seq.input_logprobs, seq.prompt_ids[seq.logprob_start_len:])]
     if seq.routed_experts_start_len is not None and seq.routes:
@@ -196,24 +201,61 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
     return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
 
 
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():  # cancelled when the client went away
-        future.set_result(value)
+class LoopHandoff:
+    """Calls made on the engine's thread (or any other) run on the server's event loop, coalesced:
+    one wake-up of the loop runs every call made since the last, in order. A batch's samples
+    finish together, so their answers reach the loop in a few wake-ups rather than one per sample
+    (each `call_soon_threadsafe` writes to the loop's wake-up pipe and hands it the GIL)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[..., None], tuple]] = []
+
+    def call(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            self._pending.append((fn, args))
+            wake = len(self._pending) == 1  # else a wake-up is already on its way
+        if wake:
+            self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fn, args in pending:
+            fn(*args)
 
 
-async def _wait_unless_disconnected(request: Request, futures: list, poll_s: float = 0.5) -> Optional[list]:
-    """The futures' results, or None if the client disconnected first (or the handler was cancelled)."""
-    gathered = asyncio.gather(*futures)
+class RequestSamples:
+    """The samples of one `/generate` request, prompt-major (prompt i's sample j at
+    `offsets[i] + j`), collected on the event loop; `done` resolves once every one finished."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, counts: list[int]):
+        self.offsets = list(itertools.accumulate(counts, initial=0))[:-1]
+        self.samples: list[Optional[Sequence]] = [None] * sum(counts)
+        self.left = len(self.samples)
+        self.done = loop.create_future()
+
+    def add(self, offset: int, seq: Sequence) -> None:
+        """On the loop: sample `seq` of the prompt whose first sample is at `offset` finished."""
+        self.samples[offset + seq.index] = seq
+        self.left -= 1
+        if self.left == 0 and not self.done.done():  # cancelled when the client went away
+            self.done.set_result(self.samples)
+
+
+async def _wait_unless_disconnected(request: Request, future: asyncio.Future, poll_s: float = 0.5) -> Optional[Any]:
+    """The future's result, or None if the client disconnected first (or the handler was cancelled)."""
     try:
         while True:
-            done, _ = await asyncio.wait({gathered}, timeout=poll_s)
+            done, _ = await asyncio.wait({future}, timeout=poll_s)
             if done:
-                return gathered.result()
+                return future.result()
             if await request.is_disconnected():
-                gathered.cancel()
+                future.cancel()
                 return None
     except asyncio.CancelledError:
-        gathered.cancel()
+        future.cancel()
         return None
 
 
@@ -245,6 +287,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
     app = FastAPI(title="megarl CPU engine")
     sync = WeightSyncState()
     flush_turn = asyncio.Lock()  # FIFO: flushes are answered one at a time, in arrival order
+    handoff: Optional[LoopHandoff] = None  # onto the serving loop, made by the first request
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -308,6 +351,7 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
+        nonlocal handoff
         body = parse_generate_body(await _json_body(request))
         engine.check_can_generate()
         prompt_ids = [engine.tokenize(p.prompt) if isinstance(p.prompt, str) else p.prompt for p in body.prompts]
@@ -318,19 +362,22 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                 raise BadRequestError(f"prompt {i}: {e}" if len(body.prompts) > 1 else str(e)) from None
             engine.lora.resolve(prompt.lora_path, engine.model)  # an unknown adapter refuses the whole request
         loop = asyncio.get_running_loop()
-        waits, rids = [], []
-        for ids, prompt in zip(prompt_ids, body.prompts):
-            futures = [loop.create_future() for _ in range(prompt.sampling.n)]
+        if handoff is None or handoff.loop is not loop:
+            handoff = LoopHandoff(loop)
+        collected = RequestSamples(loop, [prompt.sampling.n for prompt in body.prompts])
+        rids = []
+        with engine.submitting():  # a batch's prompts start together
+            for ids, prompt, offset in zip(prompt_ids, body.prompts, collected.offsets):
 
-            def on_done(seq: Sequence, futures=futures) -> None:
-                loop.call_soon_threadsafe(_resolve, futures[seq.index], seq)
+                def on_done(seq: Sequence, offset=offset, handoff=handoff) -> None:
+                    handoff.call(collected.add, offset, seq)
 
-            rids.append(prompt.rid or uuid.uuid4().hex)
-            start = prompt.routed_experts_start_len if prompt.return_routed_experts and engine.return_routed_experts else None
-            engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path,
-                          routed_experts_start_len=start, logprob_start_len=prompt.logprob_start_len)
-            waits.extend(futures)
-        seqs = await _wait_unless_disconnected(request, waits)
+                rids.append(prompt.rid or uuid.uuid4().hex)
+                routes = prompt.return_routed_experts and engine.return_routed_experts
+                start = prompt.routed_experts_start_len if routes else None
+                engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path,
+                              routed_experts_start_len=start, logprob_start_len=prompt.logprob_start_len)
+        seqs = await _wait_unless_disconnected(request, collected.done)
         if seqs is None:  # the client went away: stop its work, as SGLang does
             for rid in rids:
                 engine.abort(rid=rid)
