@@ -203,11 +203,13 @@ def optimizer_override_problems(config: ExperimentConfig) -> list[str]:
              if optim.override_optimizer_config]
     if not roles:
         return []
-    from megarl.engines.megatron.optim import optimizer_config_fields, unknown_optimizer_names
+    from megarl.engines.megatron.optim import optimizer_config_fields
+    from megarl.engines.megatron.transformer_overrides import unknown_names
 
     fields = optimizer_config_fields()
     return [problem for section, overrides in roles
-            for problem in unknown_optimizer_names(overrides, f"{section}.optim.override_optimizer_config", fields)]
+            for problem in unknown_names(overrides, f"{section}.optim.override_optimizer_config", fields,
+                                        "OptimizerConfig")]
 
 
 def gpu_count_problem(config: ExperimentConfig, cuda: bool, visible: int) -> Optional[str]:

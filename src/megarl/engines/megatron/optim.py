@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from megarl.engines.megatron.transformer_overrides import unknown_names
+
 ADAM_EPS = 1e-8
 DECAY_STYLES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
 
@@ -101,20 +103,6 @@ def optimizer_config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(OptimizerConfig)}
 
 
-def unknown_optimizer_names(overrides: dict, prefix: str, fields: set[str]) -> list[str]:
-    """One message per `override_optimizer_config` name that is no field of megatron-core's
-    OptimizerConfig (verl passes them to `OptimizerConfig(**args)`, which fails on such a name too)."""
-    import difflib
-
-    messages = []
-    for name in overrides:
-        if name not in fields:
-            near = difflib.get_close_matches(str(name), sorted(fields), n=1)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            messages.append(f"{prefix}.{name}: not a field of megatron-core's OptimizerConfig{hint}")
-    return messages
-
-
 def optimizer_kwargs(optim_cfg, params_dtype: torch.dtype, use_distributed_optimizer: bool, overlap_param_gather: bool,
                      fields: set[str], section: str) -> dict:
     """megatron-core `OptimizerConfig` arguments of an `OptimConfig`: megarl's own, then
@@ -141,7 +129,7 @@ def optimizer_kwargs(optim_cfg, params_dtype: torch.dtype, use_distributed_optim
     kwargs["adam_eps"] = ADAM_EPS
     prefix = f"{section}.optim.override_optimizer_config"
     overrides = dict(optim_cfg.override_optimizer_config)
-    problems = unknown_optimizer_names(overrides, prefix, fields)
+    problems = unknown_names(overrides, prefix, fields, "OptimizerConfig")
     for name, value in overrides.items():
         if name in derived and value != derived[name][0]:
             problems.append(f"{prefix}.{name}={value} conflicts with {derived[name][1]}, from which megarl sets "

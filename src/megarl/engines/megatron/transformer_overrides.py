@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from megarl.config.errors import ConfigError
 
@@ -24,14 +24,17 @@ def transformer_config_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TransformerConfig)}
 
 
-def unknown_names(overrides: Mapping[str, Any], prefix: str, fields: Mapping[str, dataclasses.Field]) -> list[str]:
-    """One message per override name that is no field of `fields` (`prefix`: the overrides' key path)."""
+def unknown_names(overrides: Mapping[str, Any], prefix: str, fields: Iterable[str],
+                  config_class: str = "TransformerConfig") -> list[str]:
+    """One message per override name that is none of `fields`, the field names of megatron-core's
+    `config_class` (`prefix`: the overrides' key path)."""
+    fields = sorted(fields)
     messages = []
     for name in overrides:
         if name not in fields:
-            near = difflib.get_close_matches(str(name), list(fields), n=1)
+            near = difflib.get_close_matches(str(name), fields, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            messages.append(f"{prefix}.{name}: not a field of megatron-core's TransformerConfig{hint}")
+            messages.append(f"{prefix}.{name}: not a field of megatron-core's {config_class}{hint}")
     return messages
 
 
