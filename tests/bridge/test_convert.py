@@ -151,7 +151,7 @@ def test_mismatched_config_is_rejected_before_writing(tiny_models, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
     with pytest.raises(ConversionError, match="stacks 8 layers, but the config has 6"):
         convert_torch_dist_to_hf(tmp_path / "mcore", tmp_path / "hf", hf_config_dir=other)
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))  # would need q/k/v biases
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))  # would need q/k/v biases
     with pytest.raises(ConversionError, match="linear_qkv.bias"):
         convert_torch_dist_to_hf(tmp_path / "mcore", tmp_path / "hf", hf_config_dir=other)
     assert not (tmp_path / "hf").exists()
