@@ -498,7 +498,9 @@ def test_grpo_with_batched_requests_sends_each_server_its_prompts_in_one_request
         return await request(self, method, url, **kwargs)
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", recorded)
-    run = run_recipe("grpo", tiny_assets, tmp_path, *TWO_GPUS_DP2, "actor_rollout_ref.rollout.batch_requests_per_server=true")
+    # balance_batch off: the actor's batch then keeps the order the prompts were generated in
+    run = run_recipe("grpo", tiny_assets, tmp_path, *TWO_GPUS_DP2, "actor_rollout_ref.rollout.batch_requests_per_server=true",
+                     "trainer.balance_batch=false")
     batch = run.actor_batches[0]
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
     prompts = rows[::4]  # the step's 8 prompts, in order, n=4 rows each
