@@ -23,6 +23,11 @@ class PortEcho(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.requests.append((self.path, self.client_address[1]))
+        if self.server.close_unanswered > 0:  # close without a byte of answer, as a server does racing a request
+            self.server.close_unanswered -= 1
+            self.close_connection = True
+            return
         body = json.dumps({"port": self.client_address[1], "path": self.path}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -43,6 +48,8 @@ def echo():
     server = ThreadingHTTPServer(("127.0.0.1", 0), PortEcho)
     server.daemon_threads = True
     server.close_after_answer = False
+    server.close_unanswered = 0  # the number of requests to come that get no answer
+    server.requests = []  # (path, client port) of each request it read
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -79,6 +86,37 @@ def test_a_connection_the_server_closed_is_replaced_without_a_failed_call(echo):
     httpd.close_after_answer = True
     ports = [port(server) for _ in range(3)]  # each call finds its predecessor's connection closed
     assert len(set(ports)) == 3, ports
+
+
+def test_a_kept_connection_closed_unanswered_is_sent_again_once_on_a_new_one(echo):
+    """The kept-connection race made deterministic: the server closes the kept connection instead of
+    answering; the call goes out again once on a new connection and succeeds."""
+    httpd, url = echo
+    server = ServerControl(url, timeout_s=10)
+    kept = port(server)
+    httpd.close_unanswered = 1
+    answered_on = server._call("POST", "/flush_cache", {})["port"]
+    assert [p for _, p in httpd.requests] == [kept, kept, answered_on] and answered_on != kept
+
+
+def test_a_new_connection_closed_unanswered_is_not_sent_again(echo):
+    """On a connection opened for the call, no answer is a failure of the call: not retried."""
+    httpd, url = echo
+    httpd.close_unanswered = 1
+    with pytest.raises(ServerError, match=r"RemoteDisconnected"):
+        ServerControl(url, timeout_s=10)._call("POST", "/flush_cache", {})
+    assert len(httpd.requests) == 1
+
+
+def test_a_kept_connection_closed_unanswered_twice_fails_the_call(echo):
+    """One more try only: a server that closes the new connection unanswered too fails the call."""
+    httpd, url = echo
+    server = ServerControl(url, timeout_s=10)
+    port(server)
+    httpd.close_unanswered = 2
+    with pytest.raises(ServerError, match=r"RemoteDisconnected"):
+        server._call("POST", "/flush_cache", {})
+    assert len(httpd.requests) == 3
 
 
 def test_a_server_gone_after_a_call_fails_the_next_one_at_once_naming_it(echo):

@@ -11,10 +11,12 @@ The calls of one process to one server share kept-alive connections (`connection
 push makes five calls per server in a few milliseconds, and a new connection and HTTP client per
 call cost ~1 ms each of them on a busy 2-core machine (tools/bench/push_profile.py). They go
 straight to the server, as the rollout client's `/generate` requests do (no proxy from the
-environment).
+environment). A call is sent again only when a kept connection was closed under it unanswered
+(`ServerControl._request`).
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -40,6 +42,9 @@ REUSE_IDLE_S = 2.0
 CONNECTIONS_PER_SERVER = 8
 # The calls that get no answer (no connection, a dropped one, none within the timeout).
 UNANSWERED = (urllib3.exceptions.HTTPError, OSError)
+# Whether the connection this thread's last request took from a pool was a kept one, open (set by
+# `_IdleBound._get_conn`, read by `ServerControl._request`).
+_took_kept_connection = threading.local()
 
 
 class _IdleBound:
@@ -49,6 +54,7 @@ class _IdleBound:
         conn = super()._get_conn(timeout)
         if time.monotonic() - getattr(conn, "megarl_idle_since", math.inf) > REUSE_IDLE_S:
             conn.close()  # it connects again when used
+        _took_kept_connection.value = conn.is_connected
         return conn
 
     def _put_conn(self, conn) -> None:
@@ -99,15 +105,32 @@ class ServerControl:
     # ---------------------------------------------------------------- plumbing
     def _request(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
                  headers: Optional[dict] = None, query: Optional[dict] = None) -> urllib3.BaseHTTPResponse:
-        """One HTTP exchange, not retried; `timeout_s` bounds connecting and each read (seconds);
-        `query`: the URL's query parameters. Raises `UNANSWERED` errors."""
+        """One HTTP exchange; `timeout_s` bounds connecting and each read (seconds); `query`: the
+        URL's query parameters. Raises `UNANSWERED` errors.
+
+        Sent again once, on a new connection, only when it went out on a kept connection that the
+        server closed without a byte of answer: a server closes a kept-alive connection whenever it
+        likes (RFC 9112 section 9.6), and one that closes it as the request arrives has not read the
+        request. Go's net/http Transport retries the same case, any method included
+        (`errServerClosedIdle`, `persistConn.shouldRetryRequest`). Any other failure is not retried."""
         timeout_s = timeout_s or self.timeout_s
         target = self._path + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        return connections(self.url).request(
-            method, target, body=None if body is None else json.dumps(body).encode(),
-            headers={**(headers or {}), **({} if body is None else {"Content-Type": "application/json"})},
-            timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, redirect=False,
-        )
+        encoded = None if body is None else json.dumps(body).encode()
+        headers = {**(headers or {}), **({} if body is None else {"Content-Type": "application/json"})}
+        for attempt in (1, 2):
+            _took_kept_connection.value = False
+            try:
+                return connections(self.url).request(
+                    method, target, body=encoded, headers=headers,
+                    timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, redirect=False,
+                )
+            except urllib3.exceptions.ProtocolError as e:
+                cause = e.args[-1] if e.args else None  # urllib3 2.x: ("Connection aborted.", the error)
+                closed_unanswered = isinstance(cause, (http.client.RemoteDisconnected, BrokenPipeError,
+                                                       ConnectionResetError))
+                if attempt == 2 or not (_took_kept_connection.value and closed_unanswered):
+                    raise
+        raise AssertionError("unreachable")
 
     def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
               query: Optional[dict] = None) -> Any:
