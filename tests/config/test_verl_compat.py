@@ -149,13 +149,33 @@ def test_verl_qwen3_moe_sglang_megatron_script_loads_every_override(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # issue 52: verl's newer keys, its fully async / one-step-off keys and entry points
 # ---------------------------------------------------------------------------------------------
-def test_ray_kwargs_py_executable_is_accepted_with_one_warning_and_env_vars_are_refused(caplog):
+def test_ray_kwargs_py_executable_is_accepted_with_one_warning_and_env_vars_reach_worker_env(caplog):
     key = "ray_kwargs.ray_init.runtime_env.py_executable"
     with caplog.at_level(logging.WARNING, logger="megarl.config"):
-        load_and_validate(None, BASE + [f"{key}=uv -v run --frozen"])
+        config = load_and_validate(None, BASE + [f"{key}=uv -v run --frozen",
+                                                 "+ray_kwargs.ray_init.runtime_env.env_vars.X=0"])
     assert len([line for line in _warnings(caplog) if line.startswith(key + " (verl key")]) == 1
-    with pytest.raises(ConfigError, match="runtime_env is not built yet"):
-        load_config(None, BASE + ["+ray_kwargs.ray_init.runtime_env.env_vars.X=0"])
+    assert config.trainer.worker_env == {"X": "0"}  # Ray takes strings only (runtime_env env_vars)
+
+
+def test_ray_kwargs_in_yaml_keeps_its_env_vars_and_drops_the_rest(tmp_path, caplog):
+    """A YAML `ray_kwargs:` group is walked key by key: its env_vars reach trainer.worker_env, its other
+    keys (ray.init's arguments, py_executable) are dropped with one warning each."""
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text("ray_kwargs:\n  ray_init:\n    num_cpus: 4\n    runtime_env:\n"
+                          "      py_executable: uv run\n      env_vars:\n        NCCL_DEBUG: INFO\n        FLAG: 1\n")
+    with caplog.at_level(logging.WARNING, logger="megarl.config"):
+        config = load_config(experiment, BASE)
+    assert config.trainer.worker_env == {"NCCL_DEBUG": "INFO", "FLAG": "1"}
+    warned = [line.split(" (")[0] for line in _warnings(caplog) if "(verl key" in line]
+    assert sorted(warned) == ["ray_kwargs.ray_init.num_cpus", "ray_kwargs.ray_init.runtime_env.env_vars.FLAG",
+                              "ray_kwargs.ray_init.runtime_env.env_vars.NCCL_DEBUG",
+                              "ray_kwargs.ray_init.runtime_env.py_executable"]
+
+
+def test_a_worker_env_value_ray_cannot_take_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"trainer\.worker_env: FLAG: True is not a string"):
+        load_config(None, BASE + ["+trainer.worker_env.FLAG=true"])
 
 
 @pytest.mark.parametrize("prefix", ["+reward.reward_kwargs", "+reward_model.reward_kwargs"])

@@ -302,7 +302,14 @@ def _coerce(value: Any, tp) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise _Bad(f"{value!r} is not a mapping")
-        return dict(value)
+        value_tp = typing.get_args(inner)[1]
+        coerced = {}
+        for key, item in value.items():
+            try:
+                coerced[str(key)] = _coerce(item, value_tp)
+            except _Bad as exc:
+                raise _Bad(f"{key}: {exc}") from None
+        return coerced
     if inner is bool:
         if isinstance(value, bool):
             return value

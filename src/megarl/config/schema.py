@@ -569,6 +569,9 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: Optional[int] = None
     seed: int = 1
     max_consecutive_skipped_steps: int = 3  # updates skipped for non-finite loss/grads before the run stops
+    # environment variables of every Ray worker the run starts (training ranks, rollout servers and the
+    # processes they start): Ray's job-level runtime_env, which each worker's own env_vars extend
+    worker_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -79,9 +79,10 @@ VERL_KEYS: dict[str, VerlKey] = {
     # verl's newer spelling of ray_init (verl/trainer/config/ppo_trainer.yaml `ray_kwargs.ray_init`); its
     # runtime_env.py_executable (the interpreter of Ray's workers, e.g. `uv run ...`) means nothing here:
     # megarl's workers run the driver's own Python
+    # verl passes ray_kwargs.ray_init.runtime_env to ray.init (verl/trainer/main_ppo.py `run_ppo`): its
+    # env_vars reach every Ray worker, as megarl's trainer.worker_env do
     "ray_kwargs.ray_init.runtime_env.env_vars.*": VerlKey(
-        "megarl's Ray workers inherit the environment of the command that starts the run; passing variables "
-        "through Ray's runtime_env is not built yet: export the variable before the run instead", only=_NEVER),
+        "Ray's job-level environment variables of every worker", "trainer.worker_env", grouped=True),
     "ray_kwargs.*": VerlKey("megarl starts or joins Ray itself (megarl.launch) and its workers run the driver's "
                             "own Python; Ray's runtime_env (py_executable) and init arguments do not apply"),
     **{f"{role}.megatron.vanilla_mbridge": VerlKey(_MBRIDGE) for role in _MEGATRON_ROLES},
@@ -206,6 +207,11 @@ def warn_key(path: str, entry: VerlKey, source: str) -> None:
     log.warning("%s (verl key, %s): %s; %s", path, source, entry.instead, action)
 
 
+def _entries_beneath(path: str) -> bool:
+    """Whether the table has an entry for a key below `path` other than `path`'s own ".*" group."""
+    return any(k.startswith(path + ".") and k != path + ".*" for k in VERL_KEYS)
+
+
 def pop_verl_keys(root: dict, origins: dict, grouped: dict) -> None:
     """Remove the verl keys of a raw config tree (moving mapped ones to their target, grouped ones
     into `grouped`), in place, warning once each."""
@@ -214,7 +220,11 @@ def pop_verl_keys(root: dict, origins: dict, grouped: dict) -> None:
         for key in list(node):
             path = f"{prefix}{key}"
             entry = verl_key(path)
-            if entry is not None:
+            if isinstance(node[key], dict) and node[key] and _entries_beneath(path):
+                walk(node[key], path + ".")  # e.g. ray_kwargs: its env_vars mean more than ray_kwargs.*
+                if not node[key]:
+                    del node[key]
+            elif entry is not None:
                 value = node.pop(key)
                 if entry.grouped:
                     grouped.update({f"{path}.{sub}" if sub else path: (v, origins.get(path, "YAML"))
@@ -505,11 +515,21 @@ def _distillation(tree: dict, grouped: dict, origins: dict) -> list[str]:
     return errors
 
 
+def _worker_env(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's `ray_kwargs.ray_init.runtime_env.env_vars.<NAME>` into trainer.worker_env.<NAME>."""
+    prefix = "ray_kwargs.ray_init.runtime_env.env_vars."
+    for name, (value, source) in _under(grouped, prefix).items():
+        log.warning("%s%s (verl key, %s): its value goes to trainer.worker_env.%s", prefix, name, source, name)
+        _set(tree, f"trainer.worker_env.{name}", value, origins, f"verl key {prefix}{name}")
+    return []
+
+
 def resolve_verl_groups(tree: dict, grouped: dict[str, tuple[Any, str]], origins: dict) -> list[str]:
     """Apply the grouped verl keys (path -> (value, where it came from)) to the raw config tree, in
     place; the problems found, one message each."""
     return [*_max_model_len(tree, grouped, origins), *_reward_kwargs(tree, grouped, origins),
-            *_async(tree, grouped, origins), *_distillation(tree, grouped, origins)]
+            *_async(tree, grouped, origins), *_distillation(tree, grouped, origins),
+            *_worker_env(tree, grouped, origins)]
 
 
 # verl's entry points and megarl's (the same name under megarl), with the defaults verl's module brings

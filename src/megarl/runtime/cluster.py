@@ -70,19 +70,25 @@ T = TypeVar("T")
 
 def connect_ray(config: ExperimentConfig) -> None:
     """Join the running Ray cluster (RAY_ADDRESS or `ray start` on this node), or start a local one
-    with the config's logical GPUs when there is none (one machine, e.g. the CPU quickstart)."""
+    with the config's logical GPUs when there is none (one machine, e.g. the CPU quickstart).
+    `trainer.worker_env` becomes the job's runtime_env, whose env_vars Ray merges into every actor's
+    own (Ray's runtime-env inheritance, ray-project/ray#16378)."""
     if ray.is_initialized():
+        if config.trainer.worker_env:
+            raise RuntimeError(f"trainer.worker_env={config.trainer.worker_env}: Ray was started in this process "
+                               "before the run, so its job environment cannot take them; let the run start Ray")
         return
+    runtime_env = {"env_vars": dict(config.trainer.worker_env)} if config.trainer.worker_env else None
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING", runtime_env=runtime_env)
         return
     total = config.trainer.nnodes * config.trainer.n_gpus_per_node
     if config.trainer.nnodes > 1:
         raise RuntimeError(f"trainer.nnodes={config.trainer.nnodes}: start a Ray cluster first (launch/ or "
                            "slurm/megarl.sbatch) and set RAY_ADDRESS")
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), num_gpus=total, include_dashboard=False,
-             log_to_driver=False, logging_level="WARNING")
+             log_to_driver=False, logging_level="WARNING", runtime_env=runtime_env)
 
 
 class Cluster:
