@@ -287,3 +287,18 @@ def test_fully_async_module_runs_the_fully_async_mode(tmp_path):
     assert "3 node(s) x 8 = 24 (split: 16 training, 8 rollout" in r.stdout
     assert "step: 256 prompts" in r.stdout
     assert "mode: fully_async, samples at most 1 weight version(s) old, partial rollouts" in r.stdout
+
+
+def test_use_dist_checkpointing_needs_its_path_and_is_the_actor_and_references_only():
+    """verl's use_dist_checkpointing: megarl's own keys for the actor and the reference (the engine test
+    tests/engines/test_megatron_engine.py scores a bare torch_dist directory loaded this way)."""
+    config = load_and_validate(None, BASE + ["actor_rollout_ref.actor.megatron.use_dist_checkpointing=true",
+                                             "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt/mcore"])
+    assert config.actor_rollout_ref.actor.megatron.dist_checkpointing_path == "/ckpt/mcore"
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.ref\.megatron\.use_dist_checkpointing=true needs "
+                                          r"actor_rollout_ref\.ref\.megatron\.dist_checkpointing_path"):
+        load_and_validate(None, BASE + ["actor_rollout_ref.ref.megatron.use_dist_checkpointing=true"])
+    with pytest.raises(ConfigError, match=r"critic\.megatron\.use_dist_checkpointing=true: megarl builds the critic "
+                                          r"from its HF checkpoint"):
+        load_and_validate(None, BASE + ["critic.megatron.use_dist_checkpointing=true",
+                                        "critic.megatron.dist_checkpointing_path=/ckpt/mcore"])

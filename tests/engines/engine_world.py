@@ -110,7 +110,18 @@ def local_state(engine) -> dict:
 
 # ------------------------------------------------------------------------------------------ world A
 LAYOUTS = [("qwen2", 2, 1, None), ("qwen2", 1, 2, None), ("qwen2", 2, 2, None), ("qwen2", 1, 2, 2),
-           ("llama", 2, 2, None), ("qwen2_mcore", 2, 1, None)]  # (model, TP, PP, VPP) on 4 ranks
+           ("llama", 2, 2, None), ("qwen2_mcore", 2, 1, None),
+           ("qwen2_verl", 1, 2, None)]  # (model, TP, PP, VPP) on 4 ranks; qwen2_verl: see model_config
+
+
+def model_config(models: dict, name: str) -> tuple:
+    """(model.path, extra overrides) of a LAYOUTS model. "qwen2_verl": verl's use_dist_checkpointing,
+    the weights from qwen2's bare torch_dist directory, the config from another qwen2 checkpoint."""
+    if name != "qwen2_verl":
+        return models[name], ()
+    return models["qwen2_reseeded"], tuple(
+        f"actor_rollout_ref.{role}.megatron.{key}" for role in ("actor", "ref") for key in (
+            "use_dist_checkpointing=true", f"dist_checkpointing_path={models['qwen2_verl_dist']}"))
 TEMPERATURE = 0.7
 
 
@@ -129,8 +140,9 @@ def layouts_world(rank: int, world_size: int, port: int, models: dict) -> dict:
     out = {"scores": {}, "output_ranks": {}, "updates": {}}
     for layout in LAYOUTS:
         name, tp, pp, vpp = layout
-        cfg = config(models[name], world_size, tp, pp, vpp, None,
-                     f"actor_rollout_ref.rollout.temperature={TEMPERATURE}")
+        model_dir, extra = model_config(models, name)
+        cfg = config(model_dir, world_size, tp, pp, vpp, None,
+                     f"actor_rollout_ref.rollout.temperature={TEMPERATURE}", *extra)
         actor = ActorEngine(cfg)
         mine = batch.chunk(actor.dp_size)[actor.dp_rank]
         scored = actor.compute_log_prob(mine, TEMPERATURE, with_entropy=True)

@@ -71,7 +71,8 @@ def test_log_probs_and_entropy_equal_hf(layout, layouts_run, tiny_models):
     batch = ragged_batch(8)
     log_probs = torch.cat([scores[dp]["log_probs"] for dp in sorted(scores)])
     entropy = torch.cat([scores[dp]["entropy"] for dp in sorted(scores)])
-    hf_dir = tiny_models[name.removesuffix("_mcore")]  # a torch_dist model is checked against its HF source
+    # a torch_dist model is checked against its HF source
+    hf_dir = tiny_models[name.removesuffix("_mcore").removesuffix("_verl")]
     hf_log_probs, hf_entropy, _ = hf_reference(hf_dir, batch, TEMPERATURE)
     close(log_probs, hf_log_probs)
     close(entropy, hf_entropy)

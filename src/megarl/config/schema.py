@@ -175,6 +175,12 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # verl's initial weights from a megatron-core distributed checkpoint (engine/megatron.yaml): the
+    # directory `dist_checkpointing.save(model.sharded_state_dict(), dir)` wrote (verl's
+    # scripts/converter_hf_to_mcore.py), the architecture and tokenizer still from the role's model path.
+    # The actor and the reference only (a critic or reward model is built from an HF checkpoint).
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: Optional[str] = None
 
 
 @dataclass

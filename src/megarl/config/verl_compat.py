@@ -91,15 +91,6 @@ VERL_KEYS: dict[str, VerlKey] = {
     # trains every role in actor_rollout_ref.model.dtype
     **{f"{role}.megatron.dtype": VerlKey("megarl trains every role in actor_rollout_ref.model.dtype",
                                          "actor_rollout_ref.model.dtype") for role in _MEGATRON_ROLES},
-    # verl's initial weights from a converted Megatron distributed checkpoint (engine/megatron.yaml
-    # use_dist_checkpointing / dist_checkpointing_path): megarl reads the HF checkpoint (its own bridge)
-    **{f"{role}.megatron.use_dist_checkpointing": VerlKey(
-        "megarl loads the initial weights from actor_rollout_ref.model.path, an HF checkpoint or a torch_dist one "
-        "written by `megarl convert`; reading a checkpoint converted by verl's converter from "
-        "dist_checkpointing_path is not built yet", only=False) for role in _MEGATRON_ROLES},
-    **{f"{role}.megatron.dist_checkpointing_path": VerlKey(
-        "read by verl only with use_dist_checkpointing=true, which megarl does not build yet")
-       for role in _MEGATRON_ROLES},
     "actor_rollout_ref.actor.model_engine": VerlKey(
         "megarl trains with Megatron only; its schema defaults stand for verl's megatron actor", only="megatron"),
     "actor_rollout_ref.rollout.data_parallel_size": VerlKey(

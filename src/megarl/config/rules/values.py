@@ -117,6 +117,25 @@ def resume_path_given(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)"
 
 
+def dist_checkpoint_given(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """verl's initial weights from a distributed checkpoint need its directory, and only the actor and
+    the reference take them (the critic's and reward model's are built from HF checkpoints).
+
+    Reads: actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.megatron,
+    reward_model.megatron
+    """
+    for section, megatron in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor.megatron),
+                              ("actor_rollout_ref.ref", config.actor_rollout_ref.ref.megatron)):
+        if megatron.use_dist_checkpointing and not megatron.dist_checkpointing_path:
+            yield (f"{section}.megatron.use_dist_checkpointing=true needs {section}.megatron.dist_checkpointing_path "
+                   "(the directory megatron-core's dist_checkpointing.save wrote, e.g. by verl's "
+                   "scripts/converter_hf_to_mcore.py)")
+    for section, megatron in (("critic", config.critic.megatron), ("reward_model", config.reward_model.megatron)):
+        if megatron.use_dist_checkpointing:
+            yield (f"{section}.megatron.use_dist_checkpointing=true: megarl builds the {section} from its HF "
+                   "checkpoint (model.path); only the actor and the reference load a distributed checkpoint")
+
+
 def importance_cap_range(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """The truncated importance-sampling cap is off (-1) or at least 1.
 

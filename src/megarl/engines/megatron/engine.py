@@ -95,6 +95,9 @@ class MegatronEngine:
             raise ValueError(f"{section}: model dtype {dtype!r} is not one of {list(DTYPES)}")
         self.params_dtype = DTYPES[dtype]
         source = ModelSource.resolve(model_path, model_key)
+        if megatron_cfg.use_dist_checkpointing:  # verl's initial weights from a distributed checkpoint
+            source = ModelSource.dist_checkpoint(megatron_cfg.dist_checkpointing_path,
+                                                 f"{section}.megatron.dist_checkpointing_path", source.config_dir)
         self.arch = read_arch(source, override_config, model_key)
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")

@@ -192,6 +192,14 @@ class ModelSource:
             return cls(reader.dir, "torch_dist", reader.dir / HF_ASSETS_DIR)
         return cls(path, "hf", path)
 
+    @classmethod
+    def dist_checkpoint(cls, path: str | Path, key: str, config_dir: Path) -> "ModelSource":
+        """verl's `use_dist_checkpointing`: the weights from the `torch_dist` directory `path`
+        (megatron's own save of a GPTModel, no HF files inside), the config from `config_dir`."""
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"{key}={str(path)!r}: not a directory (a megatron-core torch_dist checkpoint)")
+        return cls(TorchDistReader(path).dir, "torch_dist", config_dir)
+
 
 def read_arch(source: ModelSource, override_config: Mapping[str, Any], key: str) -> ModelArch:
     """The `ModelArch` of a checkpoint's config.json with `override_config` applied."""
