@@ -133,12 +133,15 @@ def warmup_fits_schedule(config: ExperimentConfig, sizes: DerivedSizes) -> Itera
             source = f"{section}.lr_warmup_steps={optim.lr_warmup_steps}"
         else:
             source = f"{section}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} ({warmup} steps)"
+        # megatron-core's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps
+        # (optimizer_param_scheduler.py), the decay steps being the training steps unless set (as in verl)
+        rule = "megatron-core's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps"
         if optim.lr_decay_steps is None:
             yield (f"{source}: the warm-up must end before the last of the {decay} training steps "
-                   f"(trainer.total_training_steps or {section}.total_training_steps); lower the warm-up or "
-                   "raise the step count")
-        else:  # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps
-            yield f"{source}: the warm-up must end before {section}.lr_decay_steps={decay}"
+                   f"(trainer.total_training_steps or {section}.total_training_steps; {rule}); lower the warm-up "
+                   "or raise the step count")
+        else:
+            yield f"{source}: the warm-up must end before {section}.lr_decay_steps={decay} ({rule})"
 
 
 def min_lr_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
