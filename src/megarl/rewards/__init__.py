@@ -1,4 +1,4 @@
-"""Rewards: verifiable scorers (math, GSM8K, sandboxed code), dispatch by data_source, a user's
+"""Rewards: verifiable scorers (math, GSM8K, sandboxed code, reasoning-gym's own), dispatch by data_source, a user's
 reward function from a file, and batch scoring that never stops on one bad sample.
 
     score_fn = select_score_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,

@@ -5,6 +5,8 @@
     numina_*, and any source starting with "aime"     math scorer (\\boxed{} answers)
     codecontests, apps, codeforces, taco              code scorer (sandboxed tests)
     megarl/* synthetic tasks                          `megarl.rewards.synthetic.SYNTHETIC_SCORERS`
+    reasoning_gym/<task>                              the task's own score_answer (megarl.rewards.reasoning_gym;
+                                                      reads extra_info)
 
 An unknown data_source raises UnknownDataSourceError naming it and the known ones.
 """
@@ -14,6 +16,8 @@ from typing import Any, Callable, Optional, Union
 
 from megarl.rewards.code_reward import compute_code_score
 from megarl.rewards.math_reward import compute_gsm8k_score, compute_math_score
+from megarl.rewards.reasoning_gym import SOURCE_PREFIX as REASONING_GYM_PREFIX
+from megarl.rewards.reasoning_gym import score_reasoning_gym
 
 from megarl.rewards.synthetic import SYNTHETIC_SCORERS
 
@@ -49,11 +53,15 @@ def scorer_for(data_source: str) -> Scorer:
         return compute_math_score
     raise UnknownDataSourceError(
         f"no default reward for data_source={data_source!r}; known: {sorted(SCORERS)} and names starting "
-        f"with {list(MATH_PREFIXES)}; set custom_reward_function.path to score it with your own function"
+        f"with {list(MATH_PREFIXES)} or {REASONING_GYM_PREFIX!r}; set custom_reward_function.path to score it "
+        "with your own function"
     )
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
                           extra_info: Optional[dict] = None) -> Score:
-    """Score one response with the default scorer of its data_source (extra_info is not used)."""
+    """Score one response with the default scorer of its data_source (extra_info is read by
+    reasoning-gym's rows only)."""
+    if isinstance(data_source, str) and data_source.startswith(REASONING_GYM_PREFIX):
+        return score_reasoning_gym(data_source, solution_str, extra_info)
     return scorer_for(data_source)(solution_str, ground_truth)
