@@ -25,6 +25,29 @@ def test_chat_prompt_is_the_chat_template_rendering(tokenizer):
     assert req.trajectory_id == "t1" and req.kind == "chat" and req.sampling.max_new_tokens == 16
 
 
+def test_a_calls_chat_template_kwargs_override_the_endpoints_key_by_key():
+    """SGLang's rule (serving_chat.py): the server's default_chat_template_kwargs fill what the call
+    left unset. Oracle: the tokenizer's own apply_chat_template with the merged variables."""
+    from megarl.data.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                               "{{ a | default('') }}{{ b | default('') }}{% endif %}")
+    chat = [{"role": "user", "content": "12"}]
+
+    def rendered(**variables):
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **variables)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    endpoint = {"a": "1", "b": "2"}
+    assert parse_chat_request({"model": "m", "messages": chat}, tokenizer, FREE, template_kwargs=endpoint).prompt_ids == \
+        rendered(a="1", b="2")
+    assert parse_chat_request({"model": "m", "messages": chat, "chat_template_kwargs": {"b": "9"}}, tokenizer, FREE,
+                              template_kwargs=endpoint).prompt_ids == rendered(a="1", b="9")
+    with pytest.raises(OpenAIRequestError, match="chat_template_kwargs must be an object"):
+        parse_chat_request({"model": "m", "messages": chat, "chat_template_kwargs": "b=9"}, tokenizer, FREE)
+
+
 def test_sampling_is_the_runs_when_fixed_and_max_tokens_is_capped(tokenizer):
     body = {"model": "m", "messages": CHAT, "temperature": 0.1, "top_p": 0.5, "seed": 3, "max_tokens": 99, "stop": "x"}
     free = parse_chat_request(body, tokenizer, FREE).sampling

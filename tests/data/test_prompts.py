@@ -89,6 +89,25 @@ def test_every_prompt_filtered_is_an_error(write_rows, make_rows, char_tokenizer
         PromptDataset(write_rows(rows), char_tokenizer, max_prompt_length=3, response_key=response_key)
 
 
+# Qwen3's way: an empty think block when enable_thinking is false (its tokenizer_config.json template)
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a:"
+                     "{% if enable_thinking is defined and enable_thinking is false %}<>{% endif %}{% endif %}")
+
+
+def test_data_apply_chat_template_kwargs_are_the_templates_variables(write_rows, make_rows):
+    """Oracle: the tokenizer's own apply_chat_template given the same variable."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    chat = [{"role": "user", "content": "12"}]
+    off = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off == "12a:<>"  # the variable changes the rendering: the check below can fail
+    config = DataConfig(train_files=[str(write_rows(make_rows(["12"])))], max_prompt_length=16,
+                        apply_chat_template_kwargs={"enable_thinking": False})
+    assert PromptDataset.from_config(config, tokenizer)[0].input_ids == ids_of(tokenizer, off)
+    config.apply_chat_template_kwargs = {}
+    assert PromptDataset.from_config(config, tokenizer)[0].input_ids == ids_of(tokenizer, "12a:")
+
+
 def test_from_config_uses_the_data_keys(write_rows, make_rows, char_tokenizer):
     train = write_rows(make_rows(PROMPTS), "train.parquet")
     val = write_rows(make_rows(["9+9="]), "val.parquet")

@@ -17,12 +17,13 @@ limit gets 400 with code `episode_limit`; a rollout failure gets 502.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -50,8 +51,10 @@ GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Sample]]
 
 
 def build_app(generate: GenerateFn, tokenizer, defaults: SamplingDefaults,
-              recorder: Optional[TrajectoryRecorder] = None, model_name: str = "policy") -> FastAPI:
-    """The FastAPI app; calls tagged with a trajectory id need `recorder`."""
+              recorder: Optional[TrajectoryRecorder] = None, model_name: str = "policy",
+              chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> FastAPI:
+    """The FastAPI app; calls tagged with a trajectory id need `recorder`; `chat_template_kwargs`:
+    the chat template's variables of every chat call (a call's own override them)."""
     app = FastAPI(title="megarl OpenAI-compatible endpoint")
 
     def error(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
@@ -107,7 +110,7 @@ def build_app(generate: GenerateFn, tokenizer, defaults: SamplingDefaults,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, parse_chat_request)
+        return await complete(request, functools.partial(parse_chat_request, template_kwargs=chat_template_kwargs))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -129,8 +132,8 @@ class OpenAIEndpoint:
 
     def __init__(self, generate: GenerateFn, tokenizer, defaults: SamplingDefaults,
                  recorder: Optional[TrajectoryRecorder] = None, *, model_name: str = "policy",
-                 host: str = "127.0.0.1", port: int = 0):
-        app = build_app(generate, tokenizer, defaults, recorder, model_name)
+                 host: str = "127.0.0.1", port: int = 0, chat_template_kwargs: Optional[Mapping[str, Any]] = None):
+        app = build_app(generate, tokenizer, defaults, recorder, model_name, chat_template_kwargs)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off"))
         self._thread: Optional[threading.Thread] = None

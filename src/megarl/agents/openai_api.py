@@ -16,7 +16,7 @@ with `rollout.val_kwargs`. `max_tokens` is honoured up to the server's `max_new_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 from megarl.data.prompts import render_chats
 from megarl.rollout.protocol import BadRequestError, SamplingParams
@@ -26,7 +26,9 @@ TRAJECTORY_FIELD = "megarl_trajectory_id"
 
 _COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options",
                 "seed", "logprobs", "user", "frequency_penalty", "presence_penalty", TRAJECTORY_FIELD}
-CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs"}
+# chat_template_kwargs: SGLang 0.5.23's extension of the chat request (entrypoints/openai/protocol.py
+# `ChatCompletionRequest.chat_template_kwargs`), over the server's defaults key by key (serving_chat.py)
+CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "echo"}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -82,9 +84,15 @@ class Completion:
 
 
 # ---------------------------------------------------------------------------------- parsing
-def parse_chat_request(body: Any, tokenizer, defaults: SamplingDefaults,
-                       header_trajectory: Optional[str] = None) -> CompletionRequest:
+def parse_chat_request(body: Any, tokenizer, defaults: SamplingDefaults, header_trajectory: Optional[str] = None,
+                       template_kwargs: Optional[Mapping[str, Any]] = None) -> CompletionRequest:
+    """`template_kwargs`: the endpoint's chat-template variables, which the call's own
+    `chat_template_kwargs` override key by key."""
     body = _check_keys(body, CHAT_KEYS)
+    own = body.get("chat_template_kwargs")
+    if own is not None and not isinstance(own, dict):
+        raise OpenAIRequestError("chat_template_kwargs must be an object of the chat template's variables",
+                                 "chat_template_kwargs")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIRequestError("messages must be a non-empty list of {role, content} objects", "messages")
@@ -94,7 +102,7 @@ def parse_chat_request(body: Any, tokenizer, defaults: SamplingDefaults,
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise OpenAIRequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    prompt_ids = list(render_chats(tokenizer, [chat])[0])
+    prompt_ids = list(render_chats(tokenizer, [chat], {**(template_kwargs or {}), **(own or {})})[0])
     return _request("chat", body, prompt_ids, limit, defaults, bool(body.get("logprobs")), header_trajectory)
 
 

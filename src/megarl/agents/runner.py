@@ -22,7 +22,7 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import openai
 
@@ -82,15 +82,16 @@ class AgentRunner:
                  score_fn: Callable[..., Any], *, n: int = 1, max_turns: Optional[int] = None,
                  max_tokens_per_episode: Optional[int] = None, episode_timeout_s: float = 300.0,
                  max_concurrent_episodes: int = 64, host: str = "127.0.0.1", port: int = 0,
-                 judge: Optional[JudgeScorer] = None):
-        """`judge`: scores, per group, the episodes that returned no score (else `score_fn` does)."""
+                 judge: Optional[JudgeScorer] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None):
+        """`judge`: scores, per group, the episodes that returned no score (else `score_fn` does);
+        `chat_template_kwargs`: the endpoint's chat-template variables (data.apply_chat_template_kwargs)."""
         self.judge, self.defaults = judge, defaults
         self.episode_fn, self.tokenizer, self.score_fn, self.n = episode_fn, tokenizer, score_fn, n
         self.episode_timeout_s = episode_timeout_s
         self.max_concurrent_episodes = max_concurrent_episodes
         self.recorder = TrajectoryRecorder(max_turns, max_tokens_per_episode)
         self.endpoint = OpenAIEndpoint(generate, tokenizer, defaults, self.recorder, model_name=MODEL_NAME,
-                                       host=host, port=port)
+                                       host=host, port=port, chat_template_kwargs=chat_template_kwargs)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @classmethod
@@ -104,7 +105,8 @@ class AgentRunner:
         runner = cls(load_episode_fn(a.path, a.name), rollout_generate(rollout_client), tokenizer, defaults, score_fn,
                      n=r.n, max_turns=a.max_turns, max_tokens_per_episode=a.max_tokens_per_episode,
                      episode_timeout_s=a.episode_timeout_s, max_concurrent_episodes=a.max_concurrent_episodes,
-                     host=a.host, port=a.port, judge=judge_from_config(a.judge))
+                     host=a.host, port=a.port, judge=judge_from_config(a.judge),
+                     chat_template_kwargs=config.data.apply_chat_template_kwargs)
         runner.start()
         return runner
 

@@ -129,6 +129,9 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     truncation: Literal["error", "left", "right"] = "error"  # when not filtering overlong prompts
     return_raw_chat: bool = False
+    # variables of the chat template (verl's key), e.g. {enable_thinking: false} for Qwen3: every prompt
+    # rendered (RL, SFT, DPO data; the agents' endpoint, where a call's chat_template_kwargs override them)
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompts_per_generation(self) -> int:

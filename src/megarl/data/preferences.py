@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -100,6 +100,7 @@ class PreferenceDataset:
         max_response_length: int = 512,
         filter_overlong_prompts: bool = True,
         truncation: Truncation = "error",
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ):
         paths = _files(files)
         _check_columns(paths, [prompt_key, chosen_key, rejected_key])
@@ -111,7 +112,7 @@ class PreferenceDataset:
             logger.warning("%d of %d pairs have identical chosen and rejected responses (first: %s row %d); "
                            "they add nothing to the DPO loss", len(same), num_read, same[0].file, same[0].row)
 
-        prompts = render_chats(tokenizer, [r.messages for r in rows])
+        prompts = render_chats(tokenizer, [r.messages for r in rows], chat_template_kwargs)
         kept, prompts = fit_lengths(prompts, rows, max_prompt_length, filter_overlong=filter_overlong_prompts,
                                     truncation=truncation, what="data.max_prompt_length")
         rows, rejected = [rows[i] for i in kept], [rejected[i] for i in kept]
@@ -143,6 +144,7 @@ class PreferenceDataset:
             chosen_key=d.chosen_key, rejected_key=d.rejected_key, reward_fn_key=d.reward_fn_key,
             max_prompt_length=d.max_prompt_length, max_response_length=d.max_response_length,
             filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+            chat_template_kwargs=d.apply_chat_template_kwargs,
         )
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 from megarl.data.errors import DataError
 from megarl.data.parquet import PromptRow, read_rows
@@ -29,15 +29,18 @@ class Prompt:
     response_ids: Optional[list[int]] = None  # SFT data: the reference response followed by eos
 
 
-def render_chats(tokenizer, chats: Sequence[list[dict]]) -> list[list[int]]:
+def render_chats(tokenizer, chats: Sequence[list[dict]],
+                 template_kwargs: Optional[Mapping[str, Any]] = None) -> list[list[int]]:
     """Token ids of each chat, ending where the assistant's reply starts.
 
-    Uses the tokenizer's chat template with add_generation_prompt=True. A tokenizer without a
-    template gets the messages' contents joined by newlines, with its own special tokens, and
-    one warning per call.
+    Uses the tokenizer's chat template with add_generation_prompt=True and `template_kwargs`, the
+    template's own variables (data.apply_chat_template_kwargs, e.g. Qwen3's enable_thinking). A
+    tokenizer without a template gets the messages' contents joined by newlines, with its own
+    special tokens, and one warning per call.
     """
     if getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
+        texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                               **(template_kwargs or {})) for chat in chats]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     logger.warning(
         "tokenizer %s has no chat template: prompts are the messages' contents joined by newlines",
@@ -110,10 +113,11 @@ class PromptDataset:
         max_response_length: Optional[int] = None,
         filter_overlong_prompts: bool = True,
         truncation: Truncation = "error",
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ):
         rows = read_rows(files, prompt_key=prompt_key, reward_fn_key=reward_fn_key, response_key=response_key)
         num_read = len(rows)
-        ids = render_chats(tokenizer, [r.messages for r in rows])
+        ids = render_chats(tokenizer, [r.messages for r in rows], chat_template_kwargs)
         kept, ids = fit_lengths(
             ids, rows, max_prompt_length, filter_overlong=filter_overlong_prompts, truncation=truncation,
             what="data.max_prompt_length",
@@ -145,6 +149,7 @@ class PromptDataset:
             max_prompt_length=data_config.max_prompt_length,
             filter_overlong_prompts=data_config.filter_overlong_prompts,
             truncation=data_config.truncation,
+            chat_template_kwargs=data_config.apply_chat_template_kwargs,
             **kwargs,
         )
 

@@ -29,7 +29,7 @@ def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
     return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
                          response_key=d.response_key, max_prompt_length=d.max_prompt_length,
                          max_response_length=d.max_response_length, filter_overlong_prompts=d.filter_overlong_prompts,
-                         truncation=d.truncation)
+                         truncation=d.truncation, chat_template_kwargs=d.apply_chat_template_kwargs)
 
 
 def as_batch(examples) -> Batch:
