@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.args import experiment_file
-from megarl.config.verl_compat import VERL_MODULES
+from megarl.config.verl_compat import SFT_MODULE, VERL_MODULES
 from megarl.trainer.main_ppo import build_parser
 
 CORPUS = Path(__file__).resolve().parent / "verl" / "corpus.json"
@@ -61,10 +61,11 @@ def refusals(entry: dict) -> list[Refusal]:
         out.append(Refusal(name, "refused", "--config-name", str(exc)))
         config_file = None
     defaults = VERL_MODULES[entry["module"]][1] if entry["module"] in VERL_MODULES else ()
+    verl_sft = VERL_MODULES.get(entry["module"], ("",))[0] == SFT_MODULE  # verl's SFT keys (megarl.config.verl_sft)
     overrides = [*defaults, *args.overrides]
     for _ in range(len(overrides) + 1):
         try:
-            config = load_config(config_file, overrides)
+            config = load_config(config_file, overrides, verl_sft)
             break
         except ConfigError as exc:
             dropped = set()
@@ -83,7 +84,7 @@ def refusals(entry: dict) -> list[Refusal]:
                 return out
             overrides = [o for o in overrides if o not in dropped]
     try:
-        validate(config)
+        validate(config, steps_from_data=verl_sft)  # SFT counts its steps from the data
     except ConfigError as exc:
         for line in str(exc).splitlines()[1:]:
             line = line.strip().removeprefix("- ")

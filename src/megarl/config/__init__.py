@@ -27,9 +27,10 @@ __all__ = [
 ]
 
 
-def load_and_validate(config_file=None, overrides=()) -> ExperimentConfig:
+def load_and_validate(config_file=None, overrides=(), verl_sft: bool = False,
+                      steps_from_data: bool = False) -> ExperimentConfig:
     """load_config + validate: the resolved config, or ConfigError naming every problem."""
-    return validate(load_config(config_file, list(overrides)))
+    return validate(load_config(config_file, list(overrides), verl_sft), steps_from_data)
 
 
 def to_yaml(config: ExperimentConfig) -> str:

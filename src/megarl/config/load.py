@@ -22,6 +22,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import ExperimentConfig
 from megarl.config.verl_compat import (VERL_TRANSFORMER_DEFAULTS, check_value, map_verl_values, pop_verl_keys,
                                        resolve_verl_groups, verl_key, warn_key)
+from megarl.config.verl_sft import sft_override
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 _DEFAULTS_KEY = "defaults"  # a YAML file's list of base files, merged before the file itself
@@ -372,18 +373,20 @@ def build(cls, tree: dict, prefix: str, origins: dict, errors: list):
     return cls(**kwargs)
 
 
-def _verl_override(text: str, grouped: dict) -> str | None:
+def _verl_override(text: str, grouped: dict, source: str | None = None) -> str | None:
     """`text`, or its rewrite for a verl key of megarl.config.verl_compat (None: dropped, or kept in
-    `grouped` for resolve_verl_groups), warning once."""
+    `grouped` for resolve_verl_groups), warning once. `source`: where it came from (default: the
+    override `text`)."""
     path, value, _ = parse_override(text)
+    source = source or f"override '{text}'"
     entry = verl_key(".".join(path))
     if entry is None:
         return text
     if entry.grouped:
-        grouped[".".join(path)] = (value, f"override '{text}'")
+        grouped[".".join(path)] = (value, source)
         return None
-    check_value(".".join(path), entry, value, f"override '{text}'")
-    warn_key(".".join(path), entry, f"override '{text}'")
+    check_value(".".join(path), entry, value, source)
+    warn_key(".".join(path), entry, source)
     return None if entry.target is None else f"{entry.target}={text.partition('=')[2]}"
 
 
@@ -394,8 +397,10 @@ def _drop_empty_groups(tree: dict, cls) -> None:
         del tree[key]
 
 
-def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
+def load_config(config_file: str | Path | None = None, overrides: list[str] = (),
+                verl_sft: bool = False) -> ExperimentConfig:
     """Defaults, then the YAML experiment (if any), then overrides; typed and interpolated.
+    `verl_sft`: the overrides are verl's SFT trainer's (megarl.config.verl_sft.sft_override rewrites each).
 
     Raises ConfigError listing every problem. Semantic checks live in megarl.config.validate.
     """
@@ -408,12 +413,16 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
         _drop_empty_groups(tree, ExperimentConfig)
     errors: list[str] = []
     for text in overrides:
+        megarl_text = text
         try:
-            text = _verl_override(text, grouped)
-            if text is not None:
-                apply_override(tree, text, origins)
+            for megarl_text in sft_override(text) if verl_sft else [text]:
+                rewritten = _verl_override(megarl_text, grouped, f"override '{text}'")
+                if rewritten is not None:
+                    apply_override(tree, rewritten, origins)
+                    if megarl_text != text:  # problems found later name the override as given
+                        origins[".".join(parse_override(rewritten)[0])] = f"override '{text}'"
         except ConfigError as exc:
-            errors.append(str(exc))
+            errors.append(str(exc) if megarl_text == text else f"override '{text}': megarl's {megarl_text}: {exc}")
     errors += resolve_verl_groups(tree, grouped, origins)
     map_verl_values(tree, origins)
     tree = _interpolate(tree, tree, "", errors)

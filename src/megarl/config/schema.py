@@ -114,6 +114,13 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     response_key: str = "response"  # SFT data: the reference response column
+    # SFT data as chats (verl's MultiTurnSFTDataset): the column of {role, content} messages, trained on the
+    # assistant turns (megarl.data.conversations); null: prompt_key + response_key
+    messages_key: Optional[str] = None
+    max_length: int = 1024  # tokens of a whole chat (messages_key data), limited by `truncation`
+    # messages_key data: a chat whose turns, rendered one by one, differ from the whole chat rendered at once
+    # (e.g. Qwen3's <think> on the last turn) trains on the turns one by one; false: refused
+    ignore_input_ids_mismatch: bool = False
     chosen_key: str = "chosen"  # DPO data: the preferred response column
     rejected_key: str = "rejected"  # DPO data: the dispreferred response column
     reward_fn_key: str = "data_source"
@@ -425,6 +432,10 @@ class RolloutConfig:
     # --disable-radix-cache). The CPU engine's counterpart: one prefill per distinct prompt of a batch,
     # its keys and values copied to the prompt's samples; false prefills every sample on its own.
     enable_prefix_caching: bool = True
+    # verl's key: extra server arguments, {sglang: {arg: value}}: each one of SGLang 0.5.23's command-line server
+    # arguments (by its ServerArgs name), put on the command of every SGLang server megarl launches; one megarl sets
+    # itself, vllm / trtllm and anything for the CPU engine are refused (megarl.config.engine_kwargs)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # CPU engine: each generation sends every server its prompts in one batched /generate (a list of
     # prompts with their sampling_params), straight to the server, instead of one request per prompt
     # through the router (whose batches take one sampling_params, which cannot hold each prompt's

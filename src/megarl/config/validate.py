@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from megarl.config.errors import ConfigError
 from megarl.config.rules import RULES, WARNING_RULES, DerivedSizes
+from megarl.config.rules.choices import lr_schedule_has_step_count
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
 
@@ -133,11 +134,15 @@ def batch_plan(config: ExperimentConfig) -> BatchPlan:
     )
 
 
-def validate(config: ExperimentConfig) -> ExperimentConfig:
-    """Resolve derived defaults and run every rule; raise ConfigError listing every problem."""
+def validate(config: ExperimentConfig, steps_from_data: bool = False) -> ExperimentConfig:
+    """Resolve derived defaults and run every rule; raise ConfigError listing every problem.
+    `steps_from_data`: the trainer fills the optimizer's step count from its data when
+    trainer.total_training_steps is null (megarl's SFT, as verl's: total_epochs x batches per epoch),
+    so a learning-rate schedule needs no step count here."""
     config = resolve(config)
     sizes = DerivedSizes.from_config(config)
-    errors = [message for rule in RULES for message in rule(config, sizes)]
+    rules = [rule for rule in RULES if not (steps_from_data and rule is lr_schedule_has_step_count)]
+    errors = [message for rule in rules for message in rule(config, sizes)]
     for rule in WARNING_RULES:
         for message in rule(config, sizes):
             logging.getLogger("megarl.config").warning("%s", message)

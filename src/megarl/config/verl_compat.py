@@ -149,6 +149,8 @@ VERL_KEYS: dict[str, VerlKey] = {
                             "actor, ref and critic configs", only="megatron"),
     **{role + _TRANSFORMER: VerlKey(_FLASH) for role in (
         "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")},
+    # SGLang's radix cache through verl's engine_kwargs: megarl's own key (resolve_verl_groups)
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.disable_radix_cache": VerlKey("", grouped=True),
     # verl's newer name for the learning-rate schedule
     "actor_rollout_ref.actor.optim.lr_scheduler_type": VerlKey(
         "megarl names the schedule warmup_style", "actor_rollout_ref.actor.optim.warmup_style"),
@@ -515,12 +517,29 @@ def _worker_env(tree: dict, grouped: dict, origins: dict) -> list[str]:
     return []
 
 
+def _radix_cache(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """engine_kwargs.sglang.disable_radix_cache (SGLang's --disable-radix-cache) is megarl's
+    actor_rollout_ref.rollout.enable_prefix_caching, negated; refused where both are given and differ."""
+    path = "actor_rollout_ref.rollout.engine_kwargs.sglang.disable_radix_cache"
+    if path not in grouped:
+        return []
+    value, source = grouped[path]
+    if not isinstance(value, bool):
+        return [f"{path}={value!r} ({source}): SGLang's --disable-radix-cache is a switch: true or false"]
+    key = "actor_rollout_ref.rollout.enable_prefix_caching"
+    if key in origins and _get(tree, key) == value:
+        return [f"{path}={value} ({source}) contradicts {key}={_get(tree, key)} ({origins[key]})"]
+    _set(tree, key, not value, origins, f"verl key {path}")
+    log.warning("%s (verl key, %s): megarl names it %s=%s", path, source, key, not value)
+    return []
+
+
 def resolve_verl_groups(tree: dict, grouped: dict[str, tuple[Any, str]], origins: dict) -> list[str]:
     """Apply the grouped verl keys (path -> (value, where it came from)) to the raw config tree, in
     place; the problems found, one message each."""
     return [*_max_model_len(tree, grouped, origins), *_reward_kwargs(tree, grouped, origins),
             *_async(tree, grouped, origins), *_distillation(tree, grouped, origins),
-            *_worker_env(tree, grouped, origins)]
+            *_worker_env(tree, grouped, origins), *_radix_cache(tree, grouped, origins)]
 
 
 # verl's entry points and megarl's (the same name under megarl), with the defaults verl's module brings
@@ -533,9 +552,14 @@ FULLY_ASYNC_DEFAULTS = ("async_training.mode=fully_async", "actor_rollout_ref.hy
                         "algorithm.rollout_correction.bypass_mode=true")
 ONE_STEP_OFF_DEFAULTS = ("async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
                          "rollout.n_gpus_per_node=8", "algorithm.rollout_correction.bypass_mode=true")
+# verl's sft_trainer (sft_trainer_engine.yaml): its data are always chats (MultiTurnSFTDataset, messages_key
+# `messages`); the estimator is unused by SFT, one without a critic keeps critic.* unchecked (as
+# configs/tiny/sft.yaml). Its keys are read by megarl.config.verl_sft (load_config's verl_sft)
+SFT_MODULE = "megarl.trainer.sft_trainer"
+SFT_DEFAULTS = ("data.messages_key=messages", "algorithm.adv_estimator=reinforce_plus_plus")
 VERL_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "verl.trainer.main_ppo": ("megarl.trainer.main_ppo", ()),
     "verl.experimental.fully_async_policy.fully_async_main": (FULLY_ASYNC_MODULE, FULLY_ASYNC_DEFAULTS),
     "verl.experimental.one_step_off_policy.main_ppo": (ONE_STEP_OFF_MODULE, ONE_STEP_OFF_DEFAULTS),
-    "verl.trainer.sft_trainer": ("megarl.trainer.sft_trainer", ()),
+    "verl.trainer.sft_trainer": (SFT_MODULE, SFT_DEFAULTS),
 }

@@ -131,21 +131,23 @@ def read_rows(
     reward_fn_key: str = "data_source",
     response_key: Optional[str] = None,
     limit: Optional[int] = None,
+    chats: bool = False,
 ) -> list[PromptRow]:
     """All rows of `files` in order (the first `limit` rows of each file when given: a quick check), validated.
 
     RL data (response_key None) needs columns `prompt_key`, `reward_fn_key` and `reward_model`;
-    SFT data needs `prompt_key` and `response_key` (a string column). `ability` and `extra_info`
-    are read when present. Raises DataError listing every bad file, column and row.
+    SFT data needs `prompt_key` and `response_key` (a string column), or with `chats` (SFT chats,
+    verl's messages column) `prompt_key` alone. `ability` and `extra_info` are read when present.
+    Raises DataError listing every bad file, column and row.
     """
     if isinstance(files, (str, Path)):
         files = [files]
     if not files:
         raise DataError("no data files given")
     checks: dict[str, _Check] = {prompt_key: _check_prompt}
-    if response_key is None:
+    if response_key is None and not chats:
         checks.update({reward_fn_key: _check_string, "reward_model": _check_reward_model})
-    else:
+    elif response_key is not None:
         checks[response_key] = _check_string
     required = list(checks)
     optional: dict[str, _Check] = {

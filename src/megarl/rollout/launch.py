@@ -14,7 +14,10 @@ import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from types import MappingProxyType
+from typing import Any, Optional
+
+from megarl.config.engine_kwargs import sglang_engine_flags
 
 # How long a rollout server may take to become healthy (seconds), by engine, when
 # `actor_rollout_ref.rollout.server_startup_timeout_s` is unset. SGLang on GPUs loads the checkpoint
@@ -191,6 +194,7 @@ def sglang_server_command(
     multi_node: Optional[MultiNode] = None,
     lora: Optional[LoraServing] = None,
     prefix_caching: bool = True,
+    engine_kwargs: Mapping[str, Any] = MappingProxyType({}),
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
@@ -205,7 +209,9 @@ def sglang_server_command(
     `deterministic`: SGLang's `--enable-deterministic-inference`, the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
     (`--enable-return-routed-experts`, fields/exec_.py). `prefix_caching` false: `--disable-radix-cache`
-    (SGLang's radix cache is on by default). Every flag here is one of SGLang 0.5.23's own
+    (SGLang's radix cache is on by default). `engine_kwargs`: verl's engine_kwargs.sglang, {ServerArgs name:
+    value}, added after megarl's own flags (megarl.config.engine_kwargs.sglang_engine_flags: ValueError
+    where one contradicts them). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
     the wheel."""
     if device not in ("cuda", "cpu"):
@@ -243,7 +249,38 @@ def sglang_server_command(
         cmd += lora.flags()
         if enable_memory_saver:  # fields/exec_.py: releasing the weights keeps them in CPU memory, as only
             cmd += ["--enable-weights-cpu-backup"]  # adapters are pushed and the base must come back as it was
-    return cmd + list(extra_args)
+    return cmd + sglang_engine_flags(engine_kwargs, cmd) + list(extra_args)
+
+
+def lora_serving(config) -> Optional[LoraServing]:
+    """The LoRA adapters the servers must be able to load: those of an actor with adapter-only sync."""
+    from megarl.config.rules.lora import lora_targets
+
+    lora = config.actor_rollout_ref.model.lora
+    if lora.rank <= 0 or lora.sync != "adapter":
+        return None
+    return LoraServing(lora.rank, lora_targets(lora.target_modules))
+
+
+def sglang_command(config, model_path: str, port: int, *, device: str, colocated: bool, context_length: int,
+                   host: str = "127.0.0.1", base_gpu_id: int = 0, api_key: Optional[str] = None,
+                   multi_node: Optional[MultiNode] = None, server: int = 0) -> list[str]:
+    """`sglang_server_command` for server number `server` of the experiment `config` (an ExperimentConfig)
+    on `device`, `colocated` with training or not; `context_length`: tokens of its longest request.
+    ValueError where the config's engine_kwargs.sglang contradicts megarl's own flags."""
+    from megarl.config.rules.router_replay import replays_routes
+
+    r = config.actor_rollout_ref.rollout
+    return sglang_server_command(
+        model_path, port, device=device, max_running_requests=r.max_concurrent_requests, host=host,
+        tp_size=r.tensor_model_parallel_size, ep_size=r.expert_parallel_size, base_gpu_id=base_gpu_id,
+        mem_fraction_static=r.gpu_memory_utilization if device == "cuda" else None,
+        enable_memory_saver=uses_memory_saver(device, colocated), api_key=api_key, dtype=r.dtype,
+        context_length=context_length, random_seed=config.trainer.seed + server,
+        deterministic=bool(r.deterministic_inference), return_routed_experts=replays_routes(config),
+        multi_node=multi_node, lora=lora_serving(config), prefix_caching=r.enable_prefix_caching,
+        engine_kwargs=r.engine_kwargs.get("sglang", {}), python=r.server_python or sys.executable,
+    )
 
 
 def uses_memory_saver(device: str, colocated: bool) -> bool:

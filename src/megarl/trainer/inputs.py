@@ -37,6 +37,8 @@ def data_problems(config: ExperimentConfig, kind: Kind) -> tuple[list[str], int]
 
     d = config.data
     response_key = {"rl": None, "sft": d.response_key, "dpo": d.chosen_key}[kind]
+    chats = kind == "sft" and d.messages_key is not None  # SFT chats: the messages column alone
+    prompt_key, response_key = (d.messages_key, None) if chats else (d.prompt_key, response_key)
     problems, train_rows = [], 0
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         present = []
@@ -47,8 +49,8 @@ def data_problems(config: ExperimentConfig, kind: Kind) -> tuple[list[str], int]
         if not present:
             continue
         try:
-            read_rows(present, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key, response_key=response_key,
-                      limit=FIRST_ROWS)
+            read_rows(present, prompt_key=prompt_key, reward_fn_key=d.reward_fn_key, response_key=response_key,
+                      limit=FIRST_ROWS, chats=chats)
         except DataError as error:
             problems += [f"{key}: {line.strip()[2:]}" for line in str(error).splitlines()[1:]]
             continue

@@ -54,14 +54,17 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
             print(f"plot: {plot}")
 
 
-def offline_main(prog: str, description: str, run: str, argv: list[str] | None, kind: Kind) -> int:
+def offline_main(prog: str, description: str, run: str, argv: list[str] | None, kind: Kind,
+                 defaults: tuple[str, ...] = (), verl_sft: bool = False) -> int:
     """`prog [--config X.yaml] [--dry-run] key.path=value ...`: validate, check the machine, then
-    call `run` ("module:function", imported only then) with the config."""
+    call `run` ("module:function", imported only then) with the config. `defaults`: overrides before
+    the command line's; `verl_sft`: the overrides are verl's SFT trainer's (megarl.config.verl_sft)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_experiment_args(parser)
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     args = parser.parse_intermixed_args(argv)
-    config = load_and_validate(experiment_file(args), args.overrides)
+    # SFT counts its steps from the data (megarl.trainer.sft.SFTTrainer)
+    config = load_and_validate(experiment_file(args), [*defaults, *args.overrides], verl_sft, kind == "sft")
     print("config OK; checking data, model and this machine")
     config = check_environment(config, kind)  # seconds, before Ray starts
     if args.dry_run:

@@ -85,9 +85,26 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
         problems += [problem] if problem else []
         if not cuda and not model_problems:
             problems += [p for p in [sglang_cpu_model_problem(config)] if p]
+        if config.actor_rollout_ref.rollout.engine_kwargs.get("sglang") and devices is not None:
+            problems += [p for p in [engine_kwargs_problem(config, devices.device)] if p]
     if problems:
         raise ConfigError("this machine cannot run the experiment:\n" + "\n".join(f"  - {p}" for p in problems))
     return config
+
+
+def engine_kwargs_problem(config: ExperimentConfig, device: str) -> Optional[str]:
+    """Where engine_kwargs.sglang contradicts the flags megarl gives its SGLang servers on `device`
+    (megarl.rollout.launch.sglang_command, as the rollout workers build it), the problem; else None."""
+    from megarl.rollout.launch import sglang_command
+
+    r = config.actor_rollout_ref.rollout
+    try:
+        sglang_command(config, config.actor_rollout_ref.model.path, 0, device=device,
+                       colocated=config.placement.mode == "colocate",
+                       context_length=r.prompt_length + r.response_length)
+    except ValueError as problem:
+        return str(problem)
+    return None
 
 
 def sglang_install_problem(server_python: Optional[str], on_cuda: bool) -> Optional[str]:

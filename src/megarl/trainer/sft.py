@@ -2,20 +2,25 @@
 
     python -m megarl.trainer.main_sft --config X.yaml data.train_files=sft_train.parquet ...
 
-Data: verl parquet rows with a reference response column (`data.response_key`). Each step trains
-on `data.train_batch_size` examples (one optimizer step, token-mean NLL of the response tokens);
+Data: verl parquet rows with a reference response column (`data.response_key`), or chats (a column
+of messages, `data.messages_key`: verl's multi-turn SFT data, trained on the assistant turns,
+megarl.data.conversations). Each step trains on `data.train_batch_size` examples (one optimizer
+step, token-mean NLL of the trained tokens);
 every `trainer.test_freq` steps the validation NLL is logged. At the end the actor is exported as
 an HF checkpoint to `<default_local_dir>/<project>/<experiment>/hf`, which an RL run can start from.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import torch
 
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
-from megarl.data.prompts import PromptDataset
+from megarl.data.conversations import Chat, ChatDataset
+from megarl.data.prompts import Prompt, PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
@@ -24,16 +29,41 @@ from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import SFTActorRole
 
 
-def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset:
+def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset | ChatDataset:
     d = config.data
+    if d.messages_key is not None:
+        return ChatDataset(files, tokenizer, messages_key=d.messages_key, max_length=d.max_length,
+                           truncation=d.truncation, ignore_input_ids_mismatch=d.ignore_input_ids_mismatch)
     return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
                          response_key=d.response_key, max_prompt_length=d.max_prompt_length,
                          max_response_length=d.max_response_length, filter_overlong_prompts=d.filter_overlong_prompts,
                          truncation=d.truncation, chat_template_kwargs=d.apply_chat_template_kwargs)
 
 
-def as_batch(examples) -> Batch:
-    return Batch.from_token_lists([e.input_ids for e in examples], [e.response_ids for e in examples])
+def with_schedule_steps(config: ExperimentConfig, steps: int) -> ExperimentConfig:
+    """`config` with the actor's optim.total_training_steps (the learning-rate schedule's length) set to
+    the run's `steps` where it is not set (-1), as verl's SFT trainer sets it from its data."""
+    arr = config.actor_rollout_ref
+    if arr.actor.optim.total_training_steps > 0:
+        return config
+    optim = replace(arr.actor.optim, total_training_steps=steps)
+    return replace(config, actor_rollout_ref=replace(arr, actor=replace(arr.actor, optim=optim)))
+
+
+def as_batch(examples: list[Prompt] | list[Chat]) -> Batch:
+    """The batch of SFT examples: prompt and reference response; a chat is split before its first
+    trained token, its response_mask the loss mask over the rest (response_attention_mask: all of it)."""
+    if not examples or isinstance(examples[0], Prompt):
+        return Batch.from_token_lists([e.input_ids for e in examples], [e.response_ids for e in examples])
+    cuts = [e.first_trained for e in examples]
+    batch = Batch.from_token_lists([e.input_ids[:k] for e, k in zip(examples, cuts)],
+                                   [e.input_ids[k:] for e, k in zip(examples, cuts)])
+    batch["response_attention_mask"] = batch["response_mask"].clone()
+    mask = batch["response_mask"]
+    for row, (e, k) in enumerate(zip(examples, cuts)):
+        mask[row, : len(e.input_ids) - k] = torch.tensor(e.loss_mask[k:], dtype=mask.dtype)
+    batch["response_mask"] = mask
+    return batch
 
 
 class SFTTrainer:
@@ -44,6 +74,7 @@ class SFTTrainer:
         self.sampler = EpochSampler.from_config(config.data, len(self.train_data))
         t = config.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        config = self.config = with_schedule_steps(config, self.total_steps)
         plan = offline_plan(config, with_ref=False)
         devices = resolve_devices(config)  # before any process starts
         self.pools = create_pools(plan, timeout_s=300)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from typing import Optional
 
@@ -22,25 +21,15 @@ from megarl.config.rules.router_replay import replays_routes
 from megarl.net import free_port
 from megarl.rollout.control import ServerControl
 from megarl.rollout.launch import (
-    LoraServing,
     MultiNode,
     cpu_server_command,
-    sglang_server_command,
+    lora_serving,
+    sglang_command,
     sglang_server_env,
     uses_memory_saver,
 )
 from megarl.rollout.process import ServerProcess, log_tail, start_on_a_free_port
 from megarl.workers.base import RankedWorker
-
-
-def lora_serving(config) -> Optional[LoraServing]:
-    """The LoRA adapters the servers must be able to load: those of an actor with adapter-only sync."""
-    from megarl.config.rules.lora import lora_targets
-
-    lora = config.actor_rollout_ref.model.lora
-    if lora.rank <= 0 or lora.sync != "adapter":
-        return None
-    return LoraServing(lora.rank, lora_targets(lora.target_modules))
 
 
 class RolloutWorker(RankedWorker):
@@ -92,19 +81,11 @@ class RolloutWorker(RankedWorker):
                 # raylet's GPUs, and --base-gpu-id indexes them
                 on_gpu = self.device == "cuda"
                 base_gpu = visible_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")) if on_gpu else 0
-                saver = uses_memory_saver(self.device, self.colocated)
-                command = sglang_server_command(
-                    model_path, port, device=self.device, max_running_requests=r.max_concurrent_requests,
-                    host=host, tp_size=r.tensor_model_parallel_size,
-                    ep_size=r.expert_parallel_size, base_gpu_id=base_gpu,
-                    mem_fraction_static=r.gpu_memory_utilization if on_gpu else None, enable_memory_saver=saver,
-                    api_key=self.api_key, dtype=r.dtype, context_length=context,
-                    random_seed=self.config.trainer.seed + server, deterministic=bool(r.deterministic_inference),
-                    return_routed_experts=replays_routes(self.config), multi_node=multi_node,
-                    lora=lora_serving(self.config), prefix_caching=r.enable_prefix_caching,
-                    python=r.server_python or sys.executable,
-                )
-                env = sglang_server_env(os.environ, device=self.device, enable_memory_saver=saver,
+                command = sglang_command(self.config, model_path, port, device=self.device, colocated=self.colocated,
+                                         context_length=context, host=host, base_gpu_id=base_gpu, api_key=self.api_key,
+                                         multi_node=multi_node, server=server)
+                env = sglang_server_env(os.environ, device=self.device,
+                                        enable_memory_saver=uses_memory_saver(self.device, self.colocated),
                                         colocated=self.colocated)
             return ServerProcess(name, command, f"http://{host}:{port}", env=env,
                                  health_path="/health" if serves_http else None,

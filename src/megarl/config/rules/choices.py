@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
+from megarl.config.engine_kwargs import engine_kwargs_problems
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig
 
@@ -285,3 +286,13 @@ def deterministic_inference_fits_device(config: ExperimentConfig, sizes: Derived
         yield ("actor_rollout_ref.rollout.deterministic_inference=true with rollout.name=sglang and trainer.device=cpu: "
                "SGLang's deterministic inference needs a GPU attention backend; set it false (a resumed run then "
                "samples anew) or use rollout.name=cpu, whose seeds always hold")
+
+
+def rollout_engine_kwargs_are_sglangs(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """verl's engine_kwargs: SGLang 0.5.23's own server arguments for rollout.name=sglang, nothing
+    megarl sets itself, no vllm / trtllm ones (megarl.config.engine_kwargs).
+
+    Reads: actor_rollout_ref.rollout.engine_kwargs, actor_rollout_ref.rollout.name
+    """
+    r = config.actor_rollout_ref.rollout
+    yield from engine_kwargs_problems(r.engine_kwargs, r.name)
