@@ -61,12 +61,10 @@ def test_nemotron_sft_script_means_the_same_in_megarl(caplog):
     ("trainer.save_freq=500", "mid-run SFT checkpoints and resuming an SFT run are not built yet"),
     ("trainer.resume_mode=resume_path", "megarl accepts auto"),
     ("engine.use_megatron_fsdp=True", "Megatron-FSDP"),
-    ("engine.use_dist_checkpointing=true", "dist_checkpointing_path is not built yet"),
     ("model.hf_config_path=/elsewhere", "megarl accepts model.hf_config_path=null only"),
     ("model.mtp.enable=true", "multi-token prediction"),
     ("model.lora_rank=8", "LoRA through verl's SFT keys is not built yet"),
     ("optim.lr_warmup_init=1e-7", "warm-up starts from 0"),
-    ("+data.apply_chat_template_kwargs.enable_thinking=false", "arguments of the chat template"),
     ("data.train_max_samples=100", "first rows only"),
     ("engine=fsdp", "megarl accepts engine=megatron only"),
 ])
@@ -74,6 +72,14 @@ def test_what_megarl_cannot_honour_is_refused_naming_the_override(override, reas
     with pytest.raises(ConfigError) as error:
         sft(override)
     assert f"(override '{override}')" in str(error.value) and reason in str(error.value)
+
+
+def test_the_dist_checkpoint_and_chat_template_keys_mean_what_they_mean_in_verls_ppo():
+    config = sft("engine.use_dist_checkpointing=true", "engine.dist_checkpointing_path=/ckpt/mcore",
+                 "+data.apply_chat_template_kwargs.enable_thinking=false")
+    megatron = config.actor_rollout_ref.actor.megatron
+    assert (megatron.use_dist_checkpointing, megatron.dist_checkpointing_path) == (True, "/ckpt/mcore")
+    assert config.data.apply_chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_an_unknown_key_under_verls_groups_stays_unknown():

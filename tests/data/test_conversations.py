@@ -75,3 +75,13 @@ def test_tool_schemas_are_refused_not_dropped(write_rows):
     path = write_rows([{"messages": CHAT, "tools": "[]"}])
     with pytest.raises(DataError, match="column.s. tools: tool schemas and enable_thinking in SFT chats are not built"):
         ChatDataset(path, tokenizer(TEMPLATE))
+
+
+def test_chat_template_kwargs_reach_every_turn(write_rows):
+    """data.apply_chat_template_kwargs (verl passes them to the template in its SFT dataset too): the
+    oracle is the template's own rendering of the whole chat with the same variable."""
+    tok = tokenizer(TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] }}{{ mark | default('') }}"))
+    chat = ChatDataset(write(write_rows, [CHAT]), tok, chat_template_kwargs={"mark": "!"})[0]
+    whole = tok.apply_chat_template(CHAT, tokenize=False, mark="!")
+    assert "1+2=!" in whole  # the variable changes the rendering: the check below can fail
+    assert chat.input_ids == tok(whole, add_special_tokens=False)["input_ids"]

@@ -59,7 +59,6 @@ SFT_KEYS: dict[str, VerlKey] = {
                                         "refused)", only="enable_thinking"),
     "data.enable_thinking_default": VerlKey("passing enable_thinking to the chat template is not built yet",
                                             only=_NULL),
-    "data.apply_chat_template_kwargs.*": VerlKey("arguments of the chat template are not built yet", only=_NEVER),
     "data.custom_cls.*": VerlKey("a custom dataset class is not built yet", only=_NULL),
     # model (model/hf_model.yaml); the rest moves to actor_rollout_ref.model.*
     "model.tokenizer_path": VerlKey("megarl's SFT reads the tokenizer at data.tokenizer", "data.tokenizer"),

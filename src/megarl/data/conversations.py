@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import pyarrow.parquet as pq
 
@@ -40,28 +40,30 @@ class Chat:
         return self.loss_mask.index(1)
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = False,
+            template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def template_parts(tokenizer) -> tuple[list[int], list[int]]:
+def template_parts(tokenizer, template_kwargs: Optional[Mapping[str, Any]] = None) -> tuple[list[int], list[int]]:
     """(system prompt, generation prompt) token ids of the chat template, found as verl's
     `extract_system_prompt_and_generation` (verl/utils/tokenizer/chat_template.py) finds them: what one
     empty user turn renders beyond the second one's length, and what add_generation_prompt appends."""
     empty = [{"role": "user", "content": ""}]
-    one, two = _render(tokenizer, empty), _render(tokenizer, empty * 2)
+    one, two = _render(tokenizer, empty, False, template_kwargs), _render(tokenizer, empty * 2, False, template_kwargs)
     system = one[: len(one) - (len(two) - len(one))]
-    return system, _render(tokenizer, empty, generation_prompt=True)[len(one):]
+    return system, _render(tokenizer, empty, True, template_kwargs)[len(one):]
 
 
-def tokenize_chat(tokenizer, messages: list[dict], system: list[int],
-                  generation: list[int]) -> tuple[list[int], list[int]]:
+def tokenize_chat(tokenizer, messages: list[dict], system: list[int], generation: list[int],
+                  template_kwargs: Optional[Mapping[str, Any]] = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one chat, turn by turn (see the module's docstring)."""
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
-        turn = _render(tokenizer, [message])
+        turn = _render(tokenizer, [message], False, template_kwargs)
         if i != 0 and message["role"] != "system":
             turn = turn[len(system):]
         prompt = len(generation) if message["role"] == "assistant" else len(turn)  # untrained tokens
@@ -76,7 +78,8 @@ class ChatDataset:
     without a trained token (no assistant turn, or none left after truncation) is refused."""
 
     def __init__(self, files: Sequence[str | Path] | str | Path, tokenizer, *, messages_key: str = "messages",
-                 max_length: int = 1024, truncation: Truncation = "error", ignore_input_ids_mismatch: bool = False):
+                 max_length: int = 1024, truncation: Truncation = "error", ignore_input_ids_mismatch: bool = False,
+                 chat_template_kwargs: Optional[Mapping[str, Any]] = None):
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: chats "
                             "(data.messages_key) need one")
@@ -86,11 +89,11 @@ class ChatDataset:
             if unread:  # verl passes them to the chat template (MultiTurnSFTDataset's tools_key, enable_thinking_key)
                 raise DataError(f"{path}: column(s) {', '.join(unread)}: tool schemas and enable_thinking in SFT chats "
                                 "are not built yet")
-        system, generation = template_parts(tokenizer)
+        system, generation = template_parts(tokenizer, chat_template_kwargs)
         ids, masks, mismatched = [], [], []
         for row in rows:
-            chat_ids, mask = tokenize_chat(tokenizer, row.messages, system, generation)
-            if chat_ids != _render(tokenizer, row.messages):
+            chat_ids, mask = tokenize_chat(tokenizer, row.messages, system, generation, chat_template_kwargs)
+            if chat_ids != _render(tokenizer, row.messages, False, chat_template_kwargs):
                 mismatched.append(row)
             ids.append(chat_ids)
             masks.append(mask)

@@ -33,7 +33,8 @@ def sft_dataset(config: ExperimentConfig, tokenizer, files) -> PromptDataset | C
     d = config.data
     if d.messages_key is not None:
         return ChatDataset(files, tokenizer, messages_key=d.messages_key, max_length=d.max_length,
-                           truncation=d.truncation, ignore_input_ids_mismatch=d.ignore_input_ids_mismatch)
+                           truncation=d.truncation, ignore_input_ids_mismatch=d.ignore_input_ids_mismatch,
+                           chat_template_kwargs=d.apply_chat_template_kwargs)
     return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
                          response_key=d.response_key, max_prompt_length=d.max_prompt_length,
                          max_response_length=d.max_response_length, filter_overlong_prompts=d.filter_overlong_prompts,
