@@ -50,6 +50,17 @@ def test_dr_grpo_by_hand():
     assert result.advantages[:, 0].tolist() == pytest.approx([2 / 3, 0, -1 / 3, 0, -1 / 3, 0], abs=1e-12)
 
 
+def test_gpg_by_hand():
+    rewards, mask = outcome_rewards(SCORES, LENGTHS, 4)
+    result = compute_advantages("gpg", rewards, mask, uids=UIDS)
+    # alpha = 6 responses / 4 with a nonzero score = 1.5; group a = [1, 0, 0], mean 1/3: 1.5 x (2/3, -1/3,
+    # -1/3); b uniform and c singleton: 0
+    assert result.advantages[:, 0].tolist() == pytest.approx([1.0, 0, -0.5, 0, -0.5, 0], abs=1e-12)
+    assert result.advantages[3, :4].tolist() == [0.0] * 4 and result.advantages[0, 3] == 0
+    assert torch.equal(result.returns, result.advantages)
+    assert result.metrics == {"num_groups": 3.0, "num_singleton_groups": 1.0, "num_uniform_groups": 1.0}
+
+
 def test_rloo_by_hand():
     rewards, mask = outcome_rewards([1.0, 3.0, 0.0, 0.0, 1.0, 7.0], [1, 2, 1, 1, 2, 1], 2)
     result = compute_advantages("rloo", rewards, mask, uids=["a", "b", "a", "a", "b", "c"])
@@ -198,7 +209,7 @@ def test_group_advantages_have_zero_mean_per_group(seed, estimator, norm):
         assert sum(adv[i, 0].item() for i in members) == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "gpg"])
 def test_degenerate_groups_give_zero_not_nan(estimator):
     rewards, mask = outcome_rewards([0.1, 0.1, 0.1, 1.0, 0.3], [2, 2, 2, 2, 2], 2)
     result = compute_advantages(estimator, rewards, mask, uids=["u", "u", "u", "single", "v"])
@@ -225,7 +236,7 @@ def test_padding_is_excluded_exactly(estimator):
     assert clean.advantages[padding].eq(0).all() and clean.returns[padding].eq(0).all()
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "gpg"])
 def test_permuting_the_batch_permutes_the_advantages(estimator):
     uids, scores, lengths, width = random_groups(3, discrete=False)
     rewards, mask = outcome_rewards(scores, lengths, width)

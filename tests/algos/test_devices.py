@@ -14,7 +14,7 @@ from megarl.algos import (
     overlong_penalty,
     value_loss,
 )
-from megarl.algos.losses import LOSS_AGG_MODES
+from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSS_MODES
 from megarl.config.schema import ADV_ESTIMATORS
 from megarl.rewards.batch import token_level_scores
 
@@ -62,7 +62,7 @@ def test_advantages(device, estimator):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+@pytest.mark.parametrize("loss_mode", POLICY_LOSS_MODES)
 def test_actor_and_value_losses(device, mode, loss_mode):
     x = inputs()
     entropy = entropy_from_logits(x["logits"])

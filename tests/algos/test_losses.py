@@ -99,6 +99,8 @@ def test_truncated_importance_sampling_weights_each_token_by_hand():
     assert loss.item() == pytest.approx((2 * -1.28 + 0.5 * -0.5 + 0.8 + 1.5 + 3.0) / 5)
     assert m["tis_weight_mean"].item() == pytest.approx((2 + 0.5 + 1 + 1 + 1) / 5)
     assert m["tis_capfrac"].item() == pytest.approx(1 / 5)
+    # the update's KL, as without the weights (not the rollout's)
+    assert m["approx_kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in (1.5, 0.5, 0.5, 1.5, 5)) / 5)
     loss.backward()
     assert log_prob.grad.tolist()[0] == pytest.approx([0.0, 0.5 * -0.5 / 5, 0.0, 1.5 / 5, 0.0, 0.0])
     off, m_off = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
@@ -203,6 +205,59 @@ def test_gspo_clamps_only_the_sequence_log_ratio():
     assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-12) and m["ppo_kl"].item() == pytest.approx(-12.0)
     _, vanilla = policy_loss(old, log_prob.detach(), adv, mask)  # vanilla clamps each token at 20
     assert vanilla["ppo_kl"].item() == pytest.approx(-5.0)
+
+
+def test_gpg_is_the_policy_gradient_by_hand():
+    """L_t = -A log pi: no ratio, no clip; the old log-probs only feed the ratio metrics."""
+    log_prob = torch.tensor([[-1.0, -0.5, -3.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-2.0, -0.5, 0.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([[2.0, -1.0, 9.0]], dtype=torch.float64), torch.tensor([[1, 1, 0]])
+    loss, m = policy_loss(old, log_prob, adv, mask, loss_mode="gpg")
+    assert loss.item() == pytest.approx((2.0 - 0.5) / 2)
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([-1.0, 0.5, 0.0])
+    assert m["ppo_kl"].item() == pytest.approx(-0.5) and m["ratio_max"].item() == pytest.approx(math.e)
+    assert not any(name.startswith("pg_clipfrac") for name in m)
+
+
+def dppo_case(tokens):
+    """(old, log_prob, advantages, mask) for tokens (A, old probability, new probability), float64,
+    with one padded token of garbage after them."""
+    adv = torch.tensor([[a for a, _, _ in tokens] + [9.0]], dtype=torch.float64)
+    old = torch.tensor([[q for _, q, _ in tokens] + [1.0]], dtype=torch.float64).log()
+    log_prob = torch.tensor([[p for _, _, p in tokens] + [0.5]], dtype=torch.float64).log().requires_grad_()
+    mask = torch.tensor([[1] * len(tokens) + [0]])
+    return old, log_prob, adv, mask
+
+
+def test_dppo_tv_by_hand():
+    """Trust region on p - q at 0.15 both ways, ratio truncated at 1.5 (t4: r = 2)."""
+    tokens = [(1.0, 0.5, 0.6), (1.0, 0.5, 0.7), (-1.0, 0.5, 0.4), (-1.0, 0.5, 0.3), (1.0, 0.1, 0.2),
+              (0.0, 0.5, 0.2)]  # kept, out (+0.2), kept, out (-0.2), kept and truncated, out (A = 0: -0.3)
+    old, log_prob, adv, mask = dppo_case(tokens)
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.15, clip_ratio_high=0.15, clip_ratio_c=1.5,
+                          loss_mode="dppo_tv")
+    assert loss.item() == pytest.approx((-1.2 * math.log(0.6) + 0.8 * math.log(0.4) - 1.5 * math.log(0.2)) / 6)
+    assert (m["pg_clipfrac"].item(), m["pg_clipfrac_high"].item(), m["pg_clipfrac_low"].item(),
+            m["pg_clipfrac_dual"].item()) == pytest.approx((3 / 6, 1 / 6, 2 / 6, 1 / 6))
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([-1.2 / 6, 0, 0.8 / 6, 0, -1.5 / 6, 0, 0])
+
+
+def test_dppo_kl_by_hand():
+    """Trust region on the binary KL D(q || p) at 0.05, only against the advantage's push:
+    D(.5 || .6) = D(.5 || .4) = .0204, D(.5 || .7) = D(.5 || .3) = .0872, D(.1 || .2) = .0367."""
+    tokens = [(1.0, 0.5, 0.6), (1.0, 0.5, 0.7), (-1.0, 0.5, 0.4), (-1.0, 0.5, 0.3), (1.0, 0.1, 0.2),
+              (1.0, 0.5, 0.1), (-1.0, 0.5, 0.9)]  # kept, out, kept, out, kept (r 2 -> 1.5), kept: p fell,
+    old, log_prob, adv, mask = dppo_case(tokens)  # kept: p rose (r 1.8 -> 1.5)
+    loss, m = policy_loss(old, log_prob, adv, mask, clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.5,
+                          loss_mode="dppo_kl")
+    assert loss.item() == pytest.approx((-1.2 * math.log(0.6) + 0.8 * math.log(0.4) - 1.5 * math.log(0.2)
+                                         - 0.2 * math.log(0.1) + 1.5 * math.log(0.9)) / 7)
+    assert (m["pg_clipfrac"].item(), m["pg_clipfrac_high"].item(), m["pg_clipfrac_low"].item(),
+            m["pg_clipfrac_dual"].item()) == pytest.approx((2 / 7, 1 / 7, 1 / 7, 2 / 7))
+    loss.backward()
+    assert log_prob.grad.tolist()[0] == pytest.approx([-1.2 / 7, 0, 0.8 / 7, 0, -1.5 / 7, -0.2 / 7, 1.5 / 7, 0])
 
 
 def test_policy_loss_rejects_bad_arguments():

@@ -17,6 +17,7 @@ megarl's two documented differences are checked as verl's code under megarl's ru
 the rows with a valid token (the random batches hold rows without one).
 """
 import ast
+import collections
 import dataclasses
 import math
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 from unittest import mock
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -121,9 +123,11 @@ def verl() -> types.SimpleNamespace:
                 if parent:
                     setattr(modules[parent], child, module)
         losses = {"torch": torch, "verl_F": functional, "Optional": Optional, "Any": Any, "ActorConfig": object,
-                  "AlgoConfig": type("AlgoConfig", (), {})}
-        _exec_functions(source("trainer/ppo/core_algos.py"), ["agg_loss", "compute_policy_loss_vanilla",
-                        "compute_policy_loss_reinforce", "compute_policy_loss_bypass_mode"], losses)
+                  "AlgoConfig": type("AlgoConfig", (), {}), "np": numpy, "defaultdict": collections.defaultdict}
+        _exec_functions(source("trainer/ppo/core_algos.py"), [
+            "agg_loss", "compute_policy_loss_vanilla", "compute_policy_loss_reinforce",
+            "compute_policy_loss_bypass_mode", "compute_policy_loss_gpg", "compute_policy_loss_dppo_tv",
+            "compute_policy_loss_dppo_kl", "compute_gpg_outcome_advantage"], losses)  # GPG, DPPO: test_losses_verl.py
         dumped = yaml.safe_load(source("trainer/config/_generated_ppo_megatron_trainer.yaml"))
     return types.SimpleNamespace(helper=helper, config=algorithm.RolloutCorrectionConfig, losses=losses,
                                  modules=modules, dumped=dumped)

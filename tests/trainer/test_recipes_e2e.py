@@ -207,6 +207,21 @@ def test_gspo_uses_sequence_level_ratios(ray_session, tiny_assets, tmp_path):
     assert m["actor/pg_clipfrac"] > 0  # the 3e-4 / 4e-4 range clips whole responses once the policy moved
 
 
+def test_gpg_estimator_and_loss(ray_session, tiny_assets, tmp_path):
+    """verl's GPG keys on the GRPO recipe: each response's advantage is alpha (s_i - mean_g), alpha =
+    responses / responses with a nonzero score, and the loss has no clip."""
+    run = run_recipe("grpo", tiny_assets, tmp_path, "algorithm.adv_estimator=gpg",
+                     "actor_rollout_ref.actor.policy_loss.loss_mode=gpg")
+    batch, m = run.actor_batches[-1], run.metrics
+    adv, scores = per_response(batch["advantages"], batch["response_mask"]), seq_rewards(batch)
+    assert informative(batch), "no group had different scores: the check would be vacuous"
+    alpha = len(scores) / max(int(scores.count_nonzero()), 1)
+    for g in groups(batch["uid"]):
+        assert torch.allclose(adv[g], alpha * (scores[g] - scores[g].mean()), atol=TOL), (adv[g], scores[g])
+    assert "actor/pg_clipfrac" not in m and math.isfinite(m["actor/pg_loss"])
+    assert m["actor/approx_kl"] > 0  # the second mini-batch's ratios: the first one's update moved the policy
+
+
 def test_dapo_filter_clip_higher_and_overlong(ray_session, tiny_assets, tmp_path):
     run = run_recipe("dapo", tiny_assets, tmp_path)
     batch, m, c = run.actor_batches[0], run.metrics, run.config

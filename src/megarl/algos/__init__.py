@@ -1,7 +1,7 @@
 """The RL maths as pure torch functions: no I/O, no communication, no config objects.
 
-advantages  estimators by name (gae, grpo, rloo, remax, reinforce_plus_plus(_baseline))
-losses      PPO/GSPO policy loss, value loss, actor loss, loss aggregation modes
+advantages  estimators by name (gae, grpo, rloo, remax, reinforce_plus_plus(_baseline), gpg)
+losses      policy losses (PPO, GSPO, GPG, DPPO-TV/KL), value loss, actor loss, loss aggregation modes
 metrics     Metrics: the losses' metrics, each declared with how it combines over micro-batches
 kl          KL estimators (k1/k2/k3, ...), KL in the reward, fixed/adaptive KL controllers
 entropy     per-token entropy from logits, also from vocabulary-parallel shards
@@ -15,8 +15,8 @@ from_config config sections -> keyword arguments
 
 Where megarl differs from verl's `core_algos` (the implementation users compare with), on purpose:
 
-- Group of one response (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline): advantage 0. verl takes
-  mean 0 and std 1 there, so the lone response's advantage is its raw score.
+- Group of one response (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GPG): advantage 0. verl takes
+  mean 0 and std 1 there, so the lone response's advantage is its raw score (GPG's: times alpha).
 - REINFORCE++-baseline, a group whose scores are all equal: advantage exactly 0 after the batch
   whitening (verl whitens the zeros too, giving them -mean/std).
 - A response's outcome score sums its token rewards over `response_mask` only (verl sums every

@@ -154,6 +154,24 @@ def rloo_advantages(
 
 
 @torch.no_grad()
+def gpg_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
+    score_mask: Optional[torch.Tensor] = None,
+) -> AdvantageResult:
+    """GPG (Chu et al. 2025, verl's `compute_gpg_outcome_advantage`): A_i = alpha * (s_i - mean_g)
+    on every token of response i, with alpha = B / M, B the responses of the batch and M those
+    whose score s is not 0 (at least 1): the batch's mean gradient rescaled to the responses that
+    carry a reward. Not divided by the group's std. returns = advantages.
+    """
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
+    stats = group_stats(scores, uids)
+    alpha = scores.shape[0] / scores.count_nonzero().clamp(min=1).to(torch.float64)
+    per_sample = torch.where(stats.degenerate, torch.zeros_like(scores), alpha * (scores - stats.mean))
+    advantages = _broadcast(per_sample, response_mask, _work_dtype(token_level_rewards))
+    return AdvantageResult(advantages, advantages, stats.metrics)
+
+
+@torch.no_grad()
 def remax_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor
 ) -> AdvantageResult:
@@ -216,6 +234,7 @@ ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., AdvantageResult]] = {
     "remax": remax_advantages,
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "gpg": gpg_advantages,
 }
 
 _INPUT_HELP = {

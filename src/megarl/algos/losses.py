@@ -26,7 +26,7 @@ from megarl.algos.rollout_correction import (
 )
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "gspo")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "dppo_tv", "dppo_kl")
 
 
 def agg_loss(
@@ -112,17 +112,29 @@ def policy_loss(
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """PPO's clipped surrogate, aggregated by `agg_loss`.
+    """The policy loss of `loss_mode` per token, aggregated by `agg_loss`.
 
-    vanilla: r_t = exp(log_prob - old_log_prob) (log-ratio clamped to [-20, 20]);
-        L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); for A < 0 the
-        dual clip (Ye et al. 2019) further bounds L_t <= -A * clip_ratio_c. Separate low/high
+    vanilla: PPO's clipped surrogate. r_t = exp(log_prob - old_log_prob) (log-ratio clamped to
+        [-20, 20]); L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); for A < 0
+        the dual clip (Ye et al. 2019) further bounds L_t <= -A * clip_ratio_c. Separate low/high
         bounds give DAPO's clip-higher.
     gspo: one ratio per response, s_i = exp(mean_t(log_prob - old_log_prob)) (Zheng et al. 2025),
         used at every token as sg[s_i] * pi / sg[pi] so the gradient is s_i * mean_t grad log pi;
         L_t = max(-A s, -A clip(s, 1 - low, 1 + high)); no dual clip. The tokens' log-ratios are
         averaged unclamped; only the sequence's log-ratio is clamped (at most 10). The paper's
         objective is `loss_agg_mode="seq-mean-token-mean"`.
+    gpg (Chu et al. 2025, verl's `compute_policy_loss_gpg`): L_t = -A log pi(y_t), the policy
+        gradient itself: no ratio, no clip (`old_log_prob` feeds only the ratio metrics).
+    dppo_tv, dppo_kl (DPPO, arXiv:2602.04879; verl's `compute_policy_loss_dppo_tv` / `_kl`):
+        L_t = -A sg[min(r, clip_ratio_c)] log pi(y_t) on the tokens inside a trust region, 0 on
+        the others: with p = exp(log_prob), q = exp(old_log_prob) (probabilities of the sampled
+        token), a token with A > 0 stays while p - q <= clip_ratio_high (tv), or while
+        D <= clip_ratio_high or p <= q (kl); a token with A <= 0 while p - q >= -clip_ratio_low
+        (tv), or while D <= clip_ratio_low or p >= q (kl); D = q log(q / p) + (1 - q) log((1 - q +
+        1e-8) / (1 - p + 1e-8)), the KL between the old and new Bernoulli "this token or another".
+        clip_ratio_low/high are divergence thresholds here (verl's script: 0.15 tv, 0.05 kl) and
+        clip_ratio_c truncates the ratio (in place of the dual clip). The gradient is
+        -A min(r, c) grad log pi on the kept tokens: PPO's where r = 1.
 
     Truncated importance sampling (`tis_imp_ratio_cap` > 0; Yao et al. 2025): the rollout engine
     sampled from a slightly different distribution than the trainer's (other kernels, precision),
@@ -131,44 +143,51 @@ def policy_loss(
     `rollout_is_weights` [batch, response_len]: weights made before the update
     (`megarl.algos.rollout_correction`, verl's `rollout_is_weights`), multiplying L_t the same way.
 
-    Metrics: pg_loss; pg_clipfrac (share of valid tokens where clipping is active),
-    pg_clipfrac_high (clipped with A > 0: ratio above 1 + high), pg_clipfrac_low (clipped with
-    A < 0: ratio below 1 - low), pg_clipfrac_dual (dual clip active); ppo_kl (mean of
-    old_log_prob - log_prob: clamped to +-20 per token in vanilla, unclamped in gspo, each as the
-    loss uses it), approx_kl (k3, >= 0, from the +-20-clamped log-ratio in both modes);
-    ratio_mean/max/min.
+    Metrics: pg_loss; except in gpg, pg_clipfrac (share of valid tokens clipped, or in dppo left
+    out by the trust region), pg_clipfrac_high (of them those with A > 0: in PPO the ratio above
+    1 + high), pg_clipfrac_low (those with A <= 0: in PPO below 1 - low), pg_clipfrac_dual (the bound
+    clip_ratio_c binding: the dual clip, in dppo the truncation of a kept token's ratio; verl's
+    pg_clipfrac_lower); ppo_kl (mean of old_log_prob - log_prob: clamped to +-20 per token except
+    in gspo, each as the loss uses it), approx_kl (k3, >= 0, from the +-20-clamped log-ratio in
+    every mode); ratio_mean/max/min.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    if loss_mode == "vanilla":
-        ratio = torch.exp(log_ratio)
-        kl_log_ratio = log_ratio
-    elif loss_mode == "gspo":  # the tokens' log-ratios unclamped: only the sequence's is clamped
+    ratio, kl_log_ratio = torch.exp(log_ratio), log_ratio
+    if loss_mode == "gspo":  # the tokens' log-ratios unclamped: only the sequence's is clamped
         kl_log_ratio = log_prob - old_log_prob
         seq_log_ratio = masked_mean(kl_log_ratio, response_mask, dim=-1)
         ratio = torch.exp(torch.clamp(seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach(), max=10.0))
+    if loss_mode in ("vanilla", "gspo"):
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        ppo = torch.maximum(unclipped, clipped)
+        clip_active = clipped > unclipped
+        if loss_mode == "vanilla":
+            dual_bound = -advantages * clip_ratio_c
+            dual_active = (advantages < 0) & (ppo > dual_bound)
+            loss_mat = torch.where(advantages < 0, torch.minimum(ppo, dual_bound), ppo)
+        else:
+            dual_active = torch.zeros_like(clip_active)
+            loss_mat = ppo
+    elif loss_mode == "gpg":
+        loss_mat = -advantages * log_prob
+    elif loss_mode in ("dppo_tv", "dppo_kl"):
+        kept = _dppo_trust_region(loss_mode, log_prob.detach(), old_log_prob, advantages,
+                                  clip_ratio_low, clip_ratio_high)
+        truncated = torch.clamp(ratio.detach(), max=clip_ratio_c)
+        loss_mat = torch.where(kept, -advantages * truncated * log_prob, 0.0)
+        clip_active, dual_active = ~kept, kept & (ratio.detach() > clip_ratio_c)
     else:
         raise ValueError(f"unknown policy loss_mode {loss_mode!r}; choose from {list(POLICY_LOSS_MODES)}")
-
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    ppo = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    if loss_mode == "vanilla":
-        dual_bound = -advantages * clip_ratio_c
-        dual_active = (advantages < 0) & (ppo > dual_bound)
-        loss_mat = torch.where(advantages < 0, torch.minimum(ppo, dual_bound), ppo)
-    else:
-        dual_active = torch.zeros_like(clip_active)
-        loss_mat = ppo
     tis_metrics = Metrics()
     if tis_imp_ratio_cap > 0:
         if rollout_log_prob is None:
             raise ValueError(f"tis_imp_ratio_cap={tis_imp_ratio_cap} needs rollout_log_prob (the rollout's log-probs)")
-        log_ratio = (old_log_prob - rollout_log_prob).detach()
-        raw = torch.exp(level_log_ratio(log_ratio, response_mask, "token"))
-        weight = truncated_is_weights(log_ratio, response_mask, "token", tis_imp_ratio_cap)
+        rollout_log_ratio = (old_log_prob - rollout_log_prob).detach()
+        raw = torch.exp(level_log_ratio(rollout_log_ratio, response_mask, "token"))
+        weight = truncated_is_weights(rollout_log_ratio, response_mask, "token", tis_imp_ratio_cap)
         loss_mat = loss_mat * weight
         tis_metrics.add("tis_weight_mean", masked_mean(weight, response_mask), Reduction.TOKEN_MEAN)
         tis_metrics.add("tis_capfrac", _fraction(raw > tis_imp_ratio_cap, response_mask), Reduction.TOKEN_MEAN)
@@ -180,13 +199,29 @@ def policy_loss(
     with torch.no_grad():
         metrics = Metrics()
         metrics.add("pg_loss", loss.detach(), Reduction.SUM)
-        metrics.add("pg_clipfrac", _fraction(clip_active, response_mask), Reduction.TOKEN_MEAN)
-        metrics.add("pg_clipfrac_high", _fraction(clip_active & (advantages > 0), response_mask), Reduction.TOKEN_MEAN)
-        metrics.add("pg_clipfrac_low", _fraction(clip_active & (advantages < 0), response_mask), Reduction.TOKEN_MEAN)
-        metrics.add("pg_clipfrac_dual", _fraction(dual_active, response_mask), Reduction.TOKEN_MEAN)
+        if loss_mode != "gpg":
+            positive = advantages > 0
+            metrics.add("pg_clipfrac", _fraction(clip_active, response_mask), Reduction.TOKEN_MEAN)
+            metrics.add("pg_clipfrac_high", _fraction(clip_active & positive, response_mask), Reduction.TOKEN_MEAN)
+            metrics.add("pg_clipfrac_low", _fraction(clip_active & ~positive, response_mask), Reduction.TOKEN_MEAN)
+            metrics.add("pg_clipfrac_dual", _fraction(dual_active, response_mask), Reduction.TOKEN_MEAN)
         metrics.update(_ratio_metrics(ratio.detach(), kl_log_ratio.detach(), log_ratio.detach(), response_mask))
         metrics.update(tis_metrics)
     return loss, metrics
+
+
+def _dppo_trust_region(loss_mode: str, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                       low: float, high: float) -> torch.Tensor:
+    """DPPO's kept tokens (bool [batch, response_len], see `policy_loss`): those whose probability
+    has not left the trust region in the direction their advantage pushes it."""
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if loss_mode == "dppo_tv":
+        rising, falling = prob - old_prob <= high, prob - old_prob >= -low
+    else:  # the KL between Bernoulli(old_prob) and Bernoulli(prob)
+        divergence = (old_prob * (old_log_prob - log_prob)
+                      + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)))
+        rising, falling = (divergence <= high) | (prob <= old_prob), (divergence <= low) | (prob >= old_prob)
+    return torch.where(advantages > 0, rising, falling)
 
 
 def reinforce_loss(
@@ -236,7 +271,7 @@ def bypass_policy_loss(
     rejection mask are made here, per micro-batch, from the current policy's `log_prob` (detached)
     against `rollout_log_prob` (`megarl.algos.rollout_correction.rollout_correction` with the
     keywords `correction`); the loss then runs on the kept tokens only (the counts `num_tokens`,
-    `num_seqs` stay the mini-batch's). `loss_type` "ppo_clip": `policy_loss` against the rollout's
+    `num_seqs` stay the mini-batch's). `loss_type` "ppo_clip": the vanilla `policy_loss` against the rollout's
     log-probs (keywords `ppo`), without weights (its ratio is the correction); "reinforce":
     `reinforce_loss` with the weights. Metrics: the loss's, plus the corrections' and
     `offpolicy_metrics` named as in the controller (`rollout_corr/...`), combined over
@@ -323,8 +358,8 @@ def actor_loss(
     needed when entropy_coeff != 0 and reported whenever given. With `use_kl_loss` the KL to the
     reference (`ref_log_prob`, estimator `kl_loss_type`) is added, aggregated like the policy loss.
     With `bypass` ({"loss_type", "correction"}: megarl.algos.from_config.bypass_kwargs) the policy
-    term is `bypass_policy_loss` with `old_log_prob` the rollout's; entropy and KL keep
-    `response_mask`, as verl's.
+    term is `bypass_policy_loss` with `old_log_prob` the rollout's, in place of `loss_mode` (as
+    verl's bypass mode replaces it); entropy and KL keep `response_mask`, as verl's.
     Metrics: those of `policy_loss` (or `bypass_policy_loss`), plus entropy, kl_loss, kl_coef where
     used, and actor_loss.
     """
@@ -332,7 +367,7 @@ def actor_loss(
     clips = dict(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
     if bypass is not None:
         loss, metrics = bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, **bypass, **clips,
-                                           loss_agg_mode=loss_agg_mode, loss_mode=loss_mode, **agg)
+                                           loss_agg_mode=loss_agg_mode, **agg)
     else:
         loss, metrics = policy_loss(
             old_log_prob, log_prob, advantages, response_mask, **clips,

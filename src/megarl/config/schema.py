@@ -19,6 +19,7 @@ ADV_ESTIMATORS = (
     "remax",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
+    "gpg",
 )
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -277,7 +278,10 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"  # gspo: sequence-level importance ratios
+    # gspo: sequence-level importance ratios; gpg: the plain policy gradient -A log pi; dppo_tv / dppo_kl: PPO's
+    # ratio clip replaced by a trust region on the token's probability (clip_ratio_low/high its TV / binary-KL
+    # thresholds, clip_ratio_c the truncation of the ratio): megarl.algos.losses.policy_loss
+    loss_mode: Literal["vanilla", "gspo", "gpg", "dppo_tv", "dppo_kl"] = "vanilla"
 
 
 @dataclass
@@ -301,7 +305,7 @@ class ActorConfig:
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # None: clip_ratio
     clip_ratio_high: Optional[float] = None  # None: clip_ratio (DAPO clip-higher sets e.g. 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (dppo_*: the ratio's truncation)
     # truncated importance sampling: weight each token's policy loss by
     # min(exp(old_log_prob - rollout_log_prob), cap) to correct rollout/trainer mismatch; -1: off.
     # verl <= 0.5's key; verl 0.9 spells it algorithm.rollout_correction.rollout_is=token with

@@ -12,7 +12,7 @@ from megarl.config.schema import ExperimentConfig
 log = logging.getLogger("megarl.config")
 
 # Estimators whose baseline comes from the other responses of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg")
 
 
 def token_budget_holds_a_sequence(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
