@@ -178,4 +178,7 @@ def test_wrong_shapes_are_named():
     with pytest.raises(ConversionError, match="decoder.layers.0.mlp.linear_fc1.weight"):
         weights.to_hf("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(96, 64))
     with pytest.raises(ConversionError, match="has no HF mapping"):
+        weights.to_hf("decoder.layers.0.mlp.linear_fc2.bias", torch.zeros(64))
+    # o_proj's bias maps in gpt-oss only (biases on every linear)
+    with pytest.raises(ConversionError, match="does not exist in this llama config"):
         weights.to_hf("decoder.layers.0.self_attention.linear_proj.bias", torch.zeros(64))

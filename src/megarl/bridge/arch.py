@@ -24,7 +24,7 @@ class Family:
     qk_layernorm: bool  # per-head RMSNorm on q and k, before RoPE
     must_be_false: tuple[str, ...]  # HF fields with no exact megatron-core equivalent when true
     sliding_window_field: bool  # `sliding_window` (when set) is applied to every layer
-    moe: Optional[str] = None  # MoE naming scheme (megarl.bridge.moe): "qwen", "mixtral"; None: dense
+    moe: Optional[str] = None  # MoE naming scheme (megarl.bridge.moe): "qwen", "mixtral", "gpt_oss"; None: dense
 
 
 FAMILIES: dict[str, Family] = {
@@ -40,14 +40,21 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, ("attention_bias", "use_sliding_window"), False,
                moe="qwen"),
         Family("mixtral", "MixtralForCausalLM", False, False, (), True, moe="mixtral"),
+        # sinks, alternating windows, biases on every linear, clamped SwiGLU: `gpt_oss_fields`
+        Family("gpt_oss", "GptOssForCausalLM", True, False, (), False, moe="gpt_oss"),
     )
 }
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: Literal["llama3", "linear"]
+    kind: Literal["llama3", "linear", "yarn"]
     factor: float
+    # yarn only (HF `_compute_yarn_parameters`; megatron's YarnRotaryEmbedding)
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the correction range to integers (megatron's correction_range_round_to_int)
 
 
 SEQ_CLS_SUFFIX = "ForSequenceClassification"
@@ -80,6 +87,13 @@ class ModelArch:
     # [1, H] (megatron `output_layer.weight` [1, H]) replaces the LM head
     score_head: bool = False
     moe: Optional[MoESpec] = None  # experts of every layer's MLP; None: a dense MLP of ffn_hidden_size
+    # gpt-oss: which layers use `sliding_window` (None: all, where it is set), a learnable sink
+    # logit per head in every softmax, a bias on every linear (o_proj, router, experts), and the
+    # clamped SwiGLU (gate clamped above, up to [-c, c], gate * sigmoid(1.702 gate) * (up + 1))
+    window_layers: Optional[tuple[bool, ...]] = None
+    attention_sinks: bool = False
+    linear_bias: bool = False
+    swiglu_clamp: Optional[float] = None
 
     @property
     def family(self) -> Family:
@@ -116,7 +130,8 @@ def _positive_int(config: Mapping[str, Any], key: str, source: str) -> int:
     return value
 
 
-def _rope(config: Mapping[str, Any], source: str) -> tuple[float, Optional[RopeScaling]]:
+def _rope(config: Mapping[str, Any], source: str, yarn: bool = False) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, scaling); `yarn`: YaRN is accepted (gpt_oss, where HF's and megatron-core's are checked equal)."""
     # transformers >= 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`
     params = dict(config.get("rope_scaling") or {})
     params.update(config.get("rope_parameters") or {})
@@ -144,9 +159,29 @@ def _rope(config: Mapping[str, Any], source: str) -> tuple[float, Optional[RopeS
                     f"megatron-core hard-codes {key}={fixed}"
                 )
         return float(theta), RopeScaling("llama3", float(factor))
+    if kind == "yarn" and yarn:
+        return float(theta), _yarn(params, float(factor), source)
     raise ConversionError(
-        f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3)"
+        f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3; "
+        "yarn for gpt_oss)"
     )
+
+
+def _yarn(params: Mapping[str, Any], factor: float, source: str) -> RopeScaling:
+    """YaRN as HF computes it (modeling_rope_utils `_compute_yarn_parameters`) and megatron's
+    `YarnRotaryEmbedding` does: the same ramp between interpolated and extrapolated frequencies
+    and cos/sin times 0.1 ln(factor) + 1. HF's `attention_factor` and `mscale`/`mscale_all_dim`
+    (which megatron reads under other conditions) are refused."""
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
+            raise ConversionError(f"{source}: yarn rope scaling with `{key}`={params[key]!r} is not supported "
+                                  "(only the default attention factor 0.1 ln(factor) + 1)")
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise ConversionError(f"{source}: yarn rope scaling needs a positive `original_max_position_embeddings`, "
+                              f"got {original!r}")
+    return RopeScaling("yarn", factor, original, float(params.get("beta_fast") or 32.0),
+                       float(params.get("beta_slow") or 1.0), bool(params.get("truncate", True)))
 
 
 def _score_head(config: Mapping[str, Any], source: str) -> bool:
@@ -196,6 +231,10 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
     """
     family = _family(config, source)
     model_type = family.model_type
+    if config.get("quantization_config") and model_type == "gpt_oss":
+        method = (config["quantization_config"] or {}).get("quant_method")
+        raise ConversionError(f"{source}: `quantization_config` ({method}) is set; quantized gpt-oss checkpoints "
+                              f"are not supported: {GPT_OSS_DEQUANTIZE}")
     if config.get("quantization_config"):
         raise ConversionError(f"{source}: `quantization_config` is set; quantized checkpoints are not supported")
     for key in family.must_be_false:
@@ -205,7 +244,7 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
     if act != "silu":
         raise ConversionError(f"{source}: `hidden_act`={act!r} is not supported (only 'silu', i.e. SwiGLU)")
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
+    if model_type != "gpt_oss" and any(t != "full_attention" for t in layer_types):
         raise ConversionError(f"{source}: `layer_types` other than 'full_attention' are not supported: {layer_types}")
 
     hidden = _positive_int(config, "hidden_size", source)
@@ -225,12 +264,14 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         head_dim = hidden // heads
     elif not isinstance(head_dim, int) or head_dim <= 0:
         raise ConversionError(f"{source}: `head_dim` must be a positive integer, got {head_dim!r}")
-    theta, scaling = _rope(config, source)
+    theta, scaling = _rope(config, source, yarn=model_type == "gpt_oss")
     if family.moe == "qwen" and family.qkv_bias and config.get("qkv_bias") is False:
         raise ConversionError(f"{source}: `qkv_bias`=false is not supported for model_type {model_type!r}")
     window = config.get("sliding_window") if family.sliding_window_field else None
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ConversionError(f"{source}: `sliding_window` must be a positive integer or null, got {window!r}")
+    extra = gpt_oss_fields(config, source) if model_type == "gpt_oss" else {}
+    window = extra.pop("sliding_window", window)
     return ModelArch(
         model_type=model_type,
         num_layers=_positive_int(config, "num_hidden_layers", source),
@@ -250,4 +291,40 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         sliding_window=window,
         score_head=_score_head(config, source),
         moe=moe_from_hf_config(config, family.moe, source) if family.moe else None,
+        **extra,
     )
+
+
+GPT_OSS_SWIGLU_ALPHA = 1.702  # megatron's quick_gelu hard-codes it (fusions/fused_bias_geglu.py `quick_gelu`)
+GPT_OSS_DEQUANTIZE = ("dequantize it first: GptOssForCausalLM.from_pretrained(path, quantization_config="
+                      "Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(out)")
+
+
+def gpt_oss_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The `ModelArch` fields of a gpt-oss config beyond the common decoder's (transformers 5.25
+    `GptOssConfig`), refusing what megatron-core cannot express: megatron adds biases to every linear
+    or none (`add_bias_linear`), so `attention_bias` must be true (the experts and router always have
+    them); its clamped GLU is quick_gelu, sigmoid gain 1.702 only."""
+    if config.get("attention_bias", True) is not True:
+        raise ConversionError(f"{source}: `attention_bias`={config['attention_bias']!r} is not supported for gpt_oss "
+                              "(megatron-core biases every linear or none; the experts and router have biases)")
+    alpha = config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)
+    if alpha != GPT_OSS_SWIGLU_ALPHA:
+        raise ConversionError(f"{source}: `swiglu_alpha`={alpha!r} is not supported (megatron-core's quick_gelu "
+                              f"hard-codes {GPT_OSS_SWIGLU_ALPHA})")
+    limit = config.get("swiglu_limit", 7.0)
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0:
+        raise ConversionError(f"{source}: `swiglu_limit` must be a positive number, got {limit!r}")
+    layers = config.get("num_hidden_layers")
+    types = list(config.get("layer_types") or
+                 ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers or 0)])
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConversionError(f"{source}: `layer_types` must name 'sliding_attention' or 'full_attention' for each "
+                              f"of the {layers} layers, got {types}")
+    window = config.get("sliding_window")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    if any(sliding) and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ConversionError(f"{source}: `sliding_window` must be a positive integer where `layer_types` has "
+                              f"sliding layers, got {window!r}")
+    return dict(sliding_window=window if any(sliding) else None, window_layers=sliding, attention_sinks=True,
+                linear_bias=True, swiglu_clamp=float(limit))

@@ -19,6 +19,7 @@ import torch
 
 from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.fused_experts import ExpertFuser
 from megarl.bridge.lora import is_lora_param, merge_into_hf, read_adapters
 from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
 from megarl.bridge.output_dir import atomic_output_dir
@@ -264,13 +265,18 @@ def convert_torch_dist_to_hf(
     counter = _ProgressCounter(sizes, on_progress)
     with atomic_output_dir(out) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        # gpt-oss: per-expert tensors are written fused, a layer's tensor once all its experts are in
+        fuser = ExpertFuser(arch.moe.num_experts) if arch.moe is not None and arch.moe.scheme == "gpt_oss" else None
         for name in weights.mcore_names():
             hf = dict(weights.to_hf(name, reader.read(name)))
             if adapters:
                 merge_into_hf(hf, adapters, lora_scale)
             for hf_name, tensor in hf.items():
-                writer.add(hf_name, tensor)
+                for written, fused in (fuser.add(hf_name, tensor) if fuser else [(hf_name, tensor)]):
+                    writer.add(written, fused)
             counter(name)
+        if fuser:
+            fuser.close()
         writer.close()
         copy_hf_assets(assets, tmp, dtype=dtype, architecture=arch.hf_architecture)
         verify_hf(tmp, weights, dtype)

@@ -41,7 +41,7 @@ COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPS
 
 Transform = Literal["identity", "qkv", "gate_up", "vocab"]
 Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied", "score_head", "dense_mlp", "moe_qwen",
-                    "moe_mixtral", "moe", "shared_expert"]
+                    "moe_mixtral", "moe_gpt_oss", "moe", "shared_expert", "linear_bias", "attention_sinks"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class ParamRule:
             "moe": moe is not None,
             "moe_qwen": moe is not None and moe.scheme == "qwen",
             "moe_mixtral": moe is not None and moe.scheme == "mixtral",
+            "moe_gpt_oss": moe is not None and moe.scheme == "gpt_oss",
+            "linear_bias": arch.linear_bias,
+            "attention_sinks": arch.attention_sinks,
             "shared_expert": moe is not None and moe.shared_expert,
         }[self.condition]
 
@@ -98,6 +101,11 @@ RULES: tuple[ParamRule, ...] = (
     ParamRule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "identity", REPLICATED,
               "qk_layernorm"),
     ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "identity", ROW),
+    # gpt-oss: o_proj's bias (added once, after the row-parallel reduction) and the per-head sink logits
+    ParamRule(_L + "self_attention.linear_proj.bias", (_H + "self_attn.o_proj.bias",), "identity", REPLICATED,
+              "linear_bias"),
+    ParamRule(_L + "self_attention.core_attention.softmax_offset", (_H + "self_attn.sinks",), "identity", COLUMN,
+              "attention_sinks"),
     ParamRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), "identity",
               REPLICATED, "dense_mlp", local_alias=_L + "pre_mlp_layernorm.weight"),
     ParamRule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up",
@@ -109,7 +117,7 @@ RULES: tuple[ParamRule, ...] = (
               "moe"),
     *(
         rule
-        for scheme in ("qwen", "mixtral")
+        for scheme in ("qwen", "mixtral", "gpt_oss")
         for rule in (
             ParamRule(_L + "mlp.router.weight", (hf_router(scheme),), "identity", REPLICATED, f"moe_{scheme}"),
             ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
@@ -118,6 +126,14 @@ RULES: tuple[ParamRule, ...] = (
                       "identity", ROW, f"moe_{scheme}"),
         )
     ),
+    # gpt-oss's biases (its experts read per expert from the fused tensors: megarl.bridge.fused_experts);
+    # megatron allows expert biases only at expert TP 1 (transformer_config.py), so they are never split
+    ParamRule(_L + "mlp.router.bias", (hf_router("gpt_oss", "bias"),), "identity", REPLICATED, "moe_gpt_oss"),
+    ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc1.bias",
+              (hf_expert("gpt_oss", "gate", "bias"), hf_expert("gpt_oss", "up", "bias")), "gate_up", GLU_COLUMN,
+              "moe_gpt_oss"),
+    ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc2.bias", (hf_expert("gpt_oss", "down", "bias"),),
+              "identity", REPLICATED, "moe_gpt_oss"),
     ParamRule(_L + "mlp.shared_experts.linear_fc1.weight",
               (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up",
               GLU_COLUMN, "shared_expert"),
@@ -141,7 +157,7 @@ def _pattern(template: str) -> re.Pattern:
 
 
 # MoE rules last: without an arch, `pre_mlp_layernorm` is the dense local alias (`canonical_name`)
-_MOE_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "shared_expert")
+_MOE_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "moe_gpt_oss", "shared_expert")
 _MCORE_PATTERNS = (
     [(_pattern(r.mcore), r) for r in RULES if r.condition not in _MOE_CONDITIONS]
     + [(_pattern(r.local_alias), r) for r in RULES if r.local_alias]
@@ -289,6 +305,7 @@ class WeightMap:
             ("q_norm", "weight"): (d,),
             ("k_norm", "weight"): (d,),
             ("o_proj", "weight"): (hid, a.num_attention_heads * d),
+            ("self_attn", "sinks"): (a.num_attention_heads,),
             ("gate_proj", "weight"): (a.ffn_hidden_size, hid),
             ("up_proj", "weight"): (a.ffn_hidden_size, hid),
             ("down_proj", "weight"): (hid, a.ffn_hidden_size),

@@ -53,7 +53,53 @@ def transformer_config_kwargs(
     if arch.moe is not None:
         kwargs.update(moe_kwargs(arch.moe), expert_model_parallel_size=layout.ep,
                       expert_tensor_parallel_size=layout.expert_tp)
+    kwargs.update(gpt_oss_kwargs(arch))
     return kwargs
+
+
+def gpt_oss_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """`TransformerConfig` arguments of gpt-oss's features (none for other models): sinks are
+    megatron's `softmax_type="learnable"` (a `softmax_offset` [heads] per layer, a softmax over
+    the keys and the sink: transformer/dot_product_attention.py, fusions/fused_softmax.py
+    `SoftmaxOne`); the window on the layers HF's `layer_types` marks sliding is
+    `window_attn_skip_freq` as a per-layer list (1: windowed; transformer/utils.py
+    `is_layer_window_attention`); every linear has a bias (`add_bias_linear`); HF's clamped SwiGLU
+    is megatron's GLU with `quick_gelu` (x sigmoid(1.702 x)), the gate clamped above and the linear
+    half to [-c, c] (`activation_func_clamp_value`), plus 1 (`glu_linear_offset`) (transformer/mlp.py `glu`)."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    out: dict[str, Any] = {}
+    if arch.attention_sinks:
+        out["softmax_type"] = "learnable"
+    if arch.window_layers is not None and arch.sliding_window is not None:
+        out["window_attn_skip_freq"] = [int(w) for w in arch.window_layers]
+    if arch.linear_bias:
+        out["add_bias_linear"] = True
+    if arch.swiglu_clamp is not None:
+        out.update(activation_func=quick_gelu, activation_func_clamp_value=arch.swiglu_clamp, glu_linear_offset=1.0)
+    return out
+
+
+def yarn_config_attributes(arch: ModelArch) -> dict[str, Any]:
+    """Attributes `GPTModel(position_embedding_type="yarn")` reads from its `TransformerConfig`
+    (models/gpt/gpt_model.py `getattr(self.config, "yarn_...")`; the attention applies the
+    concentration factor from them, transformer/attention.py `_yarn_get_concentration_factor_from_config`),
+    which `TransformerConfig` has no fields for: set them on the config object (`set_yarn_attributes`)."""
+    scaling = arch.rope_scaling
+    if scaling is None or scaling.kind != "yarn":
+        return {}
+    return dict(yarn_rotary_scaling_factor=scaling.factor,
+                yarn_original_max_position_embeddings=scaling.original_max_position_embeddings,
+                yarn_beta_fast=scaling.beta_fast, yarn_beta_slow=scaling.beta_slow,
+                yarn_mscale=None, yarn_mscale_all_dim=None,  # HF's default attention factor: 0.1 ln(factor) + 1
+                yarn_correction_range_round_to_int=scaling.truncate)
+
+
+def set_yarn_attributes(config, arch: ModelArch):
+    """`config` (a megatron `TransformerConfig`) with `yarn_config_attributes(arch)` set on it."""
+    for name, value in yarn_config_attributes(arch).items():
+        setattr(config, name, value)
+    return config
 
 
 def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
@@ -62,7 +108,7 @@ def gpt_model_kwargs(arch: ModelArch, padded_vocab_size: int) -> dict[str, Any]:
     return dict(
         vocab_size=padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if scaling is not None and scaling.kind == "yarn" else "rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
         rope_scaling=scaling is not None and scaling.kind == "llama3",

@@ -11,6 +11,10 @@ HF softmax over all experts -> top-k -> renormalise (`norm_topk_prob=True`, and 
 megatron's top-k on the logits then softmax over the k (`moe_router_pre_softmax=False`); HF without
 renormalisation (`norm_topk_prob=False`) is `moe_router_pre_softmax=True`. The Qwen2-MoE shared
 expert, scaled by sigmoid(x . shared_expert_gate), is megatron's `moe_shared_expert_gate=True`.
+gpt-oss (`mlp.router.{weight,bias}`; experts fused on disk, read per expert under the Qwen spelling
+with biases: `megarl.bridge.fused_experts`) takes the top-k of the biased logits, then softmax over
+the k (`GptOssTopKRouter`): megatron's `moe_router_pre_softmax=False` with the router's
+`add_bias_linear` bias (transformer/moe/router.py `Router.gating`).
 """
 from __future__ import annotations
 
@@ -51,7 +55,11 @@ def _count(config: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int
 
 def moe_from_hf_config(config: Mapping[str, Any], scheme: str, source: str) -> MoESpec:
     """Read the MoE fields of an HF config of naming `scheme`; reject what megatron cannot express."""
-    if scheme == "mixtral":
+    if scheme == "gpt_oss":
+        experts = _count(config, ("num_local_experts",), source)
+        ffn = _count(config, ("intermediate_size",), source)
+        shared, norm_topk = 0, True  # GptOssTopKRouter: softmax over the top-k logits
+    elif scheme == "mixtral":
         experts = _count(config, ("num_local_experts",), source)
         ffn = _count(config, ("intermediate_size",), source)
         shared, norm_topk = 0, True  # MixtralSparseMoeBlock always renormalises the top-k weights
@@ -76,18 +84,21 @@ def moe_from_hf_config(config: Mapping[str, Any], scheme: str, source: str) -> M
 
 
 # ------------------------------------------------------------------------------------------ names
-_PREFIX = {"qwen": "model.layers.{i}.mlp.", "mixtral": "model.layers.{i}.block_sparse_moe."}
-_EXPERT_PROJ = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+_PREFIX = {"qwen": "model.layers.{i}.mlp.", "mixtral": "model.layers.{i}.block_sparse_moe.",
+           "gpt_oss": "model.layers.{i}.mlp."}
+_EXPERT_PROJ = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
+                "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
+_ROUTER = {"qwen": "gate", "mixtral": "gate", "gpt_oss": "router"}
 
 
-def hf_router(scheme: str) -> str:
-    return _PREFIX[scheme] + "gate.weight"
+def hf_router(scheme: str, kind: str = "weight") -> str:
+    return _PREFIX[scheme] + _ROUTER[scheme] + "." + kind
 
 
-def hf_expert(scheme: str, which: str) -> str:
+def hf_expert(scheme: str, which: str, kind: str = "weight") -> str:
     """HF name template ("{i}" layer, "{e}" expert) of an expert's `gate`, `up` or `down` projection."""
     proj = dict(zip(("gate", "up", "down"), _EXPERT_PROJ[scheme]))[which]
-    return _PREFIX[scheme] + "experts.{e}." + proj + ".weight"
+    return _PREFIX[scheme] + "experts.{e}." + proj + "." + kind
 
 
 EXPERT_MCORE = re.compile(r"(?:^|\.)mlp\.experts\.local_experts\.(\d+)\.")
@@ -111,13 +122,19 @@ def shift_expert(mcore_name: str, offset: int) -> str:
 
 
 _HF_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_HF_EXPERT_BIAS = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.bias$")
 _HF_SHARED = re.compile(r"\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def hf_shape(moe: MoESpec, hidden: int, hf_name: str) -> Optional[tuple[int, ...]]:
     """The shape of an MoE HF tensor (router, expert, shared expert), None for other tensors."""
-    if hf_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+    if hf_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
         return (moe.num_experts, hidden)
+    if hf_name.endswith("mlp.router.bias"):
+        return (moe.num_experts,)
+    m = _HF_EXPERT_BIAS.search(hf_name)
+    if m:
+        return (hidden,) if m.group(1) == "down_proj" else (moe.expert_ffn_hidden_size,)
     if hf_name.endswith("mlp.shared_expert_gate.weight"):
         return (1, hidden)
     for pattern, ffn in ((_HF_EXPERT, moe.expert_ffn_hidden_size), (_HF_SHARED, moe.shared_expert_ffn_hidden_size)):

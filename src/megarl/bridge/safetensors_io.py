@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.fused_experts import fused_source, is_fused, per_expert_names, per_expert_shape, read_cut
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,7 +36,8 @@ SAFETENSORS_DTYPES = {
 class HFCheckpointReader:
     """The tensors of an HF checkpoint directory (`model.safetensors`, or shards listed in
     `model.safetensors.index.json`). Opening checks that every shard exists, has a complete
-    header and holds the tensors the index says it holds; tensors are read on demand."""
+    header and holds the tensors the index says it holds; tensors are read on demand. gpt-oss's
+    fused expert tensors are presented per expert (`megarl.bridge.fused_experts`)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
@@ -69,16 +71,26 @@ class HFCheckpointReader:
             for name, file in weight_map.items():
                 if self._file_of.get(name) != file:
                     raise ConversionError(f"{index_path}: lists {name!r} in {file}, which does not contain it")
+        self._per_expert: dict[str, str] = {}  # per-expert name -> its fused tensor
+        for name in [n for n in self._file_of if is_fused(n)]:
+            for part in per_expert_names(name, self._raw_slice(name).get_shape()[0]):
+                self._per_expert[part] = name
 
     def names(self) -> list[str]:
-        return list(self._file_of)
+        return [n for n in self._file_of if not is_fused(n)] + list(self._per_expert)
 
-    def _slice(self, name: str):
+    def _raw_slice(self, name: str):
         if name not in self._file_of:
             raise ConversionError(f"{self.dir}: the checkpoint has no tensor {name!r}")
         return self._handles[self._file_of[name]].get_slice(name)
 
+    def _slice(self, name: str):
+        return self._raw_slice(self._per_expert.get(name, name))
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._per_expert:
+            _, _, proj, kind = fused_source(name)
+            return per_expert_shape(tuple(self._slice(name).get_shape()), proj, kind)
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
@@ -88,6 +100,8 @@ class HFCheckpointReader:
         return SAFETENSORS_DTYPES[code]
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._per_expert:
+            return read_cut(self._raw_slice, name)
         if name not in self._file_of:
             raise ConversionError(f"{self.dir}: the checkpoint has no tensor {name!r}")
         return self._handles[self._file_of[name]].get_tensor(name)

@@ -155,6 +155,9 @@ def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             tp_fields.append(("shared_expert_intermediate_size", moe.shared_expert_ffn_hidden_size))
         if moe.num_experts % layout.ep:
             raise ConversionError(f"{layout}: num_experts={moe.num_experts} is not a multiple of ep={layout.ep}")
+        if arch.linear_bias and layout.expert_tp > 1:  # transformer_config.py: "Bias in Moe is only supported when ETP==1"
+            raise ConversionError(f"{layout}: {arch.model_type}'s experts have biases, which megatron-core supports "
+                                  "only at expert TP size 1 (set etp=1)")
         if moe.expert_ffn_hidden_size % layout.expert_tp:
             raise ConversionError(f"{layout}: the expert MLP width {moe.expert_ffn_hidden_size} is not a multiple "
                                   f"of the expert TP size {layout.expert_tp}")

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -45,7 +46,13 @@ ARCHITECTURES = {
     "qwen2_moe": (Qwen2MoeConfig, {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2,
                                    "norm_topk_prob": False}),  # plus a shared expert (sigmoid-gated)
     "mixtral": (MixtralConfig, {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    # sinks, a window of 4 on even layers, biases, clamped SwiGLU, YaRN (factor 8 over 64 positions)
+    "gpt_oss": (GptOssConfig, {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4,
+                               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                   "original_max_position_embeddings": 64}}),
 }
+# not gpt_oss: these feed SGLang-backed tests, and SGLang on CPU does not serve it
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

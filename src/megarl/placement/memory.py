@@ -72,19 +72,38 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def expert_layer_params(arch: ModelArch, experts: int = 0) -> int:
-    """Parameters of `experts` routed experts of one layer (gated MLPs); 0 for a dense model."""
-    return 3 * arch.hidden_size * arch.moe.expert_ffn_hidden_size * experts if arch.moe else 0
+    """Parameters of `experts` routed experts of one layer (gated MLPs, with gpt-oss's biases
+    [2F] and [H] each); 0 for a dense model."""
+    if not arch.moe:
+        return 0
+    h, f = arch.hidden_size, arch.moe.expert_ffn_hidden_size
+    return (3 * h * f + ((2 * f + h) if arch.linear_bias else 0)) * experts
 
 
 def dense_layer_params(arch: ModelArch) -> int:
     """Parameters of one decoder layer outside its routed experts: attention, two norms, and the
-    gated MLP (dense) or router + shared expert and its gate (MoE); biases ignored."""
+    gated MLP (dense) or router + shared expert and its gate (MoE); q/k/v biases ignored, except
+    gpt-oss's biases on every linear (q/k/v, o, router) and its sinks (one logit per head)."""
     q, kv, h = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels, arch.hidden_size
     attention = h * q + 2 * h * kv + q * h + 2 * h
+    attention += (q + 2 * kv + h if arch.linear_bias else 0) + (arch.num_attention_heads if arch.attention_sinks else 0)
     if arch.moe is None:
         return attention + 3 * h * arch.ffn_hidden_size
     shared = 3 * h * arch.moe.shared_expert_ffn_hidden_size + (h if arch.moe.shared_expert else 0)
-    return attention + arch.moe.num_experts * h + shared
+    router_bias = arch.moe.num_experts if arch.linear_bias else 0
+    return attention + arch.moe.num_experts * h + router_bias + shared
+
+
+def kv_layer_tokens(arch: ModelArch, seq: int) -> int:
+    """Key/value rows (summed over layers) one sequence of `seq` tokens keeps in a rollout server's
+    KV cache: every layer holds all its tokens, except where windows alternate with full layers
+    (gpt-oss's `layer_types`): SGLang 0.5.23 serves those models with a hybrid sliding-window pool
+    (configs/model_config.py `SWA_SINK_ARCHS`, `is_hybrid_swa_model`), whose windowed layers keep
+    the last `sliding_window` tokens only."""
+    if arch.window_layers is None or arch.sliding_window is None:
+        return arch.num_layers * seq
+    windowed = sum(arch.window_layers)
+    return (arch.num_layers - windowed) * seq + windowed * min(seq, arch.sliding_window)
 
 
 def layer_params(arch: ModelArch) -> int:
@@ -349,7 +368,7 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
     responses_per_server = math.ceil(config.data.prompts_per_generation * arr.rollout.n / rollout.dp)
     kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
-    kv_needed = responses_per_server * seq * 2 * arch.num_layers * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
+    kv_needed = responses_per_server * 2 * kv_layer_tokens(arch, seq) * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
         arr.rollout.dtype]
     server_weights = server_gpu_params(arch, rollout.tp, rollout.ep) * DTYPE_BYTES[arr.rollout.dtype]
     if placement.mode == "split":

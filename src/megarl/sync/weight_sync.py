@@ -201,6 +201,24 @@ class _Outcome:
 Progress = Callable[[int, HFBucket], None]  # (pipeline stage, bucket just sent), on emitters
 
 
+def push_problem(weights: WeightMap) -> Optional[str]:
+    """Why the weights of this model cannot be pushed to SGLang under the names its model class
+    loads, or None. gpt-oss: SGLang 0.5.23's `GptOssForCausalLM.load_weights` (models/gpt_oss.py
+    `_load_normal_weights`, `FusedMoE.make_expert_params_mapping_fused`) loads a layer's experts
+    only as the four fused tensors `mlp.experts.{gate_up_proj, gate_up_proj_bias, down_proj,
+    down_proj_bias}` holding every expert ([E, H, 2F] gate/up interleaved, ...), and skips any other
+    expert name without a word; the push emits each expert from its own EP rank under a per-expert
+    name (the bridge's `megarl.bridge.fused_experts` view), so it would silently leave the
+    servers' experts stale."""
+    moe = weights.arch.moe
+    if moe is not None and moe.scheme == "gpt_oss":
+        return ("gpt-oss weights cannot be pushed yet: SGLang's GptOssForCausalLM.load_weights takes a layer's "
+                "experts only as fused tensors of all experts (mlp.experts.gate_up_proj [E, H, 2F], ...) and "
+                "ignores per-expert names, which megarl's push sends; train without a rollout push (e.g. "
+                "evaluate exported checkpoints) until the push fuses experts across EP ranks")
+    return None
+
+
 class WeightSync:
     def __init__(
         self,
@@ -218,6 +236,9 @@ class WeightSync:
         versions count up from `initial_version` (the first push sets initial_version + 1)."""
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
+        problem = push_problem(weights)
+        if problem:
+            raise ValueError(f"weight sync: {problem}")
         unknown = sorted(config.fp8_weights - set(weights.hf_names()))
         if unknown:
             raise ValueError(f"weight sync: fp8_weights names tensors the model does not have: {unknown[:5]}")

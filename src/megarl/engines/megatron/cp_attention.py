@@ -13,7 +13,12 @@ reduce-scatter of the gradients back to their ranks backward, transformer-engine
 see: the same sequence (packed: `cu_seqlens_q_padded`, else `cu_seqlens_q`, as megatron's RoPE reads
 them), causal (key position <= query position), a real token of its sequence (packed: `cu_seqlens_q`,
 transformer-engine's padding_causal mask), and within the sliding window where the model has one
-(megatron's `window_size` = (left, 0): query position - key position <= left). Positions follow
+(megatron's `window_size` = (left, 0): query position - key position <= left; on the layers
+`window_attn_skip_freq` marks, transformer/utils.py `is_layer_window_attention`, layer numbers
+global and 1-based as megatron's). With `softmax_type="learnable"` (gpt-oss's sinks) each head's
+`softmax_offset` logit joins the softmax's denominator as a key with no value, as megatron's
+`SoftmaxOne` does (fusions/fused_softmax.py); the parameter is split over TP by heads and
+checkpointed under megatron's key (`DotProductAttention.sharded_state_dict`). Positions follow
 megatron's CP layout (`context_parallel.positions_of_rank`, `thd_positions_of_rank`). A reference,
 not a kernel: it materialises [heads, rows/CP, rows] scores. No attention dropout (megarl's models
 have none).
@@ -50,6 +55,7 @@ def cpu_reference_attention():
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None):
             from megatron.core import parallel_state
+            from megatron.core.transformer.utils import is_layer_window_attention
 
             super().__init__(config=config)
             dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -60,7 +66,15 @@ def cpu_reference_attention():
             if config.apply_query_key_layer_scaling:
                 raise ValueError("CpuReferenceAttention does not scale by the layer number "
                                  "(apply_query_key_layer_scaling)")
-            self.window = None if config.window_size is None else config.window_size[0]
+            windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+            self.window = config.window_size[0] if windowed else None
+            if config.softmax_type not in ("vanilla", "learnable"):
+                raise ValueError(f"CpuReferenceAttention: softmax_type={config.softmax_type!r} is not supported "
+                                 "('vanilla' or 'learnable')")
+            self.softmax_offset = None
+            if config.softmax_type == "learnable":  # [heads / TP], this rank's heads
+                heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+                self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
             self.cp_group = parallel_state.get_context_parallel_group()
             self.cp = parallel_state.get_context_parallel_world_size()
             self.cp_rank = parallel_state.get_context_parallel_rank()
@@ -74,7 +88,7 @@ def cpu_reference_attention():
             if attention_bias is not None:
                 raise ValueError("CpuReferenceAttention takes no attention bias")
             packed = packed_seq_params is not None
-            if self.cp == 1 and not packed and self.window is None:  # one causal sequence per row: torch's kernel
+            if self.cp == 1 and not packed and self.window is None and self.softmax_offset is None:  # torch's kernel
                 return self._causal(query, key, value)
             if packed:
                 if packed_seq_params.qkv_format != "thd":
@@ -91,9 +105,28 @@ def cpu_reference_attention():
             value = value.repeat_interleave(heads // groups, dim=2)
             scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.softmax_scale
             scores = scores.masked_fill(hidden, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+            if self.softmax_offset is None:
+                probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+            else:  # the sink: one more logit per head in the denominator [b, heads, s, t + 1], then dropped
+                sink = self.softmax_offset.reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(value.dtype)
             context = torch.einsum("bhst,tbhd->sbhd", probs, value)
             return context.reshape(s, heads * d) if packed else context.reshape(s, b, heads * d)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The sinks split by heads over TP, under megatron's key (dot_product_attention.py
+            `DotProductAttention.sharded_state_dict`); nothing without them."""
+            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+            from megatron.core import parallel_state
+
+            if self.softmax_offset is None:
+                return {}
+            dp_cp_group = (metadata or {}).get("dp_cp_group")
+            if dp_cp_group is None:
+                dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+                tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=dp_cp_group)
 
         def _causal(self, query, key, value):
             """query [s, b, np, d], key and value [s, b, ng, d] -> context [s, b, np * d]: plain causal

@@ -123,7 +123,7 @@ class MegatronEngine:
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
                                  lora=lora is not None, trains=optim_cfg is not None,
-                                 apex_grad_accumulation=apex_grad_accumulation_available()),
+                                 apex_grad_accumulation=apex_grad_accumulation_available(), arch=self.arch),
         )
         self._routers = replay_routers(self.model_chunks) if router_replay else []
         if source.kind == "hf":
@@ -209,7 +209,8 @@ class MegatronEngine:
         back-propagated (gradients accumulate in DDP buffers). `counter`: told each micro-batch
         before its forward (an open `ExpertCounter`)."""
         self.offloader.check_onloaded()
-        replay = [lambda mb: set_replay(self._routers, mb.routes[:, self._router_rows(mb)])] if self._routers else []
+        replay = [lambda mb: set_replay(  # a batch without routes (REPLAY_KEYS): the routers route on their own
+            self._routers, None if mb.routes is None else mb.routes[:, self._router_rows(mb)])] if self._routers else []
         hooks = replay + ([counter.before_forward] if counter is not None else [])
         before_forward = (lambda mb: [hook(mb) for hook in hooks]) if hooks else None
         try:

@@ -35,7 +35,7 @@ from megarl.bridge.convert import HF_ASSETS_DIR
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.mapping import EMBEDDING, tp_split
-from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
+from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, set_yarn_attributes, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
@@ -74,7 +74,7 @@ def apex_grad_accumulation_available() -> bool:
 
 
 def fusion_flags(*, on_cuda: bool, transformer_engine: bool, lora: bool, trains: bool,
-                 apex_grad_accumulation: bool) -> dict[str, bool]:
+                 apex_grad_accumulation: bool, arch: Optional[ModelArch] = None) -> dict[str, bool]:
     """megatron `TransformerConfig` fusion settings of a role, decided from what is detectable when
     it is built: CUDA, transformer-engine installed (`transformer_engine_available`), LoRA (its roles
     build megatron's local layers, `lora.builds_with_transformer_engine`), whether the role trains,
@@ -90,7 +90,8 @@ def fusion_flags(*, on_cuda: bool, transformer_engine: bool, lora: bool, trains:
       `jit_fuser` = torch.compile; no bias is fine, transformer/mlp.py), for the local and the TE
       spec alike; megarl's models are SwiGLU (silu, gated), which TransformerConfig accepts.
     - `bias_dropout_fusion`: the residual add through `bias_dropout_add_fused_*` (torch.compile);
-      TEGroupedMLP refuses it only with `add_bias_linear` (moe/experts.py), which megarl leaves off.
+      TEGroupedMLP refuses it only with `add_bias_linear` (moe/experts.py), which only gpt-oss has
+      (then it is off, as is `apply_rope_fusion` under YaRN: see the flags below).
     - `apply_rope_fusion`: transformer-engine's fused RoPE (models/common/embeddings/rope_utils.py),
       used by megatron's attention with both specs and both sequence layouts (sbhd and packed thd);
       TransformerConfig raises "apply_rope_fusion is not available" without TE's kernel.
@@ -116,10 +117,16 @@ def fusion_flags(*, on_cuda: bool, transformer_engine: bool, lora: bool, trains:
     backward only, follows `trains`), so at step 0 their log-probs still agree exactly on the same
     layer spec."""
     te_layers = transformer_engine and not lora
+    yarn = arch is not None and arch.rope_scaling is not None and arch.rope_scaling.kind == "yarn"
+    biased = arch is not None and arch.linear_bias
     return {
+        # gpt-oss (`arch`): megatron's fused RoPE for packed (thd) sequences drops YaRN's concentration
+        # factor (models/common/embeddings/rope_utils.py `apply_rotary_pos_emb`: only the sbhd path falls
+        # back to the unfused maths when mscale != 1), and TEGroupedMLP refuses bias_dropout_fusion with
+        # biased linears (transformer/moe/experts.py:529)
         "bias_activation_fusion": on_cuda,
-        "bias_dropout_fusion": on_cuda,
-        "apply_rope_fusion": on_cuda and transformer_engine,
+        "bias_dropout_fusion": on_cuda and not biased,
+        "apply_rope_fusion": on_cuda and transformer_engine and not yarn,
         "gradient_accumulation_fusion": on_cuda and te_layers and trains and apex_grad_accumulation,
         "masked_softmax_fusion": False,
         "persist_layer_norm": False,
@@ -158,6 +165,37 @@ def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_e
     if transformer_engine_layers or (on_cuda and cp == 1 and not packed):
         return "spec"
     return None if on_cuda else "cpu_reference"
+
+
+def attention_sinks_problem(softmax_type: str, *, attention: str, transformer_engine_layers: bool,
+                            te_version: Optional[str]) -> Optional[str]:
+    """Why the core attention `core_attention_choice` picked cannot run `softmax_type` (gpt-oss's
+    sinks are "learnable"), or None. megarl's `CpuReferenceAttention` takes it; megatron's local
+    `DotProductAttention` takes it (its `softmax_offset` goes to `FusedScaleMaskSoftmax`, which then
+    skips the fused kernel for the torch softmax with `SoftmaxOne`: fusions/fused_softmax.py:233);
+    transformer-engine's `TEDotProductAttention` passes it to transformer-engine, which megatron-core
+    requires to be >= 2.8.0 (extensions/transformer_engine.py:1283, `assert is_te_min_version("2.8.0")`;
+    transformer-engine then runs it with its cuDNN fused attention)."""
+    if softmax_type == "vanilla" or attention == "cpu_reference" or not transformer_engine_layers:
+        return None
+    from packaging.version import Version
+
+    if te_version is None or Version(te_version) < Version("2.8.0"):
+        return (f"softmax_type={softmax_type!r} (attention sinks) with transformer-engine layers needs "
+                f"transformer-engine >= 2.8.0 (megatron-core extensions/transformer_engine.py), found {te_version}")
+    return None
+
+
+def _te_version() -> Optional[str]:
+    """The installed transformer-engine's version, None without it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("transformer-engine", "transformer_engine"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return None
 
 
 def te_grouped_linear_available() -> bool:
@@ -321,7 +359,7 @@ def build_chunks(
     kwargs = apply_overrides(kwargs, overrides, prefix=prefix, fields=transformer_config_fields(), derived=derived,
                              sources=derived_sources(section))
     try:
-        config = TransformerConfig(**kwargs)
+        config = set_yarn_attributes(TransformerConfig(**kwargs), arch)
     except (ValueError, AssertionError) as refused:  # megatron-core's own checks (__post_init__)
         if not overrides:
             raise
@@ -339,6 +377,11 @@ def build_chunks(
                          "layers (megatron's local attention refuses context parallelism and packed sequences, "
                          "transformer/dot_product_attention.py); install transformer-engine (LoRA roles build local "
                          "layers: no context parallelism with LoRA on GPUs)")
+    sinks = attention_sinks_problem(config.softmax_type, attention=attention,
+                                    transformer_engine_layers=transformer_engine,
+                                    te_version=_te_version() if config.softmax_type != "vanilla" else None)
+    if sinks:
+        raise ValueError(f"{section}: {sinks}")
     if attention == "cpu_reference":
         spec = with_core_attention(spec, cpu_reference_attention())
     elif layout.cp > 1:  # transformer-engine's CP attention
@@ -358,6 +401,7 @@ def build_chunks(
             vp_stage=v if layout.vpp > 1 else None,
         )
         check_experts_built(chunk, config.moe_grouped_gemm)
+        reduce_expert_outputs_explicitly(chunk)
         _mark_tensor_parallel(chunk, layout.expert_tp)
         if value_head and last:
             chunk.output_layer = torch.nn.Linear(arch.hidden_size, 1, bias=False, dtype=params_dtype)
@@ -396,6 +440,25 @@ def moe_settings(arch: ModelArch, megatron_cfg, router_replay: bool, section: st
     if megatron_cfg.moe_z_loss_coeff:
         out["moe_z_loss_coeff"] = float(megatron_cfg.moe_z_loss_coeff)
     return out
+
+
+def reduce_expert_outputs_explicitly(chunk: torch.nn.Module) -> None:
+    """Mark biased expert `linear_fc2`s (gpt-oss) whose expert-TP group has one rank as
+    communicating explicitly, as megatron does for shared experts (transformer/moe/shared_experts.py:104).
+    At EP 1 and expert TP 1 megatron's local `RowParallelLinear` returns its output through
+    `reduce_from_tensor_model_parallel_region` (tensor_parallel/layers.py `RowParallelLinear.forward`),
+    which hands back its input as a view, and the expert MLP then adds the probability-weighted
+    bias in place (transformer/mlp.py:247 `output += output_bias...`), which autograd refuses
+    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"). Over a
+    group of one rank that reduction is the identity, so skipping it changes no value."""
+    from megatron.core.parallel_state import get_expert_tensor_parallel_world_size
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if get_expert_tensor_parallel_world_size() != 1:
+        return
+    for module in chunk.modules():
+        if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None:
+            module.explicit_expert_comm = True
 
 
 def check_experts_built(chunk: torch.nn.Module, grouped: bool) -> None:
