@@ -17,6 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -45,8 +46,15 @@ ARCHITECTURES = {
     "qwen2_moe": (Qwen2MoeConfig, {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2,
                                    "norm_topk_prob": False}),  # plus a shared expert (sigmoid-gated)
     "mixtral": (MixtralConfig, {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    # DeepSeek-V3's shape in small: multi-latent attention (q LoRA, rope / no-rope head dims), one dense
+    # first layer, 8 experts in 4 groups (2 chosen), top-4, sigmoid routing scaled by 2.5, a shared expert
+    "deepseek_v3": (DeepseekV3Config, {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                                       "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                                       "norm_topk_prob": True,
+                                       # fields of the hub config.json that SGLang's DeepseekV2 class reads
+                                       "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")  # every layer MoE; deepseek_v3 has a dense first layer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,10 +120,15 @@ def make_tiny_model(
 
     config_class, arch_kwargs = ARCHITECTURES[arch]
     ffn = 2 * hidden if intermediate is None else intermediate
-    if arch in MOE_ARCHITECTURES and arch != "mixtral":  # Qwen MoE name their expert width apart
+    if arch in (*MOE_ARCHITECTURES, "deepseek_v3") and arch != "mixtral":  # Qwen, DeepSeek: expert width apart
         arch_kwargs = {**arch_kwargs, "moe_intermediate_size": ffn}
         if arch == "qwen2_moe":
             arch_kwargs["shared_expert_intermediate_size"] = 2 * ffn
+    if arch == "deepseek_v3":  # multi-latent attention: every head its own key (kv_heads is not used);
+        kv_heads = heads  # head_dim is the no-rope part's
+        arch_kwargs = {**arch_kwargs, "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 4,
+                       "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
+        head_dim = head_dim // 2  # HF's rotary embedding reads `head_dim`: the rope part's
     config = config_class(
         vocab_size=vocab,
         hidden_size=hidden,
