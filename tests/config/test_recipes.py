@@ -18,12 +18,13 @@ MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen3-30B-A3B": RECIPES / "models/qwen3-30b-a3b",
           "Qwen/Qwen3-8B": RECIPES / "models/qwen3-8b",
           "Qwen/Qwen3-32B": RECIPES / "models/qwen3-32b",
-          "unsloth/gpt-oss-20b-BF16": RECIPES / "models/gpt-oss-20b-bf16"}
+          "unsloth/gpt-oss-20b-BF16": RECIPES / "models/gpt-oss-20b-bf16",
+          "deepseek-ai/DeepSeek-V3": RECIPES / "models/deepseek-v3"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
             "dpo", "grpo_2node", "grpo_fp8",
             "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b", "grpo_qwen3_8b_32k",
-            "grpo_gpt_oss_20b"}
+            "grpo_gpt_oss_20b", "grpo_deepseek_v3"}
 
 
 def test_every_algorithm_has_a_recipe():

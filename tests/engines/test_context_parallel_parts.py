@@ -128,6 +128,15 @@ def test_the_core_attention_of_a_role(cp, packed, on_cuda, te, expected):
     assert core_attention_choice(cp, packed=packed, on_cuda=on_cuda, transformer_engine_layers=te) == expected
 
 
+@pytest.mark.parametrize("on_cuda, te, expected", [
+    (False, False, "cpu_reference"),  # megatron's local attention takes no k_channels / v_channels: megarl's
+    (True, False, None),  # a GPU with local layers: refused
+    (True, True, "spec"),  # transformer-engine's attention takes them
+])
+def test_the_core_attention_of_multi_latent_attention(on_cuda, te, expected):
+    assert core_attention_choice(1, packed=False, on_cuda=on_cuda, transformer_engine_layers=te, mla=True) == expected
+
+
 def _where(cp=1, comm=None, on_cuda=True, te=True):
     return dict(section="actor_rollout_ref.actor", cp=cp, cp_comm_type=comm, on_cuda=on_cuda,
                 transformer_engine_layers=te)

@@ -12,6 +12,7 @@ from megarl.placement.colocation import OffloadParts
 from megarl.placement.memory import (
     _train_role,
     active_params,
+    kv_elements_per_token_layer,
     server_gpu_params,
     stage_expert_params,
     stage_params,
@@ -66,3 +67,26 @@ def test_the_plan_counts_a_server_gpus_weights_in_the_push_phase(arch):
     est = estimate(plan_from_config(config), config, arch)
     assert est.server_weights == int(server_gpu_params(arch, 4, 4) * 2)
     assert 14.2 < est.server_weights / 2**30 < 14.3  # 30.5 B / 4 x 2 bytes
+
+
+def deepseek_v3_arch():
+    """DeepSeek-V3 as transformers' DeepseekV3Config defaults describe it (its published sizes: 61 layers,
+    hidden 7168, 256 routed experts of width 2048 + 1 shared, top-8, MLA ranks 1536 / 512, 3 dense layers)."""
+    import transformers
+
+    return arch_from_hf_config(transformers.DeepseekV3Config().to_dict())
+
+
+def test_deepseek_v3_parameter_counts_are_the_published_ones():
+    """DeepSeek's README_WEIGHTS.md: the main model (no MTP module) has 671B parameters, 36.6B activated
+    per token (the output head included; the input embedding is a lookup, not counted)."""
+    arch = deepseek_v3_arch()
+    assert round(total_params(arch) / 1e9) == 671
+    assert round((active_params(arch) - arch.vocab_size * arch.hidden_size) / 1e9, 1) == 36.6
+
+
+def test_mla_kv_cache_is_the_latent_whole_on_every_tp_rank():
+    """SGLang's MLATokenToKVPool keeps kv_lora_rank + qk_rope_head_dim = 576 elements per token and layer,
+    not split over TP."""
+    arch = deepseek_v3_arch()
+    assert kv_elements_per_token_layer(arch, 1) == kv_elements_per_token_layer(arch, 8) == 512 + 64

@@ -194,3 +194,25 @@ def test_each_ep_rank_plans_only_its_own_experts_after_the_dense_buckets(tp, ep,
         names += [s.name for plan in plans if plan.expert or ep_rank == 0 for s in plan.hf_slots]
     assert len(expert_counts) == 1
     assert sorted(names) == sorted(weights.hf_names())
+
+
+DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 47,
+            "max_position_embeddings": 64, "rope_theta": 10000.0, "q_lora_rank": 40, "kv_lora_rank": 24,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("limit", [1, 5_000, 20_000])
+def test_buckets_never_split_what_sglang_fuses_on_load(limit):
+    """SGLang fuses a DeepSeek layer's q_a_proj and kv_a_proj_with_mqa only when both come in one
+    update_weights call (deepseek_weight_loader.py `cached_a_proj`): they share a bucket, at any limit."""
+    weights = WeightMap(arch_from_hf_config(DEEPSEEK), padded_vocab_size=64)
+    params = shards(weights, 2)
+    plans = plan_buckets(params, weights, 2, limit)
+    assert [p.param.name for plan in plans for p in plan.params] == [p.name for p in params]  # order kept
+    for layer in range(3):
+        holding = {i for i, plan in enumerate(plans) for s in plan.hf_slots
+                   if s.name in (f"model.layers.{layer}.self_attn.q_a_proj.weight",
+                                 f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight")}
+        assert len(holding) == 1, (layer, holding)

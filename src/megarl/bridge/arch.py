@@ -24,7 +24,14 @@ class Family:
     qk_layernorm: bool  # per-head RMSNorm on q and k, before RoPE
     must_be_false: tuple[str, ...]  # HF fields with no exact megatron-core equivalent when true
     sliding_window_field: bool  # `sliding_window` (when set) is applied to every layer
-    moe: Optional[str] = None  # MoE naming scheme (megarl.bridge.moe): "qwen", "mixtral", "gpt_oss"; None: dense
+    moe: Optional[str] = None  # MoE naming scheme (megarl.bridge.moe): "qwen", "mixtral", "gpt_oss", "deepseek";
+    # None: dense
+    mla: bool = False  # multi-latent attention (DeepSeek-V2/V3: `MLASpec`) instead of q/k/v projections
+    # config fields that switch `qkv_bias` / `qk_layernorm` on (GLM-4.5: attention_bias, use_qk_norm)
+    qkv_bias_key: Optional[str] = None
+    qk_norm_key: Optional[str] = None
+    partial_rotary: bool = False  # `partial_rotary_factor` < 1 allowed (megatron's rotary_percent)
+    mtp: bool = False  # `num_nextn_predict_layers` multi-token-prediction layers may follow the last layer
 
 
 FAMILIES: dict[str, Family] = {
@@ -42,6 +49,13 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", "MixtralForCausalLM", False, False, (), True, moe="mixtral"),
         # sinks, alternating windows, biases on every linear, clamped SwiGLU: `gpt_oss_fields`
         Family("gpt_oss", "GptOssForCausalLM", True, False, (), False, moe="gpt_oss"),
+        # DeepSeek-V3, DeepSeek-V3.1, Kimi-K2: MLA, sigmoid routing with a selection bias, dense first layers
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", False, False, ("attention_bias",), False, moe="deepseek",
+               mla=True, mtp=True),
+        # GLM-4.5 / GLM-4.5-Air: DeepSeek-V3's router and expert names on grouped-query attention with
+        # q/k/v biases (attention_bias: o_proj has none), optional q/k norms and partial rotary
+        Family("glm4_moe", "Glm4MoeForCausalLM", False, False, (), False, moe="deepseek",
+               qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=True, mtp=True),
     )
 }
 
@@ -50,11 +64,33 @@ FAMILIES: dict[str, Family] = {
 class RopeScaling:
     kind: Literal["llama3", "linear", "yarn"]
     factor: float
-    # yarn only (HF `_compute_yarn_parameters`; megatron's YarnRotaryEmbedding)
+    # YaRN only (HF modeling_rope_utils `_compute_yarn_parameters`; megatron YarnRotaryEmbedding):
     original_max_position_embeddings: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # the cos/sin factor is yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim); MLA also
+    # scales its softmax by yarn_mscale(factor, mscale_all_dim) ** 2 (megatron: mscale=1, all_dim=0: none)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     truncate: bool = True  # round the correction range to integers (megatron's correction_range_round_to_int)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3) sizes, per head unless a rank. q is `q_a_proj` (hidden ->
+    q_lora_rank), RMSNorm, `q_b_proj` (-> heads x (nope + rope)), or one `q_proj` when q_lora_rank is None;
+    `kv_a_proj_with_mqa` gives kv_lora_rank latent + one shared rope key, `kv_b_proj` (after RMSNorm)
+    gives heads x (k nope + v)."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 SEQ_CLS_SUFFIX = "ForSequenceClassification"
@@ -83,10 +119,15 @@ class ModelArch:
     qkv_bias: bool
     qk_layernorm: bool
     sliding_window: Optional[int]  # tokens a query attends to, itself included; None: unlimited
+    rotary_percent: float = 1.0  # the leading fraction of each head's dims that RoPE rotates (HF partial_rotary_factor)
     # a reward model (HF *ForSequenceClassification, num_labels=1): the scalar head `score.weight`
     # [1, H] (megatron `output_layer.weight` [1, H]) replaces the LM head
     score_head: bool = False
-    moe: Optional[MoESpec] = None  # experts of every layer's MLP; None: a dense MLP of ffn_hidden_size
+    moe: Optional[MoESpec] = None  # experts of the MoE layers' MLP; None: a dense MLP of ffn_hidden_size
+    mla: Optional[MLASpec] = None  # multi-latent attention; None: q/k/v projections of kv_channels per head
+    # DeepSeek-V3's multi-token-prediction layers (`num_nextn_predict_layers`), stored after the last layer:
+    # not trained; their tensors are left out on import, as transformers' DeepseekV3ForCausalLM leaves them
+    mtp_layers: int = 0
     # gpt-oss: which layers use `sliding_window` (None: all, where it is set), a learnable sink
     # logit per head in every softmax, a bias on every linear (o_proj, router, experts), and the
     # clamped SwiGLU (gate clamped above, up to [-c, c], gate * sigmoid(1.702 gate) * (up + 1))
@@ -94,6 +135,14 @@ class ModelArch:
     attention_sinks: bool = False
     linear_bias: bool = False
     swiglu_clamp: Optional[float] = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` (global, from 0) has experts; the first `moe.first_dense_layers` are dense."""
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return self.moe is None or self.moe.first_dense_layers > 0
 
     @property
     def family(self) -> Family:
@@ -130,8 +179,11 @@ def _positive_int(config: Mapping[str, Any], key: str, source: str) -> int:
     return value
 
 
-def _rope(config: Mapping[str, Any], source: str, yarn: bool = False) -> tuple[float, Optional[RopeScaling]]:
-    """(rope_theta, scaling); `yarn`: YaRN is accepted (gpt_oss, where HF's and megatron-core's are checked equal)."""
+def _rope(config: Mapping[str, Any], source: str, yarn: bool = False, mla: bool = False,
+          partial_ok: bool = False) -> tuple[float, Optional[RopeScaling]]:
+    """`rope_theta` and the scaling; `yarn`: YaRN is accepted (gpt_oss and multi-latent attention, where
+    HF's and megatron-core's are checked equal); `mla`: the model has multi-latent attention, whose rope
+    is plain or YaRN; `partial_ok`: a `partial_rotary_factor` below 1 is read by `_partial_rotary`."""
     # transformers >= 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`
     params = dict(config.get("rope_scaling") or {})
     params.update(config.get("rope_parameters") or {})
@@ -141,11 +193,14 @@ def _rope(config: Mapping[str, Any], source: str, yarn: bool = False) -> tuple[f
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConversionError(f"{source}: `rope_theta` must be a positive number, got {theta!r}")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial != 1.0 and not partial_ok:
         raise ConversionError(f"{source}: `partial_rotary_factor`={partial} is not supported (only 1.0)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
+    if mla and kind != "yarn":
+        raise ConversionError(f"{source}: rope scaling `rope_type`={kind!r} is not supported with multi-latent "
+                              "attention (megatron-core's MLA: default or yarn)")
     factor = params.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ConversionError(f"{source}: rope scaling `{kind}` needs a positive `factor`, got {factor!r}")
@@ -160,15 +215,61 @@ def _rope(config: Mapping[str, Any], source: str, yarn: bool = False) -> tuple[f
                 )
         return float(theta), RopeScaling("llama3", float(factor))
     if kind == "yarn" and yarn:
-        return float(theta), _yarn(params, float(factor), source)
+        return float(theta), (_yarn_mla if mla else _yarn_gpt_oss)(params, float(factor), source)
     raise ConversionError(
-        f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3; "
-        "yarn for gpt_oss)"
+        f"{source}: rope scaling `rope_type`={kind!r} is not supported (supported: default, linear, llama3"
+        f"{', yarn' if yarn else ''})"
     )
 
 
-def _yarn(params: Mapping[str, Any], factor: float, source: str) -> RopeScaling:
-    """YaRN as HF computes it (modeling_rope_utils `_compute_yarn_parameters`) and megatron's
+def _yarn_mla(params: Mapping[str, Any], factor: float, source: str) -> RopeScaling:
+    """YaRN as megatron's MLA computes it (YarnRotaryEmbedding, `_yarn_get_concentration_factor`,
+    MLASelfAttention's softmax_scale), checked against HF `_compute_yarn_parameters` / `yarn_apply_mscale`:
+    HF's cos/sin factor is mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are set (else
+    mscale(f, 1)) while its softmax scale uses mscale_all_dim alone; megatron takes both from one pair."""
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise ConversionError(f"{source}: yarn rope scaling needs a positive `original_max_position_embeddings`, "
+                              f"got {original!r}")
+    if params.get("attention_factor") is not None:
+        raise ConversionError(f"{source}: yarn `attention_factor`={params['attention_factor']!r} is not supported: "
+                              "megatron-core derives it from `mscale` and `mscale_all_dim`")
+    if params.get("truncate", True) is not True:
+        raise ConversionError(f"{source}: yarn `truncate`={params['truncate']!r} is not supported: megatron-core's MLA "
+                              "rounds the correction range (correction_range_round_to_int=True)")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise ConversionError(f"{source}: yarn `mscale_all_dim`={all_dim} without `mscale` is not supported: HF "
+                              "then scales cos/sin by mscale(factor, 1) but the softmax by mscale_all_dim, which "
+                              "megatron-core's one (mscale, mscale_all_dim) pair cannot express")
+    if not all_dim:
+        mscale, all_dim = 1.0, 0.0  # HF: cos/sin by mscale(factor, 1), softmax unscaled
+    return RopeScaling("yarn", factor, original, float(params.get("beta_fast") or 32),
+                       float(params.get("beta_slow") or 1), float(mscale), float(all_dim))
+
+
+def _mla(config: Mapping[str, Any], source: str) -> MLASpec:
+    """The multi-latent attention sizes of a DeepSeek-V3 config."""
+    if config.get("rope_interleave", True) is not True:
+        raise ConversionError(f"{source}: `rope_interleave`={config['rope_interleave']!r} is not supported: "
+                              "megatron-core's MLA always de-interleaves the rope dims (rope_utils.py "
+                              "`_apply_rotary_pos_emb_bshd`, multi_latent_attention)")
+    q_lora = config.get("q_lora_rank")
+    rope = _positive_int(config, "qk_rope_head_dim", source)
+    if config.get("head_dim", rope) != rope:  # HF's rotary embedding is built for `head_dim` dims
+        raise ConversionError(f"{source}: `head_dim`={config['head_dim']!r} must equal `qk_rope_head_dim`={rope} "
+                              "with multi-latent attention (HF rotates head_dim dims of the rope part)")
+    return MLASpec(
+        q_lora_rank=None if q_lora is None else _positive_int(config, "q_lora_rank", source),
+        kv_lora_rank=_positive_int(config, "kv_lora_rank", source),
+        qk_nope_head_dim=_positive_int(config, "qk_nope_head_dim", source),
+        qk_rope_head_dim=_positive_int(config, "qk_rope_head_dim", source),
+        v_head_dim=_positive_int(config, "v_head_dim", source),
+    )
+
+
+def _yarn_gpt_oss(params: Mapping[str, Any], factor: float, source: str) -> RopeScaling:
+    """gpt-oss's YaRN as HF computes it (modeling_rope_utils `_compute_yarn_parameters`) and megatron's
     `YarnRotaryEmbedding` does: the same ramp between interpolated and extrapolated frequencies
     and cos/sin times 0.1 ln(factor) + 1. HF's `attention_factor` and `mscale`/`mscale_all_dim`
     (which megatron reads under other conditions) are refused."""
@@ -181,7 +282,7 @@ def _yarn(params: Mapping[str, Any], factor: float, source: str) -> RopeScaling:
         raise ConversionError(f"{source}: yarn rope scaling needs a positive `original_max_position_embeddings`, "
                               f"got {original!r}")
     return RopeScaling("yarn", factor, original, float(params.get("beta_fast") or 32.0),
-                       float(params.get("beta_slow") or 1.0), bool(params.get("truncate", True)))
+                       float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)))
 
 
 def _score_head(config: Mapping[str, Any], source: str) -> bool:
@@ -250,12 +351,18 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
     hidden = _positive_int(config, "hidden_size", source)
     heads = _positive_int(config, "num_attention_heads", source)
     groups = config.get("num_key_value_heads") or heads
+    if family.mla and groups != heads:  # HF's MLA repeats keys num_attention_heads // num_key_value_heads times
+        raise ConversionError(f"{source}: `num_key_value_heads`={groups} must equal `num_attention_heads`={heads} "
+                              "with multi-latent attention (every head has its own key and value)")
     if not isinstance(groups, int) or groups <= 0 or heads % groups:
         raise ConversionError(
             f"{source}: `num_key_value_heads`={groups!r} must divide `num_attention_heads`={heads}"
         )
     head_dim = config.get("head_dim")
-    if head_dim is None:
+    mla = _mla(config, source) if family.mla else None
+    if mla is not None:
+        groups, head_dim = heads, mla.v_head_dim  # megatron's kv_channels: the attention output per head
+    elif head_dim is None:
         if hidden % heads:
             raise ConversionError(
                 f"{source}: `head_dim` is absent and `hidden_size`={hidden} is not a multiple of "
@@ -264,7 +371,10 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         head_dim = hidden // heads
     elif not isinstance(head_dim, int) or head_dim <= 0:
         raise ConversionError(f"{source}: `head_dim` must be a positive integer, got {head_dim!r}")
-    theta, scaling = _rope(config, source, yarn=model_type == "gpt_oss")
+    theta, scaling = _rope(config, source, yarn=family.mla or model_type == "gpt_oss", mla=family.mla,
+                           partial_ok=family.partial_rotary)
+    qkv_bias = bool(config.get(family.qkv_bias_key, False)) if family.qkv_bias_key else family.qkv_bias
+    qk_norm = bool(config.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_layernorm
     if family.moe == "qwen" and family.qkv_bias and config.get("qkv_bias") is False:
         raise ConversionError(f"{source}: `qkv_bias`=false is not supported for model_type {model_type!r}")
     window = config.get("sliding_window") if family.sliding_window_field else None
@@ -286,13 +396,35 @@ def arch_from_hf_config(config: Mapping[str, Any], source: str = "config.json") 
         rope_scaling=scaling,
         max_position_embeddings=_positive_int(config, "max_position_embeddings", source),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=family.qkv_bias,
-        qk_layernorm=family.qk_layernorm,
+        qkv_bias=qkv_bias,
+        qk_layernorm=qk_norm,
         sliding_window=window,
+        rotary_percent=_partial_rotary(config, head_dim, source) if family.partial_rotary else 1.0,
         score_head=_score_head(config, source),
         moe=moe_from_hf_config(config, family.moe, source) if family.moe else None,
+        mla=mla,
+        mtp_layers=_mtp_layers(config, source) if family.mtp else 0,
         **extra,
     )
+
+
+def _partial_rotary(config: Mapping[str, Any], head_dim: int, source: str) -> float:
+    """HF's `partial_rotary_factor` as megatron's `rotary_percent`: both rotate the leading
+    int(head_dim * factor) dims of each head with rotate_half (HF Glm4MoeRotaryEmbedding /
+    `apply_rotary_pos_emb`; megatron RotaryEmbedding dim = int(kv_channels * rotary_percent)), which must be even."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or int(head_dim * factor) % 2:
+        raise ConversionError(f"{source}: `partial_rotary_factor`={factor!r} must be in (0, 1] and rotate an even "
+                              f"number of the {head_dim} head dims")
+    return float(factor)
+
+
+def _mtp_layers(config: Mapping[str, Any], source: str) -> int:
+    value = config.get("num_nextn_predict_layers", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConversionError(f"{source}: `num_nextn_predict_layers` must be a non-negative integer, got {value!r}")
+    return value
 
 
 GPT_OSS_SWIGLU_ALPHA = 1.702  # megatron's quick_gelu hard-codes it (fusions/fused_bias_geglu.py `quick_gelu`)

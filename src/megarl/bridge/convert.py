@@ -193,8 +193,8 @@ def verify_torch_dist(ckpt: Path, weights: WeightMap, dtype_of: Callable[[str], 
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
-def _axes(sizes: tuple[int, ...]) -> str:
-    return " x ".join(f"{n} {axis}" for n, axis in zip(sizes, ("layers", "experts")))
+def _axes(sizes: tuple[int, ...], names: tuple[str, ...]) -> str:
+    return " x ".join(f"{n} {axis}" for n, axis in zip(sizes, names))
 
 
 def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap, config_path: Path) -> None:
@@ -221,10 +221,11 @@ def check_torch_dist_against_config(reader: TorchDistReader, weights: WeightMap,
         for location, _ in parts:
             used.add(location.key)
             stacked = reader.tensors[location.key].global_shape[: len(location.index)]
-            axes = (a.num_layers, a.moe.num_experts if a.moe else 0)[: len(location.index)]
+            sizes = {"layers": a.num_layers, "experts": a.moe.num_experts if a.moe else 0}
+            axes = tuple(sizes[axis] for axis in location.axes)
             if stacked != axes:
-                raise ConversionError(f"{reader.dir}: {location.key} stacks {_axes(stacked)}, but the config has "
-                                      f"{_axes(axes)} {hint}")
+                raise ConversionError(f"{reader.dir}: {location.key} stacks {_axes(stacked, location.axes)}, but the "
+                                      f"config has {_axes(axes, location.axes)} {hint}")
     extra = [k for k in reader.tensors if k.startswith(_MODEL_PREFIXES) and k not in used and not is_extra_state(k)
              and not is_lora_param(k)]  # LoRA adapters: convert_torch_dist_to_hf merges or refuses them
     if extra:

@@ -40,8 +40,13 @@ class TPSplit:
 COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPSplit(0, stride=2)
 
 Transform = Literal["identity", "qkv", "gate_up", "vocab"]
-Condition = Literal["always", "qkv_bias", "qk_layernorm", "untied", "score_head", "dense_mlp", "moe_qwen",
-                    "moe_mixtral", "moe_gpt_oss", "moe", "shared_expert", "linear_bias", "attention_sinks"]
+Condition = Literal["always", "gqa", "qkv_bias", "qk_layernorm", "untied", "score_head", "dense_mlp", "moe_qwen",
+                    "moe_mixtral", "moe_gpt_oss", "moe_deepseek", "moe", "shared_expert", "shared_experts",
+                    "expert_bias", "mla", "mla_q", "mla_q_lora", "linear_bias", "attention_sinks"]
+# conditions of a dense layer's MLP and of an MoE layer's (`ModelArch.is_moe_layer` says which a layer is)
+DENSE_LAYER_CONDITIONS = ("dense_mlp",)
+MOE_LAYER_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "moe_gpt_oss", "moe_deepseek", "shared_expert",
+                        "shared_experts", "expert_bias")
 
 
 @dataclass(frozen=True)
@@ -65,22 +70,35 @@ class ParamRule:
         """This rule with the expert index `e` filled in (names keep their "{i}")."""
         return replace(self, mcore=self.mcore.replace("{e}", str(e)), hf=tuple(h.replace("{e}", str(e)) for h in self.hf))
 
-    def applies(self, arch: ModelArch) -> bool:
-        moe = arch.moe
+    def applies(self, arch: ModelArch, layer: Optional[int] = None) -> bool:
+        """The rule names a tensor of `arch` (at layer `layer`, where given: dense and MoE layers differ)."""
+        if layer is not None:
+            if self.condition in DENSE_LAYER_CONDITIONS and arch.is_moe_layer(layer):
+                return False
+            if self.condition in MOE_LAYER_CONDITIONS and not arch.is_moe_layer(layer):
+                return False
+        moe, mla = arch.moe, arch.mla
         return {
             "always": True,
+            "gqa": mla is None,
+            "mla": mla is not None,
+            "mla_q": mla is not None and mla.q_lora_rank is None,
+            "mla_q_lora": mla is not None and mla.q_lora_rank is not None,
             "qkv_bias": arch.qkv_bias,
             "qk_layernorm": arch.qk_layernorm,
             "untied": not arch.tie_word_embeddings and not arch.score_head,
             "score_head": arch.score_head,
-            "dense_mlp": moe is None,
+            "dense_mlp": arch.has_dense_layers,
             "moe": moe is not None,
             "moe_qwen": moe is not None and moe.scheme == "qwen",
             "moe_mixtral": moe is not None and moe.scheme == "mixtral",
             "moe_gpt_oss": moe is not None and moe.scheme == "gpt_oss",
             "linear_bias": arch.linear_bias,
             "attention_sinks": arch.attention_sinks,
-            "shared_expert": moe is not None and moe.shared_expert,
+            "moe_deepseek": moe is not None and moe.scheme == "deepseek",
+            "shared_expert": moe is not None and moe.shared_expert and moe.scheme == "qwen",
+            "shared_experts": moe is not None and moe.shared_expert and moe.scheme == "deepseek",
+            "expert_bias": moe is not None and moe.expert_bias,
         }[self.condition]
 
 
@@ -91,9 +109,9 @@ SCORE = "score.weight"  # HF *ForSequenceClassification head, [num_labels, H]
 RULES: tuple[ParamRule, ...] = (
     ParamRule(EMBEDDING, ("model.embed_tokens.weight",), "vocab", COLUMN),
     ParamRule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), "identity",
-              REPLICATED, local_alias=_L + "input_layernorm.weight"),
+              REPLICATED, "gqa", local_alias=_L + "input_layernorm.weight"),
     ParamRule(_L + "self_attention.linear_qkv.weight",
-              tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", COLUMN),
+              tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", COLUMN, "gqa"),
     ParamRule(_L + "self_attention.linear_qkv.bias",
               tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", COLUMN, "qkv_bias"),
     ParamRule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "identity", REPLICATED,
@@ -117,7 +135,7 @@ RULES: tuple[ParamRule, ...] = (
               "moe"),
     *(
         rule
-        for scheme in ("qwen", "mixtral", "gpt_oss")
+        for scheme in ("qwen", "mixtral", "gpt_oss", "deepseek")
         for rule in (
             ParamRule(_L + "mlp.router.weight", (hf_router(scheme),), "identity", REPLICATED, f"moe_{scheme}"),
             ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
@@ -134,13 +152,40 @@ RULES: tuple[ParamRule, ...] = (
               "moe_gpt_oss"),
     ParamRule(_L + "mlp.experts.local_experts.{e}.linear_fc2.bias", (hf_expert("gpt_oss", "down", "bias"),),
               "identity", REPLICATED, "moe_gpt_oss"),
-    ParamRule(_L + "mlp.shared_experts.linear_fc1.weight",
-              (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up",
-              GLU_COLUMN, "shared_expert"),
-    ParamRule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_expert.down_proj.weight",), "identity",
-              ROW, "shared_expert"),
+    *(
+        rule
+        for hf, condition in (("shared_expert", "shared_expert"), ("shared_experts", "shared_experts"))
+        for rule in (
+            ParamRule(_L + "mlp.shared_experts.linear_fc1.weight",
+                      (_H + f"mlp.{hf}.gate_proj.weight", _H + f"mlp.{hf}.up_proj.weight"), "gate_up",
+                      GLU_COLUMN, condition),
+            ParamRule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + f"mlp.{hf}.down_proj.weight",), "identity",
+                      ROW, condition),
+        )
+    ),
     ParamRule(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "identity",
               REPLICATED, "shared_expert"),
+    # DeepSeek-V3's router bias for expert selection (megatron's expert_bias buffer, float32 in both)
+    ParamRule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), "identity", REPLICATED,
+              "expert_bias"),
+    # multi-latent attention (megarl.bridge.arch.MLASpec). The pre-attention norm is a layer norm of its own.
+    # The down projections are column-parallel in megatron's local spec; megarl's transformer-engine MLA
+    # spec makes them column-parallel too (megatron_config.layer_spec), so one split serves both.
+    ParamRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "identity", REPLICATED, "mla"),
+    ParamRule(_L + "self_attention.linear_q_proj.weight", (_H + "self_attn.q_proj.weight",), "identity", COLUMN,
+              "mla_q"),
+    ParamRule(_L + "self_attention.linear_q_down_proj.weight", (_H + "self_attn.q_a_proj.weight",), "identity",
+              COLUMN, "mla_q_lora"),
+    ParamRule(_L + "self_attention.linear_q_up_proj.layer_norm_weight", (_H + "self_attn.q_a_layernorm.weight",),
+              "identity", REPLICATED, "mla_q_lora", local_alias=_L + "self_attention.q_layernorm.weight"),
+    ParamRule(_L + "self_attention.linear_q_up_proj.weight", (_H + "self_attn.q_b_proj.weight",), "identity",
+              COLUMN, "mla_q_lora"),
+    ParamRule(_L + "self_attention.linear_kv_down_proj.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",),
+              "identity", COLUMN, "mla"),
+    ParamRule(_L + "self_attention.linear_kv_up_proj.layer_norm_weight", (_H + "self_attn.kv_a_layernorm.weight",),
+              "identity", REPLICATED, "mla", local_alias=_L + "self_attention.kv_layernorm.weight"),
+    ParamRule(_L + "self_attention.linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), "identity",
+              COLUMN, "mla"),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "identity", REPLICATED),
     ParamRule(OUTPUT_LAYER, ("lm_head.weight",), "vocab", COLUMN, "untied"),
     # a reward model's scalar head takes the output layer's place, whole on every TP rank
@@ -156,8 +201,9 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(escaped + "$")
 
 
-# MoE rules last: without an arch, `pre_mlp_layernorm` is the dense local alias (`canonical_name`)
-_MOE_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "moe_gpt_oss", "shared_expert")
+# MoE and MLA rules last: without an arch, `pre_mlp_layernorm` is the dense local alias and
+# `input_layernorm` the fused qkv norm's (`canonical_name`)
+_MOE_CONDITIONS = MOE_LAYER_CONDITIONS + ("mla", "mla_q", "mla_q_lora")
 _MCORE_PATTERNS = (
     [(_pattern(r.mcore), r) for r in RULES if r.condition not in _MOE_CONDITIONS]
     + [(_pattern(r.local_alias), r) for r in RULES if r.local_alias]
@@ -240,7 +286,8 @@ class WeightMap:
         experts = range(self.arch.moe.num_experts) if self.arch.moe else ()
         layer_rules = [b for r in self.rules() if r.per_layer for b in ([r.for_expert(e) for e in experts]
                                                                         if r.per_expert else [r])]
-        per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules]
+        per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules
+                     if r.applies(self.arch, i)]
         after = [r.mcore for r in self.rules() if not r.per_layer and r.mcore != EMBEDDING]
         return [EMBEDDING, *per_layer, *after]
 
@@ -270,7 +317,7 @@ class WeightMap:
         return rule.mcore.format(i=layer)
 
     def _rule(self, mcore_name: str) -> tuple[ParamRule, Optional[int]]:
-        matches = [(r, i) for r, i in _matching_rules(mcore_name) if r.applies(self.arch)]
+        matches = [(r, i) for r, i in _matching_rules(mcore_name) if r.applies(self.arch, i)]
         if not matches:
             raise ConversionError(f"megatron parameter {mcore_name!r} does not exist in this {self.arch.model_type} config")
         rule, layer = matches[0]
@@ -292,6 +339,19 @@ class WeightMap:
             if shape is not None:
                 return shape
         suffix = hf_name.rsplit(".", 2)[-2:]
+        if a.mla is not None:
+            m = a.mla
+            mla_shapes = {
+                ("q_proj", "weight"): (a.num_attention_heads * m.q_head_dim, hid),
+                ("q_a_proj", "weight"): (m.q_lora_rank, hid),
+                ("q_a_layernorm", "weight"): (m.q_lora_rank,),
+                ("q_b_proj", "weight"): (a.num_attention_heads * m.q_head_dim, m.q_lora_rank),
+                ("kv_a_proj_with_mqa", "weight"): (m.kv_lora_rank + m.qk_rope_head_dim, hid),
+                ("kv_a_layernorm", "weight"): (m.kv_lora_rank,),
+                ("kv_b_proj", "weight"): (a.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            }
+            if tuple(suffix) in mla_shapes:
+                return mla_shapes[tuple(suffix)]
         shapes = {
             ("embed_tokens", "weight"): (a.vocab_size, hid),
             ("lm_head", "weight"): (a.vocab_size, hid),
@@ -369,9 +429,14 @@ class WeightMap:
     def _hf_set(self) -> frozenset[str]:
         return frozenset(self.hf_names())
 
+    def _is_mtp(self, hf_name: str) -> bool:
+        m = _HF_LAYER.match(hf_name)
+        return m is not None and 0 <= int(m.group(1)) - self.arch.num_layers < self.arch.mtp_layers
+
     def check_hf_names(self, names: set[str], source: str) -> None:
         """Every HF tensor a conversion needs is in `names`, and every tensor in `names` is used
-        (a tied `lm_head.weight` and rotary `inv_freq` buffers are allowed and ignored)."""
+        (a tied `lm_head.weight`, rotary `inv_freq` buffers and the tensors of DeepSeek-V3's
+        multi-token-prediction layers, `arch.mtp_layers` after the last, are allowed and ignored)."""
         missing = [n for n in self.hf_names() if n not in names]
         if missing:
             raise ConversionError(f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
@@ -381,6 +446,7 @@ class WeightMap:
             if n not in self._hf_set
             and not HF_IGNORED.fullmatch(n)
             and not (n == "lm_head.weight" and self.arch.lm_head_tied)
+            and not self._is_mtp(n)
         ]
         if unexpected:
             raise ConversionError(
@@ -388,6 +454,9 @@ class WeightMap:
                 f"{self.arch.model_type} config (an unsupported feature such as a bias on o_proj, or a layer "
                 f"beyond num_hidden_layers), e.g. {unexpected[:3]}"
             )
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -145,8 +145,13 @@ def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
     stage_layers(arch.num_layers, layout)
     moe = arch.moe
     tp_fields = [("num_attention_heads", arch.num_attention_heads)]
-    if moe is None:
+    if arch.has_dense_layers:
         tp_fields.append(("intermediate_size", arch.ffn_hidden_size))
+    if arch.mla is not None:  # megatron's MLA splits its down projections' outputs over TP (column-parallel)
+        if arch.mla.q_lora_rank is not None:
+            tp_fields.append(("q_lora_rank", arch.mla.q_lora_rank))
+        tp_fields.append(("kv_lora_rank + qk_rope_head_dim", arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim))
+    if moe is None:
         if layout.ep > 1:
             raise ConversionError(f"{layout}: expert parallelism (ep={layout.ep}) needs an MoE model; "
                                   f"{arch.model_type} is dense")

@@ -28,7 +28,12 @@ tests/bridge/moe_world.py compares):
   and loads it there on either spec (`engines.megatron.checkpoint_io`), and both are read.
 With `singleton_local_shards`, megatron keys every layer (`decoder.layers.{i}.X`) and expert
 (`decoder.layers.{i}.mlp.experts.experts.{g}.linear_fc1.weight`) separately, and fc1 as `_w` / `_v`
-halves; those are read too.
+halves; those are read too. A model whose layers differ (DeepSeek-V3's dense first layers: megatron's
+`moe_layer_freq` list, transformer_block.py `non_homogeneous_layers`) is keyed per layer too, its
+experts stacked per layer (`decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight` [E, 2F, H]),
+and each layer's `_extra_state` objects as `decoder.layers.{i}.<module>._extra_state/shard_0_1`
+(experts `/shard_{g}_{E}`); those are written so, and a dense layer's pre-MLP norm in such an MoE
+model is written under `pre_mlp_layernorm.weight`, as the engine saves it.
 
 Checkpoint directory layout (megatron's): `<root>/latest_checkpointed_iteration.txt` names the
 iteration directory (`release` or `iter_0000123`) that holds the files above.
@@ -72,6 +77,10 @@ MEGATRON_METADATA = {
 }
 # Modules of a local-spec layer that carry an `_extra_state` object in a checkpoint.
 ATTENTION_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj")
+MLA_EXTRA_STATE = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                   "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
+MLA_Q_EXTRA_STATE = ("self_attention.linear_q_proj", "self_attention.linear_kv_down_proj",
+                     "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
 DENSE_MLP_EXTRA_STATE = ("mlp.linear_fc1", "mlp.linear_fc2")
 SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
@@ -87,28 +96,43 @@ class Location:
 
     key: str
     index: tuple[int, ...] = ()
+    axes: tuple[str, ...] = ()  # what each index counts: "layers", "experts"
 
 
-def checkpoint_locations(global_name: str) -> list[Location]:
+def per_layer_keys(arch: ModelArch) -> bool:
+    """megatron keys `arch`'s checkpoint per layer: its layers differ (dense first layers)."""
+    return arch.moe is not None and arch.moe.first_dense_layers > 0
+
+
+def checkpoint_locations(global_name: str, arch: Optional[ModelArch] = None) -> list[Location]:
     """Where a `torch_dist` checkpoint may hold global megatron parameter `global_name` (TE
-    spelling, SequentialMLP expert names), the form `write_torch_dist` writes first:
+    spelling, SequentialMLP expert names), the form `write_torch_dist` writes for `arch` first:
     stacked (`decoder.layers.X` at [i], experts `decoder.layers.mlp.experts.experts.X` at [i, e]),
-    then per-layer (`singleton_local_shards`), then, for an MoE layer's pre-MLP norm, the same
-    with the local-spec key. fc1 may also be stored as `<key>_w` / `<key>_v` halves (the reader's business)."""
+    per-layer (`decoder.layers.{i}.X`, experts `decoder.layers.{i}.mlp.experts.experts.X` at [e];
+    first where `per_layer_keys(arch)`), per-expert (`singleton_local_shards`), each also, for a
+    pre-MLP norm, under the other spelling (an MoE layer's local-spec key; in an MoE model a dense
+    layer's is `pre_mlp_layernorm`). fc1 may also be stored as `<key>_w` / `<key>_v` halves (the reader's business)."""
     m = _LAYER_PREFIX.match(global_name)
     if m is None:
         return [Location(global_name)]
     layer, rest = int(m.group(1)), global_name[m.end():]
-    spellings = [rest, MOE_NORM_LOCAL] if rest == MOE_NORM else [rest]
+    spellings = {MOE_NORM: [rest, MOE_NORM_LOCAL], MOE_NORM_LOCAL: [rest, MOE_NORM]}.get(rest, [rest])
+    if arch is not None and arch.moe is not None and rest == MOE_NORM_LOCAL:
+        spellings.reverse()
     out = []
     for part in spellings:
         e = _EXPERT_PART.match(part)
         if e is None:
-            out += [Location(f"decoder.layers.{part}", (layer,)), Location(f"decoder.layers.{layer}.{part}")]
+            forms = [Location(f"decoder.layers.{part}", (layer,), ("layers",)),
+                     Location(f"decoder.layers.{layer}.{part}")]
         else:
             expert, tail = int(e.group(1)), part[e.end():]
-            out += [Location(f"decoder.layers.mlp.experts.experts.{tail}", (layer, expert)),
-                    Location(f"decoder.layers.{layer}.mlp.experts.experts.{expert}.{tail}")]
+            forms = [Location(f"decoder.layers.mlp.experts.experts.{tail}", (layer, expert), ("layers", "experts")),
+                     Location(f"decoder.layers.{layer}.mlp.experts.experts.{tail}", (expert,), ("experts",)),
+                     Location(f"decoder.layers.{layer}.mlp.experts.experts.{expert}.{tail}")]
+        if arch is not None and per_layer_keys(arch):
+            forms = forms[1:] + forms[:1]
+        out += forms
     return out
 
 
@@ -137,9 +161,10 @@ def expected_tensors(weights: WeightMap, dtype_of: Callable[[str], torch.dtype])
     entries: dict[str, TensorEntry] = {}
     a = weights.arch
     for name in weights.mcore_names():
-        location = checkpoint_locations(name)[0]
+        location = checkpoint_locations(name, a)[0]
         if location.key not in entries:
-            lead = (a.num_layers, a.moe.num_experts if a.moe else 0)[: len(location.index)]  # layer, expert axes
+            sizes = {"layers": a.num_layers, "experts": a.moe.num_experts if a.moe else 0}
+            lead = tuple(sizes[axis] for axis in location.axes)
             entries[location.key] = TensorEntry(location.key, (*lead, *weights.mcore_shape(name)), dtype_of(name))
     return entries
 
@@ -147,17 +172,26 @@ def expected_tensors(weights: WeightMap, dtype_of: Callable[[str], torch.dtype])
 def expected_objects(arch: ModelArch) -> list[str]:
     """Keys of the `_extra_state` objects a local-spec `GPTModel` of `arch` saves and asks for."""
     num_layers = arch.num_layers
-    per_layer = ATTENTION_EXTRA_STATE
-    if arch.moe is None:
-        per_layer += DENSE_MLP_EXTRA_STATE
-    elif arch.moe.shared_expert:
-        per_layer += SHARED_EXPERT_EXTRA_STATE
+    if arch.mla is None:
+        attention = ATTENTION_EXTRA_STATE
+    else:
+        attention = MLA_EXTRA_STATE if arch.mla.q_lora_rank is not None else MLA_Q_EXTRA_STATE
+
+    def modules(i: int) -> tuple[str, ...]:
+        if not arch.is_moe_layer(i):
+            return attention + DENSE_MLP_EXTRA_STATE
+        return attention + (SHARED_EXPERT_EXTRA_STATE if arch.moe.shared_expert else ())
+
+    experts = arch.moe.num_experts if arch.moe else 0
+    moe_layers = [i for i in range(num_layers) if arch.is_moe_layer(i)]
+    if per_layer_keys(arch):
+        return ([f"decoder.layers.{i}.{module}._extra_state/shard_0_1" for i in range(num_layers) for module in modules(i)]
+                + [f"decoder.layers.{i}.{module}._extra_state/shard_{e}_{experts}"
+                   for i in moe_layers for e in range(experts) for module in EXPERT_EXTRA_STATE])
     keys = [f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"
-            for i in range(num_layers) for module in per_layer]
-    if arch.moe is not None:
-        experts = arch.moe.num_experts
-        keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
-                 for i in range(num_layers) for e in range(experts) for module in EXPERT_EXTRA_STATE]
+            for i in range(num_layers) for module in modules(i)]
+    keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
+             for i in moe_layers for e in range(experts) for module in EXPERT_EXTRA_STATE]
     return keys
 
 
@@ -225,7 +259,7 @@ def write_torch_dist(
     items: list[WriteItem] = []
     param_of: dict[tuple[str, tuple[int, ...]], tuple[str, Optional[slice]]] = {}
     for name in weights.mcore_names():
-        location = checkpoint_locations(name)[0]
+        location = checkpoint_locations(name, weights.arch)[0]
         entry = entries[location.key]
         shape = weights.mcore_shape(name)
         lead, lead_size = location.index, (1,) * len(location.index)
@@ -433,9 +467,9 @@ class TorchDistReader:
                 depth = len(location.index)
                 for axis, i in enumerate(location.index):
                     if i >= shape[axis]:
-                        what = "layers" if axis == 0 else "experts"
+                        what = location.axes[axis]
                         raise ConversionError(f"{self.dir}: {key!r} has {shape[axis]} {what}, no {what[:-1]} {i}")
-                found.append((Location(key, location.index), shape[depth]))
+                found.append((Location(key, location.index, location.axes), shape[depth]))
             return found
         tried = [loc.key for loc in checkpoint_locations(name)]
         raise ConversionError(f"{self.dir}: no tensor for {name!r} (looked for {tried})")

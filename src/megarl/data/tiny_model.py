@@ -17,6 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -51,8 +52,16 @@ ARCHITECTURES = {
                                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                    "original_max_position_embeddings": 64}}),
+    # DeepSeek-V3's shape in small: multi-latent attention (q LoRA, rope / no-rope head dims), one dense
+    # first layer, 8 experts in 4 groups (2 chosen), top-4, sigmoid routing scaled by 2.5, a shared expert
+    "deepseek_v3": (DeepseekV3Config, {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                                       "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                                       "norm_topk_prob": True,
+                                       # fields of the hub config.json that SGLang's DeepseekV2 class reads
+                                       "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}),
 }
-# not gpt_oss: these feed SGLang-backed tests, and SGLang on CPU does not serve it
+# every layer MoE; not gpt_oss (these feed SGLang-backed tests, and SGLang on CPU does not serve it) nor
+# deepseek_v3 (a dense first layer)
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,10 +128,15 @@ def make_tiny_model(
 
     config_class, arch_kwargs = ARCHITECTURES[arch]
     ffn = 2 * hidden if intermediate is None else intermediate
-    if arch in MOE_ARCHITECTURES and arch != "mixtral":  # Qwen MoE name their expert width apart
+    if arch in (*MOE_ARCHITECTURES, "deepseek_v3") and arch != "mixtral":  # Qwen, DeepSeek: expert width apart
         arch_kwargs = {**arch_kwargs, "moe_intermediate_size": ffn}
         if arch == "qwen2_moe":
             arch_kwargs["shared_expert_intermediate_size"] = 2 * ffn
+    if arch == "deepseek_v3":  # multi-latent attention: every head its own key (kv_heads is not used);
+        kv_heads = heads  # head_dim is the no-rope part's
+        arch_kwargs = {**arch_kwargs, "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 4,
+                       "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
+        head_dim = head_dim // 2  # HF's rotary embedding reads `head_dim`: the rope part's
     config = config_class(
         vocab_size=vocab,
         hidden_size=hidden,

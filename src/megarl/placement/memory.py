@@ -80,18 +80,47 @@ def expert_layer_params(arch: ModelArch, experts: int = 0) -> int:
     return (3 * h * f + ((2 * f + h) if arch.linear_bias else 0)) * experts
 
 
-def dense_layer_params(arch: ModelArch) -> int:
-    """Parameters of one decoder layer outside its routed experts: attention, two norms, and the
-    gated MLP (dense) or router + shared expert and its gate (MoE); q/k/v biases ignored, except
-    gpt-oss's biases on every linear (q/k/v, o, router) and its sinks (one logit per head)."""
-    q, kv, h = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels, arch.hidden_size
-    attention = h * q + 2 * h * kv + q * h + 2 * h
-    attention += (q + 2 * kv + h if arch.linear_bias else 0) + (arch.num_attention_heads if arch.attention_sinks else 0)
-    if arch.moe is None:
-        return attention + 3 * h * arch.ffn_hidden_size
+def attention_params(arch: ModelArch) -> int:
+    """Parameters of one layer's attention and its two norms; q/k/v biases ignored, except gpt-oss's
+    biases on every linear (q/k/v and o) and its sinks (one logit per head). Multi-latent attention
+    (HF DeepseekV3Attention): q_a [ql, H] + its norm + q_b [heads x (nope + rope), ql] (or one q_proj),
+    kv_a [kvl + rope, H] + its norm, kv_b [heads x (nope + v), kvl], o [H, heads x v]."""
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    if arch.mla is not None:
+        m = arch.mla
+        q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.q_head_dim if m.q_lora_rank
+             else h * heads * m.q_head_dim)
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * heads * (
+            m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h + 2 * h
+    q, kv = heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
+    biases = (q + 2 * kv + h if arch.linear_bias else 0) + (heads if arch.attention_sinks else 0)
+    return h * q + 2 * h * kv + q * h + 2 * h + biases
+
+
+def moe_layers(arch: ModelArch) -> int:
+    """Layers with experts (DeepSeek-V3's first `first_k_dense_replace` layers are dense)."""
+    return sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+
+
+def moe_layer_non_expert_params(arch: ModelArch) -> int:
+    """Parameters of one MoE layer outside its routed experts: attention, two norms, the router (with
+    gpt-oss's bias), the shared expert and its gate."""
+    h = arch.hidden_size
     shared = 3 * h * arch.moe.shared_expert_ffn_hidden_size + (h if arch.moe.shared_expert else 0)
     router_bias = arch.moe.num_experts if arch.linear_bias else 0
-    return attention + arch.moe.num_experts * h + router_bias + shared
+    return attention_params(arch) + arch.moe.num_experts * h + router_bias + shared
+
+
+def dense_layer_params(arch: ModelArch) -> int:
+    """Parameters of one decoder layer outside its routed experts: attention, two norms, and the
+    gated MLP (dense) or router + shared expert and its gate (MoE). With dense first layers in an MoE
+    model, the larger of a dense layer's and an MoE layer's (per-stage bounds)."""
+    dense = attention_params(arch) + 3 * arch.hidden_size * arch.ffn_hidden_size
+    if arch.moe is None:
+        return dense
+    moe = moe_layer_non_expert_params(arch)
+    return max(dense, moe) if arch.moe.first_dense_layers else moe
 
 
 def kv_layer_tokens(arch: ModelArch, seq: int) -> int:
@@ -111,6 +140,14 @@ def layer_params(arch: ModelArch) -> int:
     return dense_layer_params(arch) + expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
 
 
+def _non_expert_params(arch: ModelArch) -> int:
+    """Parameters of all layers outside their routed experts (dense first layers counted as dense)."""
+    dense = attention_params(arch) + 3 * arch.hidden_size * arch.ffn_hidden_size
+    if arch.moe is None:
+        return arch.num_layers * dense
+    return (arch.num_layers - moe_layers(arch)) * dense + moe_layers(arch) * moe_layer_non_expert_params(arch)
+
+
 def server_gpu_params(arch: ModelArch, tp: int, ep: int) -> float:
     """Parameters one GPU of a rollout server of `tp` GPUs and expert parallel size `ep` holds
     (SGLang 0.5.23): the dense part (attention, embeddings, norms, router, shared expert) over its TP
@@ -119,21 +156,33 @@ def server_gpu_params(arch: ModelArch, tp: int, ep: int) -> float:
     over the MoE TP = TP / EP ranks (`runtime_context.derive_parallel_widths`). Their product is TP,
     so EP changes how a GPU's experts are cut (fewer experts, wider slices), not how much it holds."""
     experts = arch.moe.num_experts if arch.moe else 0
-    dense = total_params(arch) - arch.num_layers * expert_layer_params(arch, experts)
-    return dense / tp + arch.num_layers * expert_layer_params(arch, experts // ep) / (tp // ep)
+    dense = total_params(arch) - moe_layers(arch) * expert_layer_params(arch, experts)
+    return dense / tp + moe_layers(arch) * expert_layer_params(arch, experts // ep) / (tp // ep)
 
 
 def active_params(arch: ModelArch) -> int:
     """Parameters one token passes through: every expert layer counts only its top-k experts."""
     topk = arch.moe.topk if arch.moe else 0
-    per_layer = dense_layer_params(arch) + expert_layer_params(arch, topk)
+    layers = _non_expert_params(arch) + moe_layers(arch) * expert_layer_params(arch, topk)
     embed = arch.vocab_size * arch.hidden_size
-    return arch.num_layers * per_layer + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+    return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
 
 
 def total_params(arch: ModelArch) -> int:
     embed = arch.vocab_size * arch.hidden_size
-    return arch.num_layers * layer_params(arch) + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+    layers = _non_expert_params(arch) + moe_layers(arch) * expert_layer_params(arch, arch.moe.num_experts if arch.moe else 0)
+    return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+
+
+def kv_elements_per_token_layer(arch: ModelArch, tp: int) -> int:
+    """KV-cache elements one token takes in one layer on one GPU of a `tp`-GPU SGLang server: keys and
+    values of its KV heads (at least one per GPU), or with multi-latent attention the latent and the
+    rope key, kv_lora_rank + qk_rope_head_dim, whole on every TP rank (SGLang 0.5.23
+    mem_cache/memory_pool.py `MLATokenToKVPool`: one [kv_lora_rank + qk_rope_head_dim] row per token
+    and layer; its attention backends read the latent whole on each rank)."""
+    if arch.mla is not None:
+        return arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
+    return 2 * max(1, arch.num_query_groups // tp) * arch.kv_channels
 
 
 def most_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> int:
@@ -367,9 +416,8 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
         return GpuEstimate(roles, 0, 0, int(train_phase), gpu_memory)
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
     responses_per_server = math.ceil(config.data.prompts_per_generation * arr.rollout.n / rollout.dp)
-    kv_heads_per_gpu = max(1, arch.num_query_groups // rollout.tp)
-    kv_needed = responses_per_server * 2 * kv_layer_tokens(arch, seq) * kv_heads_per_gpu * arch.kv_channels * DTYPE_BYTES[
-        arr.rollout.dtype]
+    kv_needed = responses_per_server * kv_layer_tokens(arch, seq) * kv_elements_per_token_layer(arch, rollout.tp) * \
+        DTYPE_BYTES[arr.rollout.dtype]
     server_weights = server_gpu_params(arch, rollout.tp, rollout.ep) * DTYPE_BYTES[arr.rollout.dtype]
     if placement.mode == "split":
         phases = {"training": train_phase, "rollout": reserved}

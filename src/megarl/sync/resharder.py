@@ -41,6 +41,7 @@ merged HF weight at a time, at its parameter's precision, while it is quantized)
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -193,12 +194,49 @@ def gathered_bytes(param: LocalParam, tp_size: int, etp_size: int = 1) -> int:
     return local if param.split.dim is None else local * (etp_size if param.expert else tp_size)
 
 
+_MLA_DOWN = re.compile(r"^decoder\.layers\.(\d+)\.self_attention\.linear_(?:q|kv)_down_proj\.weight$")
+
+
+def loaded_together(weights: WeightMap, name: str) -> Optional[str]:
+    """A key shared by the parameters SGLang must receive in one `update_weights` call, else None: a
+    layer's MLA down projections with q LoRA (HF q_a_proj, kv_a_proj_with_mqa), which SGLang 0.5.23
+    fuses into `fused_qkv_a_proj_with_mqa` only when both arrive in one `load_weights` call
+    (models/deepseek_common/deepseek_weight_loader.py `do_load_weights`: `cached_a_proj` is local to
+    the call; one half alone is cached and dropped, leaving the old weights)."""
+    if weights.arch.mla is None or weights.arch.mla.q_lora_rank is None:
+        return None
+    m = _MLA_DOWN.match(name)
+    return f"layer {m.group(1)} a_proj" if m else None
+
+
+def _units(params: Sequence[LocalParam], weights: WeightMap) -> list[list[LocalParam]]:
+    """`params` in order, cut into runs no bucket may split: a single parameter, or everything from
+    the first to the last of a `loaded_together` pair."""
+    units: list[list[LocalParam]] = []
+    open_key, run = None, []
+    for param in params:
+        key = loaded_together(weights, param.name)
+        if open_key is not None:
+            run.append(param)
+            if key == open_key:
+                units.append(run)
+                open_key, run = None, []
+        elif key is not None:
+            open_key, run = key, [param]
+        else:
+            units.append([param])
+    if run:
+        units.append(run)
+    return units
+
+
 def plan_buckets(
     params: Sequence[LocalParam], weights: WeightMap, tp_size: int, bucket_bytes: int,
     dtype: Optional[torch.dtype] = None, etp_size: int = 1, quantized: frozenset[str] = frozenset(),
 ) -> list[BucketPlan]:
     """Pack `params` in order into buckets of at most `bucket_bytes` gathered bytes (a larger
-    parameter gets a bucket of its own): the dense parameters first, then this EP rank's experts
+    parameter gets a bucket of its own; parameters SGLang must load in one call, `loaded_together`,
+    share one): the dense parameters first, then this EP rank's experts
     at EP > 1 (`LocalParam.expert`, gathered over `etp_size` ranks). The HF tensors get `dtype`
     (None: their parameter's), but those named in `quantized`, which go as block FP8: e4m3 values
     and their float32 `weight_scale_inv` (`megarl.rollout.fp8`), both in the bucket. Within a bucket,
@@ -210,12 +248,12 @@ def plan_buckets(
     for expert in (False, True):
         groups: list[list[LocalParam]] = []
         size = 0
-        for param in (p for p in params if p.expert == expert):
-            nbytes = gathered_bytes(param, tp_size, etp_size)
+        for unit in _units([p for p in params if p.expert == expert], weights):
+            nbytes = sum(gathered_bytes(param, tp_size, etp_size) for param in unit)
             if not groups or size + nbytes > bucket_bytes:
                 groups.append([])
                 size = 0
-            groups[-1].append(param)
+            groups[-1].extend(unit)
             size += nbytes
         ranks = etp_size if expert else tp_size
         plans += [_plan(group, weights, ranks, expert, dtype, quantized) for group in groups]

@@ -50,10 +50,13 @@ def cpu_reference_attention():
     class CpuReferenceAttention(MegatronModule):
         """Core attention over the CP group: queries of this rank's positions ([s/CP, b, heads, d],
         or packed [t/CP, heads, d]); keys and values of its own positions, gathered from all CP
-        ranks. Constructor and forward as megatron's `DotProductAttention` (megatron-core 0.16.1 / 0.19.2)."""
+        ranks. Constructor and forward as megatron's `DotProductAttention` (megatron-core 0.16.1 / 0.19.2),
+        plus transformer-engine's `k_channels` / `v_channels`, which multi-latent attention passes (its
+        query/key head dim differs from its value head dim: multi_latent_attention.py MLASelfAttention;
+        megatron's local DotProductAttention has no such arguments, so MLA runs on the CPU through this)."""
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
             from megatron.core import parallel_state
             from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -61,7 +64,7 @@ def cpu_reference_attention():
             dropout = config.attention_dropout if attention_dropout is None else attention_dropout
             if dropout:
                 raise ValueError(f"CpuReferenceAttention has no attention dropout (got {dropout})")
-            head_dim = config.kv_channels
+            head_dim = config.kv_channels if k_channels is None else k_channels
             self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
             if config.apply_query_key_layer_scaling:
                 raise ValueError("CpuReferenceAttention does not scale by the layer number "
@@ -81,8 +84,8 @@ def cpu_reference_attention():
 
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            """query [s, b, np, d], key and value [s, b, ng, d] of this rank's s = S/CP positions ->
-            context [s, b, np * d]; packed, query [t, np, d], key and value [t, ng, d] -> [t, np * d]."""
+            """query and key [s, b, np / ng, d], value [s, b, ng, dv] of this rank's s = S/CP positions ->
+            context [s, b, np * dv]; packed, [t, np / ng, d] and [t, ng, dv] -> [t, np * dv]."""
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             if attention_bias is not None:
@@ -111,7 +114,8 @@ def cpu_reference_attention():
                 sink = self.softmax_offset.reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
                 probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(value.dtype)
             context = torch.einsum("bhst,tbhd->sbhd", probs, value)
-            return context.reshape(s, heads * d) if packed else context.reshape(s, b, heads * d)
+            dv = value.shape[-1]
+            return context.reshape(s, heads * dv) if packed else context.reshape(s, b, heads * dv)
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The sinks split by heads over TP, under megatron's key (dot_product_attention.py
@@ -129,14 +133,14 @@ def cpu_reference_attention():
                 tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=dp_cp_group)
 
         def _causal(self, query, key, value):
-            """query [s, b, np, d], key and value [s, b, ng, d] -> context [s, b, np * d]: plain causal
+            """query and key [s, b, np / ng, d], value [s, b, ng, dv] -> context [s, b, np * dv]: plain causal
             attention through torch's `scaled_dot_product_attention` (its fused CPU kernel, the one HF's
             models use on CPU by default; no [s, s] scores kept for the backward)."""
             s, b, heads, d = query.shape
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
             context = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads)
-            return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+            return context.permute(2, 0, 1, 3).reshape(s, b, heads * v.shape[-1])
 
         def _hidden(self, length: int, packed_seq_params, device) -> torch.Tensor:
             """[length / CP, length] bool: which keys (all CP ranks' rows, rank 0's first) each of this

@@ -35,7 +35,14 @@ from megarl.bridge.convert import HF_ASSETS_DIR
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.grouped_experts import sequential_expert_name
 from megarl.bridge.mapping import EMBEDDING, tp_split
-from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, set_yarn_attributes, transformer_config_kwargs
+from megarl.bridge.megatron_config import (
+    block_spec,
+    config_class,
+    gpt_model_kwargs,
+    layer_spec,
+    set_yarn_attributes,
+    transformer_config_kwargs,
+)
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_layer
@@ -148,7 +155,8 @@ def sequence_parallel_problem(sp: bool, *, on_cuda: bool, transformer_engine_lay
     return None
 
 
-def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_engine_layers: bool) -> Optional[str]:
+def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_engine_layers: bool,
+                          mla: bool = False) -> Optional[str]:
     """The core attention of a role's layers at context parallel size `cp`, with packed (THD)
     sequences or not: "spec" (the layer spec's own), "cpu_reference"
     (`cp_attention.CpuReferenceAttention`), or None (none can run it here). Rules: transformer-engine's
@@ -161,8 +169,11 @@ def core_attention_choice(cp: int, *, packed: bool, on_cuda: bool, transformer_e
     [rows/CP, rows] scores per head). On the CPU the reference serves plain causal rows too (CP 1,
     not packed), through torch's fused `scaled_dot_product_attention`, as HF's models do there:
     megatron's local attention computes them unfused (baddbmm, masked softmax, bmm), which made the
-    quickstart's update 5-7% slower (docs/benchmarks.md, issue 50)."""
-    if transformer_engine_layers or (on_cuda and cp == 1 and not packed):
+    quickstart's update 5-7% slower (docs/benchmarks.md, issue 50). Multi-latent attention (`mla`)
+    hands its core attention separate key and value head dims (`k_channels`, `v_channels`:
+    multi_latent_attention.py), which megatron's local DotProductAttention does not take: without
+    transformer-engine layers the CPU takes the reference, a GPU none."""
+    if transformer_engine_layers or (on_cuda and cp == 1 and not packed and not mla):
         return "spec"
     return None if on_cuda else "cpu_reference"
 
@@ -336,7 +347,6 @@ def build_chunks(
     `<section>.megatron.override_transformer_config` and recompute), checked by
     `transformer_overrides.apply_overrides`: what megarl derives may not change, fusions may."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = transformer_config_kwargs(arch, layout.bridge_layout, params_dtype)
     kwargs.update(
@@ -359,7 +369,7 @@ def build_chunks(
     kwargs = apply_overrides(kwargs, overrides, prefix=prefix, fields=transformer_config_fields(), derived=derived,
                              sources=derived_sources(section))
     try:
-        config = set_yarn_attributes(TransformerConfig(**kwargs), arch)
+        config = set_yarn_attributes(config_class(arch)(**kwargs), arch)  # MLATransformerConfig for MLA
     except (ValueError, AssertionError) as refused:  # megatron-core's own checks (__post_init__)
         if not overrides:
             raise
@@ -370,8 +380,13 @@ def build_chunks(
         model_kwargs["share_embeddings_and_output_weights"] = False
     model_class = _gpt_model_class()
     spec = layer_spec(arch, transformer_engine, grouped_gemm=config.moe_grouped_gemm)
+    dense_spec = layer_spec(arch, transformer_engine, dense=True)  # the dense first layers of an MoE model
     attention = core_attention_choice(layout.cp, packed=packed, on_cuda=torch.cuda.is_available(),
-                                      transformer_engine_layers=transformer_engine)
+                                      transformer_engine_layers=transformer_engine, mla=arch.mla is not None)
+    if attention is None and arch.mla is not None:
+        raise ValueError(f"{section}: multi-latent attention ({arch.model_type}) on a GPU needs transformer-engine "
+                         "layers (megatron's local DotProductAttention takes no separate key and value head dims); "
+                         "install transformer-engine (LoRA roles build local layers: no LoRA of MLA models on GPUs)")
     if attention is None:
         raise ValueError(f"{section}.megatron.context_parallel_size={layout.cp} on a GPU needs transformer-engine "
                          "layers (megatron's local attention refuses context parallelism and packed sequences, "
@@ -384,6 +399,7 @@ def build_chunks(
         raise ValueError(f"{section}: {sinks}")
     if attention == "cpu_reference":
         spec = with_core_attention(spec, cpu_reference_attention())
+        dense_spec = with_core_attention(dense_spec, cpu_reference_attention())
     elif layout.cp > 1:  # transformer-engine's CP attention
         problems = cp_comm_type_model_problems(
             prefix, config.cp_comm_type, cp=layout.cp, tp=layout.tp, heads=arch.num_attention_heads,
@@ -396,7 +412,7 @@ def build_chunks(
     for v in range(layout.vpp):
         last = layout.bridge_layout.is_last(pp_rank, v)
         chunk = model_class(
-            config, spec, **model_kwargs,
+            config, block_spec(arch, layout.bridge_layout, pp_rank, v, spec, dense_spec), **model_kwargs,
             pre_process=layout.bridge_layout.is_first(pp_rank, v), post_process=last,
             vp_stage=v if layout.vpp > 1 else None,
         )
@@ -486,9 +502,14 @@ def _mark_tensor_parallel(chunk: torch.nn.Module, expert_tp: int) -> None:
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split.dim, 1
 
 
+EXPERT_BIAS = ".mlp.router.expert_bias"  # DeepSeek-V3's selection bias: a buffer, loaded from HF like a weight
+
+
 def _local_params(chunks, layout: RoleLayout, num_layers: int):
-    """(local name, global name, parameter) of every parameter of this rank's chunks; an expert's
-    global name has its global expert index, spelled as SequentialMLP names it (grouped GEMM too)."""
+    """(local name, global name, parameter) of every parameter of this rank's chunks, and of every
+    router's `expert_bias` buffer (HF `e_score_correction_bias`: it routes, so it must be loaded, but
+    megatron keeps it out of the parameters); an expert's global name has its global expert index,
+    spelled as SequentialMLP names it (grouped GEMM too)."""
     from megatron.core import parallel_state
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -496,7 +517,8 @@ def _local_params(chunks, layout: RoleLayout, num_layers: int):
     experts_here = None
     for v, chunk in enumerate(chunks):
         offset = layer_offset(num_layers, layout.bridge_layout, pp_rank, v)
-        for name, param in chunk.named_parameters():
+        biases = [(n, b) for n, b in chunk.named_buffers() if n.endswith(EXPERT_BIAS)]
+        for name, param in [*chunk.named_parameters(), *biases]:
             global_name = shift_layer(sequential_expert_name(name), offset)  # grouped-GEMM experts renamed
             if expert_index(name) is not None:
                 experts_here = experts_here or chunk.config.num_moe_experts // layout.ep

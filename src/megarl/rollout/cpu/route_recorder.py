@@ -4,27 +4,37 @@ experts each token went to, the routes SGLang returns with `--enable-return-rout
 """
 from __future__ import annotations
 
-from typing import Optional
+import re
 
 import torch
 
 
-def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The HF model's router modules in layer order (transformers 5: `*TopKRouter`, whose forward
-    returns (logits, weights, indices [tokens, top_k]): Qwen3-MoE, Qwen2-MoE and Mixtral)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def hf_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(layer index, router module) of the HF model's MoE layers, in layer order (transformers 5:
+    `*TopKRouter` / DeepSeek-V3's `DeepseekV3TopkRouter`, whose forward returns (logits, weights,
+    indices [tokens, top_k]): Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3)."""
+    return [(int(_LAYER.search(name).group(1)), m) for name, m in model.named_modules()
+            if type(m).__name__.lower().endswith("topkrouter")]
 
 
 class RouteRecorder:
     """Forward hooks on an HF MoE model's routers: after a forward on a [B, T] input, `take(B, T)`
-    returns [B, T, layers, top_k] int32, the experts each token was routed to in each layer."""
+    returns [B, T, layers, top_k] int32, the experts each token was routed to in each layer, over
+    all `num_hidden_layers`: a dense layer's rows are 0, as SGLang's capture buffer leaves them
+    (state_capturer/base.py: a zeroed [.., num_hidden_layers, top_k] buffer that
+    routed_experts.py `capture(layer_id, ...)` fills for the MoE layers only)."""
 
     def __init__(self, model: torch.nn.Module):
         routers = hf_routers(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no MoE router (*TopKRouter) to record routes from")
-        self._per_layer: list[Optional[torch.Tensor]] = [None] * len(routers)
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+        self._layers = model.config.num_hidden_layers
+        self._moe_layers = [layer for layer, _ in routers]
+        self._per_layer: dict[int, torch.Tensor] = {}
+        self._handles = [r.register_forward_hook(self._hook(layer)) for layer, r in routers]
 
     def _hook(self, layer: int):
         def record(_module, _inputs, outputs):
@@ -32,8 +42,11 @@ class RouteRecorder:
         return record
 
     def take(self, batch: int, length: int) -> torch.Tensor:
-        routes = torch.stack(self._per_layer, dim=1)  # [B*T, layers, top_k]
-        self._per_layer = [None] * len(self._per_layer)
+        first = self._per_layer[self._moe_layers[0]]
+        routes = torch.zeros(first.shape[0], self._layers, first.shape[1], dtype=torch.int32)  # [B*T, layers, top_k]
+        for layer in self._moe_layers:
+            routes[:, layer] = self._per_layer[layer]
+        self._per_layer = {}
         return routes.reshape(batch, length, *routes.shape[1:])
 
     def remove(self) -> None:

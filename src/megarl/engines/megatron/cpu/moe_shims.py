@@ -58,6 +58,21 @@ def _shim_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _shim_mla_te_check() -> None:
+    """Multi-latent attention takes transformer-engine as absent when it is.
+
+    transformer/multi_latent_attention.py:184 `HAVE_TE and isinstance(self.linear_proj, TELinear)`
+    (every `MLASelfAttention` construction): its import of extensions/transformer_engine.py succeeds
+    without transformer-engine (that module stands a `MagicMock` in for it, line 76), so `HAVE_TE` is
+    True and `TELinear` a mock: `TypeError: isinstance() arg 2 must be a type`, on GPUs too."""
+    import importlib.util
+
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+
+
 def _shim_split_sizes() -> None:
     """All-to-all split sizes on CPU become numpy arrays, as CUDA ones do.
 
@@ -103,8 +118,9 @@ MOE_CPU_SHIMS: dict[str, Callable[[], None]] = {
     "te_general_gemm": _shim_te_general_gemm,
     "split_sizes": _shim_split_sizes,
     "uneven_all_gather": _shim_uneven_all_gather,
+    "mla_te_check": _shim_mla_te_check,
 }
-_ALWAYS = {"te_general_gemm"}  # a megatron bug wherever transformer-engine is absent
+_ALWAYS = {"te_general_gemm", "mla_te_check"}  # megatron bugs wherever transformer-engine is absent
 
 
 def apply_moe_cpu_shims() -> tuple[str, ...]:
