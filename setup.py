@@ -39,8 +39,10 @@ CORE = [
 GPU = ["sglang==0.5.23", "transformer-engine[pytorch,core_cu13]==2.11.0"]
 
 # Connectors to environments written for other tools (docs/environments.md): reasoning-gym's procedural
-# tasks, scored by their own score_answer (megarl.rewards.reasoning_gym; SUPPORTED there keeps the same range).
-ENVS = ["reasoning-gym>=0.1.25,<0.2"]
+# tasks, scored by their own score_answer (megarl.rewards.reasoning_gym; SUPPORTED there keeps the same range);
+# OpenEnv's environment servers and client (megarl.agents.openenv_env, SUPPORTED there). openenv 0.10 asks
+# openai>=2.7.2 (megarl's openai>=1.40 admits it) and gradio, whose caps move pillow (<13) and tomlkit (<0.15).
+ENVS = ["reasoning-gym>=0.1.25,<0.2", "openenv>=0.10,<0.11"]
 
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
         "peft>=0.21",  # the LoRA export oracle
