@@ -222,3 +222,14 @@ def read_rows(
     if problems:
         raise DataError("unusable data:\n" + "\n".join(f"  - {p}" for p in problems))
     return rows
+
+
+def write_splits(out_dir: str | Path, splits: dict[str, list[dict]]) -> dict[str, Path]:
+    """Write each split's rows (verl rows) to `<out_dir>/<split>.parquet`; {split: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, rows in splits.items():
+        paths[name] = out / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), paths[name])
+    return paths

@@ -20,10 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from megarl.config.errors import ConfigError
+from megarl.data.parquet import write_splits
 from megarl.rewards.reasoning_gym import (
     EXTRA_KEY,
     SOURCE_PREFIX,
@@ -72,10 +71,4 @@ def write_reasoning_gym_dataset(task: str, out_dir: str | Path, *, train_size: i
     check_task(task)
     splits = {"train": rows_of(task, config or {}, seed, train_size, "train", system_prompt),
               "val": rows_of(task, config or {}, seed + 1, val_size, "val", system_prompt)}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, rows in splits.items():
-        paths[name] = out / f"{name}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), paths[name])
-    return paths
+    return write_splits(out_dir, splits)

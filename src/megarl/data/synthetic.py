@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from megarl.data.parquet import write_splits
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -155,10 +154,4 @@ def write_task_dataset(
         prefs = examples_avoiding(task, pref_size, rng("prefs"), val_prompts)
         splits["prefs_train"] = preference_rows(task, prefs, "train", rng("prefs_rejected"))
         splits["prefs_val"] = preference_rows(task, val, "val", rng("prefs_val_rejected"))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, rows in splits.items():
-        paths[name] = out / f"{name}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), paths[name])
-    return paths
+    return write_splits(out_dir, splits)

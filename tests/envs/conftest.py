@@ -1,0 +1,26 @@
+"""Shared checks of the connector tests."""
+import ast
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def supported_range_is_setup_pys():
+    """check(package, supported): see `_check_supported_range`."""
+    return _check_supported_range
+
+
+def _check_supported_range(package: str, supported) -> None:
+    """setup.py's `ENVS` requirement of `package` is `supported` (the connector's SpecifierSet), and the
+    installed version is inside it."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (envs,) = [ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and getattr(n.targets[0], "id", None) == "ENVS"]
+    (line,) = [r for r in envs if Requirement(r).name == package]
+    assert Requirement(line).specifier == supported
+    assert importlib.metadata.version(package) in supported
