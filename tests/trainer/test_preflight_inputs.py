@@ -84,9 +84,10 @@ def test_model_config_and_tokenizer_are_checked(tiny_assets, tmp_path):
 
 # config.json of models megarl does not map onto megatron-core (their fields as their HF configs have them,
 # trimmed; no weights: the check reads config.json only)
-DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-               "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
-               "n_routed_experts": 256, "num_experts_per_tok": 8, "vocab_size": 129280}
+# NVIDIA-Nemotron-Nano-9B-v2's (a hybrid of Mamba-2 and attention layers)
+NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4480,
+              "num_hidden_layers": 56, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 131072,
+              "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"}
 QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 2048,
            "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 248320,
            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
@@ -98,7 +99,8 @@ QWEN2_RM = {"architectures": ["Qwen2ForRewardModel"], "model_type": "qwen2", "hi
             "sliding_window": 4096, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 152064}
 SUPPORTED = ("LlamaForCausalLM (llama), MistralForCausalLM (mistral), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM "
              "(qwen3), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe), MixtralForCausalLM "
-             "(mixtral); and each one's *ForSequenceClassification with num_labels=1 as a reward model")
+             "(mixtral), GptOssForCausalLM (gpt_oss), DeepseekV3ForCausalLM (deepseek_v3), Glm4MoeForCausalLM "
+             "(glm4_moe); and each one's *ForSequenceClassification with num_labels=1 as a reward model")
 
 
 def model_dir_with(config_json: dict, tiny_model: Path, out: Path) -> Path:
@@ -111,7 +113,7 @@ def model_dir_with(config_json: dict, tiny_model: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("hf_config", [DEEPSEEK_V3, QWEN3_5, QWEN2_RM], ids=lambda c: c["architectures"][0])
+@pytest.mark.parametrize("hf_config", [NEMOTRON_H, QWEN3_5, QWEN2_RM], ids=lambda c: c["architectures"][0])
 def test_an_architecture_megarl_does_not_map_is_named_with_its_config_and_the_supported_ones(hf_config, tiny_assets,
                                                                                              tmp_path):
     model = model_dir_with(hf_config, tiny_assets / "model", tmp_path / "model")

@@ -147,22 +147,22 @@ def test_verls_one_step_off_script_runs_the_one_step_off_mode(tiny_assets, tmp_p
 
 
 def test_a_model_the_script_names_that_megarl_cannot_map_is_told_before_anything_starts(tiny_assets, tmp_path):
-    """The same script on DeepSeek-V3 (its config.json only, beside the tiny tokenizer): the run stops with the
+    """The same script on Nemotron-H (its config.json only, beside the tiny tokenizer): the run stops with the
     architecture, its config.json and what megarl maps, before Ray, the servers or the router start."""
-    model = tmp_path / "deepseek_v3"
+    model = tmp_path / "nemotron_h"
     model.mkdir()
     for f in (tiny_assets / "model").glob("tokenizer*"):
         shutil.copy(f, model / f.name)
     (model / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "num_hidden_layers": 61, "kv_lora_rank": 512, "n_routed_experts": 256, "vocab_size": 129280}))
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4480,
+        "num_hidden_layers": 56, "num_attention_heads": 40, "vocab_size": 131072}))
     module, args = launch_line(FULLY_ASYNC)
     swaps = {**fully_async_swaps(tiny_assets, tmp_path), "actor_rollout_ref.model.path": model}
     r = subprocess.run([sys.executable, "-m", module.replace("verl.", "megarl.", 1), *swapped(args, swaps),
                         "trainer.device=cpu"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert (f"megarl: this machine cannot run the experiment:\n  - actor_rollout_ref.model.path='{model}': "
-            f"{model}/config.json: architecture DeepseekV3ForCausalLM (`model_type`='deepseek_v3') is not supported: "
+            f"{model}/config.json: architecture NemotronHForCausalLM (`model_type`='nemotron_h') is not supported: "
             "megarl maps these HF architectures onto megatron-core: LlamaForCausalLM (llama),") in r.stderr
     assert "Qwen2ForCausalLM (qwen2)" in r.stderr
     assert "config OK; checking data, model and this machine" in r.stdout
