@@ -24,3 +24,20 @@ def _check_supported_range(package: str, supported) -> None:
     (line,) = [r for r in envs if Requirement(r).name == package]
     assert Requirement(line).specifier == supported
     assert importlib.metadata.version(package) in supported
+
+
+@pytest.fixture
+def installed_version(monkeypatch):
+    """set(package, version): importlib.metadata reports `version` for `package` (None: not installed)."""
+    real = importlib.metadata.version
+
+    def set_version(package: str, version):
+        def fake(name):
+            if name != package:
+                return real(name)
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        monkeypatch.setattr(importlib.metadata, "version", fake)
+
+    return set_version

@@ -3,7 +3,6 @@ served by openenv's own create_app in a server the connector starts on 127.0.0.1
 endpoint. Oracles: the environment itself, run in this process without megarl (the same guesses, its own rewards),
 hand-known rewards of known-good and known-bad guesses, and what the policy sampled (token ids, log-probs). The
 2-step GRPO run (the tiny model on CPU) checks the rewards the run records against the environment's own."""
-import importlib.metadata
 import json
 import os
 import sys
@@ -162,16 +161,8 @@ def test_the_supported_range_is_setup_pys(supported_range_is_setup_pys):
 
 
 @pytest.mark.parametrize("version,message", [(None, "openenv is not installed"), ("0.11.0", "openenv 0.11.0 is installed")])
-def test_a_missing_or_unsupported_library_is_told_with_the_fix(monkeypatch, version, message):
-    real = importlib.metadata.version
-
-    def fake(name):
-        if name != "openenv":
-            return real(name)
-        if version is None:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return version
-    monkeypatch.setattr(importlib.metadata, "version", fake)
+def test_a_missing_or_unsupported_library_is_told_with_the_fix(installed_version, version, message):
+    installed_version("openenv", version)
     with pytest.raises(ConfigError, match=f"{message}.*pip install 'megarl\\[envs\\]'"):
         OpenEnvConnector(APP, app_dir=str(HERE))
 

@@ -2,7 +2,6 @@
 score_answer. The oracle is reasoning-gym itself: entries made by `create_dataset` here, scored by that
 dataset's `score_answer` on the answer `reasoning_gym.utils.extract_answer` reads (the whole response,
 cut at the tiny tokenizer's <eos> or <pad>, where it holds no tags: docs/environments.md)."""
-import importlib.metadata
 import json
 import re
 import subprocess
@@ -89,16 +88,8 @@ def test_the_supported_range_is_setup_pys(supported_range_is_setup_pys):
 
 
 @pytest.mark.parametrize("version,message", [(None, "not installed"), ("0.2.0", "reasoning-gym 0.2.0 is installed")])
-def test_a_missing_or_unsupported_library_is_told_with_the_fix(monkeypatch, tmp_path, version, message):
-    real = importlib.metadata.version
-
-    def fake(name):
-        if name != "reasoning-gym":
-            return real(name)
-        if version is None:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return version
-    monkeypatch.setattr(importlib.metadata, "version", fake)
+def test_a_missing_or_unsupported_library_is_told_with_the_fix(installed_version, tmp_path, version, message):
+    installed_version("reasoning-gym", version)
     with pytest.raises(ConfigError, match=f"{message}.*pip install 'megarl\\[envs\\]'"):
         write_reasoning_gym_dataset(TASK, tmp_path, train_size=4, val_size=1)
 
