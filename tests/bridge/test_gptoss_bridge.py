@@ -136,7 +136,7 @@ def config_of(**overrides) -> dict:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(quantization_config={"quant_method": "mxfp4"}), "Mxfp4Config\(dequantize=True\)"),
+    (dict(quantization_config={"quant_method": "mxfp4"}), r"Mxfp4Config\(dequantize=True\)"),
     (dict(swiglu_alpha=1.5), "swiglu_alpha"),
     (dict(attention_bias=False), "attention_bias"),
     (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention", "full_attention"]), "layer_types"),

@@ -27,14 +27,26 @@ class Generation:
         return Rollout(index, f"s{index}", prompt_indices or [index], [[sample, sample]], version, generate_s=self.seconds)
 
 
-def run(producer: RolloutProducer, steps: int, train_s: float) -> list[dict]:
-    """The controller's side of `steps` steps: take, train (sleep), pause, push."""
+def wait_for_calls(generation: Generation, count: int, timeout_s: float = 30.0) -> None:
+    """Waits (bounded) until `generation` has been called `count` times: the producer's thread
+    may be slow to run on a loaded machine, and the schedule under test must not depend on it."""
+    deadline = time.monotonic() + timeout_s
+    while len(generation.calls) < count:
+        assert time.monotonic() < deadline, f"{len(generation.calls)} of {count} generations in {timeout_s} s"
+        time.sleep(0.005)
+
+
+def run(producer: RolloutProducer, steps: int, train_s: float, before_pause=None) -> list[dict]:
+    """The controller's side of `steps` steps: take, train (sleep), pause, push;
+    `before_pause(step)` runs after the training sleep."""
     metrics = []
     try:
         for step in range(steps):
             rollout, m = producer.take()
             assert rollout.index == step
             time.sleep(train_s)
+            if before_pause is not None:
+                before_pause(step)
             producer.pause()
             producer.pushed(step + 1)
             metrics.append(m)
@@ -54,8 +66,15 @@ def test_one_step_off_generates_rollout_j_with_version_j_minus_1_whatever_the_ti
 
 def test_fully_async_runs_ahead_up_to_max_staleness_and_never_past_it():
     generation = Generation(0.0)  # generation faster than training: the gate alone holds it back
+
+    def gate_reached(step: int) -> None:
+        """At version `step` the gate lets rollouts up to index step + 2 start, and no further."""
+        wait_for_calls(generation, min(6, step + 3))
+        time.sleep(0.02)
+        assert len(generation.calls) == min(6, step + 3)
+
     producer = RolloutProducer(generation, max_staleness=2, limit=6)
-    metrics = run(producer, 6, 0.05)
+    metrics = run(producer, 6, 0.0, before_pause=gate_reached)
     assert [(i, v) for i, v, _ in generation.calls] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 2), (5, 3)]
     assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
     assert all(m["async/dropped_samples"] == 0 for m in metrics)
