@@ -172,8 +172,8 @@ def test_deterministic_inference_follows_exact_resume_unless_set():
     """SGLang reads sampling_params.sampling_seed only with --enable-deterministic-inference; the
     seeds are what make a resumed run exact."""
     det = lambda *o: ok(*o).actor_rollout_ref.rollout.deterministic_inference  # noqa: E731
-    assert det() is True  # trainer.resume_mode=auto
-    assert det("trainer.resume_mode=disable") is False
+    assert det("trainer.device=cuda") is True  # trainer.resume_mode=auto
+    assert det("trainer.device=cuda", "trainer.resume_mode=disable") is False
     assert det("actor_rollout_ref.rollout.deterministic_inference=false") is False
     assert det("trainer.resume_mode=disable", "actor_rollout_ref.rollout.deterministic_inference=true") is True
     # SGLang on a CPU cannot: its deterministic mode takes GPU attention backends only
@@ -182,6 +182,23 @@ def test_deterministic_inference_follows_exact_resume_unless_set():
     assert det("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu") is True  # the CPU engine's seeds hold
     assert "SGLang's deterministic inference needs a GPU attention backend" in fails(
         "trainer.device=cpu", "actor_rollout_ref.rollout.deterministic_inference=true")
+
+
+def test_deterministic_inference_under_device_auto_is_decided_on_the_resolved_device():
+    """trainer.device=auto resolves at launch: SGLang's command on a CPU must not carry
+    --enable-deterministic-inference (0.5.23 refuses the CPU's torch-native attention backend in
+    that mode, srt/arg_groups/overrides.py::_deterministic_attention_backend), on a GPU it must."""
+    from megarl.rollout.launch import sglang_command
+
+    config = ok("trainer.device=auto")
+    assert config.actor_rollout_ref.rollout.deterministic_inference is None
+    command = lambda device: sglang_command(config, "/m", 30000, device=device, colocated=False,  # noqa: E731
+                                            context_length=64)
+    assert "--enable-deterministic-inference" not in command("cpu")
+    assert "--enable-deterministic-inference" in command("cuda")
+    off = ok("trainer.device=auto", "trainer.resume_mode=disable")
+    assert "--enable-deterministic-inference" not in sglang_command(off, "/m", 30000, device="cuda", colocated=False,
+                                                                    context_length=64)
 
 
 def test_a_rollout_server_may_span_whole_nodes_with_sglang_only():

@@ -449,7 +449,8 @@ class RolloutConfig:
     # single requests) or routing replay (routes are read per prompt's request).
     batch_requests_per_server: bool = False
     # SGLang's --enable-deterministic-inference, the only mode in which it honours the per-prompt
-    # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable.
+    # sampling seeds that make a resumed run exact; None: on unless trainer.resume_mode=disable, off
+    # where SGLang serves on a CPU (with trainer.device=auto: decided at launch on the resolved device).
     # Costs generation speed (docs/checkpoints.md). The CPU engine always honours seeds.
     deterministic_inference: Optional[bool] = None
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from megarl.config.errors import ConfigError
 from megarl.config.rules import RULES, WARNING_RULES, DerivedSizes
-from megarl.config.rules.choices import lr_schedule_has_step_count
+from megarl.config.rules.choices import deterministic_inference_default, lr_schedule_has_step_count
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
 
@@ -76,10 +76,8 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
         log_prob_max_token_len_per_gpu=(arr.actor.ppo_max_token_len_per_gpu
                                         if arr.rollout.log_prob_max_token_len_per_gpu is None
                                         else arr.rollout.log_prob_max_token_len_per_gpu),
-        # on unless resuming is off, and unless SGLang serves on a CPU, where it cannot (rule
-        # deterministic_inference_fits_device)
-        deterministic_inference=(config.trainer.resume_mode != "disable"
-                                 and not (arr.rollout.name == "sglang" and config.trainer.device == "cpu")
+        deterministic_inference=(deterministic_inference_default(config.trainer.resume_mode, arr.rollout.name,
+                                                                 config.trainer.device)
                                  if arr.rollout.deterministic_inference is None
                                  else arr.rollout.deterministic_inference),
     )

@@ -268,16 +268,19 @@ def sglang_command(config, model_path: str, port: int, *, device: str, colocated
     """`sglang_server_command` for server number `server` of the experiment `config` (an ExperimentConfig)
     on `device`, `colocated` with training or not; `context_length`: tokens of its longest request.
     ValueError where the config's engine_kwargs.sglang contradicts megarl's own flags."""
+    from megarl.config.rules.choices import deterministic_inference_default
     from megarl.config.rules.router_replay import replays_routes
 
     r = config.actor_rollout_ref.rollout
+    deterministic = (deterministic_inference_default(config.trainer.resume_mode, r.name, device)
+                     if r.deterministic_inference is None else r.deterministic_inference)
     return sglang_server_command(
         model_path, port, device=device, max_running_requests=r.max_concurrent_requests, host=host,
         tp_size=r.tensor_model_parallel_size, ep_size=r.expert_parallel_size, base_gpu_id=base_gpu_id,
         mem_fraction_static=r.gpu_memory_utilization if device == "cuda" else None,
         enable_memory_saver=uses_memory_saver(device, colocated), api_key=api_key, dtype=r.dtype,
         context_length=context_length, random_seed=config.trainer.seed + server,
-        deterministic=bool(r.deterministic_inference), return_routed_experts=replays_routes(config),
+        deterministic=deterministic, return_routed_experts=replays_routes(config),
         multi_node=multi_node, lora=lora_serving(config), prefix_caching=r.enable_prefix_caching,
         engine_kwargs=r.engine_kwargs.get("sglang", {}), python=r.server_python or sys.executable,
     )

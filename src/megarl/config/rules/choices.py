@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Optional
 
 from megarl.config.engine_kwargs import engine_kwargs_problems
 from megarl.config.rules.common import DerivedSizes
@@ -271,6 +272,17 @@ def rollout_engine_fits_device(config: ExperimentConfig, sizes: DerivedSizes) ->
         yield (f"actor_rollout_ref.model.lora.sync=adapter {where}: SGLang 0.5.23 cannot serve LoRA adapters on a "
                "CPU (its LoRA layers pin host memory, which needs CUDA) and exits at start; use lora.sync=merged or "
                "actor_rollout_ref.rollout.name=cpu")
+
+
+def deterministic_inference_default(resume_mode: str, rollout_name: str, device: str) -> Optional[bool]:
+    """`actor_rollout_ref.rollout.deterministic_inference` left unset: on unless resuming is off
+    (the per-prompt sampling seeds that make a resume exact are read by SGLang 0.5.23 only in its
+    deterministic mode, `sampling/sampling_batch_info.py`), and off where SGLang serves on a CPU,
+    where that mode cannot start (`deterministic_inference_fits_device`). None while
+    `trainer.device=auto`: the launch decides it again on the device it resolved."""
+    if rollout_name == "sglang" and device == "auto":
+        return None
+    return resume_mode != "disable" and not (rollout_name == "sglang" and device == "cpu")
 
 
 def deterministic_inference_fits_device(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
