@@ -233,3 +233,27 @@ def test_the_trainer_applies_the_decision_to_the_machine_it_starts_on(monkeypatc
         check_environment(config)
     assert f"{KEY}=distributed cannot run with placement.mode=colocate on GPUs (trainer.device=auto " \
            "(resolved to cuda))" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["optimizer_cpu_offload", "use_precision_aware_optimizer"])
+def test_cuda_only_optimizer_options_are_refused_on_a_cpu_where_megatron_core_fails(field):
+    """megatron-core itself fails on a CPU with each (the oracle, run here): the precision-aware
+    optimizer asks transformer-engine's version (TypeError without it), the CPU offload's
+    HybridDeviceOptimizer takes CUDA streams. megarl refuses them naming the key, before any
+    process starts: at config time with trainer.device=cpu, when the device resolves under auto."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    with pytest.raises(TypeError):
+        OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, use_precision_aware_optimizer=True)
+    with pytest.raises(AssertionError, match="CUDA"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(4))], offload_fraction=1.0, lr=0.1,
+                              cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW)
+    override = f"+actor_rollout_ref.actor.optim.override_optimizer_config.{field}=true"
+    with pytest.raises(ConfigError, match=f"override_optimizer_config.{field}=True with trainer.device=cpu"):
+        load_and_validate(None, REQUIRED + ["trainer.device=cpu", override])
+    auto = load_and_validate(None, REQUIRED + [override])  # trainer.device=auto: fine where CUDA is
+    assert devices_from_config(auto, cuda_available=True).device == "cuda"
+    with pytest.raises(ConfigError, match=field):
+        devices_from_config(auto, cuda_available=False)

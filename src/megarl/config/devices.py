@@ -249,12 +249,42 @@ def auto_device_refusal(device: str, cuda_available: bool, cluster_gpus: Optiona
             "not this run's (Ray's logical GPUs of a CPU machine, e.g. launch/local.sh on CPU)")
 
 
+# megatron-core's OptimizerConfig fields that cannot work on a CPU, with the reason (0.16.1 and 0.19):
+# the optimizer's CPU offload builds a HybridDeviceOptimizer, which takes CUDA streams when it is made
+# (optimizer/cpu_offloading/hybrid_optimizer.py, `torch.cuda.current_stream()`); the precision-aware
+# optimizer asks transformer-engine's version in OptimizerConfig.__post_init__ (`is_te_min_version`),
+# and transformer-engine has no CPU build.
+CUDA_ONLY_OPTIMIZER_FIELDS = {
+    "optimizer_cpu_offload": "megatron-core's HybridDeviceOptimizer takes CUDA streams "
+                             "(optimizer/cpu_offloading/hybrid_optimizer.py)",
+    "use_precision_aware_optimizer": "megatron-core's OptimizerConfig needs transformer-engine for it "
+                                     "(optimizer_config.py, is_te_min_version), which has no CPU build",
+}
+
+
+def optimizer_device_problems(device: str, overrides: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """Why `optim.override_optimizer_config` of each trained role ({config section: overrides})
+    cannot run on `device` ("cuda" or "cpu"): a CUDA-only field switched on (`CUDA_ONLY_OPTIMIZER_FIELDS`)."""
+    if device != "cpu":
+        return []
+    return [f"{section}.optim.override_optimizer_config.{name}={value} with trainer.device=cpu: {reason}; "
+            "drop it on a CPU"
+            for section, fields in overrides.items() for name, reason in CUDA_ONLY_OPTIMIZER_FIELDS.items()
+            if (value := fields.get(name))]
+
+
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
-    """`decide_devices` on the config's keys."""
+    """`decide_devices` on the config's keys, and `optimizer_device_problems` on the device decided."""
     r = config.actor_rollout_ref.rollout
     t = config.trainer
-    return decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
-                          collective_timeout_s=config.actor_rollout_ref.nccl_timeout, nnodes=t.nnodes)
+    devices = decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
+                             collective_timeout_s=config.actor_rollout_ref.nccl_timeout, nnodes=t.nnodes)
+    problems = optimizer_device_problems(devices.device, {
+        "actor_rollout_ref.actor": config.actor_rollout_ref.actor.optim.override_optimizer_config,
+        **({"critic": config.critic.optim.override_optimizer_config} if config.critic.enable else {})})
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return devices
 
 
 def visible_gpu_index(ray_gpu_ids: Sequence[object], cuda_visible_devices: Optional[str]) -> int:

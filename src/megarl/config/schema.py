@@ -216,7 +216,8 @@ class OptimConfig:
     clip_grad: float = 1.0
     # megatron-core `OptimizerConfig` fields set on top of megarl's own (verl's key), e.g. the optimizer's CPU
     # offload (optimizer_cpu_offload, optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d) or the
-    # precision-aware optimizer (use_precision_aware_optimizer, exp_avg_dtype, ...). Each name must be a field
+    # precision-aware optimizer (use_precision_aware_optimizer, exp_avg_dtype, ...; both GPU-only, refused on a
+    # CPU: megarl.config.devices.CUDA_ONLY_OPTIMIZER_FIELDS). Each name must be a field
     # of the installed megatron-core's OptimizerConfig (checked by the preflight / --dry-run and when the
     # engine builds); a name megarl sets from another key (lr, weight_decay, betas, clip_grad, the dtype, the
     # distributed optimizer) is refused where it differs (megarl.engines.megatron.optim.optimizer_kwargs)
