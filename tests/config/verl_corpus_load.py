@@ -12,6 +12,7 @@ from pathlib import Path
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.args import experiment_file
 from megarl.config.verl_compat import SFT_MODULE, VERL_MODULES
+from megarl.config.verl_groups import MLITE_LAUNCHER
 from megarl.trainer.main_ppo import build_parser
 
 CORPUS = Path(__file__).resolve().parent / "verl" / "corpus.json"
@@ -49,12 +50,16 @@ def refusals(entry: dict) -> list[Refusal]:
     """Every refusal of one launch line: load_config's per-override errors (each refused override
     is taken out and the rest loaded again, so that one bad key hides nothing), then validate's."""
     name = script_name(entry)
+    module, argv = entry["module"], [a for a in entry["args"] if a != "-X"]
+    if module == MLITE_LAUNCHER:  # verl_mlite/launch.py main(): runs argv[0] as __main__ with the rest
+        module, argv = argv[0], argv[1:]
+    entry = {**entry, "module": module}
     if entry["module"] not in VERL_MODULES:
         out = [Refusal(name, "refused", "module", f"{entry['module']}: not one of verl's entry points "
                        f"({', '.join(VERL_MODULES)}); megarl has no module of that name")]
     else:
         out = []
-    args = build_parser().parse_intermixed_args([a for a in entry["args"] if a != "-X"])
+    args = build_parser().parse_intermixed_args(argv)
     try:
         config_file = experiment_file(args)
     except ConfigError as exc:

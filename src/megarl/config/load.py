@@ -22,6 +22,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import ExperimentConfig
 from megarl.config.verl_compat import (VERL_TRANSFORMER_DEFAULTS, check_value, map_verl_values, pop_verl_keys,
                                        resolve_verl_groups, verl_key, warn_key)
+from megarl.config.verl_groups import apply_groups, split_groups
 from megarl.config.verl_sft import sft_override
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
@@ -412,6 +413,7 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
         pop_verl_keys(tree, origins, grouped)  # verl's keys megarl accepts (megarl.config.verl_compat), one warning each
         _drop_empty_groups(tree, ExperimentConfig)
     errors: list[str] = []
+    overrides, groups = split_groups(list(overrides), verl_sft, errors)  # verl's Hydra group choices first
     for text in overrides:
         megarl_text = text
         try:
@@ -423,6 +425,7 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
                         origins[".".join(parse_override(rewritten)[0])] = f"override '{text}'"
         except ConfigError as exc:
             errors.append(str(exc) if megarl_text == text else f"override '{text}': megarl's {megarl_text}: {exc}")
+    errors += apply_groups(tree, groups, origins)
     errors += resolve_verl_groups(tree, grouped, origins)
     map_verl_values(tree, origins)
     tree = _interpolate(tree, tree, "", errors)
