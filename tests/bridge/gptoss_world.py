@@ -4,8 +4,9 @@ engine's loader into `GPTModel` chunks built twice, once with megatron's own loc
 (`DotProductAttention`: `SoftmaxOne` sinks, `FusedScaleMaskSoftmax` windows) and once with megarl's
 `CpuReferenceAttention` (the engine's attention on CPU); each rank asserts that its state dict is
 the pure `shard_model` output, runs a forward pass (logits returned by the reporting rank), doubles
-every weight and saves with the engine's checkpoint writer, for the test to export. Negative
-controls zero the sinks or drop the windows.
+every weight and saves with the engine's checkpoint writer, for the test to export. At each layout,
+and at TP1 x EP1 (DP4), the weight push's resharder runs on the loaded chunks (`pushed`): what its
+emitters would send. Negative controls zero the sinks or drop the windows.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from moe_world import _assert_loaded, _double, _reinit, layout_of, rank_key, sav
 
 # (tp, pp, ep, etp); etp 0 means etp = tp. Expert biases need ETP 1 (megatron-core), so TP2 runs with EP2 x ETP1.
 LAYOUTS = [(1, 1, 2, 0), (2, 1, 2, 1), (1, 2, 2, 0)]
+PUSH_LAYOUTS = LAYOUTS + [(1, 1, 1, 0)]  # the push also at EP1 (expert TP must be 1: TP1)
+PUSH_BUCKET_BYTES = 16 * 2**10  # below one layer's experts (8 x 3 x [64 x 40] fp32 = 240 KiB): they stay together
 ATTENTIONS = ("megatron_local", "cpu_reference")
 
 
@@ -49,13 +52,30 @@ def build(weights, layout, attention: str) -> list:
     return [chunk]
 
 
+def push_tensors(chunks: list, weights) -> dict:
+    """What this rank's weight-push resharder emits: {HF name: tensor}, its bucket numbers, its roles."""
+    from megarl.bridge.fused_experts import fuses_experts
+    from megarl.sync.groups import ParallelGroups
+    from megarl.sync.resharder import Resharder
+
+    groups = ParallelGroups.from_parallel_state(fused_experts=fuses_experts(weights.arch))
+    tensors, buckets = {}, []
+    for bucket in Resharder(chunks, weights, groups, PUSH_BUCKET_BYTES).buckets():
+        buckets.append((bucket.index, bucket.count, [name for name, _ in bucket.named_tensors()]))
+        for name, tensor in bucket.named_tensors():
+            assert name not in tensors, name
+            tensors[name] = tensor.clone()
+    return dict(tensors=tensors, buckets=buckets, pp_rank=groups.pp_rank, ep_rank=groups.ep_rank,
+                emits_experts=groups.emits_experts, emitter=groups.is_emitter)
+
+
 def world(rank: int, world_size: int, port: int, case: dict, out_dir: str) -> dict:
     from megatron.core import parallel_state as ps
 
     init_gloo_model_parallel(rank, world_size, port)
     apply_moe_cpu_shims()
     started = time.monotonic()
-    result = {"state_dicts": {}, "logit_diffs": {}, "negative_diffs": {}, "seconds": {}}
+    result = {"state_dicts": {}, "logit_diffs": {}, "negative_diffs": {}, "seconds": {}, "pushed": {}}
     hf = read_hf(case["hf_dir"])
     vocab = case["hf_logits"].shape[-1]
     for t in LAYOUTS:
@@ -71,9 +91,18 @@ def world(rank: int, world_size: int, port: int, case: dict, out_dir: str) -> di
             if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
                 result["logit_diffs"][(t, attention)] = (logits[..., :vocab] - case["hf_logits"]).abs().max().item()
         result["state_dicts"][(t, rank_key(layout))] = local_state(chunks[0])
+        result["pushed"][(t, rank)] = push_tensors(chunks, weights)
         _double(chunks)
         save_checkpoint(saved_dir(out_dir, "gpt_oss", t), chunks, None, None, 0, False)
         result["seconds"][str(t)] = round(time.monotonic() - started, 1)
+
+    for t in PUSH_LAYOUTS[len(LAYOUTS):]:
+        layout = layout_of(t)
+        _reinit(layout)
+        weights = weights_for(case["hf_dir"], layout.tp)
+        chunks = build(weights, layout, "cpu_reference")
+        load_torch_dist_weights(chunks, case["ckpt_dir"])
+        result["pushed"][(t, rank)] = push_tensors(chunks, weights)
 
     # negative controls at TP1 x EP2 (the CPU engine's attention): each drops one feature the logits test must see
     layout = layout_of(LAYOUTS[0])

@@ -4,9 +4,13 @@ on CPU (gloo, 4 processes): HF -> torch_dist -> megatron at EP2, TP2 x EP2 (ETP1
 gives logits equal to HF's own model (transformers 5.25 `GptOssForCausalLM`, eager attention:
 the implementation that applies the sinks and the window mask) within 1e-5 in fp32, with
 megatron's local attention and with megarl's CPU reference attention; what megatron saves at
-those layouts exports back to HF's fused tensors bit for bit; what megatron-core cannot express
-is refused by name.
+those layouts exports back to HF's fused tensors bit for bit; the weight push's resharder at those
+layouts and at TP1 x EP1 emits exactly the HF checkpoint's tensors, fused experts included, under
+the names SGLang's gpt-oss loader takes; what megatron-core cannot express is refused by name.
 """
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,7 +19,7 @@ from megarl.bridge import ConversionError, ParallelLayout, arch_from_hf_config, 
 from megarl.bridge.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 from megarl.bridge.megatron_config import transformer_config_kwargs
 from megarl.testing import run_gloo_workers
-from gptoss_world import ATTENTIONS, LAYOUTS, world
+from gptoss_world import ATTENTIONS, LAYOUTS, PUSH_LAYOUTS, world
 from moe_world import DIVISIBLE_BY, layout_of, saved_dir, weights_for
 from tiny_hf import INPUT_IDS, hf_tensors, logits, randomise_norms_and_biases, save_tokenizer
 
@@ -59,7 +63,7 @@ def gptoss_run(tmp_path_factory):
     ranks = run_gloo_workers(world, 4, args=(case, str(out_dir)), timeout_s=400)
     print("gpt-oss megatron world, rank 0, seconds since start:", ranks[0]["seconds"])
     merged = {field: {k: v for r in ranks for k, v in r[field].items()}
-              for field in ("state_dicts", "logit_diffs", "negative_diffs")}
+              for field in ("state_dicts", "logit_diffs", "negative_diffs", "pushed")}
     print("max |logits - HF|:", merged["logit_diffs"], "negative controls:", merged["negative_diffs"])
     return case, merged, out_dir
 
@@ -115,6 +119,56 @@ def test_gptoss_round_trip_through_real_megatron_is_bit_exact(layout, gptoss_run
     assert "model.layers.1.mlp.experts.gate_up_proj" in exported
     for name in original:
         assert torch.equal(exported[name], 2 * original[name]), name
+
+
+SGLANG = Path("/work/main/.venv-sglang/lib/python3.11/site-packages/sglang/srt")
+
+
+def sglang_gpt_oss_expert_names() -> set[str]:
+    """The expert tensor names SGLang 0.5.23's GptOssForCausalLM loads, read from its source: the
+    `ckpt_*_name` arguments `_load_normal_weights` passes to `FusedMoE.make_expert_params_mapping_fused`,
+    which maps `experts.{ckpt name}` (every other expert name matches no parameter and is skipped)."""
+    model = (SGLANG / "models" / "gpt_oss.py").read_text()
+    normal = model[model.index("def _load_normal_weights"):]
+    call = normal[normal.index("make_expert_params_mapping_fused("):]
+    args = dict(re.findall(r'(ckpt_\w+_name)="(\w+)"', call[: call.index(")")]))
+    mapping = (SGLANG / "layers" / "moe" / "fused_moe_triton" / "layer.py").read_text()
+    fused = mapping[mapping.index("def make_expert_params_mapping_fused("):]
+    fused = fused[: fused.index("@classmethod")]
+    weight_names = re.findall(r'f"experts\.\{(ckpt_\w+_name)\}"', fused)
+    assert len(args) == len(weight_names) == 4
+    return {f"mlp.experts.{args[w]}" for w in weight_names}
+
+
+@pytest.mark.parametrize("layout", PUSH_LAYOUTS, ids=[f"TP{t[0]}-PP{t[1]}-EP{t[2]}" for t in PUSH_LAYOUTS])
+def test_gptoss_push_sends_the_hf_checkpoint_under_sglang_names_bit_for_bit(layout, gptoss_run):
+    """The push's resharder at the layout (buckets smaller than a layer's experts) emits each HF
+    tensor once, equal bit for bit to transformers' own `model.safetensors` (the oracle): a layer's
+    experts as the four fused tensors of all 8 experts ([E, H, 2F] gate/up interleaved, ...), the
+    expert names exactly those SGLang's gpt-oss loader maps (its source), each whole in one bucket
+    (SGLang's `weight_loader_fused` copies one tensor into all the layer's experts). At EP2 EP rank 0
+    alone emits experts (its gather brings EP rank 1's)."""
+    case, result, _ = gptoss_run
+    runs = {rank: run for (t, rank), run in result["pushed"].items() if t == layout}
+    sent = {}
+    for run in runs.values():
+        for name, tensor in run["tensors"].items():
+            assert name not in sent, f"{name} emitted twice"
+            sent[name] = tensor
+    oracle = load_file(case["hf_dir"] / "model.safetensors")
+    assert sent.keys() == oracle.keys()
+    for name, tensor in oracle.items():
+        assert sent[name].dtype == tensor.dtype and torch.equal(sent[name], tensor), name
+    experts = {re.sub(r"^model\.layers\.\d+\.", "", n) for n in sent if ".experts." in n}
+    assert experts == sglang_gpt_oss_expert_names()
+    assert sent["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 80)
+    if layout[2] > 1:  # EP2: the expert emitters are EP rank 0's, one per stage
+        emitters = sorted((run["pp_rank"], run["ep_rank"]) for run in runs.values() if run["emits_experts"])
+        assert emitters == [(pp, 0) for pp in range(layout[1])]
+    # a stage's buckets are numbered once each, 0..count-1 (across its emitters)
+    for pp in range(layout[1]):
+        numbers = sorted((i, n) for run in runs.values() if run["pp_rank"] == pp for i, n, _ in run["buckets"])
+        assert [i for i, _ in numbers] == list(range(numbers[0][1])), numbers
 
 
 def test_gptoss_export_loads_in_transformers_with_hf_logits(gptoss_run, tmp_path):

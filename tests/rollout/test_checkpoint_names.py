@@ -73,3 +73,39 @@ def test_a_cpu_engine_takes_a_pushed_moe_checkpoint_by_its_names_and_reports_the
                              or not engine.model.config.tie_word_embeddings}
     finally:
         engine.shutdown()
+
+
+def test_a_cpu_engine_serving_gpt_oss_takes_exactly_sglangs_fused_expert_names(tmp_path):
+    """gpt-oss: SGLang 0.5.23's GptOssForCausalLM loads a layer's experts only as the checkpoint's four
+    fused tensors of all experts (models/gpt_oss.py `_load_normal_weights`), and skips per-expert
+    names without a word. The CPU engine takes the fused tensors (a second checkpoint pushed whole
+    makes the served model transformers' load of it), reports them under those names, and refuses
+    what SGLang would not load: per-expert names (the shape of one here equals the slice the Qwen
+    layout would take, so only the name can refuse it) and a fused tensor of some experts only."""
+    from megarl.rollout.cpu.engine import CPUEngine
+    from megarl.rollout.cpu.checkpoint_names import model_tensors
+    from megarl.rollout.protocol import BadRequestError
+
+    size = dict(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=16)  # H = 2F: per-expert [F, H] = [H/2, 2F]
+    served = make_tiny_model("gpt_oss", tmp_path / "a", seed=1, **size)
+    pushed = make_tiny_model("gpt_oss", tmp_path / "b", seed=2, **size)
+    engine = CPUEngine(str(served))
+    try:
+        tensors = load_file(pushed / "model.safetensors")
+        assert "model.layers.1.mlp.experts.gate_up_proj_bias" in tensors
+        bad = [("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(16, 32)),
+               ("model.layers.0.mlp.experts.gate_up_proj", tensors["model.layers.0.mlp.experts.gate_up_proj"][:4])]
+        for name, tensor in bad:
+            with pytest.raises(BadRequestError, match="unknown weight name|has shape"):
+                engine.load_weights([(name, tensor)])
+        assert engine.load_weights(list(tensors.items())) == len(tensors)
+        expected = AutoModelForCausalLM.from_pretrained(pushed, dtype=torch.float32).state_dict()
+        got = engine.model.state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+        reported = dict(model_tensors(engine.model))
+        tied = {"lm_head.weight"} if engine.model.config.tie_word_embeddings else set()
+        buffers = {name for name, _ in engine.model.named_buffers()}  # rotary frequencies, no checkpoint tensors
+        assert reported.keys() - buffers == tensors.keys() - tied
+        assert all(torch.equal(reported[name], tensors[name]) for name in reported.keys() - buffers)
+    finally:
+        engine.shutdown()

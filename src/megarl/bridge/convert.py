@@ -19,7 +19,7 @@ import torch
 
 from megarl.bridge.arch import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.bridge.errors import ConversionError
-from megarl.bridge.fused_experts import ExpertFuser
+from megarl.bridge.fused_experts import ExpertFuser, fuses_experts
 from megarl.bridge.lora import is_lora_param, merge_into_hf, read_adapters
 from megarl.bridge.mapping import EMBEDDING, WeightMap, is_extra_state
 from megarl.bridge.output_dir import atomic_output_dir
@@ -267,7 +267,7 @@ def convert_torch_dist_to_hf(
     with atomic_output_dir(out) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         # gpt-oss: per-expert tensors are written fused, a layer's tensor once all its experts are in
-        fuser = ExpertFuser(arch.moe.num_experts) if arch.moe is not None and arch.moe.scheme == "gpt_oss" else None
+        fuser = ExpertFuser(arch.moe.num_experts) if fuses_experts(arch) else None
         for name in weights.mcore_names():
             hf = dict(weights.to_hf(name, reader.read(name)))
             if adapters:

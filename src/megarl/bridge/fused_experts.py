@@ -60,12 +60,33 @@ def per_expert_shape(fused_shape: tuple[int, ...], proj: str, kind: str) -> tupl
     return (cols, rows) if proj == "down_proj" else (cols // 2, rows)
 
 
+def fuses_experts(arch) -> bool:
+    """Whether the model's HF checkpoints (and SGLang's loader) hold its experts fused: gpt-oss."""
+    return arch.moe is not None and arch.moe.scheme == "gpt_oss"
+
+
+def fused_shape(per_expert_name: str, shape: tuple[int, ...], num_experts: int) -> tuple[int, ...]:
+    """The shape of the fused tensor holding the per-expert tensor `per_expert_name` of `shape`
+    (the inverse of `per_expert_shape`): gate/up [F, H] -> [E, H, 2F], down [H, F] -> [E, F, H],
+    gate/up bias [F] -> [E, 2F], down bias [H] -> [E, H]."""
+    _, _, proj, _ = fused_source(per_expert_name)
+    if proj == "down_proj":
+        return (num_experts, *reversed(shape))
+    return (num_experts, shape[1], 2 * shape[0]) if len(shape) == 2 else (num_experts, 2 * shape[0])
+
+
+def expert_view(expert_slice: torch.Tensor, proj: str) -> torch.Tensor:
+    """One expert's slice of a fused tensor ([H, 2F], [2F], [F, H] or [H]) seen as its per-expert
+    tensor ([F, H], [F], [H, F] or [H]): a strided view, so writing into it writes the fused tensor."""
+    if proj == "down_proj":
+        return expert_slice.t() if expert_slice.dim() == 2 else expert_slice
+    half = expert_slice[..., 0::2] if proj == "gate_proj" else expert_slice[..., 1::2]
+    return half.t() if half.dim() == 2 else half
+
+
 def cut(expert_slice: torch.Tensor, proj: str) -> torch.Tensor:
     """One expert's slice of a fused tensor ([H, 2F], [2F], [F, H] or [H]) -> its per-expert tensor."""
-    if proj == "down_proj":
-        return expert_slice.t().contiguous() if expert_slice.dim() == 2 else expert_slice
-    half = expert_slice[..., 0::2] if proj == "gate_proj" else expert_slice[..., 1::2]
-    return half.t().contiguous() if half.dim() == 2 else half.contiguous()
+    return expert_view(expert_slice, proj).contiguous()
 
 
 def fuse(kind: str, per_expert: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:

@@ -44,7 +44,8 @@ trainer executes):
   push       the training states left on the GPU once the planned roles offloaded all but the
              actor's parameters (the push reads those) + the servers' weights, resumed
              (`server_gpu_params` x rollout dtype bytes) + the push's own buffers: one
-             bucket and its copy for the server (`update_weights_bucket_megabytes` each) and the
+             bucket and its copy for the server (`update_weights_bucket_megabytes` each; gpt-oss:
+             at least a layer's experts, which one bucket holds fused) and the
              largest tensor gathered whole (the vocabulary matrix); the KV cache is still released
              (the servers keep their whole pool when they do not release it)
   rollout    rollout pool + training states not offloaded
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 
 from megarl.bridge import ModelArch
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.fused_experts import fuses_experts
 from megarl.bridge.sharding import ParallelLayout, stage_layers
 from megarl.config import ExperimentConfig
 from megarl.config.rules.lora import lora_targets
@@ -427,8 +429,10 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
             train_phase += reserved
         offloaded = sum(r.offloadable for r in roles)
         actor_params = next((r.offloadable_params for r in roles if r.role == "actor"), 0)
-        push_buffers = 2 * arr.rollout.update_weights_bucket_megabytes * 2**20 + arch.vocab_size * arch.hidden_size * \
-            DTYPE_BYTES[arr.rollout.dtype]
+        bucket = arr.rollout.update_weights_bucket_megabytes * 2**20
+        if fuses_experts(arch):  # gpt-oss: a layer's experts, fused, go in one bucket (sync/resharder.py)
+            bucket = max(bucket, expert_layer_params(arch, arch.moe.num_experts) * DTYPE_BYTES[arr.rollout.dtype])
+        push_buffers = 2 * bucket + arch.vocab_size * arch.hidden_size * DTYPE_BYTES[arr.rollout.dtype]
         push_phase = (states - offloaded + actor_params + server_weights if releases else states + reserved) + push_buffers
         phases = {"training": train_phase, "push": push_phase, "rollout": reserved + states - offloaded}
     if own_teacher is not None:

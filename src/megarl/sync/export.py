@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap
 from megarl.bridge.convert import copy_hf_assets
+from megarl.bridge.fused_experts import fuses_experts
 from megarl.bridge.safetensors_io import save_safetensors
 from megarl.sync.groups import ParallelGroups
 from megarl.sync.resharder import Resharder
@@ -28,7 +29,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, out_d
     """All ranks: write `out_dir` (config, tokenizer, sharded safetensors + index). Returns it."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
-    groups = ParallelGroups.from_parallel_state()
+    groups = ParallelGroups.from_parallel_state(fused_experts=fuses_experts(weights.arch))
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,10 @@ every EP rank plans the buckets of its own experts under their global names and 
 its expert-tensor-parallel group (`expert_tp_group`, megatron's, `etp_size` ranks) to its expert-TP
 rank 0, which emits them: the EP ranks emit in parallel, and no rank receives another EP rank's
 experts. Those buckets come after a stage's dense ones and are sent by expert-DP replica 0 even
-with `split_dp`.
+with `split_dp`. But where the servers load a layer's experts only as fused tensors of all of them
+(`fused_experts`, gpt-oss: SGLang 0.5.23's GptOssForCausalLM), the EP ranks gather their experts
+over megatron's expert-model-parallel group (`ep_group`) to EP rank 0, which alone emits them
+(expert TP must be 1 there, as megatron-core requires for gpt-oss's expert biases).
 
 The emitters form `emitter_group`, which carries their reports to the coordinator: with one
 emitter per stage (one sending replica, EP = 1), megatron's pipeline-parallel group of the ranks
@@ -64,6 +67,8 @@ class ParallelGroups:
     etp_rank: int = 0  # this rank's rank in expert_tp_group
     expert_tp_group: Any = None  # ep_size > 1: megatron's expert-tensor-parallel group (etp_size ranks)
     expert_dp_rank: int = 0  # expert-data-parallel replica; replica 0 sends the experts
+    ep_group: Any = None  # ep_size > 1: megatron's expert-model-parallel group (ep_size ranks, EP rank order)
+    fused_experts: bool = False  # the servers load a layer's experts only whole: EP rank 0 emits every expert
 
     @property
     def gathers_experts(self) -> bool:
@@ -72,8 +77,9 @@ class ParallelGroups:
 
     @property
     def emits_experts(self) -> bool:
-        """Whether this rank receives, converts and pushes its EP rank's expert buckets (expert-TP rank 0)."""
-        return self.gathers_experts and self.etp_rank == 0
+        """Whether this rank receives, converts and pushes its EP rank's expert buckets (expert-TP rank 0;
+        with `fused_experts`, EP rank 0's, for every EP rank's experts)."""
+        return self.gathers_experts and self.etp_rank == 0 and (self.ep_rank == 0 or not self.fused_experts)
 
     @property
     def takes_part(self) -> bool:
@@ -98,7 +104,7 @@ class ParallelGroups:
     def several_emitters(self) -> bool:
         """More than one emitter in the world: stages, sending replicas, or EP ranks (EP > 1: each
         EP rank's expert-TP rank 0 in expert-DP replica 0 is a rank of its own)."""
-        return self.pp_size * self.bucket_share()[1] > 1 or self.ep_size > 1
+        return self.pp_size * self.bucket_share()[1] > 1 or (self.ep_size > 1 and not self.fused_experts)
 
     @property
     def is_coordinator(self) -> bool:
@@ -124,11 +130,28 @@ class ParallelGroups:
 
     @property
     def expert_emitter_rank(self) -> int:
-        """Global rank of expert-TP rank 0 of this rank's expert-TP group (its EP rank's expert emitter)."""
+        """Global rank of expert-TP rank 0 of this rank's expert-TP group (its EP rank's expert emitter);
+        with `fused_experts`, of EP rank 0 of its EP group."""
+        if self.fused_experts:
+            return dist.get_global_rank(self.ep_group, 0)
         return dist.get_global_rank(self.expert_tp_group, 0) if self.etp_size > 1 else dist.get_rank()
 
+    @property
+    def expert_gather_group(self) -> Any:
+        """The group of the expert buckets' gathers: the expert-TP group, or with `fused_experts`
+        the EP group (row r: EP rank r's experts)."""
+        return self.ep_group if self.fused_experts else self.expert_tp_group
+
     def check(self) -> None:
-        """The coordinator must be rank 0 of the world group (object broadcasts start there)."""
+        """The coordinator must be rank 0 of the world group (object broadcasts start there); fused
+        experts gather whole experts only (expert TP 1), to a rank that also emits dense buckets (with
+        megatron's rank order EP rank 0's is its stage's dense emitter: `update_groups_per_server_rank`),
+        so the stages' emitters stay one per stage."""
+        if self.fused_experts and self.ep_size > 1 and self.etp_size > 1:
+            raise ValueError(f"weight sync: fused experts (gpt-oss) need expert TP size 1, got {self.etp_size}")
+        if self.fused_experts and self.emits_experts and not self.emits_dense:
+            raise ValueError("weight sync: the fused experts' emitter (EP rank 0) is not its stage's dense emitter; "
+                             "megatron's default rank order makes it so")
         rank = dist.get_rank(self.world_group)
         if self.is_coordinator != (rank == 0):
             raise ValueError(
@@ -138,11 +161,12 @@ class ParallelGroups:
 
     @classmethod
     def from_parallel_state(cls, world_group: Optional[Any] = None, split_dp: bool = False,
-                            timeout_s: Optional[float] = None) -> "ParallelGroups":
+                            timeout_s: Optional[float] = None, fused_experts: bool = False) -> "ParallelGroups":
         """The groups of megatron's initialised `parallel_state` (read on this rank). With more than
         one emitter per stage (`split_dp` and more than one replica, or EP > 1), every rank of
         `world_group` must call this together (it makes the emitters' group, whose collectives are
-        bounded by `timeout_s` seconds; None: torch's default)."""
+        bounded by `timeout_s` seconds; None: torch's default). `fused_experts`: the model's
+        experts are sent fused (`megarl.bridge.fused_experts.fuses_experts`)."""
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -159,11 +183,12 @@ class ParallelGroups:
             world_group=world_group,
             dp_size=dp_size,
             split_dp=split_dp and dp_size > 1,
+            fused_experts=fused_experts,
             **_expert_fields(ps),
         )
-        if groups.split_dp or groups.ep_size > 1:
+        if groups.split_dp or (groups.ep_size > 1 and not groups.fused_experts):
             group = _emitters_group(groups.is_emitter, world_group, timeout_s)
-        else:  # one emitter per stage: TP = DP = 0
+        else:  # one emitter per stage: TP = DP = 0 (with fused experts also EP rank 0's expert emitter)
             group = ps.get_pipeline_model_parallel_group() if groups.is_emitter else None
         return replace(groups, emitter_group=group)
 
@@ -213,7 +238,7 @@ def _expert_fields(ps) -> dict[str, Any]:
         return {}
     return dict(ep_size=ep, etp_size=ps.get_expert_tensor_parallel_world_size(),
                 ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-                expert_tp_group=ps.get_expert_tensor_parallel_group(),
+                expert_tp_group=ps.get_expert_tensor_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
                 expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 

@@ -32,6 +32,19 @@ rank's experts. Every EP rank plans the same number X of expert buckets (their e
 same shapes), so a stage's buckets are numbered without a collective: the D dense buckets
 0..D-1, then EP rank r's expert buckets D + r * X .. D + (r + 1) * X - 1, of D + ep_size * X.
 
+Fused experts (gpt-oss, `megarl.bridge.fused_experts`): SGLang 0.5.23's GptOssForCausalLM loads a
+layer's experts only as four tensors holding all of them (`mlp.experts.gate_up_proj` [E, H, 2F]
+gate/up interleaved, `gate_up_proj_bias` [E, 2F], `down_proj` [E, F, H], `down_proj_bias` [E, H]:
+models/gpt_oss.py `_load_normal_weights` with `FusedMoE.make_expert_params_mapping_fused`; each is
+copied whole into the layer's parameter by `FusedMoE.weight_loader_fused`, and any other expert
+name is skipped without a word). So a layer's experts are one unit no bucket splits
+(`loaded_together`), the HF tensors of such a bucket are the fused ones, and each expert's tensors
+are written straight into their strided views of them (`fused_experts.expert_view`): no per-expert
+copy is made. At EP > 1 the expert buckets are gathered over the EP group (`ParallelGroups.
+fused_experts`: each EP rank sends its whole experts, row r holding EP rank r's) to EP rank 0,
+which alone emits them, numbered D .. D + X - 1: its buffers hold one bucket of every EP rank's
+experts (with the default bucket size, a layer's), as the HF tensors must.
+
 Extra memory, allocated once per pass and reused by every bucket: on the emitter, the other ranks'
 shards of one bucket ((TP-1)/TP of its gathered bytes) and one bucket of HF tensors, so at most 2
 buckets (a bucket: `bucket_bytes`, or the largest parameter if larger); on the other TP ranks,
@@ -51,6 +64,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap
 from megarl.bridge.errors import ConversionError
+from megarl.bridge.fused_experts import PER_EXPERT, expert_view, fused_shape, fused_source, fuses_experts
 from megarl.bridge.lora import is_lora_param
 from megarl.bridge.mapping import REPLICATED, TPSplit, tp_split
 from megarl.bridge.moe import expert_index, shift_expert
@@ -179,18 +193,21 @@ class BucketPlan:
     row_bytes: int  # bytes each rank of the gather sends (its split shards, padded to ROW_ALIGN)
     hf_slots: tuple[TensorSlot, ...]  # where each HF tensor goes in the bucket's flat buffer
     ranks: int = 1  # ranks of the gather: TP, or (expert bucket) expert-TP
-    expert: bool = False  # gathered over the expert-TP group
+    expert: bool = False  # gathered over the expert-TP group (fused experts at EP > 1: the EP group)
     quantized: frozenset[str] = frozenset()  # its HF weights sent in block FP8 (values and weight_scale_inv slots)
+    across_ep: bool = False  # fused experts at EP > 1: row r of the gather holds EP rank r's experts, whole
 
     @property
     def hf_bytes(self) -> int:
         return self.hf_slots[-1].end
 
 
-def gathered_bytes(param: LocalParam, tp_size: int, etp_size: int = 1) -> int:
+def gathered_bytes(param: LocalParam, tp_size: int, etp_size: int = 1, ep_gather: int = 1) -> int:
     """Bytes of the gathered megatron tensor: the full one, gathered over the TP ranks (an expert
-    at EP > 1: over its `etp_size` expert-TP ranks)."""
+    at EP > 1: over its `etp_size` expert-TP ranks; fused experts: its copies from `ep_gather` EP ranks)."""
     local = param.tensor.numel() * param.tensor.element_size()
+    if param.expert and ep_gather > 1:
+        return local * ep_gather
     return local if param.split.dim is None else local * (etp_size if param.expert else tp_size)
 
 
@@ -202,7 +219,10 @@ def loaded_together(weights: WeightMap, name: str) -> Optional[str]:
     layer's MLA down projections with q LoRA (HF q_a_proj, kv_a_proj_with_mqa), which SGLang 0.5.23
     fuses into `fused_qkv_a_proj_with_mqa` only when both arrive in one `load_weights` call
     (models/deepseek_common/deepseek_weight_loader.py `do_load_weights`: `cached_a_proj` is local to
-    the call; one half alone is cached and dropped, leaving the old weights)."""
+    the call; one half alone is cached and dropped, leaving the old weights); a layer's fused
+    experts (gpt-oss: every expert's tensors make its four fused HF tensors, module docstring)."""
+    if fuses_experts(weights.arch) and expert_index(name) is not None:
+        return f"layer {layer_index(name)} experts"
     if weights.arch.mla is None or weights.arch.mla.q_lora_rank is None:
         return None
     m = _MLA_DOWN.match(name)
@@ -211,33 +231,29 @@ def loaded_together(weights: WeightMap, name: str) -> Optional[str]:
 
 def _units(params: Sequence[LocalParam], weights: WeightMap) -> list[list[LocalParam]]:
     """`params` in order, cut into runs no bucket may split: a single parameter, or everything from
-    the first to the last of a `loaded_together` pair."""
+    the first to the last parameter of one `loaded_together` key."""
+    keys = [loaded_together(weights, param.name) for param in params]
+    last = {key: i for i, key in enumerate(keys) if key is not None}
     units: list[list[LocalParam]] = []
-    open_key, run = None, []
-    for param in params:
-        key = loaded_together(weights, param.name)
-        if open_key is not None:
-            run.append(param)
-            if key == open_key:
-                units.append(run)
-                open_key, run = None, []
-        elif key is not None:
-            open_key, run = key, [param]
-        else:
-            units.append([param])
-    if run:
-        units.append(run)
+    end = -1  # the last index of the open run
+    for i, (param, key) in enumerate(zip(params, keys)):
+        if i > end:
+            units.append([])
+        units[-1].append(param)
+        end = max(end, last.get(key, i))
     return units
 
 
 def plan_buckets(
     params: Sequence[LocalParam], weights: WeightMap, tp_size: int, bucket_bytes: int,
     dtype: Optional[torch.dtype] = None, etp_size: int = 1, quantized: frozenset[str] = frozenset(),
+    ep_gather: int = 1,
 ) -> list[BucketPlan]:
     """Pack `params` in order into buckets of at most `bucket_bytes` gathered bytes (a larger
     parameter gets a bucket of its own; parameters SGLang must load in one call, `loaded_together`,
     share one): the dense parameters first, then this EP rank's experts
-    at EP > 1 (`LocalParam.expert`, gathered over `etp_size` ranks). The HF tensors get `dtype`
+    at EP > 1 (`LocalParam.expert`, gathered over `etp_size` ranks; fused experts with `ep_gather`
+    > 1: over the `ep_gather` EP ranks, each sending its own experts whole). The HF tensors get `dtype`
     (None: their parameter's), but those named in `quantized`, which go as block FP8: e4m3 values
     and their float32 `weight_scale_inv` (`megarl.rollout.fp8`), both in the bucket. Within a bucket,
     the gathered row and the HF buffer hold wider dtypes first, so every tensor starts aligned for
@@ -249,14 +265,15 @@ def plan_buckets(
         groups: list[list[LocalParam]] = []
         size = 0
         for unit in _units([p for p in params if p.expert == expert], weights):
-            nbytes = sum(gathered_bytes(param, tp_size, etp_size) for param in unit)
+            nbytes = sum(gathered_bytes(param, tp_size, etp_size, ep_gather) for param in unit)
             if not groups or size + nbytes > bucket_bytes:
                 groups.append([])
                 size = 0
             groups[-1].extend(unit)
             size += nbytes
-        ranks = etp_size if expert else tp_size
-        plans += [_plan(group, weights, ranks, expert, dtype, quantized) for group in groups]
+        across_ep = expert and ep_gather > 1
+        ranks = (ep_gather if across_ep else etp_size) if expert else tp_size
+        plans += [_plan(group, weights, ranks, expert, dtype, quantized, across_ep) for group in groups]
     return plans
 
 
@@ -267,7 +284,12 @@ def _hf_entries(weights: WeightMap, param: LocalParam, dtype: Optional[torch.dty
     out = []
     for name in weights.hf_names_of(param.name):
         shape = list(weights.hf_shape(name))
-        if name in quantized:
+        if fuses_experts(weights.arch) and PER_EXPERT.match(name):
+            if name in quantized:
+                raise ConversionError(f"{name}: fused experts (gpt-oss) cannot be sent in block FP8")
+            out.append((fused_source(name)[0], dtype or param.tensor.dtype,
+                        list(fused_shape(name, tuple(shape), weights.arch.moe.num_experts))))
+        elif name in quantized:
             out += [(name, fp8.FP8_DTYPE, shape), (fp8.scale_name(name), torch.float32, list(fp8.scale_shape(shape)))]
         else:
             out.append((name, dtype or param.tensor.dtype, shape))
@@ -275,21 +297,23 @@ def _hf_entries(weights: WeightMap, param: LocalParam, dtype: Optional[torch.dty
 
 
 def _plan(group: list[LocalParam], weights: WeightMap, ranks: int, expert: bool,
-          dtype: Optional[torch.dtype], quantized: frozenset[str]) -> BucketPlan:
+          dtype: Optional[torch.dtype], quantized: frozenset[str], across_ep: bool = False) -> BucketPlan:
+    """`across_ep`: every parameter is gathered whole from each of the `ranks` EP ranks (fused experts)."""
     offsets: dict[str, int] = {}
     row = 0
     for param in sorted(group, key=lambda p: -p.tensor.element_size()):
-        if ranks > 1 and param.split.dim is not None:
+        if ranks > 1 and (param.split.dim is not None or across_ep):
             offsets[param.name] = row
             row += param.tensor.numel() * param.tensor.element_size()
-    hf = sorted([entry for param in group for entry in _hf_entries(weights, param, dtype, quantized)],
-                key=lambda entry: -entry[1].itemsize)
+    entries = [entry for param in group for entry in _hf_entries(weights, param, dtype, quantized)]
+    hf = sorted({entry[0]: entry for entry in entries}.values(), key=lambda entry: -entry[1].itemsize)  # fused: once
     slots = bucket_layout([n for n, _, _ in hf], [dtype_name(d) for _, d, _ in hf], [s for _, _, s in hf])
+    pieces = 1 if across_ep else ranks
     planned = tuple(PlannedParam(p, offsets.get(p.name),
-                                 copy_runs(weights, p.name, p.split, ranks if p.name in offsets else 1))
+                                 copy_runs(weights, p.name, p.split, pieces if p.name in offsets else 1))
                     for p in group)
     return BucketPlan(planned, _align(row), tuple(slots), ranks, expert,
-                      frozenset(n for p in group for n in weights.hf_names_of(p.name) if n in quantized))
+                      frozenset(n for p in group for n in weights.hf_names_of(p.name) if n in quantized), across_ep)
 
 
 @dataclass
@@ -383,12 +407,17 @@ class Resharder:
         self.bucket_bytes, self.dtype, self.hf_memory = bucket_bytes, dtype, hf_memory
         self.quantized = frozenset(quantized)
         self.timings = ReshardTimings()
+        if groups.fused_experts != fuses_experts(weights.arch):
+            raise ValueError(f"resharder: groups.fused_experts is {groups.fused_experts}, but the model's experts are "
+                             f"{'' if fuses_experts(weights.arch) else 'not '}sent fused (fused_experts.fuses_experts)")
 
     def plan(self) -> list[BucketPlan]:
         """This rank's plans: its stage's dense buckets, then its EP rank's expert buckets."""
         g = self.groups
         params = local_params(self.model_chunks, self.weights, g.tp_size, g.ep_size, g.etp_size, g.ep_rank)
-        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.etp_size, self.quantized)
+        ep_gather = g.ep_size if g.fused_experts else 1
+        return plan_buckets(params, self.weights, g.tp_size, self.bucket_bytes, self.dtype, g.etp_size, self.quantized,
+                            ep_gather)
 
     def _takes_part(self, plan: BucketPlan, index: int, count: int) -> bool:
         g = self.groups
@@ -400,15 +429,16 @@ class Resharder:
     def _mine(self) -> tuple[int, list[tuple[int, BucketPlan]]]:
         """(the stage's bucket count, the (index, plan) of the buckets this rank takes part in),
         numbered as the module docstring says: dense 0..D-1, then EP rank r's expert buckets
-        from D + r * X."""
+        from D + r * X (fused experts: EP rank 0's of every EP rank's experts, from D)."""
         g = self.groups
         if not g.takes_part:
             return 0, []
         plans = self.plan()
         dense = [plan for plan in plans if not plan.expert]
         experts = [plan for plan in plans if plan.expert]
-        count = len(dense) + g.ep_size * len(experts)
-        numbered = list(enumerate(dense)) + [(len(dense) + g.ep_rank * len(experts) + j, plan)
+        emitting_ep_ranks, ep_rank = (1, 0) if g.fused_experts else (g.ep_size, g.ep_rank)
+        count = len(dense) + emitting_ep_ranks * len(experts)
+        numbered = list(enumerate(dense)) + [(len(dense) + ep_rank * len(experts) + j, plan)
                                              for j, plan in enumerate(experts)]
         return count, [(k, plan) for k, plan in numbered if self._takes_part(plan, k, count)]
 
@@ -459,7 +489,7 @@ class Resharder:
         gathered = [p for p in plan.params if p.gather_offset is not None]
         if not gathered:
             return None
-        group = g.expert_tp_group if plan.expert else g.tp_group
+        group = g.expert_gather_group if plan.expert else g.tp_group
         if self._emits(plan):
             rows = self._rows(plan, buffers)
             ops = [dist.P2POp(dist.irecv, rows[r - 1], dist.get_global_rank(group, r), group)
@@ -488,22 +518,48 @@ class Resharder:
         return [tensor if r == 0 else rows[r - 1, start : start + n].view(tensor.dtype).view(tensor.shape)
                 for r in range(plan.ranks)]
 
+    def _sources(self, plan: BucketPlan, planned: PlannedParam, rows: Optional[torch.Tensor]) -> list:
+        """(global megatron name, its shards in rank order) of what `planned` brings: itself, or
+        (`across_ep`) each EP rank's expert in its place, whole (EP rank r's local expert k is global
+        expert r * E / ep_size + k; the emitter, EP rank 0, plans under its own, global 0..)."""
+        pieces = self._pieces(plan, planned, rows)
+        if not plan.across_ep:
+            return [(planned.param.name, pieces)]
+        per_rank = self.weights.arch.moe.num_experts // plan.ranks
+        return [(shift_expert(planned.param.name, r * per_rank), [piece]) for r, piece in enumerate(pieces)]
+
     def _convert(self, plan: BucketPlan, buffers: _Buffers, index: int, count: int, final: bool) -> HFBucket:
         flat = buffers.flat[: plan.hf_bytes] if self.hf_memory is None else self.hf_memory(plan.hf_bytes)
         targets = dict(unflatten_tensors(flat, list(plan.hf_slots)))
         rows = self._rows(plan, buffers) if plan.row_bytes else None
+        fused_writes: dict[str, int] = {}  # fused HF tensor -> per-expert tensors written into it
         for planned in plan.params:
             tensor = planned.param.tensor
-            names = self.weights.hf_names_of(planned.param.name)
-            # a quantized weight is merged whole at the parameter's precision first, then quantized into its slots
-            merged = {n: torch.empty(self.weights.hf_shape(n), dtype=tensor.dtype, device=tensor.device)
-                      for n in names if n in plan.quantized}
-            write_runs(planned.copies, self._pieces(plan, planned, rows), [merged.get(n, targets[n]) for n in names])
-            for name, whole in merged.items():
-                values, scale_inv = fp8.quantize(whole)
-                targets[name].copy_(values)
-                targets[fp8.scale_name(name)].copy_(scale_inv)
+            for mcore_name, pieces in self._sources(plan, planned, rows):
+                names = self.weights.hf_names_of(mcore_name)
+                # a quantized weight is merged whole at the parameter's precision first, then quantized into its slots
+                merged = {n: torch.empty(self.weights.hf_shape(n), dtype=tensor.dtype, device=tensor.device)
+                          for n in names if n in plan.quantized}
+                outs = [merged.get(n) if n in merged else self._target(targets, n, fused_writes) for n in names]
+                write_runs(planned.copies, pieces, outs)
+                for name, whole in merged.items():
+                    values, scale_inv = fp8.quantize(whole)
+                    targets[name].copy_(values)
+                    targets[fp8.scale_name(name)].copy_(scale_inv)
+        for name, written in fused_writes.items():
+            expected = self.weights.arch.moe.num_experts * (2 if "gate_up" in name else 1)
+            if written != expected:
+                raise ConversionError(f"{name}: {written} per-expert tensors written into it, expected {expected}: "
+                                      "a bucket must hold all of a layer's experts")
         return HFBucket(index, count, flat, plan.hf_slots, owned=self.hf_memory is not None, final=final)
+
+    def _target(self, targets: dict[str, torch.Tensor], name: str, fused_writes: dict[str, int]) -> torch.Tensor:
+        """Where HF tensor `name` is written: its slot, or a fused expert's view into its fused tensor's slot."""
+        if name in targets or not (fuses_experts(self.weights.arch) and PER_EXPERT.match(name)):
+            return targets[name]
+        fused, expert, proj, _ = fused_source(name)
+        fused_writes[fused] = fused_writes.get(fused, 0) + 1
+        return expert_view(targets[fused][expert], proj)
 
 
 class _Gather:

@@ -18,7 +18,8 @@ unless `groups` is given; the world group is torch.distributed's default group, 
 2. stream, every emitter in parallel (`groups.py`): each stage's, with DP > 1 (`SyncConfig.shares_dp`:
    the tensor and disk transports, and the distributed one with `weight_update_groups="per_emitter"`)
    every data-parallel replica's for its own share of the stage's dense buckets (else replica 0
-   alone), and with EP > 1 each EP rank's for its own experts: the TP (expert-TP) ranks gather
+   alone), and with EP > 1 each EP rank's for its own experts (gpt-oss: EP rank 0's for every EP
+   rank's, which SGLang loads only fused: `resharder`): the TP (expert-TP) ranks gather
    their shards to their emitter (`Resharder`), which pushes each HF bucket through its
    transport. With more than one emitter they take turns at the servers (`SendLock`, lock.py: a
    server runs one update at a time, and emitters sending at once can deadlock): each send, and
@@ -68,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge import WeightMap
+from megarl.bridge.fused_experts import PER_EXPERT, fuses_experts
 from megarl.rollout import fp8
 from megarl.rollout.control import ServerError, on_all
 from megarl.sync.groups import WEIGHT_UPDATE_GROUPS, ParallelGroups
@@ -201,21 +203,16 @@ class _Outcome:
 Progress = Callable[[int, HFBucket], None]  # (pipeline stage, bucket just sent), on emitters
 
 
-def push_problem(weights: WeightMap) -> Optional[str]:
+def push_problem(weights: WeightMap, fp8_weights: frozenset[str] = frozenset()) -> Optional[str]:
     """Why the weights of this model cannot be pushed to SGLang under the names its model class
-    loads, or None. gpt-oss: SGLang 0.5.23's `GptOssForCausalLM.load_weights` (models/gpt_oss.py
-    `_load_normal_weights`, `FusedMoE.make_expert_params_mapping_fused`) loads a layer's experts
-    only as the four fused tensors `mlp.experts.{gate_up_proj, gate_up_proj_bias, down_proj,
-    down_proj_bias}` holding every expert ([E, H, 2F] gate/up interleaved, ...), and skips any other
-    expert name without a word; the push emits each expert from its own EP rank under a per-expert
-    name (the bridge's `megarl.bridge.fused_experts` view), so it would silently leave the
-    servers' experts stale."""
-    moe = weights.arch.moe
-    if moe is not None and moe.scheme == "gpt_oss":
-        return ("gpt-oss weights cannot be pushed yet: SGLang's GptOssForCausalLM.load_weights takes a layer's "
-                "experts only as fused tensors of all experts (mlp.experts.gate_up_proj [E, H, 2F], ...) and "
-                "ignores per-expert names, which megarl's push sends; train without a rollout push (e.g. "
-                "evaluate exported checkpoints) until the push fuses experts across EP ranks")
+    loads, or None. gpt-oss's experts go as fused tensors of all experts (`resharder`); SGLang 0.5.23's
+    GptOssForCausalLM loads those in block FP8 with no scales (models/gpt_oss.py `_load_normal_weights`:
+    `FusedMoE.make_expert_params_mapping_fused` names no `weight_scale_inv`, which is skipped without a
+    word), so they cannot be sent in block FP8."""
+    fused_fp8 = sorted(n for n in fp8_weights if fuses_experts(weights.arch) and PER_EXPERT.match(n))
+    if fused_fp8:
+        return (f"gpt-oss experts cannot be pushed in block FP8 (SGLang's GptOssForCausalLM has no name for their "
+                f"scales): {fused_fp8[:3]}")
     return None
 
 
@@ -236,7 +233,7 @@ class WeightSync:
         versions count up from `initial_version` (the first push sets initial_version + 1)."""
         if not server_urls:
             raise ValueError("weight sync: no rollout servers")
-        problem = push_problem(weights)
+        problem = push_problem(weights, config.fp8_weights)
         if problem:
             raise ValueError(f"weight sync: {problem}")
         unknown = sorted(config.fp8_weights - set(weights.hf_names()))
@@ -244,7 +241,8 @@ class WeightSync:
             raise ValueError(f"weight sync: fp8_weights names tensors the model does not have: {unknown[:5]}")
         self.config = config
         self.groups = groups or ParallelGroups.from_parallel_state(split_dp=config.shares_dp,
-                                                                   timeout_s=config.group_timeout_s)
+                                                                   timeout_s=config.group_timeout_s,
+                                                                   fused_experts=fuses_experts(weights.arch))
         self.groups.check()
         self.weights = weights
         # the tensor transport's copies live on the actor's device (one decision for transport and relay)
@@ -493,7 +491,8 @@ class WeightSync:
     def _label(self) -> str:
         g = self.groups
         parts = ([f"DP replica {g.dp_rank}"] if g.split_dp and g.emits_dense else []) + \
-                ([f"experts of EP rank {g.ep_rank}"] if g.emits_experts else [])
+                ([("every EP rank's experts" if g.fused_experts else f"experts of EP rank {g.ep_rank}")]
+                 if g.emits_experts else [])
         return f"pipeline stage {g.pp_rank}" + (f" ({', '.join(parts)})" if parts else "")
 
     def _guard(self, step: Callable[[], None], where: Optional[str] = None) -> Optional[str]:

@@ -48,7 +48,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from megarl.rollout.cpu.checkpoint_names import checkpoint_tensor, model_tensors
+from megarl.rollout.cpu.checkpoint_names import checkpoint_tensor, fused_on_disk, model_tensors
 from megarl.rollout.cpu.fp8_weights import Fp8Weights, checkpoint_quantization, load_fp8_causal_lm
 from megarl.rollout.cpu.decode_rows import DecodeRows
 from megarl.rollout.cpu.lora_adapters import LoadedAdapter, LoraAdapters, applied
@@ -455,16 +455,17 @@ class CPUEngine:
             raise BadRequestError("weights are released; call /resume_memory_occupation with tags ['weights'] first")
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors named as in a checkpoint (per-expert names too: `checkpoint_names`) into the
-        model, cast to its dtype; a quantized model's block-FP8 weights come with their scales and
-        are held and dequantized (`Fp8Weights`). All-or-nothing. Returns the count."""
+        """Copy tensors named as in a checkpoint (per-expert names too, but not gpt-oss's:
+        `checkpoint_names`) into the model, cast to its dtype; a quantized model's block-FP8 weights
+        come with their scales and are held and dequantized (`Fp8Weights`). All-or-nothing. Returns the count."""
         self._check_weights_resident()
         state = self.model.state_dict()  # detached, sharing the parameters' storage
         count = len(named_tensors)
         fp8_updates = {}
         if self.fp8 is not None:
             named_tensors, fp8_updates = self.fp8.split(named_tensors, state)
-        targets = [checkpoint_tensor(state, name) for name, _ in named_tensors]
+        fused = fused_on_disk(self.model)
+        targets = [checkpoint_tensor(state, name, fused) for name, _ in named_tensors]
         for (name, tensor), target in zip(named_tensors, targets):
             if target is None:
                 raise BadRequestError(f"unknown weight name {name!r} for {type(self.model).__name__}")
