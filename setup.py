@@ -28,7 +28,9 @@ CORE = [
     "aiohttp>=3.9",  # the rollout client
     "requests>=2.31",
     "urllib3>=2",  # the admin calls' kept-alive connections (megarl.rollout.control)
-    "openai>=1.40",  # the client agent episodes use against megarl's OpenAI-compatible endpoint
+    # the client agent episodes use against megarl's OpenAI-compatible endpoint. The 2.x line: verifiers (its
+    # openai-agents) asks >=2.9,<3, SGLang 0.5.23 pins 2.8.0 (the GPU locks); the CPU locks hold 2.54.0
+    "openai>=2.8,<3",
 ]
 
 # GPU-only: never imported on CPU code paths (imports are lazy). The resolved sets are locked in
@@ -41,8 +43,10 @@ GPU = ["sglang==0.5.23", "transformer-engine[pytorch,core_cu13]==2.11.0"]
 # Connectors to environments written for other tools (docs/environments.md): reasoning-gym's procedural
 # tasks, scored by their own score_answer (megarl.rewards.reasoning_gym; SUPPORTED there keeps the same range);
 # OpenEnv's environment servers and client (megarl.agents.openenv_env, SUPPORTED there). openenv 0.10 asks
-# openai>=2.7.2 (megarl's openai>=1.40 admits it) and gradio, whose caps move pillow (<13) and tomlkit (<0.15).
-ENVS = ["reasoning-gym>=0.1.25,<0.2", "openenv>=0.10,<0.11"]
+# openai>=2.7.2 and gradio, whose caps move pillow (<13) and tomlkit (<0.15); verifiers' environments, their
+# rollouts run against megarl's endpoint (megarl.agents.verifiers_env, SUPPORTED there). verifiers 0.3.x: 0.4.0
+# pins mcp==2.0.0, which openenv 0.10's fastmcp 3.x refuses (mcp<2); its openai-agents asks openai<3.
+ENVS = ["reasoning-gym>=0.1.25,<0.2", "openenv>=0.10,<0.11", "verifiers>=0.3.1,<0.4"]
 
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pandas>=2",
         "peft>=0.21",  # the LoRA export oracle

@@ -78,6 +78,47 @@ def test_an_unknown_task_is_told_with_close_names_before_anything_is_written(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+def recipe_config(*overrides: str):
+    from megarl.config import load_and_validate
+
+    return load_and_validate(str(REPO / "configs/tiny/grpo_reasoning_gym.yaml"),
+                             ["actor_rollout_ref.model.path=unused", *overrides])
+
+
+def test_the_data_source_key_writes_the_librarys_entries_once(tmp_path):
+    """data.source=reasoning_gym:<task> (the recipe's): the files the run then reads hold the entries reasoning-gym
+    makes for the source keys (train: source_seed, val: source_seed + 1); a second start reuses them."""
+    from megarl.trainer.preflight import with_source_files
+
+    config = with_source_files(recipe_config(f"data.source_dir={tmp_path}", "data.source_seed=3",
+                                             "data.source_train_size=4", "data.source_val_size=2"))
+    assert config.data.train_files == [str(tmp_path / "train.parquet")]
+    assert config.data.val_files == [str(tmp_path / "val.parquet")]
+    for path, seed, size in ((tmp_path / "train.parquet", 3, 4), (tmp_path / "val.parquet", 4, 2)):
+        entries = reasoning_gym.create_dataset(TASK, seed=seed, size=size, **CONFIG)
+        rows = pq.read_table(path).to_pylist()
+        assert [r["prompt"][-1]["content"] for r in rows] == [entries[i]["question"] for i in range(size)]
+        assert [r["reward_model"]["ground_truth"] for r in rows] == [str(entries[i]["answer"]) for i in range(size)]
+    written = (tmp_path / "train.parquet").stat().st_mtime_ns
+    with_source_files(recipe_config(f"data.source_dir={tmp_path}", "data.source_seed=3",
+                                    "data.source_train_size=4", "data.source_val_size=2"))
+    assert (tmp_path / "train.parquet").stat().st_mtime_ns == written
+
+
+def test_an_unknown_task_in_the_config_is_told_before_anything_starts(tmp_path):
+    """The check main_ppo runs before Ray or any server (also --dry-run) names the task and its close names."""
+    from megarl.trainer.preflight import check_environment
+
+    config = recipe_config("data.source=reasoning_gym:chain_sun", f"trainer.default_local_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"no task 'chain_sun'; close names: chain_sum"):
+        check_environment(config, "rl")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"data.source='reasoning_gym:chain_sum' writes the train and val files"):
+        recipe_config("data.train_files=[a.parquet]")
+    with pytest.raises(ConfigError, match=r"data.source='rg:chain_sum': give reasoning_gym:<task>"):
+        recipe_config("data.source=rg:chain_sum")
+
+
 def test_a_config_the_task_refuses_is_told_with_the_task(tmp_path):
     with pytest.raises(ConfigError, match=r"reasoning-gym task 'chain_sum' refuses config \{\"min_term\": 2\}"):
         write_reasoning_gym_dataset(TASK, tmp_path, train_size=4, val_size=1, config={"min_term": 2})
@@ -104,8 +145,9 @@ def test_a_row_the_installed_library_would_not_make_costs_its_sample_only(data):
 
 
 @pytest.mark.slow
-def test_grpo_on_a_reasoning_gym_task_records_the_librarys_scores(data, tmp_path):
-    """2 GRPO steps of the tiny model on chain_sum (the recipe configs/tiny/grpo_reasoning_gym.yaml): every
+def test_grpo_on_a_reasoning_gym_task_records_the_librarys_scores(tmp_path):
+    """2 GRPO steps of the tiny model on chain_sum (the recipe configs/tiny/grpo_reasoning_gym.yaml, its data
+    written by the run from data.source): every
     score of the run (8 prompts x 4 responses per step; 8 validation prompts greedy and sampled, before and
     after) is reasoning-gym's own on the response, and each step's reward/mean is the mean of its scores."""
     from megarl.data.tiny_model import make_tiny_model
@@ -115,8 +157,9 @@ def test_grpo_on_a_reasoning_gym_task_records_the_librarys_scores(data, tmp_path
     record = tmp_path / "scores.jsonl"
     recipe = REPO / "configs/tiny/grpo_reasoning_gym.yaml"
     cmd = [sys.executable, "-m", "megarl.trainer.main_ppo", "--config", str(recipe),
-           f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={data / 'train.parquet'}",
-           f"data.val_files={data / 'val.parquet'}", f"trainer.default_local_dir={tmp_path / 'out'}",
+           f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.source_dir={tmp_path / 'data'}",
+           "data.source_seed=3", "data.source_train_size=64", "data.source_val_size=8",
+           f"trainer.default_local_dir={tmp_path / 'out'}",
            f"custom_reward_function.path={Path(__file__).with_name('recording_reward.py')}",
            f"+custom_reward_function.reward_kwargs.record={record}"]
     run_to_completion(cmd, tmp_path, 400, "GRPO on reasoning_gym/chain_sum")

@@ -140,6 +140,16 @@ class DataConfig:
     # variables of the chat template (verl's key), e.g. {enable_thinking: false} for Qwen3: every prompt
     # rendered (RL, SFT, DPO data; the agents' endpoint, where a call's chat_template_kwargs override them)
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A dataset by name instead of train_files/val_files (docs/environments.md): "reasoning_gym:<task>", written
+    # as verl parquet (train: source_seed, val: source_seed + 1) before any process starts, to source_dir
+    # (null: <trainer.default_local_dir>/data/<task>-<hash of these keys>; kept and reused when it exists)
+    source: Optional[str] = None
+    source_config: dict[str, Any] = field(default_factory=dict)  # the task's config (its config class's fields)
+    source_train_size: int = 1000  # rows
+    source_val_size: int = 64  # rows
+    source_seed: int = 0
+    source_system_prompt: Optional[str] = None  # a system message before each question
+    source_dir: Optional[str] = None
 
     @property
     def prompts_per_generation(self) -> int:

@@ -16,6 +16,7 @@ library, and what anyone with the library needs to make the same rows again.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,21 @@ def write_reasoning_gym_dataset(task: str, out_dir: str | Path, *, train_size: i
     splits = {"train": rows_of(task, config or {}, seed, train_size, "train", system_prompt),
               "val": rows_of(task, config or {}, seed + 1, val_size, "val", system_prompt)}
     return write_splits(out_dir, splits)
+
+
+def write_source(data, default_dir: str | Path) -> dict[str, Path]:
+    """The train and val files of `data.source` ("reasoning_gym:<task>", DataConfig's source keys), written once:
+    {split: path} in data.source_dir, or `<default_dir>/data/<task>-<hash of the source keys>`, kept when both
+    files are there already. ConfigError before anything is written, as write_reasoning_gym_dataset."""
+    task = data.source[len(SPEC_PREFIX):]
+    keys = {"task": task, "config": data.source_config, "train_size": data.source_train_size,
+            "val_size": data.source_val_size, "seed": data.source_seed, "system_prompt": data.source_system_prompt}
+    digest = hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(data.source_dir or Path(default_dir) / "data" / f"{task}-{digest}")
+    paths = {split: out / f"{split}.parquet" for split in ("train", "val")}
+    check_task(task)
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    return write_reasoning_gym_dataset(task, out, train_size=data.source_train_size, val_size=data.source_val_size,
+                                       seed=data.source_seed, config=data.source_config,
+                                       system_prompt=data.source_system_prompt)

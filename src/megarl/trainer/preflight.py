@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -32,10 +33,22 @@ DRY_RUN_HELP = ("validate the config and check data, model, tokenizer, schedule 
 DRY_RUN_OK = "dry run OK: config, data, model and machine checked (stopping before Ray starts)"
 
 
+def with_source_files(config: ExperimentConfig) -> ExperimentConfig:
+    """The config with data.source's files (written now when not yet there) as train_files and val_files;
+    unchanged without a source. ConfigError (the task unknown, with close names; the library missing) first."""
+    if config.data.source is None:
+        return config
+    from megarl.data.reasoning_gym import write_source
+
+    paths = write_source(config.data, config.trainer.default_local_dir)
+    return replace(config, data=replace(config.data, train_files=[str(paths["train"])], val_files=[str(paths["val"])]))
+
+
 def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> ExperimentConfig:
     """Check data, model, tokenizer, schedule and devices for trainer `kind` ("rl", "sft", "dpo");
     return the config with hub ids replaced by their HF-cache directories. Raises ConfigError
     listing every problem. Runs in seconds, before Ray or any server starts (--dry-run runs it too)."""
+    config = with_source_files(config)
     problems, train_rows = data_problems(config, kind)
     problems += schedule_problems(config, kind, train_rows)
     problems += transformer_override_problems(config)

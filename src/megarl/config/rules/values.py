@@ -9,17 +9,24 @@ from megarl.config.rules.common import DerivedSizes, in_range, positive
 from megarl.config.schema import ExperimentConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
+SOURCE_PREFIXES = ("reasoning_gym:",)  # data.source: megarl.data.reasoning_gym.SPEC_PREFIX
 
 
 def required_keys(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """The model and the training data must be given.
+    """The model and the training data must be given: train_files, or a source that writes them.
 
-    Reads: actor_rollout_ref.model.path, data.train_files
+    Reads: actor_rollout_ref.model.path, data.train_files, data.val_files, data.source
     """
+    d = config.data
     if not config.actor_rollout_ref.model.path:
         yield "actor_rollout_ref.model.path: required (an HF checkpoint directory)"
-    if not config.data.train_files:
-        yield "data.train_files: required (one or more parquet files)"
+    if d.source is None and not d.train_files:
+        yield "data.train_files: required (one or more parquet files), or data.source"
+    if d.source is not None and (d.train_files or d.val_files):
+        yield (f"data.source={d.source!r} writes the train and val files: leave data.train_files and "
+               "data.val_files unset")
+    if d.source is not None and not d.source.startswith(SOURCE_PREFIXES):
+        yield f"data.source={d.source!r}: give {' or '.join(p + '<task>' for p in SOURCE_PREFIXES)}"
 
 
 def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
@@ -33,7 +40,8 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
     actor_rollout_ref.rollout.tensor_model_parallel_size, actor_rollout_ref.rollout.expert_parallel_size,
     actor_rollout_ref.rollout.max_concurrent_requests,
     actor_rollout_ref.rollout.update_weights_bucket_megabytes, trainer.nnodes, trainer.n_gpus_per_node,
-    trainer.total_epochs, trainer.total_training_steps, trainer.test_freq, trainer.save_freq
+    trainer.total_epochs, trainer.total_training_steps, trainer.test_freq, trainer.save_freq,
+    data.source_train_size, data.source_val_size
     """
     d, t = config.data, config.trainer
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
@@ -44,6 +52,8 @@ def positive_counts(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[s
         ("reward_model.max_length", config.reward_model.max_length),
         ("data.max_prompt_length", d.max_prompt_length),
         ("data.max_response_length", d.max_response_length),
+        ("data.source_train_size", d.source_train_size),
+        ("data.source_val_size", d.source_val_size),
         ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
         ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
         ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
