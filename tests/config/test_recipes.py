@@ -19,12 +19,13 @@ MODELS = {"Qwen/Qwen2.5-7B-Instruct": RECIPES / "models/qwen2.5-7b-instruct",
           "Qwen/Qwen3-8B": RECIPES / "models/qwen3-8b",
           "Qwen/Qwen3-32B": RECIPES / "models/qwen3-32b",
           "unsloth/gpt-oss-20b-BF16": RECIPES / "models/gpt-oss-20b-bf16",
-          "deepseek-ai/DeepSeek-V3": RECIPES / "models/deepseek-v3"}
+          "deepseek-ai/DeepSeek-V3": RECIPES / "models/deepseek-v3",
+          "zai-org/GLM-4.5-Air": RECIPES / "models/glm-4.5-air"}
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 EXPECTED = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gspo",
             "dpo", "grpo_2node", "grpo_fp8",
             "grpo_lora_32b", "grpo_qwen3_30b_a3b", "opd_qwen3_8b_from_32b", "grpo_qwen3_8b_32k",
-            "grpo_gpt_oss_20b", "grpo_deepseek_v3"}
+            "grpo_gpt_oss_20b", "grpo_deepseek_v3", "grpo_glm45_air"}
 
 
 def test_every_algorithm_has_a_recipe():

@@ -68,3 +68,20 @@ def push_story(rank: int, world_size: int, port: int, url: str, checkpoints: dic
                 record["destroy_again"] = str(e)
         out[transport] = record
     return out
+
+
+def push_one(rank: int, world_size: int, port: int, url: str, checkpoint: str, transport: str, disk_dir: str) -> list:
+    """One push of `checkpoint` (an MoE one too) through `WeightSync` over `transport`; the server's greedy
+    samples after it."""
+    from megarl.engines.megatron.cpu.moe_shims import apply_moe_cpu_shims
+
+    init_gloo_model_parallel(rank, world_size, port)
+    apply_moe_cpu_shims()
+    layout = ParallelLayout()
+    weights = weight_map(Path(checkpoint), 1, 64)
+    chunks = build_chunks(weights, layout, torch.float32)
+    load_hf(chunks, weights, layout, Path(checkpoint))
+    sync = WeightSync(chunks, weights, [url], sync_config(transport, disk_dir, checkpoint))
+    sync.push()
+    sync.close()
+    return server_samples(url)

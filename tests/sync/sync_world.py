@@ -27,7 +27,7 @@ from megarl.bridge import (
     tp_split,
 )
 from megarl.bridge.mapping import EMBEDDING
-from megarl.bridge.megatron_config import gpt_model_kwargs, layer_spec, transformer_config_kwargs
+from megarl.bridge.megatron_config import block_spec, gpt_model_kwargs, layer_spec, transformer_config_kwargs
 from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.bridge.sharding import layer_index, shard_tp, shift_layer
 from megarl.bridge.transforms import padded_vocab_size
@@ -81,8 +81,10 @@ def build_chunks(weights: WeightMap, layout: ParallelLayout, dtype: torch.dtype)
     config = TransformerConfig(**transformer_config_kwargs(weights.arch, layout, dtype), use_cpu_initialization=True,
                                perform_initialization=False)
     pp_rank = _ps().get_pipeline_model_parallel_rank()
+    spec, dense_spec = layer_spec(weights.arch), layer_spec(weights.arch, dense=True)  # dense first layers of an MoE
     return [
-        GPTModel(config, layer_spec(weights.arch), **gpt_model_kwargs(weights.arch, weights.padded_vocab_size),
+        GPTModel(config, block_spec(weights.arch, layout, pp_rank, v, spec, dense_spec),
+                 **gpt_model_kwargs(weights.arch, weights.padded_vocab_size),
                  pre_process=layout.is_first(pp_rank, v), post_process=layout.is_last(pp_rank, v),
                  vp_stage=v if layout.vpp > 1 else None).to(dtype).eval()
         for v in range(layout.vpp)

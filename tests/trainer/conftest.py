@@ -3,6 +3,7 @@ test session. (test_rl_e2e.py builds its own with its module fixture `tiny`, whi
 there; it could use `tiny_assets` instead.)"""
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from megarl.data.synthetic import write_task_dataset
 from megarl.data.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))  # the modules the tests share (sigmoid_moe.py)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -59,9 +60,17 @@ ARCHITECTURES = {
                                        "norm_topk_prob": True,
                                        # fields of the hub config.json that SGLang's DeepseekV2 class reads
                                        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}),
+    # GLM-4.5's shape in small: DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, top-4, sigmoid scaled
+    # by 2.5, a shared expert, one dense first layer) on grouped-query attention with q/k/v biases, q/k
+    # norms and rotary on half of each head
+    "glm4_moe": (Glm4MoeConfig, {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                                 "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                                 "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5}}),
 }
 # every layer MoE; not gpt_oss (these feed SGLang-backed tests, and SGLang on CPU does not serve it) nor
-# deepseek_v3 (a dense first layer)
+# deepseek_v3 / glm4_moe (a dense first layer)
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,7 +137,7 @@ def make_tiny_model(
 
     config_class, arch_kwargs = ARCHITECTURES[arch]
     ffn = 2 * hidden if intermediate is None else intermediate
-    if arch in (*MOE_ARCHITECTURES, "deepseek_v3") and arch != "mixtral":  # Qwen, DeepSeek: expert width apart
+    if arch in (*MOE_ARCHITECTURES, "deepseek_v3", "glm4_moe") and arch != "mixtral":  # Qwen, DeepSeek, GLM: expert width apart
         arch_kwargs = {**arch_kwargs, "moe_intermediate_size": ffn}
         if arch == "qwen2_moe":
             arch_kwargs["shared_expert_intermediate_size"] = 2 * ffn
