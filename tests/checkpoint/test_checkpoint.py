@@ -150,3 +150,39 @@ def test_torch_dist_metadata_naming_code_is_refused_before_it_is_unpickled(tmp_p
     (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(ConversionError, match=r"bad/\.metadata: refers to posix\.system"):
         check_metadata_is_data(bad)
+
+
+def verl_sft_resume_path(resume_mode: str, resume_from_path):
+    """verl 0.9.1's SFT choice of checkpoint (utils/checkpoint/checkpoint_handler.py
+    CheckpointHandler._determine_resume_path, run from its wheel), "LATEST" standing for its newest one."""
+    import ast
+    import types
+    import zipfile
+
+    wheel = Path(os.environ.get("MEGARL_VERL_WHEEL") or Path(__file__).resolve().parents[2] / ".verl-oracle" /
+                 "verl-0.9.1-py3-none-any.whl")
+    if not wheel.is_file():
+        pytest.fail(f"verl 0.9.1's wheel is not at {wheel}: run `make install-verl-oracle` (or set MEGARL_VERL_WHEEL)")
+    with zipfile.ZipFile(wheel) as z:
+        tree = ast.parse(z.read("verl/utils/checkpoint/checkpoint_handler.py").decode())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointHandler"]
+    (method,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_determine_resume_path"]
+    namespace = {"os": os}
+    exec(compile(ast.Module(body=[method], type_ignores=[]), "checkpoint_handler.py", "exec"), namespace)
+    handler = types.SimpleNamespace(resume_mode=resume_mode, resume_from_path=resume_from_path,
+                                    _find_latest_checkpoint=lambda: "LATEST")
+    return namespace["_determine_resume_path"](handler)
+
+
+@pytest.mark.parametrize("mode, given", [("auto", None), ("auto", 3), ("resume_path", 3), ("disable", None),
+                                         ("disable", 3)])
+def test_sft_resumes_from_the_checkpoint_verls_sft_trainer_picks(tmp_path, mode, given):
+    from megarl.trainer.sft import resume_dir
+
+    root = tmp_path / "p" / "e"
+    write(root, 3)
+    write(root, 5)
+    path = str(root / f"global_step_{given}") if given else None
+    expected = verl_sft_resume_path(mode, path)
+    expected = root / "global_step_5" if expected == "LATEST" else expected and Path(expected)
+    assert resume_dir(config_for(tmp_path, resume_mode=mode, resume_from_path=path)) == expected

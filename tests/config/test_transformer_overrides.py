@@ -5,6 +5,7 @@ tests/engines/test_transformer_overrides.py."""
 import logging
 
 import pytest
+import torch
 
 from megarl.config import ConfigError, load_config
 from megarl.config.transformer_overrides import Recompute, cp_comm_type_model_problems, recompute_of, role_overrides
@@ -99,12 +100,25 @@ def test_uneven_pipeline_stages_load_by_first_and_last_stage_only(role):
     enable = {"critic": ["critic.enable=true"], "reward_model": ["reward_model.enable=true",
                                                                  "reward_model.model.path=/models/rm"]}.get(role, [])
     ok(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=3", f"+{key}.num_layers_in_last_pipeline_stage=1")
-    msg = fails(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=0",
+    assert f"{key}.num_layers_in_first_pipeline_stage=0: must be a positive integer or null" in fails(
+        *layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=0")
+    # megatron's account_for_embedding/loss_in_pipeline_split load (verl's Qwen3-VL-235B and DeepSeek-V3
+    # examples), but not beside num_layers_in_first/last_pipeline_stage, which megatron-core's
+    # TransformerConfig refuses (the oracle: its own ValueError)
+    ok(*layout, *enable, f"+{key}.account_for_loss_in_pipeline_split=true",
+       f"+{key}.account_for_embedding_in_pipeline_split=true")
+    msg = fails(*layout, *enable, f"+{key}.num_layers_in_first_pipeline_stage=3",
                 f"+{key}.account_for_loss_in_pipeline_split=true")
-    assert f"{key}.num_layers_in_first_pipeline_stage=0: must be a positive integer or null" in msg
-    assert (f"{key}.account_for_loss_in_pipeline_split=True: megarl cuts uneven pipeline stages with "
-            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage only; remove it") in msg
-    assert f"{key}.pipeline_model_parallel_layout=Et|tL: megarl cuts" in fails(
+    assert (f"{key}: num_layers_in_first_pipeline_stage cannot be set together with "
+            "account_for_loss_in_pipeline_split") in msg
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    with pytest.raises(ValueError, match="cannot be"):
+        TransformerConfig(num_layers=8, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=2,
+                          num_layers_in_first_pipeline_stage=3, account_for_loss_in_pipeline_split=True,
+                          pipeline_dtype=torch.float32)
+    assert f"{key}.account_for_loss_in_pipeline_split=2: must be true or false" in fails(
+        *layout, *enable, f"+{key}.account_for_loss_in_pipeline_split=2")
+    assert f"{key}.pipeline_model_parallel_layout=Et|tL: megarl cuts uneven pipeline stages with" in fails(
         *layout, *enable, f"+{key}.pipeline_model_parallel_layout='Et|tL'")
     assert (f"{key}.num_layers_in_last_pipeline_stage=2 needs pipeline_model_parallel_size > 1" in
             fails(*enable, f"+{key}.num_layers_in_last_pipeline_stage=2"))

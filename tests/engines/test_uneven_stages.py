@@ -1,7 +1,8 @@
 """Uneven pipeline stages (megatron's `num_layers_in_first_pipeline_stage` /
 `num_layers_in_last_pipeline_stage`, verl's Qwen3-235B-A22B example; CPU, gloo;
 uneven_stages_world.py): megatron builds the stages asked for, the actor's log-probs equal HF's at
-PP2 ([1, 3] and [3, 1] layers of the tiny 4-layer Qwen2) and PP3 ([2, 1, 1]), one PPO step equals
+PP2 ([1, 3] and [3, 1] layers of the tiny 4-layer Qwen2) and PP3 ([2, 1, 1], and [1, 2, 1] by
+`account_for_embedding/loss_in_pipeline_split`), one PPO step equals
 the PP1 step, the weight-sync resharder sends the PP1 run's tensors, and a checkpoint saved at the
 uneven PP2 loads at PP1 bit for bit.
 """
@@ -32,6 +33,8 @@ def test_megatron_builds_the_stages_asked_for(run, run3):
     assert [rank["first1"]["layers"] for rank in run] == [[1], [2, 3, 4]]
     assert [rank["last1"]["layers"] for rank in run] == [[1, 2, 3], [4]]
     assert [rank["layers"] for rank in run3] == [[1, 2], [3], [4]]
+    # account_for_embedding/loss_in_pipeline_split: megatron's own split, [1, 2, 1]
+    assert [rank["split"]["layers"] for rank in run3] == [[1], [2, 3], [4]]
 
 
 def test_uneven_stages_score_as_hf(run, run3, tiny_models):
@@ -42,6 +45,8 @@ def test_uneven_stages_score_as_hf(run, run3, tiny_models):
     assert run3[0]["scored"] is None and run3[1]["scored"] is None  # the last stage's rank outputs
     close(run3[2]["scored"]["log_probs"], hf_log_probs)
     close(run3[2]["scored"]["entropy"], hf_entropy)
+    close(run3[2]["split"]["scored"]["log_probs"], hf_log_probs)
+    close(run3[2]["split"]["scored"]["entropy"], hf_entropy)
 
 
 @pytest.mark.parametrize("case", ["first1", "last1"])

@@ -4,7 +4,9 @@
 (`num_layers_in_first_pipeline_stage=1`: layers [1, 3]; `num_layers_in_last_pipeline_stage=1`:
 [3, 1]): scores, one PPO update, scores after it; the resharder's tensors after the update; the
 [1, 3] actor saves a checkpoint, which an actor at PP1 loads. `pp3_world` (3 ranks): PP3 with
-`num_layers_in_first_pipeline_stage=2` ([2, 1, 1]) scores.
+`num_layers_in_first_pipeline_stage=2` ([2, 1, 1]) scores, then PP3 with megatron's
+`account_for_embedding_in_pipeline_split` and `account_for_loss_in_pipeline_split` (4 layers + 2
+cut into 3 stages of 2, the first and the last giving one to the embedding / the loss: [1, 2, 1]).
 """
 from __future__ import annotations
 
@@ -72,5 +74,11 @@ def pp3_world(rank: int, world_size: int, port: int, model_dir: str) -> dict:
 
     init_world(rank, world_size, port)
     actor = ActorEngine(_config(model_dir, world_size, 3, *_uneven(first=2)))
-    return {"layers": _stage_layers(actor), "dp_rank": actor.dp_rank,
-            "scored": actor.compute_log_prob(training_batch(), TEMPERATURE, with_entropy=True)}
+    out = {"layers": _stage_layers(actor), "dp_rank": actor.dp_rank,
+           "scored": actor.compute_log_prob(training_batch(), TEMPERATURE, with_entropy=True)}
+    reset_layout()
+    actor = ActorEngine(_config(model_dir, world_size, 3, f"+{KEY}.account_for_embedding_in_pipeline_split=true",
+                                f"+{KEY}.account_for_loss_in_pipeline_split=true"))
+    out["split"] = {"layers": _stage_layers(actor),
+                    "scored": actor.compute_log_prob(training_batch(), TEMPERATURE, with_entropy=True)}
+    return out

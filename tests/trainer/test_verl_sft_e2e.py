@@ -1,20 +1,26 @@
 """verl's SFT script runs under megarl's module name: the override list of verl's
 examples/sft/gsm8k/run_nemotron_nano_v3_megatron.sh (tests/config/verl/corpus.json) through
 `python -m megarl.trainer.sft_trainer` on CPU, 2 steps, with only the model, data, sizes, dtype,
-logger and save_freq swapped (megarl's SFT writes no mid-run checkpoint yet: save_freq=500 is
-refused) and the optimizer's CPU offload / precision-aware optimizer left out (megatron-core builds
-them with transformer-engine only, a GPU package). verl's keys (engine.*, optim.*, model.*,
-data.messages_key chats) must mean what they mean in verl: the first step's loss and gradient
-norm are HF transformers' cross-entropy of the chats' assistant tokens (each turn's tokens found
-by HF's own rendering of the chat up to it), on the same weights.
+logger and save_freq swapped (save_freq=1: a checkpoint after each step) and the optimizer's CPU
+offload / precision-aware optimizer left out (megatron-core builds them with transformer-engine only,
+a GPU package). verl's keys (engine.*, optim.*, model.*, data.messages_key chats) must mean what they
+mean in verl: the first step's loss and gradient norm are HF transformers' cross-entropy of the
+chats' assistant tokens (each turn's tokens found by HF's own rendering of the chat up to it), on the
+same weights. A run left with only step 1's checkpoint (verl's resume_mode=auto finds it) resumes and
+ends exactly as the uninterrupted run: step 2's loss and gradient norm, and the exported weights; its
+own checkpoint holds what its checkpoint.save_contents=[model,extra,hf_model] names (verl's parts: no
+optimizer state, an HF copy equal to the exported weights).
 """
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.data.tiny_model import make_tiny_model
@@ -64,14 +70,32 @@ def run(tmp_path_factory, run_to_completion):
     tokenizer.save_pretrained(model)
     pd.DataFrame({"messages": CHATS}).to_parquet(root / "train.parquet")
     out = root / "out"
-    cmd = [sys.executable, "-m", "megarl.trainer.sft_trainer", *script_overrides(),
-           f"data.train_files={root / 'train.parquet'}", f"data.train_batch_size={len(CHATS)}", f"model.path={model}",
-           "engine.tensor_model_parallel_size=1", "engine.expert_model_parallel_size=1", "engine.dtype=float32",
-           "optim.lr_warmup_steps=1", "trainer.logger=[console]", f"trainer.default_local_dir={out}",
-           "trainer.save_freq=-1", "trainer.total_epochs=2", "trainer.device=cpu", "trainer.n_gpus_per_node=1"]
-    output = run_to_completion(cmd, root, TIMEOUT_S, "verl SFT script")
+    output = run_to_completion(command(root, model, out), root, TIMEOUT_S, "verl SFT script")
     logs = next(out.glob("*/*/logs"))
     return root, [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], output
+
+
+def command(root: Path, model: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "megarl.trainer.sft_trainer", *script_overrides(),
+            f"data.train_files={root / 'train.parquet'}", f"data.train_batch_size={len(CHATS)}", f"model.path={model}",
+            "engine.tensor_model_parallel_size=1", "engine.expert_model_parallel_size=1", "engine.dtype=float32",
+            "optim.lr_warmup_steps=1", "trainer.logger=[console]", f"trainer.default_local_dir={out}",
+            "trainer.save_freq=1", "trainer.total_epochs=2", "trainer.device=cpu", "trainer.n_gpus_per_node=1"]
+
+
+@pytest.fixture(scope="module")
+def resumed(run, run_to_completion):
+    """A run whose experiment directory holds only the uninterrupted run's checkpoint of step 1 (what
+    a run stopped after it leaves): the script's resume_mode=auto continues from it."""
+    root, _, _ = run
+    (experiment,) = [p.parent for p in (root / "out").glob("*/*/global_step_1")]
+    out = root / "resumed"
+    shutil.copytree(experiment / "global_step_1", out / experiment.relative_to(root / "out") / "global_step_1")
+    # its own checkpoints hold what verl's qwen35 fully async script asks for: no optimizer, an HF copy
+    cmd = [*command(root, root / "model", out), "checkpoint.save_contents=[model,extra,hf_model]"]
+    output = run_to_completion(cmd, root, TIMEOUT_S, "resumed verl SFT script")
+    logs = next(out.glob("*/*/logs"))
+    return out, [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], output
 
 
 def hf_chat_tokens(tokenizer, chat) -> tuple[list[int], list[int]]:
@@ -116,3 +140,43 @@ def test_verl_sft_script_trains_on_the_assistant_tokens(run):
     assert train[0]["sft/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
     assert train[0]["sft/tokens"] == count
     assert train[1]["sft/nll"] < train[0]["sft/nll"]  # it learns
+
+
+def test_a_run_resumed_from_the_step_1_checkpoint_ends_as_the_uninterrupted_run(run, resumed):
+    root, rows, _ = run
+    out, resumed_rows, output = resumed
+    (experiment,) = [p.parent for p in (root / "out").glob("*/*/global_step_1")]
+    # save_freq=1: a complete checkpoint after each step, the actor's optimizer in it (the script's
+    # checkpoint.save_contents=[model,optimizer,extra])
+    assert sorted(p.name for p in experiment.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert all((experiment / f"global_step_{n}" / "COMPLETE").is_file() for n in (1, 2))
+    assert "resumed from" in output and "(step 1)" in output
+    train = {r["step"]: r for r in rows if "sft/nll" in r}
+    again = [r for r in resumed_rows if "sft/nll" in r]
+    assert [r["step"] for r in again] == [2]  # step 1 is not trained again
+    for key in ("sft/nll", "sft/grad_norm", "sft/tokens"):
+        assert again[0][key] == train[2][key], key  # bit for bit
+    exported = load_file(next((root / "out").glob("*/*/hf/*.safetensors")))
+    exported_again = load_file(next(out.glob("*/*/hf/*.safetensors")))
+    assert exported.keys() == exported_again.keys()
+    for name, tensor in exported.items():  # step 2's update needs step 1's Adam moments back, not fresh ones
+        assert torch.equal(tensor, exported_again[name]), name
+
+
+def saved_keys(actor_dir: Path) -> set[str]:
+    """The top-level keys of a megatron dist checkpoint (torch.distributed.checkpoint's metadata)."""
+    return {key.split(".")[0] for key in FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata}
+
+
+def test_save_contents_decides_what_a_checkpoint_holds(run, resumed):
+    root, _, _ = run
+    out, _, _ = resumed
+    (full,) = (root / "out").glob("*/*/global_step_2")
+    (mine,) = out.glob("*/*/global_step_2")
+    # megatron's sharded keys: the model's by module (decoder.layers..., embedding...), the optimizer's under optimizer
+    assert {"decoder", "optimizer"} <= saved_keys(full / "actor")  # the script's [model,optimizer,extra]
+    assert "decoder" in saved_keys(mine / "actor") and "optimizer" not in saved_keys(mine / "actor")
+    assert not (full / "actor_hf").exists()
+    exported = load_file(next(out.glob("*/*/hf/*.safetensors")))
+    copy = load_file(next((mine / "actor_hf").glob("*.safetensors")))
+    assert copy.keys() == exported.keys() and all(torch.equal(copy[n], t) for n, t in exported.items())

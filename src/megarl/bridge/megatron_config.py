@@ -45,6 +45,8 @@ def transformer_config_kwargs(
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        account_for_embedding_in_pipeline_split=layout.embedding_in_split,
+        account_for_loss_in_pipeline_split=layout.loss_in_split,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -203,6 +205,6 @@ def block_spec(arch: ModelArch, layout: ParallelLayout, pp_rank: int, vp_stage: 
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     start = layer_offset(arch.num_layers, layout, pp_rank, vp_stage)
-    layers = range(start, start + chunk_layers(arch.num_layers, layout, pp_rank))
+    layers = range(start, start + chunk_layers(arch.num_layers, layout, pp_rank, vp_stage))
     return TransformerBlockSubmodules(layer_specs=[moe_spec if arch.is_moe_layer(i) else dense_spec for i in layers],
                                       layer_norm=LayerNormImpl)

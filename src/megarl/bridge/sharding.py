@@ -5,7 +5,11 @@ from 0. Pipeline stage p holds `stage_layers(L, layout)[p]` layers: L / pp each,
 megatron's uneven split (`num_layers_in_first_pipeline_stage` / `..._last_...`), the given counts on
 the first and last stages and the rest evenly on the middle ones. Chunk (p, v) holds 1 / vpp of
 its stage's layers, starting at global layer `v * L / vpp + sum(stage_layers[:p]) / vpp`
-(megatron-core `get_transformer_layer_offset`, transformer_layer.py). The embedding
+(megatron-core `get_transformer_layer_offset`, transformer_layer.py). With megatron's
+`account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split` the embedding /
+the loss counts as one more layer of the split: L + 1 (or + 2) layers cut evenly into pp x vpp
+chunks, chunk (0, 0) then holding one layer less (the embedding) and chunk (pp-1, vpp-1) one less
+(the loss) (`chunk_layers`, `layer_offset`). The embedding
 lives in chunk (0, 0), the final norm and output layer in chunk (pp-1, vpp-1); with tied
 embeddings and more than one chunk, the last chunk keeps its own copy of the embedding as
 `output_layer.weight`.
@@ -54,6 +58,10 @@ class ParallelLayout:
     # megatron's uneven pipeline split: layers of the first / last stage (None: its share of an even split)
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    # megatron's account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split: the
+    # embedding / the loss counts as one layer of the even split (module docstring)
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     def __post_init__(self):
         for field in ("tp", "pp", "vpp", "ep"):
@@ -69,6 +77,12 @@ class ParallelLayout:
                 raise ConversionError(f"parallel layout: {name}={value!r} must be a positive integer")
             if self.pp == 1:
                 raise ConversionError(f"parallel layout: {name}={value} needs pp > 1 (one stage holds every layer)")
+        if (self.embedding_in_split or self.loss_in_split) and (
+                self.first_stage_layers is not None or self.last_stage_layers is not None):
+            # megatron-core 0.16.1 transformer_config.py __post_init__: "num_layers_in_first_pipeline_stage and
+            # num_layers_in_last_pipeline_stage cannot be set at the same time with account_for_..."
+            raise ConversionError(f"parallel layout: {' / '.join(UNEVEN_FIELDS.values())} cannot be set together with "
+                                  f"{' / '.join(SPLIT_FIELDS.values())} (megatron-core's rule)")
         if self.etp not in (0, 1, self.tp):
             raise ConversionError(f"parallel layout: etp={self.etp} must be 1 or tp={self.tp}")
         if self.expert_tp != self.tp and self.ep == 1:
@@ -104,12 +118,15 @@ class ParallelLayout:
         experts = f" EP={self.ep} ETP={self.expert_tp}" if self.ep > 1 or self.etp else ""
         uneven = "".join(f" {name}={getattr(self, field)}" for field, name in UNEVEN_FIELDS.items()
                          if getattr(self, field) is not None)
+        uneven += "".join(f" {name}=True" for field, name in SPLIT_FIELDS.items() if getattr(self, field))
         return f"TP={self.tp} PP={self.pp} VPP={self.vpp}{experts}{uneven}"
 
 
 # ParallelLayout field -> megatron-core's TransformerConfig field
 UNEVEN_FIELDS = {"first_stage_layers": "num_layers_in_first_pipeline_stage",
                  "last_stage_layers": "num_layers_in_last_pipeline_stage"}
+SPLIT_FIELDS = {"embedding_in_split": "account_for_embedding_in_pipeline_split",
+                "loss_in_split": "account_for_loss_in_pipeline_split"}
 
 
 def stage_layers(num_layers: int, layout: ParallelLayout) -> list[int]:
@@ -117,6 +134,12 @@ def stage_layers(num_layers: int, layout: ParallelLayout) -> list[int]:
     checks, transformer_layer.py `get_transformer_layer_offset`): the first and last stages hold
     `layout.first_stage_layers` / `last_stage_layers` where set, the middle stages the rest evenly;
     each stage's layers must divide by VPP. Raises `ConversionError` naming the fields."""
+    if layout.embedding_in_split or layout.loss_in_split:
+        per_chunk = _split_chunk_layers(num_layers, layout)
+        stages = [per_chunk * layout.vpp] * layout.pp
+        stages[0] -= layout.embedding_in_split
+        stages[-1] -= layout.loss_in_split
+        return stages
     first, last = layout.first_stage_layers, layout.last_stage_layers
     middle_stages = layout.pp - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
@@ -176,14 +199,35 @@ def check_layout(arch: ModelArch, layout: ParallelLayout) -> None:
         )
 
 
+def _split_chunk_layers(num_layers: int, layout: ParallelLayout) -> int:
+    """Layers per chunk of the even split of the layers plus the embedding and/or the loss (with
+    `embedding_in_split` / `loss_in_split`), before chunk (0, 0) and chunk (pp-1, vpp-1) each give
+    one back: megatron-core 0.16.1 transformer_block.py `get_num_layers_to_build` and
+    transformer_config.py `__post_init__` (L + 1 or L + 2 must divide by pp, its quotient by vpp)."""
+    total = num_layers + layout.embedding_in_split + layout.loss_in_split
+    if total % layout.pp or (total // layout.pp) % layout.vpp:
+        raise ConversionError(f"{layout}: num_hidden_layers={num_layers} plus the embedding / loss counted in the "
+                              f"split ({total}) do not cut evenly into pp={layout.pp} stages of vpp={layout.vpp} "
+                              "chunks (megatron-core's rule)")
+    return total // layout.pp // layout.vpp
+
+
 def layer_offset(num_layers: int, layout: ParallelLayout, pp_rank: int, vp_stage: int) -> int:
     """Global index of the first layer of chunk (pp_rank, vp_stage)."""
+    if layout.embedding_in_split or layout.loss_in_split:  # transformer_layer.py get_transformer_layer_offset
+        per_chunk = _split_chunk_layers(num_layers, layout)
+        offset = (vp_stage * layout.pp + pp_rank) * per_chunk
+        return offset - (layout.embedding_in_split and (pp_rank, vp_stage) != (0, 0))
     stages = stage_layers(num_layers, layout)
     return vp_stage * (num_layers // layout.vpp) + sum(stages[:pp_rank]) // layout.vpp
 
 
-def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int) -> int:
-    """Layers of each model chunk of pipeline stage `pp_rank`."""
+def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int, vp_stage: int) -> int:
+    """Layers of model chunk (pp_rank, vp_stage)."""
+    if layout.embedding_in_split or layout.loss_in_split:  # transformer_block.py get_num_layers_to_build
+        first, last = layout.is_first(pp_rank, vp_stage), layout.is_last(pp_rank, vp_stage)
+        return (_split_chunk_layers(num_layers, layout) - (layout.embedding_in_split and first)
+                - (layout.loss_in_split and last))
     return stage_layers(num_layers, layout)[pp_rank] // layout.vpp
 
 
@@ -254,7 +298,7 @@ def chunk_param_names(
     arch = weights.arch
     first, last = layout.is_first(pp_rank, vp_stage), layout.is_last(pp_rank, vp_stage)
     start = layer_offset(arch.num_layers, layout, pp_rank, vp_stage)
-    stop = start + chunk_layers(arch.num_layers, layout, pp_rank)
+    stop = start + chunk_layers(arch.num_layers, layout, pp_rank, vp_stage)
     per_rank = experts_per_rank(weights, layout)
     names = []
     for name in weights.mcore_names():

@@ -3,7 +3,9 @@
 Layout under `<trainer.default_local_dir>/<project>/<experiment>/`:
 
     global_step_N/
-        actor/            the actor engine's model + optimizer + scheduler (dist_checkpointing)
+        actor/            the actor engine's model + optimizer + scheduler (dist_checkpointing); the
+                          model alone where actor_rollout_ref.actor.checkpoint.save_contents has no optimizer
+        actor_hf/         an HF copy of the actor, where save_contents has hf_model
         critic/           the critic's, when there is one
         controller.pt     step, sampler, KL controller, RNG states
         config.yaml       the resolved config of the run
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 
 from megarl.config import ConfigError, ExperimentConfig, to_yaml
 
@@ -144,19 +147,46 @@ def resolve_checkpoint(path: str | Path) -> Path:
                       "experiment directory holding one, nor a trainer.default_local_dir holding one experiment")
 
 
+def saves_optimizer(config: ExperimentConfig) -> bool:
+    """Whether the actor's checkpoints hold its optimizer (verl's save_contents `optimizer`)."""
+    return "optimizer" in config.actor_rollout_ref.actor.checkpoint.save_contents
+
+
+def saved_optimizer(directory: Path) -> bool:
+    """Whether the checkpoint `directory` holds the actor's optimizer: its run's save_contents (its
+    config.yaml; verl's load_contents default to them); a checkpoint of before save_contents does."""
+    tree = yaml.safe_load((directory / "config.yaml").read_text()) or {}
+    contents = tree.get("actor_rollout_ref", {}).get("actor", {}).get("checkpoint", {}).get("save_contents")
+    return contents is None or "optimizer" in contents
+
+
+def write_actor_parts(tmp: Path, config: ExperimentConfig, actor) -> None:
+    """The actor's parts of the checkpoint being written in `tmp` (from `begin`) per its save_contents:
+    the engine's state under `actor/` (`actor`: its role handle), then the HF copy `actor_hf/` where
+    hf_model is asked for."""
+    actor.save_checkpoint(str(tmp / "actor"), saves_optimizer(config))
+    if "hf_model" in config.actor_rollout_ref.actor.checkpoint.save_contents:
+        _write_hf(tmp / "actor", tmp / "actor_hf", config)
+
+
+def _write_hf(actor_dir: Path, out: Path, config: ExperimentConfig, on_progress=None) -> None:
+    from megarl.bridge.convert import convert_torch_dist_to_hf
+
+    lora = config.actor_rollout_ref.model.lora
+    convert_torch_dist_to_hf(actor_dir, out, config.actor_rollout_ref.model.path,
+                             on_progress=on_progress, lora_scale=lora.alpha / lora.rank if lora.rank > 0 else None)
+
+
 def export_hf(checkpoint_dir: str | Path, out: Optional[str | Path] = None, on_progress=None) -> Path:
     """Write the actor of a checkpoint as an HF checkpoint (safetensors, config and tokenizer of the
     run's `actor_rollout_ref.model.path`), loadable by transformers and SGLang. `out` defaults to
     `<checkpoint>/actor_hf`. Returns the output directory."""
-    from megarl.bridge.convert import convert_torch_dist_to_hf
     from megarl.config import load_config
 
     directory = resolve_checkpoint(checkpoint_dir)
     config = load_config(directory / "config.yaml")
     out = Path(out) if out is not None else directory / "actor_hf"
-    lora = config.actor_rollout_ref.model.lora
-    convert_torch_dist_to_hf(directory / "actor", out, config.actor_rollout_ref.model.path,
-                             on_progress=on_progress, lora_scale=lora.alpha / lora.rank if lora.rank > 0 else None)
+    _write_hf(directory / "actor", out, config, on_progress)
     return out
 
 

@@ -305,6 +305,18 @@ class RouterReplayConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """What the actor's checkpoints hold (verl's `actor.checkpoint`, verl/trainer/config/config.py
+    CheckpointConfig): `save_contents` of model (megatron's sharded weights), optimizer (its state and
+    the learning-rate schedule), extra (RNG states) and hf_model (an HF copy, `<checkpoint>/actor_hf`);
+    megarl.config.rules.checkpoint says which lists load. `async_save`: megatron's asynchronous
+    dist-checkpoint write (not built: rules.checkpoint.async_save_problem)."""
+
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    async_save: bool = False
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["megatron"] = "megatron"
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
@@ -344,6 +356,7 @@ class ActorConfig:
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass

@@ -27,11 +27,11 @@ LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
                 "sequence_parallel", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm")
 # TransformerConfig fields that cut the layers into uneven pipeline stages: megarl follows the first
-# two (the bridge, weight sync, checkpoints and `megarl plan` read megarl.bridge.sharding.stage_layers)
-# and refuses the others set to other than megatron-core's default (None, False, False)
+# four (the bridge, weight sync, checkpoints and `megarl plan` read megarl.bridge.sharding.stage_layers)
+# and refuses pipeline_model_parallel_layout set to other than megatron-core's default (None)
 UNEVEN_STAGE_LAYERS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
-OTHER_STAGE_NAMES = {"pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
-                     "account_for_loss_in_pipeline_split": False}
+STAGE_SPLIT_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+OTHER_STAGE_NAMES = {"pipeline_model_parallel_layout": None}
 DTYPE_NAMES = ("params_dtype", "pipeline_dtype", "bf16", "fp16")  # from actor_rollout_ref.model.dtype
 
 
@@ -99,8 +99,11 @@ def recompute_problems(prefix: str, overrides: Mapping[str, Any], gradient_check
 def uneven_stage_problems(prefix: str, overrides: Mapping[str, Any], pp: int) -> list[str]:
     """Messages for uneven pipeline stages (`prefix` = `<section>.megatron.override_transformer_config`,
     `pp` its role's pipeline_model_parallel_size): `UNEVEN_STAGE_LAYERS` must be positive integers and
-    need PP > 1; `OTHER_STAGE_NAMES` are refused. Whether the model's layers split that way is
-    checked when the engine reads the model (megarl.bridge.sharding.stage_layers)."""
+    need PP > 1; `STAGE_SPLIT_FLAGS` must be booleans and cannot join them (megatron-core 0.16.1
+    transformer_config.py `__post_init__`: "num_layers_in_first_pipeline_stage and
+    num_layers_in_last_pipeline_stage cannot be set at the same time with account_for_..."); `OTHER_STAGE_NAMES`
+    are refused. Whether the model's layers split that way is checked when the engine reads the model
+    (megarl.bridge.sharding.stage_layers)."""
     problems = []
     for name in UNEVEN_STAGE_LAYERS:
         value = overrides.get(name)
@@ -111,8 +114,15 @@ def uneven_stage_problems(prefix: str, overrides: Mapping[str, Any], pp: int) ->
         elif pp == 1:
             problems.append(f"{prefix}.{name}={value} needs pipeline_model_parallel_size > 1 (one stage holds every "
                             "layer)")
+    flags = [name for name in STAGE_SPLIT_FLAGS if overrides.get(name, False) is not False]
+    problems += [f"{prefix}.{name}={overrides[name]!r}: must be true or false" for name in flags
+                 if not isinstance(overrides[name], bool)]
+    uneven = [name for name in UNEVEN_STAGE_LAYERS if overrides.get(name) is not None]
+    if uneven and any(overrides[name] is True for name in flags):
+        problems.append(f"{prefix}: {' / '.join(uneven)} cannot be set together with {' / '.join(flags)} "
+                        "(megatron-core's TransformerConfig refuses it: transformer_config.py __post_init__)")
     problems += [f"{prefix}.{name}={overrides[name]}: megarl cuts uneven pipeline stages with "
-                 f"{' / '.join(UNEVEN_STAGE_LAYERS)} only; remove it"
+                 f"{' / '.join((*UNEVEN_STAGE_LAYERS, *STAGE_SPLIT_FLAGS))} only; remove it"
                  for name, default in OTHER_STAGE_NAMES.items() if name in overrides and overrides[name] != default]
     return problems
 

@@ -93,9 +93,26 @@ VERL_KEYS: dict[str, VerlKey] = {
                                          "actor_rollout_ref.model.dtype") for role in _MEGATRON_ROLES},
     "actor_rollout_ref.actor.model_engine": VerlKey(
         "megarl trains with Megatron only; its schema defaults stand for verl's megatron actor", only="megatron"),
-    "actor_rollout_ref.rollout.data_parallel_size": VerlKey(
-        "megarl runs one SGLang server per tensor_model_parallel_size GPUs behind sglang-router; attention data "
-        "parallelism inside one server (SGLang's --dp-size) is not built yet", only=1),
+    # the rollout's parallel sizes that verl reads with tensor_model_parallel_size / expert_parallel_size:
+    # resolve_verl_groups (_rollout_parallel)
+    "actor_rollout_ref.rollout.data_parallel_size": VerlKey("", grouped=True),
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size": VerlKey("", grouped=True),
+    # a key verl's config never had (verl/trainer/config/rollout/rollout.yaml, verl/workers/config/rollout.py
+    # RolloutConfig at 2026-08-22 and in 0.9.1); its one script
+    # (fully_async_policy/shell/grpo_qwen35_35b_megatron_async.sh) sets it without '+', which Hydra refuses:
+    # "Could not override '...'. Key '...' is not in struct"
+    "actor_rollout_ref.rollout.single_turn_response_length": VerlKey(
+        "verl too: no such key in verl's rollout config (verl/trainer/config/rollout/rollout.yaml), so Hydra refuses "
+        "the override (\"Key 'single_turn_response_length' is not in struct\"); the response length is "
+        "actor_rollout_ref.rollout.response_length (data.max_response_length)", only=_NEVER),
+    # verl's multi-turn settings (verl/workers/config/rollout.py MultiTurnConfig): _multi_turn
+    "actor_rollout_ref.rollout.multi_turn.*": VerlKey("", grouped=True),
+    # verl's agent loop worker processes (verl/experimental/agent_loop/agent_loop.py
+    # AgentLoopManager._init_agent_loop_workers: that many Ray actors run the agent loops)
+    "actor_rollout_ref.rollout.agent.num_workers": VerlKey(
+        "megarl runs agent episodes as asyncio tasks of the trainer's process, at most "
+        "actor_rollout_ref.rollout.agent.max_concurrent_episodes at once; verl's agent loop worker processes do not "
+        "apply"),
     "data.filter_overlong_prompts_workers": VerlKey("megarl filters the prompts in one process"),
     "actor_rollout_ref.ref.use_torch_compile": VerlKey("megarl does not torch.compile the Megatron model"),
     # verl's router replay key under the engine config (engine/megatron.yaml `router_replay.mode`)
@@ -534,12 +551,109 @@ def _radix_cache(tree: dict, grouped: dict, origins: dict) -> list[str]:
     return []
 
 
+_ROLLOUT = "actor_rollout_ref.rollout."
+
+
+def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's rollout data_parallel_size and moe_tensor_parallel_size, read with the rollout's
+    tensor_model_parallel_size (tp) and expert_parallel_size (ep).
+
+    data_parallel_size d: verl's SGLang server (verl/workers/rollout/sglang_rollout/async_sglang_server.py,
+    its server args) gets tp_size = tp x d, dp_size = d, ep_size = ep, and verl asserts ep = tp x d when
+    ep > 1 (verl/workers/config/rollout.py RolloutConfig.__post_init__). With ep = 1 it is d-way data
+    parallelism, which megarl's servers of tp GPUs behind sglang-router already are (accepted, one warning).
+    With ep > 1 the experts span tp x d GPUs under attention of tp: SGLang 0.5.23's --tp-size tp x d
+    --attn-dp-size d --ep-size tp x d (runtime_context.py derive_parallel_widths: attn_tp_size =
+    tp_size / attn_dp_size), a server layout megarl does not build (refused, naming it).
+
+    moe_tensor_parallel_size m: verl reads it for TensorRT-LLM only and asserts m = 1 otherwise
+    ("moe_tensor_parallel_size is only supported for trtllm", RolloutConfig.__post_init__). SGLang derives
+    the MoE TP size itself, moe_tp_size = tp_size / ep_size (derive_parallel_widths, moe_dp_size 1): m = 1
+    or m equal to that is accepted with one warning (the servers run it), any other m refused."""
+    rollout = tree["actor_rollout_ref"]["rollout"]
+    tp, ep = rollout.get("tensor_model_parallel_size", 1), rollout.get("expert_parallel_size", 1)
+    errors = []
+    if _ROLLOUT + "data_parallel_size" in grouped:
+        d, source = grouped[_ROLLOUT + "data_parallel_size"]
+        key = f"{_ROLLOUT}data_parallel_size={d} ({source})"
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            errors.append(f"{key}: must be a positive integer")
+        elif d > 1 and ep > 1:
+            errors.append(f"{key} with expert_parallel_size={ep}: verl's server spreads the experts over tp x dp = "
+                          f"{tp * d} GPUs with attention data parallelism inside it (SGLang 0.5.23: --tp-size {tp * d} "
+                          f"--attn-dp-size {d} --ep-size {ep}); megarl's servers span "
+                          f"{_ROLLOUT}tensor_model_parallel_size GPUs with attention TP over all of them, and "
+                          "attention data parallelism inside one server is not built yet "
+                          f"(tensor_model_parallel_size={tp * d} with expert_parallel_size={tp * d} spreads the "
+                          "experts over the same GPUs)")
+        else:
+            log.warning("%sdata_parallel_size=%s (verl key, %s): megarl runs one SGLang server per "
+                        "tensor_model_parallel_size=%s GPUs behind sglang-router, which spreads the requests over them "
+                        "(data parallelism over servers); ignored", _ROLLOUT, d, source, tp)
+    if _ROLLOUT + "moe_tensor_parallel_size" in grouped:
+        m, source = grouped[_ROLLOUT + "moe_tensor_parallel_size"]
+        key = f"{_ROLLOUT}moe_tensor_parallel_size={m} ({source})"
+        derived = tp // ep if isinstance(tp, int) and isinstance(ep, int) and ep >= 1 and tp % ep == 0 else None
+        if m != 1 and m != derived:
+            errors.append(f"{key}: verl reads it for TensorRT-LLM only and refuses it above 1 otherwise "
+                          "(verl/workers/config/rollout.py: "
+                          "\"moe_tensor_parallel_size is only supported for trtllm\"); "
+                          f"SGLang derives the MoE TP size as tensor_model_parallel_size / expert_parallel_size = "
+                          f"{tp}/{ep} (runtime_context.py derive_parallel_widths): set expert_parallel_size instead")
+        else:
+            log.warning("%smoe_tensor_parallel_size=%s (verl key, %s): SGLang derives the MoE TP size as "
+                        "tensor_model_parallel_size / expert_parallel_size = %s/%s itself (--ep-size); ignored",
+                        _ROLLOUT, m, source, tp, ep)
+    return errors
+
+
+# verl's MultiTurnConfig (verl/workers/config/rollout.py): read by its tool agent loop only
+# (verl/experimental/agent_loop/tool_agent_loop.py ToolAgentLoop.__init__), which runs the samples whose
+# data names agent_name=tool_agent; its tools come from tool_config_path / function_tool_path
+_TOOL_LOOP = ("read by verl's tool agent loop only (verl/experimental/agent_loop/tool_agent_loop.py), which megarl "
+              "does not have: megarl's agentic rollouts run the user's episode function "
+              "(actor_rollout_ref.rollout.agent.path), which makes its own user and tool turns")
+_MULTI_TURN_TOOLS = ("tool_config_path", "function_tool_path")
+_MULTI_TURN = ("enable", "max_assistant_turns", *_MULTI_TURN_TOOLS, "max_user_turns", "max_parallel_calls",
+               "max_tool_response_length", "tool_response_truncate_side", "use_inference_chat_template",
+               "tokenization_sanity_check_mode", "format", "num_repeat_rollouts")
+
+
+def _multi_turn(tree: dict, grouped: dict, origins: dict) -> list[str]:
+    """verl's `actor_rollout_ref.rollout.multi_turn.*`: `enable` lets each sample's data pick its agent
+    loop (verl/experimental/fully_async_policy/detach_utils.py: off, every sample runs single_turn_agent);
+    `max_assistant_turns` is megarl's agent.max_turns (model calls per episode); the tool loop's tools
+    (tool_config_path, function_tool_path) are refused: that loop is not built; the rest is accepted
+    with one warning (`_TOOL_LOOP`)."""
+    errors = []
+    for name, (value, source) in _under(grouped, _ROLLOUT + "multi_turn.").items():
+        key = f"{_ROLLOUT}multi_turn.{name}"
+        if name not in _MULTI_TURN:
+            errors.append(f"{key} ({source}): not a key of verl's multi_turn config ({', '.join(_MULTI_TURN)})")
+        elif name in _MULTI_TURN_TOOLS and value is not None:
+            errors.append(f"{key}={value} ({source}): verl's tool agent loop (tools from "
+                          f"{' / '.join(_MULTI_TURN_TOOLS)}) is not built; megarl's agentic rollouts run the user's "
+                          "episode function (actor_rollout_ref.rollout.agent.path), which calls its tools itself")
+        elif name == "max_assistant_turns" and value is not None:
+            _set(tree, _ROLLOUT + "agent.max_turns", value, origins, source)
+            log.warning("%s=%s (verl key, %s): megarl names it actor_rollout_ref.rollout.agent.max_turns (model calls "
+                        "per agent episode); its value goes there", key, value, source)
+        elif name == "enable":
+            log.warning("%s=%s (verl key, %s): verl then lets each sample's data choose its agent loop (agent_name); "
+                        "megarl runs agent episodes where actor_rollout_ref.rollout.agent.path is set and single-turn "
+                        "generation otherwise; ignored", key, value, source)
+        else:
+            log.warning("%s=%s (verl key, %s): %s; ignored", key, value, source, _TOOL_LOOP)
+    return errors
+
+
 def resolve_verl_groups(tree: dict, grouped: dict[str, tuple[Any, str]], origins: dict) -> list[str]:
     """Apply the grouped verl keys (path -> (value, where it came from)) to the raw config tree, in
     place; the problems found, one message each."""
     return [*_max_model_len(tree, grouped, origins), *_reward_kwargs(tree, grouped, origins),
             *_async(tree, grouped, origins), *_distillation(tree, grouped, origins),
-            *_worker_env(tree, grouped, origins), *_radix_cache(tree, grouped, origins)]
+            *_worker_env(tree, grouped, origins), *_radix_cache(tree, grouped, origins),
+            *_rollout_parallel(tree, grouped, origins), *_multi_turn(tree, grouped, origins)]
 
 
 # verl's entry points and megarl's (the same name under megarl), with the defaults verl's module brings

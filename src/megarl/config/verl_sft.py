@@ -24,10 +24,10 @@ _NULL = object()  # `only` for a key whose one accepted value is null (a VerlKey
 
 # verl SFT group -> megarl's group (the rest of the path kept)
 _MOVED = {"engine.": "actor_rollout_ref.actor.megatron.", "optim.": "actor_rollout_ref.actor.optim.",
-          "model.": "actor_rollout_ref.model."}
+          "model.": "actor_rollout_ref.model.", "checkpoint.": "actor_rollout_ref.actor.checkpoint."}
 
-_NO_CKPT = ("megarl's SFT writes no mid-run checkpoint (it exports the HF model at the end); mid-run SFT checkpoints "
-            "and resuming an SFT run are not built yet")
+_RESHARD = ("megarl's checkpoints keep the distributed optimizer's state resharded over DP ranks (megatron's "
+            "dp_reshardable); its other formats are not built")
 _MTP = "multi-token prediction (model.mtp.*) is not built yet"
 _QAT = "quantization-aware training (engine.qat.*) is not built yet"
 _LORA = ("LoRA through verl's SFT keys is not built yet (verl's model.lora_rank / model.lora.*; megarl's LoRA is "
@@ -95,8 +95,8 @@ SFT_KEYS: dict[str, VerlKey] = {
     "engine.dynamic_context_parallel": VerlKey("dynamic context parallelism is not built yet", only=False),
     "engine.max_seqlen_per_dp_cp_rank": VerlKey("read by verl only with engine.dynamic_context_parallel=true"),
     "engine.dist_checkpointing_prefix": VerlKey("read by verl only with engine.use_dist_checkpointing=true"),
-    "engine.dist_ckpt_optim_fully_reshardable": VerlKey(_NO_CKPT),
-    "engine.distrib_optim_fully_reshardable_mem_efficient": VerlKey(_NO_CKPT),
+    "engine.dist_ckpt_optim_fully_reshardable": VerlKey(_RESHARD),
+    "engine.distrib_optim_fully_reshardable_mem_efficient": VerlKey(_RESHARD),
     "engine.override_ddp_config.*": VerlKey("overriding megatron-core's DistributedDataParallelConfig is not built "
                                             "yet", only=_NEVER),
     "engine.override_mcore_model_config.*": VerlKey("overriding megatron's model config is not built yet "
@@ -112,7 +112,9 @@ SFT_KEYS: dict[str, VerlKey] = {
     "optim.weight_decay_incr_style": VerlKey("megarl's weight decay is constant", only="constant"),
     "optim.lr_wsd_decay_style": VerlKey("read by verl only with lr_decay_style=WSD, which megarl does not build"),
     "optim.lr_wsd_decay_steps": VerlKey("read by verl only with lr_decay_style=WSD, which megarl does not build"),
-    "optim.use_checkpoint_opt_param_scheduler": VerlKey(_NO_CKPT, only=False),
+    "optim.use_checkpoint_opt_param_scheduler": VerlKey(
+        "megarl resumes the learning-rate schedule from the run's own settings (megatron's OptimizerParamScheduler "
+        "checks a checkpoint's against them); taking the checkpoint's instead is not built", only=False),
     "optim.use_layer_wise_distributed_optimizer": VerlKey("the layer-wise distributed optimizer is not built yet",
                                                           only=False),
     "optim.main_grads_dtype": VerlKey("precision-aware optimizer dtypes other than fp32 are not built yet",
@@ -125,14 +127,12 @@ SFT_KEYS: dict[str, VerlKey] = {
     "trainer.max_ckpt_to_keep": VerlKey("megarl names it trainer.max_actor_ckpt_to_keep",
                                         "trainer.max_actor_ckpt_to_keep"),
     "trainer.profile_interval": VerlKey("profiling is not built yet", only=[-1, -1]),
-    "checkpoint.*": VerlKey(_NO_CKPT),
     "profiler.*": VerlKey("profiling is not built yet", only=_NEVER),
 }
 # optim.muon_*: Muon's settings (optim/megatron.yaml)
 _MUON = VerlKey("read by verl only with optim.optimizer=muon, which megarl does not build (adam, sgd)")
 # keys whose values are read here, not by one rule of the table
-_SPECIAL = ("data.train_batch_size", "trainer.save_freq", "trainer.resume_mode", "trainer.logger",
-            "optim.use_precision_aware_optimizer")
+_SPECIAL = ("data.train_batch_size", "trainer.save_freq", "trainer.logger", "optim.use_precision_aware_optimizer")
 
 
 def _split(text: str) -> tuple[str, str, str, object]:
@@ -162,14 +162,10 @@ def _entry(path: str) -> VerlKey | None:
 def _special(plus: str, path: str, raw: str, value, source: str) -> list[str]:
     if path == "data.train_batch_size":  # one optimizer step per batch: megarl's mini-batch is the whole batch
         return [f"{plus}data.train_batch_size={raw}", f"actor_rollout_ref.actor.ppo_mini_batch_size={raw}"]
-    if path == "trainer.save_freq":
-        if not isinstance(value, int) or value > 0:
-            raise ConfigError(f"{path}={value} ({source}): {_NO_CKPT}")
-        return [f"{plus}{path}={raw}"]
-    if path == "trainer.resume_mode":
-        if value not in ("auto", "disable"):
-            raise ConfigError(f"{path}={value} ({source}): {_NO_CKPT}; megarl accepts auto (no checkpoint: a fresh "
-                              "start) or disable")
+    if path == "trainer.save_freq":  # megarl's SFT saves as verl's (megarl.trainer.sft)
+        if value == "after_each_epoch":  # verl/trainer/sft_trainer.py _init_engine: the steps of an epoch
+            raise ConfigError(f"{path}={value} ({source}): saving after each epoch by name is not built yet; give "
+                              "the steps of an epoch (rows / data.train_batch_size)")
         return [f"{plus}{path}={raw}"]
     if path == "trainer.logger":  # verl's file logger: JSON lines of the metrics, which megarl always writes
         loggers = value if isinstance(value, list) else [value]

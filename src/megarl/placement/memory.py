@@ -187,12 +187,16 @@ def kv_elements_per_token_layer(arch: ModelArch, tp: int) -> int:
     return 2 * max(1, arch.num_query_groups // tp) * arch.kv_channels
 
 
-def most_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> int:
+def most_stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None,
+                      embedding_in_split: bool = False, loss_in_split: bool = False) -> int:
     """Layers of the pipeline stage holding the most, as megatron-core splits them
-    (`megarl.bridge.sharding.stage_layers`; `first` / `last`: num_layers_in_first/last_pipeline_stage).
+    (`megarl.bridge.sharding.stage_layers`; `first` / `last`: num_layers_in_first/last_pipeline_stage;
+    `embedding_in_split` / `loss_in_split`: account_for_embedding/loss_in_pipeline_split).
     A split megatron refuses (the engine names it when it builds) is counted as ceil(layers / pp)."""
     try:
-        return max(stage_layers(num_layers, ParallelLayout(pp=pp, first_stage_layers=first, last_stage_layers=last)))
+        return max(stage_layers(num_layers, ParallelLayout(pp=pp, first_stage_layers=first, last_stage_layers=last,
+                                                           embedding_in_split=embedding_in_split,
+                                                           loss_in_split=loss_in_split)))
     except ConversionError:
         return math.ceil(num_layers / pp)
 
@@ -202,7 +206,9 @@ def stage_layers_of(arch: ModelArch, m: MegatronConfig) -> int:
     overrides = m.override_transformer_config
     return most_stage_layers(arch.num_layers, m.pipeline_model_parallel_size,
                              overrides.get("num_layers_in_first_pipeline_stage"),
-                             overrides.get("num_layers_in_last_pipeline_stage"))
+                             overrides.get("num_layers_in_last_pipeline_stage"),
+                             bool(overrides.get("account_for_embedding_in_pipeline_split", False)),
+                             bool(overrides.get("account_for_loss_in_pipeline_split", False)))
 
 
 def stage_params(arch: ModelArch, pp: int, stage_layers: int | None = None) -> int:

@@ -363,7 +363,7 @@ class Cluster:
             self.training_phase()
         started = time.monotonic()
         tmp = checkpoint.begin(root, step)
-        self.actor.save_checkpoint(str(tmp / "actor"))
+        checkpoint.write_actor_parts(tmp, self.config, self.actor)
         if self.critic is not None:
             self.critic.save_checkpoint(str(tmp / "critic"))
         saved = checkpoint.commit(tmp, step, self.config, controller_state,
@@ -377,7 +377,7 @@ class Cluster:
         """Restore the engines from `directory`, push the weights to the servers; returns the
         controller state."""
         self.training_phase()  # offloaded roles come back (the servers release their memory first)
-        self.actor.load_checkpoint(str(directory / "actor"))
+        self.actor.load_checkpoint(str(directory / "actor"), checkpoint.saved_optimizer(directory))
         if self.critic is not None:
             self.critic.load_checkpoint(str(directory / "critic"))
         self._push()

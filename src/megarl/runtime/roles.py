@@ -50,11 +50,11 @@ class TrainingRole(EngineGroup):
         """The caching allocator's unused device memory given back; per rank, its stats."""
         return self.call(MegatronEngine.empty_cache)
 
-    def save_checkpoint(self, path: str) -> None:
-        self.call(MegatronEngine.save_checkpoint, path)
+    def save_checkpoint(self, path: str, optimizer: bool = True) -> None:
+        self.call(MegatronEngine.save_checkpoint, path, optimizer)
 
-    def load_checkpoint(self, path: str) -> None:
-        self.call(MegatronEngine.load_checkpoint, path)
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> None:
+        self.call(MegatronEngine.load_checkpoint, path, optimizer)
 
 
 class ActorRole(TrainingRole):

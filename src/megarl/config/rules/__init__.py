@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from megarl.config.rules.access import api_key_env_is_set
+from megarl.config.rules.checkpoint import checkpoint_contents, checkpoint_without_extra
 from megarl.config.rules.async_modes import async_modes_correct_off_policy, async_modes_fit_the_loop
 from megarl.config.rules.choices import (
     batched_requests_fit_rollout,
@@ -75,6 +76,7 @@ RULES: list[Rule] = [
     known_loggers,
     resume_path_given,
     dist_checkpoint_given,
+    checkpoint_contents,
     token_budget_holds_a_sequence,
     group_estimator_has_groups,
     gae_has_critic,
@@ -122,6 +124,7 @@ WARNING_RULES: list[Rule] = [
     offload_in_split_placement,
     bypass_replaces_loss_mode,
     fp8_rollout_corrected,
+    checkpoint_without_extra,
 ]
 
 __all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]

@@ -90,10 +90,11 @@ def save_checkpoint(path: Path, chunks: list, optimizer, scheduler, updates: int
 
 def load_checkpoint(path: Path, chunks: list, optimizer, scheduler, distributed_optimizer: bool) -> int:
     """Load what `save_checkpoint` saved (possibly at another TP/PP layout) into the chunks, the
-    optimizer and the LR schedule; returns the saved update count. Every rank calls it."""
+    optimizer and the LR schedule (`optimizer` None: the chunks alone); returns the saved update
+    count. Every rank calls it."""
     from megatron.core import dist_checkpointing
 
-    if distributed_optimizer:  # megatron's dp_reshardable load fills existing state tensors
+    if distributed_optimizer and optimizer is not None:  # megatron's dp_reshardable load fills existing state tensors
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             if not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()

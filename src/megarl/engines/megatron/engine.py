@@ -362,18 +362,21 @@ class MegatronEngine:
         return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Save model (+ optimizer + LR schedule) as a `torch_dist` distributed checkpoint in the
-        directory `path`. Every rank of the role calls it. Model and (non-distributed) optimizer
-        state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP."""
+    def save_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
+        """Save model (+ optimizer + LR schedule where `optimizer`) as a `torch_dist` distributed
+        checkpoint in the directory `path`. Every rank of the role calls it. Model and (non-distributed)
+        optimizer state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP."""
         self.offloader.check_onloaded()
-        checkpoint_io.save_checkpoint(Path(path), self.model_chunks, self.optimizer, self.scheduler, self.updates,
-                                      self.use_distributed_optimizer)
+        checkpoint_io.save_checkpoint(Path(path), self.model_chunks, self.optimizer if optimizer else None,
+                                      self.scheduler, self.updates, self.use_distributed_optimizer)
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Load what `save_checkpoint` saved (possibly at another TP/PP layout). Every rank calls it."""
+    def load_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
+        """Load what `save_checkpoint` saved (possibly at another TP/PP layout); `optimizer` False: the
+        weights alone (a checkpoint saved without its optimizer), the optimizer and schedule kept as
+        they are. Every rank calls it."""
         self.offloader.check_onloaded()
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{self.section}: checkpoint directory {path} does not exist")
-        self.updates = checkpoint_io.load_checkpoint(Path(path), self.model_chunks, self.optimizer, self.scheduler,
+        self.updates = checkpoint_io.load_checkpoint(Path(path), self.model_chunks,
+                                                     self.optimizer if optimizer else None, self.scheduler,
                                                      self.use_distributed_optimizer)

@@ -38,11 +38,15 @@ class RoleLayout:
     # num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage; None: an even split)
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    # override_transformer_config's account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     @property
     def bridge_layout(self) -> ParallelLayout:
         return ParallelLayout(self.tp, self.pp, self.vpp, ep=self.ep, etp=self.etp or 0,
-                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+                              embedding_in_split=self.embedding_in_split, loss_in_split=self.loss_in_split)
 
     @property
     def expert_tp(self) -> int:
@@ -67,7 +71,9 @@ def role_layout(megatron_cfg, section: str) -> RoleLayout:
     return RoleLayout(tp, pp, vpp, megatron_cfg.expert_model_parallel_size, megatron_cfg.expert_tensor_parallel_size,
                       sp=sequence_parallel_on(megatron_cfg.sequence_parallel, tp), cp=cp,
                       first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
-                      last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"))
+                      last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"),
+                      embedding_in_split=bool(overrides.get("account_for_embedding_in_pipeline_split", False)),
+                      loss_in_split=bool(overrides.get("account_for_loss_in_pipeline_split", False)))
 
 
 def sequence_parallel_on(requested: bool, tp: int) -> bool:
