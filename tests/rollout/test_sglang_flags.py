@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launch import LoraServing, MultiNode, sglang_server_command
+from megarl.rollout.launch import LoraServing, MultiNode, SpeculativeDecoding, sglang_server_command
 
 SGLANG_VERSION = "0.5.23"
 REPO = Path(__file__).resolve().parents[2]
@@ -142,12 +142,13 @@ def every_command() -> dict[str, list[str]]:
     full = dict(host="10.0.0.1", tp_size=16, ep_size=8, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
                 return_routed_experts=True, multi_node=MultiNode(2, 1, "10.0.0.1:29500"),
-                lora=LoraServing(8, ("q_proj", "down_proj")), prefix_caching=False)
+                lora=LoraServing(8, ("q_proj", "down_proj")), speculative=SpeculativeDecoding("EAGLE", 3, 1, 4),
+                prefix_caching=False)
     commands = {"defaults": sglang_server_command("/m", 30000)}
     for key, value in full.items():
         commands[key] = sglang_server_command("/m", 30000, **{key: value})
     commands["all"] = sglang_server_command("/m", 30000, **full)
-    on_cpu = {k: v for k, v in full.items() if k not in ("enable_memory_saver", "deterministic")}
+    on_cpu = {k: v for k, v in full.items() if k not in ("enable_memory_saver", "deterministic", "speculative")}
     commands["cpu"] = sglang_server_command("/m", 30000, device="cpu", context_length=256, max_running_requests=8)
     commands["cpu, all"] = sglang_server_command("/m", 30000, device="cpu", max_running_requests=8, **on_cpu)
     return commands

@@ -275,6 +275,25 @@ class LoraConfig:
 
 
 @dataclass
+class MtpConfig:
+    """verl's `model.mtp` (verl/workers/config/model.py MtpConfig): the checkpoint's multi-token-prediction
+    layers. Read only with `enable`. enable_rollout: SGLang drafts with them (speculative decoding,
+    `speculative_*` as SGLang's --speculative-* flags); enable_train: megatron-core trains them (not built
+    yet: a config rule refuses it); method / num_speculative_tokens are vLLM's."""
+    enable: bool = False
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False  # training: the MTP loss reaches neither the embedding nor the main decoder
+    mtp_loss_scaling_factor: float = 0.1  # training: megatron-core's mtp_loss_scaling_factor
+    speculative_algorithm: str = "EAGLE"  # SGLang's --speculative-algorithm: EAGLE or NEXTN (its alias)
+    speculative_num_steps: int = 3  # draft steps per verification
+    speculative_eagle_topk: int = 1  # draft branches per step
+    speculative_num_draft_tokens: int = 4  # tokens verified per step (SGLang: num_steps + 1 when topk is 1)
+    method: str = "mtp"  # vLLM's speculative method
+    num_speculative_tokens: int = 1  # vLLM's
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # HF checkpoint directory (or hub id on machines that can download)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -285,6 +304,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)  # free-form HF config overrides
     lora: LoraConfig = field(default_factory=LoraConfig)  # the actor's adapters (the reference stays the base)
+    mtp: MtpConfig = field(default_factory=MtpConfig)  # multi-token prediction (megarl.config.rules.mtp)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from megarl.config.engine_kwargs import sglang_engine_flags
+from megarl.config.rules.mtp import SGLANG_CPU_NO_DRAFT
 
 # How long a rollout server may take to become healthy (seconds), by engine, when
 # `actor_rollout_ref.rollout.server_startup_timeout_s` is unset. SGLang on GPUs loads the checkpoint
@@ -136,6 +137,33 @@ class LoraServing:
 
 
 @dataclass(frozen=True)
+class SpeculativeDecoding:
+    """A server that drafts with the checkpoint's own multi-token-prediction layers (verl's
+    `model.mtp.enable_rollout`): SGLang's `algorithm` (EAGLE or its alias NEXTN: SGLang then takes the
+    draft from the target checkpoint, `arg_groups/speculative_hook.py::_handle_eagle_family`), draft
+    steps, branches per step and tokens verified per step. SGLang's weight updates reach the draft
+    runner too (`managers/scheduler_components/weight_updater.py::_select_runners`, selector "all"), whose
+    NextN loader takes only `model.layers.<num_hidden_layers>.*` and shares the target's embedding and
+    head (`models/deepseek_common/deepseek_weight_loader.py`); megarl pushes no MTP tensors, so the MTP
+    layer keeps the checkpoint's weights: drafts get worse as the policy moves, and the samples stay the
+    target's (speculative decoding verifies every draft token against the target)."""
+
+    algorithm: str
+    num_steps: int
+    eagle_topk: int
+    num_draft_tokens: int
+
+    def flags(self, enable_memory_saver: bool) -> list[str]:
+        """SGLang 0.5.23's flags (`srt/arg_groups/fields/spec.py`); with the memory saver the draft's
+        weights are kept in CPU memory while released (`--enable-draft-weights-cpu-backup`,
+        fields/exec_.py), as verl does (async_sglang_server.py): no push restores them."""
+        cmd = ["--speculative-algorithm", self.algorithm, "--speculative-num-steps", str(self.num_steps),
+               "--speculative-eagle-topk", str(self.eagle_topk),
+               "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+        return cmd + (["--enable-draft-weights-cpu-backup"] if enable_memory_saver else [])
+
+
+@dataclass(frozen=True)
 class MultiNode:
     """One SGLang server spread over `nnodes` nodes (its TP group larger than a node): the same
     command runs on every node with its `node_rank`; all of them meet at `dist_init_addr`
@@ -193,6 +221,7 @@ def sglang_server_command(
     return_routed_experts: bool = False,
     multi_node: Optional[MultiNode] = None,
     lora: Optional[LoraServing] = None,
+    speculative: Optional[SpeculativeDecoding] = None,
     prefix_caching: bool = True,
     engine_kwargs: Mapping[str, Any] = MappingProxyType({}),
     extra_args: Sequence[str] = (),
@@ -209,7 +238,8 @@ def sglang_server_command(
     `deterministic`: SGLang's `--enable-deterministic-inference`, the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
     (`--enable-return-routed-experts`, fields/exec_.py). `prefix_caching` false: `--disable-radix-cache`
-    (SGLang's radix cache is on by default). `engine_kwargs`: verl's engine_kwargs.sglang, {ServerArgs name:
+    (SGLang's radix cache is on by default). `speculative`: drafting with the checkpoint's MTP layers
+    (`SpeculativeDecoding`). `engine_kwargs`: verl's engine_kwargs.sglang, {ServerArgs name:
     value}, added after megarl's own flags (megarl.config.engine_kwargs.sglang_engine_flags: ValueError
     where one contradicts them). Every flag here is one of SGLang 0.5.23's own
     (`sglang/srt/arg_groups/fields/*.py`); tests/rollout/test_sglang_flags.py checks that against
@@ -220,6 +250,8 @@ def sglang_server_command(
         raise ValueError("SGLang on a CPU: no memory saver (it needs libcuda), no deterministic inference (it needs "
                          "a GPU attention backend: actor_rollout_ref.rollout.deterministic_inference=false), and a "
                          "context_length to size the KV cache by")
+    if device == "cpu" and speculative:
+        raise ValueError(f"SGLang on a CPU: no speculative decoding ({SGLANG_CPU_NO_DRAFT})")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id), "--dtype", dtype, "--skip-server-warmup"]
     if device == "cpu":
@@ -249,6 +281,8 @@ def sglang_server_command(
         cmd += lora.flags()
         if enable_memory_saver:  # fields/exec_.py: releasing the weights keeps them in CPU memory, as only
             cmd += ["--enable-weights-cpu-backup"]  # adapters are pushed and the base must come back as it was
+    if speculative:
+        cmd += speculative.flags(enable_memory_saver)
     return cmd + sglang_engine_flags(engine_kwargs, cmd) + list(extra_args)
 
 
@@ -281,9 +315,20 @@ def sglang_command(config, model_path: str, port: int, *, device: str, colocated
         enable_memory_saver=uses_memory_saver(device, colocated), api_key=api_key, dtype=r.dtype,
         context_length=context_length, random_seed=config.trainer.seed + server,
         deterministic=deterministic, return_routed_experts=replays_routes(config),
-        multi_node=multi_node, lora=lora_serving(config), prefix_caching=r.enable_prefix_caching,
+        multi_node=multi_node, lora=lora_serving(config), speculative=speculative_decoding(config),
+        prefix_caching=r.enable_prefix_caching,
         engine_kwargs=r.engine_kwargs.get("sglang", {}), python=r.server_python or sys.executable,
     )
+
+
+def speculative_decoding(config) -> Optional[SpeculativeDecoding]:
+    """How the servers draft with the model's MTP layers: verl's `model.mtp` with enable and enable_rollout
+    (verl/workers/rollout/sglang_rollout/async_sglang_server.py passes speculative_* to SGLang then only)."""
+    mtp = config.actor_rollout_ref.model.mtp
+    if not (mtp.enable and mtp.enable_rollout):
+        return None
+    return SpeculativeDecoding(mtp.speculative_algorithm, mtp.speculative_num_steps, mtp.speculative_eagle_topk,
+                               mtp.speculative_num_draft_tokens)
 
 
 def uses_memory_saver(device: str, colocated: bool) -> bool:

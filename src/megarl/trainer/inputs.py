@@ -160,6 +160,27 @@ def rollout_expert_split_problem(config: ExperimentConfig) -> Optional[str]:
     return expert_split_problem(moe.num_experts if moe else None, arr.rollout.expert_parallel_size)
 
 
+def mtp_model_problem(config: ExperimentConfig) -> Optional[str]:
+    """`actor_rollout_ref.model.mtp.enable` on a checkpoint without multi-token-prediction layers (its
+    config.json's `num_nextn_predict_layers`, read for the families that have them: `megarl.bridge.arch`),
+    found before any process starts; verl refuses the same (verl/utils/megatron_utils.py
+    `check_mtp_config`: "enable mtp while model has no mtp layer"). Call with the config `model_inputs` resolved."""
+    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+
+    if not config.actor_rollout_ref.model.mtp.enable:
+        return None
+    try:
+        hf_config = load_hf_config(config.actor_rollout_ref.model.path)
+        layers = arch_from_hf_config(hf_config).mtp_layers
+    except (ConversionError, OSError):
+        return None  # model_inputs names the problem
+    if layers:
+        return None
+    return (f"actor_rollout_ref.model.mtp.enable=true: the model ({hf_config.get('model_type')}) has no "
+            "multi-token-prediction layers (config.json num_nextn_predict_layers; megarl reads them for "
+            "deepseek_v3 and glm4_moe); verl refuses this too")
+
+
 def sglang_cpu_model_problem(config: ExperimentConfig) -> Optional[str]:
     """Why real SGLang must not serve the model on a CPU, or None: a mixture-of-experts model starts
     and answers there, but not with the model's numbers (measured with SGLang 0.5.23, the tiny

@@ -19,6 +19,7 @@ from megarl.trainer.inputs import (
     data_problems,
     gpu_count_problem,
     model_inputs,
+    mtp_model_problem,
     moe_tensor_parallel_problem,
     optimizer_override_problems,
     rollout_expert_split_problem,
@@ -56,7 +57,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     model_problems, config = model_inputs(config)
     problems += model_problems
     if not model_problems:
-        problems += [p for p in [moe_tensor_parallel_problem(config)] if p]
+        problems += [p for p in [moe_tensor_parallel_problem(config), mtp_model_problem(config)] if p]
     if kind == "rl" and not model_problems:
         problems += [p for p in [rollout_expert_split_problem(config)] if p]
         try:

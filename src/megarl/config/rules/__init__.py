@@ -45,6 +45,7 @@ from megarl.config.rules.gpus import (
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
+from megarl.config.rules.mtp import mtp_settings
 from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
                                                     rollout_correction_settings)
@@ -88,6 +89,7 @@ RULES: list[Rule] = [
     rollout_correction_fits_actor,
     distillation_settings,
     lora_settings,
+    mtp_settings,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,
     warmup_fits_schedule,
