@@ -92,3 +92,33 @@ def test_megatron_config_is_built_from_the_arch():
     linear = arch_from_hf_config({**hf_config("llama").to_dict(),
                                   "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}})
     assert gpt_model_kwargs(linear, 104)["seq_len_interpolation_factor"] == 4.0
+
+
+@pytest.mark.parametrize("config_class", ["Qwen3NextConfig", "Qwen3_5Config", "Qwen3_5TextConfig", "Qwen3_5MoeConfig",
+                                          "Qwen3_5MoeTextConfig"])
+def test_gated_delta_net_families_are_refused_saying_what_blocks_them(config_class):
+    """transformers' own configs (their model_type as a checkpoint's config.json has it) are refused with
+    the blocker named, not as an unknown model_type."""
+    import transformers
+
+    config = getattr(transformers, config_class)().to_dict()
+    with pytest.raises(ConversionError) as e:
+        arch_from_hf_config(config, source="/models/x/config.json")
+    text = str(e.value)
+    assert text.startswith(f"/models/x/config.json: `model_type`={config['model_type']!r}: its gated delta net")
+    with pytest.raises(ConversionError) as e:  # a checkpoint's config.json names its class too
+        arch_from_hf_config({**config, "architectures": ["Qwen3NextForCausalLM"]}, source="/models/x/config.json")
+    assert str(e.value).startswith(f"/models/x/config.json: architecture Qwen3NextForCausalLM "
+                                   f"(`model_type`={config['model_type']!r}): its gated delta net")
+    for blocker in ("flash-linear-attention", "0 active drivers", "`l2norm`", "deterministic_mode=True"):
+        assert blocker in text
+    assert "megarl maps these HF architectures" not in text
+
+
+def test_megatron_gated_delta_net_cannot_be_built_without_fla():
+    """The first blocker the refusal names, checked on megatron-core itself: its GatedDeltaNet raises
+    before anything else in its constructor where `fla` (flash-linear-attention) does not import."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    with pytest.raises(ImportError, match="FLA is not installed"):
+        GatedDeltaNet(config=None, submodules=None)

@@ -301,6 +301,21 @@ def _score_head(config: Mapping[str, Any], source: str) -> bool:
     return True
 
 
+# HF model_types whose linear-attention (gated delta net) layers megarl does not map, and why: they are
+# refused by name instead of as an unknown model_type. transformers 5.25: qwen3_next (Qwen3-Next),
+# qwen3_5 / qwen3_5_moe (Qwen3.5, with a vision tower) and their text-only configs.
+GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+GATED_DELTA_NET_BLOCKER = (
+    "its gated delta net (linear attention) layers are not supported: megatron-core's GatedDeltaNet "
+    "(0.16.1 megatron/core/ssm/gated_delta_net.py, 0.19.2 ssm/gated_delta_net/) raises ImportError when built "
+    "unless flash-linear-attention (`fla`, which imports triton) is installed, and fla's Triton kernels do not run "
+    "without a GPU (fla 0.6.0 on CPU: `RuntimeError: 0 active drivers ([]). There should only be one.`). Even with "
+    "`deterministic_mode=True`, which swaps in megatron's torch_chunk_gated_delta_rule and a torch conv1d, the layer "
+    "calls fla's Triton `l2norm` on q and k; megarl checks every family exactly against transformers on CPU, "
+    "so none is wired yet (docs/lora-moe.md, 'Qwen3-Next and Qwen3.5')"
+)
+
+
 def supported_architectures() -> str:
     """The HF architectures megarl maps onto megatron-core, with their model_type, for messages."""
     causal = ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES.values())
@@ -313,13 +328,15 @@ def _family(config: Mapping[str, Any], source: str) -> Family:
     weights (e.g. Qwen2.5-Math-RM's Qwen2ForRewardModel, model_type qwen2, has a two-layer score head)."""
     model_type = config.get("model_type")
     architectures = [str(a) for a in config.get("architectures") or []]
+    named = f"`model_type`={model_type!r}"
+    if architectures:
+        named = f"architecture {', '.join(architectures)} ({named})"
+    if model_type in GATED_DELTA_NET_MODEL_TYPES:
+        raise ConversionError(f"{source}: {named}: {GATED_DELTA_NET_BLOCKER}")
     family = FAMILIES.get(model_type)
     allowed = () if family is None else (family.architecture,
                                          family.architecture.removesuffix("ForCausalLM") + SEQ_CLS_SUFFIX)
     if family is None or any(a not in allowed for a in architectures):
-        named = f"`model_type`={model_type!r}"
-        if architectures:
-            named = f"architecture {', '.join(architectures)} ({named})"
         raise ConversionError(f"{source}: {named} is not supported: megarl maps these HF architectures onto "
                               f"megatron-core: {supported_architectures()}")
     return family
