@@ -18,16 +18,15 @@ counts 0); `env_steps` and `env_done` go to the batch and the metrics.
 from __future__ import annotations
 
 import atexit
-import importlib.metadata
 import importlib.util
 import sys
 from importlib.machinery import PathFinder
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
 from megarl.config.errors import ConfigError
+from megarl.config.optional_packages import supported_version
 from megarl.rollout.process import ServerProcess, ServerStartError, start_on_a_free_port
 
 PACKAGE = "openenv"
@@ -42,14 +41,7 @@ class OpenEnvEpisodeError(RuntimeError):
 
 def check_openenv() -> str:
     """The installed openenv's version; ConfigError with the fix when it is missing or unsupported."""
-    try:
-        version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"{PACKAGE} is not installed; megarl's OpenEnv connector needs {PACKAGE}{SUPPORTED}: "
-                          f"{INSTALL}") from None
-    if Version(version) not in SUPPORTED:
-        raise ConfigError(f"{PACKAGE} {version} is installed; megarl supports {PACKAGE}{SUPPORTED}: {INSTALL}")
-    return version
+    return supported_version(PACKAGE, SUPPORTED, "megarl's OpenEnv connector", INSTALL)
 
 
 def check_app(app: str, app_dir: str | None) -> None:

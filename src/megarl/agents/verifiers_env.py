@@ -16,7 +16,6 @@ score, its reward functions' values (`vf_<name>`) and the number of model turns 
 """
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -24,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
 from megarl.config.errors import ConfigError
+from megarl.config.optional_packages import supported_version
 from megarl.data.parquet import write_splits
 
 PACKAGE = "verifiers"
@@ -41,15 +40,8 @@ class VerifiersEpisodeError(RuntimeError):
 
 
 def check_verifiers() -> str:
-    """The installed verifiers' version; ConfigError with the fix when it is missing or unsupported."""
-    try:
-        version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"{PACKAGE} is not installed; megarl's verifiers connector needs {PACKAGE}{SUPPORTED}: "
-                          f"{INSTALL}") from None
-    if Version(version) not in SUPPORTED:
-        raise ConfigError(f"{PACKAGE} {version} is installed; megarl supports {PACKAGE}{SUPPORTED}: {INSTALL}")
-    return version
+    """The installed verifiers's version; ConfigError with the fix when it is missing or unsupported."""
+    return supported_version(PACKAGE, SUPPORTED, "megarl's verifiers connector", INSTALL)
 
 
 def module_of(env_id: str) -> str:

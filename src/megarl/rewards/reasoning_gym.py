@@ -28,9 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
 from megarl.config.errors import ConfigError
+from megarl.config.optional_packages import supported_version
 from megarl.rewards.synthetic import strip_response
 
 PACKAGE = "reasoning-gym"
@@ -42,12 +42,7 @@ EXTRA_KEY = "reasoning_gym"  # extra_info key of {"config": JSON, "seed", "size"
 
 def load_reasoning_gym() -> ModuleType:
     """The `reasoning_gym` module; ConfigError with the fix if it is missing or unsupported."""
-    try:
-        version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"reasoning-gym tasks need the {PACKAGE} package, which is not installed: {INSTALL}") from None
-    if Version(version) not in SUPPORTED:
-        raise ConfigError(f"{PACKAGE} {version} is installed; megarl supports {PACKAGE}{SUPPORTED}: {INSTALL}")
+    supported_version(PACKAGE, SUPPORTED, "reasoning-gym tasks", INSTALL)
     return importlib.import_module("reasoning_gym")
 
 
