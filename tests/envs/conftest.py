@@ -1,12 +1,14 @@
-"""Shared checks of the connector tests."""
+"""Shared checks and fixtures of the connector tests (agent_batches.py: what they read from a batch)."""
 import ast
 import importlib.metadata
+import sys
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))  # agent_batches.py
 
 
 @pytest.fixture
@@ -41,3 +43,13 @@ def installed_version(monkeypatch):
         monkeypatch.setattr(importlib.metadata, "version", fake)
 
     return set_version
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny qwen2 model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.tiny_model import make_tiny_model
+
+    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny"), seed=0))

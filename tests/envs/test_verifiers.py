@@ -20,19 +20,12 @@ from megarl.data.prompts import Prompt, render_chats
 from megarl.rewards.dispatch import default_compute_score
 from megarl.rollout.client import Sample
 
+from agent_batches import generated_runs, reply_text
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = REPO / "examples" / "envs"  # the environment's folder (VerifiersConnector's env_dir)
 ENV_ID = "vf-spell"
 BROKEN = 3  # the row whose environment raises in its reply: "face"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from megarl.data.tiny_model import make_tiny_model
-
-    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path_factory.mktemp("vf-tiny"), seed=0))
 
 
 def prompts_of(tokenizer, rows: list[dict]) -> list[Prompt]:
@@ -64,28 +57,6 @@ def rubric_score(connector: VerifiersConnector, row: dict, replies: list[str]) -
         return state["reward"]
 
     return asyncio.run(score())
-
-
-def reply_text(tokenizer, run: list[int]) -> str:
-    """The reply an OpenAI client reads for a sampled run (megarl.agents.openai_api.completion_text)."""
-    if run and run[-1] == tokenizer.eos_token_id:
-        run = run[:-1]
-    return tokenizer.decode(run, skip_special_tokens=False)
-
-
-def generated_runs(batch, row):
-    """The generated token runs (loss mask 1) of a batch row, in order, with their log-probs."""
-    present = batch["response_attention_mask"][row].bool()
-    ids, mask = batch["response_ids"][row][present].tolist(), batch["response_mask"][row][present].tolist()
-    logprobs = batch["rollout_log_probs"][row][present].tolist()
-    runs, start = [], None
-    for pos, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = pos
-        if not m and start is not None:
-            runs.append((start, ids[start:pos], logprobs[start:pos]))
-            start = None
-    return ids, runs
 
 
 class ScriptedPolicy:

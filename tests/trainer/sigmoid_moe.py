@@ -1,6 +1,9 @@
 """What the end-to-end runs of the sigmoid-routed MoE families share (tests/trainer/test_deepseek_e2e.py,
 test_glm4_moe_e2e.py): a tiny checkpoint whose routers' selection bias is nonzero, and the checks of a
-2-step GRPO run with routing replay and of its exported step-1 checkpoint."""
+2-step GRPO run with routing replay and of its exported step-1 checkpoint. `grpo_two_steps` (the run
+itself, also gpt-oss's: test_gptoss_e2e.py)."""
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -10,6 +13,7 @@ from megarl.bridge.safetensors_io import HFCheckpointReader
 from megarl.cli import main as megarl_main
 from megarl.data.tiny_model import make_tiny_model
 
+REPO = Path(__file__).resolve().parents[2]
 SELECTION_BIAS = "e_score_correction_bias"  # the router's `mlp.gate.e_score_correction_bias` [E]
 
 
@@ -50,3 +54,20 @@ def export_and_check(checkpoint: Path, out: Path, weights: dict[str, torch.Tenso
         assert torch.equal(exported[name], weights[name]), name
     assert any(not torch.equal(exported[n], weights[n]) for n in weights if not n.endswith(SELECTION_BIAS))
     return exported
+
+
+def grpo_two_steps(model: Path, tiny_assets: Path, tmp_path: Path, run_to_completion, what: str) -> tuple[list[dict], Path]:
+    """Two GRPO steps with routing replay of the tiny MoE checkpoint `model` (configs/tiny/grpo_moe.yaml, a
+    reward whose gradients are not all 0, a checkpoint at each step), run to completion as a subprocess:
+    (the training steps' metrics rows, the run's directory)."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "megarl.trainer.main_ppo", "--config", str(REPO / "configs/tiny/grpo_moe.yaml"),
+           f"actor_rollout_ref.model.path={model}", f"data.train_files={tiny_assets / 'data/train.parquet'}",
+           "data.val_files=[]", f"trainer.default_local_dir={runs}",
+           f"custom_reward_function.path={Path(__file__).with_name('varied_reward.py')}",
+           "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=-1",
+           "trainer.val_before_train=false"]
+    run_to_completion(cmd, tmp_path, 600, what)
+    run = runs / "megarl-tiny" / "grpo_moe"
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step_s" in r], run
