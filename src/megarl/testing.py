@@ -200,3 +200,71 @@ def run_to_completion(cmd: list[str], cwd, timeout_s: float, what: str) -> str:
         raise AssertionError(f"{what} did not finish in {timeout_s} s:\n{output[-5000:]}") from None
     assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{output[-8000:]}"
     return output
+
+
+# torch.distributed's collectives and point-to-point calls, as callers name them; not `isend`/`irecv`,
+# which `P2POp` checks by identity (distributed_c10d.py `_check_op`): their batches count as `batch_isend_irecv`
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "broadcast",
+               "reduce", "gather", "scatter", "barrier", "monitored_barrier", "all_gather_object",
+               "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv", "batch_isend_irecv")
+
+
+class CollectiveCounter:
+    """Records every torch.distributed collective this process calls while it is open, with its caller.
+
+    Replaces each of `COLLECTIVES` in `torch.distributed` and wherever a loaded `megatron`/`megarl`
+    module bound the function by name at import (megatron's `param_and_grad_buffer` binds its
+    all-gather and reduce-scatter), restoring them on exit. A collective that torch implements with
+    others (`all_gather_object`) counts once. `calls`: one (name, caller) per call in call order, the
+    caller "module:function" of the innermost megarl frame and, when megatron's code made the call,
+    of its innermost megatron frame ("megarl... <- megatron...")."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self._patched: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        import sys
+
+        import torch.distributed as dist
+
+        originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+        by_function = {id(fn): name for name, fn in originals.items()}
+        modules = [dist] + [m for key, m in list(sys.modules.items())
+                            if m is not None and key.startswith(("megatron.", "megarl."))]
+        for module in modules:
+            for attr, value in list(vars(module).items()):
+                name = by_function.get(id(value))
+                if name is not None and value is originals[name]:
+                    self._patched.append((module, attr, value))
+                    setattr(module, attr, self._counted(name, value))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, attr, value in reversed(self._patched):
+            setattr(module, attr, value)
+        self._patched.clear()
+
+    def _counted(self, name: str, fn: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            self.calls.append((name, _caller()))
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _caller() -> str:
+    """'megarl.a:f' (module:function) of the innermost megarl frame calling a collective (this
+    module's excepted), with ' <- megatron.b:g' when megatron's code made the call."""
+    import sys
+
+    frame, own, megatron = sys._getframe(2), None, None
+    while frame is not None and own is None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("megatron."):
+            megatron = megatron or f"{module}:{frame.f_code.co_name}"
+        elif module.startswith("megarl.") and module != __name__:
+            own = f"{module}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return (own or "?") + (f" <- {megatron}" if megatron else "")

@@ -3,7 +3,8 @@
 Per layout, two actors from the same checkpoint take the same two steps: one as the controller
 did before (`compute_log_prob`, then `update_policy` with those old log-probs), one with
 `update_policy_with_old_log_probs` on the batch without them. Ranks return what each path
-produced: the old log-probs and entropies, the update metrics and the weights after each step.
+produced: the old log-probs and entropies, the update metrics and the weights after each step, and
+the torch.distributed collectives of each update with the old log-probs in it.
 """
 from __future__ import annotations
 
@@ -57,13 +58,17 @@ def _separate(cfg, batch) -> dict:
 
 def _in_update(cfg, batch) -> dict:
     from megarl.engines.megatron.roles import ActorEngine
+    from megarl.testing import CollectiveCounter
 
     actor = ActorEngine(cfg)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     keys = set(mine.keys())
-    out = {"dp_rank": actor.dp_rank, "scored": [], "metrics": [], "states": [], "forwards": count_forwards(actor)}
+    out = {"dp_rank": actor.dp_rank, "scored": [], "metrics": [], "states": [], "forwards": count_forwards(actor),
+           "collectives": []}
     for _ in range(STEPS):
-        metrics, scored = actor.update_policy_with_old_log_probs(mine)
+        with CollectiveCounter() as counter:
+            metrics, scored = actor.update_policy_with_old_log_probs(mine)
+        out["collectives"].append(counter.calls)
         out["scored"].append(scored)
         out["metrics"].append(metrics)
         out["states"].append(local_state(actor))

@@ -5,6 +5,8 @@ log-prob pass, everything is equal bit for bit; at TP2 with shuffled mini-batche
 token budgets, a KL loss and an entropy bonus, equal to float precision. The separate pass is
 itself checked against HF's log-probs in test_megatron_engine.py.
 """
+from collections import Counter
+
 import pytest
 import torch
 from old_log_probs_world import LAYOUTS, STEPS, old_log_probs_world
@@ -68,3 +70,24 @@ def test_the_callers_batch_is_left_as_it_was(run):
     for rank in run:
         for layout in LAYOUTS:
             assert rank[layout]["in_update"]["batch_unchanged"]
+
+
+def test_an_update_at_dp2_meets_the_other_rank_at_nine_collectives(run):
+    """Hand-counted for dp2_aligned's update (two mini-batches of one micro-batch each, no
+    distributed optimizer): the sample-count check and the global counts of both mini-batches
+    before training; per mini-batch the gradient all-reduce, the non-finite check and the
+    gradient norm; the loss metrics of both mini-batches at the end. Folding per-mini-batch
+    calls into one per update took it from 13; a new collective per step shows up here."""
+    expected = {
+        ("all_reduce", "megarl.engines.megatron.training:check_mini_batches"): 1,
+        ("all_reduce", "megarl.engines.megatron.training:global_counts"): 1,
+        ("all_reduce", "megatron.core.distributed.param_and_grad_buffer:start_grad_sync"): 2,
+        ("all_reduce", "megarl.engines.megatron.training:grads_finite"): 2,
+        ("all_reduce", "megatron.core.optimizer.clip_grads:get_grad_norm_fp32"): 2,
+        ("all_gather", "megarl.engines.megatron.metrics:reduce_over_micro_batches"): 1,
+    }
+    for rank in run:
+        for calls in rank["dp2_aligned"]["in_update"]["collectives"]:
+            where = Counter((name, caller.split(" <- ")[-1]) for name, caller in calls)
+            assert where == expected
+            assert len(calls) == 9

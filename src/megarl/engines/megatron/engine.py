@@ -302,20 +302,30 @@ class MegatronEngine:
         self.scheduler.step(1)
         lr = self.optimizer.param_groups[0]["lr"]
         generator = torch.Generator().manual_seed(self._seed + self.updates)  # the same on a replica's ranks
-        per_mini = []
-        for index, rows in enumerate(mini_batch_rows(len(batch), mini_batch_size, epochs, shuffle, generator)):
+        mini_batches = list(mini_batch_rows(len(batch), mini_batch_size, epochs, shuffle, generator))
+        group = self._ps.get_data_parallel_group()
+        counts = global_counts(batch["response_mask"], mini_batches, self.device, group)
+        per_mini, losses = [], []
+        for index, (rows, mini_counts) in enumerate(zip(mini_batches, counts)):
             if before_mini_batch is not None:
                 before_mini_batch(index, rows)
-            per_mini.append(self._train_mini_batch(batch.select(rows), max_samples, max_tokens, data_keys, loss_head))
+            metrics, outputs = self._train_mini_batch(batch.select(rows), mini_counts, max_samples, max_tokens,
+                                                      data_keys, loss_head)
+            per_mini.append(metrics)
+            losses.append(([out["metrics"] for out in outputs], [out["tokens"] for out in outputs]))
+        if self._is_last_stage():  # the loss heads' metrics over all DP ranks, every mini-batch in one collective
+            reduced = reduce_over_micro_batches(losses, [c["num_tokens"] for c in counts], group, self.device)
+            per_mini = [{**loss_metrics, **metrics} for loss_metrics, metrics in zip(reduced, per_mini)]
         # With overlap_param_gather the last step's parameters would be gathered only by the next
         # forward: gather them now, for the weight push, checkpoints and exports that read them.
         gather_params_now(self._ddp_chunks)
         return broadcast_from_last_stage(mean_over_mini_batches(per_mini, prefix, lr))
 
-    def _train_mini_batch(self, mini: Batch, max_samples, max_tokens, data_keys, loss_head) -> dict[str, float]:
-        """One optimizer step on `mini`; its metrics over all DP ranks (loss metrics on the last stage)."""
-        group = self._ps.get_data_parallel_group()
-        counts = global_counts(mini, self.device, group)
+    def _train_mini_batch(self, mini: Batch, counts: dict[str, float], max_samples, max_tokens, data_keys,
+                          loss_head) -> tuple[dict[str, float], list[dict]]:
+        """One optimizer step on `mini` (`counts`: its global num_tokens/num_seqs). Returns its
+        {"grad_norm", "tokens", "skipped_updates"} and the schedule's outputs (on the last stage: each
+        micro-batch's {"metrics", "tokens"}, reduced over the DP ranks by the caller)."""
         micro_batches = self.micro_batches(mini, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
         head = scaled_loss_head(loss_head, counts, scale=self.dp_size * len(micro_batches))
         for chunk in self._ddp_chunks:
@@ -324,14 +334,9 @@ class MegatronEngine:
         outputs = self.run(micro_batches, head, forward_only=False)
         finite = grads_finite(self._ddp_chunks, self.device, self.section)
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
-        metrics = {}
-        if self._is_last_stage():
-            metrics = reduce_over_micro_batches([out["metrics"] for out in outputs], [out["tokens"] for out in outputs],
-                                                counts["num_tokens"], group, self.device)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["tokens"] = counts["num_tokens"]
-        metrics["skipped_updates"] = 0.0 if finite else 1.0
-        return metrics
+        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                   "tokens": counts["num_tokens"], "skipped_updates": 0.0 if finite else 1.0}
+        return metrics, outputs
 
     def weights_for_sync(self):
         """A context in which the model chunks hold the weights to push or export: with LoRA, the

@@ -2,13 +2,14 @@
 all-ranks check for non-finite gradients, and averaging metrics over mini-batches.
 
 Loss scaling across micro-batches and data-parallel ranks (what "the mini-batch loss" means):
-at the start of each mini-batch the response tokens and the sequences of the whole mini-batch are
-summed over the DP ranks (`global_counts`), and every micro-batch's loss is aggregated with those
-global counts (`agg_loss(num_tokens=, num_seqs=)`). The micro-batch losses of all ranks therefore
-*sum* to the loss of the whole global mini-batch, as one process would compute it; token-mean is
-the mean over all tokens of all DP ranks (not a mean of per-rank means). The loss handed to
-megatron is multiplied by (DP size x micro-batches) (`scaled_loss_head`) to undo the schedule's
-division by the micro-batch count and DDP's averaging over DP ranks, so the gradient is the
+before the first mini-batch the response tokens and the sequences of each whole mini-batch are
+summed over the DP ranks (`global_counts`, one collective for all of them), and every
+micro-batch's loss is aggregated with its mini-batch's global counts
+(`agg_loss(num_tokens=, num_seqs=)`). The micro-batch losses of all ranks therefore *sum* to the
+loss of the whole global mini-batch, as one process would compute it; token-mean is the mean over
+all tokens of all DP ranks (not a mean of per-rank means). The loss handed to megatron is
+multiplied by (DP size x micro-batches) (`scaled_loss_head`) to undo the schedule's division by
+the micro-batch count and DDP's averaging over DP ranks, so the gradient is the
 gradient of that global loss. With context parallelism every CP rank of a replica computes the
 whole micro-batch's loss from every token's gathered values and back-propagates its own tokens'
 part (megarl.engines.megatron.context_parallel); DDP then averages over DP x CP ranks, and the
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.metrics import Metrics
-from megarl.data.batch import Batch
 from megarl.engines.megatron.schedule import Head
 from megarl.engines.megatron.sequences import MicroBatch
 
@@ -60,13 +60,16 @@ def mini_batch_rows(
             yield order[start : start + mini_batch_size]
 
 
-def global_counts(mini: Batch, device: torch.device, group) -> dict[str, float]:
-    """{"num_tokens": valid response tokens, "num_seqs": sequences with at least one} of the
-    mini-batch over all ranks of the DP `group`."""
-    mask = mini["response_mask"].bool()
-    counts = torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64, device=device)
-    dist.all_reduce(counts, group=group)
-    return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
+def global_counts(response_mask: torch.Tensor, mini_batches: list[torch.Tensor], device: torch.device,
+                  group) -> list[dict[str, float]]:
+    """Per mini-batch (its rows of this rank's `response_mask` [B, R]): {"num_tokens": valid
+    response tokens, "num_seqs": sequences with at least one} over all ranks of the DP `group`,
+    every mini-batch of the update in one all-reduce."""
+    mask = response_mask.bool()
+    local = torch.tensor([[mask[rows].sum(), (mask[rows].sum(1) > 0).sum()] for rows in mini_batches],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(local, group=group)
+    return [{"num_tokens": float(tokens), "num_seqs": float(seqs)} for tokens, seqs in local.tolist()]
 
 
 def scaled_loss_head(loss_head: LossHead, counts: dict[str, float], scale: int) -> Head:
