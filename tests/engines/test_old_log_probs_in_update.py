@@ -77,7 +77,12 @@ def test_an_update_at_dp2_meets_the_other_rank_at_nine_collectives(run):
     distributed optimizer): the sample-count check and the global counts of both mini-batches
     before training; per mini-batch the gradient all-reduce, the non-finite check and the
     gradient norm; the loss metrics of both mini-batches at the end. Folding per-mini-batch
-    calls into one per update took it from 13; a new collective per step shows up here."""
+    calls into one per update took it from 13; a new collective per step shows up here.
+    megatron-core 0.19 adds one of its own in the first update only (`has_grad_norm_group`: one
+    global reduction, cached after, optimizer.py), which 0.16.1 does not make."""
+    import megatron.core
+    from packaging.version import Version
+
     expected = {
         ("all_reduce", "megarl.engines.megatron.training:check_mini_batches"): 1,
         ("all_reduce", "megarl.engines.megatron.training:global_counts"): 1,
@@ -86,8 +91,9 @@ def test_an_update_at_dp2_meets_the_other_rank_at_nine_collectives(run):
         ("all_reduce", "megatron.core.optimizer.clip_grads:get_grad_norm_fp32"): 2,
         ("all_gather", "megarl.engines.megatron.metrics:reduce_over_micro_batches"): 1,
     }
+    first_only = {("all_reduce", "megatron.core.optimizer.optimizer:has_grad_norm_group"): 1} \
+        if Version(megatron.core.__version__) >= Version("0.19") else {}
     for rank in run:
-        for calls in rank["dp2_aligned"]["in_update"]["collectives"]:
+        for update, calls in enumerate(rank["dp2_aligned"]["in_update"]["collectives"]):
             where = Counter((name, caller.split(" <- ")[-1]) for name, caller in calls)
-            assert where == expected
-            assert len(calls) == 9
+            assert where == (expected | first_only if update == 0 else expected)
