@@ -108,3 +108,34 @@ def test_the_student_needs_a_pass_of_its_own_only_where_the_rollout_temperature_
     assert OPD_TEMPERATURE == 1.0
     assert student_needs_own_pass(0.5) and student_needs_own_pass(1.5) and student_needs_own_pass(0.999)
     assert not student_needs_own_pass(1.0)
+
+
+def test_forward_kl_topk_through_the_policy_gradient_by_hand():
+    """`experience.distill` with distillation.loss_mode=forward_kl_topk, use_policy_gradient=true, top 2,
+    kl_coef 0.5, use_task_rewards=true and both clamps. One token; the teacher's top 2 at log-probs
+    [log 0.7, log 0.2], the student's at those ids [log 0.5, log 1e-6] (floored at -10 to log e^-10):
+        l = 0.7 (log 0.7 - log 0.5) + 0.2 (log 0.2 + 10) = 0.2355306 + 1.6781124 = 1.9136430,
+    clamped to loss_max_clamp 1.5: A' = 0.3 - 0.5 x 1.5 = -0.45. Without the floor l = 2.6, also
+    clamped; loss_max_clamp 3 gives 0.3 - 0.5 x 1.9136430 = -0.6568215."""
+    from megarl.config import load_config
+    from megarl.data.batch import Batch
+    from megarl.trainer.experience import distill
+
+    def advantage(loss_max_clamp):
+        batch = Batch.from_token_lists([[1]], [[0]])
+        batch["advantages"] = torch.tensor([[0.3]])
+        batch["opd_student_log_probs"] = torch.tensor([[math.log(0.5)]])
+        batch["teacher_log_probs"] = torch.tensor([[math.log(0.7)]])
+        batch["teacher_topk_log_probs"] = torch.tensor([[[math.log(0.7), math.log(0.2)]]])
+        batch["opd_student_topk_log_probs"] = torch.tensor([[[math.log(0.5), math.log(1e-6)]]])
+        config = load_config(None, ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m",
+                                    "distillation.enabled=true", "distillation.loss_mode=forward_kl_topk",
+                                    "distillation.topk=2", "distillation.kl_coef=0.5",
+                                    f"distillation.loss_max_clamp={loss_max_clamp}",
+                                    "distillation.log_prob_min_clamp=-10"])
+        metrics = distill(batch, config)
+        assert metrics["opd/reverse_kl_mean"] == pytest.approx(math.log(0.5) - math.log(0.7), abs=1e-6)  # k1 still
+        return batch["advantages"][0, 0].item()
+
+    assert advantage(1.5) == pytest.approx(-0.45, abs=1e-6)
+    assert advantage(3.0) == pytest.approx(0.3 - 0.5 * 1.9136430, abs=1e-6)

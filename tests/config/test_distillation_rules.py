@@ -45,6 +45,16 @@ SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teac
      "distillation.teacher.megatron.param_offload=true: the teacher on its own pool shares no GPU"),
     (ON + ["placement.mode=split", "placement.rollout_gpus=2", "distillation.teacher.megatron.param_offload=true"],
      "the teacher on split placement's training pool shares no GPU"),
+    (ON + ["distillation.loss_mode=k1", "distillation.use_policy_gradient=false"],
+     "distillation.loss_mode=k1 with distillation.use_policy_gradient=false: the gradient of the k1 loss does not "
+     "depend on the teacher"),
+    (SGLANG + ["distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false"],
+     "distillation.loss_mode=forward_kl_topk needs the teacher's top-k log-probs, which megarl takes from a "
+     "Megatron teacher only"),
+    (ON + ["distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false", "distillation.topk=0"],
+     "distillation.topk=0: must be >= 1"),
+    (ON + ["distillation.loss_max_clamp=0"], "distillation.loss_max_clamp=0.0: must be > 0"),
+    (ON + ["distillation.loss_mode=k4"], "distillation.loss_mode"),
 ])
 def test_refused_naming_the_keys(overrides, expected):
     assert expected in fails(*overrides)
@@ -103,3 +113,33 @@ def test_the_planner_places_the_teacher_on_the_training_pool_or_its_own():
     assert [d.gpu for d in own.roles["rollout"].devices] == list(range(4))
     assert "teacher" not in plan_from_config(ok(*SGLANG)).roles  # an SGLang teacher is not placed
     assert "teacher" not in plan_from_config(ok()).roles
+
+
+VERL_OPD = ["distillation.enabled=true", "distillation.n_gpus_per_node=2", "distillation.nnodes=1",
+            "distillation.teacher_models.teacher_model.model_path=/models/teacher",
+            "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2"]
+
+
+def test_verls_distillation_loss_keys_mean_megarls_of_the_same_names():
+    """verl's examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh's loss keys."""
+    d = ok(*VERL_OPD, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+           "distillation.distillation_loss.topk=64", "distillation.distillation_loss.use_task_rewards=False",
+           "distillation.distillation_loss.use_policy_gradient=False",
+           "distillation.distillation_loss.loss_max_clamp=10.0",
+           "distillation.distillation_loss.log_prob_min_clamp=-10.0", "algorithm.adv_estimator=grpo").distillation
+    assert (d.loss_mode, d.use_policy_gradient, d.topk, d.loss_max_clamp, d.log_prob_min_clamp, d.use_task_rewards) == (
+        "forward_kl_topk", False, 64, 10.0, -10.0, False)
+
+
+def test_verls_defaults_apply_where_its_script_leaves_the_loss(caplog):
+    """verl's distillation.yaml: loss_mode k3, use_policy_gradient false (megarl's own defaults are k1 in
+    the advantage); its coefficient counts with task rewards only (verl's distillation_ppo_loss)."""
+    d = ok(*VERL_OPD, "distillation.distillation_loss.distillation_loss_coef=0.5").distillation
+    assert (d.loss_mode, d.use_policy_gradient, d.kl_coef, d.loss_max_clamp, d.log_prob_min_clamp) == (
+        "k3", False, 0.5, None, None)
+    with caplog.at_level(logging.WARNING):
+        d = ok(*VERL_OPD, "distillation.distillation_loss.distillation_loss_coef=0.5", "algorithm.adv_estimator=grpo",
+               "distillation.distillation_loss.use_task_rewards=false").distillation
+    assert d.kl_coef == 1.0 and "verl uses it with use_task_rewards=true only" in caplog.text
+    d = ok(*VERL_OPD, "distillation.loss_mode=abs").distillation  # megarl's own key wins over verl's default
+    assert (d.loss_mode, d.use_policy_gradient) == ("abs", False)

@@ -27,19 +27,25 @@ def teacher(tiny_assets, tmp_path_factory) -> Path:
     return make_tiny_model("qwen2", tmp_path_factory.mktemp("teacher") / "model", seed=1)
 
 
-def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *overrides: str) -> list[dict]:
+def train_rows(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, steps: int, *overrides: str) -> list[dict]:
+    """The logged training steps of configs/tiny/opd.yaml run for `steps` steps."""
     cmd = [sys.executable, "-m", "megarl.trainer.main_ppo", "--config", str(REPO / "configs/tiny/opd.yaml"),
            f"actor_rollout_ref.model.path={tiny_assets / 'model'}", f"distillation.teacher.model_path={teacher}",
            f"data.train_files={tiny_assets / 'data/train.parquet'}",
            f"data.val_files={tiny_assets / 'data/val.parquet'}",
-           f"trainer.default_local_dir={out}", f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+           f"trainer.default_local_dir={out}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
            "trainer.val_before_train=false", "trainer.logger=[console]",
            f"actor_rollout_ref.rollout.temperature={ROLLOUT_TEMPERATURE}", *overrides]
     run_to_completion(cmd, out, 400, "OPD experiment")
     logs = out / "megarl-tiny" / "opd" / "logs"
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "timing/step_s" in r]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    return train
+
+
+def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *overrides: str) -> list[dict]:
+    train = train_rows(run_to_completion, tiny_assets, teacher, out, STEPS, *overrides)
     for row in train:
         assert row["timing/teacher_log_prob_s"] > 0 and row["timing/old_log_prob_s"] > 0  # both before the advantages
         assert row["timing/opd_student_log_prob_s"] > 0  # the student at OPD's temperature, not the rollout's
@@ -87,3 +93,18 @@ def test_both_teachers_score_the_first_step_alike(megatron_run, sglang_run):
     temperature (an SGLang server's input log-probs are at 1 whatever the request says)."""
     for key in ("opd/teacher_log_prob_mean", "opd/reverse_kl_mean"):
         assert megatron_run[0][key] == pytest.approx(sglang_run[0][key], abs=1e-4), key
+
+
+def test_forward_kl_topk_trains_on_the_distillation_loss_alone(tiny_assets, teacher, tmp_path, run_to_completion):
+    """verl's run_qwen3_8b_megatron.sh loss (forward_kl_topk over the teacher's top 8, directly,
+    without task rewards, both clamps), two steps: one response per prompt leaves GRPO's advantage 0,
+    so the update's gradient is the distillation term's alone, and the advantage carries no OPD term.
+    The loss against HF's models: tests/engines/test_distillation_engine.py."""
+    train = train_rows(run_to_completion, tiny_assets, teacher, tmp_path, 2, "distillation.loss_mode=forward_kl_topk",
+                       "distillation.use_policy_gradient=false", "distillation.topk=8",
+                       "distillation.loss_max_clamp=10.0", "distillation.log_prob_min_clamp=-10.0")
+    for row in train:
+        assert row["timing/teacher_log_prob_s"] > 0 and row["opd/coverage"] == 1.0
+        assert 0 < row["actor/distillation_loss"] < 10.0 and math.isfinite(row["actor/distillation_loss"])
+        assert row["advantages/mean"] == 0.0
+        assert row["actor/grad_norm"] > 0

@@ -10,7 +10,8 @@ dapo        dynamic sampling (group filter) and the soft overlong penalty
 masked      masked sum/mean/var/whiten
 rollout_correction  rollout/trainer mismatch (verl's rollout_corr_helper): truncated IS (token, sequence),
             IcePop, rejection (k1/k2/k3 per token, row sum/mean/max), off-policy diagnostics
-opd         on-policy distillation: the teacher's reverse KL in the advantage (pure or beside RL)
+opd         on-policy distillation: the teacher's reverse KL (or verl's other distillation losses) in the
+            advantage or backpropagated directly (pure or beside RL)
 from_config config sections -> keyword arguments
 
 Where megarl differs from verl's `core_algos` (the implementation users compare with), on purpose:

@@ -23,6 +23,7 @@ ADV_ESTIMATORS = (
 )
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+DISTILLATION_LOSS_MODES = (*KL_TYPES, "forward_kl_topk")  # verl's distillation_loss.loss_mode (megarl.algos.opd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,6 +610,15 @@ class DistillationConfig:
     # verl's distillation.distillation_loss.use_task_rewards: true, OPD + RL (the estimator's advantage
     # minus the KL term); false, pure OPD (the advantage is -kl_coef x reverse KL; rollout.n=1 works)
     use_task_rewards: bool = True
+    # verl's distillation.distillation_loss.*: the per-token loss (megarl.algos.opd): k1 (kl), abs, k2 (mse),
+    # k3 (low_var_kl) of the sampled token, or forward_kl_topk over the teacher's `topk` tokens per position
+    loss_mode: Literal[DISTILLATION_LOSS_MODES] = "k1"
+    # true: the loss in the advantage (reward -loss, above); false: backpropagated directly, added to the policy
+    # loss times kl_coef (use_task_rewards=true) or alone (false)
+    use_policy_gradient: bool = True
+    topk: int = 32  # forward_kl_topk: the teacher's most likely tokens per position
+    loss_max_clamp: Optional[float] = None  # the per-token loss clamped to [-c, c]; None: not clamped
+    log_prob_min_clamp: Optional[float] = None  # forward_kl_topk: both log-probs floored here first; None: not
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 

@@ -459,11 +459,15 @@ def _async(tree: dict, grouped: dict, origins: dict) -> list[str]:
     return errors
 
 
+# verl 0.9.1's trainer/config/distillation/distillation.yaml, where megarl's defaults differ
+VERL_DISTILLATION_DEFAULTS = {"loss_mode": "k3", "use_policy_gradient": False}
+
+
 def _distillation(tree: dict, grouped: dict, origins: dict) -> list[str]:
     """verl's on-policy distillation schema (distillation/distillation.yaml) onto megarl's OPD
-    (megarl.algos.opd: the teacher's reverse KL log p - log q per token in the advantage, scored by the
-    teacher on Megatron). verl's loss_mode=k1 with use_policy_gradient=true is that; its other losses
-    (k3 or top-k forward KL added to the policy loss) are not built yet."""
+    (megarl.algos.opd, scored by the teacher on Megatron): distillation_loss.{loss_mode,
+    use_policy_gradient, topk, loss_max_clamp, log_prob_min_clamp} are megarl's distillation.* keys of
+    the same names, at verl's defaults (k3, false, 32, null, null) where the script leaves them."""
     teachers: dict[str, dict] = {}
     for path, (value, source) in _under(grouped, "distillation.teacher_models.").items():
         name, _, rest = path.partition(".")
@@ -492,25 +496,28 @@ def _distillation(tree: dict, grouped: dict, origins: dict) -> list[str]:
             else:
                 errors.append(f"{path}: not a key of verl's teacher model config (model_path, key, num_replicas, "
                               "inference.*)")
-    mode = loss.get("loss_mode", ("k3", "verl's default"))[0]
-    gradient = loss.get("use_policy_gradient", (False, "verl's default"))[0]
-    if mode != "k1" or not gradient:
-        errors.append(f"distillation.distillation_loss.loss_mode={mode} with use_policy_gradient={gradient}: "
-                      "megarl's OPD is verl's loss_mode=k1 with use_policy_gradient=true (the reverse KL in the "
-                      "advantage); verl's other distillation losses (k3, top-k forward KL beside the policy loss) "
-                      "are not built yet")
+    for name in ("loss_mode", "use_policy_gradient"):  # verl's yaml defaults differ from megarl's
+        if name not in loss and f"distillation.{name}" not in origins:  # nor given under megarl's own key
+            _set(tree, f"distillation.{name}", VERL_DISTILLATION_DEFAULTS[name], origins,
+                 f"verl's default of distillation.distillation_loss.{name}")
+    task_rewards = loss.get("use_task_rewards", (True, "verl's default"))[0]
     for name, (value, source) in loss.items():
         path = f"distillation.distillation_loss.{name}"
-        if name == "use_task_rewards":
-            _set(tree, "distillation.use_task_rewards", value, origins, f"verl key {path}")
+        if name in ("use_task_rewards", "loss_mode", "use_policy_gradient", "topk", "loss_max_clamp",
+                    "log_prob_min_clamp"):
+            _set(tree, f"distillation.{name}", value, origins, f"verl key {path}")
         elif name == "distillation_loss_coef":
-            _set(tree, "distillation.kl_coef", value, origins, f"verl key {path}")
-        elif name in ("loss_max_clamp", "log_prob_min_clamp") and value is not None:
-            errors.append(f"{path}={value}: clamping the distillation term is not built yet")
+            if task_rewards:
+                _set(tree, "distillation.kl_coef", value, origins, f"verl key {path}")
+            else:  # verl's distillation_ppo_loss: the coefficient 1.0 without task rewards
+                log.warning("%s=%s (verl key, %s): verl uses it with use_task_rewards=true only; ignored",
+                            path, value, source)
+        elif name in ("use_chunked_topk", "chunked_topk_chunk_size"):
+            log.warning("%s=%s (verl key, %s): megarl's log-prob head always works in chunks of logits "
+                        "(megarl.engines.megatron.heads); ignored", path, value, source)
         elif name == "policy_loss_mode" and value != "vanilla":
             errors.append(f"{path}={value}: megarl's OPD trains with the actor's policy loss")
-        elif name not in ("loss_mode", "use_policy_gradient", "topk", "loss_max_clamp", "log_prob_min_clamp",
-                          "policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        elif name not in ("policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             errors.append(f"{path}: not a key of verl's distillation_loss config")
     if pool:
         nodes = pool.get("nnodes", (0, ""))[0]

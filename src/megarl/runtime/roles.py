@@ -64,6 +64,9 @@ class ActorRole(TrainingRole):
                          with_entropy: bool = False) -> dict[str, torch.Tensor]:
         return self.compute(ActorEngine.compute_log_prob, batch, temperature, with_entropy)
 
+    def compute_log_prob_at(self, batch: Batch, temperature: float, ids_key: str) -> dict[str, torch.Tensor]:
+        return self.compute(ActorEngine.compute_log_prob_at, batch, temperature, ids_key)
+
     def update_policy(self, batch: Batch) -> dict[str, float]:
         return self.update(ActorEngine.update_policy, batch)
 
@@ -133,3 +136,6 @@ class TeacherRole(TrainingRole):
 
     def compute_teacher_log_prob(self, batch: Batch, temperature: float) -> dict[str, torch.Tensor]:
         return self.compute(TeacherEngine.compute_teacher_log_prob, batch, temperature)
+
+    def compute_teacher_top_k(self, batch: Batch, temperature: float, k: int) -> dict[str, torch.Tensor]:
+        return self.compute(TeacherEngine.compute_teacher_top_k, batch, temperature, k)

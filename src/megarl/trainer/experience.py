@@ -11,7 +11,8 @@ import torch
 from megarl.algos import apply_kl_in_reward, compute_advantages, overlong_penalty
 from megarl.algos.expert_load import expert_load
 from megarl.algos.from_config import rollout_correction_kwargs
-from megarl.algos.opd import opd_advantages, opd_metrics
+from megarl.algos.opd import (TOPK_LOSS_MODE, advantages_with_loss, forward_kl_topk, opd_advantages, opd_metrics,
+                              reverse_kl)
 from megarl.algos.rollout_correction import offpolicy_metrics
 from megarl.algos.rollout_correction import rollout_correction as correct_rollout
 from megarl.config import ExperimentConfig
@@ -153,16 +154,26 @@ def rewards_and_advantages(batch: Batch, config: ExperimentConfig, kl_ctrl=None)
 
 
 def distill(batch: Batch, config: ExperimentConfig) -> dict:
-    """On-policy distillation (`distillation`, megarl.algos.opd): `advantages` become the
-    estimator's minus kl_coef x the reverse KL of `opd_student_log_probs` to `teacher_log_probs`
-    [B, R], both at `OPD_TEMPERATURE` (or that term alone with use_task_rewards=false), on
-    `response_mask` tokens only (a multi-turn row's tool tokens carry none). Sets `opd_reverse_kl`
-    [B, R]; returns the `opd/...` metrics."""
+    """On-policy distillation (`distillation`, megarl.algos.opd): with use_policy_gradient,
+    `advantages` become the estimator's minus kl_coef x the (clamped) loss `loss_mode` of
+    `opd_student_log_probs` to `teacher_log_probs` [B, R], both at `OPD_TEMPERATURE` (or that term
+    alone with use_task_rewards=false), on `response_mask` tokens only (a multi-turn row's tool
+    tokens carry none); without, they stay and the actor's update adds the loss. Sets
+    `opd_reverse_kl` [B, R], the k1 reverse KL d_t whatever the loss; returns the `opd/...` metrics."""
     d = config.distillation
     mask = batch["response_mask"]
-    batch["advantages"], batch["opd_reverse_kl"] = opd_advantages(
-        batch["advantages"], batch["opd_student_log_probs"], batch["teacher_log_probs"], mask, kl_coef=d.kl_coef,
-        use_task_rewards=d.use_task_rewards)
+    if d.use_policy_gradient and d.loss_mode == TOPK_LOSS_MODE:
+        losses, _, _ = forward_kl_topk(batch["opd_student_topk_log_probs"], batch["teacher_topk_log_probs"],
+                                       d.log_prob_min_clamp)
+        batch["advantages"], _ = advantages_with_loss(
+            batch["advantages"], losses, mask, kl_coef=d.kl_coef, use_task_rewards=d.use_task_rewards,
+            loss_max_clamp=d.loss_max_clamp)
+    elif d.use_policy_gradient:
+        batch["advantages"], _ = opd_advantages(
+            batch["advantages"], batch["opd_student_log_probs"], batch["teacher_log_probs"], mask, kl_coef=d.kl_coef,
+            use_task_rewards=d.use_task_rewards, loss_mode=d.loss_mode, loss_max_clamp=d.loss_max_clamp)
+    # else the loss goes to the actor's update directly (megarl.engines.megatron.roles, `actor/distillation_loss`)
+    batch["opd_reverse_kl"] = reverse_kl(batch["opd_student_log_probs"], batch["teacher_log_probs"], mask)
     return opd_metrics(batch["opd_reverse_kl"], batch["teacher_log_probs"], mask)
 
 

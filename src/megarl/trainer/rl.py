@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from megarl.algos import DynamicSampler, make_kl_controller
-from megarl.algos.opd import OPD_TEMPERATURE, student_needs_own_pass
+from megarl.algos.opd import OPD_TEMPERATURE, TOPK_LOSS_MODE, student_needs_own_pass
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.partition import balance_batch_order, balance_metrics
@@ -253,12 +253,20 @@ class RLTrainer:
                 batch["ref_log_probs"] = cl.ref.compute_ref_log_prob(batch, rollout.temperature)["ref_log_probs"]
         if self.teacher is not None:  # both sides of OPD's reverse KL at OPD_TEMPERATURE (megarl.algos.opd)
             with timer("teacher_log_prob"):
-                batch["teacher_log_probs"] = self.teacher.log_probs(batch)
+                if c.distillation.loss_mode == TOPK_LOSS_MODE:
+                    for key, value in self.teacher.top_k(batch, c.distillation.topk).items():
+                        batch[key] = value
+                else:
+                    batch["teacher_log_probs"] = self.teacher.log_probs(batch)
             if student_needs_own_pass(rollout.temperature):
                 with timer("opd_student_log_prob"):
                     batch["opd_student_log_probs"] = cl.actor.compute_log_prob(batch, OPD_TEMPERATURE)["log_probs"]
             else:  # the old-log-prob pass above (distillation keeps it before the update) ran at OPD_TEMPERATURE
                 batch["opd_student_log_probs"] = out["log_probs"]
+            if c.distillation.loss_mode == TOPK_LOSS_MODE and c.distillation.use_policy_gradient:
+                with timer("opd_student_log_prob"):  # the student at the teacher's top-k, for the advantage
+                    batch["opd_student_topk_log_probs"] = cl.actor.compute_log_prob_at(
+                        batch, OPD_TEMPERATURE, "teacher_topk_ids")["log_probs"]
         if cl.critic is not None:
             with timer("values"):
                 batch["values"] = cl.critic.compute_values(batch)["values"]

@@ -132,6 +132,15 @@ class Teacher:
             raise
         return response_grid(scores, batch)
 
+    def top_k(self, batch: Batch, k: int) -> dict[str, torch.Tensor]:
+        """`teacher_log_probs` [B, R] as `log_probs`, plus `teacher_topk_log_probs` [B, R, k] float32
+        and `teacher_topk_ids` [B, R, k] int64: the teacher's k most likely tokens at each response
+        position at `OPD_TEMPERATURE` (distillation.loss_mode=forward_kl_topk; type megatron only,
+        the config's rule)."""
+        if self.type != "megatron":
+            raise ValueError("the teacher's top-k log-probs come from a Megatron teacher only (distillation.type)")
+        return self.engines.compute_teacher_top_k(batch, OPD_TEMPERATURE, k)
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()

@@ -50,6 +50,7 @@ def distillation_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
             if getattr(t, key):
                 yield (f"{KEY}.teacher.{key}={getattr(t, key)!r} is for {KEY}.type=sglang; a Megatron teacher runs "
                        f"on the training GPUs (remove it, or set {KEY}.type=sglang)")
+    yield from distillation_loss_problems(config)
     if not d.use_task_rewards:
         pure = f"{KEY}.use_task_rewards=false (pure OPD: the advantage is the teacher's signal alone)"
         if config.algorithm.adv_estimator == "gae":
@@ -58,6 +59,30 @@ def distillation_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
         if config.algorithm.use_kl_in_reward:
             yield (f"{pure} ignores the rewards, so algorithm.use_kl_in_reward=true would do nothing; use "
                    "actor_rollout_ref.actor.use_kl_loss for a reference KL, or set use_task_rewards=true")
+
+
+def distillation_loss_problems(config: ExperimentConfig) -> Iterator[str]:
+    """The distillation loss (`loss_mode`, megarl.algos.opd) as verl allows it: k1 only through the
+    policy gradient (verl's `DistillationLossConfig.__post_init__`: its gradient does not depend on
+    the teacher); forward_kl_topk from a Megatron teacher (an SGLang teacher returns the sampled tokens' log-probs only); a positive
+    `topk` and `loss_max_clamp`.
+
+    Reads: distillation.loss_mode, distillation.use_policy_gradient, distillation.type, distillation.topk,
+    distillation.loss_max_clamp
+    """
+    d = config.distillation
+    if d.loss_mode in ("k1", "kl") and not d.use_policy_gradient:
+        yield (f"{KEY}.loss_mode={d.loss_mode} with {KEY}.use_policy_gradient=false: the gradient of the k1 loss "
+               "does not depend on the teacher (verl refuses it too, DistillationLossConfig); use k3 or "
+               "forward_kl_topk, or use_policy_gradient=true")
+    if d.loss_mode == "forward_kl_topk":
+        if d.type != "megatron":
+            yield (f"{KEY}.loss_mode=forward_kl_topk needs the teacher's top-k log-probs, which megarl takes from a "
+                   f"Megatron teacher only: set {KEY}.type=megatron")
+        if d.topk < 1:
+            yield f"{KEY}.topk={d.topk}: must be >= 1 (the teacher's tokens per position)"
+    if d.loss_max_clamp is not None and not d.loss_max_clamp > 0:
+        yield f"{KEY}.loss_max_clamp={d.loss_max_clamp}: must be > 0 (the loss is clamped to [-c, c]) or null"
 
 
 def distillation_teacher_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:

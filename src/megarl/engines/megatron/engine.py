@@ -236,13 +236,14 @@ class MegatronEngine:
         return weight
 
     def forward_outputs(
-        self, batch: Batch, head: Head, *, max_samples, max_tokens, count_experts: bool = False
+        self, batch: Batch, head: Head, *, max_samples, max_tokens, count_experts: bool = False,
+        data_keys: Sequence[str] = (),
     ) -> tuple[list[dict], Optional[torch.Tensor]]:
         """Forward-only pass over `batch`: `head`'s outputs per micro-batch on the last pipeline
         stage ([] elsewhere), and with `count_experts` on an MoE model the [L, E] int32 tokens of
         all of `batch`'s samples its routers sent to each expert (`expert_counts`, complete on
         output ranks), else None."""
-        micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens)
+        micro_batches = self.micro_batches(batch, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
         if not (count_experts and self.arch.moe is not None):
             return self.run(micro_batches, head, True), None
         with ExpertCounter(self.model_chunks, self.arch.num_layers, self.arch.moe.num_experts,
@@ -253,20 +254,29 @@ class MegatronEngine:
                                        self._ps.get_context_parallel_group() if self.layout.cp > 1 else None)
 
     def forward_tokens(
-        self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str], count_experts: bool = False
+        self, batch: Batch, head: Head, *, max_samples, max_tokens, keys: Sequence[str], count_experts: bool = False,
+        data_keys: Sequence[str] = (),
     ) -> Optional[dict]:
-        """Forward-only pass over `batch`; `head` returns per micro-batch {"key": [b, R] tensor}
-        for every name in `keys`. On output ranks: {key: [B, R] float32 on CPU}, rows in batch
-        order (plus "expert_tokens" with `count_experts`, see `forward_outputs`); None elsewhere."""
+        """Forward-only pass over `batch`; `head` returns per micro-batch {"key": [b, R, ...] tensor}
+        for every name in `keys`. On output ranks: {key: [B, R, ...] on CPU, float32 (integer
+        results keep their dtype)}, rows in batch
+        order (plus "expert_tokens" with `count_experts`, see `forward_outputs`); None elsewhere.
+        `data_keys`: the batch's tensors the head reads (`MicroBatch.data`)."""
         outputs, counts = self.forward_outputs(batch, head, max_samples=max_samples, max_tokens=max_tokens,
-                                               count_experts=count_experts)
+                                               count_experts=count_experts, data_keys=data_keys)
         if not self.is_output_rank:
             return None
         width = batch["response_mask"].shape[1]
-        result = {key: torch.zeros(len(batch), width, dtype=torch.float32) for key in keys}
+        result = {}
         for out in outputs:
             for key in keys:
-                result[key][out["rows"]] = out[key].float().cpu()
+                values = out[key].cpu()
+                values = values.float() if values.is_floating_point() else values  # integer results (token ids) stay
+                if key not in result:
+                    result[key] = values.new_zeros((len(batch), width, *values.shape[2:]))
+                result[key][out["rows"]] = values
+        for key in keys:
+            result.setdefault(key, torch.zeros(len(batch), width, dtype=torch.float32))
         if counts is not None:
             result["expert_tokens"] = counts
         return result

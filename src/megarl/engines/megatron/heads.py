@@ -50,10 +50,13 @@ def _chunk_log_probs(
     shifted = logits - peak[:, None]
     sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1))
     lse = sum_exp.log()
-    local = (targets >= start) & (targets < start + shard)
-    picked = shifted.gather(1, (targets - start).clamp(0, shard - 1)[:, None]).squeeze(1)
+    columns = targets if targets.dim() == 2 else targets[:, None]  # [n, K] (K = 1 for one target per token)
+    local = (columns >= start) & (columns < start + shard)
+    picked = shifted.gather(1, (columns - start).clamp(0, shard - 1))
     target_logit = reduce_from_tensor_model_parallel_region(torch.where(local, picked, 0.0))
-    log_prob = target_logit - lse
+    log_prob = target_logit - lse[:, None]
+    if targets.dim() == 1:
+        log_prob = log_prob.squeeze(1)
     if not with_entropy:
         return log_prob, torch.zeros_like(log_prob)
     entropy = reduce_from_tensor_model_parallel_region(vocab_parallel_entropy_partial(shifted, lse))
@@ -72,7 +75,8 @@ def token_log_probs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Float32 log p(targets) [N] and (with_entropy) the entropy [N] of softmax(logits / temperature)
     over the real vocabulary, for hidden states [N, H] and this rank's output-layer rows
-    [V/TP, H] (rank k holds rows k*V/TP ..). Every TP rank returns the same values."""
+    [V/TP, H] (rank k holds rows k*V/TP ..). Every TP rank returns the same values. `targets` [N, K]
+    (several token ids per position, e.g. a teacher's top-k) gives log-probs [N, K]."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     if temperature <= 0:
@@ -93,6 +97,62 @@ def token_log_probs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
     return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+
+
+@torch.no_grad()
+def token_top_k(
+    hidden: torch.Tensor,
+    output_weight: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_elements: int = LOGITS_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(targets) [N], top-k log-probs [N, k] float32 in descending order, their token ids
+    [N, k] int64) of softmax(logits / temperature) over the real vocabulary, without gradients;
+    hidden [N, H], this rank's output-layer rows [V/TP, H]. Each TP rank takes the top k of its
+    shard; the ranks' candidates are gathered and the top k of them kept (the global top k is among
+    them). Every TP rank returns the same values."""
+    group, rank = _tp()
+    shard = output_weight.shape[0]
+    start = rank * shard
+    step = max(1, chunk_elements // shard)
+    beyond_vocab = torch.arange(start, start + shard, device=hidden.device) >= vocab_size
+    sampled, top_values, top_ids = [], [], []
+    for first in range(0, hidden.shape[0], step):
+        logits = torch.matmul(hidden[first : first + step], output_weight.t()).float() / temperature
+        logits = logits.masked_fill(beyond_vocab, float("-inf"))
+        peak = logits.amax(-1)
+        if group.size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak[:, None]
+        sum_exp = shifted.exp().sum(-1)
+        if group.size() > 1:
+            dist.all_reduce(sum_exp, group=group)
+        lse = sum_exp.log()
+        chunk_targets = targets[first : first + step]
+        local = (chunk_targets >= start) & (chunk_targets < start + shard)
+        picked = shifted.gather(1, (chunk_targets - start).clamp(0, shard - 1)[:, None]).squeeze(1)
+        picked = torch.where(local, picked, 0.0)
+        values, ids = shifted.topk(min(k, shard), dim=-1)
+        ids = ids + start
+        if group.size() > 1:
+            dist.all_reduce(picked, group=group)
+            gathered_values = [torch.empty_like(values) for _ in range(group.size())]
+            gathered_ids = [torch.empty_like(ids) for _ in range(group.size())]
+            dist.all_gather(gathered_values, values, group=group)
+            dist.all_gather(gathered_ids, ids, group=group)
+            values, ids = torch.cat(gathered_values, -1), torch.cat(gathered_ids, -1)
+        values, positions = values.topk(k, dim=-1)
+        sampled.append(picked - lse)
+        top_values.append(values - lse[:, None])
+        top_ids.append(ids.gather(1, positions))
+    if not sampled:
+        return (hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros((0, k), dtype=torch.float32),
+                torch.zeros((0, k), dtype=torch.int64, device=hidden.device))
+    return torch.cat(sampled), torch.cat(top_values), torch.cat(top_ids)
 
 
 def token_values(hidden: torch.Tensor, value_weight: torch.Tensor) -> torch.Tensor:

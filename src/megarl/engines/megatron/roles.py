@@ -23,11 +23,13 @@ from megarl.algos.dpo import dpo_loss
 from megarl.algos.from_config import actor_loss_kwargs, bypass_kwargs, value_loss_kwargs
 from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.algos.metrics import Metrics, Reduction
+from megarl.algos.opd import (OPD_TEMPERATURE, TOPK_LOSS_MODE, clamp_losses, direct_distillation_loss,
+                              estimator_losses, forward_kl_topk)
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
 from megarl.engines.megatron.engine import MegatronEngine
-from megarl.engines.megatron.heads import token_log_probs, token_values
+from megarl.engines.megatron.heads import token_log_probs, token_top_k, token_values
 from megarl.engines.megatron.lora import LoraSpec
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.old_log_probs import OldLogProbsInUpdate
@@ -110,6 +112,18 @@ class ActorEngine(MegatronEngine):
             **self._old_log_prob_micro_batches(), keys=keys, count_experts=True,
         )
 
+    def compute_log_prob_at(self, batch: Batch, temperature: float, ids_key: str) -> Optional[dict]:
+        """{"log_probs": [B, R, K]} on output ranks, None elsewhere: at each response position the
+        log-probs of the K token ids `batch[ids_key]` [B, R, K] (e.g. a teacher's top-k) under
+        softmax(logits / temperature); micro-batches as `compute_log_prob`'s."""
+        def head(mb: MicroBatch, hidden: torch.Tensor):
+            log_probs, _ = token_log_probs(hidden, self.output_weight(), mb.per_token(mb.data[ids_key]),
+                                           vocab_size=self.arch.vocab_size, temperature=temperature)
+            return log_probs.new_zeros(()), {"rows": mb.rows, "log_probs": mb.to_grid(log_probs)}
+
+        return self.forward_tokens(batch, head, **self._old_log_prob_micro_batches(), keys=["log_probs"],
+                                   data_keys=[ids_key])
+
     def _old_log_prob_micro_batches(self) -> dict:
         """{"max_samples", "max_tokens"} of the old-log-prob pass (`compute_log_prob`, and the
         no-grad pass of `update_policy_with_old_log_probs`)."""
@@ -150,6 +164,11 @@ class ActorEngine(MegatronEngine):
         keys = (["old_log_probs", "advantages"] + (["ref_log_probs"] if actor.use_kl_loss else [])
                 + (["rollout_log_probs"] if actor.tis_imp_ratio_cap > 0 else [])
                 + (["rollout_is_weights"] if rc.rollout_is is not None and not rc.bypass_mode else []))
+        distillation = self.config.distillation
+        direct = distillation.enabled and not distillation.use_policy_gradient  # megarl.algos.opd
+        if direct:
+            keys += (["teacher_topk_ids", "teacher_topk_log_probs"] if distillation.loss_mode == TOPK_LOSS_MODE
+                     else ["teacher_log_probs"])
         loss_kwargs = actor_loss_kwargs(actor)
         bypass = bypass_kwargs(rc)
         norm_length = _response_length(self.config)
@@ -162,13 +181,21 @@ class ActorEngine(MegatronEngine):
             log_probs = mb.to_grid(log_probs)
             entropy = mb.to_grid(entropy if actor.entropy_coeff != 0 else entropy.detach())
             old_log_probs = mb.data["old_log_probs"] if old is None else old.old_log_probs(mb, log_probs, entropy)
-            return actor_loss(
+            loss, metrics = actor_loss(
                 log_probs, old_log_probs, mb.data["advantages"], mb.response_mask,
                 entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"),
                 rollout_log_prob=mb.data.get("rollout_log_probs"),
                 rollout_is_weights=mb.data.get("rollout_is_weights"), bypass=bypass, **loss_kwargs, **counts,
                 norm_length=norm_length,
             )
+            if not direct:
+                return loss, metrics
+            term = direct_distillation_loss(
+                clamp_losses(self._distillation_losses(mb, hidden, log_probs), distillation.loss_max_clamp),
+                mb.response_mask, actor.loss_agg_mode, **counts, norm_length=norm_length)
+            metrics.add("distillation_loss", term.detach(), Reduction.SUM)
+            # verl's distillation_ppo_loss: with task rewards policy loss + coef x term; without, the term alone
+            return (loss + distillation.kl_coef * term if distillation.use_task_rewards else term), metrics
 
         metrics = self.train_batch(
             batch,
@@ -185,6 +212,23 @@ class ActorEngine(MegatronEngine):
         # bypass mode's corrections under verl's names (rollout_corr/..., rollout_corr_megarl/...), not actor/
         return {name.removeprefix("actor/") if name.startswith("actor/rollout_corr") else name: value
                 for name, value in metrics.items()}
+
+    def _distillation_losses(self, mb: MicroBatch, hidden: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        """[b, R] per-token distillation loss of `distillation.loss_mode` (megarl.algos.opd) with
+        gradients, the student's side at `OPD_TEMPERATURE` (as the teacher's): forward_kl_topk from
+        the student's log-probs at the teacher's top-k ids; an estimator from the sampled tokens'
+        (`log_probs` [b, R], at the rollout temperature, when that is OPD_TEMPERATURE)."""
+        d, temperature = self.config.distillation, self.config.actor_rollout_ref.rollout.temperature
+        if d.loss_mode == TOPK_LOSS_MODE:
+            student, _ = token_log_probs(hidden, self.output_weight(), mb.per_token(mb.data["teacher_topk_ids"]),
+                                         vocab_size=self.arch.vocab_size, temperature=OPD_TEMPERATURE)
+            losses, _, _ = forward_kl_topk(mb.to_grid(student), mb.data["teacher_topk_log_probs"], d.log_prob_min_clamp)
+            return losses
+        if temperature != OPD_TEMPERATURE:
+            student, _ = token_log_probs(hidden, self.output_weight(), mb.targets, vocab_size=self.arch.vocab_size,
+                                         temperature=OPD_TEMPERATURE)
+            log_probs = mb.to_grid(student)
+        return estimator_losses(log_probs, mb.data["teacher_log_probs"], d.loss_mode)
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on this rank's samples: the token-mean
@@ -348,6 +392,25 @@ class TeacherEngine(RefEngine):
         """{"teacher_log_probs": [B, R]} on output ranks, None elsewhere: log p_teacher of each
         response token given what precedes it, under softmax(logits / temperature)."""
         return self._frozen_log_probs(batch, temperature, "teacher_log_probs", self.teacher)
+
+    def compute_teacher_top_k(self, batch: Batch, temperature: float, k: int) -> Optional[dict]:
+        """{"teacher_log_probs": [B, R], "teacher_topk_log_probs": [B, R, k] float32 (descending),
+        "teacher_topk_ids": [B, R, k] int64} on output ranks, None elsewhere: at each response
+        position the sampled token's log-prob and the teacher's k most likely next tokens under
+        softmax(logits / temperature) (`heads.token_top_k`), 0 at padding."""
+        def head(mb: MicroBatch, hidden: torch.Tensor):
+            sampled, top_values, top_ids = token_top_k(hidden, self.output_weight(), mb.targets, k,
+                                                       vocab_size=self.arch.vocab_size, temperature=temperature)
+            return sampled.new_zeros(()), {"rows": mb.rows, "teacher_log_probs": mb.to_grid(sampled),
+                                           "teacher_topk_log_probs": mb.to_grid(top_values),
+                                           "teacher_topk_ids": mb.to_grid(top_ids)}
+
+        t = self.teacher
+        return self.forward_tokens(
+            batch, head, max_samples=t.log_prob_micro_batch_size_per_gpu,
+            max_tokens=t.log_prob_max_token_len_per_gpu if t.log_prob_use_dynamic_bsz else None,
+            keys=["teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids"],
+        )
 
 
 class CriticEngine(MegatronEngine):

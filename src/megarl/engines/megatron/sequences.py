@@ -80,6 +80,12 @@ class MicroBatch:
         """N, the real response tokens (all CP ranks')."""
         return int(self.response_mask.sum())
 
+    def per_token(self, grid: torch.Tensor) -> torch.Tensor:
+        """[b, R, ...] of this micro-batch's samples -> [N, ...] aligned with `targets` (with context
+        parallelism, this CP rank's tokens only): the inverse of `to_grid`."""
+        values = grid[self.response_mask]
+        return values if self.cp is None else values[self.cp.slots[self.cp.rank]]
+
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
         """[N, ...] per real response token -> [b, R, ...], 0 at padding (keeps autograd). With
         context parallelism, [N_r, ...] of this CP rank's tokens, gathered from every CP rank
