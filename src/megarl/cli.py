@@ -19,6 +19,7 @@ def _config_show(args) -> int:
 
 def _plan(args) -> int:
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
+    from megarl.bridge.fused_experts import fuses_experts
     from megarl.bridge.hub import local_model_dir, shipped_architecture
     from megarl.config.devices import devices_from_config
     from megarl.placement import format_gpu_map, plan_from_config
@@ -38,13 +39,7 @@ def _plan(args) -> int:
     print(format_gpu_map(plan))
     for role in plan.roles.values():
         print(f"{role.name}: {role.layout()}, {gpu_share(role.gpu_fraction)}")
-    if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
-        devices = devices_from_config(config, cuda_available=config.trainer.device != "cpu")
-        print(devices.summary())
-        actor, m = plan.roles["actor"], config.actor_rollout_ref.actor.megatron
-        print(format_update_groups(devices.weight_sync_transport, config.actor_rollout_ref.rollout.weight_update_groups,
-                                   actor.pp, actor.dp * actor.cp, actor.tp, m.expert_model_parallel_size,
-                                   m.expert_tensor_parallel_size))
+
     def read_arch(model: str, key: str):
         try:  # a hub id: its config.json alone, into the HF cache
             model_dir = local_model_dir(model, key, allow_patterns=["config.json"])
@@ -57,11 +52,24 @@ def _plan(args) -> int:
         return arch_from_hf_config(load_hf_config(model_dir), f"{model}: config.json")
 
     try:
-        arch = read_arch(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
-        teacher_arch = (read_arch(config.distillation.teacher.model_path, "distillation.teacher.model_path")
-                        if "teacher" in plan.roles else None)
+        arch, arch_error = read_arch(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path"), None
     except (ConversionError, OSError) as error:
-        print(f"memory estimate skipped: {error}")
+        arch, arch_error = None, error
+    if trainer == "rl":  # the plan is for GPUs unless trainer.device=cpu
+        devices = devices_from_config(config, cuda_available=config.trainer.device != "cpu")
+        print(devices.summary())
+        actor, m = plan.roles["actor"], config.actor_rollout_ref.actor.megatron
+        print(format_update_groups(devices.weight_sync_transport, config.actor_rollout_ref.rollout.weight_update_groups,
+                                   actor.pp, actor.dp * actor.cp, actor.tp, m.expert_model_parallel_size,
+                                   m.expert_tensor_parallel_size, fuses_experts(arch) if arch else None))
+    teacher_arch = None
+    if arch_error is None and "teacher" in plan.roles:
+        try:
+            teacher_arch = read_arch(config.distillation.teacher.model_path, "distillation.teacher.model_path")
+        except (ConversionError, OSError) as error:
+            arch_error = error
+    if arch_error is not None:
+        print(f"memory estimate skipped: {arch_error}")
         return 0
     if "rollout" in plan.roles:
         problem = expert_split_problem(arch.moe.num_experts if arch.moe else None, plan.roles["rollout"].ep)

@@ -17,6 +17,8 @@ from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 256  # the tiny models' max_position_embeddings
+TOLERANCE = 1e-4  # float32 SGLang (torch-native attention) vs HF float32: measured at most 5.2e-7
+CHANGED = 1e-2  # two checkpoints' log-probs of the same tokens differ by more than this (measured >= 0.16)
 
 
 def sglang_python() -> str:
@@ -88,6 +90,12 @@ def hf_logprobs(model, prompt: Sequence[int], response: Sequence[int]) -> torch.
 def logprob_error(model, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> float:
     """The largest |logprobs[t] - HF's log-prob of tokens[t]| of one sample (`hf_logprobs`)."""
     return (hf_logprobs(model, prompt, tokens) - torch.tensor(list(logprobs), dtype=torch.float64)).abs().max().item()
+
+
+def max_diff(hf_model, samples) -> float:
+    """The largest |server log-prob - HF log-prob| over every token of `samples` (tuples of prompt,
+    tokens, log-probs and weight version, as tests/sync/sync_world.py's server_samples gives them)."""
+    return max(logprob_error(hf_model, prompt, tokens, logprobs) for prompt, tokens, logprobs, _ in samples)
 
 
 def load_hf(model_dir) -> torch.nn.Module:

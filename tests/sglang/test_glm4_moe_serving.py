@@ -4,16 +4,15 @@ layer, sigmoid group-limited routing with a nonzero selection bias, a shared exp
 transformers' own log-probs, and a megatron actor's push through `WeightSync` of another checkpoint
 (same selection bias: megarl never pushes it, SGLang keeps the one it loaded) lands under the names
 SGLang's `Glm4MoeForCausalLM.load_weights` (srt/models/glm4_moe.py) takes: the server then serves the
-pushed checkpoint's log-probs, not its own. (SGLang's CPU MoE path is wrong for the tiny qwen3_moe,
-docs/sglang-on-cpu.md; glm4_moe's is measured here.)"""
+pushed checkpoint's log-probs, not its own: glm4_moe is one of the families megarl lets SGLang serve on a
+CPU (megarl.trainer.inputs.SGLANG_CPU_MOE_SERVED)."""
 import sys
 from pathlib import Path
 
 import pytest
 
 from push_world import push_one, server_samples
-from real_sglang import load_hf, start_sglang
-from test_weight_push import CHANGED, TOLERANCE, max_diff
+from real_sglang import CHANGED, TOLERANCE, load_hf, max_diff, start_sglang
 
 from megarl.testing import run_gloo_workers
 

@@ -16,15 +16,13 @@ from pathlib import Path
 import pytest
 
 from push_world import push_story, server_samples
-from real_sglang import load_hf, logprob_error, make_model, sglang_client_env, sglang_python
+from real_sglang import CHANGED, TOLERANCE, load_hf, make_model, max_diff, sglang_client_env, sglang_python
 
 from megarl.rollout.control import ServerControl
 from megarl.testing import run_gloo_workers
 
 pytestmark = pytest.mark.slow  # a real SGLang server (20-35 s to start) and a megatron rank
 
-TOLERANCE = 1e-4  # float32 SGLang (torch-native attention) vs HF float32: measured at most 5.2e-7
-CHANGED = 1e-2  # two checkpoints' log-probs of the same tokens differ by more than this (measured >= 0.16)
 SENDER = Path(__file__).parent / "flattened_bucket_sender.py"
 
 
@@ -46,11 +44,6 @@ def pushes(sglang_server, checkpoints, tmp_path_factory):
     disk_dir = tmp_path_factory.mktemp("disk-pushes")
     (result,) = run_gloo_workers(push_story, 1, args=(sglang_server.url, checkpoints, str(disk_dir)), timeout_s=600)
     return result
-
-
-def max_diff(hf_model, samples) -> float:
-    """The largest |server log-prob - HF log-prob| over every token of `samples` (server_samples' tuples)."""
-    return max(logprob_error(hf_model, prompt, tokens, logprobs) for prompt, tokens, logprobs, _ in samples)
 
 
 @pytest.mark.parametrize("transport, before", [("tensor", "A"), ("distributed", "B"), ("disk", "C")])

@@ -133,6 +133,10 @@ def test_weight_update_groups_line_and_options():
     assert format_update_groups("distributed", "per_stage", 2, 2) == \
         "weight sync: 2 weight-update group(s) per rollout server rank (per_stage, PP 2 x DP 2 x EP 1; per_emitter: 4)"
     assert format_update_groups("disk", "per_stage", 2, 2) == "weight sync: no weight-update groups (the disk transport)"
+    # the model unknown (no config.json at hand) at EP 2: the count for fused experts (gpt-oss) too
+    assert format_update_groups("distributed", "per_stage", 1, 4, 1, 2, 1, None) == \
+        "weight sync: 2 weight-update group(s) per rollout server rank (per_stage, PP 1 x DP 4 x EP 2; " \
+        "per_emitter: 4); 1 for a model whose experts are sent fused (gpt-oss)"
     with pytest.raises(ValueError, match="weight_update_groups 'per_dp' is not one of"):
         SyncConfig(backend="gloo", weight_update_groups="per_dp")
     # the DP replicas share the push only where that costs no weight-update group
@@ -216,3 +220,51 @@ def test_buckets_never_split_what_sglang_fuses_on_load(limit):
                    if s.name in (f"model.layers.{layer}.self_attn.q_a_proj.weight",
                                  f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight")}
         assert len(holding) == 1, (layer, holding)
+
+
+def _emitters(mode: str, pp: int, dp: int, tp: int, ep: int, etp: int, fused_experts: bool) -> int:
+    """The emitters a push forms for the layout (each forms one weight-update group with the
+    distributed transport): `ParallelGroups` of every rank, at the coordinates megatron-core's own
+    `RankGenerator` gives it (parallel_state.initialize_model_parallel's order "tp-cp-ep-dp-pp")."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megarl.sync.groups import ParallelGroups
+
+    world, order = tp * dp * pp, "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+    experts = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+
+    def position(generator, token):  # rank -> its index in its `token` group
+        return {rank: i for group in generator.get_ranks(token) for i, rank in enumerate(group)}
+
+    tp_rank, pp_rank, dp_rank = position(dense, "tp"), position(dense, "pp"), position(dense, "dp")
+    ep_rank, etp_rank, edp_rank = position(experts, "ep"), position(experts, "tp"), position(experts, "dp")
+    split_dp = SyncConfig(backend="gloo", transport="distributed", weight_update_groups=mode).shares_dp and dp > 1
+    expert_fields = lambda r: (dict(ep_size=ep, etp_size=etp, ep_rank=ep_rank[r], etp_rank=etp_rank[r],
+                                    expert_dp_rank=edp_rank[r]) if ep > 1 else {})
+    ranks = [ParallelGroups(tp_group=None, tp_rank=tp_rank[r], tp_size=tp, pp_rank=pp_rank[r], pp_size=pp,
+                            dp_rank=dp_rank[r], emitter_group=None, dp_size=dp, split_dp=split_dp,
+                            fused_experts=fused_experts, **expert_fields(r)) for r in range(world)]
+    return sum(groups.is_emitter for groups in ranks)
+
+
+# (PP, DP, TP, EP, ETP): dense and expert layouts megarl's rules allow (ETP 1 or TP; ETP = TP at EP 1)
+EMITTER_LAYOUTS = [(1, 1, 1, 1, 1), (2, 2, 1, 1, 1), (1, 2, 2, 1, 2), (1, 4, 1, 2, 1), (1, 2, 2, 2, 1),
+                   (1, 2, 2, 2, 2), (2, 8, 1, 4, 1), (2, 4, 2, 4, 1), (1, 4, 2, 2, 2)]
+
+
+# fused experts (gpt-oss) need expert TP 1 at EP > 1 (ParallelGroups.check)
+EMITTER_CASES = [(layout, fused) for layout in EMITTER_LAYOUTS for fused in (False, True)
+                 if not (fused and layout[3] > 1 and layout[4] > 1)]
+
+
+@pytest.mark.parametrize("mode", ["per_stage", "per_emitter"])
+@pytest.mark.parametrize("layout, fused", EMITTER_CASES,
+                         ids=["PP{}-DP{}-TP{}-EP{}-ETP{}".format(*layout) + ("-fused" if fused else "")
+                              for layout, fused in EMITTER_CASES])
+def test_plan_counts_the_emitters_the_sync_forms(layout, fused, mode):
+    """`megarl plan`'s count equals the emitters `ParallelGroups` makes for the same layout; with
+    fused experts (gpt-oss) only EP rank 0 emits experts."""
+    pp, dp, tp, ep, etp = layout
+    assert update_groups_per_server_rank("distributed", mode, pp, dp, tp, ep, etp, fused) == \
+        _emitters(mode, pp, dp, tp, ep, etp, fused)

@@ -194,7 +194,7 @@ class ParallelGroups:
 
 
 def update_groups_per_server_rank(transport: str, mode: str, pp: int, dp: int, tp: int = 1, ep: int = 1,
-                                  etp: Optional[int] = None) -> int:
+                                  etp: Optional[int] = None, fused_experts: bool = False) -> int:
     """Weight-update groups each rollout server TP rank joins: one per emitter of the actor (each
     forms its own, `DistributedTransport`), so one NCCL communicator each on GPUs. 0 for the
     tensor and disk transports, which make none.
@@ -207,28 +207,34 @@ def update_groups_per_server_rank(transport: str, mode: str, pp: int, dp: int, t
     experts, so within a stage the dense emitters (TP rank 0 of each sending replica) are ranks
     TP * d, and the expert emitters (expert-TP rank 0 of each EP rank in expert-DP replica 0) are
     ranks ETP * e: EP rank 0's is the stage's dense emitter of replica 0. A rank that emits both
-    holds one group."""
+    holds one group. `fused_experts` (gpt-oss, `megarl.bridge.fused_experts.fuses_experts`): EP rank
+    0 alone emits every expert (`ParallelGroups.emits_experts`), so the experts add no group."""
     if transport != "distributed":
         return 0
     if mode not in WEIGHT_UPDATE_GROUPS:
         raise ValueError(f"weight_update_groups {mode!r} is not one of {list(WEIGHT_UPDATE_GROUPS)}")
     replicas = dp if mode == "per_emitter" else 1
     dense = {tp * d for d in range(replicas)}
-    experts = {(etp or tp) * e for e in range(ep)} if ep > 1 else set()
+    experts = {(etp or tp) * e for e in range(1 if fused_experts else ep)} if ep > 1 else set()
     return pp * len(dense | experts)
 
 
 def format_update_groups(transport: str, mode: str, pp: int, dp: int, tp: int = 1, ep: int = 1,
-                         etp: Optional[int] = None) -> str:
+                         etp: Optional[int] = None, fused_experts: Optional[bool] = False) -> str:
     """One line for `megarl plan`: the weight-update groups per rollout server rank, with the other
-    mode's count (same arguments as `update_groups_per_server_rank`)."""
+    mode's count (same arguments as `update_groups_per_server_rank`; `fused_experts` None: the model
+    is not known, so at EP > 1 the line gives the count for fused experts too)."""
     if transport != "distributed":
         return f"weight sync: no weight-update groups (the {transport} transport)"
-    n = update_groups_per_server_rank(transport, mode, pp, dp, tp, ep, etp)
+    n = update_groups_per_server_rank(transport, mode, pp, dp, tp, ep, etp, bool(fused_experts))
     other = "per_emitter" if mode == "per_stage" else "per_stage"
-    m = update_groups_per_server_rank(transport, other, pp, dp, tp, ep, etp)
-    return (f"weight sync: {n} weight-update group(s) per rollout server rank ({mode}, PP {pp} x DP {dp} x "
+    m = update_groups_per_server_rank(transport, other, pp, dp, tp, ep, etp, bool(fused_experts))
+    line = (f"weight sync: {n} weight-update group(s) per rollout server rank ({mode}, PP {pp} x DP {dp} x "
             f"EP {ep}; {other}: {m})")
+    fused = update_groups_per_server_rank(transport, mode, pp, dp, tp, ep, etp, True)
+    if fused_experts is None and fused != n:
+        line += f"; {fused} for a model whose experts are sent fused (gpt-oss)"
+    return line
 
 
 def _expert_fields(ps) -> dict[str, Any]:

@@ -165,39 +165,71 @@ def mtp_model_problem(config: ExperimentConfig) -> Optional[str]:
     config.json's `num_nextn_predict_layers`, read for the families that have them: `megarl.bridge.arch`),
     found before any process starts; verl refuses the same (verl/utils/megatron_utils.py
     `check_mtp_config`: "enable mtp while model has no mtp layer"). Call with the config `model_inputs` resolved."""
-    from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
-
     if not config.actor_rollout_ref.model.mtp.enable:
         return None
-    try:
-        hf_config = load_hf_config(config.actor_rollout_ref.model.path)
-        layers = arch_from_hf_config(hf_config).mtp_layers
-    except (ConversionError, OSError):
-        return None  # model_inputs names the problem
-    if layers:
-        return None
-    return (f"actor_rollout_ref.model.mtp.enable=true: the model ({hf_config.get('model_type')}) has no "
+    arch = _model_arch(config)
+    if arch is None or arch.mtp_layers:
+        return None  # model_inputs names an unreadable model
+    return (f"actor_rollout_ref.model.mtp.enable=true: the model ({arch.model_type}) has no "
             "multi-token-prediction layers (config.json num_nextn_predict_layers; megarl reads them for "
             "deepseek_v3 and glm4_moe); verl refuses this too")
 
 
-def sglang_cpu_model_problem(config: ExperimentConfig) -> Optional[str]:
-    """Why real SGLang must not serve the model on a CPU, or None: a mixture-of-experts model starts
-    and answers there, but not with the model's numbers (measured with SGLang 0.5.23, the tiny
-    qwen3_moe of `megarl.data.tiny_model`: greedy log-probs 0.76 nats from HF's, other tokens; a
-    dense model of the same size agrees within 3e-7; docs/sglang-on-cpu.md). Call only where SGLang
-    serves on a CPU, with the config `model_inputs` resolved."""
+# SGLang 0.5.23 serving on a CPU (float32): the mixture-of-experts families whose greedy log-probs equal
+# HF transformers' (within 4e-7, untied tiny checkpoints: tests/sglang/test_moe_on_cpu.py,
+# tests/sglang/test_glm4_moe_serving.py), and why the others cannot be served there
+SGLANG_CPU_MOE_SERVED = ("qwen3_moe", "glm4_moe")
+SGLANG_CPU_MOE_CANNOT = {
+    "qwen2_moe": "its shared expert's gate runs a Triton kernel (srt/models/qwen2_moe.py "
+                 "Qwen2MoeSparseMoeBlock.forward: fused_gate_sigmoid_mul_add), which finds no driver on a CPU: "
+                 "the server exits at the first request",
+    "deepseek_v3": "its MLA attention's rotary embedding on a CPU requires rope_scaling (srt/layers/rotary_embedding/"
+                   "factory.py get_rope_cpu asserts it): the server exits at start",
+    "gpt_oss": "no CPU attention backend has its sinks and sliding windows (docs/sglang-on-cpu.md)",
+}
+# SGLang 0.5.23's MoE model classes that never tie the output layer to the embedding: each builds its own
+# ParallelLMHead and its load_weights fills it only from a checkpoint's lm_head.weight, which a tied checkpoint
+# lacks (srt/models/{model_type}.py reads no tie_word_embeddings; qwen2.py, qwen3.py, deepseek_v2.py do)
+SGLANG_UNTIED_HEAD = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
+
+
+def _model_arch(config: ExperimentConfig):
+    """The actor's ModelArch, or None where its config.json cannot be read (model_inputs names that)."""
     from megarl.bridge import ConversionError, arch_from_hf_config, load_hf_config
 
     try:
-        moe = arch_from_hf_config(load_hf_config(config.actor_rollout_ref.model.path)).moe
+        return arch_from_hf_config(load_hf_config(config.actor_rollout_ref.model.path))
     except (ConversionError, OSError):
-        return None  # model_inputs names the problem
-    if moe is None:
         return None
-    return ("actor_rollout_ref.rollout.name=sglang on the CPU with a mixture-of-experts model: SGLang 0.5.23's CPU "
-            "MoE path does not compute the model's log-probs (docs/sglang-on-cpu.md); use "
-            "actor_rollout_ref.rollout.name=cpu, megarl's CPU engine, which does")
+
+
+def sglang_tied_head_problem(config: ExperimentConfig) -> Optional[str]:
+    """Why real SGLang (on any device) would not serve the model's own output layer, or None: a tied
+    checkpoint (tie_word_embeddings=true) of a family in `SGLANG_UNTIED_HEAD` is served with an output
+    layer never loaded (measured on the CPU, the tiny tied qwen3_moe: log-probs 0.07 nats from HF's,
+    even with every expert's output zero). Call with the config `model_inputs` resolved."""
+    arch = _model_arch(config)
+    if arch is None or not arch.lm_head_tied or arch.model_type not in SGLANG_UNTIED_HEAD:
+        return None
+    return (f"actor_rollout_ref.rollout.name=sglang with a tied {arch.model_type} checkpoint (tie_word_embeddings=true "
+            f"in {config.actor_rollout_ref.model.path}/config.json): SGLang 0.5.23's srt/models/{arch.model_type}.py "
+            "never ties its output layer to the embedding and loads it only from lm_head.weight, which a tied "
+            "checkpoint lacks, so it would sample from an unloaded layer; save the checkpoint untied (lm_head.weight "
+            "= the embedding, tie_word_embeddings=false)")
+
+
+def sglang_cpu_model_problem(config: ExperimentConfig) -> Optional[str]:
+    """Why real SGLang must not serve the model on a CPU, or None: a mixture-of-experts family not in
+    `SGLANG_CPU_MOE_SERVED` (the cause from `SGLANG_CPU_MOE_CANNOT`, or not measured). Call only where
+    SGLang serves on a CPU, with the config `model_inputs` resolved."""
+    arch = _model_arch(config)
+    if arch is None or arch.moe is None or arch.model_type in SGLANG_CPU_MOE_SERVED:
+        return None
+    cause = SGLANG_CPU_MOE_CANNOT.get(
+        arch.model_type, "its log-probs on SGLang's CPU path have not been measured against HF's (served right: "
+                         f"{', '.join(SGLANG_CPU_MOE_SERVED)}; docs/sglang-on-cpu.md)")
+    return (f"actor_rollout_ref.rollout.name=sglang on the CPU with a {arch.model_type} model: SGLang 0.5.23 cannot "
+            f"serve it there: {cause}; use actor_rollout_ref.rollout.name=cpu, megarl's CPU engine, which does")
 
 
 def transformer_override_problems(config: ExperimentConfig) -> list[str]:

@@ -24,6 +24,7 @@ from megarl.trainer.inputs import (
     optimizer_override_problems,
     rollout_expert_split_problem,
     sglang_cpu_model_problem,
+    sglang_tied_head_problem,
     schedule_problems,
     transformer_override_problems,
 )
@@ -97,6 +98,8 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
         if problem and not cuda and config.trainer.device == "auto":
             problem += "; this machine has no CUDA GPU, so trainer.device=auto runs the experiment on the CPU"
         problems += [problem] if problem else []
+        if not model_problems:
+            problems += [p for p in [sglang_tied_head_problem(config)] if p]
         if not cuda and not model_problems:
             problems += [p for p in [sglang_cpu_model_problem(config)] if p]
         if config.actor_rollout_ref.rollout.engine_kwargs.get("sglang") and devices is not None:
