@@ -177,7 +177,7 @@ def verl_sft_resume_path(resume_mode: str, resume_from_path):
 @pytest.mark.parametrize("mode, given", [("auto", None), ("auto", 3), ("resume_path", 3), ("disable", None),
                                          ("disable", 3)])
 def test_sft_resumes_from_the_checkpoint_verls_sft_trainer_picks(tmp_path, mode, given):
-    from megarl.trainer.sft import resume_dir
+    from megarl.trainer.offline import resume_dir
 
     root = tmp_path / "p" / "e"
     write(root, 3)

@@ -6,15 +6,24 @@ The run trains 4 steps on the same 32 synthetic pairs (the whole training set ea
 reward margin on those pairs can be followed step by step and the reference's log-probs of them
 must repeat exactly. Its numbers are checked against an HF transformers computation on the same
 weights and pairs.
+
+It saves a checkpoint every 2 steps and at the last (verl's trainer.save_freq, megarl.trainer.offline).
+A run whose experiment directory holds only its checkpoint of step 2 (what a run stopped after it
+leaves; resume_mode=auto finds it) trains steps 3 and 4 alone and ends exactly as the uninterrupted
+run: their losses, gradient norms and the reference's log-probs (the frozen reference is rebuilt from
+the model path, not saved), the validation at step 4, and the exported weights, bit for bit (Adam's
+moments and the LR schedule come back).
 """
 import itertools
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,19 +47,37 @@ def tiny(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def run(tiny, tmp_path_factory, run_to_completion) -> tuple[list[dict], Path]:
-    """(metrics.jsonl rows, output root) of one DPO run."""
-    out = tmp_path_factory.mktemp("dpo_run")
-    cmd = [sys.executable, "-m", "megarl.trainer.main_dpo", "--config", str(REPO / "configs/tiny/dpo.yaml"),
+def dpo_command(tiny: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "megarl.trainer.main_dpo", "--config", str(REPO / "configs/tiny/dpo.yaml"),
            f"actor_rollout_ref.model.path={tiny / 'model'}", f"data.train_files={tiny / 'data/prefs_train.parquet'}",
            f"data.val_files={tiny / 'data/prefs_val.parquet'}", f"trainer.default_local_dir={out}",
            f"data.train_batch_size={PAIRS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PAIRS}",
            "data.shuffle=false", f"algorithm.dpo.beta={BETA}", f"trainer.total_training_steps={STEPS}",
-           "trainer.test_freq=2"]
-    run_to_completion(cmd, out, TIMEOUT_S, "DPO run")
+           "trainer.test_freq=2", "trainer.save_freq=2"]
+
+
+def metrics_rows(out: Path) -> list[dict]:
     logs = out / "megarl-tiny" / "dpo" / "logs"
-    return [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], out
+    return [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory, run_to_completion) -> tuple[list[dict], Path]:
+    """(metrics.jsonl rows, output root) of one DPO run."""
+    out = tmp_path_factory.mktemp("dpo_run")
+    run_to_completion(dpo_command(tiny, out), out, TIMEOUT_S, "DPO run")
+    return metrics_rows(out), out
+
+
+@pytest.fixture(scope="module")
+def resumed(tiny, run, tmp_path_factory, run_to_completion) -> tuple[list[dict], Path, str]:
+    """(metrics.jsonl rows, output root, console output) of the run resumed from `run`'s step 2."""
+    _, full = run
+    out = tmp_path_factory.mktemp("dpo_resumed")
+    step_2 = Path("megarl-tiny") / "dpo" / "global_step_2"
+    shutil.copytree(full / step_2, out / step_2)
+    output = run_to_completion(dpo_command(tiny, out), out, TIMEOUT_S, "resumed DPO run")
+    return metrics_rows(out), out, output
 
 
 def hf_sequence_log_probs(model, pairs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,3 +147,34 @@ def test_dpo_run(tiny, run):
         trained_chosen, trained_rejected = hf_sequence_log_probs(trained, pairs)
         margin = BETA * ((trained_chosen - chosen) - (trained_rejected - rejected)).mean().item()
     assert margin > margins[-1]  # after the 4th update, beyond the margin measured before it
+
+
+def test_dpo_saves_every_save_freq_steps_and_at_the_last(run):
+    _, out = run
+    experiment = out / "megarl-tiny" / "dpo"
+    assert sorted(p.name for p in experiment.glob("global_step_*")) == ["global_step_2", "global_step_4"]
+    for step in (2, 4):
+        directory = experiment / f"global_step_{step}"
+        assert (directory / "COMPLETE").is_file()
+        assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == ["actor"]  # no reference
+    assert (experiment / "latest").read_text().strip() == "global_step_4"
+
+
+def test_a_dpo_run_resumed_from_step_2_ends_as_the_uninterrupted_run(run, resumed):
+    rows, out = run
+    again_rows, again_out, output = resumed
+    assert "resumed from" in output and "(step 2)" in output
+    train = {r["step"]: r for r in rows if "dpo/loss" in r}
+    again = {r["step"]: r for r in again_rows if "dpo/loss" in r}
+    assert sorted(again) == [3, 4]  # steps 1 and 2 are not trained again, nor validated before
+    assert not [r for r in again_rows if r["step"] == 0]
+    for step in (3, 4):
+        for key in ("dpo/loss", "dpo/grad_norm", "dpo/lr", "dpo/reward_margin", "dpo/logps_chosen",
+                    "dpo/ref_logps_chosen", "dpo/ref_logps_rejected"):
+            assert again[step][key] == train[step][key], (step, key)  # bit for bit
+    assert again[4]["val/dpo_loss"] == train[4]["val/dpo_loss"]
+    exported = load_file(next((out / "megarl-tiny" / "dpo" / "hf").glob("*.safetensors")))
+    exported_again = load_file(next((again_out / "megarl-tiny" / "dpo" / "hf").glob("*.safetensors")))
+    assert exported.keys() == exported_again.keys()
+    for name, tensor in exported.items():  # step 3's update needs step 2's Adam moments back, not fresh ones
+        assert torch.equal(tensor, exported_again[name]), name

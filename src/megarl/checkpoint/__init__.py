@@ -152,12 +152,29 @@ def saves_optimizer(config: ExperimentConfig) -> bool:
     return "optimizer" in config.actor_rollout_ref.actor.checkpoint.save_contents
 
 
-def saved_optimizer(directory: Path) -> bool:
-    """Whether the checkpoint `directory` holds the actor's optimizer: its run's save_contents (its
-    config.yaml; verl's load_contents default to them); a checkpoint of before save_contents does."""
+def saved_optimizer(directory: Path, role: str = "actor") -> bool:
+    """Whether the checkpoint `directory` holds `role`'s (actor or critic) optimizer: its run's
+    save_contents (its config.yaml); a checkpoint of before save_contents does."""
     tree = yaml.safe_load((directory / "config.yaml").read_text()) or {}
-    contents = tree.get("actor_rollout_ref", {}).get("actor", {}).get("checkpoint", {}).get("save_contents")
+    section = tree.get("actor_rollout_ref", {}).get("actor", {}) if role == "actor" else tree.get(role, {})
+    contents = section.get("checkpoint", {}).get("save_contents")
     return contents is None or "optimizer" in contents
+
+
+def loads_optimizer(config: ExperimentConfig, directory: Path, role: str = "actor") -> bool:
+    """Whether resuming from `directory` loads `role`'s optimizer, per its `checkpoint.load_contents`
+    (verl: CheckpointManager.should_load_optimizer): None loads what the checkpoint holds; a list
+    naming optimizer where the checkpoint holds none is refused, as verl's load fails then
+    (megatron_checkpoint_manager.py load_checkpoint: no optimizer state in the checkpoint)."""
+    contents = (config.actor_rollout_ref.actor if role == "actor" else config.critic).checkpoint.load_contents
+    saved = saved_optimizer(directory, role)
+    if contents is None:
+        return saved
+    if "optimizer" in contents and not saved:
+        key = "actor_rollout_ref.actor" if role == "actor" else role
+        raise ConfigError(f"{key}.checkpoint.load_contents={contents}: {directory} holds no {role} optimizer (its "
+                          "run's save_contents had none); drop optimizer from load_contents to start a fresh one")
+    return "optimizer" in contents
 
 
 def write_actor_parts(tmp: Path, config: ExperimentConfig, actor) -> None:

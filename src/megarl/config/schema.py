@@ -327,14 +327,22 @@ class RouterReplayConfig:
 
 @dataclass
 class CheckpointConfig:
-    """What the actor's checkpoints hold (verl's `actor.checkpoint`, verl/trainer/config/config.py
-    CheckpointConfig): `save_contents` of model (megatron's sharded weights), optimizer (its state and
-    the learning-rate schedule), extra (RNG states) and hf_model (an HF copy, `<checkpoint>/actor_hf`);
-    megarl.config.rules.checkpoint says which lists load. `async_save`: megatron's asynchronous
-    dist-checkpoint write (not built: rules.checkpoint.async_save_problem)."""
+    """What a role's checkpoints hold (verl's `actor.checkpoint` / `critic.checkpoint`,
+    verl/trainer/config/config.py CheckpointConfig): `save_contents` of model (megatron's sharded
+    weights), optimizer (its state and the learning-rate schedule), extra (RNG states) and hf_model
+    (an HF copy, `<checkpoint>/actor_hf`); `load_contents` what a resume loads of them (None: what the
+    checkpoint holds, its run's save_contents; megarl.checkpoint.loads_optimizer);
+    megarl.config.rules.checkpoint says which lists load.
+    `async_save`: megatron's asynchronous dist-checkpoint write (not built:
+    rules.checkpoint.async_save_problem). `strict` (verl: Megatron-Bridge's check that the HF copy holds
+    exactly the model's tensors) and `save_lora_only` (verl: adapter-only checkpoints, read by its FSDP
+    manager only): rules.checkpoint.checkpoint_export_options."""
 
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: Optional[list[str]] = None
     async_save: bool = False
+    strict: bool = True
+    save_lora_only: bool = False
 
 
 @dataclass
@@ -540,6 +548,7 @@ class CriticConfig:
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass

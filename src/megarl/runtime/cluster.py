@@ -377,7 +377,7 @@ class Cluster:
         tmp = checkpoint.begin(root, step)
         checkpoint.write_actor_parts(tmp, self.config, self.actor)
         if self.critic is not None:
-            self.critic.save_checkpoint(str(tmp / "critic"))
+            self.critic.save_checkpoint(str(tmp / "critic"), "optimizer" in self.config.critic.checkpoint.save_contents)
         saved = checkpoint.commit(tmp, step, self.config, controller_state,
                                   keep=self.config.trainer.max_actor_ckpt_to_keep)
         log.info("checkpoint of step %d saved to %s (%.1f s)", step, saved, time.monotonic() - started)
@@ -389,9 +389,10 @@ class Cluster:
         """Restore the engines from `directory`, push the weights to the servers; returns the
         controller state."""
         self.training_phase()  # offloaded roles come back (the servers release their memory first)
-        self.actor.load_checkpoint(str(directory / "actor"), checkpoint.saved_optimizer(directory))
+        self.actor.load_checkpoint(str(directory / "actor"), checkpoint.loads_optimizer(self.config, directory))
         if self.critic is not None:
-            self.critic.load_checkpoint(str(directory / "critic"))
+            self.critic.load_checkpoint(str(directory / "critic"),
+                                        checkpoint.loads_optimizer(self.config, directory, "critic"))
         self._push()
         return checkpoint.load_controller_state(directory)
 

@@ -12,12 +12,18 @@ Validation (before training with trainer.val_before_train, every `trainer.test_f
 the end) computes the same metrics on `data.val_files` without an update; the reference's
 validation log-probs are computed once. At the end the policy is exported as an HF checkpoint to
 `<default_local_dir>/<project>/<experiment>/hf`. Policy and reference share the training GPUs.
+
+Checkpoints and resume: megarl.trainer.offline (verl's `trainer.save_freq`, `resume_mode`), the
+policy's as SFT's. The frozen reference is not saved: every run builds it from
+`actor_rollout_ref.model.path` (or `ref.megatron.dist_checkpointing_path`) as RefEngine does, the same
+weights after a resume as before it (verl's checkpoints hold no reference either: ray_trainer.py
+`_save_checkpoint` saves the actor and critic). A resumed run validates before training only when it
+starts at step 0, as the RL trainer.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
-
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.data.batch import Batch
@@ -25,7 +31,7 @@ from megarl.data.preferences import PreferenceDataset, pairs_to_batch
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.offline import log_step, run_offline
+from megarl.trainer.offline import log_step, resume_offline, run_offline, save_due, save_offline_checkpoint
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import DPOActorRole, RefRole
 
@@ -74,12 +80,15 @@ class DPOTrainer:
         return {f"val/dpo_{name}": value for name, value in metrics.items()}
 
     def fit(self, tracker) -> dict:
+        """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
+        where `save_due` (megarl.trainer.offline)."""
         t = self.config.trainer
         validating = self.val_data is not None and t.test_freq > 0
-        if validating and t.val_before_train:
+        resumed = resume_offline(self.config, self.actor, self.sampler)
+        if validating and t.val_before_train and resumed == 0:
             tracker.log(self.validate(), step=0)
         metrics = {}
-        for step in range(1, self.total_steps + 1):
+        for step in range(resumed + 1, self.total_steps + 1):
             start = time.perf_counter()
             batch = pairs_to_batch(self.train_data.take(self.sampler.next_batch()))
             self.with_ref_log_probs(batch)
@@ -89,6 +98,8 @@ class DPOTrainer:
             metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
                             "timing/step_s": done - start})
             log_step(tracker, metrics, step, self.total_steps, t.test_freq, self.validate if validating else None)
+            if save_due(self.config, step, self.total_steps):
+                save_offline_checkpoint(self.config, step, self.actor, self.sampler)
         return metrics
 
     def export(self, out_dir: Path) -> Path:

@@ -1,15 +1,25 @@
-"""What the offline trainers (SFT, DPO) share: the command line and the run around their loop.
+"""What the offline trainers (SFT, DPO) share: the command line, the run around their loop and
+their mid-run checkpoints.
 
     trainer = trainer_cls(config, tokenizer)   # places its engines with Ray
     trainer.fit(tracker); trainer.export(<default_local_dir>/<project>/<experiment>/hf)
+
+Checkpoints, as verl's SFT trainer (verl/trainer/sft_trainer.py `fit`, utils/checkpoint/checkpoint_handler.py):
+every `trainer.save_freq` steps and at the last step (save_freq > 0) a megarl checkpoint
+(megarl.checkpoint: the actor per actor_rollout_ref.actor.checkpoint.save_contents, the step, the data
+sampler's position and the RNG state) goes to `<default_local_dir>/<project>/<experiment>/global_step_N`;
+`trainer.resume_mode` auto (the newest there), resume_path (`trainer.resume_from_path`) or disable picks
+the one a run continues from, at the step after it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+from megarl import checkpoint
 from megarl.config import ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
@@ -24,6 +34,57 @@ def log_step(tracker, metrics: dict, step: int, total_steps: int, test_freq: int
     tracker.log(metrics, step=step)
 
 
+def experiment_dir(config: ExperimentConfig) -> Path:
+    """`<default_local_dir>/<project>/<experiment>`: the run's checkpoints, logs and HF export."""
+    t = config.trainer
+    return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+
+def save_due(config: ExperimentConfig, step: int, total_steps: int) -> bool:
+    """Whether step `step` (1-based) of `total_steps` ends with a checkpoint: every `trainer.save_freq`
+    steps and at the last, none with save_freq <= 0 (verl's sft_trainer.py `fit`)."""
+    freq = config.trainer.save_freq
+    return freq > 0 and (step % freq == 0 or step == total_steps)
+
+
+def save_offline_checkpoint(config: ExperimentConfig, step: int, actor, sampler) -> Path:
+    """The checkpoint of `step` (atomic: megarl.checkpoint): the actor (`actor`: its role handle) per
+    its save_contents, the step, the data sampler's position and the torch RNG state."""
+    import torch
+
+    tmp = checkpoint.begin(experiment_dir(config), step)
+    checkpoint.write_actor_parts(tmp, config, actor)
+    state = {"step": step, "sampler": sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+    return checkpoint.commit(tmp, step, config, state, keep=config.trainer.max_actor_ckpt_to_keep)
+
+
+def resume_offline(config: ExperimentConfig, actor, sampler) -> int:
+    """Load the checkpoint `resume_dir` picks into the actor, the sampler and the torch RNG; returns
+    its step (0: none, a fresh start)."""
+    import torch
+
+    directory = resume_dir(config)
+    if directory is None:
+        return 0
+    actor.load_checkpoint(str(directory / "actor"), checkpoint.loads_optimizer(config, directory))
+    state = checkpoint.load_controller_state(directory)
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["torch_rng"])
+    print(f"resumed from {directory} (step {state['step']})")
+    return state["step"]
+
+
+def resume_dir(config: ExperimentConfig) -> Path | None:
+    """The checkpoint an offline run continues from, as verl's SFT trainer picks it
+    (verl/utils/checkpoint/checkpoint_handler.py `_determine_resume_path`): `trainer.resume_mode=auto`
+    takes `trainer.resume_from_path` where one is given, else the newest complete checkpoint of the
+    experiment; resume_path and disable as megarl.checkpoint.find_resume_dir."""
+    t = config.trainer
+    if t.resume_mode == "auto" and t.resume_from_path:
+        config = replace(config, trainer=replace(t, resume_mode="resume_path"))
+    return checkpoint.find_resume_dir(config)
+
+
 def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
     """Train with `trainer_cls`, export the HF checkpoint; returns its directory. `done` finishes
     the sentence "exported the ... model to DIR"."""
@@ -36,7 +97,7 @@ def run_offline(config: ExperimentConfig, trainer_cls, done: str) -> Path:
     t = config.trainer
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or config.actor_rollout_ref.model.path)
     connect_ray(config)
-    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    root = experiment_dir(config)
     trainer = trainer_cls(config, tokenizer)
     tracker = Tracker(t.logger, t.project_name, t.experiment_name, root / "logs", total_steps=trainer.total_steps)
     try:

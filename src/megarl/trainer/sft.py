@@ -9,12 +9,7 @@ step, token-mean NLL of the trained tokens);
 every `trainer.test_freq` steps the validation NLL is logged. At the end the actor is exported as
 an HF checkpoint to `<default_local_dir>/<project>/<experiment>/hf`, which an RL run can start from.
 
-Checkpoints, as verl's SFT trainer (verl/trainer/sft_trainer.py `fit`, utils/checkpoint/checkpoint_handler.py):
-every `trainer.save_freq` steps and at the last step (save_freq > 0) a megarl checkpoint
-(megarl.checkpoint: the actor per actor_rollout_ref.actor.checkpoint.save_contents, the step, the data
-sampler's position and the RNG state) goes to `<default_local_dir>/<project>/<experiment>/global_step_N`;
-`trainer.resume_mode` auto (the newest there), resume_path (`trainer.resume_from_path`) or disable picks
-the one a run continues from, at the step after it.
+Checkpoints and resume: megarl.trainer.offline (verl's `trainer.save_freq`, `resume_mode`).
 """
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from megarl import checkpoint
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.conversations import Chat, ChatDataset
@@ -32,7 +26,7 @@ from megarl.data.prompts import Prompt, PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.offline import log_step, run_offline
+from megarl.trainer.offline import log_step, resume_offline, run_offline, save_due, save_offline_checkpoint
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import SFTActorRole
 
@@ -103,44 +97,20 @@ class SFTTrainer:
         return {"val/nll": float(-log_probs[mask].mean())}
 
     def fit(self, tracker) -> dict:
-        """Train from the step after the checkpoint `trainer.resume_mode` picks (`resume`) to the last,
-        saving every `trainer.save_freq` steps and at the last."""
+        """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
+        where `save_due` (megarl.trainer.offline)."""
         t = self.config.trainer
         metrics = {}
-        for step in range(self.resume() + 1, self.total_steps + 1):
+        for step in range(resume_offline(self.config, self.actor, self.sampler) + 1, self.total_steps + 1):
             start = time.perf_counter()
             batch = as_batch(self.train_data.take(self.sampler.next_batch()))
             metrics = self.actor.sft_step(batch)
             metrics["timing/step_s"] = time.perf_counter() - start
             log_step(tracker, metrics, step, self.total_steps, t.test_freq,
                      self.validation_nll if self.val_data is not None else None)
-            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
-                self.save_checkpoint(step)
+            if save_due(self.config, step, self.total_steps):
+                save_offline_checkpoint(self.config, step, self.actor, self.sampler)
         return metrics
-
-    def checkpoint_dir(self) -> Path:
-        t = self.config.trainer
-        return Path(t.default_local_dir) / t.project_name / t.experiment_name
-
-    def save_checkpoint(self, step: int) -> Path:
-        """The checkpoint of `step` (atomic: megarl.checkpoint): the actor, the step, the sampler's
-        position and the RNG state."""
-        tmp = checkpoint.begin(self.checkpoint_dir(), step)
-        checkpoint.write_actor_parts(tmp, self.config, self.actor)
-        state = {"step": step, "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
-        return checkpoint.commit(tmp, step, self.config, state, keep=self.config.trainer.max_actor_ckpt_to_keep)
-
-    def resume(self) -> int:
-        """Load the checkpoint `resume_dir` picks; returns its step (0: none, a fresh start)."""
-        directory = resume_dir(self.config)
-        if directory is None:
-            return 0
-        self.actor.load_checkpoint(str(directory / "actor"), checkpoint.saved_optimizer(directory))
-        state = checkpoint.load_controller_state(directory)
-        self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        print(f"resumed from {directory} (step {state['step']})")
-        return state["step"]
 
     def export(self, out_dir: Path) -> Path:
         self.actor.export_hf(str(out_dir))
@@ -149,17 +119,6 @@ class SFTTrainer:
     def shutdown(self) -> None:
         self.actor.shutdown()
         self.pools.remove()
-
-
-def resume_dir(config: ExperimentConfig) -> Path | None:
-    """The checkpoint an SFT run continues from, as verl's SFT trainer picks it
-    (verl/utils/checkpoint/checkpoint_handler.py `_determine_resume_path`): `trainer.resume_mode=auto`
-    takes `trainer.resume_from_path` where one is given, else the newest complete checkpoint of the
-    experiment; resume_path and disable as megarl.checkpoint.find_resume_dir."""
-    t = config.trainer
-    if t.resume_mode == "auto" and t.resume_from_path:
-        config = replace(config, trainer=replace(t, resume_mode="resume_path"))
-    return checkpoint.find_resume_dir(config)
 
 
 def run_sft(config: ExperimentConfig) -> Path:

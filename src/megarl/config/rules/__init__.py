@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from megarl.config.rules.access import api_key_env_is_set
-from megarl.config.rules.checkpoint import checkpoint_contents, checkpoint_without_extra
+from megarl.config.rules.checkpoint import checkpoint_contents, checkpoint_export_options, checkpoint_without_extra
 from megarl.config.rules.async_modes import async_modes_correct_off_policy, async_modes_fit_the_loop
 from megarl.config.rules.choices import (
     batched_requests_fit_rollout,
@@ -127,6 +127,7 @@ WARNING_RULES: list[Rule] = [
     bypass_replaces_loss_mode,
     fp8_rollout_corrected,
     checkpoint_without_extra,
+    checkpoint_export_options,
 ]
 
 __all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]
