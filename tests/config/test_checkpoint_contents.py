@@ -56,10 +56,14 @@ def test_the_corpus_lists_load(caplog):
 def test_what_megarl_refuses_names_the_reason():
     assert "megarl's checkpoints always hold the model" in fails(f"{KEY}.save_contents=[optimizer,extra]")
     assert "['weights'] not among verl's parts" in fails(f"{KEY}.save_contents=[model,weights]")
-    assert f"{KEY}.async_save=true: not built yet" in fails(f"{KEY}.async_save=true")
     ok(f"{KEY}.async_save=false")
+    assert ok(f"{KEY}.async_save=true").actor_rollout_ref.actor.checkpoint.async_save  # this Linux forks
 
 
-@pytest.mark.parametrize("async_save, refused", [(False, False), (True, True)])
-def test_async_save_decision(async_save, refused):
-    assert (async_save_problem(async_save) is not None) == refused
+@pytest.mark.parametrize("async_save, start_methods, refused", [
+    (False, ["spawn"], False), (True, ["fork", "spawn", "forkserver"], False), (True, ["spawn"], True)])
+def test_async_save_needs_megatrons_forked_writer(async_save, start_methods, refused):
+    problem = async_save_problem(async_save, start_methods)
+    assert (problem is not None) == refused
+    if refused:
+        assert "TemporalAsyncCaller" in problem and "cannot fork" in problem

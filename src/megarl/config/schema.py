@@ -329,8 +329,9 @@ class CheckpointConfig:
     """What the actor's checkpoints hold (verl's `actor.checkpoint`, verl/trainer/config/config.py
     CheckpointConfig): `save_contents` of model (megatron's sharded weights), optimizer (its state and
     the learning-rate schedule), extra (RNG states) and hf_model (an HF copy, `<checkpoint>/actor_hf`);
-    megarl.config.rules.checkpoint says which lists load. `async_save`: megatron's asynchronous
-    dist-checkpoint write (not built: rules.checkpoint.async_save_problem)."""
+    megarl.config.rules.checkpoint says which lists load. `async_save`: the actor's weights written by
+    megatron's asynchronous dist-checkpoint save while training goes on, the checkpoint committed once
+    the write finished (megarl.checkpoint.Checkpoints)."""
 
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     async_save: bool = False

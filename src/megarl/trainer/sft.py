@@ -89,6 +89,7 @@ class SFTTrainer:
         self.pools = create_pools(plan, timeout_s=300)
         try:
             self.actor = SFTActorRole(plan.roles["actor"], self.pools, config, devices)
+            self.checkpoints = checkpoint.Checkpoints(config, self.actor)
         except BaseException:
             self.pools.remove()
             raise
@@ -104,7 +105,8 @@ class SFTTrainer:
 
     def fit(self, tracker) -> dict:
         """Train from the step after the checkpoint `trainer.resume_mode` picks (`resume`) to the last,
-        saving every `trainer.save_freq` steps and at the last."""
+        saving every `trainer.save_freq` steps and at the last (a background write, async_save, is
+        committed at a later step boundary, and at the end at the latest)."""
         t = self.config.trainer
         metrics = {}
         for step in range(self.resume() + 1, self.total_steps + 1):
@@ -114,21 +116,21 @@ class SFTTrainer:
             metrics["timing/step_s"] = time.perf_counter() - start
             log_step(tracker, metrics, step, self.total_steps, t.test_freq,
                      self.validation_nll if self.val_data is not None else None)
+            self.checkpoints.poll()
             if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
                 self.save_checkpoint(step)
+        self.checkpoints.finish()
         return metrics
 
     def checkpoint_dir(self) -> Path:
         t = self.config.trainer
         return Path(t.default_local_dir) / t.project_name / t.experiment_name
 
-    def save_checkpoint(self, step: int) -> Path:
-        """The checkpoint of `step` (atomic: megarl.checkpoint): the actor, the step, the sampler's
-        position and the RNG state."""
-        tmp = checkpoint.begin(self.checkpoint_dir(), step)
-        checkpoint.write_actor_parts(tmp, self.config, self.actor)
+    def save_checkpoint(self, step: int) -> Path | None:
+        """The checkpoint of `step` (atomic: megarl.checkpoint.Checkpoints): the actor, the step, the
+        sampler's position and the RNG state; its directory, or None while written in the background."""
         state = {"step": step, "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
-        return checkpoint.commit(tmp, step, self.config, state, keep=self.config.trainer.max_actor_ckpt_to_keep)
+        return self.checkpoints.save(self.checkpoint_dir(), step, state)
 
     def resume(self) -> int:
         """Load the checkpoint `resume_dir` picks; returns its step (0: none, a fresh start)."""
