@@ -75,7 +75,6 @@ def test_the_corpus_lists_load(caplog):
 def test_what_megarl_refuses_names_the_reason():
     assert "megarl's checkpoints always hold the model" in fails(f"{KEY}.save_contents=[optimizer,extra]")
     assert "['weights'] not among verl's parts" in fails(f"{KEY}.save_contents=[model,weights]")
-    assert f"{KEY}.async_save=true: not built yet" in fails(f"{KEY}.async_save=true")
     ok(f"{KEY}.async_save=false")
     assert "always load the model" in fails(f"{KEY}.load_contents=[optimizer,extra]")
     assert "['rng'] not among verl's parts" in fails("critic.checkpoint.load_contents=[model,rng]")
@@ -86,6 +85,8 @@ def test_what_megarl_refuses_names_the_reason():
     # a critic that does not run saves nothing: its keys are not checked (verl reads them only to build one)
     ok("algorithm.adv_estimator=grpo", "critic.checkpoint.save_contents=[model,hf_model]",
        "critic.checkpoint.async_save=true")
+    assert ok(f"{KEY}.async_save=true").actor_rollout_ref.actor.checkpoint.async_save  # this Linux forks
+
 
 
 @pytest.mark.parametrize("override, warned", [
@@ -137,6 +138,10 @@ def test_load_contents_decides_whether_a_resume_loads_the_optimizer(tmp_path, ro
         assert loads_optimizer(config, directory, other) is True
 
 
-@pytest.mark.parametrize("async_save, refused", [(False, False), (True, True)])
-def test_async_save_decision(async_save, refused):
-    assert (async_save_problem(async_save) is not None) == refused
+@pytest.mark.parametrize("async_save, start_methods, refused", [
+    (False, ["spawn"], False), (True, ["fork", "spawn", "forkserver"], False), (True, ["spawn"], True)])
+def test_async_save_needs_megatrons_forked_writer(async_save, start_methods, refused):
+    problem = async_save_problem(async_save, start_methods)
+    assert (problem is not None) == refused
+    if refused:
+        assert "TemporalAsyncCaller" in problem and "cannot fork" in problem

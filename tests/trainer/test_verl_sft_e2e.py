@@ -6,10 +6,12 @@ offload / precision-aware optimizer left out (megatron-core builds them with tra
 a GPU package). verl's keys (engine.*, optim.*, model.*, data.messages_key chats) must mean what they
 mean in verl: the first step's loss and gradient norm are HF transformers' cross-entropy of the
 chats' assistant tokens (each turn's tokens found by HF's own rendering of the chat up to it), on the
-same weights. A run left with only step 1's checkpoint (verl's resume_mode=auto finds it) resumes and
-ends exactly as the uninterrupted run: step 2's loss and gradient norm, and the exported weights; its
-own checkpoint holds what its checkpoint.save_contents=[model,extra,hf_model] names (verl's parts: no
-optimizer state, an HF copy equal to the exported weights).
+same weights. The same run saving in the background (checkpoint.async_save=true, verl's fully async
+scripts' setting) trains bit for bit as the one saving at once, and its checkpoints are complete. A
+run left with only that run's step 1 checkpoint (verl's resume_mode=auto finds it) resumes and ends
+exactly as the uninterrupted run: step 2's loss and gradient norm, and the exported weights; its own
+checkpoint, also saved in the background, holds what its checkpoint.save_contents=[model,extra,hf_model]
+names (verl's parts: no optimizer state, an HF copy equal to the exported weights).
 """
 import json
 import shutil
@@ -84,15 +86,29 @@ def command(root: Path, model: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def resumed(run, run_to_completion):
-    """A run whose experiment directory holds only the uninterrupted run's checkpoint of step 1 (what
-    a run stopped after it leaves): the script's resume_mode=auto continues from it."""
+def async_run(run, run_to_completion):
+    """The uninterrupted run saving its checkpoints in the background (checkpoint.async_save=true)."""
     root, _, _ = run
-    (experiment,) = [p.parent for p in (root / "out").glob("*/*/global_step_1")]
+    out = root / "async"
+    output = run_to_completion([*command(root, root / "model", out), "checkpoint.async_save=true"], root, TIMEOUT_S,
+                               "verl SFT script saving in the background")
+    logs = next(out.glob("*/*/logs"))
+    return out, [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], output
+
+
+@pytest.fixture(scope="module")
+def resumed(run, async_run, run_to_completion):
+    """A run whose experiment directory holds only the background-saving run's checkpoint of step 1
+    (what a run stopped after it leaves): the script's resume_mode=auto continues from it."""
+    root, _, _ = run
+    saved, _, _ = async_run
+    (experiment,) = [p.parent for p in saved.glob("*/*/global_step_1")]
     out = root / "resumed"
-    shutil.copytree(experiment / "global_step_1", out / experiment.relative_to(root / "out") / "global_step_1")
-    # its own checkpoints hold what verl's qwen35 fully async script asks for: no optimizer, an HF copy
-    cmd = [*command(root, root / "model", out), "checkpoint.save_contents=[model,extra,hf_model]"]
+    shutil.copytree(experiment / "global_step_1", out / experiment.relative_to(saved) / "global_step_1")
+    # its own checkpoints hold what verl's qwen35 fully async script asks for: no optimizer, an HF copy, saved
+    # in the background (its HF copy is converted from the written weights once the write finished)
+    cmd = [*command(root, root / "model", out), "checkpoint.save_contents=[model,extra,hf_model]",
+           "checkpoint.async_save=true"]
     output = run_to_completion(cmd, root, TIMEOUT_S, "resumed verl SFT script")
     logs = next(out.glob("*/*/logs"))
     return out, [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()], output
@@ -140,6 +156,26 @@ def test_verl_sft_script_trains_on_the_assistant_tokens(run):
     assert train[0]["sft/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
     assert train[0]["sft/tokens"] == count
     assert train[1]["sft/nll"] < train[0]["sft/nll"]  # it learns
+
+
+def test_a_run_saving_in_the_background_trains_as_one_saving_at_once(run, async_run):
+    root, rows, _ = run
+    out, async_rows, _ = async_run
+    train = [r for r in rows if "sft/nll" in r]
+    again = [r for r in async_rows if "sft/nll" in r]
+    assert [r["step"] for r in again] == [1, 2]
+    for ours, theirs in zip(again, train):
+        for key in ("sft/nll", "sft/grad_norm", "sft/tokens"):
+            assert ours[key] == theirs[key], key  # bit for bit
+    (experiment,) = [p.parent for p in out.glob("*/*/global_step_1")]
+    assert sorted(p.name for p in experiment.iterdir() if p.name.startswith("global_step_")) == [
+        "global_step_1", "global_step_2"]  # both committed (the last at the end of the run), no .tmp left
+    assert all((experiment / f"global_step_{n}" / "COMPLETE").is_file() for n in (1, 2))
+    assert (experiment / "latest").read_text().strip() == "global_step_2"
+    exported = load_file(next((root / "out").glob("*/*/hf/*.safetensors")))
+    exported_async = load_file(next(out.glob("*/*/hf/*.safetensors")))
+    assert exported.keys() == exported_async.keys()
+    assert all(torch.equal(tensor, exported_async[name]) for name, tensor in exported.items())
 
 
 def test_a_run_resumed_from_the_step_1_checkpoint_ends_as_the_uninterrupted_run(run, resumed):

@@ -16,12 +16,22 @@ A checkpoint is written under `global_step_N.tmp-<pid>` and renamed when everyth
 disk (fsynced); `latest` is replaced atomically afterwards. A directory without COMPLETE, or a
 leftover `.tmp-*` directory, is never resumed from. `max_actor_ckpt_to_keep` prunes the oldest
 complete checkpoints once the new one is complete.
+
+With `actor_rollout_ref.actor.checkpoint.async_save` (`Checkpoints`) the actor's tensors are staged
+and written in the background while training goes on; the checkpoint is committed (the HF copy, the
+controller state taken at the save, COMPLETE, the rename, `latest`, the pruning) only once every
+rank's write finished: checked at each step boundary, waited for before the next save, at the end
+of the run and on preemption. Until then, and after a crash, `latest` names the previous one.
 """
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +43,8 @@ from megarl.config import ConfigError, ExperimentConfig, to_yaml
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+
+log = logging.getLogger("megarl.checkpoint")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -182,8 +194,83 @@ def write_actor_parts(tmp: Path, config: ExperimentConfig, actor) -> None:
     the engine's state under `actor/` (`actor`: its role handle), then the HF copy `actor_hf/` where
     hf_model is asked for."""
     actor.save_checkpoint(str(tmp / "actor"), saves_optimizer(config))
+    _write_hf_copy(tmp, config)
+
+
+def _write_hf_copy(tmp: Path, config: ExperimentConfig) -> None:
+    """`actor_hf/` from the written `actor/` where save_contents has hf_model."""
     if "hf_model" in config.actor_rollout_ref.actor.checkpoint.save_contents:
         _write_hf(tmp / "actor", tmp / "actor_hf", config)
+
+
+@dataclass
+class _Pending:
+    """A checkpoint whose actor is being written in the background."""
+
+    tmp: Path
+    step: int
+    controller_state: dict  # a deep copy taken at the save: the state of the same step as the weights
+    started: float  # time.monotonic() at the save
+
+
+class Checkpoints:
+    """The checkpoints of a run's actor (and critic), committed atomically (`commit`). With
+    actor_rollout_ref.actor.checkpoint.async_save the actor's write goes on in the background
+    (MegatronEngine.save_checkpoint(background=True)) and the checkpoint is committed once every
+    rank's write finished: `poll` at each step boundary, `finish` (waiting at most
+    actor_rollout_ref.nccl_timeout seconds) before the next save, at the end and on preemption.
+    The critic's, when there is one, is written at once (it is on disk when `save` returns)."""
+
+    def __init__(self, config: ExperimentConfig, actor, critic=None):
+        self.config, self.actor, self.critic = config, actor, critic
+        self.background = config.actor_rollout_ref.actor.checkpoint.async_save
+        self.timeout_s = float(config.actor_rollout_ref.nccl_timeout)
+        self.pending: Optional[_Pending] = None
+        self.latest: Optional[Path] = None  # the newest checkpoint this run committed
+
+    def save(self, root: Path, step: int, controller_state: dict) -> Optional[Path]:
+        """Write the checkpoint of `step` under `root` (the previous background write finished and
+        committed first); returns its directory once committed, or None while its write goes on."""
+        self.finish()
+        tmp = begin(root, step)
+        self.actor.save_checkpoint(str(tmp / "actor"), saves_optimizer(self.config), self.background)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(tmp / "critic"), "optimizer" in self.config.critic.checkpoint.save_contents)
+        pending = _Pending(tmp, step, copy.deepcopy(controller_state), time.monotonic())
+        if not self.background:
+            return self._commit(pending)
+        self.pending = pending
+        return None
+
+    def poll(self) -> Optional[Path]:
+        """At a step boundary: commit the pending checkpoint if every rank's write finished (one
+        collective over the actor's ranks); returns its directory, or None. A write that failed
+        raises here, and its checkpoint is dropped, never committed."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        if not self.actor.finish_saves(blocking=False, timeout_s=self.timeout_s):
+            self.pending = pending
+            return None
+        return self._commit(pending)
+
+    def finish(self) -> Optional[Path]:
+        """Wait for the pending write (at most `timeout_s`, then TimeoutError) and commit it;
+        returns the newest checkpoint this run committed (None: none yet). A write that failed or
+        timed out raises here, and its checkpoint is dropped, never committed."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.actor.finish_saves(blocking=True, timeout_s=self.timeout_s)
+            self._commit(pending)
+        return self.latest
+
+    def _commit(self, pending: _Pending) -> Path:
+        _write_hf_copy(pending.tmp, self.config)
+        self.latest = commit(pending.tmp, pending.step, self.config, pending.controller_state,
+                             keep=self.config.trainer.max_actor_ckpt_to_keep)
+        log.info("checkpoint of step %d saved to %s (%.1f s)", pending.step, self.latest,
+                 time.monotonic() - pending.started)
+        return self.latest
 
 
 def _write_hf(actor_dir: Path, out: Path, config: ExperimentConfig, on_progress=None) -> None:

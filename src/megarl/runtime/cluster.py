@@ -132,6 +132,7 @@ class Cluster:
             self.actor = ActorRole(roles["actor"], self.pools, config, d)
             self.ref = RefRole(roles["ref"], self.pools, config, d) if "ref" in roles else None
             self.critic = CriticRole(roles["critic"], self.pools, config, d) if "critic" in roles else None
+            self.checkpoints = checkpoint.Checkpoints(config, self.actor, self.critic)
             self.reward_model = (RewardModelRole(roles["reward_model"], self.pools, config, d)
                                  if "reward_model" in roles else None)
             self.teacher = TeacherRole(roles["teacher"], self.pools, config, d) if "teacher" in roles else None
@@ -366,28 +367,24 @@ class Cluster:
         return {**out, **self.rollout.fault_metrics()}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path:
-        """Every role's engine state plus the controller's, atomically (megarl.checkpoint).
-        Offloaded roles come back for it: the servers release their memory first, and a push at
-        the current version gives them their weights back afterwards."""
+    def save_checkpoint(self, root: Path, step: int, controller_state: dict) -> Path | None:
+        """Every role's engine state plus the controller's, atomically (megarl.checkpoint.Checkpoints);
+        its directory, or None while the actor's is written in the background (async_save: committed
+        by a later `checkpoints.poll` or `checkpoints.finish`). Offloaded roles come back for it: the
+        servers release their memory first, and a push at the current version gives them their
+        weights back afterwards (the background write has its own copy of the tensors by then)."""
         offloaded = any(parts.any() for parts in self.memory.offloaded.values())
         if offloaded:
             self.training_phase()
-        started = time.monotonic()
-        tmp = checkpoint.begin(root, step)
-        checkpoint.write_actor_parts(tmp, self.config, self.actor)
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(tmp / "critic"), "optimizer" in self.config.critic.checkpoint.save_contents)
-        saved = checkpoint.commit(tmp, step, self.config, controller_state,
-                                  keep=self.config.trainer.max_actor_ckpt_to_keep)
-        log.info("checkpoint of step %d saved to %s (%.1f s)", step, saved, time.monotonic() - started)
+        saved = self.checkpoints.save(root, step, controller_state)
         if offloaded:
             self._push(version=self.weight_version)
         return saved
 
     def load_checkpoint(self, directory: Path) -> dict:
         """Restore the engines from `directory`, push the weights to the servers; returns the
-        controller state."""
+        controller state. A background write of this run is committed first."""
+        self.checkpoints.finish()
         self.training_phase()  # offloaded roles come back (the servers release their memory first)
         self.actor.load_checkpoint(str(directory / "actor"), checkpoint.loads_optimizer(self.config, directory))
         if self.critic is not None:

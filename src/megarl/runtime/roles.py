@@ -50,8 +50,12 @@ class TrainingRole(EngineGroup):
         """The caching allocator's unused device memory given back; per rank, its stats."""
         return self.call(MegatronEngine.empty_cache)
 
-    def save_checkpoint(self, path: str, optimizer: bool = True) -> None:
-        self.call(MegatronEngine.save_checkpoint, path, optimizer)
+    def save_checkpoint(self, path: str, optimizer: bool = True, background: bool = False) -> None:
+        self.call(MegatronEngine.save_checkpoint, path, optimizer, background)
+
+    def finish_saves(self, blocking: bool, timeout_s: float) -> bool:
+        """Whether no background write is left (the ranks agree: `MegatronEngine.finish_saves`)."""
+        return all(self.call(MegatronEngine.finish_saves, blocking, timeout_s))
 
     def load_checkpoint(self, path: str, optimizer: bool = True) -> None:
         self.call(MegatronEngine.load_checkpoint, path, optimizer)

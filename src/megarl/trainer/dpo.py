@@ -31,6 +31,7 @@ from megarl.data.preferences import PreferenceDataset, pairs_to_batch
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
+from megarl import checkpoint
 from megarl.trainer.offline import log_step, resume_offline, run_offline, save_due, save_offline_checkpoint
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import DPOActorRole, RefRole
@@ -57,6 +58,7 @@ class DPOTrainer:
         try:
             self.actor = DPOActorRole(plan.roles["actor"], self.pools, config, devices)
             self.ref = RefRole(plan.roles["ref"], self.pools, config, devices)
+            self.checkpoints = checkpoint.Checkpoints(config, self.actor)
         except BaseException:
             self.shutdown()
             raise
@@ -81,7 +83,8 @@ class DPOTrainer:
 
     def fit(self, tracker) -> dict:
         """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
-        where `save_due` (megarl.trainer.offline)."""
+        where `save_due` (megarl.trainer.offline); a background write (async_save) is committed at a later
+        step boundary, and at the end at the latest."""
         t = self.config.trainer
         validating = self.val_data is not None and t.test_freq > 0
         resumed = resume_offline(self.config, self.actor, self.sampler)
@@ -98,8 +101,10 @@ class DPOTrainer:
             metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
                             "timing/step_s": done - start})
             log_step(tracker, metrics, step, self.total_steps, t.test_freq, self.validate if validating else None)
+            self.checkpoints.poll()
             if save_due(self.config, step, self.total_steps):
-                save_offline_checkpoint(self.config, step, self.actor, self.sampler)
+                save_offline_checkpoint(self.config, step, self.checkpoints, self.sampler)
+        self.checkpoints.finish()
         return metrics
 
     def export(self, out_dir: Path) -> Path:

@@ -47,15 +47,15 @@ def save_due(config: ExperimentConfig, step: int, total_steps: int) -> bool:
     return freq > 0 and (step % freq == 0 or step == total_steps)
 
 
-def save_offline_checkpoint(config: ExperimentConfig, step: int, actor, sampler) -> Path:
-    """The checkpoint of `step` (atomic: megarl.checkpoint): the actor (`actor`: its role handle) per
-    its save_contents, the step, the data sampler's position and the torch RNG state."""
+def save_offline_checkpoint(config: ExperimentConfig, step: int, checkpoints: checkpoint.Checkpoints,
+                            sampler) -> Path | None:
+    """The checkpoint of `step` (atomic: megarl.checkpoint.Checkpoints, the actor's): the actor per its
+    save_contents, the step, the data sampler's position and the torch RNG state; its directory, or None
+    while written in the background (async_save: `checkpoints.poll` / `finish` commit it)."""
     import torch
 
-    tmp = checkpoint.begin(experiment_dir(config), step)
-    checkpoint.write_actor_parts(tmp, config, actor)
     state = {"step": step, "sampler": sampler.state_dict(), "torch_rng": torch.get_rng_state()}
-    return checkpoint.commit(tmp, step, config, state, keep=config.trainer.max_actor_ckpt_to_keep)
+    return checkpoints.save(experiment_dir(config), step, state)
 
 
 def resume_offline(config: ExperimentConfig, actor, sampler) -> int:

@@ -338,7 +338,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, tracker) -> dict:
         """Train to `total_steps`. On SIGTERM/SIGUSR1 the current step finishes, a checkpoint is
-        written and `Preempted` is raised (see megarl.trainer.preemption)."""
+        written and `Preempted` is raised (see megarl.trainer.preemption). A checkpoint written in the
+        background (async_save) is committed at a later step boundary, and before the loop ends or
+        `Preempted` is raised at the latest."""
         t = self.config.trainer
         if t.val_before_train and self.val_data is not None and self.step == 0:
             tracker.log(self.validate(), step=self.step)
@@ -351,14 +353,18 @@ class RLTrainer:
                 if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())
                 tracker.log(metrics, step=self.step)
-                saved = None
-                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
-                    saved = self.save_checkpoint()
+                self.cluster.checkpoints.poll()
+                saved = t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps)
+                if saved:
+                    self.save_checkpoint()
                 if stop.signum is not None:
-                    raise Preempted(stop.signum, self.step, str(saved or self.save_checkpoint()))
+                    if not saved:
+                        self.save_checkpoint()
+                    raise Preempted(stop.signum, self.step, str(self.cluster.checkpoints.finish()))
+            self.cluster.checkpoints.finish()
         return metrics
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         return self.cluster.save_checkpoint(self.checkpoint_dir(), self.step, self.state_dict())
 
     def checkpoint_dir(self) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import checkpoint
 from megarl.config import ExperimentConfig
 from megarl.data.batch import Batch
 from megarl.data.conversations import Chat, ChatDataset
@@ -83,6 +84,7 @@ class SFTTrainer:
         self.pools = create_pools(plan, timeout_s=300)
         try:
             self.actor = SFTActorRole(plan.roles["actor"], self.pools, config, devices)
+            self.checkpoints = checkpoint.Checkpoints(config, self.actor)
         except BaseException:
             self.pools.remove()
             raise
@@ -98,7 +100,8 @@ class SFTTrainer:
 
     def fit(self, tracker) -> dict:
         """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
-        where `save_due` (megarl.trainer.offline)."""
+        where `save_due` (megarl.trainer.offline); a background write (async_save) is committed at a later
+        step boundary, and at the end at the latest."""
         t = self.config.trainer
         metrics = {}
         for step in range(resume_offline(self.config, self.actor, self.sampler) + 1, self.total_steps + 1):
@@ -108,8 +111,10 @@ class SFTTrainer:
             metrics["timing/step_s"] = time.perf_counter() - start
             log_step(tracker, metrics, step, self.total_steps, t.test_freq,
                      self.validation_nll if self.val_data is not None else None)
+            self.checkpoints.poll()
             if save_due(self.config, step, self.total_steps):
-                save_offline_checkpoint(self.config, step, self.actor, self.sampler)
+                save_offline_checkpoint(self.config, step, self.checkpoints, self.sampler)
+        self.checkpoints.finish()
         return metrics
 
     def export(self, out_dir: Path) -> Path:

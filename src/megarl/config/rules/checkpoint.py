@@ -2,7 +2,8 @@
 verl/trainer/config/config.py CheckpointConfig, verl/utils/checkpoint/megatron_checkpoint_manager.py)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import multiprocessing
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 from megarl.config.rules.common import DerivedSizes
@@ -13,20 +14,18 @@ CRITIC_KEY = "critic.checkpoint"
 CONTENTS = ("model", "optimizer", "extra", "hf_model")  # verl's names (CheckpointConfig.save_contents)
 
 
-def async_save_problem(async_save: bool) -> Optional[str]:
-    """Why `checkpoint.async_save` cannot run, or None. megatron-core 0.16.1's asynchronous save
-    (dist_checkpointing.save(..., async_sharded_save=True) and an AsyncCallsQueue finishing it, as verl's
-    MegatronCheckpointManager does) writes on CPU too once megarl's CUDA shims stand in for
-    torch.cuda.synchronize / current_device (strategies/filesystem_async.py preload_tensors,
-    strategies/async_utils.py), and on GPUs as verl runs it; what megarl lacks on every device is the
-    deferred commit: a checkpoint is marked COMPLETE and `latest` only once every rank's write is on
-    disk (megarl.checkpoint), so the write finishing during the next steps needs the commit moved
-    after it."""
-    if not async_save:
+def async_save_problem(async_save: bool, start_methods: Sequence[str]) -> Optional[str]:
+    """Why `checkpoint.async_save` cannot run, or None; `start_methods`: this machine's
+    multiprocessing start methods (multiprocessing.get_all_start_methods()). megarl writes in the
+    background as verl's MegatronCheckpointManager does, with megatron-core's AsyncCallsQueue, whose
+    writer is a forked process (dist_checkpointing/strategies/async_utils.py TemporalAsyncCaller:
+    mp.get_context('fork')) on GPUs and CPUs alike; the checkpoint is committed once every rank's write
+    finished (megarl.checkpoint.Checkpoints). Where processes cannot fork, the writer cannot start."""
+    if not async_save or "fork" in start_methods:
         return None
-    return (f"{KEY}.async_save=true: not built yet: megarl marks a checkpoint complete once every rank's write is on "
-            "disk, and committing it after megatron-core's asynchronous write (which runs during the next steps) is "
-            "not built; megarl saves synchronously with async_save=false")
+    return (f"{KEY}.async_save=true: megatron-core's background checkpoint writer is a forked process "
+            "(dist_checkpointing/strategies/async_utils.py TemporalAsyncCaller) and this machine's Python cannot "
+            f"fork (start methods {list(start_methods)}); use async_save=false")
 
 
 def _sections(config: ExperimentConfig) -> list[tuple[str, CheckpointConfig]]:
@@ -65,7 +64,8 @@ def checkpoint_contents(config: ExperimentConfig, sizes: DerivedSizes) -> Iterat
         yield from _contents_problems(key, c.save_contents, "save_contents")
         if c.load_contents is not None:
             yield from _contents_problems(key, c.load_contents, "load_contents")
-    problem = async_save_problem(config.actor_rollout_ref.actor.checkpoint.async_save)
+    problem = async_save_problem(config.actor_rollout_ref.actor.checkpoint.async_save,
+                                 multiprocessing.get_all_start_methods())
     if problem:
         yield problem
     if config.critic.enable and config.critic.checkpoint.async_save:

@@ -8,6 +8,7 @@ under the TE spec's key (`megarl.bridge.torch_dist_io.te_moe_norm_key`), which i
 bridge's converter writes."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,18 +75,69 @@ def load_torch_dist_weights(chunks, ckpt_dir: Path) -> None:
         chunk.load_state_dict(loaded[key], strict=True)
 
 
-def save_checkpoint(path: Path, chunks: list, optimizer, scheduler, updates: int, distributed_optimizer: bool) -> None:
+def save_checkpoint(path: Path, chunks: list, optimizer, scheduler, updates: int, distributed_optimizer: bool,
+                    background: Optional[AsyncSaves] = None) -> None:
     """Save into the directory `path` (created by rank 0); every rank of the role calls it.
     Model and (non-distributed) optimizer state load at any TP/PP layout; the distributed
-    optimizer's state needs the same TP/PP. `optimizer` None: the model alone."""
+    optimizer's state needs the same TP/PP. `optimizer` None: the model alone. `background`: the
+    tensors are staged and written by a background process (`AsyncSaves`), finished by its `finish`."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = _sharded_state(chunks, optimizer, scheduler, updates, distributed_optimizer, is_loading=False)
+    if background is not None:
+        background.save(state, path)
+        return
     dist_checkpointing.save(state, str(path))
     dist.barrier()
+
+
+class AsyncSaves:
+    """megatron-core's asynchronous dist-checkpoint save on one rank (every rank of the role holds
+    one and calls each method together): `dist_checkpointing.save(..., async_sharded_save=True)`
+    writes the common part (common.pt, sharded objects) at once and returns the request writing the
+    tensors, which `AsyncCallsQueue.schedule_async_request` starts: it stages the tensors
+    (strategies/filesystem_async.py `FileSystemWriterAsync.preload_tensors`: a copy to host memory
+    of device tensors) and forks the process writing them (strategies/async_utils.py
+    `TemporalAsyncCaller`, megatron's default, as megatron/training/async_utils.py and verl's
+    MegatronCheckpointManager use it). Host tensors are not copied (`.to("cpu")` returns them):
+    the forked writer sees them as they were at the fork, copy-on-write, whatever training does
+    to them afterwards. megatron's persistent writer (`AsyncCallsQueue(persistent=True)`, a spawned
+    process) would instead receive host tensors in shared memory and could write them half-updated,
+    so it is not used. A write is done once every rank's writer exited and the finalisation ran
+    (the results checked, metadata.json written by rank 0, a barrier)."""
+
+    POLL_S = 0.1  # between the checks of a bounded wait
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+
+    def save(self, state: dict, path: Path) -> None:
+        """Start writing the sharded state dict `state` into `path`; returns once it is staged."""
+        from megatron.core import dist_checkpointing
+
+        request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+        self.queue.schedule_async_request(request)
+
+    def finish(self, blocking: bool, timeout_s: float) -> bool:
+        """Finalise the writes every rank finished (a collective per check); True when none is left.
+        `blocking`: check again every POLL_S seconds, at most timeout_s / POLL_S times (the same
+        count on every rank, so their collectives pair up), then raise TimeoutError on every rank."""
+        checks = max(1, int(timeout_s / self.POLL_S)) if blocking else 1
+        for check in range(checks):
+            self.queue.maybe_finalize_async_calls(blocking=False)
+            if self.queue.get_num_unfinalized_calls() == 0:
+                return True
+            if check + 1 < checks:
+                time.sleep(self.POLL_S)
+        if blocking:
+            raise TimeoutError(f"a checkpoint's background write did not finish within {timeout_s:.0f} s on "
+                               "every rank")
+        return False
 
 
 def load_checkpoint(path: Path, chunks: list, optimizer, scheduler, distributed_optimizer: bool) -> int:

@@ -154,6 +154,7 @@ class MegatronEngine:
         self.updates = 0  # update calls so far (the LR schedule's step)
         self._seed = megatron_cfg.seed
         self.offloader = Offloader(section, self.model_chunks, self._ddp_chunks, self.optimizer, self.device)
+        self.async_saves: Optional[checkpoint_io.AsyncSaves] = None  # made by the first background save
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -377,13 +378,24 @@ class MegatronEngine:
         return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
+    def save_checkpoint(self, path: str | Path, optimizer: bool = True, background: bool = False) -> None:
         """Save model (+ optimizer + LR schedule where `optimizer`) as a `torch_dist` distributed
         checkpoint in the directory `path`. Every rank of the role calls it. Model and (non-distributed)
-        optimizer state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP."""
+        optimizer state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP.
+        `background`: return once the tensors are staged, the write going on in the background
+        (checkpoint_io.AsyncSaves) until `finish_saves` finalises it."""
         self.offloader.check_onloaded()
+        if background and self.async_saves is None:
+            self.async_saves = checkpoint_io.AsyncSaves()
         checkpoint_io.save_checkpoint(Path(path), self.model_chunks, self.optimizer if optimizer else None,
-                                      self.scheduler, self.updates, self.use_distributed_optimizer)
+                                      self.scheduler, self.updates, self.use_distributed_optimizer,
+                                      self.async_saves if background else None)
+
+    def finish_saves(self, blocking: bool, timeout_s: float) -> bool:
+        """Finalise the background writes of `save_checkpoint` that every rank finished; True when
+        none is left. `blocking`: wait for them, at most `timeout_s` seconds (then TimeoutError).
+        Every rank calls it."""
+        return self.async_saves is None or self.async_saves.finish(blocking, timeout_s)
 
     def load_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
         """Load what `save_checkpoint` saved (possibly at another TP/PP layout); `optimizer` False: the
