@@ -48,9 +48,6 @@ SGLANG = ON + ["distillation.type=sglang", "distillation.teacher.url=http://teac
     (ON + ["distillation.loss_mode=k1", "distillation.use_policy_gradient=false"],
      "distillation.loss_mode=k1 with distillation.use_policy_gradient=false: the gradient of the k1 loss does not "
      "depend on the teacher"),
-    (SGLANG + ["distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false"],
-     "distillation.loss_mode=forward_kl_topk needs the teacher's top-k log-probs, which megarl takes from a "
-     "Megatron teacher only"),
     (ON + ["distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false", "distillation.topk=0"],
      "distillation.topk=0: must be >= 1"),
     (ON + ["distillation.loss_max_clamp=0"], "distillation.loss_max_clamp=0.0: must be > 0"),
@@ -68,6 +65,12 @@ def test_the_teachers_key_comes_from_a_set_variable_and_never_sits_in_the_config
     monkeypatch.setenv("MEGARL_TEST_TEACHER_KEY", "")
     assert "MEGARL_TEST_TEACHER_KEY: that environment variable is not set (or empty)" in fails(
         *SGLANG, "distillation.teacher.api_key_env=MEGARL_TEST_TEACHER_KEY")
+
+
+def test_forward_kl_topk_takes_either_teacher():
+    for teacher in (ON, SGLANG):
+        config = ok(*teacher, "distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false")
+        assert config.distillation.loss_mode == "forward_kl_topk"
 
 
 def test_disabled_distillation_ignores_its_keys():

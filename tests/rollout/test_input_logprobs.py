@@ -8,7 +8,8 @@ import pytest
 import requests
 import torch
 
-from megarl.rollout.client import RolloutClient, RolloutRequestError, input_log_probs, reported_input_id_matches
+from megarl.rollout.client import (RolloutClient, RolloutRequestError, input_log_probs, input_top_log_probs,
+                                   reported_input_id_matches)
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10], [9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
 VOCAB = 128  # the tiny model's (tests/rollout/conftest.py)
@@ -42,6 +43,49 @@ def test_scores_equal_the_hf_models_log_probs(server, tiny_hf):
     assert not torch.allclose(torch.tensor(scores[0]), other, atol=1e-3)
     with pytest.raises(ValueError, match="vocab_size"), RolloutClient(server.url) as client:
         client.score(SEQUENCES, starts)
+
+
+def test_top_k_scores_equal_the_hf_models_top_k(server, tiny_hf):
+    """`score_top_k` on the CPU engine (the wire format is held to real SGLang's in
+    tests/sglang/test_differential.py): per sequence the `score` log-probs and HF's top k of
+    log_softmax(logits) at each scored position, ids and values."""
+    starts, k = [0, 2, 7], 3
+    with RolloutClient(server.url, max_retries=1, vocab_size=VOCAB) as client:
+        scored = client.score_top_k(SEQUENCES, starts, k)
+        with pytest.raises(ValueError, match="k=129 must be in \\[1, vocab_size=128\\]"):
+            client.score_top_k(SEQUENCES, starts, VOCAB + 1)
+    for ids, start, (scores, values, top_ids) in zip(SEQUENCES, starts, scored):
+        torch.testing.assert_close(torch.tensor(scores), hf_input_log_probs(tiny_hf, ids)[start:], atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            logits = tiny_hf(input_ids=torch.tensor([ids])).logits[0].float()
+        top = torch.log_softmax(logits[start:-1], dim=-1).topk(k, dim=-1)
+        assert top_ids == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(values).reshape(-1, k), top.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"top_logprobs_num": VOCAB + 1}, "top_logprobs_num=129 is more than the vocabulary's 128 tokens"),
+    ({"top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 1}}, "max_new_tokens > 0 is not supported"),
+    ({"top_logprobs_num": 2.5}, "top_logprobs_num=2.5: Input should be a valid integer"),
+])
+def test_top_logprobs_the_cpu_engine_does_not_serve_are_refused(server, extra, message):
+    """Past the vocabulary SGLang 0.5.23's scheduler dies (measured; `logprobs.topk`): the stand-in
+    answers 400; top tokens of generated ones it does not build: 400, where SGLang serves them."""
+    body = {"input_ids": SEQUENCES[0], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0}, **extra}
+    resp = requests.post(server.url + "/generate", json=body, timeout=60)
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
+def test_top_k_answers_of_another_shape_are_refused():
+    ok = {"meta_info": {"input_top_logprobs": [None, [[-0.5, 9, None], [-1.5, 6, None]]]}}
+    assert input_top_log_probs(ok, [5, 6], 0, 2) == ([[-0.5, -1.5]], [[9, 6]])
+    with pytest.raises(RolloutRequestError, match="input_top_logprobs: none"):
+        input_top_log_probs({"meta_info": {}}, [5, 6], 0, 2)
+    with pytest.raises(RolloutRequestError, match="expected null then 1 rows of top_logprobs_num=3"):
+        input_top_log_probs(ok, [5, 6], 0, 3)
+    with pytest.raises(RolloutRequestError, match="sequence 4|prompt 4"):
+        input_top_log_probs(ok, [5, 6, 7], 0, 2, index=4)  # a row missing at the end
 
 
 def test_the_wire_format_is_sglangs(server):

@@ -197,6 +197,50 @@ def test_the_meta_info_megarl_reads(servers, prompt):
     assert [o["output_ids"] for o in batch["cpu"]] == [o["output_ids"] for o in batch["sglang"]]
 
 
+def hf_top_k(hf, ids, k):
+    """([len(ids), k] log-probs, [len(ids), k] ids): HF's top k of log_softmax(logits) at each position."""
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_input_top_logprobs_are_sglangs(servers, hf, prompt, start):
+    """`top_logprobs_num` k with max_new_tokens 0 (what an SGLang teacher's `score_top_k` sends):
+    `input_top_logprobs` null first, then per position k [logprob, id, null] entries, descending, the
+    ids unclipped (46 stays 46); `output_top_logprobs` one row, the top k after the whole input; the
+    values HF's top k of log_softmax(logits). A top_logprobs_num that is no int is refused by both."""
+    k = 5
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": start, "top_logprobs_num": k}
+    outputs = generated(servers, body)
+    values, ids = hf_top_k(hf, prompt, k)
+    metas = {kind: out["meta_info"] for kind, out in outputs.items()}
+    assert ids[-1, 0] == VOCAB_END  # the unclipped id is exercised (the prompt fixture's greedy next token)
+    for kind, meta in metas.items():
+        rows = meta["input_top_logprobs"]
+        assert len(rows) == len(prompt) - start and rows[0] is None, kind
+        assert all(len(row) == k and all(e[2] is None for e in row) for row in rows[1:]), kind
+        # row t (t >= 1) is the distribution of prompt[start + t], HF's row start + t - 1
+        assert [[e[1] for e in row] for row in rows[1:]] == ids[start:-1].tolist(), kind
+        torch.testing.assert_close(torch.tensor([[e[0] for e in row] for row in rows[1:]]), values[start:-1],
+                                   atol=ATOL, rtol=0, msg=lambda m: f"{kind}: {m}")
+        (after,) = meta["output_top_logprobs"]
+        assert [e[1] for e in after] == ids[-1].tolist(), kind
+        torch.testing.assert_close(torch.tensor([e[0] for e in after]), values[-1], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"{kind}: {m}")
+        assert meta["output_token_logprobs"] == [] and len(meta["input_token_logprobs"]) == len(rows), kind
+    # none asked (0 or below): no top entries at all; at the input's end: none, and no leading null
+    for num in (0, -1):
+        for kind, out in generated(servers, {**body, "top_logprobs_num": num}).items():
+            assert "input_top_logprobs" not in out["meta_info"], (kind, num)
+    at_end = generated(servers, {**body, "logprob_start_len": len(prompt)})
+    assert [out["meta_info"]["input_top_logprobs"] for out in at_end.values()] == [[], []]
+    for bad in (2.5, "2", True):
+        for kind, (status, answer) in both(servers, "POST", "/generate", {**body, "top_logprobs_num": bad}).items():
+            assert status == 400, (kind, bad, answer)
+
+
 def test_weight_pushes_outside_a_session_are_refused_and_inside_one_load(servers, hf, qwen2_dir, prompt):
     junk = "bm90IGEgcGlja2xl"  # base64 of b"not a pickle": refused before it is read
     for path, body in [("/update_weights_from_tensor", {"serialized_named_tensors": [junk]}),

@@ -99,6 +99,34 @@ def test_scores_are_the_hf_models_at_opds_temperature_whatever_the_rollouts(serv
     assert (got - hf_response_log_probs(hf, ROLLOUT_TEMPERATURE)).abs().max().item() > 0.1
 
 
+def test_top_k_are_the_hf_models_top_k_of_log_softmax(server, qwen2_dir, hf, key_set):
+    """forward_kl_topk from an SGLang teacher (`Teacher.top_k` through `RolloutClient.score_top_k`):
+    at each response position HF's k most likely tokens under log_softmax(logits) (T = 1), in the
+    shapes and dtypes of the Megatron teacher's `compute_teacher_top_k`, 0 after a row's response;
+    the last vocabulary id (46) comes back as itself in the top ids."""
+    k = 4
+    t = teacher(qwen2_dir, server.url, WITH_KEY, "distillation.loss_mode=forward_kl_topk",
+                "distillation.use_policy_gradient=false", f"distillation.topk={k}")
+    try:
+        got = t.top_k(Batch.from_token_lists(PROMPTS, RESPONSES), k)
+    finally:
+        t.close()
+    assert sorted(got) == ["teacher_log_probs", "teacher_topk_ids", "teacher_topk_log_probs"]
+    assert got["teacher_topk_log_probs"].dtype == torch.float32 and got["teacher_topk_ids"].dtype == torch.int64
+    assert got["teacher_topk_ids"].shape == got["teacher_topk_log_probs"].shape == (2, 4, k)
+    assert (got["teacher_log_probs"] - hf_response_log_probs(hf, 1.0)).abs().max().item() < 1e-4
+    values, ids = torch.zeros(2, 4, k), torch.zeros(2, 4, k, dtype=torch.int64)
+    for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + response])).logits[0].float()
+        top = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).topk(k, dim=-1)
+        values[i, : len(response)], ids[i, : len(response)] = top.values, top.indices
+    diff = (got["teacher_topk_log_probs"] - values).abs().max().item()
+    assert diff < 1e-4, f"max |teacher top-k - HF top-k| = {diff}"
+    assert torch.equal(got["teacher_topk_ids"], ids)
+    assert (ids == VOCAB - 1).any()  # an id SGLang would clip in input_token_logprobs is read as itself
+
+
 def test_sglang_reports_the_last_vocabulary_id_as_0_in_inputs_only(server, qwen2_dir):
     """The wire behaviour `reported_input_id_matches` follows, with the vocab_size the teacher reads
     from the HF config: an input id of vocab_size - 1 comes back as 0 (vocab_size - 2 as itself), at

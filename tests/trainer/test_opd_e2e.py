@@ -57,6 +57,15 @@ def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *ove
     return train
 
 
+def start_teacher_server(teacher: Path, out: Path) -> ServerProcess:
+    """The teacher served by a CPU-engine server (stopped by the caller)."""
+    def server_on(port):
+        return ServerProcess("teacher", cpu_server_command(str(teacher), port, num_threads=1),
+                             f"http://127.0.0.1:{port}", log_path=str(out / "teacher.log"), startup_timeout_s=120)
+
+    return start_on_a_free_port(server_on, "127.0.0.1")
+
+
 @pytest.fixture(scope="module")
 def megatron_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
     return run_opd(run_to_completion, tiny_assets, teacher, tmp_path_factory.mktemp("opd_megatron"))
@@ -65,12 +74,7 @@ def megatron_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
 @pytest.fixture(scope="module")
 def sglang_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
     out = tmp_path_factory.mktemp("opd_sglang")
-
-    def server_on(port):
-        return ServerProcess("teacher", cpu_server_command(str(teacher), port, num_threads=1),
-                             f"http://127.0.0.1:{port}", log_path=str(out / "teacher.log"), startup_timeout_s=120)
-
-    server = start_on_a_free_port(server_on, "127.0.0.1")
+    server = start_teacher_server(teacher, out)
     (out / "run").mkdir()
     try:
         return run_opd(run_to_completion, tiny_assets, teacher, out / "run", "distillation.type=sglang",
@@ -95,16 +99,39 @@ def test_both_teachers_score_the_first_step_alike(megatron_run, sglang_run):
         assert megatron_run[0][key] == pytest.approx(sglang_run[0][key], abs=1e-4), key
 
 
-def test_forward_kl_topk_trains_on_the_distillation_loss_alone(tiny_assets, teacher, tmp_path, run_to_completion):
+TOPK = ("distillation.loss_mode=forward_kl_topk", "distillation.use_policy_gradient=false", "distillation.topk=8",
+        "distillation.loss_max_clamp=10.0", "distillation.log_prob_min_clamp=-10.0")
+
+
+@pytest.fixture(scope="module")
+def topk_megatron_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
+    return train_rows(run_to_completion, tiny_assets, teacher, tmp_path_factory.mktemp("topk_megatron"), 2, *TOPK)
+
+
+def test_forward_kl_topk_trains_on_the_distillation_loss_alone(topk_megatron_run):
     """verl's run_qwen3_8b_megatron.sh loss (forward_kl_topk over the teacher's top 8, directly,
     without task rewards, both clamps), two steps: one response per prompt leaves GRPO's advantage 0,
     so the update's gradient is the distillation term's alone, and the advantage carries no OPD term.
     The loss against HF's models: tests/engines/test_distillation_engine.py."""
-    train = train_rows(run_to_completion, tiny_assets, teacher, tmp_path, 2, "distillation.loss_mode=forward_kl_topk",
-                       "distillation.use_policy_gradient=false", "distillation.topk=8",
-                       "distillation.loss_max_clamp=10.0", "distillation.log_prob_min_clamp=-10.0")
-    for row in train:
+    for row in topk_megatron_run:
         assert row["timing/teacher_log_prob_s"] > 0 and row["opd/coverage"] == 1.0
         assert 0 < row["actor/distillation_loss"] < 10.0 and math.isfinite(row["actor/distillation_loss"])
         assert row["advantages/mean"] == 0.0
         assert row["actor/grad_norm"] > 0
+
+
+def test_forward_kl_topk_from_an_sglang_teacher_matches_the_megatron_teachers_first_step(
+        topk_megatron_run, tiny_assets, teacher, tmp_path, run_to_completion):
+    """The same loss with the teacher behind a server (`RolloutClient.score_top_k`, SGLang's
+    `top_logprobs_num`), one step: the same responses as the Megatron teacher's run's step 1, and the
+    same top-k from the server's input top log-probs as from the Megatron head, so the same loss."""
+    server = start_teacher_server(teacher, tmp_path)
+    (tmp_path / "run").mkdir()
+    try:
+        (row,) = train_rows(run_to_completion, tiny_assets, teacher, tmp_path / "run", 1, *TOPK,
+                            "distillation.type=sglang", f"distillation.teacher.url={server.url}")
+    finally:
+        server.stop(timeout_s=15)
+    assert row["opd/coverage"] == 1.0 and row["actor/grad_norm"] > 0
+    for key in ("actor/distillation_loss", "opd/teacher_log_prob_mean"):
+        assert row[key] == pytest.approx(topk_megatron_run[0][key], abs=1e-4), key

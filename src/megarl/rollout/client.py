@@ -226,7 +226,20 @@ class RolloutClient:
         if self.vocab_size is None:
             raise ValueError("score needs the served model's vocab_size (RolloutClient(vocab_size=...)) to read "
                              "the token ids SGLang reports")
-        return self._loop_thread().run(self._score(sequences, starts))
+        return [scores for scores, _, _ in self._loop_thread().run(self._score(sequences, starts, 0))]
+
+    def score_top_k(self, sequences: list[list[int]], starts: list[int],
+                    k: int) -> list[tuple[list[float], list[list[float]], list[list[int]]]]:
+        """`score`, and the teacher's k most likely tokens at each of those positions: per sequence
+        (log-probs [n], top log-probs [n][k] descending, top token ids [n][k]) for its n = len - starts[i] - 1
+        scored tokens, row t the distribution of token starts[i] + 1 + t (SGLang's
+        `top_logprobs_num` = k: `input_top_log_probs`). 1 <= k <= the served vocabulary."""
+        if not 1 <= k <= (self.vocab_size or 0):
+            raise ValueError(f"score_top_k: k={k} must be in [1, vocab_size={self.vocab_size}] (SGLang's scheduler "
+                             "dies on a top_logprobs_num over the vocabulary)")
+        if len(starts) != len(sequences):
+            raise ValueError(f"starts has {len(starts)} entries for {len(sequences)} sequences")
+        return self._loop_thread().run(self._score(sequences, starts, k))
 
     def close(self) -> None:
         """Cancel what still runs, close the session and stop the client's loop thread. A later
@@ -308,19 +321,22 @@ class RolloutClient:
             except ServerError:
                 pass  # a server that cannot be reached has nothing running for us
 
-    async def _score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
-        """`score`, on the client's loop."""
+    async def _score(self, sequences: list[list[int]], starts: list[int], k: int):
+        """`score_top_k` (k > 0) or `score` (k = 0: the top lists empty), on the client's loop."""
         sampling = SamplingParams(max_new_tokens=0)
         semaphore, session = asyncio.Semaphore(self.max_concurrency), self._session_here()
 
-        async def one(index: int) -> list[float]:
+        async def one(index: int):
             ids, start = list(sequences[index]), starts[index]
             payload = {**self._payload(ids, sampling, True), "logprob_start_len": start}
+            if k > 0:
+                payload["top_logprobs_num"] = k
             async with semaphore:
                 for attempt in range(1, self.max_retries + 2):
                     try:
                         (output,) = await self._attempt(session, index, payload, 1, as_sent=True)
-                        return input_log_probs(output, ids, start, self.vocab_size, index)
+                        values, top_ids = input_top_log_probs(output, ids, start, k, index) if k else ([], [])
+                        return input_log_probs(output, ids, start, self.vocab_size, index), values, top_ids
                     except _Retry as e:
                         if attempt > self.max_retries:
                             raise RolloutRequestError(index, None, f"gave up after {attempt} attempts: {e}") from None
@@ -529,6 +545,25 @@ def input_log_probs(output: dict[str, Any], ids: list[int], start: int, vocab_si
     if entries and entries[0][0] is not None:
         raise RolloutRequestError(index, 200, "input_token_logprobs[0] has a log-prob; SGLang sends null there")
     return [float(e[0]) for e in entries[1:]]
+
+
+def input_top_log_probs(output: dict[str, Any], ids: list[int], start: int, k: int,
+                        index: int = 0) -> tuple[list[list[float]], list[list[int]]]:
+    """(log-probs [n][k], token ids [n][k]) of the k most likely tokens at the n = len(ids) - start - 1
+    positions whose tokens are ids[start + 1:], from one `/generate` answer's `meta_info.input_top_logprobs`
+    (top_logprobs_num = k: null for ids[start], then per position k entries [logprob, token_id, text]
+    in descending order, the ids unclipped: SGLang 0.5.23 `managers/scheduler_components/
+    logprob_result_processor.py::_process_input_top_logprobs`, `managers/tokenizer_manager.py::
+    detokenize_top_logprobs_tokens`). Raises `RolloutRequestError` (naming sequence `index`) when
+    the entries are missing or of another shape."""
+    rows = output.get("meta_info", {}).get("input_top_logprobs")
+    expected = len(ids) - start
+    if rows is None or len(rows) != expected or (rows and rows[0] is not None) or not all(
+            row is not None and len(row) == k for row in rows[1:]):
+        got = "none" if rows is None else f"{len(rows)} rows, sizes {[None if r is None else len(r) for r in rows][:8]}"
+        raise RolloutRequestError(index, 200, f"input_top_logprobs: {got}, expected null then {expected - 1} rows of "
+                                  f"top_logprobs_num={k} entries from logprob_start_len={start}")
+    return [[float(e[0]) for e in row] for row in rows[1:]], [[int(e[1]) for e in row] for row in rows[1:]]
 
 
 def _concat_routes(first, rest):

@@ -16,7 +16,13 @@ under log_softmax(logits), whatever the request's temperature (SGLang 0.5.23
 first one: `managers/scheduler_components/logprob_result_processor.py`,
 `input_token_logprobs_val = [None] + ...`); an entry's token_id is 0 for ids from vocab_size - 1 up
 (SGLang clips them there; the log-prob is the real token's). A scorer sends the whole sequence with
-`logprob_start_len` 0 (or its prompt length - 1) and `max_new_tokens` 0.
+`logprob_start_len` 0 (or its prompt length - 1) and `max_new_tokens` 0. With `top_logprobs_num` k > 0
+as well, `meta_info.input_top_logprobs` has one entry per `input_token_logprobs` entry: null first (none
+at all when the start is the input's length), then the k most likely tokens at that position, each
+[logprob, token_id, null] in descending order, their ids unclipped; and `output_top_logprobs` has, with
+`max_new_tokens` 0, one entry: the top k after the whole input (SGLang 0.5.23
+`managers/scheduler_components/logprob_result_processor.py::_process_input_top_logprobs`,
+`managers/tokenizer_manager.py::detokenize_top_logprobs_tokens`; measured on its CPU server).
 
 A request with one prompt and `n == 1` gets one such object; a batch of prompts, or `n > 1`, gets a
 list ordered prompt-major (the `n` samples of prompt 0, then those of prompt 1, ...).
@@ -199,6 +205,8 @@ class PromptRequest:
     # with return_logprob: `meta_info.input_token_logprobs` covers input positions [start, prompt
     # tokens) (SGLang's `logprob_start_len`; -1: none, as a start at the prompt's length)
     logprob_start_len: int = -1
+    # with return_logprob: the top tokens per position to report (SGLang's `top_logprobs_num`; <= 0: none)
+    top_logprobs_num: int = 0
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,7 @@ def parse_generate_body(body: Any) -> GenerateBody:
     routed = _per_prompt(body.get("return_routed_experts", False), count, "return_routed_experts")
     starts = _per_prompt(body.get("routed_experts_start_len", 0), count, "routed_experts_start_len")
     logprob_starts = _per_prompt(body.get("logprob_start_len", -1), count, "logprob_start_len")
+    top_nums = _per_prompt(body.get("top_logprobs_num", 0), count, "top_logprobs_num")
     parsed = []
     for i in range(count):
         try:
@@ -278,9 +287,12 @@ def parse_generate_body(body: Any) -> GenerateBody:
                                       and -1 <= logprob_start <= len(prompts[i])):
             raise BadRequestError(f"logprob_start_len={logprob_start!r} is higher than the number of input tokens "
                                   f"{len(prompts[i])}, or not an int >= -1. Please use a smaller logprob_start_len.")
+        # SGLang 0.5.23 answers HTTP 400 to a top_logprobs_num that is no int (a float, string or bool)
+        if not isinstance(top_nums[i], int) or isinstance(top_nums[i], bool):
+            raise BadRequestError(f"top_logprobs_num={top_nums[i]!r}: Input should be a valid integer")
         parsed.append(PromptRequest(prompts[i], sampling, bool(logprobs[i]), rids[i], lora_path=loras[i],
                                     return_routed_experts=bool(routed[i]), routed_experts_start_len=start,
-                                    logprob_start_len=logprob_start))
+                                    logprob_start_len=logprob_start, top_logprobs_num=top_nums[i]))
     batched = batched or any(p.sampling.n > 1 for p in parsed)
     return GenerateBody(parsed, batched)
 

@@ -1,5 +1,5 @@
 """The on-policy-distillation teacher as the controller sees it (`distillation`, megarl.algos.opd):
-one call, `Teacher.log_probs(batch)`, whichever form it takes.
+one call, `Teacher.log_probs(batch)` (or `Teacher.top_k(batch, k)` for forward_kl_topk), whichever form it takes.
 
   type megatron  the `teacher` role's engine group (a `TeacherEngine` per rank, placed by the
                  planner on the training pool or its own, offloaded with the reference's rules)
@@ -84,14 +84,18 @@ def scoring_requests(batch: Batch) -> tuple[list[list[int]], list[int]]:
     return [p + r for p, r in zip(prompts, responses)], [len(p) - 1 for p in prompts]
 
 
-def response_grid(scores: list[list[float]], batch: Batch) -> torch.Tensor:
-    """[B, R] float32: row i's scores from column 0 (its response tokens in order), 0 after them."""
-    grid = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+def response_grid(scores: list[list], batch: Batch, k: Optional[int] = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, R] (or [B, R, k] when each score is a list of k) of `dtype`: row i's scores from column 0
+    (its response tokens in order), 0 after them."""
+    trailing = () if k is None else (k,)
+    grid = torch.zeros((*batch["response_ids"].shape, *trailing), dtype=dtype)
     lengths = batch.response_tokens().sum(1).tolist()
     for i, (row, length) in enumerate(zip(scores, lengths)):
         if len(row) != length:
             raise ValueError(f"teacher scores of row {i}: {len(row)} values for {length} response tokens")
-        grid[i, :length] = torch.tensor(row, dtype=torch.float32)
+        if length:
+            grid[i, :length] = torch.tensor(row, dtype=dtype)
     return grid
 
 
@@ -123,23 +127,34 @@ class Teacher:
         `distillation.teacher.api_key_env`."""
         if self.type == "megatron":
             return self.engines.compute_teacher_log_prob(batch, OPD_TEMPERATURE)["teacher_log_probs"]
-        sequences, starts = scoring_requests(batch)
-        try:
-            scores = self.client.score(sequences, starts)
-        except RolloutRequestError as e:
-            if e.status == 401:
-                raise ConfigError(unauthorized_message(self.client.url, self.api_key_env)) from e
-            raise
-        return response_grid(scores, batch)
+        return response_grid([scores for scores, _, _ in self._scored(batch, 0)], batch)
 
     def top_k(self, batch: Batch, k: int) -> dict[str, torch.Tensor]:
         """`teacher_log_probs` [B, R] as `log_probs`, plus `teacher_topk_log_probs` [B, R, k] float32
         and `teacher_topk_ids` [B, R, k] int64: the teacher's k most likely tokens at each response
-        position at `OPD_TEMPERATURE` (distillation.loss_mode=forward_kl_topk; type megatron only,
-        the config's rule)."""
-        if self.type != "megatron":
-            raise ValueError("the teacher's top-k log-probs come from a Megatron teacher only (distillation.type)")
-        return self.engines.compute_teacher_top_k(batch, OPD_TEMPERATURE, k)
+        position at `OPD_TEMPERATURE` (distillation.loss_mode=forward_kl_topk), 0 at padding: from
+        the Megatron teacher's head, or from the SGLang teacher's input top log-probs
+        (`RolloutClient.score_top_k`, at T = 1 as `log_probs`)."""
+        if self.type == "megatron":
+            return self.engines.compute_teacher_top_k(batch, OPD_TEMPERATURE, k)
+        scored = self._scored(batch, k)
+        return {"teacher_log_probs": response_grid([s for s, _, _ in scored], batch),
+                "teacher_topk_log_probs": response_grid([v for _, v, _ in scored], batch, k),
+                "teacher_topk_ids": response_grid([i for _, _, i in scored], batch, k, dtype=torch.int64)}
+
+    def _scored(self, batch: Batch, k: int) -> list[tuple[list[float], list[list[float]], list[list[int]]]]:
+        """The SGLang teacher's answer for the batch's responses: `RolloutClient.score_top_k` (k > 0)
+        or `score` (k = 0, the top lists empty). A refused key (HTTP 401) raises ConfigError naming
+        `distillation.teacher.api_key_env`."""
+        sequences, starts = scoring_requests(batch)
+        try:
+            if k:
+                return self.client.score_top_k(sequences, starts, k)
+            return [(scores, [], []) for scores in self.client.score(sequences, starts)]
+        except RolloutRequestError as e:
+            if e.status == 401:
+                raise ConfigError(unauthorized_message(self.client.url, self.api_key_env)) from e
+            raise
 
     def close(self) -> None:
         if self.client is not None:

@@ -64,10 +64,9 @@ def distillation_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iter
 def distillation_loss_problems(config: ExperimentConfig) -> Iterator[str]:
     """The distillation loss (`loss_mode`, megarl.algos.opd) as verl allows it: k1 only through the
     policy gradient (verl's `DistillationLossConfig.__post_init__`: its gradient does not depend on
-    the teacher); forward_kl_topk from a Megatron teacher (an SGLang teacher returns the sampled tokens' log-probs only); a positive
-    `topk` and `loss_max_clamp`.
+    the teacher); a positive `topk` and `loss_max_clamp`.
 
-    Reads: distillation.loss_mode, distillation.use_policy_gradient, distillation.type, distillation.topk,
+    Reads: distillation.loss_mode, distillation.use_policy_gradient, distillation.topk,
     distillation.loss_max_clamp
     """
     d = config.distillation
@@ -76,9 +75,6 @@ def distillation_loss_problems(config: ExperimentConfig) -> Iterator[str]:
                "does not depend on the teacher (verl refuses it too, DistillationLossConfig); use k3 or "
                "forward_kl_topk, or use_policy_gradient=true")
     if d.loss_mode == "forward_kl_topk":
-        if d.type != "megatron":
-            yield (f"{KEY}.loss_mode=forward_kl_topk needs the teacher's top-k log-probs, which megarl takes from a "
-                   f"Megatron teacher only: set {KEY}.type=megatron")
         if d.topk < 1:
             yield f"{KEY}.topk={d.topk}: must be >= 1 (the teacher's tokens per position)"
     if d.loss_max_clamp is not None and not d.loss_max_clamp > 0:

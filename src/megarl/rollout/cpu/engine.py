@@ -151,6 +151,11 @@ class Sequence:
     # return_logprob: SGLang's input log-probs of prompt positions [logprob_start_len, prompt), the first None
     logprob_start_len: int = -1
     input_logprobs: list[Optional[float]] = field(default_factory=list)
+    # top_logprobs_num (> 0, with max_new_tokens 0): per input position from logprob_start_len the k most
+    # likely tokens as (logprob, id), descending, the first None; and the top k after the whole prompt
+    top_logprobs_num: int = 0
+    input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     def routed_experts(self) -> torch.Tensor:
         """[positions, layers, top_k]: the routes of the positions [routed_experts_start_len,
@@ -290,6 +295,18 @@ class CPUEngine:
         if sampling.stop and self.tokenizer is None:
             raise BadRequestError("sampling_params.stop needs a tokenizer; this model has none (use stop_token_ids)")
 
+    def check_top_logprobs(self, top_logprobs_num: int, sampling: SamplingParams) -> None:
+        """Refuse a `top_logprobs_num` (with `return_logprob`) beyond the vocabulary: SGLang 0.5.23's
+        scheduler dies on it (`layers/logprob_processor.py::get_top_logprobs_chunk`, `logprobs.topk`:
+        "selected index k out of range"); here HTTP 400. The CPU engine reports top tokens of the
+        input only: with max_new_tokens > 0 it refuses them."""
+        if top_logprobs_num > self.vocab_size:
+            raise BadRequestError(f"top_logprobs_num={top_logprobs_num} is more than the vocabulary's "
+                                  f"{self.vocab_size} tokens")
+        if top_logprobs_num > 0 and sampling.max_new_tokens > 0:
+            raise BadRequestError("top_logprobs_num with max_new_tokens > 0 is not supported by the megarl CPU engine "
+                                  "(it reports the top tokens of the input only: send max_new_tokens 0)")
+
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise BadRequestError("`text` input needs a tokenizer; this model has none (send input_ids)")
@@ -312,15 +329,19 @@ class CPUEngine:
         lora_name: Optional[str] = None,
         routed_experts_start_len: Optional[int] = None,
         logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> list[Sequence]:
         """Queue the `sampling.n` samples of one prompt; `on_done` is called (scheduler thread) per sample.
         `lora_name`: the LoRA adapter to generate with (SGLang's `lora_path`; None: the base model).
         `routed_experts_start_len`: record routes (None: not asked, or not enabled).
         `logprob_start_len`: with `return_logprob`, the first prompt position of `input_logprobs`
         (-1: the prompt's length, none, as SGLang 0.5.23 `managers/scheduler.py::handle_generate_request`
-        sets it; checked by `megarl.rollout.protocol.parse_generate_body`)."""
+        sets it; checked by `megarl.rollout.protocol.parse_generate_body`).
+        `top_logprobs_num`: with `return_logprob`, the top tokens per position (`check_top_logprobs`)."""
         self.check_can_generate()
         self.check_prompt(prompt_ids, sampling)
+        if return_logprob:
+            self.check_top_logprobs(top_logprobs_num, sampling)
         lora = self.lora.resolve(lora_name, self.model)
         rid = rid or f"cpu-{next(self._rids)}"
         with self._cond:
@@ -330,7 +351,8 @@ class CPUEngine:
                 seqs.append(Sequence(rid, j, list(prompt_ids), sampling, return_logprob, seed, on_done, lora=lora,
                                      routed_experts_start_len=routed_experts_start_len,
                                      logprob_start_len=len(prompt_ids) if logprob_start_len == -1
-                                     else logprob_start_len))
+                                     else logprob_start_len,
+                                     top_logprobs_num=max(top_logprobs_num, 0) if return_logprob else 0))
             self._waiting.extend(seqs)
             self._cond.notify()
         return seqs
@@ -636,16 +658,25 @@ class CPUEngine:
         log_softmax(logits), whatever the request's temperature (SGLang 0.5.23
         `layers/logprob_processor.py::InputLogprobProcessor` takes no temperature); none when the
         start is the prompt's length. A forward of its own over the prompt when it covers more
-        than the last position."""
-        start, ids = seq.logprob_start_len, seq.prompt_ids
+        than the last position. With `top_logprobs_num` k, `seq.input_top_logprobs` likewise (the
+        top k of each of those positions' distributions, None first) and `seq.output_top_logprobs`
+        the top k after the whole prompt, as SGLang 0.5.23 reports them for max_new_tokens 0
+        (`managers/scheduler_components/logprob_result_processor.py::_process_input_top_logprobs`)."""
+        start, ids, k = seq.logprob_start_len, seq.prompt_ids, seq.top_logprobs_num
         seq.input_logprobs = [None] if start < len(ids) else []
-        if start >= len(ids) - 1:
+        seq.input_top_logprobs = [None] if k > 0 and start < len(ids) else []
+        if start >= len(ids) - 1 and k == 0:
             return
         logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         if self._route_recorder is not None:  # this forward's routes are no generation's
             self._route_recorder.take(1, len(ids))
-        logp = torch.log_softmax(logits[start:-1], dim=-1)
-        seq.input_logprobs += logp.gather(-1, torch.tensor(ids[start + 1:])[:, None])[:, 0].tolist()
+        logp = torch.log_softmax(logits, dim=-1)  # [prompt, vocab]: row t is the distribution of token t + 1
+        seq.input_logprobs += logp[start:-1].gather(-1, torch.tensor(ids[start + 1:])[:, None])[:, 0].tolist()
+        if k > 0:
+            values, indices = logp.topk(k, dim=-1)
+            rows = [list(zip(v, i)) for v, i in zip(values.tolist(), indices.tolist())]
+            seq.input_top_logprobs += rows[start:-1]
+            seq.output_top_logprobs = rows[-1:]
 
     def _startable(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish the sequences aborted while waiting and those with max_new_tokens 0 (after scoring

@@ -196,6 +196,10 @@ def _output(engine: CPUEngine, seq: Sequence, n: int) -> dict[str, Any]:
         vocab_size = engine.config.vocab_size if seq.input_logprobs else None
         meta["input_token_logprobs"] = [[lp, input_entry_id(tok, vocab_size), None] for lp, tok in
                                         zip(seq.input_logprobs, seq.prompt_ids[seq.logprob_start_len:])]
+    if seq.return_logprob and seq.top_logprobs_num > 0:  # ids unclipped, as SGLang sends them
+        meta["input_top_logprobs"] = [None if row is None else [[lp, tok, None] for lp, tok in row]
+                                      for row in seq.input_top_logprobs]
+        meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in row] for row in seq.output_top_logprobs]
     if seq.routed_experts_start_len is not None and seq.routes:
         meta["routed_experts"] = encode_routed_experts(seq.routed_experts())
     return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
@@ -358,6 +362,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
         for i, (ids, prompt) in enumerate(zip(prompt_ids, body.prompts)):
             try:
                 engine.check_prompt(ids, prompt.sampling)
+                if prompt.return_logprob:
+                    engine.check_top_logprobs(prompt.top_logprobs_num, prompt.sampling)
             except BadRequestError as e:
                 raise BadRequestError(f"prompt {i}: {e}" if len(body.prompts) > 1 else str(e)) from None
             engine.lora.resolve(prompt.lora_path, engine.model)  # an unknown adapter refuses the whole request
@@ -376,7 +382,8 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                 routes = prompt.return_routed_experts and engine.return_routed_experts
                 start = prompt.routed_experts_start_len if routes else None
                 engine.submit(ids, prompt.sampling, prompt.return_logprob, rids[-1], on_done, prompt.lora_path,
-                              routed_experts_start_len=start, logprob_start_len=prompt.logprob_start_len)
+                              routed_experts_start_len=start, logprob_start_len=prompt.logprob_start_len,
+                              top_logprobs_num=prompt.top_logprobs_num)
         seqs = await _wait_unless_disconnected(request, collected.done)
         if seqs is None:  # the client went away: stop its work, as SGLang does
             for rid in rids:
