@@ -4,11 +4,10 @@ Their logs are in the run's logs/ directory (issue 26 item 10)."""
 import os
 import signal
 import time
-import types
 
 import pytest
 
-from megarl.config import ConfigError, load_and_validate, load_config
+from megarl.config import ConfigError, load_and_validate
 from megarl.data.tiny_model import make_tiny_model
 from megarl.placement import plan_from_config
 from megarl.placement.ray_pools import create_pools
@@ -207,46 +206,3 @@ def test_servers_that_all_answer_health_to_the_driver_cost_no_call_to_their_work
         healthy.close()
         broken.close()
 
-
-class CountedFleet:
-    """The fleet as `Cluster.generate` and `Cluster.push_weights` use it, counting the liveness
-    checks (`take_down_failed`: one `/health` per server) and finding every server alive."""
-
-    def __init__(self):
-        self.checks, self.weight_version, self.client = 0, None, types.SimpleNamespace(lora_name=None)
-
-    def take_down_failed(self) -> list[int]:
-        self.checks += 1
-        return []
-
-    def generate(self, prompts, sampling, seeds, partial=None):
-        return "generated"
-
-
-def test_a_generation_right_after_a_push_skips_the_liveness_check():
-    """Issue 50: every server answered the push's last call a moment before, so the generation
-    that follows at once asks no `/health`; without a push just before, a push longer ago than
-    PUSH_ANSWERED_FRESH_S, or a `recover` since the push, it checks as before (one check per generation)."""
-    from megarl.runtime import cluster as cluster_module
-
-    cluster = cluster_module.Cluster.__new__(cluster_module.Cluster)
-    cluster.config = load_config(None, [])  # served_adapter reads its LoRA settings (none)
-    cluster.rollout, cluster.weight_version, cluster._push_answered_at = CountedFleet(), 0, None
-    cluster.memory = types.SimpleNamespace(before_push=lambda: None, flush_before_push=lambda: None)
-    cluster._do = lambda moves: None
-    cluster.actor = types.SimpleNamespace(push_weights=lambda version, flush: {"sync/weight_version": 1.0})
-    sampling = SamplingParams(max_new_tokens=2)
-    assert cluster.generate([[5]], sampling) == "generated" and cluster.rollout.checks == 1  # no push before it
-    cluster.push_weights()
-    cluster.generate([[5]], sampling)
-    assert cluster.rollout.checks == 1  # right after the push: none
-    cluster.generate([[5]], sampling)
-    assert cluster.rollout.checks == 2  # the push's answers served one generation
-    cluster.push_weights()
-    cluster._push_answered_at -= cluster_module.PUSH_ANSWERED_FRESH_S + 0.1  # the push ended longer ago
-    cluster.generate([[5]], sampling)
-    assert cluster.rollout.checks == 3
-    cluster.push_weights()
-    cluster.recover()  # a phase's check after the push (a failed one's, or the next push's)
-    cluster.generate([[5]], sampling)
-    assert cluster.rollout.checks == 5  # that check and the generation's own

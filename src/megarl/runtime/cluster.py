@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -66,12 +65,6 @@ from megarl.runtime.rollout_fleet import GenerationInterrupted, RolloutFleet  # 
 
 log = logging.getLogger("megarl.runtime")
 T = TypeVar("T")
-
-# A generation that starts within this many seconds of a successful push, with no `recover` since,
-# skips the liveness check before it (`generate`): every server answered the push's last call (its
-# update session's close) then. One that died or hung since loses its prompts, and the generation
-# finds it as it does one that dies or hangs while it runs.
-PUSH_ANSWERED_FRESH_S = 1.0
 
 
 def connect_ray(config: ExperimentConfig) -> None:
@@ -117,7 +110,6 @@ class Cluster:
         self.rollout: RolloutFleet | None = None
         self.rollout_fp8: tuple[str, frozenset[str]] | None = None  # rollout.quantization=fp8: `_write_rollout_fp8`
         self.weight_version = 0  # of the last push into the rollout servers (0: none yet)
-        self._push_answered_at: float | None = None  # monotonic time of the last push, until `generate` or `recover`
         # what each role offloads ({role: OffloadParts}, colocated only) and where every memory is now
         self.memory = ColocatedMemory(self.plan.roles["rollout"].dp, offload_plan(config, self.plan.roles),
                                       self.releases_memory)
@@ -204,11 +196,8 @@ class Cluster:
                  seeds: list[int] | None = None) -> RolloutResult:
         """The fleet's `generate`, with the servers that died or hung restarted (`recover`): those
         found before it starts, and those whose death lost prompts, which are then sent again with
-        their seeds. Right after a successful push (`PUSH_ANSWERED_FRESH_S`) every server has just
-        answered: no check before it. On the controller's thread only (a restart pushes weights)."""
-        pushed, self._push_answered_at = self._push_answered_at, None
-        if pushed is None or time.monotonic() - pushed > PUSH_ANSWERED_FRESH_S:
-            self.recover()
+        their seeds. On the controller's thread only (a restart pushes weights)."""
+        self.recover()
         partial = None
         while True:
             try:
@@ -227,7 +216,6 @@ class Cluster:
         the whole model), the actor's weights again at the current version, so restarted servers
         answer with the weights and version of the others; then they rejoin the router. Before the
         engines exist (a colocated start) only the restart: the first push follows."""
-        self._push_answered_at = None  # the servers' answers to the last push no longer tell how they are
         dead = self.rollout.take_down_failed()
         if not dead:
             return 0
@@ -291,7 +279,6 @@ class Cluster:
             return self.actor.push_weights(version, self.memory.flush_before_push())
 
         metrics = self._with_recovery(f"the weight push to version {target}", push, push_follows=True)
-        self._push_answered_at = time.monotonic()
         self.weight_version = int(metrics["sync/weight_version"])
         self.rollout.weight_version = str(self.weight_version)
         self.rollout.client.lora_name = served_adapter(self.config, self.weight_version)
