@@ -11,7 +11,8 @@ scripts' setting) trains bit for bit as the one saving at once, and its checkpoi
 run left with only that run's step 1 checkpoint (verl's resume_mode=auto finds it) resumes and ends
 exactly as the uninterrupted run: step 2's loss and gradient norm, and the exported weights; its own
 checkpoint, also saved in the background, holds what its checkpoint.save_contents=[model,extra,hf_model]
-names (verl's parts: no optimizer state, an HF copy equal to the exported weights).
+names (verl's parts: no optimizer state, an HF copy equal to the exported weights). SIGTERM to a run
+finishes its step, checkpoints it and exits 75, as an RL run.
 """
 import json
 import shutil
@@ -216,3 +217,41 @@ def test_save_contents_decides_what_a_checkpoint_holds(run, resumed):
     exported = load_file(next(out.glob("*/*/hf/*.safetensors")))
     copy = load_file(next((mine / "actor_hf").glob("*.safetensors")))
     assert copy.keys() == exported.keys() and all(torch.equal(copy[n], t) for n, t in exported.items())
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_75(run):
+    """SIGTERM (what Slurm sends before a preemption) to a long SFT run that would never save
+    (save_freq=-1): the step in progress finishes, is checkpointed, and the run exits 75, as an RL run
+    (megarl.trainer.preemption); the checkpoint is the last logged step's, and resume_mode=auto finds it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from megarl.checkpoint import complete_checkpoints, load_controller_state
+
+    root, _, _ = run
+    out = root / "stopped"
+    cmd = [*command(root, root / "model", out), "trainer.save_freq=-1", "trainer.total_epochs=100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not list(out.glob("*/*/logs/metrics.jsonl")) or not next(out.glob("*/*/logs/metrics.jsonl")).read_text():
+            assert proc.poll() is None, proc.stdout.read()[-5000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # to the trainer alone, as the launchers do
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 75 and "stopped by SIGTERM" in output, output[-5000:]
+    (logs,) = out.glob("*/*/logs")
+    last_logged = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()][-1]["step"]
+    experiment = logs.parent
+    assert [step for step, _ in complete_checkpoints(experiment)] == [last_logged]  # the signal's alone
+    assert (experiment / "latest").read_text().strip() == f"global_step_{last_logged}"
+    assert load_controller_state(experiment / f"global_step_{last_logged}")["step"] == last_logged
+    assert f"checkpoint {experiment / f'global_step_{last_logged}'}" in output

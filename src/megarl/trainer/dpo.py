@@ -32,7 +32,7 @@ from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
 from megarl import checkpoint
-from megarl.trainer.offline import log_step, resume_offline, run_offline, save_due, save_offline_checkpoint
+from megarl.trainer.offline import fit_offline, run_offline
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import DPOActorRole, RefRole
 
@@ -82,29 +82,21 @@ class DPOTrainer:
         return {f"val/dpo_{name}": value for name, value in metrics.items()}
 
     def fit(self, tracker) -> dict:
-        """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
-        where `save_due` (megarl.trainer.offline); a background write (async_save) is committed at a later
-        step boundary, and at the end at the latest."""
-        t = self.config.trainer
-        validating = self.val_data is not None and t.test_freq > 0
-        resumed = resume_offline(self.config, self.actor, self.sampler)
-        if validating and t.val_before_train and resumed == 0:
-            tracker.log(self.validate(), step=0)
-        metrics = {}
-        for step in range(resumed + 1, self.total_steps + 1):
-            start = time.perf_counter()
-            batch = pairs_to_batch(self.train_data.take(self.sampler.next_batch()))
-            self.with_ref_log_probs(batch)
-            ref_done = time.perf_counter()
-            metrics = self.actor.dpo_step(batch)
-            done = time.perf_counter()
-            metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
-                            "timing/step_s": done - start})
-            log_step(tracker, metrics, step, self.total_steps, t.test_freq, self.validate if validating else None)
-            self.checkpoints.poll()
-            if save_due(self.config, step, self.total_steps):
-                save_offline_checkpoint(self.config, step, self.checkpoints, self.sampler)
-        self.checkpoints.finish()
+        """Train to the last step (megarl.trainer.offline.fit_offline: resume, checkpoints, signals)."""
+        validating = self.val_data is not None and self.config.trainer.test_freq > 0
+        return fit_offline(self, tracker, self.train_step, self.validate if validating else None,
+                           validate_first=self.config.trainer.val_before_train)
+
+    def train_step(self) -> dict:
+        """The reference's log-probs and one DPO optimizer step on the sampler's next pairs; its metrics."""
+        start = time.perf_counter()
+        batch = pairs_to_batch(self.train_data.take(self.sampler.next_batch()))
+        self.with_ref_log_probs(batch)
+        ref_done = time.perf_counter()
+        metrics = self.actor.dpo_step(batch)
+        done = time.perf_counter()
+        metrics.update({"timing/ref_log_prob_s": ref_done - start, "timing/update_actor_s": done - ref_done,
+                        "timing/step_s": done - start})
         return metrics
 
     def export(self, out_dir: Path) -> Path:

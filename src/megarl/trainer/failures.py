@@ -59,7 +59,7 @@ def report_failure(error: BaseException, run_dir: Path) -> str:
 def run_and_report(run, config) -> int:
     """Exit status of `run(config)`: 0; 75 after a stop signal that let the run checkpoint (a first
     SIGTERM or SIGUSR1); 128 + N after signal N stopped it at once (a second one, or Ctrl-C: 130,
-    also before the RL loop started or in an SFT/DPO run); 1 after a failure, reported in a few
+    also before the training loop started); 1 after a failure, reported in a few
     lines (megarl.trainer.failures)."""
     t = config.trainer
     try:
@@ -69,7 +69,7 @@ def run_and_report(run, config) -> int:
         hint = "resume with trainer.resume_mode=auto" if stopped.checkpoint else resume_hint(run_dir)
         print(f"megarl: {stopped}; exit status {stopped.exit_code} ({hint})", file=sys.stderr)
         return stopped.exit_code
-    except KeyboardInterrupt:  # before the RL loop installed its handler, or an SFT/DPO run
+    except KeyboardInterrupt:  # before the training loop installed its handler
         print(INTERRUPTED, file=sys.stderr)
         return 130
     except ConfigError:

@@ -9,7 +9,8 @@ every `trainer.save_freq` steps and at the last step (save_freq > 0) a megarl ch
 (megarl.checkpoint: the actor per actor_rollout_ref.actor.checkpoint.save_contents, the step, the data
 sampler's position and the RNG state) goes to `<default_local_dir>/<project>/<experiment>/global_step_N`;
 `trainer.resume_mode` auto (the newest there), resume_path (`trainer.resume_from_path`) or disable picks
-the one a run continues from, at the step after it.
+the one a run continues from, at the step after it. SIGTERM or SIGUSR1 finishes the step, checkpoints it
+and stops with exit status 75, Ctrl-C stops at once (megarl.trainer.preemption), as the RL trainer.
 """
 from __future__ import annotations
 
@@ -22,7 +23,37 @@ from pathlib import Path
 from megarl import checkpoint
 from megarl.config import ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
+from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
+
+
+def fit_offline(trainer, tracker, train_step: Callable[[], dict], validate: Callable[[], dict] | None,
+                validate_first: bool = False) -> dict:
+    """The offline trainers' loop: from the step after the checkpoint `trainer.resume_mode` picks
+    to `trainer.total_steps`, `train_step()` (the step's metrics), logged with `validate()`'s every
+    `trainer.test_freq` steps (and at step 0 with `validate_first`, when the run starts fresh), a
+    checkpoint where `save_due`. A background write (async_save) is committed at a later step
+    boundary, and at the end at the latest. On SIGTERM/SIGUSR1 the step finishes, is checkpointed, and
+    `Preempted` is raised; Ctrl-C or a second signal abandons the step (megarl.trainer.preemption).
+    `trainer`: config, actor, sampler, checkpoints, total_steps. Returns the last step's metrics."""
+    config, t = trainer.config, trainer.config.trainer
+    resumed = resume_offline(config, trainer.actor, trainer.sampler)
+    if validate is not None and validate_first and resumed == 0:
+        tracker.log(validate(), step=0)
+    metrics = {}
+    with StopRequest() as stop:
+        for step in range(resumed + 1, trainer.total_steps + 1):
+            stop.step = step - 1
+            metrics = train_step()
+            log_step(tracker, metrics, step, trainer.total_steps, t.test_freq, validate)
+            trainer.checkpoints.poll()
+            saved = save_due(config, step, trainer.total_steps)
+            if saved or stop.signum is not None:
+                save_offline_checkpoint(config, step, trainer.checkpoints, trainer.sampler)
+            if stop.signum is not None:
+                raise Preempted(stop.signum, step, str(trainer.checkpoints.finish()))
+        trainer.checkpoints.finish()
+    return metrics
 
 
 def log_step(tracker, metrics: dict, step: int, total_steps: int, test_freq: int,

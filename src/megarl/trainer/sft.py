@@ -27,7 +27,7 @@ from megarl.data.prompts import Prompt, PromptDataset
 from megarl.data.sampler import EpochSampler
 from megarl.placement.from_config import offline_plan
 from megarl.placement.ray_pools import create_pools
-from megarl.trainer.offline import log_step, resume_offline, run_offline, save_due, save_offline_checkpoint
+from megarl.trainer.offline import fit_offline, run_offline
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.roles import SFTActorRole
 
@@ -99,22 +99,14 @@ class SFTTrainer:
         return {"val/nll": float(-log_probs[mask].mean())}
 
     def fit(self, tracker) -> dict:
-        """Train from the step after the checkpoint `trainer.resume_mode` picks to the last, saving
-        where `save_due` (megarl.trainer.offline); a background write (async_save) is committed at a later
-        step boundary, and at the end at the latest."""
-        t = self.config.trainer
-        metrics = {}
-        for step in range(resume_offline(self.config, self.actor, self.sampler) + 1, self.total_steps + 1):
-            start = time.perf_counter()
-            batch = as_batch(self.train_data.take(self.sampler.next_batch()))
-            metrics = self.actor.sft_step(batch)
-            metrics["timing/step_s"] = time.perf_counter() - start
-            log_step(tracker, metrics, step, self.total_steps, t.test_freq,
-                     self.validation_nll if self.val_data is not None else None)
-            self.checkpoints.poll()
-            if save_due(self.config, step, self.total_steps):
-                save_offline_checkpoint(self.config, step, self.checkpoints, self.sampler)
-        self.checkpoints.finish()
+        """Train to the last step (megarl.trainer.offline.fit_offline: resume, checkpoints, signals)."""
+        return fit_offline(self, tracker, self.train_step, self.validation_nll if self.val_data is not None else None)
+
+    def train_step(self) -> dict:
+        """One optimizer step on the sampler's next batch; its metrics."""
+        start = time.perf_counter()
+        metrics = self.actor.sft_step(as_batch(self.train_data.take(self.sampler.next_batch())))
+        metrics["timing/step_s"] = time.perf_counter() - start
         return metrics
 
     def export(self, out_dir: Path) -> Path:
