@@ -65,16 +65,40 @@ def test_top_k_scores_equal_the_hf_models_top_k(server, tiny_hf):
 
 @pytest.mark.parametrize("extra, message", [
     ({"top_logprobs_num": VOCAB + 1}, "top_logprobs_num=129 is more than the vocabulary's 128 tokens"),
-    ({"top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 1}}, "max_new_tokens > 0 is not supported"),
     ({"top_logprobs_num": 2.5}, "top_logprobs_num=2.5: Input should be a valid integer"),
 ])
 def test_top_logprobs_the_cpu_engine_does_not_serve_are_refused(server, extra, message):
     """Past the vocabulary SGLang 0.5.23's scheduler dies (measured; `logprobs.topk`): the stand-in
-    answers 400; top tokens of generated ones it does not build: 400, where SGLang serves them."""
+    answers 400."""
     body = {"input_ids": SEQUENCES[0], "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 0}, **extra}
     resp = requests.post(server.url + "/generate", json=body, timeout=60)
     assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_output_top_logprobs_are_those_of_each_generated_tokens_distribution(server, tiny_hf, temperature):
+    """top_logprobs_num k while generating: per output token the k most likely tokens of the
+    distribution it was sampled from, log_softmax(logits / T) (T = 1 greedy) as its own log-prob,
+    HF's on the same tokens (the oracle); the sampled token's entry among them where it is in the
+    top k (greedy: first). Held to a real SGLang server in tests/sglang/test_differential.py."""
+    k, ids = 4, SEQUENCES[2]
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": k,
+            "sampling_params": {"max_new_tokens": 5, "temperature": temperature, "ignore_eos": True,
+                                "sampling_seed": 3}}
+    meta = requests.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    out = [e[1] for e in meta["output_token_logprobs"]]
+    rows = meta["output_top_logprobs"]
+    assert len(out) == 5 and len(rows) == 5 and meta["input_top_logprobs"] == []
+    with torch.no_grad():
+        logits = tiny_hf(input_ids=torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float()
+    top = torch.log_softmax(logits / (temperature or 1.0), dim=-1).topk(k, dim=-1)
+    assert [[e[1] for e in row] for row in rows] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[e[0] for e in row] for row in rows]), top.values, atol=1e-5, rtol=0)
+    for token, (logprob, _, _), row in zip(out, meta["output_token_logprobs"], rows):
+        assert all(e[0] == logprob for e in row if e[1] == token)  # the same numbers as the token's own
+    if temperature == 0:
+        assert [row[0][1] for row in rows] == out
 
 
 def test_top_k_answers_of_another_shape_are_refused():

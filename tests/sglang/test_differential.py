@@ -241,6 +241,33 @@ def test_input_top_logprobs_are_sglangs(servers, hf, prompt, start):
             assert status == 400, (kind, bad, answer)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_output_top_logprobs_while_generating_are_sglangs(servers, hf, prompt, temperature):
+    """`top_logprobs_num` k with max_new_tokens > 0 (SGLang serves it; the CPU engine refused it
+    before 2026-12-06): `output_top_logprobs` one row per output token, the top k of the
+    distribution it was sampled from, log_softmax(logits / T) (T = 1 greedy: the sampler's own
+    log-probs, `layers/sampler.py::Sampler.forward`), HF's on each server's own tokens; with
+    logprob_start_len 0 the input rows too, and no extra row for the prompt's end."""
+    k, new = 3, 4
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": new, "temperature": temperature, "ignore_eos": True}}
+    outputs = generated(servers, body)
+    if temperature == 0:
+        assert outputs["cpu"]["output_ids"] == outputs["sglang"]["output_ids"]
+    for kind, out in outputs.items():
+        meta, ids = out["meta_info"], out["output_ids"]
+        rows = meta["output_top_logprobs"]
+        assert len(ids) == new and len(rows) == new, (kind, rows)
+        assert len(meta["input_top_logprobs"]) == len(prompt) and meta["input_top_logprobs"][0] is None, kind
+        assert all(len(row) == k and all(e[2] is None for e in row) for row in rows), kind
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+        top = torch.log_softmax(logits / (temperature or 1.0), dim=-1).topk(k, dim=-1)
+        assert [[e[1] for e in row] for row in rows] == top.indices.tolist(), kind
+        torch.testing.assert_close(torch.tensor([[e[0] for e in row] for row in rows]), top.values, atol=ATOL,
+                                   rtol=0, msg=lambda m: f"{kind}: {m}")
+
+
 def test_weight_pushes_outside_a_session_are_refused_and_inside_one_load(servers, hf, qwen2_dir, prompt):
     junk = "bm90IGEgcGlja2xl"  # base64 of b"not a pickle": refused before it is read
     for path, body in [("/update_weights_from_tensor", {"serialized_named_tensors": [junk]}),

@@ -54,6 +54,7 @@ class DecodeRows:
     stop_ids: Optional[torch.Tensor]  # [B, S] (`stop_table`)
     generators: dict[int, torch.Generator]  # rows with their own `sampling_seed`
     string_rows: list[int]  # rows with stop strings
+    top_rows: list[int]  # rows asking for their tokens' top log-probs (top_logprobs_num > 0)
     out_ids: torch.Tensor  # [B, T] long, T = the largest max_new_tokens
     out_logprobs: torch.Tensor  # [B, T] float32
 
@@ -76,6 +77,7 @@ class DecodeRows:
             stop_ids=stop_table(seqs, eos_token_ids),
             generators={r: torch.Generator().manual_seed(s.seed) for r, s in enumerate(seqs) if s.seed is not None},
             string_rows=[r for r, s in enumerate(seqs) if s.sampling.stop],
+            top_rows=[r for r, s in enumerate(seqs) if s.top_logprobs_num > 0],
             out_ids=torch.empty(len(seqs), int(max_new.max()), dtype=torch.long),
             out_logprobs=torch.empty(len(seqs), int(max_new.max())),
         )
@@ -102,6 +104,18 @@ class DecodeRows:
         self.out_ids[rows, self.counts] = tokens
         self.out_logprobs[rows, self.counts] = logprobs
         self.counts += 1
+
+    def record_top_logprobs(self, logits: torch.Tensor) -> None:
+        """Append to each of `top_rows`' sequences the k = top_logprobs_num most likely tokens of the
+        distribution its token was just sampled from, as (logprob, id) descending: the log-probs the
+        sampled token's are (`engine.sample_tokens`: log_softmax(logits / T), T = 1 when greedy), as
+        SGLang 0.5.23 takes the top k of the sampler's own log-probs (`layers/sampler.py::Sampler.forward`
+        `output_logprob_processor.compute_logprobs(logprobs, top_logprobs_nums, ...)`). `logits`: [B, V]."""
+        for row in self.top_rows:
+            seq, temperature = self.seqs[row], float(self.temperatures[row])
+            logp = torch.log_softmax(logits[row] / (temperature if temperature > 0 else 1.0), dim=-1)
+            values, ids = logp.topk(seq.top_logprobs_num)
+            seq.output_top_logprobs.append(list(zip(values.tolist(), ids.tolist())))
 
     def fed(self) -> None:
         """One token per row went through the model: one more cache column, next positions."""
@@ -132,6 +146,7 @@ class DecodeRows:
             self.stop_ids = self.stop_ids[index]
         self.generators = {new_row[r]: g for r, g in self.generators.items() if r in new_row}
         self.string_rows = [new_row[r] for r in self.string_rows if r in new_row]
+        self.top_rows = [new_row[r] for r in self.top_rows if r in new_row]
 
     def extend(self, other: DecodeRows) -> None:
         """Append `other`'s rows after this batch's; the shorter side gains left padding so that both
@@ -146,5 +161,6 @@ class DecodeRows:
         self.out_logprobs = _stack_columns(self.out_logprobs, other.out_logprobs)
         self.generators.update({offset + r: g for r, g in other.generators.items()})
         self.string_rows += [offset + r for r in other.string_rows]
+        self.top_rows += [offset + r for r in other.top_rows]
         self.seqs += other.seqs
         self.length = length

@@ -151,8 +151,9 @@ class Sequence:
     # return_logprob: SGLang's input log-probs of prompt positions [logprob_start_len, prompt), the first None
     logprob_start_len: int = -1
     input_logprobs: list[Optional[float]] = field(default_factory=list)
-    # top_logprobs_num (> 0, with max_new_tokens 0): per input position from logprob_start_len the k most
-    # likely tokens as (logprob, id), descending, the first None; and the top k after the whole prompt
+    # top_logprobs_num (> 0): per input position from logprob_start_len the k most likely tokens as
+    # (logprob, id), descending, the first None; per output token those of the distribution it was
+    # sampled from (with max_new_tokens 0: the top k after the whole prompt)
     top_logprobs_num: int = 0
     input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -298,14 +299,10 @@ class CPUEngine:
     def check_top_logprobs(self, top_logprobs_num: int, sampling: SamplingParams) -> None:
         """Refuse a `top_logprobs_num` (with `return_logprob`) beyond the vocabulary: SGLang 0.5.23's
         scheduler dies on it (`layers/logprob_processor.py::get_top_logprobs_chunk`, `logprobs.topk`:
-        "selected index k out of range"); here HTTP 400. The CPU engine reports top tokens of the
-        input only: with max_new_tokens > 0 it refuses them."""
+        "selected index k out of range"); here HTTP 400."""
         if top_logprobs_num > self.vocab_size:
             raise BadRequestError(f"top_logprobs_num={top_logprobs_num} is more than the vocabulary's "
                                   f"{self.vocab_size} tokens")
-        if top_logprobs_num > 0 and sampling.max_new_tokens > 0:
-            raise BadRequestError("top_logprobs_num with max_new_tokens > 0 is not supported by the megarl CPU engine "
-                                  "(it reports the top tokens of the input only: send max_new_tokens 0)")
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -661,11 +658,14 @@ class CPUEngine:
         than the last position. With `top_logprobs_num` k, `seq.input_top_logprobs` likewise (the
         top k of each of those positions' distributions, None first) and `seq.output_top_logprobs`
         the top k after the whole prompt, as SGLang 0.5.23 reports them for max_new_tokens 0
-        (`managers/scheduler_components/logprob_result_processor.py::_process_input_top_logprobs`)."""
+        (`managers/scheduler_components/logprob_result_processor.py::_process_input_top_logprobs`);
+        with max_new_tokens > 0 the decode loop adds those of each output token instead
+        (`DecodeRows.record_top_logprobs`)."""
         start, ids, k = seq.logprob_start_len, seq.prompt_ids, seq.top_logprobs_num
         seq.input_logprobs = [None] if start < len(ids) else []
         seq.input_top_logprobs = [None] if k > 0 and start < len(ids) else []
-        if start >= len(ids) - 1 and k == 0:
+        after_prompt = k > 0 and seq.sampling.max_new_tokens == 0
+        if start >= len(ids) - 1 and not after_prompt:
             return
         logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         if self._route_recorder is not None:  # this forward's routes are no generation's
@@ -676,7 +676,8 @@ class CPUEngine:
             values, indices = logp.topk(k, dim=-1)
             rows = [list(zip(v, i)) for v, i in zip(values.tolist(), indices.tolist())]
             seq.input_top_logprobs += rows[start:-1]
-            seq.output_top_logprobs = rows[-1:]
+            if after_prompt:
+                seq.output_top_logprobs = rows[-1:]
 
     def _startable(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish the sequences aborted while waiting and those with max_new_tokens 0 (after scoring
@@ -744,8 +745,8 @@ class CPUEngine:
         The KV cache is preallocated for the longest prompt plus the largest `max_new_tokens`, and
         reallocated when newcomers join; each step is one forward over [B, 1] tokens (forward hooks
         see every step), one batched sample, and tensor checks for stop ids and lengths. Python
-        touches a row only when it finishes, is aborted, has stop strings, or has its own seed (its
-        generator draws per step). Finished rows leave the cache; tokens and log-probs are copied to
+        touches a row only when it finishes, is aborted, has stop strings, asks for top log-probs, or
+        has its own seed (its generator draws per step). Finished rows leave the cache; tokens and log-probs are copied to
         the `Sequence` when it finishes.
         """
         abort_epoch = self._abort_epoch
@@ -761,6 +762,8 @@ class CPUEngine:
             tokens, logprobs = sample_tokens(logits, rows.temperatures, rows.top_ps, rows.top_ks, rows.generators,
                                              self._shared_generator)
             rows.record(tokens, logprobs)
+            if rows.top_rows:
+                rows.record_top_logprobs(logits)
             step = self.decode_step = step + 1
             ended = rows.max_new <= rows.counts
             if rows.stop_ids is not None:
@@ -781,6 +784,8 @@ class CPUEngine:
                 seq.output_ids = ids
                 if seq.return_logprob:
                     seq.logprobs = logprobs
+                if aborted and seq.output_top_logprobs:
+                    seq.output_top_logprobs.pop()  # this step's, with its token
                 if aborted:
                     self._finish(seq, finish_abort("Aborted by /abort_request while running."))
                 else:
