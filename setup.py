@@ -64,8 +64,9 @@ setup(
     package_dir={"": "src"},
     packages=find_packages("src"),
     include_package_data=True,
-    # the sbatch template `megarl submit` renders (slurm/megarl.sbatch links to it)
-    package_data={"megarl.launch": ["megarl.sbatch"]},
+    # the sbatch template `megarl submit` renders (slurm/megarl.sbatch links to it); verl-recipe's configs'
+    # equivalents (megarl.config.args.VERL_RECIPE_CONFIGS)
+    package_data={"megarl.launch": ["megarl.sbatch"], "megarl.config": ["verl_configs/*.yaml"]},
     install_requires=CORE,
     # the test extra holds the connectors' libraries: their end-to-end tests run them
     extras_require={"gpu": GPU, "test": TEST + ENVS, "dev": DEV, "envs": ENVS},

@@ -32,12 +32,15 @@ def add_experiment_args(parser: argparse.ArgumentParser) -> None:
 VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer",
                      # verl/experimental/*/config: the entry point's own defaults (megarl.config.verl_compat.VERL_MODULES)
                      "fully_async_ppo_megatron_trainer", "one_step_off_ppo_megatron_trainer", "sft_trainer_engine")
+# verl-recipe's configs built on verl's base config with defaults of their own: name -> megarl's equivalent
+VERL_RECIPE_CONFIGS = {"dapo_megatron_trainer": Path(__file__).resolve().parent / "verl_configs" / "dapo_megatron_trainer.yaml"}
 
 
 def experiment_file(args: argparse.Namespace) -> str | None:
     """The YAML experiment file the arguments name: --config, or Hydra's --config-path/--config-name
     (the name with or without .yaml, in the path relative to the working directory). A verl base
-    config name that is not a file here means megarl's defaults, with one warning line."""
+    config name that is not a file here means megarl's defaults, and a verl-recipe config name
+    (VERL_RECIPE_CONFIGS) megarl's file of the same defaults, each with one warning line."""
     config_name, config_path = getattr(args, "config_name", None), getattr(args, "config_path", None)
     if args.config or not config_name:
         if config_path and not config_name:
@@ -47,6 +50,12 @@ def experiment_file(args: argparse.Namespace) -> str | None:
     candidate = Path(config_path or ".") / name
     if candidate.is_file():
         return str(candidate)
+    if Path(name).stem in VERL_RECIPE_CONFIGS:
+        packaged = VERL_RECIPE_CONFIGS[Path(name).stem]
+        logging.getLogger("megarl.config").warning(
+            "--config-name=%s: verl-recipe's config; megarl loads its equivalent %s (%s is not a file)",
+            config_name, packaged, candidate)
+        return str(packaged)
     if Path(name).stem in VERL_BASE_CONFIGS:
         logging.getLogger("megarl.config").warning(
             "--config-name=%s: verl's packaged base config; megarl's schema defaults stand in for it (%s is not a file)",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from megarl.config.errors import ConfigError
+from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
 from megarl.config.schema import ExperimentConfig
 
 TRANSPORT_KEY = "actor_rollout_ref.rollout.weight_sync_transport"
@@ -273,8 +274,27 @@ def optimizer_device_problems(device: str, overrides: Mapping[str, Mapping[str, 
             if (value := fields.get(name))]
 
 
+def fp8_device_problems(device: str, overrides: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """Why the FP8 training of each role ({config section: its megatron.override_transformer_config})
+    cannot run on `device` ("cuda" or "cpu"): on a CPU, `fp8_training.fp8_device_problem`'s refusal.
+    On CUDA, whether this GPU and its transformer-engine run the recipe is the engine's check when it
+    builds the role (`engines.megatron.engine.MegatronEngine`)."""
+    if device != "cpu":
+        return []
+    problems = []
+    for section, fields in overrides.items():
+        fmt = fp8_format(fields)
+        problem = fp8_device_problem(fmt, fields.get("fp8_recipe", DEFAULT_RECIPE), on_cuda=False,
+                                     transformer_engine_layers=False)
+        if problem:
+            problems.append(f"{section}.megatron.override_transformer_config.fp8={fmt} with trainer.device=cpu: "
+                            f"{problem}")
+    return problems
+
+
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
-    """`decide_devices` on the config's keys, and `optimizer_device_problems` on the device decided."""
+    """`decide_devices` on the config's keys, and `optimizer_device_problems` and `fp8_device_problems`
+    on the device decided."""
     r = config.actor_rollout_ref.rollout
     t = config.trainer
     devices = decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
@@ -282,6 +302,13 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     problems = optimizer_device_problems(devices.device, {
         "actor_rollout_ref.actor": config.actor_rollout_ref.actor.optim.override_optimizer_config,
         **({"critic": config.critic.optim.override_optimizer_config} if config.critic.enable else {})})
+    actor, ref = (config.actor_rollout_ref.actor.megatron.override_transformer_config,
+                  config.actor_rollout_ref.ref.megatron.override_transformer_config)
+    problems += fp8_device_problems(devices.device, {  # the reference named where its overrides are its own
+        "actor_rollout_ref.actor": actor, **({"actor_rollout_ref.ref": ref} if ref and ref != actor else {}),
+        **({"critic": config.critic.megatron.override_transformer_config} if config.critic.enable else {}),
+        **({"reward_model": config.reward_model.megatron.override_transformer_config}
+           if config.reward_model.enable else {})})
     if problems:
         raise ConfigError("; ".join(problems))
     return devices

@@ -66,6 +66,12 @@ VERL_KEYS: dict[str, VerlKey] = {
     "critic.model.fsdp_config.*": VerlKey(_FSDP),
     "actor_rollout_ref.rollout.mode": VerlKey(_SERVER),
     "actor_rollout_ref.rollout.enable_chunked_prefill": VerlKey("SGLang chunks long prefills by its own default"),
+    # verl's RolloutConfig.enable_sleep_mode (verl/workers/config/rollout.py, default true): its vLLM and TRT-LLM
+    # servers' sleep mode (vllm_async_server.py `enable_sleep_mode`, trtllm_async_server.py `SleepConfig`); verl's
+    # SGLang server does not read it (async_sglang_server.py releases memory by free_cache_engine)
+    "actor_rollout_ref.rollout.enable_sleep_mode": VerlKey(
+        "verl's vLLM / TRT-LLM sleep mode; megarl's SGLang servers colocated on GPUs start with --enable-memory-saver "
+        "and release their memory while the trainer runs as actor_rollout_ref.rollout.free_cache_engine says"),
     "actor_rollout_ref.rollout.load_format": VerlKey(
         "megarl's servers load the HF checkpoint at start and receive every update by weight sync"),
     "actor_rollout_ref.rollout.enforce_eager": VerlKey("SGLang decides CUDA graphs itself"),

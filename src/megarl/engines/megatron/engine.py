@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megarl.bridge import WeightMap
+from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
 from megarl.config.transformer_overrides import role_overrides
 from megarl.data.batch import Batch
 from megarl.engines.megatron import checkpoint_io
@@ -31,6 +32,7 @@ from megarl.engines.megatron.model import (
     load_hf_weights,
     read_arch,
     sequence_parallel_problem,
+    te_version,
     transformer_engine_available,
     vocab_rows_of,
 )
@@ -116,6 +118,15 @@ class MegatronEngine:
                                             transformer_engine_layers=uses_te)
         if problem:
             raise ValueError(f"{section}.megatron.{problem}")
+        fp8 = fp8_format(megatron_cfg.override_transformer_config)
+        if fp8:  # transformer-engine would assert in the first forward (megarl.config.fp8_training)
+            on_cuda = self.device.type == "cuda"
+            problem = fp8_device_problem(
+                fp8, megatron_cfg.override_transformer_config.get("fp8_recipe", DEFAULT_RECIPE), on_cuda=on_cuda,
+                transformer_engine_layers=uses_te, cuda_version=torch.version.cuda, te_version=te_version(),
+                capability=torch.cuda.get_device_capability(self.device) if on_cuda else None)
+            if problem:
+                raise ValueError(f"{section}.megatron.override_transformer_config.fp8={fp8}: {problem}")
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, transformer_engine=uses_te, packed=self.sequence_layout == "packed", section=section,

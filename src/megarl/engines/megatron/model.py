@@ -197,7 +197,7 @@ def attention_sinks_problem(softmax_type: str, *, attention: str, transformer_en
     return None
 
 
-def _te_version() -> Optional[str]:
+def te_version() -> Optional[str]:
     """The installed transformer-engine's version, None without it."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -394,7 +394,7 @@ def build_chunks(
                          "layers: no context parallelism with LoRA on GPUs)")
     sinks = attention_sinks_problem(config.softmax_type, attention=attention,
                                     transformer_engine_layers=transformer_engine,
-                                    te_version=_te_version() if config.softmax_type != "vanilla" else None)
+                                    te_version=te_version() if config.softmax_type != "vanilla" else None)
     if sinks:
         raise ValueError(f"{section}: {sinks}")
     if attention == "cpu_reference":
