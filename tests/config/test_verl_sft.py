@@ -62,7 +62,6 @@ def test_nemotron_sft_script_means_the_same_in_megarl(caplog):
 
 @pytest.mark.parametrize("override, reason", [
     ("trainer.save_freq=after_each_epoch", "saving after each epoch by name is not built yet"),
-    ("engine.use_megatron_fsdp=True", "Megatron-FSDP"),
     ("model.hf_config_path=/elsewhere", "megarl accepts model.hf_config_path=null only"),
     ("model.mtp.enable=true", "multi-token prediction"),
     ("model.lora_rank=8", "LoRA through verl's SFT keys is not built yet"),

@@ -185,6 +185,10 @@ class MegatronConfig:
     # null: grouped wherever it can run (CUDA with transformer-engine layers), megarl.config.expert_mlp
     moe_grouped_gemm: Optional[bool] = None
     use_distributed_optimizer: bool = True
+    # verl's Megatron-FSDP (ZeRO-3: parameters, gradients and optimizer state sharded over DP; megatron-core's
+    # DistributedDataParallelConfig.use_megatron_fsdp). Refused on a trained role (CUDA: not built yet; CPU:
+    # megatron-core's is CUDA-only), no effect on a forward-only one: megarl.config.devices.megatron_fsdp_problems
+    use_megatron_fsdp: bool = False
     # megatron-core `TransformerConfig` fields set on top of megarl's own (verl's key), e.g. activation
     # recompute: recompute_granularity (full | selective), recompute_method (uniform | block, full only),
     # recompute_num_layers, recompute_modules (selective). Each name must be a field of the installed

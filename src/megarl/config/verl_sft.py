@@ -83,9 +83,7 @@ SFT_KEYS: dict[str, VerlKey] = {
     "model.mtp.enable_rollout": VerlKey(_MTP, only=False),
     "model.mtp.*": VerlKey("read by verl only with model.mtp.enable=true"),
     # engine (engine/megatron.yaml); the rest moves to actor_rollout_ref.actor.megatron.* (use_mbridge, dtype,
-    # use_dist_checkpointing, ...: as verl's PPO keys there)
-    "engine.use_megatron_fsdp": VerlKey("Megatron-FSDP (megatron-core's fully sharded data parallelism) is not built "
-                                        "yet", only=False),
+    # use_dist_checkpointing, use_megatron_fsdp, ...: as verl's PPO keys there)
     "engine.pad_bshd_to_minibatch_max": VerlKey(_PACKED),
     "engine.pad_to_length": VerlKey(_PACKED),
     "engine.pad_to_length_bucket": VerlKey(_PACKED),

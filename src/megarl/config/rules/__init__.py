@@ -31,7 +31,7 @@ from megarl.config.rules.choices import (
     warmup_fits_schedule,
 )
 from megarl.config.rules.common import DerivedSizes
-from megarl.config.rules.devices import weight_sync_transport_fits_devices
+from megarl.config.rules.devices import megatron_fsdp_on_forward_only_roles, weight_sync_transport_fits_devices
 from megarl.config.rules.distillation import distillation_settings, distillation_teacher_fits
 from megarl.config.rules.experts import (
     expert_parallel_fits_role,
@@ -128,6 +128,7 @@ WARNING_RULES: list[Rule] = [
     fp8_rollout_corrected,
     checkpoint_without_extra,
     checkpoint_export_options,
+    megatron_fsdp_on_forward_only_roles,
 ]
 
 __all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]
