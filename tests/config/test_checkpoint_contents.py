@@ -79,7 +79,7 @@ def test_what_megarl_refuses_names_the_reason():
     assert "always load the model" in fails(f"{KEY}.load_contents=[optimizer,extra]")
     assert "['rng'] not among verl's parts" in fails("critic.checkpoint.load_contents=[model,rng]")
     assert "hf_model is not built for a critic" in fails("critic.checkpoint.save_contents=[model,hf_model]")
-    assert "critic.checkpoint.async_save=true: not built" in fails("critic.checkpoint.async_save=true")
+    assert ok("critic.checkpoint.async_save=true").critic.checkpoint.async_save  # this Linux forks
     c = ok("critic.checkpoint.save_contents=[model,extra]", f"{KEY}.load_contents=[model,hf_model]")
     assert c.critic.checkpoint.save_contents == ["model", "extra"]
     # a critic that does not run saves nothing: its keys are not checked (verl reads them only to build one)

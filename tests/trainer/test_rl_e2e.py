@@ -7,6 +7,7 @@ overruns, and checked through the files it leaves: metrics.jsonl, TensorBoard ev
 """
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -87,12 +88,32 @@ def test_grpo_split(tiny, tmp_path, run_to_completion):
     check_steps(rows, 2)
 
 
+PPO = (*TP2, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.gamma=1.0",
+       "algorithm.lam=0.95", "critic.optim.lr=1e-3", "trainer.save_freq=1",
+       # both roles' checkpoints written in the background (verl's fully async scripts' setting)
+       "actor_rollout_ref.actor.checkpoint.async_save=true", "critic.checkpoint.async_save=true")
+
+
 def test_ppo_with_critic_and_kl_in_reward(tiny, tmp_path, run_to_completion):
-    # a TP=2 actor and a DP=2 critic (the critic's layout is its own, TP=1 by default), two servers
-    rows = run_experiment(run_to_completion, tiny, tmp_path, *TP2, "algorithm.adv_estimator=gae",
-                          "algorithm.use_kl_in_reward=true",
-                          "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.optim.lr=1e-3")
+    """A TP=2 actor and a DP=2 critic (the critic's layout is its own, TP=1 by default), two servers;
+    both save in the background. A run resumed from the step 1 checkpoint trains step 2 exactly as
+    the uninterrupted run: the background writes of the actor's and the critic's states (weights,
+    optimizer, schedule) are whole."""
+    (tmp_path / "a").mkdir()
+    rows = run_experiment(run_to_completion, tiny, tmp_path / "a", *PPO)
     # KL in the reward reads the old log-probs with the advantages: a pass of their own first
     train = check_steps(rows, 2, PHASES + ("old_log_prob", "ref_log_prob", "values", "update_critic"))
     for row in train:
         assert "critic/vf_loss" in row and "critic/kl" in row
+    experiment = tmp_path / "a" / "megarl-tiny" / "grpo"
+    for step in (1, 2):  # committed, each with both roles' parts
+        assert (experiment / f"global_step_{step}" / "COMPLETE").is_file()
+        assert all((experiment / f"global_step_{step}" / role / ".metadata").is_file() for role in ("actor", "critic"))
+    resumed = tmp_path / "b" / "megarl-tiny" / "grpo"
+    shutil.copytree(experiment / "global_step_1", resumed / "global_step_1")
+    again = [r for r in run_experiment(run_to_completion, tiny, tmp_path / "b", *PPO, "trainer.val_before_train=false")
+             if "timing/step_s" in r]
+    assert [r["step"] for r in again] == [2]
+    compared = [k for k in train[1] if k.startswith(("actor/", "critic/", "reward/", "advantages/", "response_length/"))]
+    assert "critic/vf_loss" in compared and "actor/grad_norm" in compared
+    assert {k: again[0][k] for k in compared} == {k: train[1][k] for k in compared}  # bit for bit

@@ -214,16 +214,17 @@ class _Pending:
 
 
 class Checkpoints:
-    """The checkpoints of a run's actor (and critic), committed atomically (`commit`). With
-    actor_rollout_ref.actor.checkpoint.async_save the actor's write goes on in the background
+    """The checkpoints of a run's actor (and critic), committed atomically (`commit`). With a role's
+    `checkpoint.async_save` (actor_rollout_ref.actor's, critic's) its write goes on in the background
     (MegatronEngine.save_checkpoint(background=True)) and the checkpoint is committed once every
-    rank's write finished: `poll` at each step boundary, `finish` (waiting at most
+    rank of every role finished writing: `poll` at each step boundary, `finish` (waiting at most
     actor_rollout_ref.nccl_timeout seconds) before the next save, at the end and on preemption.
-    The critic's, when there is one, is written at once (it is on disk when `save` returns)."""
+    A role saving synchronously has its part on disk when `save` returns."""
 
     def __init__(self, config: ExperimentConfig, actor, critic=None):
         self.config, self.actor, self.critic = config, actor, critic
         self.background = config.actor_rollout_ref.actor.checkpoint.async_save
+        self.critic_background = critic is not None and config.critic.checkpoint.async_save
         self.timeout_s = float(config.actor_rollout_ref.nccl_timeout)
         self.pending: Optional[_Pending] = None
         self.latest: Optional[Path] = None  # the newest checkpoint this run committed
@@ -235,9 +236,10 @@ class Checkpoints:
         tmp = begin(root, step)
         self.actor.save_checkpoint(str(tmp / "actor"), saves_optimizer(self.config), self.background)
         if self.critic is not None:
-            self.critic.save_checkpoint(str(tmp / "critic"), "optimizer" in self.config.critic.checkpoint.save_contents)
+            self.critic.save_checkpoint(str(tmp / "critic"), "optimizer" in self.config.critic.checkpoint.save_contents,
+                                        self.critic_background)
         pending = _Pending(tmp, step, copy.deepcopy(controller_state), time.monotonic())
-        if not self.background:
+        if not (self.background or self.critic_background):
             return self._commit(pending)
         self.pending = pending
         return None
@@ -249,10 +251,16 @@ class Checkpoints:
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
-        if not self.actor.finish_saves(blocking=False, timeout_s=self.timeout_s):
+        if not self._writes_finished(blocking=False):
             self.pending = pending
             return None
         return self._commit(pending)
+
+    def _writes_finished(self, blocking: bool) -> bool:
+        """Whether every role's background write finished (`MegatronEngine.finish_saves` on each role,
+        a collective over its ranks: called on both whatever the other answers)."""
+        roles = [self.actor] + ([self.critic] if self.critic is not None else [])
+        return all([role.finish_saves(blocking=blocking, timeout_s=self.timeout_s) for role in roles])
 
     def finish(self) -> Optional[Path]:
         """Wait for the pending write (at most `timeout_s`, then TimeoutError) and commit it;
@@ -260,7 +268,7 @@ class Checkpoints:
         timed out raises here, and its checkpoint is dropped, never committed."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.actor.finish_saves(blocking=True, timeout_s=self.timeout_s)
+            self._writes_finished(blocking=True)
             self._commit(pending)
         return self.latest
 

@@ -337,9 +337,9 @@ class CheckpointConfig:
     (an HF copy, `<checkpoint>/actor_hf`); `load_contents` what a resume loads of them (None: what the
     checkpoint holds, its run's save_contents; megarl.checkpoint.loads_optimizer);
     megarl.config.rules.checkpoint says which lists load.
-    `async_save`: the actor's weights written by megatron's asynchronous dist-checkpoint save while
-    training goes on, the checkpoint committed once the write finished (megarl.checkpoint.Checkpoints;
-    the critic's: not built). `strict` (verl: Megatron-Bridge's check that the HF copy holds
+    `async_save`: the role's state written by megatron's asynchronous dist-checkpoint save while
+    training goes on, the checkpoint committed once every such write finished
+    (megarl.checkpoint.Checkpoints). `strict` (verl: Megatron-Bridge's check that the HF copy holds
     exactly the model's tensors) and `save_lora_only` (verl: adapter-only checkpoints, read by its FSDP
     manager only): rules.checkpoint.checkpoint_export_options."""
 

@@ -14,7 +14,7 @@ CRITIC_KEY = "critic.checkpoint"
 CONTENTS = ("model", "optimizer", "extra", "hf_model")  # verl's names (CheckpointConfig.save_contents)
 
 
-def async_save_problem(async_save: bool, start_methods: Sequence[str]) -> Optional[str]:
+def async_save_problem(async_save: bool, start_methods: Sequence[str], key: str = KEY) -> Optional[str]:
     """Why `checkpoint.async_save` cannot run, or None; `start_methods`: this machine's
     multiprocessing start methods (multiprocessing.get_all_start_methods()). megarl writes in the
     background as verl's MegatronCheckpointManager does, with megatron-core's AsyncCallsQueue, whose
@@ -23,7 +23,7 @@ def async_save_problem(async_save: bool, start_methods: Sequence[str]) -> Option
     finished (megarl.checkpoint.Checkpoints). Where processes cannot fork, the writer cannot start."""
     if not async_save or "fork" in start_methods:
         return None
-    return (f"{KEY}.async_save=true: megatron-core's background checkpoint writer is a forked process "
+    return (f"{key}.async_save=true: megatron-core's background checkpoint writer is a forked process "
             "(dist_checkpointing/strategies/async_utils.py TemporalAsyncCaller) and this machine's Python cannot "
             f"fork (start methods {list(start_methods)}); use async_save=false")
 
@@ -55,8 +55,8 @@ def checkpoint_contents(config: ExperimentConfig, sizes: DerivedSizes) -> Iterat
     one (megarl.checkpoint.loads_optimizer); hf_model adds an HF copy of the actor (verl writes the
     critic's through Megatron-Bridge, megarl has no HF layout for a critic's value head), and in
     load_contents loads the same weights, which megarl reads from the sharded checkpoint.
-    The actor's `async_save`: async_save_problem; the critic's is not built. The critic's keys are
-    checked where it runs (_sections).
+    Each role's `async_save`: async_save_problem. The critic's keys are checked where it runs
+    (_sections).
 
     Reads: actor_rollout_ref.actor.checkpoint, critic.checkpoint, critic.enable
     """
@@ -64,13 +64,10 @@ def checkpoint_contents(config: ExperimentConfig, sizes: DerivedSizes) -> Iterat
         yield from _contents_problems(key, c.save_contents, "save_contents")
         if c.load_contents is not None:
             yield from _contents_problems(key, c.load_contents, "load_contents")
-    problem = async_save_problem(config.actor_rollout_ref.actor.checkpoint.async_save,
-                                 multiprocessing.get_all_start_methods())
-    if problem:
-        yield problem
-    if config.critic.enable and config.critic.checkpoint.async_save:
-        yield (f"{CRITIC_KEY}.async_save=true: not built: megarl writes the critic's checkpoint synchronously; set "
-               "async_save=false")
+    for key, c in _sections(config):
+        problem = async_save_problem(c.async_save, multiprocessing.get_all_start_methods(), key)
+        if problem:
+            yield problem
     if config.critic.enable and "hf_model" in config.critic.checkpoint.save_contents:
         yield (f"{CRITIC_KEY}.save_contents={config.critic.checkpoint.save_contents}: hf_model is not built for a "
                "critic (megarl writes HF copies of causal LMs; a critic's value head has no HF layout here); drop it")
