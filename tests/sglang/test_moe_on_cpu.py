@@ -16,14 +16,16 @@ def sglang_config(model_dir):
 
 
 @pytest.mark.slow  # a real SGLang server (20-35 s to start)
-def test_sglang_serves_an_untied_qwen3_moe_on_the_cpu_with_hfs_log_probs(tmp_path):
-    """Softmax top-2 of 8 experts, renormalized (norm_topk_prob, as Qwen3-30B-A3B): SGLang's CPU path
-    (topk.py fused_topk_torch_native, fused_moe_native.py moe_forward_native) gives HF's log-probs."""
-    model = make_model("qwen3_moe", tmp_path / "qwen3_moe", tie=False)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_sglang_serves_an_untied_moe_model_on_the_cpu_with_hfs_log_probs(tmp_path, arch):
+    """Softmax top-2 of 8 experts, renormalized (qwen3_moe's norm_topk_prob, as Qwen3-30B-A3B; mixtral's
+    top-k softmax): SGLang's CPU path (topk.py fused_topk_torch_native, fused_moe_native.py
+    moe_forward_native) gives HF's log-probs."""
+    model = make_model(arch, tmp_path / arch, tie=False)
     config = sglang_config(model)
-    assert "qwen3_moe" in SGLANG_CPU_MOE_SERVED
+    assert arch in SGLANG_CPU_MOE_SERVED
     assert sglang_cpu_model_problem(config) is None and sglang_tied_head_problem(config) is None
-    server = start_sglang(model, tmp_path, name="sglang-qwen3-moe")
+    server = start_sglang(model, tmp_path, name=f"sglang-{arch}")
     try:
         samples = server_samples(server.url)
     finally:
@@ -36,7 +38,6 @@ def test_sglang_serves_an_untied_qwen3_moe_on_the_cpu_with_hfs_log_probs(tmp_pat
     ("qwen3_moe", True, sglang_tied_head_problem, "srt/models/qwen3_moe.py never ties its output layer"),
     ("qwen2_moe", False, sglang_cpu_model_problem, "fused_gate_sigmoid_mul_add"),  # measured: exits at a request
     ("deepseek_v3", False, sglang_cpu_model_problem, "get_rope_cpu asserts it"),  # measured: exits at start
-    ("mixtral", False, sglang_cpu_model_problem, "have not been measured against HF's"),
 ])
 def test_the_moe_models_sglang_cannot_serve_are_refused_with_the_cause(tmp_path, arch, tie, rule, cause):
     problem = rule(sglang_config(make_model(arch, tmp_path / arch, tie=tie)))

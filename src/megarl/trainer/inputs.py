@@ -178,7 +178,7 @@ def mtp_model_problem(config: ExperimentConfig) -> Optional[str]:
 # SGLang 0.5.23 serving on a CPU (float32): the mixture-of-experts families whose greedy log-probs equal
 # HF transformers' (within 4e-7, untied tiny checkpoints: tests/sglang/test_moe_on_cpu.py,
 # tests/sglang/test_glm4_moe_serving.py), and why the others cannot be served there
-SGLANG_CPU_MOE_SERVED = ("qwen3_moe", "glm4_moe")
+SGLANG_CPU_MOE_SERVED = ("qwen3_moe", "glm4_moe", "mixtral")
 SGLANG_CPU_MOE_CANNOT = {
     "qwen2_moe": "its shared expert's gate runs a Triton kernel (srt/models/qwen2_moe.py "
                  "Qwen2MoeSparseMoeBlock.forward: fused_gate_sigmoid_mul_add), which finds no driver on a CPU: "
