@@ -30,8 +30,9 @@ def _verl(path: str) -> str:
         return wheel.read(path).decode()
 
 
-def _sglang_moe_tp(tp: int, ep: int) -> int:
-    """SGLang 0.5.23's MoE TP width at --tp-size tp --ep-size ep: its derive_parallel_widths, run from its source."""
+def _sglang_widths(tp: int, ep: int, attn_dp: int = 1) -> dict:
+    """SGLang 0.5.23's derived widths at --tp-size tp --ep-size ep --attn-dp-size attn_dp: its
+    derive_parallel_widths, run from its source."""
     source = SGLANG / "srt" / "runtime_context.py"
     if not source.is_file():
         pytest.fail(f"SGLang 0.5.23 is not at {SGLANG} (set MEGARL_SGLANG_PYTHON to its interpreter)")
@@ -40,8 +41,8 @@ def _sglang_moe_tp(tp: int, ep: int) -> int:
                  and n.name in ("derive_parallel_widths", "derive_attn_tp_size")]
     namespace: dict = {}
     exec(compile(ast.Module(body=functions, type_ignores=[]), str(source), "exec"), namespace)
-    return namespace["derive_parallel_widths"](tp_size=tp, attn_cp_size=1, attn_dp_size=1, moe_ep_size=ep,
-                                                moe_dp_size=1, dcp_size=1, dcp_enabled=False)["moe_tp_size"]
+    return namespace["derive_parallel_widths"](tp_size=tp, attn_cp_size=1, attn_dp_size=attn_dp, moe_ep_size=ep,
+                                                moe_dp_size=1, dcp_size=1, dcp_enabled=False)
 
 
 @pytest.mark.parametrize("tp, ep, moe_tp", [(4, 2, 2), (4, 2, 1), (4, 2, 4), (8, 8, 1), (8, 2, 2), (2, 1, 2)])
@@ -52,7 +53,7 @@ def test_moe_tensor_parallel_size_is_accepted_where_sglang_derives_it(tp, ep, mo
         "verl/workers/config/rollout.py")
     overrides = (f"{R}tensor_model_parallel_size={tp}", f"{R}expert_parallel_size={ep}",
                  f"+{R}moe_tensor_parallel_size={moe_tp}", "trainer.n_gpus_per_node=8")
-    if moe_tp == 1 or moe_tp == _sglang_moe_tp(tp, ep):
+    if moe_tp == 1 or moe_tp == _sglang_widths(tp, ep)["moe_tp_size"]:
         with caplog.at_level(logging.WARNING, "megarl.config"):
             ok(*overrides)
         assert sum(f"{R}moe_tensor_parallel_size={moe_tp} (verl key" in r.message for r in caplog.records) == 1
@@ -61,22 +62,39 @@ def test_moe_tensor_parallel_size_is_accepted_where_sglang_derives_it(tp, ep, mo
                 "it for TensorRT-LLM only") in fails(*overrides)
 
 
-def test_data_parallel_size_is_servers_behind_the_router_or_refused_with_experts(caplog):
+def test_data_parallel_size_is_servers_behind_the_router_or_attention_dp_with_experts(caplog):
     """verl's SGLang server takes tp_size = tp x dp, dp_size = dp, ep_size = ep (its server arguments,
     read from the wheel); with ep = 1 that is dp-way data parallelism, which megarl's servers behind
-    sglang-router are (one warning); with ep > 1 (verl: ep = tp x dp) the experts span tp x dp GPUs
-    under attention data parallelism, not built: refused naming SGLang's arguments."""
+    sglang-router are (one warning); with ep > 1 (verl: ep = tp x dp) one server spans tp x dp GPUs,
+    its experts over all of them and its attention in dp groups of tp: megarl's
+    tensor_model_parallel_size tp x dp and attention_data_parallel_size dp, whose attention TP width
+    SGLang derives (derive_attn_tp_size, run from its source) as verl's tp."""
     server = _verl("verl/workers/rollout/sglang_rollout/async_sglang_server.py")
     assert "infer_tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size" in server
     assert '"dp_size": self.config.data_parallel_size,' in server and '"tp_size": infer_tp,' in server
+    assert "assert self.expert_parallel_size == (self.tensor_model_parallel_size * self.data_parallel_size)" in _verl(
+        "verl/workers/config/rollout.py")
     with caplog.at_level(logging.WARNING, "megarl.config"):
         config = ok(f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=4", "trainer.n_gpus_per_node=8")
     assert config.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert config.actor_rollout_ref.rollout.attention_data_parallel_size == 1
     assert sum(f"{R}data_parallel_size=4 (verl key" in r.message for r in caplog.records) == 1
-    msg = fails(f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=4", f"{R}expert_parallel_size=8",
-                "trainer.n_gpus_per_node=8")
-    assert "(SGLang 0.5.23: --tp-size 8 --attn-dp-size 4 --ep-size 8)" in msg
-    assert "attention data parallelism inside one server is not built yet" in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "megarl.config"):
+        config = ok(f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=4", f"{R}expert_parallel_size=8",
+                    "trainer.n_gpus_per_node=8")
+    r = config.actor_rollout_ref.rollout
+    assert (r.tensor_model_parallel_size, r.attention_data_parallel_size, r.expert_parallel_size) == (8, 4, 8)
+    assert _sglang_widths(8, 8, attn_dp=4)["attn_tp_size"] == 2
+    assert sum(f"{R}data_parallel_size=4 (verl key" in r.message and "--tp-size 8 --attn-dp-size 4 --ep-size 8"
+               in r.message for r in caplog.records) == 1
+    # megarl's own key, given beside verl's: the same value is accepted, another refused
+    assert ok(f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=4", f"{R}expert_parallel_size=8",
+              f"{R}attention_data_parallel_size=4", "trainer.n_gpus_per_node=8")
+    assert (f"{R}data_parallel_size=4 (override '{R}data_parallel_size=4') with expert_parallel_size=8 means "
+            f"{R}attention_data_parallel_size=4, which contradicts {R}attention_data_parallel_size=2") in fails(
+        f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=4", f"{R}expert_parallel_size=8",
+        f"{R}attention_data_parallel_size=2", "trainer.n_gpus_per_node=8")
     assert f"{R}data_parallel_size=0 (override '{R}data_parallel_size=0'): must be a positive integer" in fails(
         f"{R}data_parallel_size=0")
 

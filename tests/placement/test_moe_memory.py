@@ -69,6 +69,31 @@ def test_the_plan_counts_a_server_gpus_weights_in_the_push_phase(arch):
     assert 14.2 < est.server_weights / 2**30 < 14.3  # 30.5 B / 4 x 2 bytes
 
 
+def test_attention_dp_keeps_each_groups_attention_whole_over_its_attention_tp(arch):
+    """With --attn-dp-size d a layer's attention is split over a group's TP / d ranks (SGLang 0.5.23
+    models/qwen3_moe.py: qkv and output projections in parallel_group "attn_tp"), the rest as at d = 1.
+    By hand from config.json: attention = q [4096, 2048] + k, v [512, 2048] each + o [2048, 4096] + two
+    norms of 2048 (32 heads and 4 KV groups of 128), 48 layers. The recipe's push phase counts it, and a
+    step's KV per GPU stays the same here (d groups of R / d responses, KV heads 4 / (4 / d) each)."""
+    from megarl.config import load_and_validate
+    from megarl.placement import plan_from_config
+    from megarl.placement.memory import estimate
+
+    attention = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 2048)
+    assert server_gpu_params(arch, 4, 4, attn_dp=1) == server_gpu_params(arch, 4, 4)
+    for d in (2, 4):
+        assert server_gpu_params(arch, 4, 4, attn_dp=d) - server_gpu_params(arch, 4, 4) == pytest.approx(
+            attention / (4 // d) - attention / 4, rel=1e-12)
+    recipe = CONFIG.parents[2] / "grpo_qwen3_30b_a3b.yaml"
+    plain = load_and_validate(recipe, ["actor_rollout_ref.rollout.expert_parallel_size=4"])
+    attn_dp = load_and_validate(recipe, ["actor_rollout_ref.rollout.expert_parallel_size=4",
+                                         "actor_rollout_ref.rollout.attention_data_parallel_size=2"])
+    est_plain, est = (estimate(plan_from_config(c), c, arch) for c in (plain, attn_dp))
+    assert est.server_weights == int(server_gpu_params(arch, 4, 4, attn_dp=2) * 2)
+    assert est.server_weights - est_plain.server_weights == pytest.approx(attention / 4 * 2, abs=2)
+    assert est.kv_cache_needed_per_server == est_plain.kv_cache_needed_per_server
+
+
 def deepseek_v3_arch():
     """DeepSeek-V3 as transformers' DeepseekV3Config defaults describe it (its published sizes: 61 layers,
     hidden 7168, 256 routed experts of width 2048 + 1 shared, top-8, MLA ranks 1536 / 512, 3 dense layers)."""

@@ -384,6 +384,20 @@ def test_the_layout_lines_show_expert_parallelism_over_the_same_gpus():
                        [RoleSpec("rollout", "shared", "rollout", tp=4, ep=3, tp_key="rollout.tp", ep_key="rollout.ep")])
 
 
+def test_verls_rollout_data_parallel_with_experts_is_one_server_over_all_its_gpus():
+    """verl's run_qwen3_5_397b_megatron.sh: rollout tp 8, data_parallel_size 16, expert_parallel_size 128
+    on 16 nodes of 8 GPUs. verl's SGLang server takes tp x dp = 128 GPUs (async_sglang_server.py: tp_size
+    = tensor_model_parallel_size x data_parallel_size): one server over all 16 nodes, one process per
+    node, attention in 16 groups of 8 GPUs (one node each: 128 / 16), the experts over all 128."""
+    r = "actor_rollout_ref.rollout."
+    plan = plan_from_config(cfg(f"{r}tensor_model_parallel_size=8", f"{r}data_parallel_size=16",
+                                f"{r}expert_parallel_size=128", "trainer.nnodes=16", "trainer.n_gpus_per_node=8"))
+    roll = plan.roles["rollout"]
+    assert roll.dp == 1 and len(roll.server_devices(0)) == 128
+    assert roll.server_processes() == [(0, node, 8 * node) for node in range(16)]
+    assert roll.layout() == "1 server(s) of TP 128 (attention: DP 16 x TP 8) (experts: EP 128 x MoE TP 1)"
+
+
 def test_megarl_plan_prints_the_expert_layouts_of_an_moe_recipe(capsys):
     """Issue 45: the Qwen3-30B-A3B recipe's EP 8 actor shows its EP; with rollout EP 4 the servers
     show theirs, and the estimate says how a server GPU holds the experts."""

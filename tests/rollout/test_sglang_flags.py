@@ -139,7 +139,8 @@ def flag_problems(command: list[str], flags: dict[str, str]) -> list[str]:
 
 def every_command() -> dict[str, list[str]]:
     """sglang_server_command on each of its code paths (and all together)."""
-    full = dict(host="10.0.0.1", tp_size=16, ep_size=8, base_gpu_id=3, mem_fraction_static=0.6, enable_memory_saver=True,
+    full = dict(host="10.0.0.1", tp_size=16, ep_size=8, attn_dp_size=2, base_gpu_id=3, mem_fraction_static=0.6,
+                enable_memory_saver=True,
                 api_key="k", dtype="bfloat16", context_length=4096, random_seed=7, deterministic=True,
                 return_routed_experts=True, multi_node=MultiNode(2, 1, "10.0.0.1:29500"),
                 lora=LoraServing(8, ("q_proj", "down_proj")), speculative=SpeculativeDecoding("EAGLE", 3, 1, 4),
@@ -187,6 +188,18 @@ def test_an_expert_parallel_server_gets_sglangs_ep_flag_and_the_default_none(fla
     assert flag_problems(command, flags) == []
     assert command[command.index("--ep-size") + 1] == "4" and command[command.index("--tp-size") + 1] == "8"
     assert not {"--ep-size", "--expert-parallel-size", "--ep"} & set(sglang_server_command("/m", 30000, tp_size=8))
+
+
+def test_attention_data_parallelism_gets_sglangs_attn_dp_flag_and_the_default_none(flags):
+    """rollout.attention_data_parallel_size reaches SGLang as `--attn-dp-size N` beside `--tp-size`
+    (fields/parallel.py attn_dp_size, alias --attention-data-parallel-size); at 1 (SGLang's default)
+    the command carries no attention-DP flag."""
+    command = sglang_server_command("/m", 30000, tp_size=8, ep_size=8, attn_dp_size=4)
+    assert flag_problems(command, flags) == []
+    assert command[command.index("--attn-dp-size") + 1] == "4" and command[command.index("--tp-size") + 1] == "8"
+    assert flags["--attn-dp-size"] == flags["--attention-data-parallel-size"] == VALUE
+    assert not {"--attn-dp-size", "--attention-data-parallel-size", "--dp-size", "--enable-dp-attention"} & set(
+        sglang_server_command("/m", 30000, tp_size=8, ep_size=8))
 
 
 @pytest.mark.parametrize("path", list(every_command()))

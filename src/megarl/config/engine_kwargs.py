@@ -27,6 +27,7 @@ OWNED = {
     "dist_init_addr": _PLACED,
     "tp_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "ep_size": "actor_rollout_ref.rollout.expert_parallel_size",
+    "attn_dp_size": "actor_rollout_ref.rollout.attention_data_parallel_size",
     "dp_size": "megarl's servers behind sglang-router (verl's actor_rollout_ref.rollout.data_parallel_size)",
     "dtype": "actor_rollout_ref.rollout.dtype",
     "quantization": "actor_rollout_ref.rollout.quantization",

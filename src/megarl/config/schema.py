@@ -457,6 +457,11 @@ class RolloutConfig:
     # SGLang 0.5.23 lays them over the server's TP ranks (no GPU is added), so it divides tensor_model_parallel_size;
     # 1: no split. The CPU engine serves a model in one process: 1 only.
     expert_parallel_size: int = 1
+    # SGLang's --attn-dp-size (alias --attention-data-parallel-size): attention runs data parallel inside one server,
+    # its tensor_model_parallel_size GPUs split into this many groups of tensor_model_parallel_size / this ranks,
+    # each with its own requests and KV cache, while the MLP and experts span all of them (no GPU is added).
+    # verl's rollout data_parallel_size with expert_parallel_size > 1 means this. 1: none. SGLang on GPUs only.
+    attention_data_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory SGLang may take
     free_cache_engine: bool = True  # release KV cache while training (colocated)
     max_concurrent_requests: int = 256  # in-flight /generate requests per client

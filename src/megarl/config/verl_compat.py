@@ -567,6 +567,20 @@ def _radix_cache(tree: dict, grouped: dict, origins: dict) -> list[str]:
 _ROLLOUT = "actor_rollout_ref.rollout."
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def verl_attention_dp_server(tp: int, dp: int) -> tuple[int, int]:
+    """The SGLang server of verl's rollout tensor_model_parallel_size `tp` and data_parallel_size `dp`
+    with expert parallelism: (its --tp-size, its --attn-dp-size) = (tp x dp, dp), megarl's
+    (tensor_model_parallel_size, attention_data_parallel_size). verl's server takes tp x dp GPUs
+    (async_sglang_server.py: tp_size = tensor_model_parallel_size x data_parallel_size); SGLang 0.5.23
+    runs attention in dp groups of tp_size / attn_dp_size = tp ranks (runtime_context.py
+    derive_attn_tp_size), which is verl's attention TP."""
+    return tp * dp, dp
+
+
 def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
     """verl's rollout data_parallel_size and moe_tensor_parallel_size, read with the rollout's
     tensor_model_parallel_size (tp) and expert_parallel_size (ep).
@@ -575,9 +589,17 @@ def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
     its server args) gets tp_size = tp x d, dp_size = d, ep_size = ep, and verl asserts ep = tp x d when
     ep > 1 (verl/workers/config/rollout.py RolloutConfig.__post_init__). With ep = 1 it is d-way data
     parallelism, which megarl's servers of tp GPUs behind sglang-router already are (accepted, one warning).
-    With ep > 1 the experts span tp x d GPUs under attention of tp: SGLang 0.5.23's --tp-size tp x d
-    --attn-dp-size d --ep-size tp x d (runtime_context.py derive_parallel_widths: attn_tp_size =
-    tp_size / attn_dp_size), a server layout megarl does not build (refused, naming it).
+    With ep > 1 and d > 1 one server spans tp x d GPUs, its experts over all of them and its attention
+    data parallel in d groups of tp: SGLang 0.5.23's --tp-size tp x d --attn-dp-size d --ep-size ep (its
+    own spelling of verl's `dp_size` with DP attention; arg_groups/parallel_hook.py
+    handle_deprecated_dp_attention turns `--dp-size d --enable-dp-attention` into that). So
+    tensor_model_parallel_size becomes tp x d (the server's GPUs, SGLang's --tp-size) and
+    attention_data_parallel_size d (`verl_attention_dp_server`). That is what verl's vLLM server runs
+    (vllm_rollout/vllm_async_server.py: data_parallel_size d of tp-GPU attention ranks with
+    enable_expert_parallel); verl's SGLang arguments without `enable_dp_attention` would ask SGLang
+    0.5.23 for d replicas of tp x d GPUs each (server_args.py compute_world_size: dp x tp), more than
+    verl's replica of tp x d GPUs holds. megarl takes any ep the server's rule accepts (ep divides
+    tp x d), not only verl's ep = tp x d.
 
     moe_tensor_parallel_size m: verl reads it for TensorRT-LLM only and asserts m = 1 otherwise
     ("moe_tensor_parallel_size is only supported for trtllm", RolloutConfig.__post_init__). SGLang derives
@@ -589,16 +611,25 @@ def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
     if _ROLLOUT + "data_parallel_size" in grouped:
         d, source = grouped[_ROLLOUT + "data_parallel_size"]
         key = f"{_ROLLOUT}data_parallel_size={d} ({source})"
+        attn_key = _ROLLOUT + "attention_data_parallel_size"
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
             errors.append(f"{key}: must be a positive integer")
-        elif d > 1 and ep > 1:
-            errors.append(f"{key} with expert_parallel_size={ep}: verl's server spreads the experts over tp x dp = "
-                          f"{tp * d} GPUs with attention data parallelism inside it (SGLang 0.5.23: --tp-size {tp * d} "
-                          f"--attn-dp-size {d} --ep-size {ep}); megarl's servers span "
-                          f"{_ROLLOUT}tensor_model_parallel_size GPUs with attention TP over all of them, and "
-                          "attention data parallelism inside one server is not built yet "
-                          f"(tensor_model_parallel_size={tp * d} with expert_parallel_size={tp * d} spreads the "
-                          "experts over the same GPUs)")
+        elif d > 1 and _is_count(tp) and _is_count(ep) and ep > 1:
+            server_tp, attn_dp = verl_attention_dp_server(tp, d)
+            if attn_key in origins and _get(tree, attn_key) != attn_dp:
+                errors.append(f"{key} with expert_parallel_size={ep} means {attn_key}={attn_dp}, which contradicts "
+                              f"{attn_key}={_get(tree, attn_key)} ({origins[attn_key]})")
+            else:
+                _set(tree, _ROLLOUT + "tensor_model_parallel_size", server_tp, origins,
+                     f"verl keys tensor_model_parallel_size={tp} x data_parallel_size={d} ({source})")
+                _set(tree, attn_key, attn_dp, origins, f"verl key {_ROLLOUT}data_parallel_size={d} ({source})")
+                log.warning("%sdata_parallel_size=%s (verl key, %s) with expert_parallel_size=%s: one SGLang server of "
+                            "tensor_model_parallel_size x data_parallel_size = %s GPUs, its experts over all of them "
+                            "and its attention data parallel in %s groups of %s GPUs (SGLang's --tp-size %s "
+                            "--attn-dp-size %s --ep-size %s): megarl's tensor_model_parallel_size=%s and "
+                            "attention_data_parallel_size=%s", _ROLLOUT, d, source, ep, server_tp, attn_dp, tp,
+                            server_tp, attn_dp, ep, server_tp, attn_dp)
+                tp = server_tp
         else:
             log.warning("%sdata_parallel_size=%s (verl key, %s): megarl runs one SGLang server per "
                         "tensor_model_parallel_size=%s GPUs behind sglang-router, which spreads the requests over them "

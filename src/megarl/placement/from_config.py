@@ -52,7 +52,7 @@ def roles_from_config(config: ExperimentConfig) -> tuple[dict[str, int], list[Ro
         roles.append(_train_role("teacher", TEACHER_POOL if teacher_gpus else train_pool, d.teacher.megatron,
                                  "distillation.teacher"))
     roles.append(RoleSpec("rollout", rollout_pool, "rollout", tp=arr.rollout.tensor_model_parallel_size,
-                          ep=arr.rollout.expert_parallel_size,
+                          ep=arr.rollout.expert_parallel_size, attn_dp=arr.rollout.attention_data_parallel_size,
                           tp_key="actor_rollout_ref.rollout.tensor_model_parallel_size",
                           ep_key="actor_rollout_ref.rollout.expert_parallel_size"))
     return pools, roles

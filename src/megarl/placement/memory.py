@@ -35,8 +35,9 @@ whose activations are not counted apart (rank << hidden).
 A reference model holds parameters and logits only, and so does an on-policy-distillation teacher
 (its own architecture and layout, `distillation.teacher`; on a pool of its own, phase `teacher_pool`).
 A rollout server reserves `gpu_memory_utilization` of the GPU (SGLang's static pool: weights + KV
-cache); of its weights a GPU holds (`server_gpu_params`) the dense part / rollout TP and, of an MoE,
-E / EP whole experts per layer, each split over MoE TP = TP / EP ranks (`rollout.expert_parallel_size`).
+cache); of its weights a GPU holds (`server_gpu_params`) the dense part / rollout TP (its attention /
+attention TP = TP / `rollout.attention_data_parallel_size`) and, of an MoE, E / EP whole experts per
+layer, each split over MoE TP = TP / EP ranks (`rollout.expert_parallel_size`).
 Colocated, the peak is the largest of three phases (`colocation.COLOCATED_ORDER`, the order the
 trainer executes):
   training   all training states + the largest activations (+ the rollout pool if the servers
@@ -150,16 +151,21 @@ def _non_expert_params(arch: ModelArch) -> int:
     return (arch.num_layers - moe_layers(arch)) * dense + moe_layers(arch) * moe_layer_non_expert_params(arch)
 
 
-def server_gpu_params(arch: ModelArch, tp: int, ep: int) -> float:
+def server_gpu_params(arch: ModelArch, tp: int, ep: int, attn_dp: int = 1) -> float:
     """Parameters one GPU of a rollout server of `tp` GPUs and expert parallel size `ep` holds
     (SGLang 0.5.23): the dense part (attention, embeddings, norms, router, shared expert) over its TP
     ranks; the routed experts of a layer over its EP ranks, E / EP whole experts each
     (`layers/moe/fused_moe_triton/layer.py`: num_local_experts = E / ep_size), each expert's width
     over the MoE TP = TP / EP ranks (`runtime_context.derive_parallel_widths`). Their product is TP,
-    so EP changes how a GPU's experts are cut (fewer experts, wider slices), not how much it holds."""
+    so EP changes how a GPU's experts are cut (fewer experts, wider slices), not how much it holds.
+    With `attn_dp` attention groups (--attn-dp-size) each layer's attention is split over a group's
+    attention TP = TP / attn_dp ranks only (`models/qwen3_moe.py` Qwen3MoeAttention: its qkv and output
+    projections in parallel_group "attn_tp", heads / attn_tp_size), so every group holds it whole."""
     experts = arch.moe.num_experts if arch.moe else 0
     dense = total_params(arch) - moe_layers(arch) * expert_layer_params(arch, experts)
-    return dense / tp + moe_layers(arch) * expert_layer_params(arch, experts // ep) / (tp // ep)
+    attention = arch.num_layers * attention_params(arch)
+    return ((dense - attention) / tp + attention / (tp // attn_dp)
+            + moe_layers(arch) * expert_layer_params(arch, experts // ep) / (tp // ep))
 
 
 def active_params(arch: ModelArch) -> int:
@@ -423,10 +429,13 @@ def estimate(plan: Plan, config: ExperimentConfig, arch: ModelArch,
     if rollout is None:  # an offline trainer (SFT, DPO)
         return GpuEstimate(roles, 0, 0, int(train_phase), gpu_memory)
     reserved = int(arr.rollout.gpu_memory_utilization * gpu_memory)
-    responses_per_server = math.ceil(config.data.prompts_per_generation * arr.rollout.n / rollout.dp)
-    kv_needed = responses_per_server * kv_layer_tokens(arch, seq) * kv_elements_per_token_layer(arch, rollout.tp) * \
-        DTYPE_BYTES[arr.rollout.dtype]
-    server_weights = server_gpu_params(arch, rollout.tp, rollout.ep) * DTYPE_BYTES[arr.rollout.dtype]
+    # with attention DP each of a server's attn_dp groups runs its own scheduler and KV pool over its
+    # TP / attn_dp ranks (SGLang 0.5.23 fields/parallel.py attn_dp_size: "one scheduler each"), and holds
+    # the KV of the responses sent to it: a step's responses spread over the groups
+    responses_per_group = math.ceil(config.data.prompts_per_generation * arr.rollout.n / (rollout.dp * rollout.attn_dp))
+    kv_needed = responses_per_group * kv_layer_tokens(arch, seq) * \
+        kv_elements_per_token_layer(arch, rollout.tp // rollout.attn_dp) * DTYPE_BYTES[arr.rollout.dtype]
+    server_weights = server_gpu_params(arch, rollout.tp, rollout.ep, rollout.attn_dp) * DTYPE_BYTES[arr.rollout.dtype]
     if placement.mode == "split":
         phases = {"training": train_phase, "rollout": reserved}
     else:

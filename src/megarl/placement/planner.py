@@ -44,7 +44,8 @@ class RoleSpec:
     """One role's shape. Training roles use tp/pp/cp and fill their pool with data parallelism;
     a rollout role runs pool_gpus / tp servers of `tp` GPUs each. `ep`: the ranks an MoE layer's
     experts are split over (a training role's `etp`, expert TP, None: its TP; a server's MoE TP is
-    tp / ep)."""
+    tp / ep). `attn_dp`: a server's attention groups (SGLang's --attn-dp-size), tp / attn_dp GPUs each,
+    inside its `tp` GPUs."""
 
     name: str
     pool: str
@@ -54,6 +55,7 @@ class RoleSpec:
     cp: int = 1
     ep: int = 1
     etp: Optional[int] = None
+    attn_dp: int = 1
     tp_key: str = ""  # config key to name in errors
     pp_key: str = ""
     ep_key: str = ""
@@ -89,6 +91,7 @@ class RolePlacement:
     gpu_fraction: float  # of one GPU, for the Ray actor of one rank (1 / roles sharing the GPU)
     ep: int = 1  # expert parallel size (RoleSpec.ep)
     etp: int = 1  # training: expert tensor parallel size
+    attn_dp: int = 1  # rollout: attention groups per server (RoleSpec.attn_dp)
 
     @property
     def world_size(self) -> int:
@@ -98,10 +101,14 @@ class RolePlacement:
         """'TP 1 x CP 1 x PP 2 x DP 8' (training) or '4 server(s) of TP 4' (rollout), with the experts'
         layout over the same GPUs where EP > 1: megatron's EP x ETP x expert-DP, expert-DP = TP x CP x DP /
         (EP x ETP) (megatron-core parallel_state.py: world / (ETP x EP x PP)), or SGLang's EP x MoE TP,
-        MoE TP = TP / EP (0.5.23 runtime_context.derive_parallel_widths)."""
+        MoE TP = TP / EP (0.5.23 runtime_context.derive_parallel_widths); a server's attention layout
+        where attention DP > 1: attention DP x attention TP, attention TP = TP / attention DP
+        (runtime_context.derive_attn_tp_size)."""
         if self.kind == "rollout":
+            attention = (f" (attention: DP {self.attn_dp} x TP {self.tp // self.attn_dp})" if self.attn_dp > 1
+                         else "")
             experts = f" (experts: EP {self.ep} x MoE TP {self.tp // self.ep})" if self.ep > 1 else ""
-            return f"{self.dp} server(s) of TP {self.tp}{experts}"
+            return f"{self.dp} server(s) of TP {self.tp}{attention}{experts}"
         shape = f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
         if self.ep > 1:
             expert_dp = self.tp * self.cp * self.dp // (self.ep * self.etp)
@@ -257,7 +264,7 @@ def plan_placement(cluster: ClusterSpec, pool_sizes: dict[str, int], roles: list
             etp = role.tp if role.etp is None else role.etp
         fraction = 1.0 / max(sharing[d] for d in devices)
         placed[role.name] = RolePlacement(role.name, role.pool, role.kind, role.tp, role.pp, role.cp, dp,
-                                          list(devices), fraction, role.ep, etp)
+                                          list(devices), fraction, role.ep, etp, role.attn_dp)
     return Plan(cluster, pools, placed)
 
 

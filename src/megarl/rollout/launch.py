@@ -54,6 +54,8 @@ def server_startup_timeout_s(engine: str, configured: Optional[float]) -> float:
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 # SGLang 0.5.23 `srt/arg_groups/fields/parallel.py`: ep_size (aliases --expert-parallel-size, --ep)
 EP_FLAG = "--ep-size"
+# SGLang 0.5.23 `srt/arg_groups/fields/parallel.py`: attn_dp_size (alias --attention-data-parallel-size)
+ATTN_DP_FLAG = "--attn-dp-size"
 
 
 def expert_split_problem(num_experts: Optional[int], ep_size: int) -> Optional[str]:
@@ -210,6 +212,7 @@ def sglang_server_command(
     host: str = "127.0.0.1",
     tp_size: int = 1,
     ep_size: int = 1,
+    attn_dp_size: int = 1,
     base_gpu_id: int = 0,
     mem_fraction_static: Optional[float] = None,
     enable_memory_saver: bool = False,
@@ -234,7 +237,10 @@ def sglang_server_command(
     `base_gpu_id` is the first of this node's GPUs the server takes, an index into the server
     process's CUDA_VISIBLE_DEVICES (`megarl.config.devices.visible_gpu_index`); `tp_size` is the server's whole TP size, over
     all its nodes with `multi_node`; `ep_size` its expert parallel size, laid over those TP ranks (it
-    divides `tp_size`: the config rule `rollout_expert_parallel_fits_server` cites SGLang's check).
+    divides `tp_size`: the config rule `rollout_expert_parallel_fits_server` cites SGLang's check);
+    `attn_dp_size` its attention data parallel size (`--attn-dp-size`): attention in that many groups of
+    tp_size / attn_dp_size ranks inside the same `tp_size` GPUs (it divides `tp_size`: the config rule
+    `rollout_attention_data_parallel_fits_server` cites SGLang's check).
     `deterministic`: SGLang's `--enable-deterministic-inference`, the only mode in which it reads `sampling_params.sampling_seed` (0.5.23,
     `sampling/sampling_batch_info.py`). `return_routed_experts`: routing replay
     (`--enable-return-routed-experts`, fields/exec_.py). `prefix_caching` false: `--disable-radix-cache`
@@ -258,6 +264,8 @@ def sglang_server_command(
         cmd += sglang_cpu_flags(context_length, max_running_requests)
     if ep_size != 1:
         cmd += [EP_FLAG, str(ep_size)]
+    if attn_dp_size != 1:
+        cmd += [ATTN_DP_FLAG, str(attn_dp_size)]
     if multi_node is not None:  # fields/parallel.py: nnodes, node_rank, dist_init_addr
         cmd += ["--nnodes", str(multi_node.nnodes), "--node-rank", str(multi_node.node_rank),
                 "--dist-init-addr", multi_node.dist_init_addr]
@@ -310,7 +318,8 @@ def sglang_command(config, model_path: str, port: int, *, device: str, colocated
                      if r.deterministic_inference is None else r.deterministic_inference)
     return sglang_server_command(
         model_path, port, device=device, max_running_requests=r.max_concurrent_requests, host=host,
-        tp_size=r.tensor_model_parallel_size, ep_size=r.expert_parallel_size, base_gpu_id=base_gpu_id,
+        tp_size=r.tensor_model_parallel_size, ep_size=r.expert_parallel_size,
+        attn_dp_size=r.attention_data_parallel_size, base_gpu_id=base_gpu_id,
         mem_fraction_static=r.gpu_memory_utilization if device == "cuda" else None,
         enable_memory_saver=uses_memory_saver(device, colocated), api_key=api_key, dtype=r.dtype,
         context_length=context_length, random_seed=config.trainer.seed + server,

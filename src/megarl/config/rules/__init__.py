@@ -42,6 +42,7 @@ from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
     placement_pools,
+    rollout_attention_data_parallel_fits_server,
     rollout_servers_fit_nodes,
 )
 from megarl.config.rules.lora import lora_settings
@@ -114,6 +115,7 @@ RULES: list[Rule] = [
     distillation_teacher_fits,
     expert_parallel_fits_role,
     rollout_expert_parallel_fits_server,
+    rollout_attention_data_parallel_fits_server,
     grouped_gemm_can_run,
     transformer_overrides_fit,
     router_replay_fits,

@@ -125,6 +125,39 @@ def rollout_servers_fit_nodes(config: ExperimentConfig, sizes: DerivedSizes) -> 
         yield f"{key} GPUs per server must divide the {pool} rollout GPUs"
 
 
+def rollout_attention_data_parallel_fits_server(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A rollout server's attention data parallel size (SGLang's `--attn-dp-size`) splits its
+    tensor_model_parallel_size GPUs into groups of equal size, so it divides them (SGLang 0.5.23
+    `arg_groups/parallel_hook.py::handle_data_parallelism` asserts `tp_size % attn_dp_size == 0` as the
+    server resolves its arguments). Only SGLang on GPUs runs it: megarl's CPU engine serves a model in
+    one process; SGLang 0.5.23 on a CPU starts with it, but its scheduler dies at the first batch:
+    attention DP pads each group's batch (`model_executor/forward_batch_info.py::_pad_inputs_to_size`)
+    with `attn_backend.get_cpu_graph_seq_len_fill_value()`, which the CPU's torch_native backend lacks
+    ("AttributeError: 'TorchNativeAttnBackend' object has no attribute
+    'get_cpu_graph_seq_len_fill_value'"; only intel_amx has it, and it needs sgl_kernel's compiled CPU kernels).
+
+    Reads: actor_rollout_ref.rollout.name, actor_rollout_ref.rollout.attention_data_parallel_size,
+    actor_rollout_ref.rollout.tensor_model_parallel_size, trainer.device
+    """
+    r = config.actor_rollout_ref.rollout
+    attn_dp, tp = r.attention_data_parallel_size, r.tensor_model_parallel_size
+    if attn_dp <= 1 or tp <= 0:
+        return  # positive_counts names a size <= 0
+    key = f"actor_rollout_ref.rollout.attention_data_parallel_size={attn_dp}"
+    if r.name == "cpu":
+        yield (f"{key}: megarl's CPU engine (actor_rollout_ref.rollout.name=cpu) serves a whole model in one process "
+               "and has no attention data parallelism; SGLang (rollout.name=sglang) on GPUs has")
+    elif config.trainer.device == "cpu":
+        yield (f"{key} with rollout.name=sglang and trainer.device=cpu: SGLang 0.5.23 on a CPU starts with "
+               "--attn-dp-size but its scheduler dies at the first batch (forward_batch_info.py _pad_inputs_to_size: "
+               "'TorchNativeAttnBackend' object has no attribute 'get_cpu_graph_seq_len_fill_value'); set 1")
+    if tp % attn_dp:
+        yield (f"{key} must divide actor_rollout_ref.rollout.tensor_model_parallel_size={tp}, the server's GPUs, "
+               f"into attention groups of equal size (SGLang asserts tp_size % attn_dp_size == 0: "
+               f"arg_groups/parallel_hook.py handle_data_parallelism); try "
+               f"attention_data_parallel_size={largest_divisor_at_most(tp, attn_dp)}")
+
+
 def parallel_sizes_fit_training_gpus(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Each training role's TP x PP x CP fits the nodes and divides the training GPUs.
 
