@@ -21,13 +21,6 @@ def test_replay_is_off_by_default_and_loads_with_verls_key():
 
 @pytest.mark.parametrize("overrides, message", [
     ([f"{MODE}=R2"], MODE),  # R2 (replaying the trainer's own routes) is not built
-    ([f"{MODE}=R3", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-      "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
-     f"{MODE}=R3 with actor_rollout_ref.model.enable_gradient_checkpointing=true"),
-    ([f"{MODE}=R3", f"+{RECOMPUTE}.recompute_granularity=selective", f"+{RECOMPUTE}.recompute_modules=[moe]",
-      "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
-     f"{MODE}=R3 with {RECOMPUTE}.recompute_granularity=selective and "
-     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"),
     ([f"{MODE}=R3", "actor_rollout_ref.rollout.agent.path=/a.py"], "agent episodes do not carry routed experts"),
     (["actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=-1"], "moe_aux_loss_coeff=-1.0: must be >= 0"),
 ])
@@ -37,6 +30,14 @@ def test_replay_layouts_that_cannot_work_are_rejected(overrides, message):
     assert message in str(info.value)
 
 
-def test_replay_takes_a_recompute_that_does_not_rerun_the_router():
-    load_and_validate(None, [*REQUIRED, f"{MODE}=R3", f"+{RECOMPUTE}.recompute_granularity=selective",
-                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])  # core_attn only
+@pytest.mark.parametrize("recompute", [
+    ["actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+    [f"+{RECOMPUTE}.recompute_granularity=full", f"+{RECOMPUTE}.recompute_method=uniform",
+     f"+{RECOMPUTE}.recompute_num_layers=1"],  # verl's examples/router_replay/run_qwen3_30b_a3b_megatron.sh
+    [f"+{RECOMPUTE}.recompute_granularity=selective", f"+{RECOMPUTE}.recompute_modules=[moe]"],
+    [f"+{RECOMPUTE}.recompute_granularity=selective"],  # core_attn only: the router does not run again
+])
+def test_replay_takes_any_recompute_with_pipelining(recompute):
+    """Each recompute replays its own micro-batch's routes (tests/engines/test_replay_recompute.py)."""
+    load_and_validate(None, [*REQUIRED, f"{MODE}=R3", *recompute,
+                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])

@@ -5,22 +5,19 @@ from collections.abc import Iterator
 
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig
-from megarl.config.transformer_overrides import KEY, recompute_of, role_overrides
 
 
 def router_replay_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Routing replay (mode R3) needs routes for every trained token: single-turn generation by
     the CPU engine or SGLang (the server flag `--enable-return-routed-experts` is added by megarl;
-    agent episodes carry no routes yet). Activation recomputation replays the last micro-batch's
-    routes, right only without pipelining (megatron-core's RouterReplay holds one target per
-    router: with 1F1B, later micro-batches' forwards run before an earlier one's recomputation), be it
-    enable_gradient_checkpointing's or the actor's override_transformer_config's.
-    The router loss coefficients are >= 0. Whether the model is MoE is checked where it is read
-    (preflight and the actor engine).
+    agent episodes carry no routes yet). Activation recomputation, at any pipeline size, replays each
+    micro-batch's own routes (megarl.engines.megatron.replay.RouteReplay). The router loss
+    coefficients are >= 0. Whether the model is MoE is checked where it is read (preflight and the
+    actor engine).
 
     Reads: actor_rollout_ref.actor.router_replay.mode, actor_rollout_ref.rollout.name,
-    actor_rollout_ref.rollout.agent.path, actor_rollout_ref.model.enable_gradient_checkpointing,
-    actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron, critic.megatron
+    actor_rollout_ref.rollout.agent.path, actor_rollout_ref.actor.megatron, actor_rollout_ref.ref.megatron,
+    critic.megatron
     """
     arr = config.actor_rollout_ref
     key = "actor_rollout_ref.actor.router_replay.mode"
@@ -37,16 +34,6 @@ def router_replay_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterato
     if arr.rollout.agent.path:
         yield (f"{key}=R3 with actor_rollout_ref.rollout.agent.path: agent episodes do not carry routed experts "
                "yet; set mode=disabled")
-    pp = arr.actor.megatron.pipeline_model_parallel_size
-    recompute = recompute_of(role_overrides(arr.actor.megatron.override_transformer_config,
-                                            arr.model.enable_gradient_checkpointing))
-    # the router runs again in a full recompute, and in a selective one of the whole MoE layer ("moe")
-    if pp > 1 and (recompute.granularity == "full" or (recompute.granularity == "selective"
-                                                       and "moe" in recompute.modules)):
-        source = ("actor_rollout_ref.model.enable_gradient_checkpointing=true" if arr.model.enable_gradient_checkpointing
-                  else f"actor_rollout_ref.actor.{KEY}.recompute_granularity={recompute.granularity}")
-        yield (f"{key}=R3 with {source} and actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}: "
-               "recomputation would replay another micro-batch's routes; turn one of them off")
 
 
 def replays_routes(config: ExperimentConfig) -> bool:

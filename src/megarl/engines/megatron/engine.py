@@ -42,7 +42,7 @@ from megarl.engines.megatron.offload import Offloader
 from megarl.engines.megatron.optim import (build_optimizer, build_scheduler, ddp_overlap, finish_param_gather,
                                           gather_params_now, wrap_ddp)
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
-from megarl.engines.megatron.replay import REPLAY_KEYS, replay_routers, router_rows, set_replay
+from megarl.engines.megatron.replay import REPLAY_KEYS, RouteReplay, router_rows
 from megarl.engines.megatron.schedule import Head, run_schedule
 from megarl.engines.megatron.sequences import (Layout, MicroBatch, default_sequence_layout, fixed_shape,
                                                length_multiple, make_micro_batch, micro_batch_groups,
@@ -136,7 +136,8 @@ class MegatronEngine:
                                  lora=lora is not None, trains=optim_cfg is not None,
                                  apex_grad_accumulation=apex_grad_accumulation_available(), arch=self.arch),
         )
-        self._routers = replay_routers(self.model_chunks) if router_replay else []
+        replay = RouteReplay(self.model_chunks) if router_replay else None
+        self._replay = replay if replay else None  # None: no replay, or no MoE router on this rank
         if source.kind == "hf":
             load_hf_weights(self.model_chunks, self.weight_map, self.layout, source.path, value_head, megatron_cfg.seed)
         else:
@@ -208,7 +209,7 @@ class MegatronEngine:
         )
         multiple = length_multiple(self.layout.tp, self.layout.sp, self.layout.cp)
         shape = fixed_shape(batch, groups, self.sequence_layout, multiple, self.layout.cp) if interleaved else None
-        routes = bool(self._routers) and all(k in batch for k in REPLAY_KEYS)
+        routes = self._replay is not None and all(k in batch for k in REPLAY_KEYS)
         return [make_micro_batch(batch, g, self.sequence_layout, self.arch.vocab_size, self.device, data_keys, shape,
                                  with_routes=routes, multiple=multiple, cp=self.layout.cp, cp_rank=self.cp_rank)
                 for g in groups]
@@ -221,15 +222,20 @@ class MegatronEngine:
         back-propagated (gradients accumulate in DDP buffers). `counter`: told each micro-batch
         before its forward (an open `ExpertCounter`)."""
         self.offloader.check_onloaded()
-        replay = [lambda mb: set_replay(  # a batch without routes (REPLAY_KEYS): the routers route on their own
-            self._routers, None if mb.routes is None else mb.routes[:, self._router_rows(mb)])] if self._routers else []
-        hooks = replay + ([counter.before_forward] if counter is not None else [])
-        before_forward = (lambda mb: [hook(mb) for hook in hooks]) if hooks else None
+        replay = self._replay
+
+        def before_forward(mb: MicroBatch, chunk: int) -> None:
+            if replay is not None:  # a batch without routes (REPLAY_KEYS): the routers route on their own
+                replay.before_forward(chunk, None if mb.routes is None else mb.routes[:, self._router_rows(mb)])
+            if counter is not None:
+                counter.before_forward(mb)
+
         try:
             return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only,
-                                before_forward)
+                                before_forward, (lambda _mb, chunk: replay.after_forward(chunk)) if replay is not None else None)
         finally:
-            set_replay(self._routers, None)
+            if replay is not None:
+                replay.clear()
 
     def _router_rows(self, mb: MicroBatch) -> torch.Tensor:
         """The rows of `mb`'s flattened hidden states this rank's MoE routers see (`replay.router_rows`)."""

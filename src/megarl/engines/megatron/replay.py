@@ -74,22 +74,55 @@ def moe_routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
     return found
 
 
-def replay_routers(chunks: list) -> list[tuple[int, object]]:
-    """(global layer index, its router's `RouterReplay`) for every MoE layer of this rank's chunks."""
-    return [(layer, router.router_replay) for layer, router in moe_routers(chunks)
-            if getattr(router, "router_replay", None) is not None]
+class RouteReplay:
+    """Routing replay on the MoE routers of a rank's model chunks, one micro-batch at a time, as
+    megatron-core's `RouterReplay` (transformer/moe/router_replay.py, 0.16.1 and 0.19: the same
+    API) is made for pipelines, and as verl drives it (verl/workers/engine/megatron/transformer_impl.py
+    `forward_step`, verl-project/verl 1dda039b of 2026-08-22):
 
+    - `before_forward(chunk, routes)` sets each of the chunk's routers to REPLAY_FORWARD with the
+      micro-batch's routes as its target; `set_target_indices` also appends them to the router's
+      FIFO `replay_backward_list`.
+    - `after_forward(chunk)` switches the chunk's routers to REPLAY_BACKWARD: a recomputation in
+      the backward pass (full, or selective "moe") pops the oldest routes of that FIFO.
 
-def set_replay(routers: list[tuple[int, object]], routes: Optional[torch.Tensor]) -> None:
-    """Force `routes` [L, tokens, K] on the routers for the next forward (REPLAY_FORWARD; a full
-    recomputation in the backward pass of the same micro-batch sees the same target), or, with
-    None, let them route on their own. One target per router: set it before each forward."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    A chunk's backward passes run in the order of its forwards (megatron's no-pipelining, 1F1B and
+    interleaved schedules, pipeline_parallel/schedules.py), so each recomputation replays the routes
+    of its own micro-batch, although with pipelining later micro-batches' forwards run before it
+    (1F1B on stage 0 of 2: F1 F2 B1 F3 B2 ...). Only the chunk that runs the forward gets targets
+    (with VPP another chunk's FIFO would take routes it never pops in order). Layers that are not
+    recomputed never pop: their FIFO is dropped by `clear` after the schedule."""
 
-    for layer, replay in routers:
-        replay.clear_indices()
-        if routes is None:
+    def __init__(self, chunks: list):
+        # per chunk: (global layer index, its router's RouterReplay)
+        self.routers = [[(layer, router.router_replay) for layer, router in moe_routers([chunk])
+                         if getattr(router, "router_replay", None) is not None] for chunk in chunks]
+
+    def __bool__(self) -> bool:
+        return any(self.routers)
+
+    def before_forward(self, chunk: int, routes: Optional[torch.Tensor]) -> None:
+        """Before a micro-batch's forward on model chunk `chunk`: replay `routes` [L, tokens, K]
+        (all L layers; this chunk's routers take their own), or with None let them route on their own."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for layer, replay in self.routers[chunk]:
+            if routes is None:
+                replay.clear_router_replay_action()
+            else:
+                replay.set_target_indices(routes[layer])
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def after_forward(self, chunk: int) -> None:
+        """After a micro-batch's forward on `chunk`: its recomputation, if any, replays from the FIFO."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for _, replay in self.routers[chunk]:
+            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def clear(self) -> None:
+        """After the schedule: no targets, no FIFO, the routers route on their own."""
+        for replay in (replay for routers in self.routers for _, replay in routers):
+            replay.clear_indices()
             replay.clear_router_replay_action()
-        else:
-            replay.set_target_indices(routes[layer])
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -15,24 +15,28 @@ Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forward_only: bool,
-                 before_forward: Optional[Callable[[MicroBatch], None]] = None) -> list:
+                 before_forward: Optional[Callable[[MicroBatch, int], None]] = None,
+                 after_forward: Optional[Callable[[MicroBatch, int], None]] = None) -> list:
     """Run `micro_batches` through the model `chunks` (one per virtual stage; DDP-wrapped to
     train). On the last pipeline stage `head` gets each micro-batch's hidden states at its
     response positions; the list of its outputs comes back there ([] on other stages). Without
     `forward_only`, megatron back-propagates each loss divided by the number of micro-batches
-    (gradients accumulate in the DDP buffers). `before_forward(mb)` runs before each micro-batch's
-    forward on each chunk (routing replay sets the routers' targets there)."""
+    (gradients accumulate in the DDP buffers). `before_forward(mb, chunk)` and `after_forward(mb,
+    chunk)` run around each micro-batch's forward on each model chunk (index into `chunks`; routing
+    replay sets the routers' targets there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
         chunk.train(not forward_only)
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        chunk, mb = next(data_iterator)
         if before_forward is not None:
-            before_forward(mb)
+            before_forward(mb, chunk)
         hidden = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                        packed_seq_params=mb.packed_seq_params)
+        if after_forward is not None:
+            after_forward(mb, chunk)
         return hidden, functools.partial(_apply_head, head, mb)
 
     from megatron.core import parallel_state
@@ -44,7 +48,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forw
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[iter(micro_batches) for _ in chunks],
+            data_iterator=[iter([(index, mb) for mb in micro_batches]) for index in range(len(chunks))],
             model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=max(s[1] for s in shapes) * cp,
