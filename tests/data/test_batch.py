@@ -91,3 +91,29 @@ def test_concat_needs_the_same_keys():
     other["values"] = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="batch 1 has keys"):
         Batch.concat([sample_batch(), other])
+
+
+def test_pickling_keeps_every_tensor_exactly_also_from_read_only_buffers():
+    """Ray pickles a batch (protocol 5, its buffers out of band and handed back read-only): every
+    tensor comes back equal with its dtype, shape and strides, writable, not sharing the buffers."""
+    import pickle
+
+    b = sample_batch()
+    b["bf16"] = torch.randn(2, 3).to(torch.bfloat16)
+    b["flags"] = torch.tensor([[True, False, True], [False, False, True]])
+    b["per_expert"] = torch.randn(2, 4, 3).transpose(1, 2)  # not contiguous: torch pickles it itself
+    b["empty"] = torch.zeros(2, 3, 0, dtype=torch.float64)
+    b["small"] = torch.tensor([1, 60000], dtype=torch.int32).to(torch.uint16)
+    buffers = []
+    data = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
+    copies = [pickle.loads(pickle.dumps(b, protocol=4)),
+              pickle.loads(data, buffers=[memoryview(x.raw().tobytes()).toreadonly() for x in buffers])]
+    for copy in copies:
+        assert copy.meta == b.meta and list(copy.tensors) == list(b.tensors)
+        for key, t in b.tensors.items():
+            got = copy[key]
+            assert (got.dtype, got.shape, got.stride()) == (t.dtype, t.shape, t.stride()), key
+            assert torch.equal(got.view(torch.int16), t.view(torch.int16)) if t.dtype == torch.uint16 else \
+                torch.equal(got, t), key
+        copy["bf16"].add_(1)  # writable, and its own memory
+    assert not torch.equal(copies[1]["bf16"], b["bf16"])

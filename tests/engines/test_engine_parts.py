@@ -1,5 +1,5 @@
 """The engine's pure parts, in-process (no megatron world): micro-batch planning and layout,
-storage offload, the LR schedule, the padded vocabulary, config-level refusals."""
+storage offload, the LR schedule, the padded vocabulary, config-level refusals, the gradients' finite check."""
 import math
 
 import pytest
@@ -14,6 +14,7 @@ from megarl.engines.megatron.optim import build_scheduler
 from megarl.engines.megatron.parallel import role_layout
 from megarl.engines.megatron.replay import router_rows
 from megarl.engines.megatron.sequences import fixed_shape, length_multiple, make_micro_batch, micro_batch_groups
+from megarl.engines.megatron.training import has_non_finite
 
 
 def test_micro_batch_groups_by_size_by_tokens_and_multiple_of_pp():
@@ -278,3 +279,20 @@ def test_unmasked_vocabulary_padding_would_fail_the_comparison(tiny_models):
     rows = padded_vocab(logits.shape[-1], tp=2)
     padded = torch.cat([logits, torch.zeros(logits.shape[0], rows - logits.shape[-1])], -1)
     assert (padded.log_softmax(-1)[:, : logits.shape[-1]] - logits.log_softmax(-1)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_check_finds_every_nan_and_infinity_wherever_it_is(dtype):
+    """`has_non_finite` (the update's skip check) against torch.isfinite on the same gradients:
+    one NaN, +inf or -inf at the start, inside, or at the end of a buffer (the vectorised
+    reduction's tail), none; finite values at the dtype's limits are finite."""
+    grads = torch.randn(1031, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cases = [grads, grads.clone().fill_(torch.finfo(dtype).max), torch.tensor([], dtype=dtype)]
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for position in (0, 17, 515, 1030):
+            bad = grads.clone()
+            bad[position] = value
+            cases.append(bad)
+    for values in cases:
+        assert bool(has_non_finite(values)) == bool((~torch.isfinite(values)).any())
+    assert sum(bool(has_non_finite(values)) for values in cases) == 12

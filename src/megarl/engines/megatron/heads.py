@@ -5,7 +5,11 @@ The log-prob head never holds the logits of a whole micro-batch: it walks the se
 chunks of about `LOGITS_CHUNK_ELEMENTS` logits, computes each chunk's logits in the model dtype,
 upcasts that chunk to float32, and reduces it across tensor-parallel ranks (max, sum of exp,
 target logit, entropy). Under autograd each chunk is recomputed in the backward pass
-(activation checkpointing), so only [chunk, V/TP] logits are alive at any time.
+(activation checkpointing), so only [chunk, V/TP] logits are alive at any time; but a micro-batch
+of at most `KEPT_LOGITS_ELEMENTS` logits, one chunk, keeps its few MiB from the forward instead
+(the CPU quickstart's 160 x 128: their recomputation took 3.5 ms of CPU of a 108 ms profiled
+update, per rank; with interleaved pipelining several micro-batches' heads may wait for their
+backward at once, so large ones stay checkpointed).
 
 Columns past the real vocabulary (megatron pads it to a multiple of 128 x TP) are set to -inf
 before the softmax: the padded rows of the output layer are zero, and a 0 logit would otherwise
@@ -22,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from megarl.algos.entropy import vocab_parallel_entropy_partial
 
 LOGITS_CHUNK_ELEMENTS = 1 << 26  # float32 logits per chunk (256 MiB)
+KEPT_LOGITS_ELEMENTS = 1 << 20  # a micro-batch of at most this many logits (4 MiB) is not recomputed
 
 
 def _tp():
@@ -83,11 +88,13 @@ def token_log_probs(
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
     hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: sum the vocab shards' input grads
     step = max(1, chunk_elements // output_weight.shape[0])
+    recompute = torch.is_grad_enabled() and (hidden.shape[0] > step
+                                             or hidden.shape[0] * output_weight.shape[0] > KEPT_LOGITS_ELEMENTS)
     log_probs, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         args = (hidden[start : start + step], output_weight, targets[start : start + step], vocab_size, temperature,
                 with_entropy)
-        if torch.is_grad_enabled():
+        if recompute:
             lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_log_probs(*args)

