@@ -118,3 +118,19 @@ def test_check_environment_reports_it_among_the_machines_problems(no_gpu_env, mo
         check_environment(load_and_validate(None, REQUIRED))
     assert "  - trainer.device=auto is decided on this controller" in str(info.value)
     assert "SLURM_JOB_GPUS=0,1,2,3" in str(info.value)
+
+
+def test_the_rules_that_read_the_device_apply_to_what_auto_resolves_to(no_gpu_env):
+    """A config valid under trainer.device=auto (SGLang's attention DP, refused on a CPU only) is
+    refused at launch where auto resolves to the CPU, naming the rule's message and the resolution."""
+    from megarl.trainer.preflight import check_environment
+
+    layout = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+              "actor_rollout_ref.rollout.attention_data_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    config = load_and_validate(None, [*REQUIRED, *layout])  # valid: on a GPU it runs
+    with pytest.raises(ConfigError, match="attention_data_parallel_size=2"):
+        load_and_validate(None, [*REQUIRED, *layout, "trainer.device=cpu"])
+    with pytest.raises(ConfigError) as info:
+        check_environment(config)
+    assert "attention_data_parallel_size=2 with rollout.name=sglang and trainer.device=cpu" in str(info.value)
+    assert "(trainer.device=auto is cpu on this machine)" in str(info.value)

@@ -237,21 +237,23 @@ def test_a_rollout_ep_the_model_cannot_take_is_named_before_any_server_starts(ti
     assert rollout_expert_split_problem(two) is None
 
 
-def test_real_sglang_is_refused_a_tied_qwen3_moe_and_on_a_cpu_an_unmeasured_moe(tiny_assets, tmp_path):
+def test_real_sglang_is_refused_a_tied_qwen3_moe_and_on_a_cpu_a_moe_it_cannot_serve(tiny_assets, tmp_path):
     """SGLang 0.5.23's Qwen3MoeForCausalLM never ties its output layer (docs/sglang-on-cpu.md): a run
     with rollout.name=sglang refuses a tied qwen3_moe before any server starts; on a CPU it refuses a
-    mixture-of-experts family whose log-probs there were not measured equal to HF's (mixtral)."""
+    mixture-of-experts family SGLang cannot serve there (qwen2_moe: a Triton kernel) and lets it serve
+    the measured ones (an untied mixtral: tests/sglang/test_moe_on_cpu.py)."""
     from megarl.data.tiny_model import make_tiny_model
 
     moe = make_tiny_model("qwen3_moe", tmp_path / "moe")  # tied, as the tiny models are by default
     untied = make_tiny_model("qwen3_moe", tmp_path / "untied", tie=False)
+    qwen2_moe = make_tiny_model("qwen2_moe", tmp_path / "qwen2_moe", tie=False)
     mixtral = make_tiny_model("mixtral", tmp_path / "mixtral", tie=False)
     sglang = ["actor_rollout_ref.rollout.name=sglang"]
     train = tiny_assets / "data/train.parquet"
     assert "SGLang 0.5.23's srt/models/qwen3_moe.py never ties its output layer" in _problems(
         _config(moe, train, *sglang))
-    assert "with a mixtral model: SGLang 0.5.23 cannot serve it there" in _problems(_config(mixtral, train, *sglang))
-    for served in (untied, tiny_assets / "model"):  # only: no sglang in this interpreter
+    assert "with a qwen2_moe model: SGLang 0.5.23 cannot serve it there" in _problems(_config(qwen2_moe, train, *sglang))
+    for served in (untied, mixtral, tiny_assets / "model"):  # only: no sglang in this interpreter
         problems = _problems(_config(served, train, *sglang))
         assert "SGLang 0.5.23" not in problems and "sglang is not installed here" in problems
     check_environment(_config(moe, train))  # the CPU engine serves it

@@ -132,6 +132,26 @@ def batch_plan(config: ExperimentConfig) -> BatchPlan:
     )
 
 
+def _rules(steps_from_data: bool) -> list:
+    """RULES, without the schedule's step count where the trainer takes it from its data."""
+    return [rule for rule in RULES if not (steps_from_data and rule is lr_schedule_has_step_count)]
+
+
+def problems_on_resolved_device(config: ExperimentConfig, device: str, steps_from_data: bool = False) -> list[str]:
+    """The rules' problems (`validate`'s) with trainer.device=auto pinned to the `device` it resolved
+    to at launch ("cuda" or "cpu", megarl.runtime.devices.resolve_devices): a config validated with
+    auto passed every rule that holds on one device or the other, and the rules that read
+    trainer.device (SGLang on a CPU: attention DP, FP8 rollout, MTP drafting, LoRA adapters, ...)
+    apply now. [] for any other trainer.device (validate checked it as given). `steps_from_data`: as
+    `validate`'s."""
+    if config.trainer.device != "auto":
+        return []
+    pinned = replace(config, trainer=replace(config.trainer, device=device))
+    sizes = DerivedSizes.from_config(pinned)
+    return [f"{message} (trainer.device=auto is {device} on this machine)" for rule in _rules(steps_from_data)
+            for message in rule(pinned, sizes)]
+
+
 def validate(config: ExperimentConfig, steps_from_data: bool = False) -> ExperimentConfig:
     """Resolve derived defaults and run every rule; raise ConfigError listing every problem.
     `steps_from_data`: the trainer fills the optimizer's step count from its data when
@@ -139,8 +159,7 @@ def validate(config: ExperimentConfig, steps_from_data: bool = False) -> Experim
     so a learning-rate schedule needs no step count here."""
     config = resolve(config)
     sizes = DerivedSizes.from_config(config)
-    rules = [rule for rule in RULES if not (steps_from_data and rule is lr_schedule_has_step_count)]
-    errors = [message for rule in rules for message in rule(config, sizes)]
+    errors = [message for rule in _rules(steps_from_data) for message in rule(config, sizes)]
     for rule in WARNING_RULES:
         for message in rule(config, sizes):
             logging.getLogger("megarl.config").warning("%s", message)

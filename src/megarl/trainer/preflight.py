@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.config import ConfigError, ExperimentConfig
+from megarl.config.validate import problems_on_resolved_device
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.routing import routed_experts_layout
 from megarl.trainer.inputs import (
@@ -92,6 +93,8 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     import torch
 
     cuda = devices is not None and devices.device == "cuda"
+    if devices is not None:
+        problems += problems_on_resolved_device(config, devices.device, steps_from_data=kind == "sft")
     problems += [p for p in [gpu_count_problem(config, cuda, torch.cuda.device_count() if cuda else 0)] if p]
     if kind == "rl" and config.actor_rollout_ref.rollout.name == "sglang":
         problem = sglang_install_problem(config.actor_rollout_ref.rollout.server_python, cuda)
