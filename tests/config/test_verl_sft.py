@@ -63,7 +63,7 @@ def test_nemotron_sft_script_means_the_same_in_megarl(caplog):
 @pytest.mark.parametrize("override, reason", [
     ("trainer.save_freq=after_each_epoch", "saving after each epoch by name is not built yet"),
     ("model.hf_config_path=/elsewhere", "megarl accepts model.hf_config_path=null only"),
-    ("model.mtp.enable=true", "multi-token prediction"),
+    ("model.mtp.enable_rollout=true", "an SFT run has no rollout"),
     ("model.lora_rank=8", "LoRA through verl's SFT keys is not built yet"),
     ("optim.lr_warmup_init=1e-7", "warm-up starts from 0"),
     ("data.train_max_samples=100", "first rows only"),
@@ -81,6 +81,14 @@ def test_the_dist_checkpoint_and_chat_template_keys_mean_what_they_mean_in_verls
     megatron = config.actor_rollout_ref.actor.megatron
     assert (megatron.use_dist_checkpointing, megatron.dist_checkpointing_path) == (True, "/ckpt/mcore")
     assert config.data.apply_chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_mtp_training_keys_are_the_actors_as_in_verls_sft():
+    """verl's SFT trains the MTP layers with model.mtp.{enable, enable_train, detach_encoder,
+    mtp_loss_scaling_factor} (docs/advance/mtp.md: the same configuration as RL)."""
+    mtp = sft("model.mtp.enable=true", "model.mtp.enable_train=true", "model.mtp.detach_encoder=true",
+              "model.mtp.mtp_loss_scaling_factor=0.3").actor_rollout_ref.model.mtp
+    assert (mtp.enable, mtp.enable_train, mtp.detach_encoder, mtp.mtp_loss_scaling_factor) == (True, True, True, 0.3)
 
 
 def test_an_unknown_key_under_verls_groups_stays_unknown():

@@ -3,7 +3,8 @@ verl's own rules: with enable and enable_rollout, `speculative_*` reach SGLang a
 (SGLang's own parser reads megarl's command back into the values given), the algorithm names megarl
 accepts are exactly those SGLang resolves to EAGLE drafting with the target checkpoint's own MTP layers
 (`arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias`), and what is not built is refused
-by name: training the MTP layers, drafting on megarl's CPU engine, vLLM's keys, a model without MTP layers."""
+by name: training the MTP layers with virtual pipeline stages, context parallelism or LoRA, drafting on megarl's
+CPU engine, vLLM's keys, a model without MTP layers."""
 import json
 import subprocess
 
@@ -16,7 +17,7 @@ from megarl.trainer.inputs import mtp_model_problem
 
 MTP = "actor_rollout_ref.model.mtp"
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
-# verl's examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh, less enable_train (not built); NEXTN as
+# verl's examples/mtp_trainer/run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh, less enable_train; NEXTN as
 # verl/experimental/fully_async_policy/shell/grpo_qwen35_35b_megatron_async.sh; sizes other than verl's defaults
 ROLLOUT = [f"{MTP}.enable=True", f"{MTP}.enable_rollout=True", f"{MTP}.detach_encoder=True",
            f"{MTP}.mtp_loss_scaling_factor=0.2", f"{MTP}.speculative_algorithm=NEXTN", f"{MTP}.speculative_num_steps=2",
@@ -112,7 +113,13 @@ def test_rollout_flags_only_with_enable_and_enable_rollout_as_verl():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ([f"{MTP}.enable_train=True"], "training the multi-token-prediction layers is not built yet"),
+    ([f"{MTP}.enable_train=True", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     f"{MTP}.enable_train=true (with actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2): "
+     "not built"),
+    ([f"{MTP}.enable_train=True", "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+     "context_parallel_size=2): not built yet"),
+    ([f"{MTP}.enable_train=True", "actor_rollout_ref.model.lora.rank=8"], "lora.rank>0: not built"),
     (["actor_rollout_ref.rollout.name=cpu"], "megarl's CPU engine has no speculative decoding"),
     ([f"{MTP}.method=eagle"], f"{MTP}.method='eagle': vLLM's speculative decoding"),
     ([f"{MTP}.speculative_num_steps=0"], f"{MTP}.speculative_num_steps=0: a positive integer"),
@@ -123,6 +130,11 @@ def test_what_is_not_built_is_refused_by_name(overrides, message):
 
 def test_enable_train_is_read_only_with_enable_as_verl():
     assert problems(f"{MTP}.enable_train=True", f"{MTP}.detach_encoder=True") == ""
+
+
+def test_training_the_mtp_layers_is_accepted_with_drafting_as_verls_script():
+    """verl's run_mimo_7b_mtp_rl_vllm_sgl_megatron.sh: training and drafting with the MTP layers together."""
+    assert problems(*ROLLOUT, f"{MTP}.enable_train=True") == ""
 
 
 def test_a_model_without_mtp_layers_is_refused_before_any_process_starts(tmp_path):

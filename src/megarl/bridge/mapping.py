@@ -42,7 +42,7 @@ COLUMN, ROW, REPLICATED, GLU_COLUMN = TPSplit(0), TPSplit(1), TPSplit(None), TPS
 Transform = Literal["identity", "qkv", "gate_up", "vocab"]
 Condition = Literal["always", "gqa", "qkv_bias", "qk_layernorm", "untied", "score_head", "dense_mlp", "moe_qwen",
                     "moe_mixtral", "moe_gpt_oss", "moe_deepseek", "moe", "shared_expert", "shared_experts",
-                    "expert_bias", "mla", "mla_q", "mla_q_lora", "linear_bias", "attention_sinks"]
+                    "expert_bias", "mla", "mla_q", "mla_q_lora", "linear_bias", "attention_sinks", "mtp"]
 # conditions of a dense layer's MLP and of an MoE layer's (`ModelArch.is_moe_layer` says which a layer is)
 DENSE_LAYER_CONDITIONS = ("dense_mlp",)
 MOE_LAYER_CONDITIONS = ("moe", "moe_qwen", "moe_mixtral", "moe_gpt_oss", "moe_deepseek", "shared_expert",
@@ -71,7 +71,10 @@ class ParamRule:
         return replace(self, mcore=self.mcore.replace("{e}", str(e)), hf=tuple(h.replace("{e}", str(e)) for h in self.hf))
 
     def applies(self, arch: ModelArch, layer: Optional[int] = None) -> bool:
-        """The rule names a tensor of `arch` (at layer `layer`, where given: dense and MoE layers differ)."""
+        """The rule names a tensor of `arch` (at layer `layer`, where given: dense and MoE layers differ; the
+        multi-token-prediction layers are layers `arch.num_layers` on, `mtp_as_decoder`)."""
+        if self.condition == "mtp":
+            return arch.mtp_layers > 0 and (layer is None or layer >= arch.num_layers)
         if layer is not None:
             if self.condition in DENSE_LAYER_CONDITIONS and arch.is_moe_layer(layer):
                 return False
@@ -186,6 +189,13 @@ RULES: tuple[ParamRule, ...] = (
               "identity", REPLICATED, "mla", local_alias=_L + "self_attention.kv_layernorm.weight"),
     ParamRule(_L + "self_attention.linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), "identity",
               COLUMN, "mla"),
+    # a multi-token-prediction layer's own tensors (megatron-core transformer/multi_token_prediction.py
+    # MultiTokenPredictionLayer: enorm, hnorm, eh_proj [H, 2H] column-parallel, final_layernorm), spelled as
+    # decoder layers `num_layers + k` (`mtp_as_decoder`); its transformer layer uses the decoder layers' rules
+    ParamRule(_L + "enorm.weight", (_H + "enorm.weight",), "identity", REPLICATED, "mtp"),
+    ParamRule(_L + "hnorm.weight", (_H + "hnorm.weight",), "identity", REPLICATED, "mtp"),
+    ParamRule(_L + "eh_proj.weight", (_H + "eh_proj.weight",), "identity", COLUMN, "mtp"),
+    ParamRule(_L + "final_layernorm.weight", (_H + "shared_head.norm.weight",), "identity", REPLICATED, "mtp"),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "identity", REPLICATED),
     ParamRule(OUTPUT_LAYER, ("lm_head.weight",), "vocab", COLUMN, "untied"),
     # a reward model's scalar head takes the output layer's place, whole on every TP rank
@@ -194,6 +204,37 @@ RULES: tuple[ParamRule, ...] = (
 
 # HF tensors that carry no parameter of their own
 HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# A checkpoint's copies of the embedding and LM head in each MTP layer: megatron's MTP layers use the model's
+# own (GPTModel passes `embedding` and its `output_layer`), and SGLang's draft model skips them too, taking the
+# target's ("Use shared head and embed weights from target model": models/deepseek_common/deepseek_weight_loader.py)
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # MultiTokenPredictionLayer's modules besides its layer
+# an MTP layer's decoder layer: `transformer_layer` in megatron-core 0.16, `mtp_model_layer` in 0.19
+# (MultiTokenPredictionLayerSubmodules); the bridge spells it as 0.16 does and reads both
+_MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.((?:transformer_layer|mtp_model_layer)\.)?(.+)$")
+_DECODER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_as_decoder(name: str, first_layer: int) -> Optional[str]:
+    """The megatron MTP name `mtp.layers.{k}.transformer_layer.<rest>` (or `.mtp_model_layer.`) or
+    `mtp.layers.{k}.<own>` (`MTP_OWN`)
+    spelled as decoder layer `first_layer + k`: `decoder.layers.{first_layer + k}.<rest>`, so that the decoder
+    rules name its HF tensors (DeepSeek-V3 / GLM-4.5 store MTP layer k as `model.layers.{num_hidden_layers + k}`:
+    `first_layer` is `arch.num_layers`). None for a name outside the MTP block."""
+    m = _MTP_NAME.match(strip_module_prefix(name))
+    if m is None:
+        return None
+    k, in_layer, rest = int(m.group(1)), m.group(2), m.group(3)
+    if (in_layer is None) != (rest.split(".", 1)[0] in MTP_OWN):
+        raise ConversionError(f"megatron parameter {name!r} has no HF mapping")
+    return f"decoder.layers.{first_layer + k}.{rest}"
+
+
+def decoder_as_mtp(name: str, first_layer: int) -> str:
+    """The inverse of `mtp_as_decoder`: `decoder.layers.{first_layer + k}.<rest>` -> the MTP name."""
+    m = _DECODER_NAME.match(name)
+    k, rest = int(m.group(1)) - first_layer, m.group(2)
+    return f"mtp.layers.{k}.{rest}" if rest.split(".", 1)[0] in MTP_OWN else f"mtp.layers.{k}.transformer_layer.{rest}"
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -223,6 +264,7 @@ def _matching_rules(name: str) -> tuple[tuple[ParamRule, Optional[int]], ...]:
     parameter several times, ~30 regular expressions each (0.6 ms of the CPU quickstart push's
     2.5 ms stream, tools/bench/push_profile.py)."""
     bare = sequential_expert_name(strip_module_prefix(name))  # grouped-GEMM experts: their sequential name
+    bare = mtp_as_decoder(bare, 0) or bare  # an MTP layer's rule is its decoder twin's (layer index k here)
     found = []
     for pattern, rule in _MCORE_PATTERNS:
         m = pattern.match(bare)
@@ -249,9 +291,10 @@ def strip_module_prefix(name: str) -> str:
 
 def canonical_name(name: str) -> str:
     """The TE spelling of a megatron name: `module.` prefixes dropped, local-spec norm names renamed,
-    grouped-GEMM experts named as SequentialMLP names them."""
+    grouped-GEMM experts named as SequentialMLP names them; an MTP layer's names stay in the MTP block."""
     rule, layer = match_mcore(name)
-    return rule.mcore.format(i=layer)
+    canonical = rule.mcore.format(i=layer)
+    return canonical if mtp_as_decoder(name, 0) is None else decoder_as_mtp(canonical, 0)
 
 
 def tp_split(name: str) -> TPSplit:
@@ -264,17 +307,24 @@ class WeightMap:
     """All HF <-> megatron tensor conversions of one model, one parameter at a time.
 
     `padded_vocab_size` is the row count of megatron's embedding and output layer (see
-    `transforms.padded_vocab_size`); HF tensors have `arch.vocab_size` rows.
+    `transforms.padded_vocab_size`); HF tensors have `arch.vocab_size` rows. `mtp`: the megatron model
+    has the checkpoint's `arch.mtp_layers` multi-token-prediction layers (`GPTModel(mtp_block_spec=...)`,
+    names `mtp.layers.{k}.*`), which map to HF's `model.layers.{arch.num_layers + k}.*`; without it
+    they are left out, as transformers' DeepseekV3ForCausalLM leaves them.
     """
 
     arch: ModelArch
     padded_vocab_size: int
+    mtp: bool = False
 
     def __post_init__(self):
         if self.padded_vocab_size < self.arch.vocab_size:
             raise ConversionError(
                 f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.arch.vocab_size}"
             )
+        if self.mtp and not self.arch.mtp_layers:
+            raise ConversionError(f"this {self.arch.model_type} config has no multi-token-prediction layers "
+                                  "(num_nextn_predict_layers is 0 or absent)")
 
     # ---------------------------------------------------------------- names
     def rules(self) -> list[ParamRule]:
@@ -289,7 +339,10 @@ class WeightMap:
         per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules
                      if r.applies(self.arch, i)]
         after = [r.mcore for r in self.rules() if not r.per_layer and r.mcore != EMBEDDING]
-        return [EMBEDDING, *per_layer, *after]
+        first, mtp_layers = self.arch.num_layers, self.arch.mtp_layers if self.mtp else 0
+        mtp = [decoder_as_mtp(r.mcore.format(i=i), first) for i in range(first, first + mtp_layers)
+               for r in layer_rules if r.applies(self.arch, i)]
+        return [EMBEDDING, *per_layer, *after, *mtp]
 
     def hf_names(self) -> list[str]:
         """Every HF parameter name, in the order of `mcore_names`."""
@@ -314,15 +367,26 @@ class WeightMap:
         if self.is_tied_output_copy(mcore_name):
             return OUTPUT_LAYER
         rule, layer = self._rule(mcore_name)
-        return rule.mcore.format(i=layer)
+        canonical = rule.mcore.format(i=layer)
+        first = self.arch.num_layers
+        return canonical if layer is None or layer < first else decoder_as_mtp(canonical, first)
 
     def _rule(self, mcore_name: str) -> tuple[ParamRule, Optional[int]]:
-        matches = [(r, i) for r, i in _matching_rules(mcore_name) if r.applies(self.arch, i)]
+        """The rule of `mcore_name` and its layer index: an MTP layer k's is `arch.num_layers + k`."""
+        first = self.arch.num_layers
+        decoder = mtp_as_decoder(mcore_name, first)
+        if decoder is not None and not self.mtp:
+            raise ConversionError(f"megatron parameter {mcore_name!r}: a multi-token-prediction layer, and this "
+                                  "model is mapped without them (WeightMap.mtp)")
+        matches = [(r, i) for r, i in _matching_rules(decoder or mcore_name) if r.applies(self.arch, i)]
         if not matches:
             raise ConversionError(f"megatron parameter {mcore_name!r} does not exist in this {self.arch.model_type} config")
         rule, layer = matches[0]
-        if layer is not None and layer >= self.arch.num_layers:
-            raise ConversionError(f"megatron parameter {mcore_name!r}: layer {layer} >= num_layers {self.arch.num_layers}")
+        if decoder is None and layer is not None and layer >= first:
+            raise ConversionError(f"megatron parameter {mcore_name!r}: layer {layer} >= num_layers {first}")
+        if decoder is not None and layer >= first + self.arch.mtp_layers:
+            raise ConversionError(f"megatron parameter {mcore_name!r}: MTP layer {layer - first} >= "
+                                  f"num_nextn_predict_layers {self.arch.mtp_layers}")
         e = expert_index(mcore_name)
         if e is not None:
             if e >= self.arch.moe.num_experts:
@@ -369,6 +433,7 @@ class WeightMap:
             ("gate_proj", "weight"): (a.ffn_hidden_size, hid),
             ("up_proj", "weight"): (a.ffn_hidden_size, hid),
             ("down_proj", "weight"): (hid, a.ffn_hidden_size),
+            ("eh_proj", "weight"): (hid, 2 * hid),
         }
         return shapes.get(tuple(suffix), (hid,))  # the remaining ones are the hidden-size norms
 
@@ -433,10 +498,16 @@ class WeightMap:
         m = _HF_LAYER.match(hf_name)
         return m is not None and 0 <= int(m.group(1)) - self.arch.num_layers < self.arch.mtp_layers
 
+    def _is_ignored_mtp(self, hf_name: str) -> bool:
+        """A tensor of the checkpoint's MTP layers that the megatron model does not hold: any of them
+        without `mtp`, their copies of the embedding and LM head (`MTP_SHARED_COPIES`) with it."""
+        return self._is_mtp(hf_name) and (not self.mtp or hf_name.split(".", 3)[3] in MTP_SHARED_COPIES)
+
     def check_hf_names(self, names: set[str], source: str) -> None:
         """Every HF tensor a conversion needs is in `names`, and every tensor in `names` is used
         (a tied `lm_head.weight`, rotary `inv_freq` buffers and the tensors of DeepSeek-V3's
-        multi-token-prediction layers, `arch.mtp_layers` after the last, are allowed and ignored)."""
+        multi-token-prediction layers, `arch.mtp_layers` after the last, that the megatron model does not
+        hold, `_is_ignored_mtp`, are allowed and ignored)."""
         missing = [n for n in self.hf_names() if n not in names]
         if missing:
             raise ConversionError(f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
@@ -446,7 +517,7 @@ class WeightMap:
             if n not in self._hf_set
             and not HF_IGNORED.fullmatch(n)
             and not (n == "lm_head.weight" and self.arch.lm_head_tied)
-            and not self._is_mtp(n)
+            and not self._is_ignored_mtp(n)
         ]
         if unexpected:
             raise ConversionError(

@@ -283,8 +283,8 @@ class LoraConfig:
 class MtpConfig:
     """verl's `model.mtp` (verl/workers/config/model.py MtpConfig): the checkpoint's multi-token-prediction
     layers. Read only with `enable`. enable_rollout: SGLang drafts with them (speculative decoding,
-    `speculative_*` as SGLang's --speculative-* flags); enable_train: megatron-core trains them (not built
-    yet: a config rule refuses it); method / num_speculative_tokens are vLLM's."""
+    `speculative_*` as SGLang's --speculative-* flags); enable_train: the actor builds them in megatron-core's
+    MTP block and trains them (megarl.engines.megatron.mtp); method / num_speculative_tokens are vLLM's."""
     enable: bool = False
     enable_train: bool = False
     enable_rollout: bool = False

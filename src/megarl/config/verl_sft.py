@@ -28,7 +28,6 @@ _MOVED = {"engine.": "actor_rollout_ref.actor.megatron.", "optim.": "actor_rollo
 
 _RESHARD = ("megarl's checkpoints keep the distributed optimizer's state resharded over DP ranks (megatron's "
             "dp_reshardable); its other formats are not built")
-_MTP = "multi-token prediction (model.mtp.*) is not built yet"
 _QAT = "quantization-aware training (engine.qat.*) is not built yet"
 _LORA = ("LoRA through verl's SFT keys is not built yet (verl's model.lora_rank / model.lora.*; megarl's LoRA is "
          "actor_rollout_ref.model.lora.*)")
@@ -78,10 +77,14 @@ SFT_KEYS: dict[str, VerlKey] = {
     "model.lora_adapter_path": VerlKey(_LORA, only=_NULL),
     "model.lora.rank": VerlKey(_LORA, only=0),
     "model.lora.*": VerlKey("read by verl only with model.lora.rank > 0"),
-    "model.mtp.enable": VerlKey(_MTP, only=False),
-    "model.mtp.enable_train": VerlKey(_MTP, only=False),
-    "model.mtp.enable_rollout": VerlKey(_MTP, only=False),
-    "model.mtp.*": VerlKey("read by verl only with model.mtp.enable=true"),
+    # model.mtp.{enable, enable_train, detach_encoder, mtp_loss_scaling_factor}: moved, trained as the actor's
+    "model.mtp.enable_rollout": VerlKey("an SFT run has no rollout", only=False),
+    "model.mtp.speculative_algorithm": VerlKey("an SFT run has no rollout"),
+    "model.mtp.speculative_num_steps": VerlKey("an SFT run has no rollout"),
+    "model.mtp.speculative_eagle_topk": VerlKey("an SFT run has no rollout"),
+    "model.mtp.speculative_num_draft_tokens": VerlKey("an SFT run has no rollout"),
+    "model.mtp.method": VerlKey("an SFT run has no rollout"),
+    "model.mtp.num_speculative_tokens": VerlKey("an SFT run has no rollout"),
     # engine (engine/megatron.yaml); the rest moves to actor_rollout_ref.actor.megatron.* (use_mbridge, dtype,
     # use_dist_checkpointing, use_megatron_fsdp, ...: as verl's PPO keys there)
     "engine.pad_bshd_to_minibatch_max": VerlKey(_PACKED),

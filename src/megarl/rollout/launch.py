@@ -146,8 +146,9 @@ class SpeculativeDecoding:
     steps, branches per step and tokens verified per step. SGLang's weight updates reach the draft
     runner too (`managers/scheduler_components/weight_updater.py::_select_runners`, selector "all"), whose
     NextN loader takes only `model.layers.<num_hidden_layers>.*` and shares the target's embedding and
-    head (`models/deepseek_common/deepseek_weight_loader.py`); megarl pushes no MTP tensors, so the MTP
-    layer keeps the checkpoint's weights: drafts get worse as the policy moves, and the samples stay the
+    head (`models/deepseek_common/deepseek_weight_loader.py`). With `model.mtp.enable_train` megarl pushes
+    the trained MTP layers under those names (`megarl.sync.weight_sync.servers_weight_map`); without it the
+    MTP layer keeps the checkpoint's weights: drafts get worse as the policy moves, and the samples stay the
     target's (speculative decoding verifies every draft token against the target)."""
 
     algorithm: str

@@ -66,7 +66,7 @@ from megarl.bridge import WeightMap
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.fused_experts import PER_EXPERT, expert_view, fused_shape, fused_source, fuses_experts
 from megarl.bridge.lora import is_lora_param
-from megarl.bridge.mapping import REPLICATED, TPSplit, tp_split
+from megarl.bridge.mapping import EMBEDDING, REPLICATED, TPSplit, mtp_as_decoder, tp_split
 from megarl.bridge.moe import expert_index, shift_expert
 from megarl.bridge.sharding import layer_index, shift_layer
 from megarl.rollout import fp8
@@ -109,6 +109,11 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
                 name = shift_layer(local_name, model.decoder.layers[layer].layer_number - 1 - layer)
             if is_lora_param(name):
                 continue  # adapters are pushed merged into their base weights (engines.megatron.lora.merged)
+            if not weights.mtp and mtp_as_decoder(name, 0) is not None:
+                continue  # the MTP block, for servers that do not draft with it (weight_sync.servers_weight_map)
+            if name == EMBEDDING and not model.pre_process:
+                continue  # the MTP block's copy of the embedding on the last stage (GPTModel mtp_process): the first's
+
             name = weights.canonical(name)
             if weights.is_tied_output_copy(name):
                 continue

@@ -62,7 +62,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
@@ -201,6 +201,15 @@ class _Outcome:
 
 
 Progress = Callable[[int, HFBucket], None]  # (pipeline stage, bucket just sent), on emitters
+
+
+def servers_weight_map(weights: WeightMap, servers_draft: bool) -> WeightMap:
+    """The map of what the servers load from the engine's `weights`: its multi-token-prediction layers
+    only where the servers draft with them (verl's `model.mtp.enable_rollout`). SGLang 0.5.23's draft model
+    loads `model.layers.<num_hidden_layers>.*` (models/deepseek_common/deepseek_weight_loader.py
+    NextNEnabledConfig; weight updates reach it, scheduler_components/weight_updater.py `_select_runners`),
+    and its target model drops those names (NextNDisabledConfig), so a server that does not draft gets none."""
+    return replace(weights, mtp=weights.mtp and servers_draft)
 
 
 def push_problem(weights: WeightMap, fp8_weights: frozenset[str] = frozenset()) -> Optional[str]:

@@ -72,6 +72,7 @@ class TrainWorker(RankedWorker):
         pushed version is `version` and whose API key is `api_key`. Called again when the server set
         changed (a server restarted): the previous sync's weight-update groups are dropped first."""
         from megarl.sync import WeightSync
+        from megarl.sync.weight_sync import servers_weight_map
         from megarl.sync.adapter_sync import AdapterSync
 
         if self.weight_sync is not None:
@@ -83,7 +84,8 @@ class TrainWorker(RankedWorker):
                 adapter_dir(self.config) if model.lora.sync_via == "disk" else None, via=model.lora.sync_via,
                 api_key=api_key, initial_version=version, timeout_s=sync_config.timeout_s)
             return
-        self.weight_sync = WeightSync(self.engine.model_chunks, self.engine.weight_map, server_urls, sync_config,
+        weights = servers_weight_map(self.engine.weight_map, model.mtp.enable and model.mtp.enable_rollout)
+        self.weight_sync = WeightSync(self.engine.model_chunks, weights, server_urls, sync_config,
                                       api_key=api_key, initial_version=version)
 
     def push_weights(self, version: int | None = None, flush: list[bool] | None = None) -> dict:

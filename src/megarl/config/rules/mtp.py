@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Optional
 
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig, MtpConfig
@@ -17,31 +18,48 @@ MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 SGLANG_CPU_NO_DRAFT = ("SGLang 0.5.23 cannot draft on a CPU: its EAGLE worker shares the target's embedding and "
                        "head with the draft model through set_embed_and_head, which calls torch.cuda.synchronize() "
                        "(models/deepseek_v2.py, models/glm4_moe.py)")
-ENABLE_TRAIN_NOT_BUILT = (
-    f"{KEY}.enable_train=true: training the multi-token-prediction layers is not built yet: megatron-core 0.16.1 has "
-    "the MTP block (TransformerConfig.mtp_num_layers, mtp_loss_scaling_factor; transformer/multi_token_prediction.py), "
-    "but megarl's bridge maps no MTP weights onto it (DeepSeek-V3's model.layers.<num_hidden_layers>.{enorm, hnorm, "
-    "eh_proj, shared_head.norm} and decoder layer), its engine calls GPTModel without the labels its MTP loss needs "
-    "(models/gpt/gpt_model.py _postprocess), its push sends no MTP tensors, and detach_encoder has no megatron-core "
-    "field (verl patches MultiTokenPredictionLayer._get_embeddings); the MTP layers stay as the checkpoint has them "
-    "(enable_rollout drafts with them)")
+
+
+def mtp_train_layout_problem(vpp: int, cp: int, section: str) -> Optional[str]:
+    """Why megarl cannot train the MTP layers at this layout of the actor, or None. Not built: virtual
+    pipeline stages (megatron-core places the MTP block by virtual stage, multi_token_prediction.py
+    `mtp_on_this_rank`, which megarl's chunk building does not follow) and context parallelism (megatron-core
+    divides each CP rank's MTP loss by that rank's own token count, gpt_model.py `_postprocess`, where megarl's
+    losses are token means over the whole micro-batch)."""
+    parts = [f"{name}={value}" for name, value in (("virtual_pipeline_model_parallel_size", vpp),
+                                                   ("context_parallel_size", cp)) if value > 1]
+    if not parts:
+        return None
+    return (f"{KEY}.enable_train=true (with {section}.megatron.{', '.join(parts)}): not built yet with virtual "
+            "pipeline stages or context parallelism (megatron-core places the MTP block by virtual stage, and "
+            "normalises each CP rank's MTP loss by its own tokens); megarl trains the MTP layers with tensor, "
+            "pipeline and expert parallelism")
 
 
 def mtp_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """With `mtp.enable` (verl reads nothing else without it): no training of the MTP layers (not built);
-    drafting with them (`enable_rollout`) only on real SGLang on GPUs (SGLANG_CPU_NO_DRAFT), with an
-    algorithm that drafts with the checkpoint's own MTP layers and positive speculative sizes; vLLM's
+    """With `mtp.enable` (verl reads nothing else without it): training the MTP layers (`enable_train`)
+    without virtual pipeline stages, context parallelism or LoRA; drafting with them (`enable_rollout`)
+    only on real SGLang on GPUs (SGLANG_CPU_NO_DRAFT), with an algorithm that drafts with the checkpoint's
+    own MTP layers and positive speculative sizes; vLLM's
     `method` / `num_speculative_tokens` at verl's defaults (megarl serves with SGLang). That the checkpoint
     has MTP layers at all is checked against its config.json before any process starts
     (megarl.trainer.inputs.mtp_model_problem).
 
-    Reads: actor_rollout_ref.model.mtp, actor_rollout_ref.rollout.name, trainer.device
+    Reads: actor_rollout_ref.model.mtp, actor_rollout_ref.model.lora.rank, actor_rollout_ref.rollout.name,
+    trainer.device, actor_rollout_ref.actor.megatron.{virtual_pipeline_model_parallel_size, context_parallel_size}
     """
     mtp = config.actor_rollout_ref.model.mtp
     if not mtp.enable:
         return
     if mtp.enable_train:
-        yield ENABLE_TRAIN_NOT_BUILT
+        m = config.actor_rollout_ref.actor.megatron
+        problem = mtp_train_layout_problem(m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size,
+                                           "actor_rollout_ref.actor")
+        if problem:
+            yield problem
+        if config.actor_rollout_ref.model.lora.rank > 0:
+            yield (f"{KEY}.enable_train=true with actor_rollout_ref.model.lora.rank>0: not built (megarl's adapters "
+                   "are not attached to the MTP layers, whose base weights the MTP loss would then leave frozen)")
     default = MtpConfig()
     for name in ("method", "num_speculative_tokens"):
         if getattr(mtp, name) != getattr(default, name):

@@ -44,6 +44,7 @@ from megarl.engines.megatron.optim import (build_optimizer, build_scheduler, ddp
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
 from megarl.engines.megatron.replay import REPLAY_KEYS, RouteReplay, router_rows
 from megarl.engines.megatron.schedule import Head, run_schedule
+from megarl.engines.megatron.mtp import MtpTraining, mtp_loss_metrics
 from megarl.engines.megatron.sequences import (Layout, MicroBatch, default_sequence_layout, fixed_shape,
                                                length_multiple, make_micro_batch, micro_batch_groups,
                                                sequence_layout_problems)
@@ -84,6 +85,7 @@ class MegatronEngine:
         sequence_layout: Optional[Layout] = None,
         lora: Optional[LoraSpec] = None,
         router_replay: bool = False,
+        mtp: Optional[MtpTraining] = None,
         collective_timeout_s: float,
     ):
         from megatron.core import parallel_state
@@ -104,7 +106,9 @@ class MegatronEngine:
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
-        self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows)
+        self.mtp = None if value_head else mtp  # the multi-token-prediction layers, trained (engines.megatron.mtp)
+        self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows,
+                                    mtp=self.mtp is not None)
         te_available = transformer_engine_available()
         uses_te = builds_with_transformer_engine(te_available, lora is not None)
         where = dict(section=section, cp=self.layout.cp, on_cuda=self.device.type == "cuda",
@@ -135,6 +139,7 @@ class MegatronEngine:
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
                                  lora=lora is not None, trains=optim_cfg is not None,
                                  apex_grad_accumulation=apex_grad_accumulation_available(), arch=self.arch),
+            mtp=self.mtp,
         )
         replay = RouteReplay(self.model_chunks) if router_replay else None
         self._replay = replay if replay else None  # None: no replay, or no MoE router on this rank
@@ -230,9 +235,12 @@ class MegatronEngine:
             if counter is not None:
                 counter.before_forward(mb)
 
+        def after_forward(mb: MicroBatch, chunk: int) -> None:
+            replay.after_forward(chunk)  # a recomputation in the backward replays this micro-batch's routes
+
         try:
             return run_schedule(self._ddp_chunks or self.model_chunks, micro_batches, head, forward_only,
-                                before_forward, (lambda _mb, chunk: replay.after_forward(chunk)) if replay is not None else None)
+                                before_forward, after_forward if replay is not None else None, mtp=self.mtp is not None)
         finally:
             if replay is not None:
                 replay.clear()
@@ -364,6 +372,8 @@ class MegatronEngine:
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                    "tokens": counts["num_tokens"], "skipped_updates": 0.0 if finite else 1.0}
+        if self.mtp is not None and self._is_last_stage():  # each MTP layer's loss, on the stage that holds them
+            metrics.update(mtp_loss_metrics(len(micro_batches)))
         return metrics, outputs
 
     def weights_for_sync(self):

@@ -35,6 +35,13 @@ def _tp():
     return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
 
 
+def beyond_vocab(shard: int, vocab_size: int, device) -> torch.Tensor:
+    """[shard] bool: which columns of this TP rank's vocabulary shard (`shard` rows of the output layer)
+    are megatron's padding beyond the checkpoint's `vocab_size` rows (never a token: masked to -inf)."""
+    start = _tp()[1] * shard
+    return torch.arange(start, start + shard, device=device) >= vocab_size
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float,
     with_entropy: bool,
@@ -46,9 +53,9 @@ def _chunk_log_probs(
     shard = weight.shape[0]
     start = rank * shard
     logits = torch.matmul(hidden, weight.t()).float() / temperature  # [n, V/TP]
-    beyond_vocab = torch.arange(start, start + shard, device=logits.device) >= vocab_size
-    if bool(beyond_vocab.any()):
-        logits = logits.masked_fill(beyond_vocab, float("-inf"))
+    padding = beyond_vocab(shard, vocab_size, logits.device)
+    if bool(padding.any()):
+        logits = logits.masked_fill(padding, float("-inf"))
     peak = logits.detach().amax(-1)
     if group.size() > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -126,11 +133,11 @@ def token_top_k(
     shard = output_weight.shape[0]
     start = rank * shard
     step = max(1, chunk_elements // shard)
-    beyond_vocab = torch.arange(start, start + shard, device=hidden.device) >= vocab_size
+    padding = beyond_vocab(shard, vocab_size, hidden.device)
     sampled, top_values, top_ids = [], [], []
     for first in range(0, hidden.shape[0], step):
         logits = torch.matmul(hidden[first : first + step], output_weight.t()).float() / temperature
-        logits = logits.masked_fill(beyond_vocab, float("-inf"))
+        logits = logits.masked_fill(padding, float("-inf"))
         peak = logits.amax(-1)
         if group.size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)

@@ -49,9 +49,12 @@ from megarl.bridge.sharding import expert_split, layer_offset, shard_tp, shift_l
 from megarl.bridge.torch_dist_io import TRACKER_FILE, TorchDistReader
 from megarl.config.errors import ConfigError
 from megarl.config.expert_mlp import expert_mlp
+from megarl.config.rules.mtp import mtp_train_layout_problem
 from megarl.config.transformer_overrides import (DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES,
                                                 cp_comm_type_model_problems)
 from megarl.engines.megatron.cp_attention import cpu_reference_attention, with_core_attention
+from megarl.engines.megatron.heads import beyond_vocab
+from megarl.engines.megatron.mtp import MtpTraining, detach_mtp_inputs, mtp_block_spec, mtp_postprocess
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 from megarl.engines.megatron.transformer_overrides import apply_overrides, transformer_config_fields
 
@@ -293,16 +296,30 @@ def whole_sequence(hidden_states: torch.Tensor, config) -> torch.Tensor:
 
 
 def _return_hidden_states(*, hidden_states, config, **_):
-    """megatron-core's `output_processor`: the decoder output [s, b, H] of the whole sequence."""
+    """megatron-core's `output_processor`: the decoder output [s, b, H] of the whole sequence (with an MTP
+    block, megatron's `process_mtp_loss` has attached its loss to it: megarl.engines.megatron.mtp)."""
     return whole_sequence(hidden_states, config)
 
 
 def _gpt_model_class():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    class UnpaddedLossGPTModel(GPTModel):
+        """megatron's `GPTModel` whose cross-entropy (here only the MTP loss's: megarl.engines.megatron.mtp)
+        masks megatron's vocabulary padding, the columns from `vocab_size_unpadded` (the checkpoint's
+        vocabulary, set by `build_chunks`) on, to -inf as megarl's heads do; megatron's softmax would count them."""
+
+        vocab_size_unpadded: Optional[int] = None
+
+        def compute_language_model_loss(self, labels, logits):
+            if self.vocab_size_unpadded is not None:  # logits [s, b, V/TP]: this rank's vocabulary shard
+                padding = beyond_vocab(logits.shape[-1], self.vocab_size_unpadded, logits.device)
+                logits = logits.masked_fill(padding, float("-inf"))
+            return super().compute_language_model_loss(labels, logits)
+
     if has_output_processor(GPTModel):
 
-        class HiddenStatesGPTModel(GPTModel):
+        class HiddenStatesGPTModel(UnpaddedLossGPTModel):
             """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
             final norm) instead of logits, through megatron-core's public `output_processor`
             hook; the output layer stays a parameter holder that the heads use."""
@@ -314,12 +331,14 @@ def _gpt_model_class():
 
     check_postprocess_hook(GPTModel)
 
-    class HiddenStatesGPTModel(GPTModel):
+    class HiddenStatesGPTModel(UnpaddedLossGPTModel):
         """A `GPTModel` whose last stage returns the final hidden states [s, b, H] (after the
         final norm) instead of logits; the output layer stays a parameter holder that the heads
         use. (Overrides the private `GPTModel._postprocess` of megatron-core 0.16; see the module docstring.)"""
 
         def _postprocess(self, hidden_states, **kwargs):
+            if self.mtp_process and kwargs.get("labels") is not None:  # a training pass of the MTP layers
+                hidden_states = mtp_postprocess(self, hidden_states, kwargs["labels"], kwargs["loss_mask"], kwargs)
             return whole_sequence(hidden_states, self.config)
 
     return HiddenStatesGPTModel
@@ -338,6 +357,7 @@ def build_chunks(
     fusions: Optional[dict] = None,
     overrides: Optional[Mapping[str, Any]] = None,
     section: str = "",
+    mtp: Optional[MtpTraining] = None,
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks (one per virtual stage) with uninitialised weights, and their
     megatron `TransformerConfig`. With `value_head`, the last chunk's output layer is a [1, H] head.
@@ -345,8 +365,15 @@ def build_chunks(
     `fusions`: `fusion_flags()` (None: megatron's defaults, all off); `overrides`: the role's
     `TransformerConfig` fields on top (`megarl.config.transformer_overrides.role_overrides`: its
     `<section>.megatron.override_transformer_config` and recompute), checked by
-    `transformer_overrides.apply_overrides`: what megarl derives may not change, fusions may."""
+    `transformer_overrides.apply_overrides`: what megarl derives may not change, fusions may.
+    `mtp`: the last chunk holds the checkpoint's `arch.mtp_layers` multi-token-prediction layers, trained
+    (megarl.engines.megatron.mtp)."""
     from megatron.core import parallel_state
+
+    if mtp is not None:
+        problem = mtp_train_layout_problem(layout.vpp, layout.cp, section)
+        if problem:
+            raise ConfigError(problem)
 
     kwargs = transformer_config_kwargs(arch, layout.bridge_layout, params_dtype)
     kwargs.update(
@@ -362,8 +389,12 @@ def build_chunks(
         context_parallel_size=layout.cp,
     )
     kwargs.update(moe_settings or {})
+    if mtp is not None:
+        kwargs["mtp_num_layers"] = arch.mtp_layers
     derived = dict(kwargs)
     kwargs.update(fusions or {})
+    if mtp is not None:  # an override_transformer_config value wins, as in verl's check_mtp_config
+        kwargs["mtp_loss_scaling_factor"] = mtp.loss_scaling_factor
     prefix = f"{section}.{OVERRIDES_KEY}"
     overrides = overrides or {}
     kwargs = apply_overrides(kwargs, overrides, prefix=prefix, fields=transformer_config_fields(), derived=derived,
@@ -415,7 +446,11 @@ def build_chunks(
             config, block_spec(arch, layout.bridge_layout, pp_rank, v, spec, dense_spec), **model_kwargs,
             pre_process=layout.bridge_layout.is_first(pp_rank, v), post_process=last,
             vp_stage=v if layout.vpp > 1 else None,
+            mtp_block_spec=mtp_block_spec(config, spec, transformer_engine) if mtp is not None and last else None,
         )
+        if mtp is not None and mtp.detach_encoder and last:
+            detach_mtp_inputs(chunk)
+        chunk.vocab_size_unpadded = arch.vocab_size
         check_experts_built(chunk, config.moe_grouped_gemm)
         reduce_expert_outputs_explicitly(chunk)
         _mark_tensor_parallel(chunk, layout.expert_tp)

@@ -31,6 +31,7 @@ from megarl.data.batch import Batch
 from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_log_probs, token_top_k, token_values
 from megarl.engines.megatron.lora import LoraSpec
+from megarl.engines.megatron.mtp import MtpTraining
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.old_log_probs import OldLogProbsInUpdate
 from megarl.engines.megatron.optim import finish_param_gather
@@ -71,6 +72,14 @@ def _policy_model(config: ExperimentConfig) -> dict:
                 router_replay=arr.actor.router_replay.mode == "R3", collective_timeout_s=arr.nccl_timeout)
 
 
+def mtp_training(mtp) -> Optional[MtpTraining]:
+    """The actor's MTP training from verl's `model.mtp` (None unless `enable` and `enable_train`: verl's
+    mtp_patch.py runs the MTP block only with the labels of a training pass)."""
+    if not (mtp.enable and mtp.enable_train):
+        return None
+    return MtpTraining(mtp.mtp_loss_scaling_factor, mtp.detach_encoder)
+
+
 def lora_spec(lora) -> Optional[LoraSpec]:
     """A role's adapters from its `model.lora` (None when its rank is 0)."""
     from megarl.config.rules.lora import lora_targets
@@ -96,6 +105,7 @@ class ActorEngine(MegatronEngine):
             recompute=arr.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
             lora=lora_spec(arr.model.lora),
+            mtp=mtp_training(arr.model.mtp),
             **_policy_model(config),
         )
 

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megarl.engines.megatron.mtp import mtp_labels
 from megarl.engines.megatron.sequences import MicroBatch
 
 # head(mb, hidden [N, H] at the N response positions of mb) -> (loss [0-dim], outputs)
@@ -16,14 +17,15 @@ Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forward_only: bool,
                  before_forward: Optional[Callable[[MicroBatch, int], None]] = None,
-                 after_forward: Optional[Callable[[MicroBatch, int], None]] = None) -> list:
+                 after_forward: Optional[Callable[[MicroBatch, int], None]] = None, mtp: bool = False) -> list:
     """Run `micro_batches` through the model `chunks` (one per virtual stage; DDP-wrapped to
     train). On the last pipeline stage `head` gets each micro-batch's hidden states at its
     response positions; the list of its outputs comes back there ([] on other stages). Without
     `forward_only`, megatron back-propagates each loss divided by the number of micro-batches
     (gradients accumulate in the DDP buffers). `before_forward(mb, chunk)` and `after_forward(mb,
     chunk)` run around each micro-batch's forward on each model chunk (index into `chunks`; routing
-    replay sets the routers' targets there)."""
+    replay sets the routers' targets there). `mtp`: the model trains its multi-token-prediction
+    layers; a training pass hands it their labels (megarl.engines.megatron.mtp)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
@@ -33,8 +35,9 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, forw
         chunk, mb = next(data_iterator)
         if before_forward is not None:
             before_forward(mb, chunk)
+        labels = dict(zip(("labels", "loss_mask"), mtp_labels(mb))) if mtp and not forward_only else {}
         hidden = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                       packed_seq_params=mb.packed_seq_params)
+                       packed_seq_params=mb.packed_seq_params, **labels)
         if after_forward is not None:
             after_forward(mb, chunk)
         return hidden, functools.partial(_apply_head, head, mb)

@@ -1,0 +1,85 @@
+"""The body of the MTP training check: one gloo process builds the actor of a tiny DeepSeek-V3 (one MTP
+layer) twice, without and with `model.mtp.enable_train`, scores a batch with both, and makes one update
+of the MTP actor with zero advantages (the policy loss is 0, so the MTP loss alone makes the gradient), or
+one SFT step."""
+from __future__ import annotations
+
+import torch
+
+from engine_world import config, init_world, reset_layout
+
+EH_PROJ = "mtp.layers.0.eh_proj.weight"
+MTP = ["actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true"]
+ONE_MICRO_BATCH = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                   "actor_rollout_ref.actor.optim.clip_grad=1e9"]
+
+
+def named(engine) -> dict[str, torch.nn.Parameter]:
+    return dict(engine.model_chunks[0].named_parameters())
+
+
+def mtp_world(rank: int, world_size: int, port: int, model_dir: str, batch, extra: list, sft: bool = False) -> dict:
+    """`sft`: the MTP actor makes one SFT step (`sft_step`) instead of the policy update."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    init_world(rank, world_size, port)
+    plain = ActorEngine(config(model_dir, 1, 1, 1, None, None, *ONE_MICRO_BATCH))
+    out = {"plain": plain.compute_log_prob(batch, 1.0)["log_probs"],
+           "plain_names": sorted(named(plain))}
+    del plain
+    reset_layout()
+    actor = ActorEngine(config(model_dir, 1, 1, 1, None, None, *ONE_MICRO_BATCH, *MTP, *extra))
+    out["with_mtp"] = actor.compute_log_prob(batch, 1.0)["log_probs"]
+    batch["old_log_probs"] = out["with_mtp"]
+    batch["advantages"] = torch.zeros_like(out["with_mtp"])
+    out["metrics"] = actor.sft_step(batch) if sft else actor.update_policy(batch)
+    params = named(actor)
+    out["grads"] = {name: p.main_grad.detach().clone() for name, p in params.items()}
+    out["eh_proj"] = params[EH_PROJ].detach().clone()
+    out["pushed_drafting"] = pushed(actor, servers_draft=True)
+    out["pushed_names"] = sorted(pushed(actor, servers_draft=False))
+    return out
+
+
+def pushed(actor, servers_draft: bool) -> dict[str, torch.Tensor]:
+    """The HF tensors the actor's weight push sends to servers that draft with the MTP layers, or do not."""
+    from megarl.sync import ParallelGroups, Resharder
+    from megarl.sync.weight_sync import servers_weight_map
+
+    weights = servers_weight_map(actor.weight_map, servers_draft)
+    sent = {}
+    for bucket in Resharder(actor.model_chunks, weights, ParallelGroups.from_parallel_state(), 1 << 16).buckets():
+        sent.update({name: tensor.clone() for name, tensor in bucket.named_tensors()})
+    return sent
+
+
+def mtp_pp_world(rank: int, world_size: int, port: int, model_dir: str, batch) -> dict:
+    """PP 2 (the dense layer on stage 0; the MoE layer and the MTP block, with its copy of the embedding, on
+    stage 1): the same scoring and zero-advantage update; what each rank holds."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    init_world(rank, world_size, port)
+    pp2 = ONE_MICRO_BATCH + [f"actor_rollout_ref.{role}.megatron.pipeline_model_parallel_size=2"
+                             for role in ("actor", "ref")]
+    plain = ActorEngine(config(model_dir, 2, 1, 2, None, None, *pp2))
+    out = {"plain": (plain.compute_log_prob(batch, 1.0) or {}).get("log_probs")}
+    del plain
+    reset_layout()
+    actor = ActorEngine(config(model_dir, 2, 1, 2, None, None, *pp2, *MTP))
+    scored = share_in_world(actor.compute_log_prob(batch, 1.0))
+    out["with_mtp"] = scored["log_probs"]
+    batch["old_log_probs"] = scored["log_probs"]
+    batch["advantages"] = torch.zeros_like(scored["log_probs"])
+    out["metrics"] = actor.update_policy(batch)
+    out["grads"] = {name: p.main_grad.detach().clone() for name, p in named(actor).items()}
+    out["pushed"] = sorted(pushed(actor, servers_draft=True))
+    return out
+
+
+def share_in_world(value):
+    """The one rank's non-None value on every rank."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return next(v for v in values if v is not None)
