@@ -257,3 +257,25 @@ def test_real_sglang_is_refused_a_tied_qwen3_moe_and_on_a_cpu_a_moe_it_cannot_se
         problems = _problems(_config(served, train, *sglang))
         assert "SGLang 0.5.23" not in problems and "sglang is not installed here" in problems
     check_environment(_config(moe, train))  # the CPU engine serves it
+
+
+def test_data_with_images_or_videos_is_refused_naming_the_first_row(tiny_assets, tmp_path):
+    """verl's multimodal rows (data.image_key / data.video_key, its RLHFDataset's `images` / `videos`)
+    would lose their images in megarl's text-only models: refused before any process starts, naming
+    file, row and column; an empty column, or one under another name, is fine."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pd.read_parquet(tiny_assets / "data/train.parquet").head(8)
+    with_images = tmp_path / "vl.parquet"
+    images = [None, [], None, [{"bytes": b"\x89PNG"}], None, None, None, None]
+    table = pa.Table.from_pandas(rows.assign(images=images), preserve_index=False)
+    pq.write_table(table, with_images, row_group_size=2)  # the image in the second row group, at its row 1
+    problems = _problems(_config(tiny_assets / "model", with_images))
+    assert f"data.train_files: {with_images}: row 3: column 'images' (data.image_key) holds images or videos" in problems
+    empty = tmp_path / "empty.parquet"
+    rows.assign(videos=[None] * 8, pictures=[[b"x"]] * 8).to_parquet(empty)
+    check_environment(_config(tiny_assets / "model", empty))  # no image in 'images' / 'videos'
+    assert "column 'pictures' (data.image_key)" in _problems(_config(tiny_assets / "model", empty,
+                                                                     "data.image_key=pictures"))

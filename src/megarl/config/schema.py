@@ -126,6 +126,11 @@ class DataConfig:
     chosen_key: str = "chosen"  # DPO data: the preferred response column
     rejected_key: str = "rejected"  # DPO data: the dispreferred response column
     reward_fn_key: str = "data_source"
+    # verl's multimodal columns (its RLHFDataset's defaults): megarl trains text-only models, so a data file
+    # whose image or video column holds a value is refused before any process starts (megarl.trainer.inputs),
+    # rather than trained without its images
+    image_key: str = "images"
+    video_key: str = "videos"
     max_prompt_length: int = 512  # tokens
     max_response_length: int = 512  # tokens
     train_batch_size: int = 1024  # prompts per RL step

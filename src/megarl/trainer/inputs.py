@@ -56,11 +56,34 @@ def data_problems(config: ExperimentConfig, kind: Kind) -> tuple[list[str], int]
             continue
         for name in present:
             footer = pq.ParquetFile(name)
+            problems += [f"{key}: {name}: {problem}" for problem in multimodal_problems(footer, d.image_key,
+                                                                                         d.video_key)]
             if kind == "dpo" and d.rejected_key not in footer.schema_arrow.names:
                 problems.append(f"{key}: {name}: missing column '{d.rejected_key}' (data.rejected_key)")
             if key == "data.train_files":
                 train_rows += footer.metadata.num_rows
     return problems, train_rows
+
+
+def multimodal_problems(footer, image_key: str, video_key: str) -> list[str]:
+    """Why a parquet file (`footer`: its pyarrow ParquetFile) cannot be trained here: its
+    `data.image_key` / `data.video_key` column (verl's multimodal inputs, RLHFDataset) holds a value
+    in some row, which megarl's text-only models would drop; the first such row of each column.
+    Read a row group at a time, that column alone."""
+    problems = []
+    for key, column in (("data.image_key", image_key), ("data.video_key", video_key)):
+        if column not in footer.schema_arrow.names:
+            continue
+        first = 0
+        for group in range(footer.num_row_groups):
+            values = footer.read_row_group(group, columns=[column]).column(0).to_pylist()
+            row = next((i for i, v in enumerate(values) if v not in (None, [], "", b"")), None)
+            if row is not None:
+                problems.append(f"row {first + row}: column '{column}' ({key}) holds images or videos; megarl trains "
+                                "text-only models (vision-language models are not built)")
+                break
+            first += len(values)
+    return problems
 
 
 def schedule_problems(config: ExperimentConfig, kind: Kind, train_rows: int) -> list[str]:
