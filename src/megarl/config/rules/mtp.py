@@ -46,7 +46,8 @@ def mtp_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]
     (megarl.trainer.inputs.mtp_model_problem).
 
     Reads: actor_rollout_ref.model.mtp, actor_rollout_ref.model.lora.rank, actor_rollout_ref.rollout.name,
-    trainer.device, actor_rollout_ref.actor.megatron.{virtual_pipeline_model_parallel_size, context_parallel_size}
+    trainer.device, actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size,
+    actor_rollout_ref.actor.megatron.context_parallel_size
     """
     mtp = config.actor_rollout_ref.model.mtp
     if not mtp.enable:
