@@ -90,8 +90,9 @@ def test_attention_backend_sets_what_megatron_lite_sets(backend, monkeypatch):
     kwargs = apply_overrides({}, config.actor_rollout_ref.actor.megatron.override_transformer_config,
                              prefix="p", fields=fields, derived={}, sources={})
     names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-    for name in names:
-        monkeypatch.delenv(name, raising=False)
+    for name in names:  # megatron sets them in os.environ: restored (or removed) after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     LanguageModule._set_attention_backend(types.SimpleNamespace(config=types.SimpleNamespace(**kwargs)))
     assert tuple(os.environ[n] for n in names) == _MLITE_NVTE[backend or "flash"]
 

@@ -19,6 +19,7 @@ from typing import Literal, Optional
 
 from megarl.config.errors import ConfigError
 from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
+from megarl.config.profiler import profiler_device_problem
 from megarl.config.schema import ExperimentConfig
 
 TRANSPORT_KEY = "actor_rollout_ref.rollout.weight_sync_transport"
@@ -327,8 +328,8 @@ def megatron_fsdp_problems(device: str, trained: Mapping[str, bool]) -> list[str
 
 
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
-    """`decide_devices` on the config's keys, then `optimizer_device_problems`, `fp8_device_problems` and
-    `megatron_fsdp_problems` on the device decided."""
+    """`decide_devices` on the config's keys, then `optimizer_device_problems`, `fp8_device_problems`,
+    `megatron_fsdp_problems` and `megarl.config.profiler.profiler_device_problem` on the device decided."""
     r = config.actor_rollout_ref.rollout
     t = config.trainer
     devices = decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
@@ -346,6 +347,8 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     problems += megatron_fsdp_problems(devices.device, {
         "actor_rollout_ref.actor": config.actor_rollout_ref.actor.megatron.use_megatron_fsdp,
         **({"critic": config.critic.megatron.use_megatron_fsdp} if config.critic.enable else {})})
+    if problem := profiler_device_problem(config, devices.device):
+        problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
     return devices

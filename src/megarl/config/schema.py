@@ -27,6 +27,68 @@ DISTILLATION_LOSS_MODES = (*KL_TYPES, "forward_kl_topk")  # verl's distillation_
 
 
 # --------------------------------------------------------------------------------------------
+# global_profiler.*, <role>.profiler.* (verl's profiler: verl/utils/profiler/config.py)
+# --------------------------------------------------------------------------------------------
+PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
+TORCH_PROFILER_CONTENTS = ("cuda", "cpu", "memory", "shapes", "stack")  # verl's TorchProfilerToolConfig
+
+
+@dataclass
+class NsysToolConfig:
+    discrete: bool = False  # verl's NsightToolConfig: one capture per stage instead of per step
+
+
+@dataclass
+class NpuToolConfig:  # verl's NPUToolConfig (Ascend only: refused, megarl.config.rules.profiler)
+    contents: list[str] = field(default_factory=list)
+    level: str = "level0"
+    analysis: bool = True
+    discrete: bool = False
+
+
+@dataclass
+class TorchProfilerToolConfig:
+    # what torch.profiler records (verl's TorchProfilerToolConfig.contents): cuda (CUDA activity), cpu (always
+    # recorded), memory (profile_memory), shapes (record_shapes), stack (with_stack); empty: CPU and CUDA activity
+    contents: list[str] = field(default_factory=list)
+    discrete: bool = False  # verl: one trace per stage instead of one per step
+
+
+@dataclass
+class TorchMemoryToolConfig:  # verl's TorchMemoryToolConfig (torch.cuda.memory._record_memory_history)
+    trace_alloc_max_entries: int = 100_000
+    stack_depth: int = 32
+
+
+@dataclass
+class ProfilerToolConfigs:
+    nsys: NsysToolConfig = field(default_factory=NsysToolConfig)
+    npu: NpuToolConfig = field(default_factory=NpuToolConfig)
+    torch: TorchProfilerToolConfig = field(default_factory=TorchProfilerToolConfig)
+    torch_memory: TorchMemoryToolConfig = field(default_factory=TorchMemoryToolConfig)
+
+
+@dataclass
+class RoleProfilerConfig:
+    """verl's per-role `profiler` (ProfilerConfig): whether this role's ranks are profiled in the
+    steps of global_profiler.steps with global_profiler.tool."""
+
+    enable: bool = False
+    all_ranks: bool = False  # every rank of the role; false: `ranks`
+    ranks: list[int] = field(default_factory=list)  # the role's ranks (0 .. its world size - 1); empty: rank 0
+    tool_config: ProfilerToolConfigs = field(default_factory=ProfilerToolConfigs)
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's `global_profiler`: which tool profiles, in which steps, and where its files go."""
+
+    tool: Optional[Literal[PROFILER_TOOLS]] = None  # None: no profiling
+    steps: Optional[list[int]] = None  # training steps (the first is 1, as in verl); None: none
+    save_path: str = "outputs/profile"
+
+
+# --------------------------------------------------------------------------------------------
 # algorithm.*
 # --------------------------------------------------------------------------------------------
 @dataclass
@@ -396,6 +458,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
 @dataclass
@@ -404,6 +467,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
 @dataclass
@@ -450,6 +514,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: disabled
     do_sample: bool = True
+    # verl's key: every request (validation's too) keeps generating past EOS up to its length limit;
+    # SGLang's sampling_params.ignore_eos (verl's vLLM server sets it on every request:
+    # verl/workers/rollout/vllm_rollout/vllm_async_server.py, sampling_params.setdefault("ignore_eos", ...))
+    ignore_eos: bool = False
     prompt_length: Optional[int] = None  # None: data.max_prompt_length
     response_length: Optional[int] = None  # None: data.max_response_length
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -523,6 +591,7 @@ class RolloutConfig:
     deterministic_inference: Optional[bool] = None
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
 @dataclass
@@ -564,6 +633,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
 @dataclass
@@ -718,3 +788,4 @@ class ExperimentConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)

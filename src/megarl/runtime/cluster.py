@@ -26,6 +26,7 @@ before the servers resume their KV cache.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -60,6 +61,7 @@ from megarl.runtime.roles import (  # noqa: E402
     RewardModelRole,
     TeacherRole,
     TrainingRole,
+    profile_step,
 )
 from megarl.runtime.rollout_fleet import GenerationInterrupted, RolloutFleet  # noqa: E402
 
@@ -342,6 +344,10 @@ class Cluster:
         roles = {"actor": self.actor, "ref": self.ref, "critic": self.critic, "reward_model": self.reward_model,
                  "teacher": self.teacher}
         return {name: role for name, role in roles.items() if role is not None}
+
+    def profile_step(self, step: int) -> contextlib.AbstractContextManager:
+        """verl's profiler around training step `step` on the training roles (`roles.profile_step`)."""
+        return profile_step(self.config, self._training_roles(), step)
 
     def step_metrics(self) -> dict[str, float]:
         """Since the last call (once per step): `perf/offload_s`, `perf/onload_s` (wall seconds,

@@ -14,10 +14,14 @@ rank 0's metrics (`EngineGroup.update`). A new role is one more class here (and 
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
+from megarl.config.profiler import profiled_roles
 from megarl.data.batch import Batch
 from megarl.runtime.engine_group import EngineClass, EngineGroup
 from megarl.workers.train_worker import TrainWorker
@@ -33,6 +37,8 @@ else:
     CriticEngine = EngineClass("CriticEngine")
     RewardModelEngine = EngineClass("RewardModelEngine")
     TeacherEngine = EngineClass("TeacherEngine")
+
+log = logging.getLogger("megarl.runtime")
 
 
 class TrainingRole(EngineGroup):
@@ -59,6 +65,29 @@ class TrainingRole(EngineGroup):
 
     def load_checkpoint(self, path: str, optimizer: bool = True) -> None:
         self.call(MegatronEngine.load_checkpoint, path, optimizer)
+
+    def start_profile(self, step: int) -> None:
+        """Every rank starts recording step `step` if its profiler selects it (`TrainWorker.start_profile`)."""
+        self.workers.call(TrainWorker.start_profile, step, timeout_s=60)
+
+    def stop_profile(self) -> list[str]:
+        """The trace files the ranks wrote (`TrainWorker.stop_profile`)."""
+        return [path for path in self.workers.call(TrainWorker.stop_profile, timeout_s=600) if path]
+
+
+@contextlib.contextmanager
+def profile_step(config, roles: Mapping[str, TrainingRole], step: int) -> Iterator[None]:
+    """verl's profiler around training step `step` (from 1, verl's global_steps) of a loop whose
+    training roles are `roles` (by role name): when it is one of global_profiler.steps, each role
+    whose `profiler.enable` is set records it on its selected ranks (megarl.workers.profiling.StepTrace)
+    and writes the traces under global_profiler.save_path."""
+    profiled = [role for name, role in roles.items() if name in profiled_roles(config, step)]
+    for role in profiled:
+        role.start_profile(step)
+    yield  # a step that raises ends the loop: its traces are not written
+    for role in profiled:
+        for path in role.stop_profile():
+            log.info("step %d: %s trace written to %s", step, role.name, path)
 
 
 class ActorRole(TrainingRole):

@@ -23,6 +23,7 @@ from pathlib import Path
 from megarl import checkpoint
 from megarl.config import ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
+from megarl.runtime.roles import profile_step
 from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
 
@@ -44,7 +45,8 @@ def fit_offline(trainer, tracker, train_step: Callable[[], dict], validate: Call
     with StopRequest() as stop:
         for step in range(resumed + 1, trainer.total_steps + 1):
             stop.step = step - 1
-            metrics = train_step()
+            with profile_step(config, {"actor": trainer.actor}, step):  # verl's global_profiler
+                metrics = train_step()
             log_step(tracker, metrics, step, trainer.total_steps, t.test_freq, validate)
             trainer.checkpoints.poll()
             saved = save_due(config, step, trainer.total_steps)

@@ -62,6 +62,7 @@ def sampling_params(config: ExperimentConfig, validation: bool = False) -> Sampl
         top_p=v.top_p if validation else r.top_p,
         top_k=v.top_k if validation else r.top_k,
         n=v.n if validation else r.n,
+        ignore_eos=r.ignore_eos,  # verl's rollout.ignore_eos holds for validation too (schema.RolloutConfig)
     )
 
 
@@ -348,7 +349,8 @@ class RLTrainer:
         with StopRequest() as stop, closing(self.producer):  # the producer stops with the loop however it ends
             while self.step < self.total_steps:
                 stop.step = self.step
-                metrics = self.train_step()
+                with self.cluster.profile_step(self.step + 1):  # verl's global_profiler (steps from 1)
+                    metrics = self.train_step()
                 self.step += 1
                 if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())

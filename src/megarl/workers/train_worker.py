@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megarl.workers.base import RankedWorker
+from megarl.workers.profiling import StepTrace
 
 if TYPE_CHECKING:  # megatron loads in the worker only (`engine_class`)
     from megarl.engines.megatron import ActorEngine, CriticEngine, RefEngine, RewardModelEngine, TeacherEngine
@@ -39,6 +40,7 @@ class TrainWorker(RankedWorker):
         self.config = config
         self.engine: ActorEngine | RefEngine | CriticEngine | RewardModelEngine | TeacherEngine | None = None
         self.weight_sync = None
+        self.trace: StepTrace | None = None  # global_profiler.tool=torch (`start_profile`)
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
         """Join the role's world: `timeout_s` (seconds) bounds the join, actor_rollout_ref.nccl_timeout
@@ -51,6 +53,8 @@ class TrainWorker(RankedWorker):
     def init_engine(self) -> dict:
         """Build the role's engine (after `init_process_group`); returns its data-parallel place."""
         self.engine = engine_class(self.role)(self.config)
+        self.trace = StepTrace(self.config, self.role, self.rank, self.world_size,
+                               on_cuda=self.engine.device.type == "cuda")
         return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size,
                 "is_output_rank": self.engine.is_output_rank}
 
@@ -64,6 +68,15 @@ class TrainWorker(RankedWorker):
         if method.startswith("_") or not inspect.isfunction(defined):
             raise TypeError(f"{self.role}: {method!r} is not a public method of its engine, {engine_cls.__name__}")
         return getattr(self.engine, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------ verl's profiler
+    def start_profile(self, step: int) -> None:
+        """Start recording training step `step` (from 1) on this rank, if its role's profiler selects it."""
+        self.trace.start(step)
+
+    def stop_profile(self) -> str | None:
+        """Stop recording and write the trace; its path, or None on a rank not profiled."""
+        return self.trace.stop()
 
     # ------------------------------------------------------------------ the actor's weight push
     def init_weight_sync(self, server_urls: list[str], sync_config, version: int = 0,

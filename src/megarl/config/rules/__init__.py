@@ -47,6 +47,7 @@ from megarl.config.rules.gpus import (
 )
 from megarl.config.rules.lora import lora_settings
 from megarl.config.rules.mtp import mtp_settings
+from megarl.config.rules.profiler import profiler_settings
 from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
                                                     rollout_correction_settings)
@@ -119,6 +120,7 @@ RULES: list[Rule] = [
     grouped_gemm_can_run,
     transformer_overrides_fit,
     router_replay_fits,
+    profiler_settings,
     batch_arithmetic,
 ]
 

@@ -213,9 +213,12 @@ def fault_limits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]
 def agent_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """Agentic rollouts: episode limits, the judge's URL and key, the endpoint's port.
 
-    Reads: actor_rollout_ref.rollout.agent
+    Reads: actor_rollout_ref.rollout.agent, actor_rollout_ref.rollout.ignore_eos
     """
     agent = config.actor_rollout_ref.rollout.agent
+    if agent.path and config.actor_rollout_ref.rollout.ignore_eos:
+        yield ("actor_rollout_ref.rollout.ignore_eos=true with rollout.agent.path: not built yet for agent episodes "
+               "(their calls take the endpoint's own sampling parameters, megarl.agents.openai_api)")
     for key in ("max_turns", "max_tokens_per_episode", "max_concurrent_episodes"):
         yield from positive(f"actor_rollout_ref.rollout.agent.{key}", getattr(agent, key))
     if agent.episode_timeout_s <= 0:
