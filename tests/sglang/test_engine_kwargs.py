@@ -3,7 +3,8 @@ launches, checked against SGLang 0.5.23 itself: megarl's table of its server arg
 (megarl.config.sglang_server_args) is what SGLang's own parser (`ServerArgs.add_cli_args`) defines,
 SGLang's parser reads megarl's command back into the values given, and a real server started with
 them reports them (`/get_server_info`). Refusals name the key: an argument SGLang does not have,
-one megarl sets itself (the command's own value is accepted), vllm / trtllm, the CPU engine."""
+one megarl sets itself (the command's own value is accepted), the CPU engine; vllm / trtllm ones are
+ignored with a warning each, as verl ignores them when it serves with SGLang."""
 import json
 import subprocess
 from pathlib import Path
@@ -95,14 +96,24 @@ def test_what_megarl_sets_itself_is_refused_unless_it_is_its_own_value():
     ("+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_dp_attention=true",
      "deprecated in SGLang 0.5.23: --attn-dp-size <dp-size>"),
     ("+actor_rollout_ref.rollout.engine_kwargs.sglang.chunked_prefill_size=[1,2]", "takes one value"),
-    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=1024",
-     "engine_kwargs.vllm.max_model_len: megarl serves with SGLang"),
-    ("+actor_rollout_ref.rollout.engine_kwargs.trtllm.moe_config.backend=TRTLLM",
-     "engine_kwargs.trtllm.moe_config: megarl serves with SGLang"),
 ])
 def test_refusals_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_and_validate(None, ["actor_rollout_ref.model.path=/m", override])
+
+
+def test_other_engines_arguments_are_ignored_with_one_warning_each(caplog):
+    """verl's SGLang server reads engine_kwargs.sglang alone (verl/workers/rollout/sglang_rollout/
+    async_sglang_server.py), so a verl script's vllm / trtllm arguments change nothing there: nor here."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, "megarl.config"):
+        config = load_and_validate(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet",
+                                          "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=1024",
+                                          "+actor_rollout_ref.rollout.engine_kwargs.trtllm.moe_config.backend=TRTLLM"])
+    for name in ("vllm.max_model_len=1024", "trtllm.moe_config={'backend': 'TRTLLM'}"):
+        assert sum(f"engine_kwargs.{name} is read by verl's" in r.getMessage() for r in caplog.records) == 1, name
+    assert sglang_engine_flags(config.actor_rollout_ref.rollout.engine_kwargs.get("sglang", {}), []) == []
 
 
 def test_the_cpu_engine_takes_no_sglang_arguments():

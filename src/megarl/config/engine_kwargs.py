@@ -7,8 +7,11 @@ as SGLang's own `--config` file would (sglang/srt/utils/server_args_config_parse
 and its items; a dict its JSON). Each key must be a command-line server argument of SGLang 0.5.23
 (megarl.config.sglang_server_args, generated from SGLang's own parser). Refused, naming the key:
 any other key (SGLang refuses it too), an argument megarl sets from its own keys (OWNED) unless it
-is the value megarl passes, anything for megarl's CPU engine (it is not SGLang), and
-`engine_kwargs.vllm` / `trtllm` (megarl serves with SGLang only).
+is the value megarl passes, and anything for megarl's CPU engine (it is not SGLang).
+`engine_kwargs.vllm` / `trtllm` are read by verl's vLLM / TensorRT-LLM servers only, and verl
+ignores them when it serves with SGLang (its SGLang server reads `engine_kwargs.sglang`:
+verl/workers/rollout/sglang_rollout/async_sglang_server.py); megarl serves with SGLang, so it
+ignores them too, with one warning each (`other_engines_kwargs`).
 """
 from __future__ import annotations
 
@@ -60,9 +63,6 @@ def engine_kwargs_problems(engine_kwargs: Mapping[str, Any], rollout_name: str) 
             problems.append(f"{key}.{engine}: not an engine of verl's engine_kwargs ({', '.join(ENGINES)})")
         elif not isinstance(kwargs, Mapping):
             problems.append(f"{key}.{engine}={kwargs!r}: a mapping of server arguments")
-        elif engine != "sglang" and kwargs:
-            problems += [f"{key}.{engine}.{arg}: megarl serves with SGLang; its server arguments are {key}.sglang.*"
-                         for arg in kwargs]
         elif engine == "sglang":
             for arg, value in kwargs.items():
                 problem = _arg_problem(arg, value) or (_CPU_ENGINE if rollout_name == "cpu" else None)
@@ -71,6 +71,16 @@ def engine_kwargs_problems(engine_kwargs: Mapping[str, Any], rollout_name: str) 
                 if problem:
                     problems.append(f"{key}.sglang.{arg}={value!r}: {problem}")
     return problems
+
+
+def other_engines_kwargs(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """Warnings, one per `engine_kwargs.vllm` / `trtllm` argument: megarl serves with SGLang and
+    ignores them, as verl does when its rollout is SGLang."""
+    key = "actor_rollout_ref.rollout.engine_kwargs"
+    return [f"{key}.{engine}.{arg}={value!r} is read by verl's {engine} server only; megarl serves with SGLang "
+            f"(its server arguments: {key}.sglang.*), so it is ignored, as verl ignores it with rollout.name=sglang"
+            for engine, kwargs in engine_kwargs.items() if engine in ("vllm", "trtllm") and isinstance(kwargs, Mapping)
+            for arg, value in kwargs.items()]
 
 
 def _is_off(arg: str, value: Any) -> bool:

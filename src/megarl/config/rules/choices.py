@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
-from megarl.config.engine_kwargs import engine_kwargs_problems
+from megarl.config.engine_kwargs import engine_kwargs_problems, other_engines_kwargs
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig
 
@@ -302,9 +302,17 @@ def deterministic_inference_fits_device(config: ExperimentConfig, sizes: Derived
 
 def rollout_engine_kwargs_are_sglangs(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """verl's engine_kwargs: SGLang 0.5.23's own server arguments for rollout.name=sglang, nothing
-    megarl sets itself, no vllm / trtllm ones (megarl.config.engine_kwargs).
+    megarl sets itself (megarl.config.engine_kwargs).
 
     Reads: actor_rollout_ref.rollout.engine_kwargs, actor_rollout_ref.rollout.name
     """
     r = config.actor_rollout_ref.rollout
     yield from engine_kwargs_problems(r.engine_kwargs, r.name)
+
+
+def rollout_engine_kwargs_of_other_engines(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Warnings: verl's engine_kwargs.vllm / trtllm, ignored (megarl.config.engine_kwargs.other_engines_kwargs).
+
+    Reads: actor_rollout_ref.rollout.engine_kwargs
+    """
+    yield from other_engines_kwargs(config.actor_rollout_ref.rollout.engine_kwargs)
