@@ -243,6 +243,11 @@ def test_moe_overrides_go_to_megarls_keys_at_their_defaults_and_show_once():
     with pytest.raises(ConfigError, match="moe_aux_loss_coeff=0.01 conflicts with"):
         load_and_validate(None, BASE + ["actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.02",
                                         f"+{otc}.moe_aux_loss_coeff=0.01"])
+    # verl's Ascend scripts' sequence_parallel=True (megarl's key at its default, false): megarl's key takes it
+    tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    config = load_and_validate(None, BASE + tp2 + [f"+{otc}.sequence_parallel=True"])
+    assert config.actor_rollout_ref.actor.megatron.sequence_parallel is True
+    assert "sequence_parallel" not in config.actor_rollout_ref.actor.megatron.override_transformer_config
 
 
 def test_hydra_double_plus_and_verls_default_transformer_keys_without_plus():

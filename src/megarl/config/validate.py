@@ -18,7 +18,7 @@ from megarl.config.schema import ExperimentConfig, MegatronConfig
 
 # megatron-core TransformerConfig fields that are also megarl keys of `<role>.megatron` (verl sets them only in
 # override_transformer_config): an override's value is taken as megarl's key while that key is at its default
-MOVED_OVERRIDES = ("moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+MOVED_OVERRIDES = ("moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff", "sequence_parallel")
 
 
 def _own_keys(megatron: MegatronConfig) -> MegatronConfig:
