@@ -35,11 +35,13 @@ def _tp():
     return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
 
 
-def beyond_vocab(shard: int, vocab_size: int, device) -> torch.Tensor:
-    """[shard] bool: which columns of this TP rank's vocabulary shard (`shard` rows of the output layer)
-    are megatron's padding beyond the checkpoint's `vocab_size` rows (never a token: masked to -inf)."""
+def mask_beyond_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`logits` [..., V/TP] of this TP rank's vocabulary shard with megatron's padding columns, those
+    from the checkpoint's `vocab_size` on, set to -inf (never a token); as they are where none is padding."""
+    shard = logits.shape[-1]
     start = _tp()[1] * shard
-    return torch.arange(start, start + shard, device=device) >= vocab_size
+    padding = torch.arange(start, start + shard, device=logits.device) >= vocab_size
+    return logits.masked_fill(padding, float("-inf")) if bool(padding.any()) else logits
 
 
 def _chunk_log_probs(
@@ -52,10 +54,7 @@ def _chunk_log_probs(
     group, rank = _tp()
     shard = weight.shape[0]
     start = rank * shard
-    logits = torch.matmul(hidden, weight.t()).float() / temperature  # [n, V/TP]
-    padding = beyond_vocab(shard, vocab_size, logits.device)
-    if bool(padding.any()):
-        logits = logits.masked_fill(padding, float("-inf"))
+    logits = mask_beyond_vocab(torch.matmul(hidden, weight.t()).float() / temperature, vocab_size)  # [n, V/TP]
     peak = logits.detach().amax(-1)
     if group.size() > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -133,11 +132,10 @@ def token_top_k(
     shard = output_weight.shape[0]
     start = rank * shard
     step = max(1, chunk_elements // shard)
-    padding = beyond_vocab(shard, vocab_size, hidden.device)
     sampled, top_values, top_ids = [], [], []
     for first in range(0, hidden.shape[0], step):
-        logits = torch.matmul(hidden[first : first + step], output_weight.t()).float() / temperature
-        logits = logits.masked_fill(padding, float("-inf"))
+        logits = mask_beyond_vocab(torch.matmul(hidden[first : first + step], output_weight.t()).float() / temperature,
+                                   vocab_size)
         peak = logits.amax(-1)
         if group.size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)

@@ -53,7 +53,7 @@ from megarl.config.rules.mtp import mtp_train_layout_problem
 from megarl.config.transformer_overrides import (DTYPE_NAMES, KEY as OVERRIDES_KEY, LAYOUT_NAMES,
                                                 cp_comm_type_model_problems)
 from megarl.engines.megatron.cp_attention import cpu_reference_attention, with_core_attention
-from megarl.engines.megatron.heads import beyond_vocab
+from megarl.engines.megatron.heads import mask_beyond_vocab
 from megarl.engines.megatron.mtp import MtpTraining, detach_mtp_inputs, mtp_block_spec, mtp_postprocess
 from megarl.engines.megatron.parallel import RoleLayout, compute_device
 from megarl.engines.megatron.transformer_overrides import apply_overrides, transformer_config_fields
@@ -313,8 +313,7 @@ def _gpt_model_class():
 
         def compute_language_model_loss(self, labels, logits):
             if self.vocab_size_unpadded is not None:  # logits [s, b, V/TP]: this rank's vocabulary shard
-                padding = beyond_vocab(logits.shape[-1], self.vocab_size_unpadded, logits.device)
-                logits = logits.masked_fill(padding, float("-inf"))
+                logits = mask_beyond_vocab(logits, self.vocab_size_unpadded)
             return super().compute_language_model_loss(labels, logits)
 
     if has_output_processor(GPTModel):
