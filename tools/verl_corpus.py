@@ -31,8 +31,11 @@ import json, os, sys
 args = sys.argv[1:]
 if "-m" in args and args[args.index("-m") + 1].startswith(("verl", "recipe")):
     i = args.index("-m")
+    line = {"module": args[i + 1], "args": args[i + 2:]}
+    if os.path.basename(sys.argv[0]) == "torchrun":  # its own arguments: the layout verl's SFT trainer runs on
+        line["launcher"] = ["torchrun", *args[:i]]
     with open(os.environ["CORPUS_RECORD"], "a") as f:
-        f.write(json.dumps({"module": args[i + 1], "args": args[i + 2:]}) + "\n")
+        f.write(json.dumps(line) + "\n")
 elif args[:1] == ["clone"]:
     plain = [a for a in args[1:] if not a.startswith("-")]
     os.makedirs(plain[1] if len(plain) > 1 else plain[0].rstrip("/").rsplit("/", 1)[-1].removesuffix(".git"),
@@ -109,7 +112,8 @@ def main() -> None:
                 lines, last = run_script(git(git_dir, "show", f"HEAD:{path}"), Path(tmp), env)
             for k, line in enumerate(lines):
                 corpus["scripts"].append({"repo": repo, "path": path, "commit": commit, "date": date,
-                                          "launch": k, "env": env, "module": line["module"], "args": line["args"]})
+                                          "launch": k, "env": env, "module": line["module"], "args": line["args"],
+                                          **({"launcher": line["launcher"]} if "launcher" in line else {})})
             if not lines:
                 corpus["scripts"].append({"repo": repo, "path": path, "commit": commit, "date": date,
                                           "launch": None, "env": env, "module": None, "args": [],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.args import experiment_file
+from megarl.config.torchrun import layout_from_args
 from megarl.config.verl_compat import SFT_MODULE, VERL_MODULES
 from megarl.config.verl_groups import MLITE_LAUNCHER
 from megarl.trainer.main_ppo import build_parser
@@ -68,6 +69,8 @@ def refusals(entry: dict) -> list[Refusal]:
     defaults = VERL_MODULES[entry["module"]][1] if entry["module"] in VERL_MODULES else ()
     verl_sft = VERL_MODULES.get(entry["module"], ("",))[0] == SFT_MODULE  # verl's SFT keys (megarl.config.verl_sft)
     overrides = [*defaults, *args.overrides]
+    if entry.get("launcher", [""])[0] == "torchrun":  # torchrun's layout, as megarl's driver reads it under torchrun
+        overrides += layout_from_args(entry["launcher"][1:]).overrides()
     for _ in range(len(overrides) + 1):
         try:
             config = load_config(config_file, overrides, verl_sft)

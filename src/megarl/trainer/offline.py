@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from megarl import checkpoint
-from megarl.config import ExperimentConfig, load_and_validate
+from megarl.config import ConfigError, ExperimentConfig, load_and_validate
 from megarl.config.args import add_experiment_args, experiment_file
+from megarl.config.torchrun import TORCHRUN_ENV, layout_from_env, multi_node_problem
 from megarl.runtime.roles import profile_step
 from megarl.trainer.preemption import Preempted, StopRequest
 from megarl.trainer.preflight import DRY_RUN_HELP, DRY_RUN_OK, Kind, check_environment
@@ -152,13 +154,28 @@ def offline_main(prog: str, description: str, run: str, argv: list[str] | None, 
                  defaults: tuple[str, ...] = (), verl_sft: bool = False) -> int:
     """`prog [--config X.yaml] [--dry-run] key.path=value ...`: validate, check the machine, then
     call `run` ("module:function", imported only then) with the config. `defaults`: overrides before
-    the command line's; `verl_sft`: the overrides are verl's SFT trainer's (megarl.config.verl_sft)."""
+    the command line's; `verl_sft`: the overrides are verl's SFT trainer's (megarl.config.verl_sft).
+    Under torchrun (verl's SFT scripts) rank 0 is the driver, on torchrun's GPUs (megarl.config.torchrun),
+    and the other ranks stop at once with status 0."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_experiment_args(parser)
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     args = parser.parse_intermixed_args(argv)
+    overrides = [*defaults, *args.overrides]
+    torchrun = layout_from_env(os.environ)
+    if torchrun is not None:
+        if torchrun.rank != 0:
+            print(f"torchrun rank {torchrun.rank}: megarl's driver runs on rank 0 and places every worker; "
+                  "this rank has nothing to do")
+            return 0
+        if problem := multi_node_problem(torchrun, prog):
+            raise ConfigError(problem)
+        for name in TORCHRUN_ENV:  # torchrun's rank variables would mislead the workers Ray starts from here
+            os.environ.pop(name, None)
+        overrides += torchrun.overrides()  # torchrun's layout wins, as in verl's SFT trainer
+        print(f"under torchrun: {' '.join(torchrun.overrides())}")
     # SFT counts its steps from the data (megarl.trainer.sft.SFTTrainer)
-    config = load_and_validate(experiment_file(args), [*defaults, *args.overrides], verl_sft, kind == "sft")
+    config = load_and_validate(experiment_file(args), overrides, verl_sft, kind == "sft")
     print("config OK; checking data, model and this machine")
     config = check_environment(config, kind)  # seconds, before Ray starts
     if args.dry_run:
