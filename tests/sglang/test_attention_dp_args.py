@@ -16,6 +16,8 @@ from megarl.rollout.launch import sglang_command, sglang_server_command
 
 R = "actor_rollout_ref.rollout."
 VERL_397B = (f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=2", f"{R}expert_parallel_size=4")
+VERL_DP_ATTENTION = (f"{R}tensor_model_parallel_size=2", f"{R}data_parallel_size=2",
+                     f"+{R}engine_kwargs.sglang.enable_dp_attention=true")
 # (server GPUs, attention groups): megarl's rule and SGLang's resolution must agree on each
 SIZES = [(4, 2), (4, 3), (4, 4), (8, 4), (8, 3), (8, 6)]
 # run in SGLang's interpreter: each argv resolved as `sglang serve` resolves it, or the error it raises
@@ -54,6 +56,12 @@ def resolved(qwen2_dir):
     commands = [sglang_command(config, qwen2_dir, 30000, device="cpu", colocated=False, context_length=CONTEXT)]
     commands += [sglang_server_command(qwen2_dir, 30000, device="cpu", context_length=CONTEXT, tp_size=tp,
                                        attn_dp_size=attn_dp) for tp, attn_dp in SIZES]
+    # verl's layout without expert parallelism, DP attention asked through engine_kwargs: megarl's command, then
+    # verl's server arguments for it (async_sglang_server.py: tp_size tp x dp, dp_size dp, the engine_kwargs)
+    commands.append(sglang_command(_config(*VERL_DP_ATTENTION), qwen2_dir, 30000, device="cpu", colocated=False,
+                                   context_length=CONTEXT))
+    commands.append([*sglang_server_command(qwen2_dir, 30000, device="cpu", context_length=CONTEXT, tp_size=4),
+                     "--dp-size", "2", "--enable-dp-attention"])
     done = subprocess.run([sglang_python(), "-c", RESOLVE], input=json.dumps([_argv(c) for c in commands]),
                           capture_output=True, text=True, timeout=300, env=sglang_client_env())
     assert done.returncode == 0, done.stderr[-3000:]
@@ -81,3 +89,12 @@ def test_megarls_rule_refuses_what_sglang_refuses(resolved, index):
         assert (sglang["tp_size"], sglang["attn_dp_size"], sglang["dp_size"]) == (tp, attn_dp, 1)
         r = _config(*overrides).actor_rollout_ref.rollout
         assert (r.tensor_model_parallel_size, r.attention_data_parallel_size) == (tp, attn_dp)
+
+
+def test_verls_dp_attention_flag_reaches_sglang_as_verls_own_server_arguments_do(resolved):
+    """`engine_kwargs.sglang.enable_dp_attention=true` beside data_parallel_size 2 (expert_parallel_size 1):
+    SGLang resolves megarl's command exactly as verl's own server arguments (tp_size 4, dp_size 2, the flag):
+    one server of 4 GPUs, attention in 2 groups, no replicas."""
+    megarl, verl = resolved[-2], resolved[-1]
+    assert verl == {"tp_size": 4, "dp_size": 1, "attn_dp_size": 2, "ep_size": 1, "enable_dp_attention": True}
+    assert megarl == verl

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 KWARGS = {"enable_memory_saver": False, "enable_weights_cpu_backup": False, "enable_draft_weights_cpu_backup": False,
           "disable_overlap_schedule": True, "chunked_prefill_size": 64, "schedule_policy": "lpm",
           "json_model_override_args": {"rope_theta": 10000}, "gc_threshold": [700, 10, 10],
-          "enable_tf32_matmul": False, "enable_dp_attention": False}
+          "enable_tf32_matmul": False, "enable_dp_attention": False, "disable_cuda_graph": True}
 # run in SGLang's interpreter: its parser's table (as tools/sglang_server_args.py reads it) and its reading of argv
 PARSE = """
 import argparse, json, sys
@@ -93,13 +93,26 @@ def test_what_megarl_sets_itself_is_refused_unless_it_is_its_own_value():
 @pytest.mark.parametrize("override, message", [
     ("+actor_rollout_ref.rollout.engine_kwargs.sglang.mamba_scheduler_strategy=no_buffer",
      "mamba_scheduler_strategy='no_buffer': not a command-line server argument of SGLang 0.5.23"),
-    ("+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_dp_attention=true",
-     "deprecated in SGLang 0.5.23: --attn-dp-size <dp-size>"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=2",
+     "SGLang's --disable-cuda-graph is a switch: true or false"),
     ("+actor_rollout_ref.rollout.engine_kwargs.sglang.chunked_prefill_size=[1,2]", "takes one value"),
 ])
 def test_refusals_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_and_validate(None, ["actor_rollout_ref.model.path=/m", override])
+
+
+def test_a_deprecated_switch_sglang_still_reads_is_passed_on_with_a_warning(caplog):
+    """SGLang 0.5.23 reads --disable-cuda-graph (its parse above; arg_groups/cuda_graph_hook.py disables both
+    phases' graphs), as verl's server passes it: not refused."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, "megarl.config"):
+        config = load_and_validate(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet",
+                                          "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=true"])
+    assert sum("engine_kwargs.sglang.disable_cuda_graph=True: deprecated in SGLang 0.5.23, which still reads it"
+               in r.getMessage() for r in caplog.records) == 1
+    assert sglang_engine_flags(config.actor_rollout_ref.rollout.engine_kwargs["sglang"], []) == ["--disable-cuda-graph"]
 
 
 def test_other_engines_arguments_are_ignored_with_one_warning_each(caplog):

@@ -73,6 +73,20 @@ def engine_kwargs_problems(engine_kwargs: Mapping[str, Any], rollout_name: str) 
     return problems
 
 
+def deprecated_sglang_kwargs(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """Warnings, one per deprecated SGLang switch set in `engine_kwargs.sglang`: SGLang 0.5.23 still reads
+    it (`--disable-cuda-graph`: arg_groups/cuda_graph_hook.py, both phases' backend disabled;
+    `--enable-dp-attention`: arg_groups/parallel_hook.py handle_deprecated_dp_attention, --attn-dp-size =
+    --dp-size), so megarl passes it on as verl does."""
+    kwargs = engine_kwargs.get("sglang")
+    if not isinstance(kwargs, Mapping):
+        return []
+    return [f"actor_rollout_ref.rollout.engine_kwargs.sglang.{arg}={value!r}: deprecated in SGLang {SGLANG_VERSION}, "
+            f"which still reads it (its new spelling: {SERVER_ARGS[arg][1].partition(': ')[2]}); passed on"
+            for arg, value in kwargs.items()
+            if arg in SERVER_ARGS and SERVER_ARGS[arg][1].startswith("deprecated") and value is True]
+
+
 def other_engines_kwargs(engine_kwargs: Mapping[str, Any]) -> list[str]:
     """Warnings, one per `engine_kwargs.vllm` / `trtllm` argument: megarl serves with SGLang and
     ignores them, as verl does when its rollout is SGLang."""
@@ -93,9 +107,7 @@ def _arg_problem(arg: str, value: Any) -> str | None:
     if arg not in SERVER_ARGS:
         return f"not a command-line server argument of SGLang {SGLANG_VERSION}"
     kind = SERVER_ARGS[arg][1]
-    if kind.startswith("deprecated"):
-        return None if value is False else f"deprecated in SGLang {SGLANG_VERSION}: {kind.partition(': ')[2]}"
-    if kind in ("switch", "bool") and not isinstance(value, bool):
+    if (kind in ("switch", "bool") or kind.startswith("deprecated")) and not isinstance(value, bool):
         return f"SGLang's {SERVER_ARGS[arg][0]} is a switch: true or false"
     if kind == "value" and isinstance(value, list):
         return f"SGLang's {SERVER_ARGS[arg][0]} takes one value"

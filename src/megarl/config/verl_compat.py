@@ -606,7 +606,9 @@ def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
     enable_expert_parallel); verl's SGLang arguments without `enable_dp_attention` would ask SGLang
     0.5.23 for d replicas of tp x d GPUs each (server_args.py compute_world_size: dp x tp), more than
     verl's replica of tp x d GPUs holds. megarl takes any ep the server's rule accepts (ep divides
-    tp x d), not only verl's ep = tp x d.
+    tp x d), not only verl's ep = tp x d. With `engine_kwargs.sglang.enable_dp_attention=true` verl's
+    server is that one server whatever ep is (SGLang reads the flag beside dp_size d as --attn-dp-size d):
+    the same mapping, the flag itself taken off the server's arguments.
 
     moe_tensor_parallel_size m: verl reads it for TensorRT-LLM only and asserts m = 1 otherwise
     ("moe_tensor_parallel_size is only supported for trtllm", RolloutConfig.__post_init__). SGLang derives
@@ -615,13 +617,20 @@ def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
     rollout = tree["actor_rollout_ref"]["rollout"]
     tp, ep = rollout.get("tensor_model_parallel_size", 1), rollout.get("expert_parallel_size", 1)
     errors = []
+    # engine_kwargs.sglang.enable_dp_attention: verl passes it to SGLang beside its dp_size = d, which SGLang
+    # 0.5.23 reads as --attn-dp-size d (arg_groups/parallel_hook.py handle_deprecated_dp_attention; with d = 1
+    # it adds nothing): megarl's attention_data_parallel_size, so the flag itself leaves the server's arguments
+    sglang_kwargs = (rollout.get("engine_kwargs") or {}).get("sglang") or {}
+    dp_attention = sglang_kwargs.get("enable_dp_attention") is True
+    if dp_attention:
+        del sglang_kwargs["enable_dp_attention"]
     if _ROLLOUT + "data_parallel_size" in grouped:
         d, source = grouped[_ROLLOUT + "data_parallel_size"]
         key = f"{_ROLLOUT}data_parallel_size={d} ({source})"
         attn_key = _ROLLOUT + "attention_data_parallel_size"
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
             errors.append(f"{key}: must be a positive integer")
-        elif d > 1 and _is_count(tp) and _is_count(ep) and ep > 1:
+        elif d > 1 and _is_count(tp) and _is_count(ep) and (ep > 1 or dp_attention):
             server_tp, attn_dp = verl_attention_dp_server(tp, d)
             if attn_key in origins and _get(tree, attn_key) != attn_dp:
                 errors.append(f"{key} with expert_parallel_size={ep} means {attn_key}={attn_dp}, which contradicts "
@@ -630,17 +639,22 @@ def _rollout_parallel(tree: dict, grouped: dict, origins: dict) -> list[str]:
                 _set(tree, _ROLLOUT + "tensor_model_parallel_size", server_tp, origins,
                      f"verl keys tensor_model_parallel_size={tp} x data_parallel_size={d} ({source})")
                 _set(tree, attn_key, attn_dp, origins, f"verl key {_ROLLOUT}data_parallel_size={d} ({source})")
-                log.warning("%sdata_parallel_size=%s (verl key, %s) with expert_parallel_size=%s: one SGLang server of "
+                log.warning("%sdata_parallel_size=%s (verl key, %s) with expert_parallel_size=%s%s: one SGLang server of "
                             "tensor_model_parallel_size x data_parallel_size = %s GPUs, its experts over all of them "
                             "and its attention data parallel in %s groups of %s GPUs (SGLang's --tp-size %s "
                             "--attn-dp-size %s --ep-size %s): megarl's tensor_model_parallel_size=%s and "
-                            "attention_data_parallel_size=%s", _ROLLOUT, d, source, ep, server_tp, attn_dp, tp,
+                            "attention_data_parallel_size=%s", _ROLLOUT, d, source, ep,
+                            " and engine_kwargs.sglang.enable_dp_attention" if dp_attention else "", server_tp, attn_dp, tp,
                             server_tp, attn_dp, ep, server_tp, attn_dp)
                 tp = server_tp
+                dp_attention = False  # said by the mapping
         else:
             log.warning("%sdata_parallel_size=%s (verl key, %s): megarl runs one SGLang server per "
                         "tensor_model_parallel_size=%s GPUs behind sglang-router, which spreads the requests over them "
                         "(data parallelism over servers); ignored", _ROLLOUT, d, source, tp)
+    if dp_attention:
+        log.warning("%sengine_kwargs.sglang.enable_dp_attention=true without a rollout data_parallel_size above 1: "
+                    "SGLang 0.5.23 reads it as --attn-dp-size = --dp-size = 1, which adds nothing; ignored", _ROLLOUT)
     if _ROLLOUT + "moe_tensor_parallel_size" in grouped:
         m, source = grouped[_ROLLOUT + "moe_tensor_parallel_size"]
         key = f"{_ROLLOUT}moe_tensor_parallel_size={m} ({source})"

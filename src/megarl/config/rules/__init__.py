@@ -26,7 +26,7 @@ from megarl.config.rules.choices import (
     reward_model_settings,
     rollout_engine_fits_device,
     rollout_engine_kwargs_are_sglangs,
-    rollout_engine_kwargs_of_other_engines,
+    rollout_engine_kwargs_warnings,
     deterministic_inference_fits_device,
     token_budget_holds_a_sequence,
     warmup_fits_schedule,
@@ -127,7 +127,7 @@ RULES: list[Rule] = [
 
 # Rules whose messages are warnings: what they find runs (as in verl, which warns), but is likely a mistake
 WARNING_RULES: list[Rule] = [
-    rollout_engine_kwargs_of_other_engines,
+    rollout_engine_kwargs_warnings,
     async_modes_correct_off_policy,
     offload_in_split_placement,
     bypass_replaces_loss_mode,

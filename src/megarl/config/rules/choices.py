@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
-from megarl.config.engine_kwargs import engine_kwargs_problems, other_engines_kwargs
+from megarl.config.engine_kwargs import deprecated_sglang_kwargs, engine_kwargs_problems, other_engines_kwargs
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig
 
@@ -310,9 +310,11 @@ def rollout_engine_kwargs_are_sglangs(config: ExperimentConfig, sizes: DerivedSi
     yield from engine_kwargs_problems(r.engine_kwargs, r.name)
 
 
-def rollout_engine_kwargs_of_other_engines(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """Warnings: verl's engine_kwargs.vllm / trtllm, ignored (megarl.config.engine_kwargs.other_engines_kwargs).
+def rollout_engine_kwargs_warnings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Warnings: verl's engine_kwargs.vllm / trtllm, ignored, and SGLang's deprecated switches, passed on
+    (megarl.config.engine_kwargs.other_engines_kwargs, deprecated_sglang_kwargs).
 
     Reads: actor_rollout_ref.rollout.engine_kwargs
     """
     yield from other_engines_kwargs(config.actor_rollout_ref.rollout.engine_kwargs)
+    yield from deprecated_sglang_kwargs(config.actor_rollout_ref.rollout.engine_kwargs)
