@@ -26,8 +26,9 @@ SRC = ROOT / "src" / "megarl"
 #   megarl    the package's own __init__ (`megarl.__version__`)
 #   testing   the harness of gloo worlds for tests and benchmarks, on top: nothing in src imports it
 #   experimental  verl's verl.experimental entry points under megarl's name, beside cli
+#   recipe    verl-recipe's entry points under megarl's name, beside cli
 LAYERS = [
-    {"cli", "demo", "testing", "experimental"},
+    {"cli", "demo", "testing", "experimental", "recipe"},
     {"trainer", "launch"},
     {"runtime"},
     {"workers", "agents"},

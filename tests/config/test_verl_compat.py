@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, load_and_validate, load_config
-from megarl.config.verl_compat import FULLY_ASYNC_DEFAULTS, ONE_STEP_OFF_DEFAULTS, VERL_KEYS
+from megarl.config.verl_compat import DAPO_DEFAULTS, DAPO_MODULE, FULLY_ASYNC_DEFAULTS, ONE_STEP_OFF_DEFAULTS, VERL_KEYS
 
 HERE = Path(__file__).resolve().parent
 BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -307,3 +307,23 @@ def test_use_dist_checkpointing_needs_its_path_and_is_the_actor_and_references_o
                                           r"from its HF checkpoint"):
         load_and_validate(None, BASE + ["critic.megatron.use_dist_checkpointing=true",
                                         "critic.megatron.dist_checkpointing_path=/ckpt/mcore"])
+
+
+def test_dapo_recipe_module_runs_megarls_loop_with_the_recipes_defaults(tmp_path):
+    """verl-recipe's recipe.dapo.main_dapo renamed: its dapo_trainer.yaml's defaults (verl-recipe 2026-08-05:
+    reward.reward_manager.name dapo, trainer.project_name verl-dapo) under the script's keys, DAPO's dynamic
+    sampling and overlong shaping in megarl's keys; the dry run names the recipe's project."""
+    overrides = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                 "algorithm.filter_groups.max_num_gen_batches=10", "actor_rollout_ref.rollout.n=16",
+                 "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+                 "+reward_model.reward_kwargs.overlong_buffer_cfg.len=512",
+                 "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0"]
+    config = load_and_validate(None, [*DAPO_DEFAULTS, *BASE, *overrides])
+    assert (config.reward_model.reward_manager, config.trainer.project_name) == ("dapo", "verl-dapo")
+    assert (config.algorithm.filter_groups.metric, config.algorithm.filter_groups.max_num_gen_batches) == ("acc", 10)
+    assert (config.reward_model.overlong_buffer_len, config.reward_model.overlong_penalty_factor) == (512, 1.0)
+    r = subprocess.run([sys.executable, "-m", DAPO_MODULE, "--dry-run", *BASE, *overrides], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert "config OK" in r.stdout, r.stderr
+    assert r.stdout.startswith("experiment verl-dapo/")

@@ -736,9 +736,15 @@ ONE_STEP_OFF_DEFAULTS = ("async_training.mode=one_step_off", "actor_rollout_ref.
 # configs/tiny/sft.yaml). Its keys are read by megarl.config.verl_sft (load_config's verl_sft)
 SFT_MODULE = "megarl.trainer.sft_trainer"
 SFT_DEFAULTS = ("data.messages_key=messages", "algorithm.adv_estimator=reinforce_plus_plus")
+# verl-recipe's DAPO entry point (recipe/dapo/main_dapo.py, its Hydra config dapo/config/dapo_trainer.yaml: verl's
+# ppo_trainer with reward.reward_manager.name=dapo, filter_groups and the overlong buffer off, gen_batch_size =
+# train_batch_size, which are megarl's defaults, and trainer.project_name=verl-dapo)
+DAPO_MODULE = "megarl.recipe.dapo.main_dapo"
+DAPO_DEFAULTS = ("reward_model.reward_manager=dapo", "trainer.project_name=verl-dapo")
 VERL_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "verl.trainer.main_ppo": ("megarl.trainer.main_ppo", ()),
     "verl.experimental.fully_async_policy.fully_async_main": (FULLY_ASYNC_MODULE, FULLY_ASYNC_DEFAULTS),
     "verl.experimental.one_step_off_policy.main_ppo": (ONE_STEP_OFF_MODULE, ONE_STEP_OFF_DEFAULTS),
     "verl.trainer.sft_trainer": (SFT_MODULE, SFT_DEFAULTS),
+    "recipe.dapo.main_dapo": (DAPO_MODULE, DAPO_DEFAULTS),
 }
