@@ -83,3 +83,24 @@ def share_in_world(value):
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return next(v for v in values if v is not None)
+
+
+def mtp_cp_world(rank: int, world_size: int, port: int, model_dir: str, batch, cp: int) -> dict:
+    """Context parallel size `cp` (`world_size` = cp, DP 1): the zero-advantage update of the MTP actor with
+    padded and with packed micro-batches; {layout: (metrics, every parameter's gradient)}."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    init_world(rank, world_size, port)
+    cp_keys = [f"actor_rollout_ref.{role}.megatron.context_parallel_size={cp}" for role in ("actor", "ref")]
+    out = {}
+    for layout in ("padded", "packed"):
+        actor = ActorEngine(config(model_dir, world_size, 1, 1, None, None, *ONE_MICRO_BATCH, *MTP, *cp_keys),
+                            layout)
+        update = batch.select(torch.arange(len(batch)))
+        update["old_log_probs"] = torch.zeros(update["response_mask"].shape)
+        update["advantages"] = torch.zeros(update["response_mask"].shape)
+        metrics = actor.update_policy(update)
+        out[layout] = (metrics, {name: p.main_grad.detach().clone() for name, p in named(actor).items()})
+        del actor
+        reset_layout()
+    return out

@@ -6,7 +6,8 @@ without the MTP block; the MTP loss the actor reports (in a policy update and in
 cross-entropy of each response token predicted two positions back; the gradient megatron accumulates for the
 MTP layer's eh_proj is mtp_loss_scaling_factor x the oracle's gradient of that cross-entropy
 (MTPLossAutoScaler); with detach_encoder the MTP loss leaves the decoder without gradient; at PP 2 the same, the
-MTP block on the last stage. The weight push sends the trained MTP layer under the checkpoint's names to
+MTP block on the last stage; at CP 2, padded and packed, the loss, the metric and every parameter's gradient
+those of CP 1 (and the oracle's). The weight push sends the trained MTP layer under the checkpoint's names to
 servers that draft with it, and nothing of it to servers that do not."""
 import json
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from engine_world import ragged_batch
 from megarl.data.tiny_model import make_tiny_model
 from megarl.testing import run_gloo_workers
-from mtp_engine_world import EH_PROJ, mtp_pp_world, mtp_world
+from mtp_engine_world import EH_PROJ, mtp_cp_world, mtp_pp_world, mtp_world
 
 pytestmark = pytest.mark.slow  # two actor engines in one gloo process, twice
 
@@ -150,3 +151,28 @@ def test_pipeline_stages_train_the_mtp_layer_on_the_last(checkpoint):
     assert first["grads"][embedding].abs().max() > 0
     pushed = first["pushed"] + last["pushed"]
     assert len(pushed) == len(set(pushed)) and "model.embed_tokens.weight" in pushed
+
+
+def test_context_parallelism_trains_the_mtp_layer_as_one_rank(checkpoint):
+    """CP 2 (megatron's chunk layout: rank r holds chunks r and 3 - r of every sequence, megatron's roll_tensor
+    rolls across their boundaries): each CP rank's MTP loss is normalised by the whole micro-batch's tokens
+    (megarl.engines.megatron.mtp.cp_token_normaliser), so the reported loss, the eh_proj gradient and every
+    other parameter's gradient equal CP 1's, padded and packed (each packed sequence padded to 4 positions
+    there), and the oracle's."""
+    model_dir, hf, own = checkpoint
+    batch = ragged_batch(8, seed=4)
+    (one,) = run_gloo_workers(mtp_cp_world, 1, args=(str(model_dir), batch, 1), timeout_s=400)
+    two = run_gloo_workers(mtp_cp_world, 2, args=(str(model_dir), batch, 2), timeout_s=400)
+    loss, grad = oracle_mtp_loss(hf, own, batch)
+    for layout in ("padded", "packed"):
+        (metrics1, grads1), (metrics2, grads2) = one[layout], two[0][layout]
+        print(f"{layout}: MTP loss CP1 {metrics1['actor/mtp_1_loss']:.6f}, CP2 {metrics2['actor/mtp_1_loss']:.6f}, "
+              f"oracle {loss.item():.6f}")
+        assert metrics2["actor/mtp_1_loss"] == pytest.approx(metrics1["actor/mtp_1_loss"], rel=1e-5)
+        assert metrics1["actor/mtp_1_loss"] == pytest.approx(loss.item(), rel=1e-5)
+        torch.testing.assert_close(grads1[EH_PROJ], FACTOR * grad, rtol=1e-4, atol=1e-7)
+        assert grads2.keys() == grads1.keys()
+        for name in grads1:
+            torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-4, atol=1e-7, msg=name)
+            torch.testing.assert_close(two[1][layout][1][name], grads2[name], rtol=0, atol=0, msg=name)
+        assert grads2["decoder.layers.0.mlp.linear_fc1.weight"].abs().max() > 0

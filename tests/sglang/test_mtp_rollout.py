@@ -3,8 +3,8 @@ verl's own rules: with enable and enable_rollout, `speculative_*` reach SGLang a
 (SGLang's own parser reads megarl's command back into the values given), the algorithm names megarl
 accepts are exactly those SGLang resolves to EAGLE drafting with the target checkpoint's own MTP layers
 (`arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias`), and what is not built is refused
-by name: training the MTP layers with virtual pipeline stages, context parallelism or LoRA, drafting on megarl's
-CPU engine, vLLM's keys, a model without MTP layers."""
+by name: training the MTP layers with virtual pipeline stages or LoRA (context parallelism is built), drafting
+on megarl's CPU engine, vLLM's keys, a model without MTP layers."""
 import json
 import subprocess
 
@@ -117,8 +117,6 @@ def test_rollout_flags_only_with_enable_and_enable_rollout_as_verl():
       "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
      f"{MTP}.enable_train=true (with actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2): "
      "not built"),
-    ([f"{MTP}.enable_train=True", "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
-     "context_parallel_size=2): not built yet"),
     ([f"{MTP}.enable_train=True", "actor_rollout_ref.model.lora.rank=8"], "lora.rank>0: not built"),
     (["actor_rollout_ref.rollout.name=cpu"], "megarl's CPU engine has no speculative decoding"),
     ([f"{MTP}.method=eagle"], f"{MTP}.method='eagle': vLLM's speculative decoding"),
@@ -130,6 +128,13 @@ def test_what_is_not_built_is_refused_by_name(overrides, message):
 
 def test_enable_train_is_read_only_with_enable_as_verl():
     assert problems(f"{MTP}.enable_train=True", f"{MTP}.detach_encoder=True") == ""
+
+
+def test_training_the_mtp_layers_with_context_parallelism_is_accepted_as_verls_mimo_script():
+    """verl's run_mimo_7b_mtp_megatron.sh trains them at context_parallel_size=2 (tests/engines/test_mtp_training.py
+    checks the loss and gradients there against CP 1's)."""
+    assert problems(f"{MTP}.enable=True", f"{MTP}.enable_train=True",
+                    "actor_rollout_ref.actor.megatron.context_parallel_size=2") == ""
 
 
 def test_training_the_mtp_layers_is_accepted_with_drafting_as_verls_script():

@@ -20,25 +20,21 @@ SGLANG_CPU_NO_DRAFT = ("SGLang 0.5.23 cannot draft on a CPU: its EAGLE worker sh
                        "(models/deepseek_v2.py, models/glm4_moe.py)")
 
 
-def mtp_train_layout_problem(vpp: int, cp: int, section: str) -> Optional[str]:
+def mtp_train_layout_problem(vpp: int, section: str) -> Optional[str]:
     """Why megarl cannot train the MTP layers at this layout of the actor, or None. Not built: virtual
     pipeline stages (megatron-core places the MTP block by virtual stage, multi_token_prediction.py
-    `mtp_on_this_rank`, which megarl's chunk building does not follow) and context parallelism (megatron-core
-    divides each CP rank's MTP loss by that rank's own token count, gpt_model.py `_postprocess`, where megarl's
-    losses are token means over the whole micro-batch)."""
-    parts = [f"{name}={value}" for name, value in (("virtual_pipeline_model_parallel_size", vpp),
-                                                   ("context_parallel_size", cp)) if value > 1]
-    if not parts:
+    `mtp_on_this_rank`, which megarl's chunk building does not follow). Context parallelism is built: megarl
+    normalises the MTP loss by the whole micro-batch's tokens (megarl.engines.megatron.mtp `cp_token_normaliser`)."""
+    if vpp <= 1:
         return None
-    return (f"{KEY}.enable_train=true (with {section}.megatron.{', '.join(parts)}): not built yet with virtual "
-            "pipeline stages or context parallelism (megatron-core places the MTP block by virtual stage, and "
-            "normalises each CP rank's MTP loss by its own tokens); megarl trains the MTP layers with tensor, "
-            "pipeline and expert parallelism")
+    return (f"{KEY}.enable_train=true (with {section}.megatron.virtual_pipeline_model_parallel_size={vpp}): not "
+            "built yet with virtual pipeline stages (megatron-core places the MTP block by virtual stage); megarl "
+            "trains the MTP layers with tensor, pipeline, context and expert parallelism")
 
 
 def mtp_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """With `mtp.enable` (verl reads nothing else without it): training the MTP layers (`enable_train`)
-    without virtual pipeline stages, context parallelism or LoRA; drafting with them (`enable_rollout`)
+    without virtual pipeline stages or LoRA; drafting with them (`enable_rollout`)
     only on real SGLang on GPUs (SGLANG_CPU_NO_DRAFT), with an algorithm that drafts with the checkpoint's
     own MTP layers and positive speculative sizes; vLLM's
     `method` / `num_speculative_tokens` at verl's defaults (megarl serves with SGLang). That the checkpoint
@@ -46,16 +42,14 @@ def mtp_settings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]
     (megarl.trainer.inputs.mtp_model_problem).
 
     Reads: actor_rollout_ref.model.mtp, actor_rollout_ref.model.lora.rank, actor_rollout_ref.rollout.name,
-    trainer.device, actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size,
-    actor_rollout_ref.actor.megatron.context_parallel_size
+    trainer.device, actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size
     """
     mtp = config.actor_rollout_ref.model.mtp
     if not mtp.enable:
         return
     if mtp.enable_train:
         m = config.actor_rollout_ref.actor.megatron
-        problem = mtp_train_layout_problem(m.virtual_pipeline_model_parallel_size or 1, m.context_parallel_size,
-                                           "actor_rollout_ref.actor")
+        problem = mtp_train_layout_problem(m.virtual_pipeline_model_parallel_size or 1, "actor_rollout_ref.actor")
         if problem:
             yield problem
         if config.actor_rollout_ref.model.lora.rank > 0:

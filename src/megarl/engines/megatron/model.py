@@ -14,7 +14,8 @@ processor with the decoder output instead of applying the output layer, and we p
 returns it. megatron-core 0.16 has none: `GPTModel.forward` runs the decoder (whose last stage
 applies the final norm) and returns `self._postprocess(hidden_states=..., ...)`, which applies the
 output layer; there we override that private method, and `check_postprocess_hook` refuses a
-version whose `_postprocess` lost that parameter. `has_output_processor` picks the way;
+version whose `_postprocess` lost that parameter. A training pass of the MTP layers overrides `_postprocess`
+on both lines (megarl's MTP loss, megarl.engines.megatron.mtp). `has_output_processor` picks the way;
 tests/engines/test_hidden_states_model.py checks that the output is what megatron's own output
 layer would read.
 """
@@ -326,6 +327,14 @@ def _gpt_model_class():
             def forward(self, *args, **kwargs):
                 return super().forward(*args, output_processor=_return_hidden_states, **kwargs)
 
+            def _postprocess(self, hidden_states, **kwargs):
+                # a training pass of the MTP layers: megarl's MTP loss (megarl.engines.megatron.mtp), not
+                # megatron's `process_mtp_loss`, whose normaliser is wrong with context parallelism; GPTModel.forward
+                # passes every argument by name
+                if self.mtp_process and kwargs.get("labels") is not None:
+                    return whole_sequence(mtp_postprocess(self, hidden_states, kwargs), self.config)
+                return super()._postprocess(hidden_states, **kwargs)
+
         return HiddenStatesGPTModel
 
     check_postprocess_hook(GPTModel)
@@ -337,7 +346,7 @@ def _gpt_model_class():
 
         def _postprocess(self, hidden_states, **kwargs):
             if self.mtp_process and kwargs.get("labels") is not None:  # a training pass of the MTP layers
-                hidden_states = mtp_postprocess(self, hidden_states, kwargs["labels"], kwargs["loss_mask"], kwargs)
+                hidden_states = mtp_postprocess(self, hidden_states, kwargs)
             return whole_sequence(hidden_states, self.config)
 
     return HiddenStatesGPTModel
@@ -370,7 +379,7 @@ def build_chunks(
     from megatron.core import parallel_state
 
     if mtp is not None:
-        problem = mtp_train_layout_problem(layout.vpp, layout.cp, section)
+        problem = mtp_train_layout_problem(layout.vpp, section)
         if problem:
             raise ConfigError(problem)
 
