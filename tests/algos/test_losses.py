@@ -264,10 +264,18 @@ def test_policy_loss_rejects_bad_arguments():
     old, log_prob, adv, mask = ppo_case()
     with pytest.raises(ValueError, match="dual-clip bound must be > 1"):
         policy_loss(old, log_prob, adv, mask, clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="unknown policy loss_mode 'cispo'"):
-        policy_loss(old, log_prob, adv, mask, loss_mode="cispo")
+    with pytest.raises(ValueError, match="unknown policy loss_mode 'bypass_mode'"):
+        policy_loss(old, log_prob, adv, mask, loss_mode="bypass_mode")
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
         policy_loss(old, log_prob, adv, mask, loss_agg_mode="mean")
+    for mode, option, message in [("sapo", {"tau_neg": 0.0}, "tau_neg=0.0"),
+                                  ("clip_cov", {"clip_cov_ratio": 0.0}, "clip_cov_ratio=0.0"),
+                                  ("kl_cov", {"kl_cov_ratio": 1.5}, "kl_cov_ratio=1.5"),
+                                  ("kl_cov", {"ppo_kl_coef": -0.1}, "ppo_kl_coef=-0.1"),
+                                  ("dro", {}, "dro_beta=None")]:
+        with pytest.raises(ValueError, match=f"loss_mode={mode}: {message}"):
+            policy_loss(old, log_prob, adv, mask, loss_mode=mode, **option)
+        policy_loss(old, log_prob, adv, mask, loss_mode="vanilla", **option)  # not read by other modes
 
 
 # -------------------------------------------------------------------------- value and actor losses

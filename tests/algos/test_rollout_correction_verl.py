@@ -123,11 +123,14 @@ def verl() -> types.SimpleNamespace:
                 if parent:
                     setattr(modules[parent], child, module)
         losses = {"torch": torch, "verl_F": functional, "Optional": Optional, "Any": Any, "ActorConfig": object,
-                  "AlgoConfig": type("AlgoConfig", (), {}), "np": numpy, "defaultdict": collections.defaultdict}
+                  "AlgoConfig": type("AlgoConfig", (), {}), "DictConfig": type("DictConfig", (), {}), "np": numpy,
+                  "defaultdict": collections.defaultdict}
         _exec_functions(source("trainer/ppo/core_algos.py"), [
             "agg_loss", "compute_policy_loss_vanilla", "compute_policy_loss_reinforce",
-            "compute_policy_loss_bypass_mode", "compute_policy_loss_gpg", "compute_policy_loss_dppo_tv",
-            "compute_policy_loss_dppo_kl", "compute_gpg_outcome_advantage"], losses)  # GPG, DPPO: test_losses_verl.py
+            "compute_policy_loss_bypass_mode", "compute_gpg_outcome_advantage",
+            *(f"compute_policy_loss_{mode}" for mode in ("gpg", "dppo_tv", "dppo_kl", "sapo", "cispo", "clip_cov",
+                                                         "kl_cov", "geo_mean", "dro"))],
+            losses)  # GPG, DPPO and the other loss modes: test_losses_verl.py
         dumped = yaml.safe_load(source("trainer/config/_generated_ppo_megatron_trainer.yaml"))
     return types.SimpleNamespace(helper=helper, config=algorithm.RolloutCorrectionConfig, losses=losses,
                                  modules=modules, dumped=dumped)

@@ -1,7 +1,8 @@
 """The RL maths as pure torch functions: no I/O, no communication, no config objects.
 
 advantages  estimators by name (gae, grpo, rloo, remax, reinforce_plus_plus(_baseline), gpg)
-losses      policy losses (PPO, GSPO, GPG, DPPO-TV/KL), value loss, actor loss, loss aggregation modes
+losses      policy losses (PPO, GSPO, GPG, DPPO-TV/KL, SAPO, CISPO, Clip-Cov, KL-Cov, GMPO, DRO), value loss,
+            actor loss, loss aggregation modes
 metrics     Metrics: the losses' metrics, each declared with how it combines over micro-batches
 kl          KL estimators (k1/k2/k3, ...), KL in the reward, fixed/adaptive KL controllers
 entropy     per-token entropy from logits, also from vocabulary-parallel shards
@@ -23,10 +24,23 @@ Where megarl differs from verl's `core_algos` (the implementation users compare 
 - A response's outcome score sums its token rewards over `response_mask` only (verl sums every
   position); a reward placed on a masked token does not count. (A token the rollout correction
   rejected still counts: `compute_advantages`'s `score_mask`, as verl's row sum counts it.)
-- GSPO honours `loss_agg_mode` (verl always aggregates GSPO by seq-mean-token-mean); the sequence
-  ratio averages the tokens' log-ratios unclamped and clamps only the sequence's at 10, as verl.
-  `ppo_kl` is the unclamped mean of old - new (verl's GSPO too; vanilla clamps each token to
-  +-20, as verl's vanilla); `approx_kl` (megarl only) always uses the +-20-clamped log-ratio.
+- GSPO honours `loss_agg_mode` (as verl 0.9.1's `compute_policy_loss_gspo` does, though its
+  docstring recommends seq-mean-token-mean); the sequence ratio averages the tokens' log-ratios
+  unclamped and clamps only the sequence's at 10, as verl. `ppo_kl` is the mean of old - new,
+  each token's clamped as the mode's loss clamps it (as verl's: to +-20 in vanilla, sapo, cispo,
+  dppo; unclamped in gspo, clip_cov, kl_cov, geo_mean, dro); `approx_kl` (megarl only) always
+  uses the +-20-clamped log-ratio.
+- geo_mean (GMPO) averages the responses' losses over the mini-batch's responses with a valid
+  token (`num_seqs`), so its micro-batches and DP ranks add up to the mini-batch's loss as in every
+  other mode. verl's `torch.mean` averages each micro-batch over all its rows (a row without a
+  valid token, e.g. rejected whole by rollout_rs, included) and its engine sums the micro-batches:
+  the same loss where a mini-batch is one micro-batch on one rank with a response in every row.
+  (sapo and geo_mean ignore `loss_agg_mode` as verl's do; clip_cov / kl_cov pick their tokens per
+  micro-batch, as verl's.)
+- Metric names keep one meaning across loss modes: verl's `pg_clipfrac_lower` is the dual clip in
+  vanilla (megarl's `pg_clipfrac_dual`) but the clipped share with A < 0 in geo_mean (megarl's
+  `pg_clipfrac_low`, verl's geo_mean `pg_clipfrac` being megarl's `pg_clipfrac_high`); kl_cov's
+  `ppo_kl` in verl is the mean |log ratio| (megarl's `ppo_kl_abs`). `policy_loss` lists them.
 - Padding is selected away with `torch.where` (verl multiplies by the mask), so NaN or inf in a
   padded position never reaches a result; a reduction over nothing (empty batch, a row without a
   valid token, agg_loss denominators below 1) is 0, never NaN; seq-mean modes count only rows

@@ -18,12 +18,16 @@ def advantage_kwargs(algorithm: Any) -> dict[str, Any]:
 
 def actor_loss_kwargs(actor: Any) -> dict[str, Any]:
     """actor_rollout_ref.actor.* -> actor_loss keywords; an unset clip_ratio_low/high means clip_ratio."""
+    pl = actor.policy_loss
     return {
         "clip_ratio_low": actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
         "clip_ratio_high": actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
         "clip_ratio_c": actor.clip_ratio_c,
         "loss_agg_mode": actor.loss_agg_mode,
-        "loss_mode": actor.policy_loss.loss_mode,
+        "loss_mode": pl.loss_mode,
+        "mode_options": {"tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "clip_cov_ratio": pl.clip_cov_ratio,
+                         "clip_cov_lb": pl.clip_cov_lb, "clip_cov_ub": pl.clip_cov_ub,
+                         "kl_cov_ratio": pl.kl_cov_ratio, "ppo_kl_coef": pl.ppo_kl_coef, "dro_beta": pl.dro_beta},
         "tis_imp_ratio_cap": actor.tis_imp_ratio_cap,
         "entropy_coeff": actor.entropy_coeff,
         "use_kl_loss": actor.use_kl_loss,

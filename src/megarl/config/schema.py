@@ -383,8 +383,18 @@ class ModelConfig:
 class PolicyLossConfig:
     # gspo: sequence-level importance ratios; gpg: the plain policy gradient -A log pi; dppo_tv / dppo_kl: PPO's
     # ratio clip replaced by a trust region on the token's probability (clip_ratio_low/high its TV / binary-KL
-    # thresholds, clip_ratio_c the truncation of the ratio): megarl.algos.losses.policy_loss
-    loss_mode: Literal["vanilla", "gspo", "gpg", "dppo_tv", "dppo_kl"] = "vanilla"
+    # thresholds, clip_ratio_c the truncation of the ratio); sapo: a smooth gate (actor.tau_pos / tau_neg);
+    # cispo: the clipped ratio weighs -A log pi; clip_cov / kl_cov: PPO with the gradient cut / a KL penalty on
+    # high-covariance tokens; geo_mean (GMPO): each response's geometric-mean ratio; dro: -A log pi plus a
+    # quadratic log-ratio penalty. megarl.algos.losses.policy_loss; verl 0.9.1's names and defaults
+    loss_mode: Literal["vanilla", "gspo", "gpg", "dppo_tv", "dppo_kl", "sapo", "cispo", "clip_cov", "kl_cov",
+                       "geo_mean", "dro"] = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: the share of valid tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance range (lb, ub) the cut tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: the share of valid tokens (largest covariance) penalised
+    ppo_kl_coef: float = 0.1  # kl_cov: the penalty's coefficient on |log ratio|
+    dro_beta: Optional[float] = None  # dro: the quadratic penalty's coefficient, required (> 0) with loss_mode=dro
 
 
 @dataclass
@@ -449,6 +459,9 @@ class ActorConfig:
     # separate pass as with false); with algorithm.rollout_correction.bypass_mode there is no pass
     old_log_probs_in_update: bool = True
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    # policy_loss.loss_mode=sapo's gate temperatures for tokens with advantage > 0 / <= 0 (verl's keys, here as there)
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

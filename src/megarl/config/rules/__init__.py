@@ -48,6 +48,7 @@ from megarl.config.rules.gpus import (
 )
 from megarl.config.rules.lora import lora_settings
 from megarl.config.rules.mtp import mtp_settings
+from megarl.config.rules.policy_loss import loss_mode_aggregates_itself, policy_loss_options
 from megarl.config.rules.profiler import profiler_settings
 from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
@@ -87,6 +88,7 @@ RULES: list[Rule] = [
     reward_model_holds_a_sequence,
     filter_groups_has_groups,
     importance_cap_range,
+    policy_loss_options,
     rollout_log_probs_without_tis,
     rollout_correction_settings,
     rollout_correction_fits_actor,
@@ -131,6 +133,7 @@ WARNING_RULES: list[Rule] = [
     async_modes_correct_off_policy,
     offload_in_split_placement,
     bypass_replaces_loss_mode,
+    loss_mode_aggregates_itself,
     fp8_rollout_corrected,
     checkpoint_without_extra,
     checkpoint_export_options,
