@@ -26,7 +26,7 @@ from megarl.algos.rollout_correction import (
 )
 from megarl.config.rules.policy_loss import mode_option_problems
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "dppo_tv", "dppo_kl", "sapo", "cispo", "clip_cov", "kl_cov", "geo_mean",
                      "dro")
 # the modes whose loss and ppo_kl take the tokens' log-ratios unclamped (verl 0.9.1's); the others clamp them to +-20
@@ -45,6 +45,7 @@ def agg_loss(
     """Reduce a per-token loss `[batch, response_len]` to a scalar. With m the mask, L the loss:
 
     token-mean               sum_{i,t} m L / N_tok
+    token-sum                sum_{i,t} m L                          (verl 0.9.1's: no normaliser)
     seq-mean-token-sum       sum_i (sum_t m L) / N_seq
     seq-mean-token-mean      sum_i (sum_t m L / sum_t m) / N_seq
     seq-mean-token-sum-norm  sum_i (sum_t m L) / (N_seq * T)        (Dr.GRPO: a constant length T)
@@ -59,6 +60,8 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         denominator = masked_count(loss_mask, dtype=loss_mat.dtype) if num_tokens is None else num_tokens
         return masked_sum(loss_mat, loss_mask) / _at_least_one(denominator, loss_mat)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose from {list(LOSS_AGG_MODES)}")
     token_sum = masked_sum(loss_mat, loss_mask, dim=-1)

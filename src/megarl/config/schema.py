@@ -21,7 +21,7 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "gpg",
 )
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 DISTILLATION_LOSS_MODES = (*KL_TYPES, "forward_kl_topk")  # verl's distillation_loss.loss_mode (megarl.algos.opd)
 
