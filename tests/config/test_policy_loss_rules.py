@@ -62,3 +62,17 @@ def test_config_show_prints_the_options_under_verls_names(tmp_path):
     assert actor["policy_loss"] == {"loss_mode": "kl_cov", "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
                                     "clip_cov_ub": 5.0, "kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1, "dro_beta": None}
     assert (actor["tau_pos"], actor["tau_neg"]) == (1.0, 1.2)
+
+
+def test_clip_ratio_alone_warns_that_verl_would_clip_at_its_defaults(caplog):
+    """verl 0.9.1's actor.yaml sets clip_ratio_low / clip_ratio_high to 0.2 and its vanilla loss reads them
+    before clip_ratio (core_algos.py compute_policy_loss_vanilla): clip_ratio alone changes nothing there."""
+    with caplog.at_level(logging.WARNING, "megarl.config"):
+        ok("actor_rollout_ref.actor.clip_ratio=0.1")
+        ok("actor_rollout_ref.actor.clip_ratio=0.1", "actor_rollout_ref.actor.clip_ratio_low=0.1",
+           "actor_rollout_ref.actor.clip_ratio_high=0.1")
+        ok("actor_rollout_ref.actor.clip_ratio_high=0.28")
+    warned = [r.getMessage() for r in caplog.records if "verl 0.9.1 would clip at 0.2" in r.getMessage()]
+    assert len(warned) == 1
+    assert warned[0].startswith("actor_rollout_ref.actor.clip_ratio=0.1 without actor_rollout_ref.actor.clip_ratio_low"
+                                " / clip_ratio_high: megarl clips at 0.1 there")

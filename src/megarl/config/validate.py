@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from megarl.config.errors import ConfigError
-from megarl.config.rules import RULES, WARNING_RULES, DerivedSizes
+from megarl.config.rules import RULES, UNRESOLVED_WARNING_RULES, WARNING_RULES, DerivedSizes
 from megarl.config.rules.choices import deterministic_inference_default, lr_schedule_has_step_count
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
@@ -157,12 +157,13 @@ def validate(config: ExperimentConfig, steps_from_data: bool = False) -> Experim
     `steps_from_data`: the trainer fills the optimizer's step count from its data when
     trainer.total_training_steps is null (megarl's SFT, as verl's: total_epochs x batches per epoch),
     so a learning-rate schedule needs no step count here."""
+    warnings = [message for rule in UNRESOLVED_WARNING_RULES for message in rule(config, None)]
     config = resolve(config)
     sizes = DerivedSizes.from_config(config)
     errors = [message for rule in _rules(steps_from_data) for message in rule(config, sizes)]
-    for rule in WARNING_RULES:
-        for message in rule(config, sizes):
-            logging.getLogger("megarl.config").warning("%s", message)
+    warnings += [message for rule in WARNING_RULES for message in rule(config, sizes)]
+    for message in warnings:
+        logging.getLogger("megarl.config").warning("%s", message)
     if errors:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
     return config

@@ -48,7 +48,8 @@ from megarl.config.rules.gpus import (
 )
 from megarl.config.rules.lora import lora_settings
 from megarl.config.rules.mtp import mtp_settings
-from megarl.config.rules.policy_loss import loss_mode_aggregates_itself, policy_loss_options
+from megarl.config.rules.policy_loss import (clip_ratio_alone_differs_from_verl, loss_mode_aggregates_itself,
+                                             policy_loss_options)
 from megarl.config.rules.profiler import profiler_settings
 from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
@@ -140,4 +141,10 @@ WARNING_RULES: list[Rule] = [
     megatron_fsdp_on_forward_only_roles,
 ]
 
-__all__ = ["RULES", "WARNING_RULES", "DerivedSizes", "Rule"]
+# Warning rules that read keys as the user left them, before megarl.config.validate.resolve fills the ones whose
+# None means "same as another key"
+UNRESOLVED_WARNING_RULES: list[Rule] = [
+    clip_ratio_alone_differs_from_verl,
+]
+
+__all__ = ["RULES", "UNRESOLVED_WARNING_RULES", "WARNING_RULES", "DerivedSizes", "Rule"]

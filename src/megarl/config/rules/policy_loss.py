@@ -9,6 +9,7 @@ from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig
 
 ACTOR = "actor_rollout_ref.actor"
+VERL_CLIP_RATIO = 0.2  # verl 0.9.1's actor.yaml: clip_ratio, clip_ratio_low and clip_ratio_high
 # the modes that aggregate the policy loss their own way, whatever actor.loss_agg_mode says
 OWN_AGGREGATION = {"sapo": "seq-mean-token-mean (verl's compute_policy_loss_sapo)",
                    "geo_mean": "the mean over responses of each response's loss (verl's compute_policy_loss_geo_mean)"}
@@ -64,3 +65,19 @@ def loss_mode_aggregates_itself(config: ExperimentConfig, sizes: DerivedSizes) -
     if own and not (actor.policy_loss.loss_mode == "sapo" and actor.loss_agg_mode == "seq-mean-token-mean"):
         yield (f"{ACTOR}.policy_loss.loss_mode={actor.policy_loss.loss_mode} aggregates the policy loss by {own}; "
                f"{ACTOR}.loss_agg_mode={actor.loss_agg_mode} applies to the entropy and KL terms only")
+
+
+def clip_ratio_alone_differs_from_verl(config: ExperimentConfig, sizes: Optional[DerivedSizes]) -> Iterator[str]:
+    """(Read before the config is resolved.) `actor.clip_ratio` set without `clip_ratio_low` / `clip_ratio_high`: megarl clips at clip_ratio on
+    the side left unset, where verl 0.9.1 still clips at 0.2 (its actor.yaml sets clip_ratio_low and
+    clip_ratio_high to 0.2, and compute_policy_loss_vanilla reads clip_ratio only for a bound that is None).
+
+    Reads: actor_rollout_ref.actor.clip_ratio, actor_rollout_ref.actor.clip_ratio_low,
+    actor_rollout_ref.actor.clip_ratio_high
+    """
+    actor = config.actor_rollout_ref.actor
+    unset = [name for name in ("clip_ratio_low", "clip_ratio_high") if getattr(actor, name) is None]
+    if actor.clip_ratio != VERL_CLIP_RATIO and unset:
+        yield (f"{ACTOR}.clip_ratio={actor.clip_ratio} without {ACTOR}.{' / '.join(unset)}: megarl clips at "
+               f"{actor.clip_ratio} there; verl 0.9.1 would clip at {VERL_CLIP_RATIO} (its actor.yaml sets "
+               "clip_ratio_low and clip_ratio_high, which its loss reads before clip_ratio)")
