@@ -14,7 +14,7 @@ from megarl.engines.megatron.optim import build_scheduler
 from megarl.engines.megatron.parallel import role_layout
 from megarl.engines.megatron.replay import router_rows
 from megarl.engines.megatron.sequences import fixed_shape, length_multiple, make_micro_batch, micro_batch_groups
-from megarl.engines.megatron.training import has_non_finite
+from megarl.engines.megatron.training import has_non_finite, rows_to_train
 
 
 def test_micro_batch_groups_by_size_by_tokens_and_multiple_of_pp():
@@ -296,3 +296,14 @@ def test_non_finite_check_finds_every_nan_and_infinity_wherever_it_is(dtype):
     for values in cases:
         assert bool(has_non_finite(values)) == bool((~torch.isfinite(values)).any())
     assert sum(bool(has_non_finite(values)) for values in cases) == 12
+
+
+@pytest.mark.parametrize("skippable, min_rows, expected", [
+    ([False, True, True, False, True, False], 1, [5, 0, 3]),  # the mini-batch's rows that learn, in its order
+    ([True] * 6, 1, [5]),  # none learns: its first row runs (loss 0), so the rank meets the others
+    ([True, True, True, True, True, False], 2, [5, 0]),  # the interleaved schedule's PP = 2 micro-batches
+    ([False] * 6, 2, [5, 0, 1, 3, 4, 2]),  # nothing to leave out: every row, none added
+])
+def test_rows_to_train_by_hand(skippable, min_rows, expected):
+    rows = torch.tensor([5, 0, 1, 3, 4, 2])  # a shuffled mini-batch's rows; `skippable` is over the batch's rows
+    assert rows_to_train(rows, torch.tensor(skippable), min_rows).tolist() == expected

@@ -244,6 +244,12 @@ _INPUT_HELP = {
 }
 
 
+def zero_advantage_rows(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[batch] bool: the rows whose advantage is exactly 0 at every response token (a row without
+    one too): a group of equal scores under a group estimator. NaN is not 0."""
+    return (torch.where(response_mask.bool(), advantages, 0.0) == 0).all(-1)
+
+
 def compute_advantages(
     estimator: str,
     token_level_rewards: torch.Tensor,

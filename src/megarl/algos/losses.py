@@ -483,6 +483,7 @@ def actor_loss(
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
+    metric_counts: Optional[dict] = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """The actor's loss: policy_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl).
 
@@ -496,7 +497,9 @@ def actor_loss(
     term is `bypass_policy_loss` with `old_log_prob` the rollout's, in place of `loss_mode` (as
     verl's bypass mode replaces it); entropy and KL keep `response_mask`, as verl's.
     Metrics: those of `policy_loss` (or `bypass_policy_loss`), plus entropy, kl_loss, kl_coef where
-    used, and actor_loss.
+    used, and actor_loss. `metric_counts` ({"num_tokens", "num_seqs"}; None: `num_tokens`,
+    `num_seqs`): the counts the entropy metric is aggregated with where it is no loss term
+    (entropy_coeff 0): those of the rows the update runs, where it leaves rows out.
     """
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     clips = dict(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
@@ -515,6 +518,8 @@ def actor_loss(
     if entropy is not None:
         entropy_agg = agg_loss(entropy, response_mask, loss_agg_mode, **agg)
         loss = loss - entropy_coeff * entropy_agg
+        if entropy_coeff == 0 and metric_counts is not None:
+            entropy_agg = agg_loss(entropy, response_mask, loss_agg_mode, **metric_counts, norm_length=norm_length)
         metrics.add("entropy", entropy_agg.detach(), Reduction.SUM)
     if use_kl_loss:
         if ref_log_prob is None:

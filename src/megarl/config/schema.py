@@ -458,6 +458,14 @@ class ActorConfig:
     # use_rollout_log_probs, algorithm.rollout_correction or distillation (then, and in critic_warmup steps, a
     # separate pass as with false); with algorithm.rollout_correction.bypass_mode there is no pass
     old_log_probs_in_update: bool = True
+    # megarl's key: the update's forward and backward leave out the rows whose advantages are all exactly 0
+    # (GRPO groups of equal rewards), which add exactly 0 to the policy loss and its gradient; the loss keeps
+    # the whole mini-batch's token and sequence counts, and the mini-batches and optimizer steps stay those
+    # of the whole batch, so the update is the same (to float rounding). auto: where that is exact (no KL
+    # loss, entropy bonus, direct distillation, MTP loss, MoE router loss: megarl.config.rules.skip_rows);
+    # true: refused where not exact; false: every row. Metrics of the update's forward (pg_clipfrac,
+    # ppo_kl, entropy, ...) are then over the rows trained; actor/rows_trained_frac says how many
+    skip_zero_advantage_rows: Literal["auto", True, False] = "auto"
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     # policy_loss.loss_mode=sapo's gate temperatures for tokens with advantage > 0 / <= 0 (verl's keys, here as there)
     tau_pos: float = 1.0

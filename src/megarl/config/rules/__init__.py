@@ -55,6 +55,7 @@ from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
                                                     rollout_correction_settings)
 from megarl.config.rules.router_replay import router_replay_fits
+from megarl.config.rules.skip_rows import skip_rows_exact
 from megarl.config.rules.sync import weight_check_needs_cpu_engine
 from megarl.config.rules.transformer import transformer_overrides_fit
 from megarl.config.rules.values import (
@@ -96,6 +97,7 @@ RULES: list[Rule] = [
     distillation_settings,
     lora_settings,
     mtp_settings,
+    skip_rows_exact,
     gen_batch_only_with_dynamic_sampling,
     lr_schedule_has_step_count,
     warmup_fits_schedule,

@@ -55,6 +55,7 @@ from megarl.engines.megatron.training import (
     grads_finite,
     mean_over_mini_batches,
     mini_batch_rows,
+    rows_to_train,
     scaled_loss_head,
 )
 
@@ -321,15 +322,21 @@ class MegatronEngine:
         loss_head: LossHead,
         prefix: str,
         before_mini_batch: Optional[Callable[[int, torch.Tensor], None]] = None,
+        skippable: Optional[torch.Tensor] = None,
     ) -> dict[str, float]:
         """`epochs` passes over `batch` (this DP rank's samples) in mini-batches of
         `mini_batch_size` samples, one optimizer step each. `loss_head(mb, hidden, counts)`
-        returns (loss, `Metrics`) with `counts` the mini-batch's global num_tokens/num_seqs (see
-        `training` for the loss scaling). Returns metrics named `prefix/...`, the same on every
-        rank: each mini-batch's value over all DP ranks, averaged over mini-batches; `tokens` is
-        the sum (response tokens trained on, all ranks and epochs), `lr` the learning rate of this
-        update. `before_mini_batch(index, rows)`: called before each mini-batch is taken from
-        `batch` and stepped on, with its index in the update and its rows of `batch`."""
+        returns (loss, `Metrics`) with `counts` the mini-batch's `training.global_counts` (the
+        loss's normalisers num_tokens/num_seqs; see `training` for the loss scaling). Returns
+        metrics named `prefix/...`, the same on every rank: each mini-batch's value over all DP
+        ranks, averaged over mini-batches; `tokens` is the sum (response tokens trained on, all
+        ranks and epochs), `lr` the learning rate of this update. `before_mini_batch(index,
+        rows)`: called before each mini-batch is taken from `batch` and stepped on, with its index
+        in the update and its rows of `batch` that run.
+        `skippable` ([B] bool): rows whose loss and gradient are exactly 0, left out of the forward
+        and backward (`training.rows_to_train`; the loss keeps the whole mini-batch's counts); the
+        loss heads' metrics are then over the rows trained, and `rows_trained_frac` (the share of
+        rows that ran, all ranks and mini-batches) is added."""
         if self.optimizer is None:
             raise RuntimeError(f"{self.section}: this engine has no optimizer")
         self.offloader.check_onloaded()
@@ -339,18 +346,24 @@ class MegatronEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         generator = torch.Generator().manual_seed(self._seed + self.updates)  # the same on a replica's ranks
         mini_batches = list(mini_batch_rows(len(batch), mini_batch_size, epochs, shuffle, generator))
+        # the interleaved schedule needs PP micro-batches: as many rows at least
+        min_rows = self.layout.pp if self.layout.vpp > 1 else 1
+        trained = mini_batches if skippable is None else [rows_to_train(rows, skippable, min_rows)
+                                                          for rows in mini_batches]
         group = self._ps.get_data_parallel_group()
-        counts = global_counts(batch["response_mask"], mini_batches, self.device, group)
+        counts = global_counts(batch["response_mask"], mini_batches, trained, self.device, group)
         per_mini, losses = [], []
-        for index, (rows, mini_counts) in enumerate(zip(mini_batches, counts)):
+        for index, (rows, mini_counts) in enumerate(zip(trained, counts)):
             if before_mini_batch is not None:
                 before_mini_batch(index, rows)
             metrics, outputs = self._train_mini_batch(batch.select(rows), mini_counts, max_samples, max_tokens,
                                                       data_keys, loss_head)
+            if skippable is not None:
+                metrics["rows_trained_frac"] = mini_counts["trained_rows"] / mini_counts["rows"]
             per_mini.append(metrics)
             losses.append(([out["metrics"] for out in outputs], [out["tokens"] for out in outputs]))
         if self._is_last_stage():  # the loss heads' metrics over all DP ranks, every mini-batch in one collective
-            reduced = reduce_over_micro_batches(losses, [c["num_tokens"] for c in counts], group, self.device)
+            reduced = reduce_over_micro_batches(losses, [c["trained_tokens"] for c in counts], group, self.device)
             per_mini = [{**loss_metrics, **metrics} for loss_metrics, metrics in zip(reduced, per_mini)]
         # With overlap_param_gather the last step's parameters would be gathered only by the next
         # forward: gather them now, for the weight push, checkpoints and exports that read them.
@@ -359,7 +372,7 @@ class MegatronEngine:
 
     def _train_mini_batch(self, mini: Batch, counts: dict[str, float], max_samples, max_tokens, data_keys,
                           loss_head) -> tuple[dict[str, float], list[dict]]:
-        """One optimizer step on `mini` (`counts`: its global num_tokens/num_seqs). Returns its
+        """One optimizer step on `mini` (`counts`: its `global_counts`). Returns its
         {"grad_norm", "tokens", "skipped_updates"} and the schedule's outputs (on the last stage: each
         micro-batch's {"metrics", "tokens"}, reduced over the DP ranks by the caller)."""
         micro_batches = self.micro_batches(mini, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
@@ -371,7 +384,7 @@ class MegatronEngine:
         finite = grads_finite(self._ddp_chunks, self.device, self.section)
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                   "tokens": counts["num_tokens"], "skipped_updates": 0.0 if finite else 1.0}
+                   "tokens": counts["trained_tokens"], "skipped_updates": 0.0 if finite else 1.0}
         if self.mtp is not None and self._is_last_stage():  # each MTP layer's loss, on the stage that holds them
             metrics.update(mtp_loss_metrics(len(micro_batches)))
         return metrics, outputs

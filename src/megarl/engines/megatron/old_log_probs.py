@@ -54,8 +54,10 @@ class OldLogProbsInUpdate:
 
     def before_mini_batch(self, index: int, rows: torch.Tensor) -> None:
         """`train_batch`'s hook: before the first step, score every row but the first mini-batch's
-        (all rows for an MoE model); the first mini-batch's come from its own forward, kept by
-        `old_log_probs` and written here before the next mini-batch is taken."""
+        `rows` that run (all rows for an MoE model; the rows the update leaves out, whose advantages
+        are 0, are scored here: the controller's entropy and mismatch metrics read every row); the
+        first mini-batch's come from its own forward, kept by `old_log_probs` and written here
+        before the next mini-batch is taken."""
         if index > 0:
             self._keep_own()
             return

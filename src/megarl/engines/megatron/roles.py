@@ -19,12 +19,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megarl.algos.advantages import zero_advantage_rows
 from megarl.algos.dpo import dpo_loss
 from megarl.algos.from_config import actor_loss_kwargs, bypass_kwargs, value_loss_kwargs
 from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.algos.metrics import Metrics, Reduction
 from megarl.algos.opd import (OPD_TEMPERATURE, TOPK_LOSS_MODE, clamp_losses, direct_distillation_loss,
                               estimator_losses, forward_kl_topk)
+from megarl.config.rules.skip_rows import skips_zero_advantage_rows
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
@@ -108,6 +110,8 @@ class ActorEngine(MegatronEngine):
             mtp=mtp_training(arr.model.mtp),
             **_policy_model(config),
         )
+        # the update leaves out the rows whose advantages are all 0 (megarl.config.rules.skip_rows)
+        self.skip_zero_advantage_rows = skips_zero_advantage_rows(config, moe=self.arch.moe is not None)
 
     def compute_log_prob(self, batch: Batch, temperature: float, with_entropy: bool = False) -> Optional[dict]:
         """{"log_probs": [B, R] (, "entropy": [B, R])} on output ranks, None elsewhere; an MoE
@@ -150,9 +154,13 @@ class ActorEngine(MegatronEngine):
         `megarl.algos.rollout_correction`, whose mask is already in `response_mask`). In
         algorithm.rollout_correction.bypass_mode `old_log_probs` are the rollout's and the loss makes
         the corrections per micro-batch (`megarl.algos.losses.bypass_policy_loss`). Logits are
-        divided by rollout.temperature, as in `compute_log_prob`. Returns `actor/...` metrics averaged
-        over mini-batches (the bypass corrections' as `rollout_corr/...`, verl's names), equal on
-        every rank."""
+        divided by rollout.temperature, as in `compute_log_prob`. With
+        `skip_zero_advantage_rows` the rows whose advantages are all 0 run no forward or backward
+        (`MegatronEngine.train_batch`'s `skippable`): the update is the same, the metrics of its
+        forward (pg_clipfrac, ppo_kl, entropy, ...) are over the rows trained, and
+        actor/rows_trained_frac is their share. Returns `actor/...` metrics averaged over
+        mini-batches (the bypass corrections' as `rollout_corr/...`, verl's names), equal on every
+        rank."""
         return self._update_policy(batch, None)
 
     def update_policy_with_old_log_probs(self, batch: Batch) -> tuple[dict[str, float], Optional[dict]]:
@@ -182,6 +190,8 @@ class ActorEngine(MegatronEngine):
         loss_kwargs = actor_loss_kwargs(actor)
         bypass = bypass_kwargs(rc)
         norm_length = _response_length(self.config)
+        skippable = (zero_advantage_rows(batch["advantages"], batch["response_mask"])
+                     if self.skip_zero_advantage_rows else torch.zeros(len(batch), dtype=torch.bool))
 
         def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
             log_probs, entropy = token_log_probs(
@@ -191,18 +201,20 @@ class ActorEngine(MegatronEngine):
             log_probs = mb.to_grid(log_probs)
             entropy = mb.to_grid(entropy if actor.entropy_coeff != 0 else entropy.detach())
             old_log_probs = mb.data["old_log_probs"] if old is None else old.old_log_probs(mb, log_probs, entropy)
+            normalisers = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"])
             loss, metrics = actor_loss(
                 log_probs, old_log_probs, mb.data["advantages"], mb.response_mask,
                 entropy=entropy, ref_log_prob=mb.data.get("ref_log_probs"),
                 rollout_log_prob=mb.data.get("rollout_log_probs"),
-                rollout_is_weights=mb.data.get("rollout_is_weights"), bypass=bypass, **loss_kwargs, **counts,
+                rollout_is_weights=mb.data.get("rollout_is_weights"), bypass=bypass, **loss_kwargs, **normalisers,
                 norm_length=norm_length,
+                metric_counts=dict(num_tokens=counts["trained_tokens"], num_seqs=counts["trained_seqs"]),
             )
             if not direct:
                 return loss, metrics
             term = direct_distillation_loss(
                 clamp_losses(self._distillation_losses(mb, hidden, log_probs), distillation.loss_max_clamp),
-                mb.response_mask, actor.loss_agg_mode, **counts, norm_length=norm_length)
+                mb.response_mask, actor.loss_agg_mode, **normalisers, norm_length=norm_length)
             metrics.add("distillation_loss", term.detach(), Reduction.SUM)
             # verl's distillation_ppo_loss: with task rewards policy loss + coef x term; without, the term alone
             return (loss + distillation.kl_coef * term if distillation.use_task_rewards else term), metrics
@@ -218,6 +230,7 @@ class ActorEngine(MegatronEngine):
             loss_head=loss_head,
             prefix="actor",
             before_mini_batch=None if old is None else old.before_mini_batch,
+            skippable=skippable,
         )
         # bypass mode's corrections under verl's names (rollout_corr/..., rollout_corr_megarl/...), not actor/
         return {name.removeprefix("actor/") if name.startswith("actor/rollout_corr") else name: value
@@ -475,7 +488,7 @@ class CriticEngine(MegatronEngine):
         def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
             values = mb.to_grid(token_values(hidden, self._value_weight()))
             return value_loss(values, mb.data["returns"], mb.data["values"], mb.response_mask, **loss_kwargs,
-                              **counts, norm_length=norm_length)
+                              num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_length=norm_length)
 
         return self.train_batch(
             batch,

@@ -15,6 +15,12 @@ whole micro-batch's loss from every token's gathered values and back-propagates 
 part (megarl.engines.megatron.context_parallel); DDP then averages over DP x CP ranks, and the
 schedule multiplies each loss by the CP size (pipeline_parallel/schedules.py `forward_step_calc_loss`,
 0.16.1 :268, "output_tensor *= cp_group_size" for a (loss, outputs) head), so the CP ranks' parts add up.
+
+Rows left out (`rows_to_train`: the actor's rows whose advantages are all 0, which add exactly 0 to
+its loss and gradient): the global counts stay those of the whole mini-batch, so the gradient is the
+one of every row; only the rows trained run forward and backward. The metrics of the loss heads are
+then over the rows trained (`trained_tokens` weigh the token means), and every rank keeps at least
+one row per mini-batch, so each takes part in every collective of the step.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from megarl.engines.megatron.sequences import MicroBatch
 
 log = logging.getLogger("megarl.engines")
 
-# loss_head(mb, hidden [N, H], global counts) -> (loss [0-dim], metrics of this micro-batch)
+# loss_head(mb, hidden [N, H], global counts of `global_counts`) -> (loss [0-dim], metrics of this micro-batch)
 LossHead = Callable[[MicroBatch, torch.Tensor, dict], tuple[torch.Tensor, Metrics]]
 
 
@@ -60,16 +66,37 @@ def mini_batch_rows(
             yield order[start : start + mini_batch_size]
 
 
-def global_counts(response_mask: torch.Tensor, mini_batches: list[torch.Tensor], device: torch.device,
-                  group) -> list[dict[str, float]]:
-    """Per mini-batch (its rows of this rank's `response_mask` [B, R]): {"num_tokens": valid
-    response tokens, "num_seqs": sequences with at least one} over all ranks of the DP `group`,
-    every mini-batch of the update in one all-reduce."""
+def rows_to_train(rows: torch.Tensor, skippable: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """The rows of a mini-batch (`rows` [M] int64, into the batch) that its forward and backward
+    run: those not `skippable` ([B] bool over the batch: rows whose loss and gradient are exactly
+    0), in their order, and the first skippable ones while fewer than `min_rows` (at least 1: a rank
+    with nothing to learn still runs a micro-batch, so it meets the other ranks in the gradient
+    all-reduce and the optimizer step; PP with the interleaved schedule, which needs PP
+    micro-batches). Those add 0 too: the gradient is that of all `rows`."""
+    keep = ~skippable[rows]
+    short = min_rows - int(keep.sum())
+    if short > 0:
+        keep[(~keep).nonzero().flatten()[:short]] = True
+    return rows[keep]
+
+
+def global_counts(response_mask: torch.Tensor, mini_batches: list[torch.Tensor], trained: list[torch.Tensor],
+                  device: torch.device, group) -> list[dict[str, float]]:
+    """Per mini-batch (its rows of this rank's `response_mask` [B, R], and of them the rows
+    `trained`), summed over all ranks of the DP `group`, every mini-batch of the update in one
+    all-reduce: {"num_tokens": valid response tokens, "num_seqs": sequences with at least one (the
+    loss's normalisers), "trained_tokens", "trained_seqs": the same over the rows trained, "rows",
+    "trained_rows": rows in all}."""
     mask = response_mask.bool()
-    local = torch.tensor([[mask[rows].sum(), (mask[rows].sum(1) > 0).sum()] for rows in mini_batches],
-                         dtype=torch.float64, device=device)
+
+    def tokens_and_seqs(rows: torch.Tensor) -> list[int]:
+        return [int(mask[rows].sum()), int((mask[rows].sum(1) > 0).sum())]
+
+    local = torch.tensor([tokens_and_seqs(rows) + tokens_and_seqs(kept) + [len(rows), len(kept)]
+                          for rows, kept in zip(mini_batches, trained)], dtype=torch.float64, device=device)
     dist.all_reduce(local, group=group)
-    return [{"num_tokens": float(tokens), "num_seqs": float(seqs)} for tokens, seqs in local.tolist()]
+    names = ("num_tokens", "num_seqs", "trained_tokens", "trained_seqs", "rows", "trained_rows")
+    return [dict(zip(names, map(float, row))) for row in local.tolist()]
 
 
 def scaled_loss_head(loss_head: LossHead, counts: dict[str, float], scale: int) -> Head:
