@@ -43,8 +43,13 @@ PYTHON311    ?= $(shell $(PYTHON) -c 'import sys; print(sys.version_info[:2] == 
 VERL_ORACLE       := .verl-oracle
 VERL_ORACLE_LOCK  := requirements/verl-oracle.lock
 STAMP_VERL_ORACLE := $(VERL_ORACLE)/.megarl-downloaded
+# NVIDIA ModelOpt 0.47.0's wheel, the same way, for tests/algos/test_nvfp4_modelopt.py (ModelOpt's own
+# NVFP4 quantize/dequantize against megarl's); MEGARL_MODELOPT_WHEEL names it.
+MODELOPT_ORACLE       := .modelopt-oracle
+MODELOPT_ORACLE_LOCK  := requirements/modelopt-oracle.lock
+STAMP_MODELOPT_ORACLE := $(MODELOPT_ORACLE)/.megarl-downloaded
 
-.PHONY: install test demo clean install-py312 test-py312 install-sglang test-sglang install-verl-oracle lock
+.PHONY: install test demo clean install-py312 test-py312 install-sglang test-sglang install-verl-oracle install-modelopt-oracle lock
 
 # Installs once; again when setup.py or the lock changes. The lock (requirements/cpu-py3X.lock of
 # $(PYTHON)'s version, written by `make lock`) pins every package, so tests and benchmarks see the
@@ -59,8 +64,9 @@ $(STAMP): setup.py $(LOCK)
 
 install: $(STAMP)
 
-test: install install-sglang install-verl-oracle
+test: install install-sglang install-verl-oracle install-modelopt-oracle
 	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) MEGARL_VERL_WHEEL=$(abspath $(VERL_ORACLE))/verl-0.9.1-py3-none-any.whl \
+		MEGARL_MODELOPT_WHEEL=$(abspath $(MODELOPT_ORACLE))/nvidia_modelopt-0.47.0-py3-none-any.whl \
 		$(PY) -m pytest $(PYTEST_ARGS)
 
 # Resolves every lock again with each line's pip (installs nothing; `make install` then installs
@@ -103,6 +109,12 @@ $(STAMP_VERL_ORACLE): $(VERL_ORACLE_LOCK) | $(STAMP)
 
 install-verl-oracle: $(STAMP_VERL_ORACLE)
 
+$(STAMP_MODELOPT_ORACLE): $(MODELOPT_ORACLE_LOCK) | $(STAMP)
+	$(PY) -m pip download -q --no-deps --require-hashes -r $(MODELOPT_ORACLE_LOCK) -d $(MODELOPT_ORACLE)
+	touch $(STAMP_MODELOPT_ORACLE)
+
+install-modelopt-oracle: $(STAMP_MODELOPT_ORACLE)
+
 # The real-SGLang tier alone (`make test` runs it too); `.ci/run` runs it beside line 1.
 test-sglang: install install-sglang
 	MEGARL_SGLANG_PYTHON=$(abspath $(PY_SGLANG)) $(PY) -m pytest tests/sglang $(PYTEST_ARGS)
@@ -111,4 +123,4 @@ demo: install
 	$(PY) -m megarl.demo
 
 clean:
-	rm -rf $(VENV) $(VENV312) $(VENV_SGLANG) $(VERL_ORACLE) build src/*.egg-info outputs
+	rm -rf $(VENV) $(VENV312) $(VENV_SGLANG) $(VERL_ORACLE) $(MODELOPT_ORACLE) build src/*.egg-info outputs

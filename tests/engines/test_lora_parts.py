@@ -61,9 +61,9 @@ def test_names():
 
 
 def test_a_lora_role_never_uses_transformer_engine_layers():
-    assert builds_with_transformer_engine(True, lora=False)
-    assert not builds_with_transformer_engine(True, lora=True)
-    assert not builds_with_transformer_engine(False, lora=False)
+    assert builds_with_transformer_engine(True, local_linears=False)
+    assert not builds_with_transformer_engine(True, local_linears=True)
+    assert not builds_with_transformer_engine(False, local_linears=False)
 
 
 def test_lora_on_the_experts_of_a_moe_model_is_refused_naming_the_key(tmp_path, tiny_models):

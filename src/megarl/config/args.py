@@ -33,7 +33,8 @@ VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer",
                      # verl/experimental/*/config: the entry point's own defaults (megarl.config.verl_compat.VERL_MODULES)
                      "fully_async_ppo_megatron_trainer", "one_step_off_ppo_megatron_trainer", "sft_trainer_engine")
 # verl-recipe's configs built on verl's base config with defaults of their own: name -> megarl's equivalent
-VERL_RECIPE_CONFIGS = {"dapo_megatron_trainer": Path(__file__).resolve().parent / "verl_configs" / "dapo_megatron_trainer.yaml"}
+VERL_RECIPE_CONFIGS = {name: Path(__file__).resolve().parent / "verl_configs" / f"{name}.yaml"
+                       for name in ("dapo_megatron_trainer", "dapo_qat_megatron_trainer")}
 
 
 def experiment_file(args: argparse.Namespace) -> str | None:

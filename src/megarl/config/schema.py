@@ -229,6 +229,25 @@ class DataConfig:
 # Megatron parallelism and optimizer, shared by actor, reference, critic, reward model.
 # --------------------------------------------------------------------------------------------
 @dataclass
+class QatConfig:
+    """verl's quantization-aware training (engine/megatron.yaml `qat`), the actor's only: NVFP4 fake
+    quantization of its Megatron linears' weights in the forward (megarl.engines.megatron.qat),
+    pushed to the rollout servers as the same dequantized values (docs/running.md, QAT)."""
+
+    enable: bool = False
+    mode: Literal["w4a16", "w4a4"] = "w4a16"  # w4a16 only (w4a4's activation quantization is not built)
+    group_size: int = 16  # NVFP4's group along a weight's input dimension (NVFP4 requires 16)
+    # fnmatch patterns of the linears left in full precision, matched against "<megatron module
+    # name>.weight_quantizer" (verl's ModelOpt names; "lm_head" and "*mlp.gate" mean the output layer and
+    # the MoE routers, which ModelOpt leaves out anyway)
+    ignore_patterns: list[str] = field(default_factory=lambda: ["lm_head", "*mlp.gate"])
+    activation_observer: Optional[str] = None  # verl: W4A4 only
+    # verl's quantization config JSON for its vLLM servers (verl-recipe qat/config/nvfp4_w4a16_megatron.json):
+    # read and checked (NVFP4, the group size); megarl's servers get the dequantized weights
+    quantization_config_path: Optional[str] = None
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -274,6 +293,7 @@ class MegatronConfig:
     # The actor and the reference only (a critic or reward model is built from an HF checkpoint).
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: Optional[str] = None
+    qat: QatConfig = field(default_factory=QatConfig)
 
 
 @dataclass

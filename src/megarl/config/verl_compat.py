@@ -142,13 +142,6 @@ VERL_KEYS: dict[str, VerlKey] = {
     "actor_rollout_ref.rollout.checkpoint_engine.backend": VerlKey(
         "megarl picks the weight transport from actor_rollout_ref.rollout.weight_sync_transport"),
     # verl's tokenizer/processor flag of the dataset; megarl loads the tokenizer with the model's flag
-    # verl's QAT (verl-recipe qat/: NVFP4 weights through NVIDIA ModelOpt and Megatron-Bridge, served by vLLM's NVFP4)
-    "actor_rollout_ref.actor.megatron.qat.enable": VerlKey(
-        "quantization-aware training is not built: megarl trains the weights in actor_rollout_ref.model.dtype (FP8 "
-        "GEMMs with megatron.override_transformer_config.fp8) and serves them as they are or block-FP8 "
-        "(actor_rollout_ref.rollout.quantization=fp8)", only=False),
-    "actor_rollout_ref.actor.megatron.qat.*": VerlKey("read by verl only with actor_rollout_ref.actor.megatron."
-                                                      "qat.enable=true"),
     "data.trust_remote_code": VerlKey("megarl loads the tokenizer with actor_rollout_ref.model.trust_remote_code",
                                       "actor_rollout_ref.model.trust_remote_code"),
     # verl's Megatron learning-rate schedule (optim/megatron.yaml): the decay style and length

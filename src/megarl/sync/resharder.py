@@ -50,6 +50,9 @@ shards of one bucket ((TP-1)/TP of its gathered bytes) and one bucket of HF tens
 buckets (a bucket: `bucket_bytes`, or the largest parameter if larger); on the other TP ranks,
 their share of a bucket. The conversion allocates nothing of a bucket's size (with FP8 weights: one
 merged HF weight at a time, at its parameter's precision, while it is quantized).
+
+A QAT actor's weights (`fake_quant`, the push): each rank sends, and the emitter converts, its shard's
+NVFP4 values (`megarl.algos.nvfp4`, one shard's copy at a time), the values its forward computes with.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.algos.nvfp4 import PARAM_MARK, nvfp4_dequantized
 from megarl.bridge import WeightMap
 from megarl.bridge.errors import ConversionError
 from megarl.bridge.fused_experts import PER_EXPERT, expert_view, fused_shape, fused_source, fuses_experts
@@ -82,6 +86,7 @@ class LocalParam:
     tensor: torch.Tensor  # this rank's shard of it (the live parameter, detached)
     split: TPSplit  # over the TP ranks (an expert at EP > 1: over its expert-TP ranks)
     expert: bool = False  # an expert at EP > 1: gathered over the expert-TP group, not the TP group
+    nvfp4_group: Optional[int] = None  # a QAT actor's fake-quantized weight: its NVFP4 group (engines.megatron.qat)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -130,7 +135,7 @@ def local_params(model_chunks: Sequence[torch.nn.Module], weights: WeightMap, tp
                     f"{local_name} ({name}): local shape {list(param.shape)} does not match {expected}, the "
                     f"bridge's full shape {list(weights.mcore_shape(name))} split over {ranks} rank(s)"
                 )
-            out.append(LocalParam(name, param.detach(), split, expert))
+            out.append(LocalParam(name, param.detach(), split, expert, getattr(param, PARAM_MARK, None)))
     return out
 
 
@@ -401,14 +406,19 @@ class Resharder:
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], weights: WeightMap, groups: ParallelGroups,
                  bucket_bytes: int, dtype: Optional[torch.dtype] = None,
-                 hf_memory: Optional[Callable[[int], torch.Tensor]] = None, quantized: frozenset[str] = frozenset()):
+                 hf_memory: Optional[Callable[[int], torch.Tensor]] = None, quantized: frozenset[str] = frozenset(),
+                 fake_quant: bool = False):
         """`dtype`: of the HF tensors (e.g. the servers' bf16 for an fp32 actor); None: each parameter's.
         `hf_memory(nbytes)`: fresh uint8 memory for each bucket's HF tensors, handed to the caller
         (the tensor transport's shareable memory, sent without a copy); None: one reused buffer.
         `quantized`: the HF weights sent in block FP8 (`plan_buckets`), each quantized by the emitter
         from the whole HF tensor it merged from its gathered shards (never from a TP or EP shard, so
-        no 128 x 128 block straddles two ranks' rows), at the parameter's own precision."""
+        no 128 x 128 block straddles two ranks' rows), at the parameter's own precision.
+        `fake_quant`: a QAT actor's fake-quantized weights are sent as the values its forward computes
+        with (`nvfp4_dequantized` of each rank's shard, as the forward quantizes it: the weight push);
+        False: its full-precision master weights (the HF export)."""
         self.model_chunks, self.weights, self.groups = list(model_chunks), weights, groups
+        self.fake_quant = fake_quant
         self.bucket_bytes, self.dtype, self.hf_memory = bucket_bytes, dtype, hf_memory
         self.quantized = frozenset(quantized)
         self.timings = ReshardTimings()
@@ -502,12 +512,18 @@ class Resharder:
         else:
             send = buffers.send[: plan.row_bytes]
             for planned in gathered:
-                tensor = planned.param.tensor
+                tensor = self._values(planned.param)
                 start = planned.gather_offset
                 send[start : start + tensor.numel() * tensor.element_size()].copy_(tensor.reshape(-1).view(torch.uint8))
             emitter = g.expert_emitter_rank if plan.expert else g.tp_emitter_rank
             ops = [dist.P2POp(dist.isend, send, emitter, group)]
         return _Gather(dist.batch_isend_irecv(ops))
+
+    def _values(self, param: LocalParam) -> torch.Tensor:
+        """What this rank sends of `param`: its shard, or with `fake_quant` a QAT weight's NVFP4 values."""
+        if self.fake_quant and param.nvfp4_group is not None:
+            return nvfp4_dequantized(param.tensor, param.nvfp4_group)
+        return param.tensor
 
     def _rows(self, plan: BucketPlan, buffers: _Buffers) -> torch.Tensor:
         """[ranks - 1, row_bytes]: row r - 1 holds rank r's shards of `plan` (TP, or expert-TP, rank) (emitter)."""
@@ -516,7 +532,7 @@ class Resharder:
     def _pieces(self, plan: BucketPlan, planned: PlannedParam, rows: Optional[torch.Tensor]) -> list:
         """The shards of `planned`, in rank order: the emitter's own (row 0 of its group) is its
         parameter, the others are views into `rows`."""
-        tensor = planned.param.tensor
+        tensor = self._values(planned.param)
         if planned.gather_offset is None:
             return [tensor]
         start, n = planned.gather_offset, tensor.numel() * tensor.element_size()

@@ -259,8 +259,9 @@ class WeightSync:
         # tensor transport: each bucket is written straight into memory a server may open, and sent without a copy
         hf_memory = ((lambda nbytes: ipc_copies.shareable_empty(nbytes, self.copies_on_gpu))
                      if config.transport == "tensor" else None)
+        # a QAT actor's weights go out as the NVFP4 values it computes with (config.rules.qat.rollout_weights_format)
         self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype, hf_memory,
-                                   config.fp8_weights)
+                                   config.fp8_weights, fake_quant=True)
         self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.config import ConfigError, ExperimentConfig
+from megarl.config.rules.qat import quantization_config_problems
 from megarl.config.validate import problems_on_resolved_device
 from megarl.runtime.devices import resolve_devices
 from megarl.runtime.routing import routed_experts_layout
@@ -84,6 +85,7 @@ def check_environment(config: ExperimentConfig, kind: Kind = "rl") -> Experiment
     reward_fn = config.custom_reward_function.path
     if kind == "rl" and reward_fn and not Path(reward_fn).is_file():
         problems.append(f"custom_reward_function.path: file not found: {reward_fn}")
+    problems += quantization_config_problems(config)
 
     try:
         devices = resolve_devices(config)

@@ -51,6 +51,7 @@ from megarl.config.rules.mtp import mtp_settings
 from megarl.config.rules.policy_loss import (clip_ratio_alone_differs_from_verl, loss_mode_aggregates_itself,
                                              policy_loss_options)
 from megarl.config.rules.profiler import profiler_settings
+from megarl.config.rules.qat import qat_settings, qat_warnings
 from megarl.config.rules.quantization import fp8_rollout_corrected, fp8_rollout_fits
 from megarl.config.rules.rollout_correction import (bypass_replaces_loss_mode, rollout_correction_fits_actor,
                                                     rollout_correction_settings)
@@ -127,6 +128,7 @@ RULES: list[Rule] = [
     transformer_overrides_fit,
     router_replay_fits,
     profiler_settings,
+    qat_settings,
     batch_arithmetic,
 ]
 
@@ -141,6 +143,7 @@ WARNING_RULES: list[Rule] = [
     checkpoint_without_extra,
     checkpoint_export_options,
     megatron_fsdp_on_forward_only_roles,
+    qat_warnings,
 ]
 
 # Warning rules that read keys as the user left them, before megarl.config.validate.resolve fills the ones whose

@@ -39,6 +39,7 @@ from megarl.engines.megatron.model import (
 from megarl.engines.megatron.lora import (LoraSpec, attach_lora, builds_with_transformer_engine, merged,
                                           unfreeze_value_head)
 from megarl.engines.megatron.offload import Offloader
+from megarl.engines.megatron.qat import QatSpec, attach_qat, transformer_overrides as qat_overrides
 from megarl.engines.megatron.optim import (build_optimizer, build_scheduler, ddp_overlap, finish_param_gather,
                                           gather_params_now, wrap_ddp)
 from megarl.engines.megatron.parallel import compute_device, init_role_parallel_state, role_layout
@@ -85,6 +86,7 @@ class MegatronEngine:
         recompute: bool = False,  # enable_gradient_checkpointing: full recompute unless the overrides say otherwise
         sequence_layout: Optional[Layout] = None,
         lora: Optional[LoraSpec] = None,
+        qat: Optional[QatSpec] = None,
         router_replay: bool = False,
         mtp: Optional[MtpTraining] = None,
         collective_timeout_s: float,
@@ -111,7 +113,9 @@ class MegatronEngine:
         self.weight_map = WeightMap(backbone_arch(self.arch) if value_head else self.arch, self.vocab_rows,
                                     mtp=self.mtp is not None)
         te_available = transformer_engine_available()
-        uses_te = builds_with_transformer_engine(te_available, lora is not None)
+        # LoRA and QAT wrap megatron's local linears (engines.megatron.lora, engines.megatron.qat)
+        local_linears = lora is not None or qat is not None
+        uses_te = builds_with_transformer_engine(te_available, local_linears)
         where = dict(section=section, cp=self.layout.cp, on_cuda=self.device.type == "cuda",
                      cp_comm_type=megatron_cfg.override_transformer_config.get("cp_comm_type"),
                      transformer_engine_layers=uses_te)
@@ -132,13 +136,16 @@ class MegatronEngine:
                 capability=torch.cuda.get_device_capability(self.device) if on_cuda else None)
             if problem:
                 raise ValueError(f"{section}.megatron.override_transformer_config.fp8={fp8}: {problem}")
+        overrides = role_overrides(megatron_cfg.override_transformer_config, recompute)
+        if qat is not None:
+            overrides = qat_overrides(overrides)
         self.model_chunks, self.transformer_config = build_chunks(
             self.weight_map.arch, self.layout, vocab_rows=self.vocab_rows, params_dtype=self.params_dtype,
             value_head=value_head, transformer_engine=uses_te, packed=self.sequence_layout == "packed", section=section,
-            overrides=role_overrides(megatron_cfg.override_transformer_config, recompute),
+            overrides=overrides,
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
-                                 lora=lora is not None, trains=optim_cfg is not None,
+                                 lora=local_linears, trains=optim_cfg is not None,
                                  apex_grad_accumulation=apex_grad_accumulation_available(), arch=self.arch),
             mtp=self.mtp,
         )
@@ -155,6 +162,7 @@ class MegatronEngine:
         )
         if lora is not None and value_head:
             unfreeze_value_head(self.model_chunks)
+        self.qat_linears = [] if qat is None else attach_qat(self.model_chunks, qat)  # before DDP: its params' marks
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
         overlap = ddp_overlap(trains=optim_cfg is not None, dp_size=parallel_state.get_data_parallel_world_size(),

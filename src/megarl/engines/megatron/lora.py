@@ -173,11 +173,13 @@ class LoraAdapter(torch.nn.Module):
         )
 
 
-def builds_with_transformer_engine(te_available: bool, lora: bool) -> bool:
+def builds_with_transformer_engine(te_available: bool, local_linears: bool) -> bool:
     """Whether a role's layers are transformer-engine's. TE fuses the input norm into linear_qkv /
     linear_fc1 (its LayerNormColumnParallelLinear), whose input is then the un-normalised hidden
-    state the adapter must not see: a LoRA role uses megatron's local layer spec, on GPUs too."""
-    return te_available and not lora
+    state the adapter must not see: a LoRA role uses megatron's local layer spec, on GPUs too
+    (`local_linears`), and so does a QAT actor, whose linears' forward must multiply by the weight
+    megarl.engines.megatron.qat hands them (TE's modules read their weights themselves)."""
+    return te_available and not local_linears
 
 
 KINDS = {"self_attention.linear_qkv": "qkv", "mlp.linear_fc1": "fc1",

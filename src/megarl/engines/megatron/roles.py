@@ -33,6 +33,7 @@ from megarl.data.batch import Batch
 from megarl.engines.megatron.engine import MegatronEngine
 from megarl.engines.megatron.heads import token_log_probs, token_top_k, token_values
 from megarl.engines.megatron.lora import LoraSpec
+from megarl.engines.megatron.qat import QatSpec
 from megarl.engines.megatron.mtp import MtpTraining
 from megarl.engines.megatron.metrics import broadcast_from_last_stage
 from megarl.engines.megatron.old_log_probs import OldLogProbsInUpdate
@@ -91,6 +92,12 @@ def lora_spec(lora) -> Optional[LoraSpec]:
     return LoraSpec(lora.rank, lora.alpha, lora_targets(lora.target_modules), lora.dropout, lora.lora_A_init_method)
 
 
+def qat_spec(qat) -> Optional[QatSpec]:
+    """The actor's quantization-aware training from its `megatron.qat` (None when off). Only the actor's:
+    verl quantizes trained engines only, so the reference (forward-only) computes in full precision."""
+    return QatSpec(qat.group_size, tuple(qat.ignore_patterns)) if qat.enable else None
+
+
 class ActorEngine(MegatronEngine):
     """The policy: log-probs of sampled responses and PPO/GRPO-family updates
     (`actor_rollout_ref.actor`, model `actor_rollout_ref.model`)."""
@@ -107,6 +114,7 @@ class ActorEngine(MegatronEngine):
             recompute=arr.model.enable_gradient_checkpointing,
             sequence_layout=sequence_layout,
             lora=lora_spec(arr.model.lora),
+            qat=qat_spec(arr.actor.megatron.qat),
             mtp=mtp_training(arr.model.mtp),
             **_policy_model(config),
         )
