@@ -91,6 +91,12 @@ def test_mtp_training_keys_are_the_actors_as_in_verls_sft():
     assert (mtp.enable, mtp.enable_train, mtp.detach_encoder, mtp.mtp_loss_scaling_factor) == (True, True, True, 0.3)
 
 
+def test_qat_keys_are_the_actors_as_in_verls_sft():
+    """verl's SFT engine (engine/megatron.yaml `qat`) quantizes the trained model as its PPO actor does."""
+    qat = sft("engine.qat.enable=true", "engine.qat.ignore_patterns=[lm_head]").actor_rollout_ref.actor.megatron.qat
+    assert (qat.enable, qat.mode, qat.group_size, list(qat.ignore_patterns)) == (True, "w4a16", 16, ["lm_head"])
+
+
 def test_an_unknown_key_under_verls_groups_stays_unknown():
     with pytest.raises(ConfigError, match=r"override 'engine.no_such_key=1': megarl's "
                                           r"actor_rollout_ref.actor.megatron.no_such_key=1: .*unknown key"):

@@ -28,7 +28,6 @@ _MOVED = {"engine.": "actor_rollout_ref.actor.megatron.", "optim.": "actor_rollo
 
 _RESHARD = ("megarl's checkpoints keep the distributed optimizer's state resharded over DP ranks (megatron's "
             "dp_reshardable); its other formats are not built")
-_QAT = "quantization-aware training (engine.qat.*) is not built yet"
 _LORA = ("LoRA through verl's SFT keys is not built yet (verl's model.lora_rank / model.lora.*; megarl's LoRA is "
          "actor_rollout_ref.model.lora.*)")
 
@@ -86,7 +85,7 @@ SFT_KEYS: dict[str, VerlKey] = {
     "model.mtp.method": VerlKey("an SFT run has no rollout"),
     "model.mtp.num_speculative_tokens": VerlKey("an SFT run has no rollout"),
     # engine (engine/megatron.yaml); the rest moves to actor_rollout_ref.actor.megatron.* (use_mbridge, dtype,
-    # use_dist_checkpointing, use_megatron_fsdp, ...: as verl's PPO keys there)
+    # use_dist_checkpointing, use_megatron_fsdp, qat.*, ...: as verl's PPO keys there)
     "engine.pad_bshd_to_minibatch_max": VerlKey(_PACKED),
     "engine.pad_to_length": VerlKey(_PACKED),
     "engine.pad_to_length_bucket": VerlKey(_PACKED),
@@ -102,8 +101,6 @@ SFT_KEYS: dict[str, VerlKey] = {
                                             "yet", only=_NEVER),
     "engine.override_mcore_model_config.*": VerlKey("overriding megatron's model config is not built yet "
                                                     "(engine.override_transformer_config is)", only=_NEVER),
-    "engine.qat.enable": VerlKey(_QAT, only=False),
-    "engine.qat.*": VerlKey("read by verl only with engine.qat.enable=true"),
     "engine.router_replay.mode": VerlKey("routing replay replays a rollout's expert choices; SFT has no rollout",
                                          only="disabled"),
     "engine.router_replay.*": VerlKey("read by verl only with a routing replay mode"),
