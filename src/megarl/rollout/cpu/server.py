@@ -489,14 +489,24 @@ def build_app(engine: CPUEngine, api_key: Optional[str] = None) -> FastAPI:
                                   "Please call `init_weights_update_group` first.")
         if req.abort_all_requests:
             engine.abort(abort_all=True)
-        try:
-            tensors = await asyncio.to_thread(receive_bucket, group, req.names, req.dtypes, req.shapes, req.load_format)
-        except (ValueError, RuntimeError) as e:
-            return _result(False, f"Failed to receive weights: {e}")
-        try:
-            await asyncio.to_thread(engine.load_weights, tensors)
-        except BadRequestError as e:
-            return _result(False, f"Failed to update parameter online: {e}")
+
+        def receive_and_load() -> Optional[str]:
+            """In one worker thread (one hand-over less than a thread for each): the receive, then the
+            load; the failure's message as SGLang 0.5.23 words it (`scheduler_components/weight_updater.py::
+            update_weights_from_distributed`), or None."""
+            try:
+                tensors = receive_bucket(group, req.names, req.dtypes, req.shapes, req.load_format)
+            except (ValueError, RuntimeError) as e:
+                return f"Failed to receive weights: {e}"
+            try:
+                engine.load_weights(tensors)
+            except BadRequestError as e:
+                return f"Failed to update parameter online: {e}"
+            return None
+
+        failure = await asyncio.to_thread(receive_and_load)
+        if failure is not None:
+            return _result(False, failure)
         return after_update(req.weight_version, req.flush_cache, "Succeeded to update parameter online.")
 
     def load_tensor_payload(entry: str, load_format: Optional[str]) -> int:
