@@ -4,7 +4,7 @@ skips (megarl.config.rules.skip_rows; why each key: tests/algos/test_skip_rows.p
 import pytest
 
 from megarl.config import ConfigError, load_and_validate, load_config
-from megarl.config.rules.skip_rows import skip_rows_problems, skips_zero_advantage_rows
+from megarl.config.rules.skip_rows import skip_rows_problems, skips_in_update, skips_zero_advantage_rows
 
 REQUIRED = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/models/m"]
 KEY = "actor_rollout_ref.actor.skip_zero_advantage_rows"
@@ -47,7 +47,8 @@ EXACT = {
 
 
 def _config(*overrides: str):
-    return load_config(None, [*REQUIRED, *overrides])
+    """With the setting at auto (off by default), which `overrides` may change."""
+    return load_config(None, [*REQUIRED, f"{KEY}=auto", *overrides])
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -92,7 +93,19 @@ def test_several_keys_are_named_together():
 
 
 def test_the_setting_takes_auto_true_false_only():
+    assert load_config(None, REQUIRED).actor_rollout_ref.actor.skip_zero_advantage_rows is False  # off unless asked
     assert _config().actor_rollout_ref.actor.skip_zero_advantage_rows == "auto"
     assert _config(f"{KEY}=true").actor_rollout_ref.actor.skip_zero_advantage_rows is True
     with pytest.raises(ConfigError, match="'sometimes' is not one of 'auto', True, False"):
         _config(f"{KEY}=sometimes")
+
+
+@pytest.mark.parametrize("skipping, setting, separate_pass, skips", [
+    (True, "auto", False, True),   # old log-probs made in the update, or the rollout's
+    (True, "auto", True, False),   # the trainer's own pass: its log-probs recomputed bit for bit
+    (True, True, True, True),      # asked for: the update is the same to float rounding
+    (False, "auto", False, False),  # not exact for this config
+    (False, False, False, False),
+])
+def test_skipping_in_one_update(skipping, setting, separate_pass, skips):
+    assert skips_in_update(skipping, setting, separate_pass) is skips

@@ -81,10 +81,12 @@ def _in_update(model_dir, setting: str) -> dict:
 def skip_rows_world(rank: int, world_size: int, port: int, models: dict) -> dict:
     init_world(rank, world_size, port)
     out = {}
-    for case in CASES:
-        for setting in SETTINGS:
+    for case in CASES:  # old log-probs given with the batch: `true` leaves the rows out, `auto` does not
+        for setting in ("false", "true"):
             out[case, setting] = _update(models["qwen2"], case, setting)
             reset_layout()
+    out["separate_pass", "auto"] = _update(models["qwen2"], "mixed", "auto")
+    reset_layout()
     for setting in SETTINGS:
         out["in_update", setting] = _in_update(models["qwen2"], setting)
         reset_layout()

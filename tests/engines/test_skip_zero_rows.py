@@ -1,5 +1,6 @@
 """The actor's update leaving out the rows whose advantages are all 0
-(`actor_rollout_ref.actor.skip_zero_advantage_rows=auto`) against the same update on every row
+(`actor_rollout_ref.actor.skip_zero_advantage_rows`: true with the old log-probs given, auto with them made
+in the update) against the same update on every row
 (`false`, the oracle), on real megatron-core (CPU, gloo, DP 2; skip_rows_world.py): the weights,
 the losses and the gradient norm agree to float precision, with fewer training forwards and the
 same collectives, also where one rank (and one mini-batch on both ranks) has no row to learn from,
@@ -47,7 +48,7 @@ def _assert_same_weights(auto: dict, full: dict, before: dict) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_skipping_zero_rows_gives_the_update_of_every_row(run, case):
     for rank in run:
-        full, auto = rank[case, "false"], rank[case, "auto"]
+        full, auto = rank[case, "false"], rank[case, "true"]
         _assert_same_weights(auto["after"], full["after"], full["before"])
         for name in ("actor/pg_loss", "actor/actor_loss", "actor/grad_norm"):
             assert auto["metrics"][name] == pytest.approx(full["metrics"][name], rel=1e-5, abs=1e-7), name
@@ -57,23 +58,31 @@ def test_skipping_zero_rows_gives_the_update_of_every_row(run, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_rows_trained_are_the_ones_with_an_advantage(run, case):
-    per_dp_rank = {rank[case, "auto"]["dp_rank"]: rank[case, "auto"]["tokens"] for rank in run}
+    per_dp_rank = {rank[case, "true"]["dp_rank"]: rank[case, "true"]["tokens"] for rank in run}
     tokens = torch.cat([per_dp_rank[dp] for dp in sorted(per_dp_rank)])  # each row's response tokens
     trained = TRAINED_ROWS[case]
     for rank in run:
-        metrics = rank[case, "auto"]["metrics"]
+        metrics = rank[case, "true"]["metrics"]
         assert metrics["actor/rows_trained_frac"] == sum(len(rows) / 8 for rows in trained) / 2
         assert metrics["actor/tokens"] == sum(int(tokens[rows].sum()) for rows in trained)
         assert rank[case, "false"]["metrics"]["actor/tokens"] == int(tokens.sum())
-        dp = rank[case, "auto"]["dp_rank"]
-        assert rank[case, "auto"]["forwards"]["grad"] == TRAINING_FORWARDS[case][dp]
+        dp = rank[case, "true"]["dp_rank"]
+        assert rank[case, "true"]["forwards"]["grad"] == TRAINING_FORWARDS[case][dp]
         assert rank[case, "false"]["forwards"]["grad"] == FULL_FORWARDS[case]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_rank_meets_the_others_in_the_same_collectives(run, case):
     for rank in run:
-        assert Counter(rank[case, "auto"]["collectives"]) == Counter(rank[case, "false"]["collectives"])
+        assert Counter(rank[case, "true"]["collectives"]) == Counter(rank[case, "false"]["collectives"])
+
+
+def test_auto_keeps_every_row_where_a_separate_pass_made_the_old_log_probs(run):
+    """Old log-probs from the trainer's own pass before the update: auto trains every row, so that the
+    update's first pass recomputes them bit for bit (megarl.config.rules.skip_rows.skips_in_update)."""
+    for rank in run:
+        assert rank["separate_pass", "auto"]["metrics"]["actor/rows_trained_frac"] == 1.0
+        assert rank["separate_pass", "auto"]["forwards"]["grad"] == FULL_FORWARDS["mixed"]
 
 
 def test_old_log_probs_made_in_the_update_still_cover_every_row(run):

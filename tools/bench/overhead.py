@@ -8,7 +8,8 @@ process with a KV-cached sampling loop). Same settings: the 302k-parameter Qwen2
 addition, 32 prompts x 8 samples, at most 4 new tokens (the reference's fixed length for this task;
 megarl's max_response_length is set to 4 to match), 2 optimizer steps per batch, lr 3e-4, clip 0.2,
 no KL. The reference trains only on groups whose rewards differ; megarl's update leaves the rows of
-advantage 0 out of its forward and backward too (actor.skip_zero_advantage_rows=auto, the same update),
+advantage 0 out of its forward and backward too (configs/quickstart.yaml: actor.skip_zero_advantage_rows=auto,
+the same update),
 but still scores them before it (old log-probs and entropy for its metrics) and keeps a row on a rank
 with none to learn from.
 

@@ -482,10 +482,13 @@ class ActorConfig:
     # (GRPO groups of equal rewards), which add exactly 0 to the policy loss and its gradient; the loss keeps
     # the whole mini-batch's token and sequence counts, and the mini-batches and optimizer steps stay those
     # of the whole batch, so the update is the same (to float rounding). auto: where that is exact (no KL
-    # loss, entropy bonus, direct distillation, MTP loss, MoE router loss: megarl.config.rules.skip_rows);
-    # true: refused where not exact; false: every row. Metrics of the update's forward (pg_clipfrac,
-    # ppo_kl, entropy, ...) are then over the rows trained; actor/rows_trained_frac says how many
-    skip_zero_advantage_rows: Literal["auto", True, False] = "auto"
+    # loss, entropy bonus, direct distillation, MTP loss, MoE router loss: megarl.config.rules.skip_rows; and
+    # not where the trainer's own pass made the old log-probs before the update, which its first pass then
+    # recomputes bit for bit);
+    # true: refused where not exact; false (the default): every row. Metrics of the update's forward
+    # (pg_clipfrac, ppo_kl, entropy, tis_*, bypass mode's rollout_corr/*, tokens) are then over the rows
+    # trained, verl's over every row, hence off by default; actor/rows_trained_frac says how many
+    skip_zero_advantage_rows: Literal["auto", True, False] = False
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     # policy_loss.loss_mode=sapo's gate temperatures for tokens with advantage > 0 / <= 0 (verl's keys, here as there)
     tau_pos: float = 1.0

@@ -81,6 +81,16 @@ def skips_zero_advantage_rows(config: ExperimentConfig, *, moe: bool) -> bool:
     return setting is True or (setting == "auto" and not problems)
 
 
+def skips_in_update(skipping: bool, setting, old_from_separate_trainer_pass: bool) -> bool:
+    """Whether one update of an actor whose setting resolved to `skipping` (`skips_zero_advantage_rows`)
+    leaves the rows out. With auto, not where the old log-probs are the trainer's own from a separate pass
+    before the update (`old_from_separate_trainer_pass`): the update's first pass then recomputes them bit
+    for bit over the same micro-batches (step 1's ppo_kl exactly 0, ratio exactly 1), which micro-batches
+    holding fewer rows change in the last bits (1.6e-7 in ppo_kl, tests/sglang/test_grpo_e2e.py). Where the
+    update makes them itself, or they are the rollout's (bypass mode, use_rollout_log_probs), it skips."""
+    return skipping and (setting is True or not old_from_separate_trainer_pass)
+
+
 def skip_rows_exact(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """`skip_zero_advantage_rows=true` only where leaving the zero-advantage rows out changes no
     update (`skip_rows_problems`; the MoE router losses are checked by the engine, which reads the model).

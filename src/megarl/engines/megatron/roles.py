@@ -26,7 +26,7 @@ from megarl.algos.losses import actor_loss, agg_loss, value_loss
 from megarl.algos.metrics import Metrics, Reduction
 from megarl.algos.opd import (OPD_TEMPERATURE, TOPK_LOSS_MODE, clamp_losses, direct_distillation_loss,
                               estimator_losses, forward_kl_topk)
-from megarl.config.rules.skip_rows import skips_zero_advantage_rows
+from megarl.config.rules.skip_rows import skips_in_update, skips_zero_advantage_rows
 from megarl.config.schema import ExperimentConfig
 from megarl.config.validate import resolve
 from megarl.data.batch import Batch
@@ -198,8 +198,10 @@ class ActorEngine(MegatronEngine):
         loss_kwargs = actor_loss_kwargs(actor)
         bypass = bypass_kwargs(rc)
         norm_length = _response_length(self.config)
+        separate_pass = old is None and not rc.bypass_mode and not actor.use_rollout_log_probs
         skippable = (zero_advantage_rows(batch["advantages"], batch["response_mask"])
-                     if self.skip_zero_advantage_rows else torch.zeros(len(batch), dtype=torch.bool))
+                     if skips_in_update(self.skip_zero_advantage_rows, actor.skip_zero_advantage_rows, separate_pass)
+                     else torch.zeros(len(batch), dtype=torch.bool))
 
         def loss_head(mb: MicroBatch, hidden: torch.Tensor, counts: dict):
             log_probs, entropy = token_log_probs(
