@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from megarl.config.rules.qat import NVFP4_GROUP as GROUP_SIZE  # NVFP4's group: one FP8 scale per 16 FP4 weights
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-GROUP_SIZE = 16  # NVFP4's group (verl engine/megatron.yaml qat.group_size: "NVFP4 requires 16")
 # the attribute marking a parameter that a QAT forward fake-quantizes: its group size
 # (set by megarl.engines.megatron.qat, read by the weight push, megarl.sync.resharder)
 PARAM_MARK = "nvfp4_group_size"

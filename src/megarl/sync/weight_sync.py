@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from megarl.bridge import WeightMap
 from megarl.bridge.fused_experts import PER_EXPERT, fuses_experts
+from megarl.config.rules.qat import rollout_weights_format
 from megarl.rollout import fp8
 from megarl.rollout.control import ServerError, on_all
 from megarl.sync.groups import WEIGHT_UPDATE_GROUPS, ParallelGroups
@@ -259,9 +260,9 @@ class WeightSync:
         # tensor transport: each bucket is written straight into memory a server may open, and sent without a copy
         hf_memory = ((lambda nbytes: ipc_copies.shareable_empty(nbytes, self.copies_on_gpu))
                      if config.transport == "tensor" else None)
-        # a QAT actor's weights go out as the NVFP4 values it computes with (config.rules.qat.rollout_weights_format)
+        # a QAT actor's weights go out as the NVFP4 values it computes with, dequantized (rollout_weights_format)
         self.resharder = Resharder(model_chunks, weights, self.groups, config.bucket_bytes, config.dtype, hf_memory,
-                                   config.fp8_weights, fake_quant=True)
+                                   config.fp8_weights, fake_quant=rollout_weights_format() == "dequantized")
         self.servers = [SyncServer(url, api_key, timeout_s=config.timeout_s) for url in server_urls]
         self.version = initial_version  # the version of the last successful push
         self.attempts = 0

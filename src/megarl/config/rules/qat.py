@@ -13,7 +13,7 @@ from megarl.config.schema import ExperimentConfig
 
 log = logging.getLogger("megarl.config")
 KEY = "actor_rollout_ref.actor.megatron.qat"
-NVFP4_GROUP = 16
+NVFP4_GROUP = 16  # NVFP4's group (verl engine/megatron.yaml qat.group_size: "NVFP4 requires 16")
 
 # What the rollout servers get from a QAT actor, and why (megarl.sync.resharder `fake_quant`).
 ROLLOUT_NVFP4_NOT_BUILT = (
