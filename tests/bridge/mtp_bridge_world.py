@@ -56,3 +56,18 @@ def world(rank: int, world_size: int, port: int, hf_config: dict, hf: dict, padd
     return {"names": sorted(weights.canonical(n) for n in held),
             "main_logits": (main.transpose(0, 1) @ output.T)[..., :weights.arch.vocab_size],
             "mtp_logits": (mtp.transpose(0, 1) @ output.T)[..., :weights.arch.vocab_size]}
+
+
+def keys_world(rank: int, world_size: int, port: int, hf_configs: dict, padded_vocab: int) -> dict:
+    """{family: (the keys a real megatron `GPTModel` with its MTP block saves, `sharded_keys`; the keys of the
+    engine's checkpoint request for it, `model_sharded_state_dict`)} for each HF config."""
+    from megarl.engines.megatron.checkpoint_io import model_sharded_state_dict
+    from megatron_world import sharded_keys
+
+    init_gloo_model_parallel(rank, world_size, port)
+    apply_moe_cpu_shims()
+    out = {}
+    for family, hf_config in hf_configs.items():
+        model = build(WeightMap(arch_from_hf_config(hf_config), padded_vocab, mtp=True))
+        out[family] = (sharded_keys(model.sharded_state_dict()), sharded_keys(model_sharded_state_dict([model])["model"]))
+    return out

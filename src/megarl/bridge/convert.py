@@ -4,6 +4,14 @@ Both directions check the input against the config before writing anything, writ
 temporary directory next to the output, verify what they wrote (tensor names, shapes and dtypes
 against the expected map), and only then rename it to the output path. Peak memory is about the
 largest parameter (HF -> megatron) or one output file plus the largest parameter (megatron -> HF).
+
+Multi-token-prediction (MTP) layers (DeepSeek-V3, GLM-4.5: `num_nextn_predict_layers`, HF's
+`model.layers.{num_hidden_layers + k}.*`, megatron-core's `mtp.layers.{k}.*`) are carried both ways when the
+input holds them. An HF checkpoint holding none converts without them, as transformers saves such a model
+(its DeepseekV3 / Glm4Moe classes have no MTP modules and skip those tensors on load, keeping
+`num_nextn_predict_layers` in config.json); one holding some but not all is refused. Their copies of the
+embedding and LM head (`WeightMap.mtp_copies`) must equal the main model's on import (megatron's MTP layers
+share those; comparing two of them doubles the peak) and are written back from them on export.
 """
 from __future__ import annotations
 
@@ -140,9 +148,11 @@ def convert_hf_to_torch_dist(
     arch = _arch_of(hf_dir)
     check_layout(arch, layout)
     vp = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, layout.tp)
-    weights = WeightMap(arch, vp)
     with HFCheckpointReader(hf_dir) as reader:
-        weights.check_hf_names(set(reader.names()), source=str(hf_dir))
+        names = set(reader.names())
+        weights = WeightMap(arch, vp, mtp=_hf_holds_mtp(WeightMap(arch, vp), names, hf_dir))
+        weights.check_hf_names(names, source=str(hf_dir))
+        check_mtp_copies(reader, weights, hf_dir)
         dtypes = {}
         for name in weights.mcore_names():
             hf_names = weights.hf_names_of(name)
@@ -175,6 +185,40 @@ def convert_hf_to_torch_dist(
     return ConversionSummary(len(sizes), sum(sizes.values()), Path(out))
 
 
+def _hf_holds_mtp(plain: WeightMap, names: set[str], hf_dir: Path) -> bool:
+    """Whether the HF checkpoint with tensors `names` holds its config's MTP layers (`plain`: its map without
+    them): all of their tensors (their embedding / head copies aside), or none; some is an error."""
+    if not any(plain.is_mtp_tensor(n) for n in names):
+        return False
+    weights = WeightMap(plain.arch, plain.padded_vocab_size, mtp=True)
+    missing = [n for n in weights.hf_names() if weights.is_mtp_tensor(n) and n not in names]
+    if missing:
+        raise ConversionError(
+            f"{hf_dir / 'config.json'} announces {plain.arch.mtp_layers} multi-token-prediction layer(s) "
+            f"(num_nextn_predict_layers) and {hf_dir} holds some of their tensors, but not {len(missing)} of them, "
+            f"e.g. {missing[:3]}")
+    return True
+
+
+def check_mtp_copies(reader: HFCheckpointReader, weights: WeightMap, hf_dir: Path) -> None:
+    """Each MTP layer's copy of the embedding and LM head in the checkpoint (`WeightMap.mtp_copies`; a copy may
+    be absent) has the bytes of the main model's tensor: megatron's MTP layers use the main model's, so a copy
+    that differs could not come back."""
+    names = set(reader.names())
+    for copy, main in weights.mtp_copies().items():
+        if copy not in names:
+            continue
+        a, b = reader.read(copy), reader.read(main)
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(_bytes(a), _bytes(b)):
+            raise ConversionError(
+                f"{hf_dir}: tensor {copy!r} differs from {main!r}; megatron-core's multi-token-prediction layer "
+                "uses the main model's embedding and output layer, so it cannot hold a copy of its own")
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def verify_torch_dist(ckpt: Path, weights: WeightMap, dtype_of: Callable[[str], torch.dtype]) -> None:
     """The checkpoint at `ckpt` holds exactly the tensors (keys, global shapes, dtypes) and
     `_extra_state` objects a `GPTModel` of `weights` saves."""
@@ -185,12 +229,12 @@ def verify_torch_dist(ckpt: Path, weights: WeightMap, dtype_of: Callable[[str], 
     for key, entry in expected.items():
         if reader.tensors[key] != entry:
             raise ConversionError(f"{ckpt}: {key} is {reader.tensors[key]}, expected {entry}")
-    if set(reader.objects) != set(expected_objects(weights.arch)):
+    if set(reader.objects) != set(expected_objects(weights.arch, weights.mtp_layers)):
         raise ConversionError(f"{ckpt}: _extra_state objects differ from the expected map")
 
 
 # ------------------------------------------------------------------------------------------ megatron -> HF
-_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 
 def _axes(sizes: tuple[int, ...], names: tuple[str, ...]) -> str:
@@ -253,7 +297,14 @@ def convert_torch_dist_to_hf(
             f"{assets}: no config.json; pass --hf-config with the HF directory of this model's config and tokenizer"
         )
     arch = _arch_of(assets)
-    weights = WeightMap(arch, padded_vocab_size=reader.shape(EMBEDDING)[0])
+    mtp = any(key.startswith("mtp.") for key in reader.tensors)
+    if mtp and not arch.mtp_layers:
+        raise ConversionError(f"{reader.dir}: holds multi-token-prediction layers (mtp.layers.*), but "
+                              f"{assets / 'config.json'} has no num_nextn_predict_layers")
+    weights = WeightMap(arch, padded_vocab_size=reader.shape(EMBEDDING)[0], mtp=mtp)
+    copies = {}  # HF tensor -> the MTP layers' copies of it
+    for copy, main in weights.mtp_copies().items():
+        copies.setdefault(main, []).append(copy)
     adapters = read_adapters(reader)  # first: refuses adapters it cannot merge by name
     check_torch_dist_against_config(reader, weights, assets / "config.json")
     dtypes = {reader.dtype(n) for n in weights.mcore_names()}
@@ -275,6 +326,8 @@ def convert_torch_dist_to_hf(
             for hf_name, tensor in hf.items():
                 for written, fused in (fuser.add(hf_name, tensor) if fuser else [(hf_name, tensor)]):
                     writer.add(written, fused)
+                for copy in copies.get(hf_name, ()):
+                    writer.add(copy, tensor.clone())  # a file's tensors may not share storage
             counter(name)
         if fuser:
             fuser.close()
@@ -285,12 +338,14 @@ def convert_torch_dist_to_hf(
 
 
 def verify_hf(hf_dir: Path, weights: WeightMap, dtype: torch.dtype) -> None:
-    """The HF checkpoint at `hf_dir` holds exactly the tensors of `weights`, with their shapes and `dtype`."""
+    """The HF checkpoint at `hf_dir` holds exactly the tensors of `weights` and its MTP layers' copies of
+    the embedding and head (`WeightMap.mtp_copies`), with their shapes and `dtype`."""
     headers = read_safetensors_headers(hf_dir)
-    expected = weights.hf_names()
+    copies = weights.mtp_copies()
+    expected = {**{name: name for name in weights.hf_names()}, **copies}  # name -> the tensor whose shape it has
     if set(headers) != set(expected):
         raise ConversionError(f"{hf_dir}: tensor names differ from the expected map: {sorted(set(headers) ^ set(expected))}")
-    for name in expected:
+    for name, like in expected.items():
         shape, got = headers[name]
-        if shape != weights.hf_shape(name) or got != dtype:
-            raise ConversionError(f"{hf_dir}: {name} is {list(shape)} {got}, expected {list(weights.hf_shape(name))} {dtype}")
+        if shape != weights.hf_shape(like) or got != dtype:
+            raise ConversionError(f"{hf_dir}: {name} is {list(shape)} {got}, expected {list(weights.hf_shape(like))} {dtype}")

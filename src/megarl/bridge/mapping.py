@@ -339,13 +339,28 @@ class WeightMap:
         per_layer = [r.mcore.format(i=i) for i in range(self.arch.num_layers) for r in layer_rules
                      if r.applies(self.arch, i)]
         after = [r.mcore for r in self.rules() if not r.per_layer and r.mcore != EMBEDDING]
-        first, mtp_layers = self.arch.num_layers, self.arch.mtp_layers if self.mtp else 0
-        mtp = [decoder_as_mtp(r.mcore.format(i=i), first) for i in range(first, first + mtp_layers)
+        first = self.arch.num_layers
+        mtp = [decoder_as_mtp(r.mcore.format(i=i), first) for i in range(first, first + self.mtp_layers)
                for r in layer_rules if r.applies(self.arch, i)]
         return [EMBEDDING, *per_layer, *after, *mtp]
 
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers the megatron model holds: the checkpoint's with `mtp`, else 0."""
+        return self.arch.mtp_layers if self.mtp else 0
+
+    def mtp_copies(self) -> dict[str, str]:
+        """{HF name of an MTP layer's copy of the embedding or LM head (`MTP_SHARED_COPIES`): the HF name of the
+        main model's tensor it copies}, for the `mtp_layers` the megatron model holds. Hub checkpoints store them
+        (DeepSeek-V3's `model.layers.61.embed_tokens.weight` / `shared_head.head.weight`); megatron's MTP layers
+        use the model's own, so the converter checks they are copies and writes them back from those."""
+        head = "model.embed_tokens.weight" if self.arch.lm_head_tied else "lm_head.weight"
+        first = self.arch.num_layers
+        return {f"model.layers.{i}.{copy}": main for i in range(first, first + self.mtp_layers)
+                for copy, main in zip(MTP_SHARED_COPIES, ("model.embed_tokens.weight", head))}
+
     def hf_names(self) -> list[str]:
-        """Every HF parameter name, in the order of `mcore_names`."""
+        """Every HF parameter name, in the order of `mcore_names` (no `mtp_copies`)."""
         return [h for name in self.mcore_names() for h in self.hf_names_of(name)]
 
     def hf_names_of(self, mcore_name: str) -> tuple[str, ...]:
@@ -494,14 +509,15 @@ class WeightMap:
     def _hf_set(self) -> frozenset[str]:
         return frozenset(self.hf_names())
 
-    def _is_mtp(self, hf_name: str) -> bool:
+    def is_mtp_tensor(self, hf_name: str) -> bool:
+        """`hf_name` belongs to one of the checkpoint's `arch.mtp_layers` MTP layers (`model.layers.{L + k}.*`)."""
         m = _HF_LAYER.match(hf_name)
         return m is not None and 0 <= int(m.group(1)) - self.arch.num_layers < self.arch.mtp_layers
 
     def _is_ignored_mtp(self, hf_name: str) -> bool:
         """A tensor of the checkpoint's MTP layers that the megatron model does not hold: any of them
         without `mtp`, their copies of the embedding and LM head (`MTP_SHARED_COPIES`) with it."""
-        return self._is_mtp(hf_name) and (not self.mtp or hf_name.split(".", 3)[3] in MTP_SHARED_COPIES)
+        return self.is_mtp_tensor(hf_name) and (not self.mtp or hf_name.split(".", 3)[3] in MTP_SHARED_COPIES)
 
     def check_hf_names(self, names: set[str], source: str) -> None:
         """Every HF tensor a conversion needs is in `names`, and every tensor in `names` is used

@@ -35,6 +35,14 @@ and each layer's `_extra_state` objects as `decoder.layers.{i}.<module>._extra_s
 (experts `/shard_{g}_{E}`); those are written so, and a dense layer's pre-MLP norm in such an MoE
 model is written under `pre_mlp_layernorm.weight`, as the engine saves it.
 
+Multi-token-prediction layers (`WeightMap.mtp`) are keyed per layer, as megatron-core 0.16.1 and 0.19
+save them (MultiTokenPredictionBlock / MultiTokenPredictionLayer `sharded_state_dict`; 0.19 maps its
+`mtp_model_layer` back to `transformer_layer`): `mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}.weight`
+and the layer's decoder layer as a per-layer decoder layer under `mtp.layers.{k}.transformer_layer.`
+(experts `mtp.layers.{k}.transformer_layer.mlp.experts.experts.linear_fc1.weight` [E, 2F, H]), objects
+`/shard_0_1` (experts `/shard_{g}_{E}`), the pre-MLP norm under its TE key as the decoder's
+(tests/bridge/test_mtp_convert.py compares megatron's own keys).
+
 Checkpoint directory layout (megatron's): `<root>/latest_checkpointed_iteration.txt` names the
 iteration directory (`release` or `iter_0000123`) that holds the files above.
 """
@@ -87,6 +95,7 @@ EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.lin
 MOE_NORM = "pre_mlp_layernorm.weight"  # an MoE layer's pre-MLP norm, TE spelling
 MOE_NORM_LOCAL = "mlp.linear_fc1.layer_norm_weight"  # its local-spec checkpoint spelling
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_LAYER_PREFIX = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.")
 _EXPERT_PART = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -111,7 +120,13 @@ def checkpoint_locations(global_name: str, arch: Optional[ModelArch] = None) -> 
     per-layer (`decoder.layers.{i}.X`, experts `decoder.layers.{i}.mlp.experts.experts.X` at [e];
     first where `per_layer_keys(arch)`), per-expert (`singleton_local_shards`), each also, for a
     pre-MLP norm, under the other spelling (an MoE layer's local-spec key; in an MoE model a dense
-    layer's is `pre_mlp_layernorm`). fc1 may also be stored as `<key>_w` / `<key>_v` halves (the reader's business)."""
+    layer's is `pre_mlp_layernorm`). fc1 may also be stored as `<key>_w` / `<key>_v` halves (the reader's business).
+    An MTP layer's decoder layer (`mtp.layers.{k}.transformer_layer.X`) has a decoder layer's per-layer forms."""
+    mtp = _MTP_LAYER_PREFIX.match(global_name)
+    if mtp is not None:
+        decoder = f"decoder.layers.{mtp.group(1)}."
+        return [Location(mtp.group(0) + loc.key[len(decoder):], loc.index, loc.axes)
+                for loc in checkpoint_locations(decoder + global_name[mtp.end():], arch) if loc.key.startswith(decoder)]
     m = _LAYER_PREFIX.match(global_name)
     if m is None:
         return [Location(global_name)]
@@ -136,13 +151,15 @@ def checkpoint_locations(global_name: str, arch: Optional[ModelArch] = None) -> 
     return out
 
 
-_LOCAL_MOE_NORM_KEY = re.compile(r"^(decoder\.layers\.(?:\d+\.)?)" + re.escape(MOE_NORM_LOCAL) + "$")
+_LOCAL_MOE_NORM_KEY = re.compile(r"^(decoder\.layers\.(?:\d+\.)?|mtp\.layers\.\d+\.transformer_layer\.)"
+                                 + re.escape(MOE_NORM_LOCAL) + "$")
 
 
 def te_moe_norm_key(key: str) -> str:
     """The TE key of an MoE layer's pre-MLP norm given its local-spec checkpoint key
-    (`decoder.layers.[{i}.]mlp.linear_fc1.layer_norm_weight` -> `decoder.layers.[{i}.]pre_mlp_layernorm.weight`);
-    any other key unchanged. Only for keys of an MoE model: a dense layer's fused norm has that local key itself."""
+    (`decoder.layers.[{i}.]mlp.linear_fc1.layer_norm_weight` -> `decoder.layers.[{i}.]pre_mlp_layernorm.weight`,
+    an MTP layer's `mtp.layers.{k}.transformer_layer.` alike); any other key unchanged. Only for keys of an MoE
+    model: a dense layer's fused norm has that local key itself (an MTP layer is the decoder's last, MoE, layer)."""
     return _LOCAL_MOE_NORM_KEY.sub(lambda m: m.group(1) + MOE_NORM, key)
 
 
@@ -169,8 +186,9 @@ def expected_tensors(weights: WeightMap, dtype_of: Callable[[str], torch.dtype])
     return entries
 
 
-def expected_objects(arch: ModelArch) -> list[str]:
-    """Keys of the `_extra_state` objects a local-spec `GPTModel` of `arch` saves and asks for."""
+def expected_objects(arch: ModelArch, mtp_layers: int = 0) -> list[str]:
+    """Keys of the `_extra_state` objects a local-spec `GPTModel` of `arch` saves and asks for, with
+    `mtp_layers` multi-token-prediction layers (`WeightMap.mtp_layers`)."""
     num_layers = arch.num_layers
     if arch.mla is None:
         attention = ATTENTION_EXTRA_STATE
@@ -183,16 +201,24 @@ def expected_objects(arch: ModelArch) -> list[str]:
         return attention + (SHARED_EXPERT_EXTRA_STATE if arch.moe.shared_expert else ())
 
     experts = arch.moe.num_experts if arch.moe else 0
-    moe_layers = [i for i in range(num_layers) if arch.is_moe_layer(i)]
+
+    def per_layer(prefix: str, i: int) -> list[str]:  # one layer keyed alone, as `prefix`
+        keys = [f"{prefix}{module}._extra_state/shard_0_1" for module in modules(i)]
+        if arch.is_moe_layer(i):
+            keys += [f"{prefix}{module}._extra_state/shard_{e}_{experts}" for e in range(experts)
+                     for module in EXPERT_EXTRA_STATE]
+        return keys
+
+    mtp = [key for k in range(mtp_layers) for key in [f"mtp.layers.{k}.eh_proj._extra_state/shard_0_1",
+                                                      *per_layer(f"mtp.layers.{k}.transformer_layer.", num_layers + k)]]
     if per_layer_keys(arch):
-        return ([f"decoder.layers.{i}.{module}._extra_state/shard_0_1" for i in range(num_layers) for module in modules(i)]
-                + [f"decoder.layers.{i}.{module}._extra_state/shard_{e}_{experts}"
-                   for i in moe_layers for e in range(experts) for module in EXPERT_EXTRA_STATE])
+        return [key for i in range(num_layers) for key in per_layer(f"decoder.layers.{i}.", i)] + mtp
+    moe_layers = [i for i in range(num_layers) if arch.is_moe_layer(i)]
     keys = [f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"
             for i in range(num_layers) for module in modules(i)]
     keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
              for i in moe_layers for e in range(experts) for module in EXPERT_EXTRA_STATE]
-    return keys
+    return keys + mtp
 
 
 @contextlib.contextmanager
@@ -271,7 +297,7 @@ def write_torch_dist(
             sizes = (*lead_size, rows, *shape[1:])
             items.append(_tensor_item(entry, offsets, sizes))
             param_of[(entry.key, offsets)] = (name, slice(h * rows, (h + 1) * rows) if halves > 1 else None)
-    objects = expected_objects(weights.arch)
+    objects = expected_objects(weights.arch, weights.mtp_layers)
     items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
 
     current: dict[str, torch.Tensor] = {}  # the parameter being written (fc1: shared by its halves)

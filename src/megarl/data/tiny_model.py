@@ -10,10 +10,12 @@ is 7 tokens, and ends an assistant turn with <eos>.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -109,6 +111,7 @@ def make_tiny_model(
     max_positions: int = 256,
     dtype: str = "float32",
     seed: int = 0,
+    mtp_layers: int = 0,
 ) -> Path:
     """Write a randomly initialised `arch` checkpoint (config.json, model.safetensors,
     generation_config.json) and the character tokenizer (tokenizer.json, tokenizer_config.json,
@@ -118,8 +121,11 @@ def make_tiny_model(
     expert's width; Qwen2-MoE's shared expert is twice that). vocab: the
     embedding rows, default the tokenizer's 47; more pads the vocabulary (ids past 46 are never
     produced by the tokenizer), as real checkpoints pad to a multiple of 64 or 128. Same seed,
-    same weights.
+    same weights. mtp_layers (deepseek_v3, glm4_moe): that many multi-token-prediction layers after the
+    last, stored as the hub stores them (`add_mtp_layers`).
     """
+    if mtp_layers and arch not in ("deepseek_v3", "glm4_moe"):
+        raise ValueError(f"mtp_layers: only deepseek_v3 and glm4_moe have multi-token-prediction layers, not {arch!r}")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if dtype not in DTYPES:
@@ -150,7 +156,7 @@ def make_tiny_model(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=ffn,
-        num_hidden_layers=layers,
+        num_hidden_layers=layers + mtp_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -169,4 +175,29 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if mtp_layers:
+        add_mtp_layers(out, layers, mtp_layers, seed)
     return out
+
+
+def add_mtp_layers(model_dir: Path, layers: int, mtp_layers: int, seed: int) -> None:
+    """Turn the last `mtp_layers` decoder layers of the single-file checkpoint `model_dir` (HF's own
+    `layers + mtp_layers` layers) into multi-token-prediction layers as DeepSeek-V3 / GLM-4.5 hub checkpoints
+    store them: config.json `num_hidden_layers=layers`, `num_nextn_predict_layers=mtp_layers`, and each layer
+    `model.layers.{layers + k}` also holds `enorm`, `hnorm`, `shared_head.norm` (1 + 0.2 N(0, 1)), `eh_proj`
+    [H, 2H] (0.1 N(0, 1)) and copies of the embedding and LM head (`embed_tokens`, `shared_head.head`)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=mtp_layers)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = load_file(model_dir / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight", embedding)
+    hidden, dtype = embedding.shape[1], embedding.dtype
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(layers, layers + mtp_layers):
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype)
+        tensors[f"model.layers.{i}.eh_proj.weight"] = (0.1 * torch.randn(hidden, 2 * hidden, generator=g)).to(dtype)
+        tensors[f"model.layers.{i}.embed_tokens.weight"] = embedding.clone()
+        tensors[f"model.layers.{i}.shared_head.head.weight"] = head.clone()
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
