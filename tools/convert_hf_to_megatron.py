@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Convert an HF safetensors checkpoint (Llama, Mistral, Qwen2, Qwen3; mixture-of-experts Qwen2-MoE,
-Qwen3-MoE, Mixtral) into a megatron-core `torch_dist` checkpoint, one tensor at a time.
+Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and GLM-4.5 with their multi-token-prediction layers; the list
+is `megarl.bridge.arch.FAMILIES`) into a megatron-core `torch_dist` checkpoint, one tensor at a time.
 
     python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N --pp N --vpp N --ep N --etp N]
 

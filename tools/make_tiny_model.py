@@ -51,6 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-positions", type=int, default=256)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="multi-token-prediction layers after the last (deepseek_v3, glm4_moe), stored as the hub stores them")
     p.add_argument("--reward-model", action="store_true",
                    help="write a reward model (*ForSequenceClassification, num_labels=1) instead of a causal LM")
     a = p.parse_args(argv)
@@ -59,6 +61,7 @@ def main(argv=None) -> None:
         out = make(
             a.arch, a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
             intermediate=a.intermediate, vocab=a.vocab, tie=a.tie, max_positions=a.max_positions, dtype=a.dtype, seed=a.seed,
+            **({"mtp_layers": a.mtp_layers} if a.mtp_layers else {}),
         )
     except ValueError as exc:  # an impossible shape or size
         p.error(str(exc))

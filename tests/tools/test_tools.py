@@ -119,3 +119,30 @@ def test_the_thd_check_decides_as_te_on_cpu(tmp_path):
                  "te_attention: skipped: no GPU (TE's attention runs on CUDA only)",
                  "--- TE's THD decision on megarl's packed micro-batch: PASS"]:
         assert f"{line}\n" in r.stdout, line
+
+
+def test_a_tiny_mtp_model_round_trips_through_both_converters(tmp_path):
+    """--mtp-layers writes a DeepSeek-V3 with one multi-token-prediction layer as the hub stores it;
+    the two converter scripts carry it to megatron and back with every original tensor's bytes (the
+    oracle: the written file, read with safetensors)."""
+    import torch
+    from safetensors.torch import load_file
+
+    made = run_tool("make_tiny_model.py", "--arch", "deepseek_v3", "--mtp-layers", "1", "--out", "hf", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (2, 1)
+    to_megatron = run_tool("convert_hf_to_megatron.py", "--hf", "hf", "--out", "mcore", cwd=tmp_path)
+    assert to_megatron.returncode == 0, to_megatron.stderr
+    back = run_tool("convert_megatron_to_hf.py", "--ckpt", "mcore", "--out", "back", cwd=tmp_path)
+    assert back.returncode == 0, back.stderr
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    returned = {}
+    for path in (tmp_path / "back").glob("*.safetensors"):
+        returned.update(load_file(path))
+    assert any(name.startswith("model.layers.2.eh_proj") for name in original)
+    assert set(returned) == set(original)
+    for name, tensor in original.items():
+        assert returned[name].dtype == tensor.dtype and torch.equal(returned[name], tensor), name
+    bad = run_tool("make_tiny_model.py", "--arch", "qwen2", "--mtp-layers", "1", "--out", "q", cwd=tmp_path)
+    assert bad.returncode == 2 and "only deepseek_v3 and glm4_moe have multi-token-prediction layers" in bad.stderr
