@@ -2,6 +2,7 @@
 `actor@actor_rollout_ref.actor=mlite_actor`, `<role>.engine.*`; megarl.config.verl_groups) load with each
 engine key meaning what Megatron Lite makes of it. The oracles are Megatron Lite's own code (NVIDIA/Megatron-LM
 dev d48bd6b, experimental/lite), transcribed below where it is not installed, and megatron-core's."""
+import dataclasses
 import logging
 import os
 import re
@@ -93,7 +94,11 @@ def test_attention_backend_sets_what_megatron_lite_sets(backend, monkeypatch):
     for name in names:  # megatron sets them in os.environ: restored (or removed) after the test
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    LanguageModule._set_attention_backend(types.SimpleNamespace(config=types.SimpleNamespace(**kwargs)))
+    from megatron.core.transformer import TransformerConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.default is not dataclasses.MISSING}
+    # megatron-core 0.19 also reads fields such as flash_attention_version: the config's defaults, then megarl's
+    LanguageModule._set_attention_backend(types.SimpleNamespace(config=types.SimpleNamespace(**{**defaults, **kwargs})))
     assert tuple(os.environ[n] for n in names) == _MLITE_NVTE[backend or "flash"]
 
 
