@@ -144,7 +144,7 @@ def test_sft_engine_mlite_is_the_actors_engine():
     (["actor@actor_rollout_ref.actor=dp_actor"], "megarl trains with Megatron only"),
     (["hydra.searchpath=[pkg://other.config]"], "not pkg://other.config"),
     (["actor_rollout_ref.actor.engine.tp=2"], "engine.* keys only with Megatron Lite's config (actor@actor_rollout_ref.actor=mlite_actor)"),
-    ([*MLITE, "+actor_rollout_ref.actor.engine.impl_cfg.optimizer=fsdp2"], "FSDP2 optimizer"),
+    ([*MLITE, "+actor_rollout_ref.actor.engine.impl_cfg.optimizer=adam"], "Megatron Lite's optimizers are dist_opt and fsdp2"),
     ([*MLITE, "actor_rollout_ref.actor.engine.impl_cfg.use_thd=False"], "THD-packed sequences only"),
     ([*MLITE, "actor_rollout_ref.actor.engine.attention_backend_override=magi"], "MagiAttention is not built"),
     ([*MLITE, "+actor_rollout_ref.actor.engine.impl_cfg.recompute=[router]"], "router: no megatron-core recompute"),

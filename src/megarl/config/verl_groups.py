@@ -8,8 +8,9 @@ megatron_actor` (verl/trainer/config/ppo_trainer.yaml `defaults`). Megatron Lite
 actor's engine is `engine/mlite.yaml`, under `actor_rollout_ref.actor.engine`), `ref@actor_rollout_ref.ref=
 mlite_ref`, or, for verl's SFT trainer, `engine=mlite`. Megatron Lite builds megatron-core's parallel state
 from the engine's tp/pp/vpp/cp/ep/etp and megatron-core's distributed optimizer (`impl_cfg.optimizer=dist_opt`,
-primitive/optimizers/megatron_wrap.py), which is megarl's Megatron engine: each key goes to the
-`<role>.megatron.*` key of the same meaning. Hydra applies group choices before any other override, and
+primitive/optimizers/megatron_wrap.py) or torch FSDP2 with AdamW on the shards (`impl_cfg.optimizer=fsdp2`,
+primitive/optimizers/fsdp2/: megarl's `megatron.use_torch_fsdp2`), which is megarl's Megatron engine: each key
+goes to the `<role>.megatron.*` key of the same meaning. Hydra applies group choices before any other override, and
 so does `split_groups`, whatever their place on the command line.
 """
 from __future__ import annotations
@@ -298,11 +299,11 @@ def _optimizer(tree: dict, role: str, path: str, value: Any, source: str, origin
         return []
     if value is None and role == REF:  # forward only
         return []
-    if value == "fsdp2":
-        return [f"{path}=fsdp2 ({source}): Megatron Lite's FSDP2 optimizer (parameters, gradients and optimizer state "
-                "sharded by torch FSDP2) is not built; megarl's is megatron-core's distributed optimizer "
-                "(impl_cfg.optimizer=dist_opt)"]
-    return [f"{path}={value} ({source}): Megatron Lite's optimizers are dist_opt and fsdp2 (megarl builds dist_opt)"]
+    if value == "fsdp2":  # torch FSDP2 over DP x CP with AdamW on the shards (primitive/optimizers/fsdp2)
+        _set(tree, f"{role}.megatron.use_torch_fsdp2", True, origins, f"verl key {path} ({source})")
+        _set(tree, f"{role}.megatron.use_distributed_optimizer", False, origins, f"verl key {path} ({source})")
+        return []
+    return [f"{path}={value} ({source}): Megatron Lite's optimizers are dist_opt and fsdp2"]
 
 
 def _recompute(tree: dict, role: str, path: str, value: Any, source: str, origins: dict) -> list[str]:

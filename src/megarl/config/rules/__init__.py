@@ -39,6 +39,7 @@ from megarl.config.rules.experts import (
     grouped_gemm_can_run,
     rollout_expert_parallel_fits_server,
 )
+from megarl.config.rules.fsdp2 import torch_fsdp2_fits
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -129,6 +130,7 @@ RULES: list[Rule] = [
     router_replay_fits,
     profiler_settings,
     qat_settings,
+    torch_fsdp2_fits,
     batch_arithmetic,
 ]
 

@@ -18,7 +18,7 @@ from megarl.bridge import WeightMap
 from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
 from megarl.config.transformer_overrides import role_overrides
 from megarl.data.batch import Batch
-from megarl.engines.megatron import checkpoint_io
+from megarl.engines.megatron import checkpoint_io, fsdp2
 from megarl.engines.megatron.expert_counts import ExpertCounter
 from megarl.engines.megatron.metrics import broadcast_from_last_stage, reduce_over_micro_batches
 from megarl.engines.megatron.model import (
@@ -65,7 +65,8 @@ class MegatronEngine:
     """A role's model on this rank. Parallel state is global to the process (see `parallel.py`).
 
     Attributes for other components (the weight-sync resharder):
-      model_chunks        this rank's `GPTModel` chunks (one per virtual stage), NOT DDP-wrapped;
+      model_chunks        this rank's `GPTModel` chunks (one per virtual stage), NOT DDP-wrapped (with
+                          `megatron.use_torch_fsdp2` FSDP2-sharded in place: read them in `weights_for_sync`);
                           parameter names are megatron's local ones (layer indices local to the chunk)
       transformer_config  their megatron `TransformerConfig`
       arch, weight_map    the bridge `ModelArch` and `WeightMap` (padded vocabulary = `vocab_rows`)
@@ -94,6 +95,7 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         self.section = section
+        self.fsdp2 = optim_cfg is not None and megatron_cfg.use_torch_fsdp2  # FSDP2 shards a trained role only
         self.layout = role_layout(megatron_cfg, f"{section}.megatron")
         init_role_parallel_state(self.layout, megatron_cfg.seed, section, collective_timeout_s=collective_timeout_s)
         self._ps = parallel_state
@@ -106,6 +108,9 @@ class MegatronEngine:
             source = ModelSource.dist_checkpoint(megatron_cfg.dist_checkpointing_path,
                                                  f"{section}.megatron.dist_checkpointing_path", source.config_dir)
         self.arch = read_arch(source, override_config, model_key)
+        if self.fsdp2 and self.arch.moe is not None:
+            raise ValueError(f"{section}.megatron.use_torch_fsdp2=true: {model_key} is an MoE model, not built yet "
+                             "with megatron.use_torch_fsdp2")
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
@@ -146,7 +151,9 @@ class MegatronEngine:
             moe_settings=moe_settings(self.arch, megatron_cfg, router_replay, section, uses_te),
             fusions=fusion_flags(on_cuda=self.device.type == "cuda", transformer_engine=te_available,
                                  lora=local_linears, trains=optim_cfg is not None,
-                                 apex_grad_accumulation=apex_grad_accumulation_available(), arch=self.arch),
+                                 # FSDP2 gives parameters no `main_grad` to accumulate into
+                                 apex_grad_accumulation=apex_grad_accumulation_available() and not self.fsdp2,
+                                 arch=self.arch),
             mtp=self.mtp,
         )
         replay = RouteReplay(self.model_chunks) if router_replay else None
@@ -165,9 +172,18 @@ class MegatronEngine:
         self.qat_linears = [] if qat is None else attach_qat(self.model_chunks, qat)  # before DDP: its params' marks
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
-        overlap = ddp_overlap(trains=optim_cfg is not None, dp_size=parallel_state.get_data_parallel_world_size(),
-                              distributed_optimizer=megatron_cfg.use_distributed_optimizer)
-        if optim_cfg is not None:
+        if self.fsdp2:  # torch FSDP2 over DP x CP in place of megatron's DDP and optimizer (engines.megatron.fsdp2)
+            fsdp2.wrap_chunks(self.model_chunks, parallel_state.get_data_parallel_group(with_context_parallel=True),
+                              self.params_dtype)
+            self.optimizer = fsdp2.Fsdp2Optimizer(
+                self.model_chunks, lr=optim_cfg.lr, min_lr=optim_cfg.final_lr(), betas=tuple(optim_cfg.betas),
+                weight_decay=optim_cfg.weight_decay, clip_grad=optim_cfg.clip_grad,
+                dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                tp_group=parallel_state.get_tensor_model_parallel_group())
+            self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
+        elif optim_cfg is not None:
+            overlap = ddp_overlap(trains=True, dp_size=parallel_state.get_data_parallel_world_size(),
+                                  distributed_optimizer=megatron_cfg.use_distributed_optimizer)
             self._ddp_chunks = wrap_ddp(
                 self.model_chunks, self.transformer_config, megatron_cfg.use_distributed_optimizer, overlap
             )
@@ -261,7 +277,8 @@ class MegatronEngine:
 
     def output_weight(self) -> torch.Tensor:
         """The output layer (this rank's vocabulary rows) of the last stage; the embedding when tied.
-        Read outside the output layer's forward: its all-gather is waited for here (`finish_param_gather`)."""
+        Read outside the output layer's forward: its all-gather is waited for here (`finish_param_gather`).
+        With FSDP2, read in a forward step only (a head), where the root chunk holds it whole (`fsdp2`)."""
         last = self.model_chunks[-1]
         if last.share_embeddings_and_output_weights:
             weight = last.shared_embedding_or_output_weight()
@@ -385,11 +402,11 @@ class MegatronEngine:
         micro-batch's {"metrics", "tokens"}, reduced over the DP ranks by the caller)."""
         micro_batches = self.micro_batches(mini, max_samples=max_samples, max_tokens=max_tokens, data_keys=data_keys)
         head = scaled_loss_head(loss_head, counts, scale=self.dp_size * len(micro_batches))
-        for chunk in self._ddp_chunks:
+        for chunk in self._ddp_chunks or ():
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(micro_batches, head, forward_only=False)
-        finite = grads_finite(self._ddp_chunks, self.device, self.section)
+        finite = grads_finite(self._local_grads(), self.device, self.section)
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                    "tokens": counts["trained_tokens"], "skipped_updates": 0.0 if finite else 1.0}
@@ -397,16 +414,27 @@ class MegatronEngine:
             metrics.update(mtp_loss_metrics(len(micro_batches)))
         return metrics, outputs
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients: megatron DDP's buffers, or FSDP2's shards."""
+        if self.fsdp2:
+            return fsdp2.local_grads(self.model_chunks)
+        return [buffer.grad_data for chunk in self._ddp_chunks
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
     def weights_for_sync(self):
-        """A context in which the model chunks hold the weights to push or export: with LoRA, the
-        base weights merged with their adapters (restored exactly on exit); else the weights as they are."""
-        return merged(self.lora_adapters)
+        """A context in which the model chunks hold the weights to push or export: with FSDP2, whole
+        (all-gathered over DP x CP, resharded on exit; every rank of the role enters it); with LoRA,
+        the base weights merged with their adapters (restored exactly on exit); else the weights as they are."""
+        return fsdp2.gathered(self.model_chunks) if self.fsdp2 else merged(self.lora_adapters)
 
     # ------------------------------------------------------------------ offload
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
         """Move the chosen parts off the device (parameters and optimizer state to host memory;
         gradient buffers freed). Returns `Offloader.offload`'s {"bytes": copied to host,
         "freed_bytes", "seconds", "params_bytes", "grads_bytes", "optimizer_bytes"}."""
+        if self.fsdp2:
+            raise NotImplementedError(f"{self.section}.megatron.use_torch_fsdp2=true: offload is not built yet with "
+                                      "megatron.use_torch_fsdp2")
         return self.offloader.offload(params=params, grads=grads, optimizer=optimizer)
 
     def onload(self) -> dict:
@@ -426,12 +454,18 @@ class MegatronEngine:
         return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
 
     # ------------------------------------------------------------------ checkpoints
+    def _check_checkpointable(self) -> None:
+        if self.fsdp2:
+            raise NotImplementedError(f"{self.section}.megatron.use_torch_fsdp2=true: distributed checkpoints are not "
+                                      "built yet with megatron.use_torch_fsdp2 (the weight push and the HF export are)")
+
     def save_checkpoint(self, path: str | Path, optimizer: bool = True, background: bool = False) -> None:
         """Save model (+ optimizer + LR schedule where `optimizer`) as a `torch_dist` distributed
         checkpoint in the directory `path`. Every rank of the role calls it. Model and (non-distributed)
         optimizer state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP.
         `background`: return once the tensors are staged, the write going on in the background
         (checkpoint_io.AsyncSaves) until `finish_saves` finalises it."""
+        self._check_checkpointable()
         self.offloader.check_onloaded()
         if background and self.async_saves is None:
             self.async_saves = checkpoint_io.AsyncSaves()
@@ -449,6 +483,7 @@ class MegatronEngine:
         """Load what `save_checkpoint` saved (possibly at another TP/PP layout); `optimizer` False: the
         weights alone (a checkpoint saved without its optimizer), the optimizer and schedule kept as
         they are. Every rank calls it."""
+        self._check_checkpointable()
         self.offloader.check_onloaded()
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{self.section}: checkpoint directory {path} does not exist")

@@ -9,8 +9,8 @@ micro-batch's loss is aggregated with its mini-batch's global counts
 loss of the whole global mini-batch, as one process would compute it; token-mean is the mean over
 all tokens of all DP ranks (not a mean of per-rank means). The loss handed to megatron is
 multiplied by (DP size x micro-batches) (`scaled_loss_head`) to undo the schedule's division by
-the micro-batch count and DDP's averaging over DP ranks, so the gradient is the
-gradient of that global loss. With context parallelism every CP rank of a replica computes the
+the micro-batch count and DDP's averaging over DP ranks (FSDP2's reduce-scatter, `megatron.use_torch_fsdp2`,
+averages the same way), so the gradient is the gradient of that global loss. With context parallelism every CP rank of a replica computes the
 whole micro-batch's loss from every token's gathered values and back-propagates its own tokens'
 part (megarl.engines.megatron.context_parallel); DDP then averages over DP x CP ranks, and the
 schedule multiplies each loss by the CP size (pipeline_parallel/schedules.py `forward_step_calc_loss`,
@@ -121,13 +121,12 @@ def has_non_finite(values: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(low) & torch.isfinite(high))
 
 
-def grads_finite(ddp_chunks: list, device: torch.device, section: str) -> bool:
-    """Whether every gradient of every rank of this role is finite (one flag, all-reduced over the
-    role's ranks, so that all of them skip or step together)."""
+def grads_finite(grads: list[torch.Tensor], device: torch.device, section: str) -> bool:
+    """Whether every gradient of every rank of this role is finite (`grads`: this rank's, any
+    shapes; one flag, all-reduced over the role's ranks, so that all of them skip or step together)."""
     bad = torch.zeros((), dtype=torch.float32, device=device)
-    for chunk in ddp_chunks:
-        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-            bad = torch.maximum(bad, has_non_finite(buffer.grad_data).float())
+    for grad in grads:
+        bad = torch.maximum(bad, has_non_finite(grad).float())
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         log.warning("%s: non-finite loss or gradients: this update is skipped", section)

@@ -1,0 +1,68 @@
+"""Rules on `<role>.megatron.use_torch_fsdp2` (PyTorch FSDP2 in place of megatron's DDP and optimizer,
+megarl.engines.megatron.fsdp2) for the roles that train: the actor, and the critic where it runs."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megarl.config.rules.common import DerivedSizes
+from megarl.config.schema import ExperimentConfig
+
+NOT_BUILT = "not built yet with megatron.use_torch_fsdp2"
+
+
+def _trained_roles(config: ExperimentConfig) -> list[tuple[str, object, object]]:
+    """(key, megatron config, optim config) of the roles that train with FSDP2 on."""
+    roles = [("actor_rollout_ref.actor", config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor.optim)]
+    if config.critic.enable:
+        roles.append(("critic", config.critic.megatron, config.critic.optim))
+    return [(key, megatron, optim) for key, megatron, optim in roles if megatron.use_torch_fsdp2]
+
+
+def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """A trained role with `megatron.use_torch_fsdp2=true` uses only what phase 1 builds (each refusal
+    names its key): no distributed optimizer (FSDP2 shards the optimizer state itself), no pipeline
+    parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no expert parallelism,
+    no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no parameter /
+    gradient / optimizer offload, no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
+    optimizer's), Adam only with no `optim.override_optimizer_config`, and no distributed checkpoint
+    saved (`trainer.save_freq`) or resumed from a path (`trainer.resume_mode=resume_path`). MoE models
+    are refused when the engine reads the model's config. A forward-only role ignores the key.
+
+    Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
+    critic.optim, actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora, critic.model.lora,
+    actor_rollout_ref.model.mtp, trainer.save_freq, trainer.resume_mode
+    """
+    for key, megatron, optim in _trained_roles(config):
+        m = f"{key}.megatron"
+        why = f"with {m}.use_torch_fsdp2=true: {NOT_BUILT}"
+        if megatron.use_distributed_optimizer:
+            yield (f"{m}.use_distributed_optimizer=true with {m}.use_torch_fsdp2=true: FSDP2 shards the optimizer "
+                   "state itself; set use_distributed_optimizer=false")
+        if megatron.pipeline_model_parallel_size > 1:
+            yield f"{m}.pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} {why}"
+        if megatron.expert_model_parallel_size > 1:
+            yield f"{m}.expert_model_parallel_size={megatron.expert_model_parallel_size} {why} (MoE)"
+        if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
+            yield f"{m}.sequence_parallel=true {why}"
+        for part in ("param_offload", "grad_offload", "optimizer_offload"):
+            if getattr(megatron, part):
+                yield f"{m}.{part}=true {why}"
+        if megatron.qat.enable:
+            yield f"{m}.qat.enable=true {why}"
+        if optim.optimizer != "adam":
+            yield f"{key}.optim.optimizer={optim.optimizer} {why} (AdamW only)"
+        if optim.override_optimizer_config:
+            yield (f"{key}.optim.override_optimizer_config (sets {sorted(optim.override_optimizer_config)}) {why} "
+                   "(megatron-core OptimizerConfig fields; the FSDP2 AdamW reads megarl's optim keys only)")
+        lora = config.actor_rollout_ref.model.lora if key.startswith("actor") else config.critic.model.lora
+        if lora.rank > 0:
+            yield f"{key.rsplit('.', 1)[0] if key.startswith('actor') else key}.model.lora.rank={lora.rank} {why}"
+        mtp = config.actor_rollout_ref.model.mtp
+        if key.startswith("actor") and mtp.enable and mtp.enable_train:
+            yield f"actor_rollout_ref.model.mtp.enable_train=true {why}"
+        if config.actor_rollout_ref.model.dtype == "float16":
+            yield f"actor_rollout_ref.model.dtype=float16 {why} (bfloat16 and float32 are)"
+        if config.trainer.save_freq > 0:
+            yield f"trainer.save_freq={config.trainer.save_freq} {why} (distributed checkpoints); set -1"
+        if config.trainer.resume_mode == "resume_path":
+            yield f"trainer.resume_mode=resume_path {why} (distributed checkpoints)"

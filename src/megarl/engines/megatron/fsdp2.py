@@ -1,0 +1,167 @@
+"""PyTorch FSDP2 for a trained role (`<role>.megatron.use_torch_fsdp2`, megatron-LM's `--use-torch-fsdp2`,
+verl's Megatron Lite `impl_cfg.optimizer=fsdp2`): the model chunks' parameters, gradients and
+optimizer state sharded over the data-parallel x context-parallel ranks by torch's `fully_shard`,
+in place of megatron's DDP and optimizer.
+
+- Wrap (`wrap_chunks`): `fully_shard` on each transformer layer, then on the chunk (the root, which
+  holds the embedding, the final norm and the output layer or value head). Each parameter's shard is
+  `Shard(0)` of a 1-D DeviceMesh over megatron's DP x CP group, kept in float32; under a bf16 model
+  the forward and backward compute in bf16 (`MixedPrecisionPolicy.param_dtype`) and the gradients
+  are reduce-scattered in float32 (as megatron's DDP with `grad_reduce_in_fp32`). The reduce-scatter
+  *averages* over the mesh (torch's default gradient divide factor is the mesh size), as megatron's
+  DDP averages over DP x CP, so megarl's loss scaling (`training`) is the same for both
+  (tests/engines/test_fsdp2.py checks the first update's gradient norm against HF's, in one process).
+  Each micro-batch's gradient is reduce-scattered after its backward (ZeRO-3: no whole gradient is
+  kept), where megatron's DDP sums the micro-batches before one all-reduce: the same up to rounding.
+  The root is not resharded after its forward (`reshard_after_forward=False`, torch's own choice for a
+  root), so the heads read the output layer's weight (or the value head) whole inside a forward step
+  (`MegatronEngine.output_weight`); it is resharded after the backward, or on leaving `gathered`.
+- Optimizer (`Fsdp2Optimizer`): torch's AdamW on the float32 DTensor shards, with megatron's
+  settings as megarl's megatron optimizer applies them (lr, betas, eps, weight decay none on biases
+  and 1-D parameters, in a second group with `wd_mult` 0 for megatron's `OptimizerParamScheduler`);
+  gradients clipped by the global norm, each TP-split gradient counted once per TP rank and each
+  TP-replicated one once (megatron's `param_is_not_tensor_parallel_duplicate`), as megatron's
+  `clip_grad_norm_fp32`.
+- Reading weights whole (`gathered`): every FSDP module unsharded, so `named_parameters()` give this
+  rank's whole TP shards (the weight push, the HF export); resharded on exit.
+
+Phase 1: no pipeline parallelism, MoE, LoRA, QAT, MTP training, sequence parallelism, offload or
+distributed checkpoints (refused at config time: megarl.config.rules.fsdp2).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.engines.megatron.optim import ADAM_EPS
+
+# megatron's marks on a parameter (tensor_parallel/layers.py set_tensor_model_parallel_attributes, and
+# `sequence_parallel`, `shared`, `allreduce`): fully_shard replaces each parameter by a new DTensor one,
+# and the gradient-norm rule reads them
+MEGATRON_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                        "shared", "allreduce")
+
+
+def mesh_device_type(backend: str) -> str:
+    """The DeviceMesh device type of a process group with torch.distributed `backend` ("gloo",
+    "nccl"). Rule (torch.distributed docs, "Backends": gloo runs its collectives on CPU tensors, NCCL
+    on CUDA tensors only): `DeviceMesh.from_group(group, device_type)` names the device whose tensors
+    the group's collectives carry, and FSDP2 puts its all-gather and reduce-scatter buffers there
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_get_device_from_mesh`)."""
+    types = {"gloo": "cpu", "nccl": "cuda"}
+    if backend not in types:
+        raise ValueError(f"megatron.use_torch_fsdp2: the data-parallel group's backend {backend!r} is not one of "
+                         f"{sorted(types)}, whose device FSDP2's mesh needs")
+    return types[backend]
+
+
+def wrap_chunks(chunks: list, group, params_dtype: torch.dtype) -> None:
+    """`fully_shard` each chunk in place over the DP x CP `group` (module docstring): each
+    transformer layer, then the chunk. Parameters become float32 `Shard(0)` DTensors carrying
+    megatron's marks (MEGATRON_PARAM_ATTRS)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, mesh_device_type(str(dist.get_backend(group))))
+    policy = MixedPrecisionPolicy(param_dtype=params_dtype, reduce_dtype=torch.float32)
+    for chunk in chunks:
+        marks = {name: {a: getattr(p, a) for a in MEGATRON_PARAM_ATTRS if hasattr(p, a)}
+                 for name, p in chunk.named_parameters()}
+        chunk.float()  # float32 shards (megatron's main parameters); the forward computes in params_dtype
+        for layer in chunk.decoder.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        for name, param in chunk.named_parameters():
+            for attr, value in marks[name].items():
+                setattr(param, attr, value)
+
+
+def fsdp_modules(chunks: list) -> list:
+    """Every FSDP-wrapped module of the chunks (layers and roots)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(chunks: list) -> Iterator[None]:
+    """A context in which the chunks' parameters are whole (this rank's TP shards, all-gathered over
+    DP x CP, in the forward's dtype): `named_parameters()` give plain tensors. Every rank of the DP x
+    CP group enters it together (an all-gather per FSDP module); resharded on exit."""
+    modules = fsdp_modules(chunks)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+
+
+def local_grads(chunks: list) -> list[torch.Tensor]:
+    """This rank's shards of the chunks' gradients (those that have one)."""
+    return [p.grad.to_local() for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """megatron's rule (optimizer/__init__.py get_standard_config_overrides, 0.16.1 and 0.19): no
+    weight decay on biases and 1-D parameters (`param.shape` is the global shape of a DTensor)."""
+    return name.endswith(".bias") or len(param.shape) == 1
+
+
+class Fsdp2Optimizer:
+    """torch AdamW over the FSDP2 chunks' shards, stepped as megatron's optimizer (`ChainedOptimizer.step`):
+    the global gradient norm, the gradients clipped to it where `clip_grad` > 0, then the AdamW step;
+    `step()` returns (True, grad norm, None) as megatron's. `param_groups` are the AdamW's (decay first,
+    then no decay with `wd_mult` 0), which megatron's `OptimizerParamScheduler` sets."""
+
+    def __init__(self, chunks: list, *, lr: float, min_lr: float, betas: tuple[float, float], weight_decay: float,
+                 clip_grad: float, dp_cp_group, tp_group):
+        decay, no_decay = [], []
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if param.requires_grad:
+                    (no_decay if no_weight_decay(name, param) else decay).append(param)
+        groups = [{"params": params, "wd_mult": mult, "lr_mult": 1.0, "max_lr": lr, "min_lr": min_lr}
+                  for params, mult in ((decay, 1.0), (no_decay, 0.0))]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=ADAM_EPS, weight_decay=weight_decay)
+        self.params = decay + no_decay
+        self.clip_grad = clip_grad
+        self.dp_cp_group, self.tp_group = dp_cp_group, tp_group
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient: squares of this rank's shards summed over DP x
+        CP, then over TP, a TP-replicated gradient counted on TP rank 0 only."""
+        tp_rank = dist.get_rank(self.tp_group)
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
+        for param in self.params:
+            if param.grad is not None and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+                total += param.grad.to_local().float().square().sum()
+        dist.all_reduce(total, group=self.dp_cp_group)
+        dist.all_reduce(total, group=self.tp_group)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        grad_norm = self.grad_norm()  # always, as megatron's ChainedOptimizer.step (megarl's metric)
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (grad_norm + 1.0e-6)  # megatron's clip_grad_by_total_norm_fp32
+            if coeff < 1.0:
+                for param in self.params:
+                    if param.grad is not None:
+                        param.grad.mul_(coeff)
+        self.optimizer.step()
+        return True, grad_norm, None
+
+    def _device(self) -> torch.device:
+        return self.params[0].to_local().device if self.params else torch.device("cpu")

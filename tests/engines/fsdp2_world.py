@@ -1,0 +1,152 @@
+"""Bodies of the FSDP2 engine checks (`megatron.use_torch_fsdp2`), run in spawned gloo processes: the
+same PPO updates with megatron's DDP (the oracle) and with FSDP2 (LAYOUTS: DP2, TP2, CP2 with full recompute, and
+DP2 in bfloat16; a critic at DP2), in one world."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from engine_world import ACTOR_LOSS, config, init_world, reset_layout, share_in_replica, training_batch
+
+UPDATES = 3
+# name: (TP, CP, optim.clip_grad, model.dtype, recompute) on 2 ranks; TP2 runs at DP1 without clipping, where
+# FSDP2's step is bit for bit DDP's (no reduction over ranks, no norm that sums shards in another order);
+# CP2 with full recompute (each layer's forward again in the backward: FSDP2 gathers its weights again)
+LAYOUTS = {"dp2": (1, 1, 0.05, "float32", False), "tp2": (2, 1, 0.0, "float32", False),
+           "cp2": (1, 2, 0.05, "float32", True), "dp2_bf16": (1, 1, 0.05, "bfloat16", False)}
+
+
+def fsdp2_config(model_dir: str, world_size: int, tp: int, cp: int, clip_grad: float, dtype: str, recompute: bool,
+                 fsdp2: bool, *extra: str):
+    cp_keys = [f"{s}.megatron.context_parallel_size={cp}" for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")]
+    return config(model_dir, world_size, tp, 1, None, None, *ACTOR_LOSS, *cp_keys,
+                  "actor_rollout_ref.actor.optim.weight_decay=0.1",
+                  f"actor_rollout_ref.actor.optim.clip_grad={clip_grad}",
+                  "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+                  "actor_rollout_ref.actor.optim.total_training_steps=10",
+                  "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                  f"actor_rollout_ref.actor.megatron.use_torch_fsdp2={str(fsdp2).lower()}",
+                  f"actor_rollout_ref.model.dtype={dtype}",
+                  f"actor_rollout_ref.model.enable_gradient_checkpointing={str(recompute).lower()}", *extra)
+
+
+def pushed(actor) -> dict[str, torch.Tensor]:
+    """{HF name: tensor} of what this rank would send to the servers (the resharder's buckets, read in
+    the engine's `weights_for_sync`, in the model's dtype); {} on ranks that emit nothing."""
+    from megarl.bridge.fused_experts import fuses_experts
+    from megarl.sync.groups import ParallelGroups
+    from megarl.sync.resharder import Resharder
+
+    groups = ParallelGroups.from_parallel_state(fused_experts=fuses_experts(actor.weight_map.arch))
+    out = {}
+    with actor.weights_for_sync():
+        for bucket in Resharder(actor.model_chunks, actor.weight_map, groups, 2**20).buckets():
+            out.update({name: t.clone() for name, t in bucket.named_tensors()})
+    return out
+
+
+def shards(actor) -> dict:
+    """Per parameter name: whether its placements are torch's (Shard(0),), its mesh size, this rank's
+    index in the DP x CP group, its local values and every rank's of the group (gathered with a plain
+    all_gather_object, not through DTensor: its plans are cached by mesh ranks, and after a layout
+    switch a new mesh over the same ranks would get the old one's, on a destroyed group).
+    FSDP2 DTensors are float32 whatever the model's dtype."""
+    from megatron.core import parallel_state
+    from torch.distributed.tensor import Shard
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    out = {}
+    for name, param in actor.model_chunks[0].named_parameters():
+        local = param.to_local().detach().clone()
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+        out[name] = {"shard0": param.placements == (Shard(0),), "mesh_size": param.device_mesh.size(),
+                     "rank": dist.get_rank(group), "local": local, "parts": parts}
+    return out
+
+
+def whole_params(actor) -> dict[str, torch.Tensor]:
+    """This rank's parameters (its TP shards) as plain tensors, gathered where FSDP2 shards them."""
+    with actor.weights_for_sync():
+        return {name: p.detach().clone() for name, p in actor.model_chunks[0].named_parameters()}
+
+
+def wd_mults(optimizer, names: dict) -> dict[str, float]:
+    """{parameter name: its group's `wd_mult`} of an optimizer over the model's parameters (`names`:
+    id -> name); megatron's bf16 optimizer steps float32 copies, whose models are its `float16_groups`."""
+    out = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        models = getattr(inner, "float16_groups", None)
+        for index, group in enumerate(inner.param_groups):
+            out.update({names[id(p)]: group["wd_mult"] for p in (models[index] if models else group["params"])})
+    return out
+
+
+def _train(cfg, batch, fsdp2: bool) -> dict:
+    from megatron.core import parallel_state
+
+    from megarl.engines.megatron.roles import ActorEngine
+
+    actor = ActorEngine(cfg)
+    initial = pushed(actor)  # before any forward (FSDP2's lazy initialisation not run yet)
+    mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+    scored = actor.compute_log_prob(mine, 1.0)
+    mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
+    result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+              "old_log_probs": mine["old_log_probs"], "pushed_initial": initial,
+              "metrics": [actor.update_policy(mine) for _ in range(UPDATES)]}
+    result["scored_after"] = actor.compute_log_prob(mine, 1.0)
+    result["params"] = whole_params(actor)
+    names = {id(p): name for name, p in actor.model_chunks[0].named_parameters()}
+    result["wd_mult"] = wd_mults(actor.optimizer, names)
+    result["pushed"] = pushed(actor)
+    if fsdp2:
+        result["shards"] = shards(actor)
+        result["adam_state_shapes"] = {  # (parameter's local shape, its Adam moments' local shapes)
+            names[id(p)]: (tuple(p.to_local().shape), tuple(tuple(v.to_local().shape) for k, v in
+                                                            actor.optimizer.optimizer.state[p].items() if k != "step"))
+            for p in actor.optimizer.params}
+        # a non-finite loss on one rank: every rank skips the update, the shards unchanged
+        poisoned = mine.select(range(len(mine)))
+        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+            poisoned["advantages"] = torch.full_like(poisoned["advantages"], float("nan"))
+        before = [p.to_local().clone() for p in actor.optimizer.params]
+        skipped = actor.update_policy(poisoned)["actor/skipped_updates"]
+        result["poisoned"] = {"skipped": skipped, "unchanged": all(
+            torch.equal(a, p.to_local()) for a, p in zip(before, actor.optimizer.params))}
+        for call in (lambda: actor.save_checkpoint("/nonexistent"), lambda: actor.offload()):
+            try:
+                call()
+                result.setdefault("refused", []).append(None)
+            except NotImplementedError as exc:
+                result.setdefault("refused", []).append(str(exc))
+    return result
+
+
+def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str]) -> dict:
+    """Each of `layouts` (names in LAYOUTS) with DDP then FSDP2: UPDATES PPO updates of one batch,
+    then the metrics, log-probs after them, whole parameters, the push's tensors, and for FSDP2 the
+    shards."""
+    init_world(rank, world_size, port)
+    batch = training_batch()
+    out = {}
+    for name in layouts:
+        tp, cp, clip_grad, dtype, recompute = LAYOUTS[name]
+        for fsdp2 in (False, True):
+            out[(name, fsdp2)] = _train(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, fsdp2),
+                                         batch, fsdp2)
+            reset_layout()
+    for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
+        out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,
+                                                      f"critic.megatron.use_torch_fsdp2={str(fsdp2).lower()}"), batch)
+        reset_layout()
+    return out
+
+
+def _train_critic(cfg, batch) -> list[dict]:
+    from megarl.engines.megatron.roles import CriticEngine
+
+    critic = CriticEngine(cfg)
+    mine = batch.chunk(critic.dp_size)[critic.dp_rank]
+    values = critic.compute_values(mine)
+    mine["values"] = share_in_replica(values and values["values"])
+    return [critic.update_critic(mine) for _ in range(UPDATES)]

@@ -1,0 +1,196 @@
+"""`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
+optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
+and DP2 in bfloat16 (fsdp2_world.py).
+
+Tolerance: FSDP2 reduce-scatters each micro-batch's gradient (megatron's DDP sums the micro-batches
+first, then all-reduces) and sums the gradient norm over shards, so at DP2 / CP2 the float32 results
+differ by rounding: losses and norms within rel 1e-5, weights within 1e-6 absolute. At TP2 (DP1)
+without clipping the weights are the same bit for bit. In bfloat16 the gradients are rounded at other
+places (megatron adds each micro-batch's bf16 gradient into its fp32 buffer; FSDP2 casts it to fp32
+for the reduce-scatter): within rel 2e-2, weights within one bf16 rounding."""
+import pytest
+import torch
+from engine_world import training_batch
+from fsdp2_world import LAYOUTS, UPDATES, fsdp2_config, fsdp2_world
+
+from megarl.engines.megatron.fsdp2 import mesh_device_type
+from megarl.testing import run_gloo_workers
+
+pytestmark = pytest.mark.slow  # one 2-rank world, 8 engines: ~40 s on 2 cores
+FP32 = [name for name, layout in LAYOUTS.items() if layout[3] == "float32"]
+LOSSES = ("actor/pg_loss", "actor/actor_loss", "actor/entropy", "actor/kl_loss", "actor/ppo_kl")
+
+
+def tolerance(layout: str) -> dict:
+    return {"rel": 1e-5, "abs": 1e-7} if LAYOUTS[layout][3] == "float32" else {"rel": 2e-2, "abs": 1e-4}
+
+
+def hf_first_update(model_dir, batch, old_log_probs, cfg) -> tuple[float, float]:
+    """The oracle of the first update, in one process: (loss, L2 norm of its gradient over every
+    parameter) of the whole mini-batch's actor loss from HF transformers' fp32 model and torch's autograd."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algos.from_config import actor_loss_kwargs
+    from megarl.algos.losses import actor_loss
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shape = batch["response_mask"].shape
+    log_probs, entropy = [], []
+    for i in range(len(batch)):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        response = batch["response_ids"][i][batch["response_mask"][i].bool()]
+        logp = model(torch.cat([prompt, response])[None]).logits[0].float().log_softmax(-1)
+        at = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        pad = shape[1] - len(response)
+        log_probs.append(torch.nn.functional.pad(logp[at, response], (0, pad)))
+        entropy.append(torch.nn.functional.pad(-(logp[at].exp() * logp[at]).sum(-1), (0, pad)))
+    loss, _ = actor_loss(torch.stack(log_probs), old_log_probs, batch["advantages"], batch["response_mask"],
+                         entropy=torch.stack(entropy), ref_log_prob=batch["ref_log_probs"],
+                         **actor_loss_kwargs(cfg.actor_rollout_ref.actor))
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
+    return loss.item(), norm.item()
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models):
+    """{(layout, fsdp2): [rank 0's result, rank 1's]}."""
+    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS)), timeout_s=400)
+    return {key: [rank[key] for rank in ranks] for key in ranks[0]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_losses_and_grad_norms_equal_ddps(run, layout):
+    ddp, fsdp = run[(layout, False)][0]["metrics"], run[(layout, True)][0]["metrics"]
+    assert len(fsdp) == UPDATES and [m["actor/skipped_updates"] for m in fsdp] == [0.0] * UPDATES
+    assert [m["actor/lr"] for m in fsdp] == [m["actor/lr"] for m in ddp]  # megatron's warm-up + cosine schedule
+    for a, b in zip(ddp, fsdp):
+        # in bf16 ppo_kl (~1e-3) is the mean difference of two bf16-rounded log-probs: rounding, no oracle
+        for key in [k for k in LOSSES + ("actor/grad_norm",) if layout in FP32 or k != "actor/ppo_kl"]:
+            assert b[key] == pytest.approx(a[key], **tolerance(layout)), (key, a[key], b[key])
+    losses = [m["actor/pg_loss"] for m in fsdp]
+    assert losses[-1] < losses[0]  # it learns
+    assert run[(layout, True)][0]["metrics"] == run[(layout, True)][1]["metrics"]  # the same on both ranks
+
+
+@pytest.mark.parametrize("layout", FP32)
+def test_first_update_is_hfs_loss_and_gradient_norm(run, layout, tiny_models):
+    """The first update's loss and gradient norm (before clipping) are those of HF's model on the
+    whole mini-batch: the FSDP2 reduce-scatter's average and megarl's loss scaling give the global
+    mini-batch's gradient, counted once over the DP x CP shards and TP ranks."""
+    tp, cp, clip, dtype, _ = LAYOUTS[layout]
+    cfg = fsdp2_config(str(tiny_models["qwen2"]), 2, tp, cp, clip, dtype, False, True)
+    parts = sorted({r["dp_rank"]: r["old_log_probs"] for r in run[(layout, True)]}.items())
+    loss, norm = hf_first_update(tiny_models["qwen2"], training_batch(), torch.cat([p for _, p in parts]), cfg)
+    first = run[(layout, True)][0]["metrics"][0]
+    assert first["actor/actor_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert first["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gathered_weights_and_log_probs_equal_ddps(run, layout):
+    fp32 = LAYOUTS[layout][3] == "float32"
+    for ddp, fsdp in zip(run[(layout, False)], run[(layout, True)]):
+        assert ddp["params"].keys() == fsdp["params"].keys()
+        for name, weight in ddp["params"].items():
+            assert fsdp["params"][name].dtype == weight.dtype == (torch.float32 if fp32 else torch.bfloat16)
+            torch.testing.assert_close(fsdp["params"][name], weight, msg=name,
+                                       **(dict(rtol=1e-5, atol=1e-6) if fp32 else dict(rtol=1.6e-2, atol=1e-3)))
+        if ddp["scored_after"] is not None:
+            torch.testing.assert_close(fsdp["scored_after"]["log_probs"], ddp["scored_after"]["log_probs"],
+                                       **(dict(rtol=1e-5, atol=1e-5) if fp32 else dict(rtol=2e-2, atol=2e-2)))
+
+
+def test_without_reduction_or_clipping_the_weights_and_push_are_ddps_bit_for_bit(run):
+    assert LAYOUTS["tp2"] == (2, 1, 0.0, "float32", False)
+    for ddp, fsdp in zip(run[("tp2", False)], run[("tp2", True)]):
+        assert all(torch.equal(fsdp["params"][n], w) for n, w in ddp["params"].items())
+        assert fsdp["pushed"].keys() == ddp["pushed"].keys()
+        assert all(torch.equal(fsdp["pushed"][n], t) for n, t in ddp["pushed"].items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_push_before_any_forward_sends_the_initial_weights_bit_for_bit(run, layout):
+    ddp, fsdp = run[(layout, False)][0]["pushed_initial"], run[(layout, True)][0]["pushed_initial"]
+    assert len(ddp) > 10 and fsdp.keys() == ddp.keys()
+    assert all(fsdp[n].dtype == t.dtype and torch.equal(fsdp[n], t) for n, t in ddp.items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_push_sends_ddps_tensors(run, layout):
+    """The push's HF tensors (names, shapes, dtypes, values) after the updates: rank 0 emits them all."""
+    ddp, fsdp = run[(layout, False)][0]["pushed"], run[(layout, True)][0]["pushed"]
+    assert len(ddp) > 10 and fsdp.keys() == ddp.keys()
+    assert run[(layout, True)][1]["pushed"] == {} == run[(layout, False)][1]["pushed"]
+    fp32 = LAYOUTS[layout][3] == "float32"
+    for name, tensor in ddp.items():
+        assert fsdp[name].dtype == tensor.dtype and fsdp[name].shape == tensor.shape
+        torch.testing.assert_close(fsdp[name], tensor, msg=name,
+                                   **(dict(rtol=1e-5, atol=1e-6) if fp32 else dict(rtol=1.6e-2, atol=1e-3)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_holds_its_shard_only(run, layout):
+    """Every parameter is a DTensor `Shard(0)` over the DP x CP mesh (size 2 at DP2 and CP2, 1 at TP2),
+    in float32 whatever the model's dtype; the group's local tensors put together are the weights the
+    engine gathers for the push, and this rank's is torch's own split of them (`torch.chunk` along
+    dim 0, DTensor's Shard rule); the Adam moments have the local shape."""
+    tp = LAYOUTS[layout][0]
+    mesh = 2 // tp
+    for rank, result in enumerate(run[(layout, True)]):
+        shards = result["shards"]
+        assert shards and all(s["shard0"] and s["mesh_size"] == mesh for s in shards.values())
+        assert {s["rank"] for s in shards.values()} == {rank if mesh == 2 else 0}
+        for name, s in shards.items():
+            whole = torch.cat(s["parts"])
+            assert whole.dtype == torch.float32
+            assert torch.equal(whole.to(result["params"][name].dtype), result["params"][name]), name
+            part = torch.chunk(whole, mesh, dim=0)
+            expected = part[s["rank"]] if s["rank"] < len(part) else whole[:0]
+            assert torch.equal(s["local"], expected), name
+            assert result["adam_state_shapes"][name] == (tuple(expected.shape), (tuple(expected.shape),) * 2)
+        if mesh == 2:
+            assert sum(s["local"].numel() for s in shards.values()) < sum(
+                result["params"][n].numel() for n in shards)
+
+
+def test_a_critic_trains_as_with_ddp(run):
+    """The critic at DP2: its value head is read inside the forward step, as the actor's output layer."""
+    ddp, fsdp = run[("critic", False)][0], run[("critic", True)][0]
+    assert len(fsdp) == UPDATES and fsdp == run[("critic", True)][1]  # the same metrics on both ranks
+    for a, b in zip(ddp, fsdp):
+        for key in ("critic/vf_loss", "critic/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+        assert b["critic/skipped_updates"] == 0.0
+    assert fsdp[-1]["critic/vf_loss"] < fsdp[0]["critic/vf_loss"]
+
+
+def test_weight_decay_groups_are_megatrons(run):
+    """No decay on biases and 1-D parameters: the FSDP2 AdamW's groups against megatron's optimizer's."""
+    for layout in LAYOUTS:
+        for ddp, fsdp in zip(run[(layout, False)], run[(layout, True)]):
+            assert fsdp["wd_mult"] == ddp["wd_mult"]
+            assert set(fsdp["wd_mult"].values()) == {0.0, 1.0}
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_update_everywhere(run):
+    for layout in LAYOUTS:
+        for result in run[(layout, True)]:
+            assert result["poisoned"] == {"skipped": 1.0, "unchanged": True}
+
+
+def test_checkpoints_and_offload_are_refused_naming_the_key(run):
+    for result in run[("dp2", True)]:
+        assert len(result["refused"]) == 2
+        assert all(m and m.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true:") and
+                   "not built yet with megatron.use_torch_fsdp2" in m for m in result["refused"])
+
+
+@pytest.mark.parametrize("backend,device", [("gloo", "cpu"), ("nccl", "cuda")])
+def test_mesh_device_type_follows_the_backend(backend, device):
+    assert mesh_device_type(backend) == device
+
+
+def test_mesh_device_type_refuses_another_backend():
+    with pytest.raises(ValueError, match="megatron.use_torch_fsdp2.*'mpi'"):
+        mesh_device_type("mpi")
