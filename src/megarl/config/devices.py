@@ -293,43 +293,9 @@ def fp8_device_problems(device: str, overrides: Mapping[str, Mapping[str, object
     return problems
 
 
-def megatron_fsdp_problems(device: str, trained: Mapping[str, bool]) -> list[str]:
-    """Why Megatron-FSDP (`megatron.use_megatron_fsdp`, {config section: value} of each trained role)
-    cannot run on `device` ("cuda" or "cpu"). verl's key sets megatron-core's
-    `DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=
-    "optim_grads_params", use_distributed_optimizer=True, overlap_grad_reduce=True)` (verl/utils/
-    megatron_utils.py::make_megatron_module) and wraps each chunk in megatron-core's
-    `distributed/fsdp/mcore_fsdp_adapter.py::FullyShardedDataParallel` instead of its DDP.
-    - CPU: megatron-core's Megatron-FSDP is CUDA-only. `MegatronFSDP.__init__` (distributed/fsdp/src/
-      megatron_fsdp/megatron_fsdp.py) calls `torch.cuda.current_device()` whatever device it is given,
-      then opens `torch.cuda.Stream()`s; tried on 2 gloo ranks it fails with "Torch not compiled with
-      CUDA enabled" (megatron-core 0.16.1) and "Found no NVIDIA driver on your system" (0.19.2). verl's
-      run reaches the same constructor (through Megatron-Bridge's provide_distributed_model), so it fails too.
-    - CUDA: not built yet in megarl's engine. Megatron-FSDP swaps each chunk's parameters for its
-      DTensor shards outside the wrapped forward (`MegatronFSDP._replace_param_with_distributed_if_needed`,
-      called by `finish_grad_sync`), while megarl's heads read the output layer's weight outside the
-      model's forward (`MegatronEngine.output_weight`) and its weight push, HF export and checkpoints read
-      the chunks' parameters whole (sync/resharder.py::local_params); gathering them (megatron_fsdp's
-      uneven_dtensor.py::gather_uneven_dtensor_to_full_tensor) is not written.
-    A forward-only role (reference, reward model) is not wrapped at all, in verl too: its engine builds
-    it with wrap_with_ddp=False (verl/workers/engine/megatron/transformer_impl.py::_build_megatron_module,
-    forward_only in ref/megatron_ref.yaml), so there the key has no effect (a warning:
-    megarl.config.rules.devices.megatron_fsdp_on_forward_only_roles)."""
-    if device == "cpu":
-        reason = ("megatron-core's Megatron-FSDP runs on CUDA only (megatron_fsdp.py MegatronFSDP.__init__ calls "
-                  "torch.cuda.current_device() and opens torch.cuda.Stream()s: 'Torch not compiled with CUDA "
-                  "enabled'), as verl's run would fail")
-    else:
-        reason = ("not built yet: megarl's engine reads its model chunks' parameters whole (the heads' output layer, "
-                  "the weight push, export and checkpoints), which Megatron-FSDP replaces by DTensor shards outside "
-                  "its forward; megatron.use_distributed_optimizer (ZeRO-1: optimizer state sharded) is built")
-    return [f"{section}.megatron.use_megatron_fsdp=true with trainer.device={device}: {reason}"
-            for section, on in trained.items() if on]
-
-
 def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devices:
-    """`decide_devices` on the config's keys, then `optimizer_device_problems`, `fp8_device_problems`,
-    `megatron_fsdp_problems` and `megarl.config.profiler.profiler_device_problem` on the device decided."""
+    """`decide_devices` on the config's keys, then `optimizer_device_problems`, `fp8_device_problems` and
+    `megarl.config.profiler.profiler_device_problem` on the device decided."""
     r = config.actor_rollout_ref.rollout
     t = config.trainer
     devices = decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
@@ -344,9 +310,6 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
         **({"critic": config.critic.megatron.override_transformer_config} if config.critic.enable else {}),
         **({"reward_model": config.reward_model.megatron.override_transformer_config}
            if config.reward_model.enable else {})})
-    problems += megatron_fsdp_problems(devices.device, {
-        "actor_rollout_ref.actor": config.actor_rollout_ref.actor.megatron.use_megatron_fsdp,
-        **({"critic": config.critic.megatron.use_megatron_fsdp} if config.critic.enable else {})})
     if problem := profiler_device_problem(config, devices.device):
         problems.append(problem)
     if problems:

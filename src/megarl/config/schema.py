@@ -272,8 +272,10 @@ class MegatronConfig:
     moe_grouped_gemm: Optional[bool] = None
     use_distributed_optimizer: bool = True
     # verl's Megatron-FSDP (ZeRO-3: parameters, gradients and optimizer state sharded over DP; megatron-core's
-    # DistributedDataParallelConfig.use_megatron_fsdp). Refused on a trained role (CUDA: not built yet; CPU:
-    # megatron-core's is CUDA-only), no effect on a forward-only one: megarl.config.devices.megatron_fsdp_problems
+    # DistributedDataParallelConfig.use_megatron_fsdp). On a trained role megarl shards the same way with PyTorch
+    # FSDP2, as use_torch_fsdp2 below (with a warning: megatron-core's own Megatron-FSDP is CUDA-only and not
+    # built; use_distributed_optimizer, which megatron-core's requires, is then not read). No effect on a
+    # forward-only role (megarl.config.rules.fsdp2)
     use_megatron_fsdp: bool = False
     # PyTorch FSDP2 (megatron-LM's --use-torch-fsdp2; verl's Megatron Lite impl_cfg.optimizer=fsdp2) on a trained
     # role in place of megatron's DDP and optimizer: parameters (float32), gradients and AdamW state sharded by

@@ -32,14 +32,14 @@ from megarl.config.rules.choices import (
     warmup_fits_schedule,
 )
 from megarl.config.rules.common import DerivedSizes
-from megarl.config.rules.devices import megatron_fsdp_on_forward_only_roles, weight_sync_transport_fits_devices
+from megarl.config.rules.devices import weight_sync_transport_fits_devices
 from megarl.config.rules.distillation import distillation_settings, distillation_teacher_fits
 from megarl.config.rules.experts import (
     expert_parallel_fits_role,
     grouped_gemm_can_run,
     rollout_expert_parallel_fits_server,
 )
-from megarl.config.rules.fsdp2 import torch_fsdp2_fits
+from megarl.config.rules.fsdp2 import megatron_fsdp_runs_as_fsdp2, torch_fsdp2_fits
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -144,7 +144,7 @@ WARNING_RULES: list[Rule] = [
     fp8_rollout_corrected,
     checkpoint_without_extra,
     checkpoint_export_options,
-    megatron_fsdp_on_forward_only_roles,
+    megatron_fsdp_runs_as_fsdp2,
     qat_warnings,
 ]
 

@@ -16,15 +16,15 @@ def weight_sync_transport_fits_devices(config: ExperimentConfig, sizes: DerivedS
     trainer.device=auto the device is known only on the machine that runs, so only a combination
     that fails on both CUDA and CPU is refused here; the trainer checks the rest when it starts.
     The same decision refuses the CUDA-only optimizer options and FP8 training on a CPU
-    (`optimizer_device_problems`, `fp8_device_problems`), Megatron-FSDP on a trained role
-    (`megatron_fsdp_problems`) and the GPU-only profilers (`profiler_device_problem`).
+    (`optimizer_device_problems`, `fp8_device_problems`) and the GPU-only profilers
+    (`profiler_device_problem`).
 
     Reads: trainer.device, placement.mode, actor_rollout_ref.rollout.name,
     actor_rollout_ref.rollout.weight_sync_transport, trainer.nnodes, actor_rollout_ref.nccl_timeout,
     actor_rollout_ref.actor.optim.override_optimizer_config, critic.optim.override_optimizer_config, critic.enable,
     actor_rollout_ref.actor.megatron.override_transformer_config, actor_rollout_ref.ref.megatron.override_transformer_config,
     critic.megatron.override_transformer_config, reward_model.enable, reward_model.megatron.override_transformer_config,
-    actor_rollout_ref.actor.megatron.use_megatron_fsdp, critic.megatron.use_megatron_fsdp, global_profiler,
+    global_profiler,
     actor_rollout_ref.actor.profiler, actor_rollout_ref.ref.profiler, actor_rollout_ref.rollout.profiler, critic.profiler
     """
     # An explicit device is taken as available: whether this machine has it is the preflight's check.
@@ -38,17 +38,3 @@ def weight_sync_transport_fits_devices(config: ExperimentConfig, sizes: DerivedS
     if len(problems) == len(candidates):
         yield problems[0]
 
-
-def megatron_fsdp_on_forward_only_roles(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """Warnings: `megatron.use_megatron_fsdp=true` on a forward-only role changes nothing, as in verl, whose
-    engine builds such a role without any data-parallel wrapper (wrap_with_ddp=False:
-    verl/workers/engine/megatron/transformer_impl.py::_build_megatron_module; forward_only in
-    ref/megatron_ref.yaml), nor does megarl's (its engine wraps a role only when it has an optimizer).
-
-    Reads: actor_rollout_ref.ref.megatron.use_megatron_fsdp, reward_model.megatron.use_megatron_fsdp
-    """
-    for key, megatron in (("actor_rollout_ref.ref", config.actor_rollout_ref.ref.megatron),
-                          ("reward_model", config.reward_model.megatron)):
-        if megatron.use_megatron_fsdp:
-            yield (f"{key}.megatron.use_megatron_fsdp=true has no effect: a forward-only role is not wrapped for "
-                   "data parallelism (verl builds it with wrap_with_ddp=False too), so there is nothing to shard")

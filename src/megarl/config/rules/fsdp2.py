@@ -1,13 +1,24 @@
-"""Rules on `<role>.megatron.use_torch_fsdp2` (PyTorch FSDP2 in place of megatron's DDP and optimizer,
-megarl.engines.megatron.fsdp2) for the roles that train: the actor, and the critic where it runs."""
+"""Rules on `<role>.megatron.use_torch_fsdp2` and verl's `use_megatron_fsdp` (both PyTorch FSDP2 in place of
+megatron's DDP and optimizer, megarl.engines.megatron.fsdp2) for the roles that train: the actor, and the
+critic where it runs."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Optional
 
 from megarl.config.rules.common import DerivedSizes
-from megarl.config.schema import ExperimentConfig
+from megarl.config.schema import ExperimentConfig, MegatronConfig
 
 NOT_BUILT = "not built yet with megatron.use_torch_fsdp2"
+
+
+def fsdp2_switch(megatron: MegatronConfig) -> Optional[str]:
+    """The key that puts a trained role on megarl's FSDP2 (`megatron.<key>`): "use_torch_fsdp2", or verl's
+    "use_megatron_fsdp" (Megatron-FSDP's ZeRO-3 sharding, which megarl runs with torch FSDP2:
+    `megatron_fsdp_runs_as_fsdp2`); None: megatron's DDP."""
+    if megatron.use_torch_fsdp2:
+        return "use_torch_fsdp2"
+    return "use_megatron_fsdp" if megatron.use_megatron_fsdp else None
 
 
 def _trained_roles(config: ExperimentConfig) -> list[tuple[str, object, object]]:
@@ -15,7 +26,33 @@ def _trained_roles(config: ExperimentConfig) -> list[tuple[str, object, object]]
     roles = [("actor_rollout_ref.actor", config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor.optim)]
     if config.critic.enable:
         roles.append(("critic", config.critic.megatron, config.critic.optim))
-    return [(key, megatron, optim) for key, megatron, optim in roles if megatron.use_torch_fsdp2]
+    return [(key, megatron, optim) for key, megatron, optim in roles if fsdp2_switch(megatron)]
+
+
+def megatron_fsdp_runs_as_fsdp2(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Warnings: verl's `megatron.use_megatron_fsdp=true` on a trained role runs megarl's FSDP2: the same ZeRO-3
+    sharding of parameters, gradients and optimizer state over DP x CP (verl's DistributedDataParallelConfig:
+    data_parallel_sharding_strategy="optim_grads_params"), AdamW on float32 shards, the gradient clipped by its
+    global norm. megatron-core's own Megatron-FSDP is not what runs: it is CUDA-only (megatron_fsdp.py
+    MegatronFSDP.__init__ calls torch.cuda.current_device()) and megarl does not build it. On a forward-only
+    role the key has no effect, in verl too (its engine builds such a role with wrap_with_ddp=False:
+    verl/workers/engine/megatron/transformer_impl.py::_build_megatron_module).
+
+    Reads: actor_rollout_ref.actor.megatron.use_megatron_fsdp, actor_rollout_ref.actor.megatron.use_torch_fsdp2,
+    critic.enable, critic.megatron.use_megatron_fsdp, critic.megatron.use_torch_fsdp2,
+    actor_rollout_ref.ref.megatron.use_megatron_fsdp, reward_model.megatron.use_megatron_fsdp
+    """
+    for key, megatron, _ in _trained_roles(config):
+        if fsdp2_switch(megatron) == "use_megatron_fsdp":
+            yield (f"{key}.megatron.use_megatron_fsdp=true: megarl shards this role with PyTorch FSDP2 "
+                   f"({key}.megatron.use_torch_fsdp2: parameters, gradients and AdamW state over the DP x CP ranks, "
+                   "as Megatron-FSDP's optim_grads_params); megatron-core's Megatron-FSDP itself is CUDA-only and "
+                   "not built in megarl")
+    for key, megatron in (("actor_rollout_ref.ref", config.actor_rollout_ref.ref.megatron),
+                          ("reward_model", config.reward_model.megatron)):
+        if megatron.use_megatron_fsdp:
+            yield (f"{key}.megatron.use_megatron_fsdp=true has no effect: a forward-only role is not wrapped for "
+                   "data parallelism (verl builds it with wrap_with_ddp=False too), so there is nothing to shard")
 
 
 def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
@@ -33,9 +70,10 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
     actor_rollout_ref.model.mtp, trainer.save_freq, trainer.resume_mode
     """
     for key, megatron, optim in _trained_roles(config):
-        m = f"{key}.megatron"
-        why = f"with {m}.use_torch_fsdp2=true: {NOT_BUILT}"
-        if megatron.use_distributed_optimizer:
+        m, switch = f"{key}.megatron", fsdp2_switch(megatron)
+        why = f"with {m}.{switch}=true: not built yet with megatron.{switch}"
+        # megatron-core's Megatron-FSDP requires the distributed optimizer flag, which verl sets with it
+        if megatron.use_distributed_optimizer and switch == "use_torch_fsdp2":
             yield (f"{m}.use_distributed_optimizer=true with {m}.use_torch_fsdp2=true: FSDP2 shards the optimizer "
                    "state itself; set use_distributed_optimizer=false")
         if megatron.pipeline_model_parallel_size > 1:

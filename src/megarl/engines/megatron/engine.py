@@ -16,6 +16,7 @@ import torch
 
 from megarl.bridge import WeightMap
 from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
+from megarl.config.rules.fsdp2 import fsdp2_switch
 from megarl.config.transformer_overrides import role_overrides
 from megarl.data.batch import Batch
 from megarl.engines.megatron import checkpoint_io, fsdp2
@@ -95,7 +96,8 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         self.section = section
-        self.fsdp2 = optim_cfg is not None and megatron_cfg.use_torch_fsdp2  # FSDP2 shards a trained role only
+        # FSDP2 shards a trained role only: use_torch_fsdp2, or verl's use_megatron_fsdp (config.rules.fsdp2)
+        self.fsdp2 = optim_cfg is not None and fsdp2_switch(megatron_cfg) is not None
         self.layout = role_layout(megatron_cfg, f"{section}.megatron")
         init_role_parallel_state(self.layout, megatron_cfg.seed, section, collective_timeout_s=collective_timeout_s)
         self._ps = parallel_state
@@ -109,8 +111,9 @@ class MegatronEngine:
                                                  f"{section}.megatron.dist_checkpointing_path", source.config_dir)
         self.arch = read_arch(source, override_config, model_key)
         if self.fsdp2 and self.arch.moe is not None:
-            raise ValueError(f"{section}.megatron.use_torch_fsdp2=true: {model_key} is an MoE model, not built yet "
-                             "with megatron.use_torch_fsdp2")
+            switch = fsdp2_switch(megatron_cfg)
+            raise ValueError(f"{section}.megatron.{switch}=true: {model_key} is an MoE model, not built yet "
+                             f"with megatron.{switch}")
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
@@ -192,7 +195,8 @@ class MegatronEngine:
                 self.transformer_config, overlap_param_gather=overlap["overlap_param_gather"], section=section,
             )
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
-        self.use_distributed_optimizer = optim_cfg is not None and megatron_cfg.use_distributed_optimizer
+        # FSDP2 shards the optimizer state itself (use_megatron_fsdp leaves megatron's flag on, as verl needs it)
+        self.use_distributed_optimizer = optim_cfg is not None and not self.fsdp2 and megatron_cfg.use_distributed_optimizer
         self.updates = 0  # update calls so far (the LR schedule's step)
         self._seed = megatron_cfg.seed
         self.offloader = Offloader(section, self.model_chunks, self._ddp_chunks, self.optimizer, self.device)
