@@ -115,3 +115,31 @@ def test_mla_kv_cache_is_the_latent_whole_on_every_tp_rank():
     not split over TP."""
     arch = deepseek_v3_arch()
     assert kv_elements_per_token_layer(arch, 1) == kv_elements_per_token_layer(arch, 8) == 512 + 64
+
+
+def test_fsdp2_shards_every_state_over_dp_and_keeps_the_root_and_a_layer_whole():
+    """Qwen2.5-7B-Instruct (verl's run_qwen2-7b_math_megatron_fsdp.sh: TP 4, Megatron-FSDP, 8 GPUs: DP 2), by
+    hand from its config.json: 28 layers of attention (q [3584, 3584] + bias, k and v [512, 3584] + bias, o
+    [3584, 3584]), two norms and the MLP (gate, up [18944, 3584], down [3584, 18944]); untied embedding and head
+    [152064, 3584], a final norm. FSDP2 holds 16 bytes a parameter / DP (float32 shards of the weights, their
+    gradients and Adam's moments), the root (embedding, head, final norm) and one layer whole in bf16, that
+    layer's float32 gradient; megatron's DDP with its distributed optimizer holds bf16 weights, float32
+    gradients and 12 bytes a parameter / DP of optimizer state."""
+    from megarl.placement.memory import fsdp2_states
+
+    config = json.loads((CONFIG.parents[1] / "qwen2.5-7b-instruct/config.json").read_text())
+    arch = arch_from_hf_config(config, source="qwen2.5-7b-instruct")
+    hidden, ffn, vocab, kv = 3584, 18944, 152064, 512
+    layer = (2 * hidden * hidden + hidden) + 2 * (kv * hidden + kv) + 2 * hidden + 3 * hidden * ffn
+    root = 2 * vocab * hidden + hidden
+    params = (28 * layer + root) / 4
+    m = MegatronConfig(tensor_model_parallel_size=4, use_megatron_fsdp=True)
+    assert fsdp2_states(arch, m, 2, "bfloat16", params) == params * 16 / 2 + (root + layer) / 4 * 2 + layer / 4 * 4
+    role = _train_role("actor", arch, m, dp=2, dtype="bfloat16", seq=1024, micro=1, trains=True, offload=OffloadParts())
+    assert role.states == int(params * 16 / 2 + (root + layer) / 4 * 2 + layer / 4 * 4)
+    assert role.offloadable == 0
+    ddp = _train_role("actor", arch, MegatronConfig(tensor_model_parallel_size=4), dp=2, dtype="bfloat16", seq=1024,
+                      micro=1, trains=True, offload=OffloadParts())
+    assert ddp.states == int(params * 2 + params * 4 + params * 12 / 2)
+    assert role.activations == ddp.activations
+    assert role.states < ddp.states

@@ -63,6 +63,7 @@ from megarl.bridge.errors import ConversionError
 from megarl.bridge.fused_experts import fuses_experts
 from megarl.bridge.sharding import ParallelLayout, stage_layers
 from megarl.config import ExperimentConfig
+from megarl.config.rules.fsdp2 import fsdp2_switch
 from megarl.config.rules.lora import lora_targets
 from megarl.config.schema import MegatronConfig
 from megarl.config.transformer_overrides import Recompute, recompute_of, role_overrides
@@ -84,8 +85,8 @@ def expert_layer_params(arch: ModelArch, experts: int = 0) -> int:
 
 
 def attention_params(arch: ModelArch) -> int:
-    """Parameters of one layer's attention and its two norms; q/k/v biases ignored, except gpt-oss's
-    biases on every linear (q/k/v and o) and its sinks (one logit per head). Multi-latent attention
+    """Parameters of one layer's attention and its two norms, with the q/k/v biases where the model has them
+    (`qkv_bias`: Qwen2's), gpt-oss's biases on every linear (q/k/v and o) and its sinks (one logit per head). Multi-latent attention
     (HF DeepseekV3Attention): q_a [ql, H] + its norm + q_b [heads x (nope + rope), ql] (or one q_proj),
     kv_a [kvl + rope, H] + its norm, kv_b [heads x (nope + v), kvl], o [H, heads x v]."""
     h, heads = arch.hidden_size, arch.num_attention_heads
@@ -97,7 +98,8 @@ def attention_params(arch: ModelArch) -> int:
             m.qk_nope_head_dim + m.v_head_dim)
         return q + kv + heads * m.v_head_dim * h + 2 * h
     q, kv = heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
-    biases = (q + 2 * kv + h if arch.linear_bias else 0) + (heads if arch.attention_sinks else 0)
+    biases = ((q + 2 * kv + h if arch.linear_bias else q + 2 * kv if arch.qkv_bias else 0)
+              + (heads if arch.attention_sinks else 0))
     return h * q + 2 * h * kv + q * h + 2 * h + biases
 
 
@@ -347,6 +349,11 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
         weight_bytes = params * DTYPE_BYTES[dtype]
         offloaded = int(weight_bytes) if offload.params else 0
         return RoleMemory(name, int(weight_bytes), offloaded, int(logits), offloadable_params=offloaded)
+    layer, layer_input = layer_activation_bytes(seq / cp, micro, arch.hidden_size, tp, sp, DTYPE_BYTES[dtype])
+    acts = stage_activations(layers, pp, layer, layer_input, recompute) + logits
+    labels = (recompute_label(recompute), activation_label(tp, cp, sp))
+    if fsdp2_switch(m) is not None:  # nothing offloadable: offload with FSDP2 is refused, as LoRA is
+        return RoleMemory(name, int(fsdp2_states(arch, m, dp, dtype, params)), 0, int(acts), None, 0, *labels)
     if trainable is not None:  # LoRA: the adapters' gradients and optimizer states, over DP
         params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
         dense_params, expert_params = trainable, 0
@@ -359,11 +366,21 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
         optimizer = dense_params * per_param / (dp * cp) + expert_params * per_param / max(1, tp * cp * dp // (ep * etp))
     offloadable = (weight_bytes if offload.params else 0) + (grads if offload.grads else 0) + (
         optimizer if offload.optimizer else 0)
-    layer, layer_input = layer_activation_bytes(seq / cp, micro, arch.hidden_size, tp, sp, DTYPE_BYTES[dtype])
-    acts = stage_activations(layers, pp, layer, layer_input, recompute) + logits
     return RoleMemory(name, int(weight_bytes + grads + optimizer), int(offloadable), int(acts), trainable,
-                      int(weight_bytes) if offload.params else 0, recompute_label(recompute),
-                      activation_label(tp, cp, sp))
+                      int(weight_bytes) if offload.params else 0, *labels)
+
+
+def fsdp2_states(arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, params: float) -> float:
+    """Bytes a GPU holds for a role trained with FSDP2 (`megatron.use_torch_fsdp2` / `use_megatron_fsdp`,
+    megarl.engines.megatron.fsdp2; one pipeline stage, dense: the rules refuse the rest), `params` its TP
+    rank's parameters: float32 shards over the DP x CP ranks of the parameters, their gradients and AdamW's
+    two moments (16 bytes a parameter / (DP x CP)); whole, in the model's dtype, the root module (embedding,
+    output layer, final norm: FSDP2 keeps the root gathered after its forward) and the one transformer layer
+    being gathered, with its float32 gradient before the reduce-scatter."""
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    layer = dense_layer_params(arch) / tp
+    root = (arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size) / tp
+    return params * 16 / (dp * cp) + (root + layer) * DTYPE_BYTES[dtype] + layer * 4
 
 
 def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
