@@ -59,9 +59,7 @@ def test_megatron_lites_dist_opt_is_not_fsdp2():
     (["actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true"],
      "actor_rollout_ref.model.mtp.enable_train=true"),
     (["actor_rollout_ref.model.dtype=float16"], "actor_rollout_ref.model.dtype=float16"),
-    (["trainer.save_freq=5"], "trainer.save_freq=5"),
-    (["trainer.resume_from_path=/ckpt/global_step_5", "trainer.resume_mode=resume_path"],
-     "trainer.resume_mode=resume_path"),
+    (["actor_rollout_ref.actor.checkpoint.async_save=true"], "actor_rollout_ref.actor.checkpoint.async_save=true"),
 ])
 def test_what_phase_one_does_not_build_is_refused_naming_the_key(extra, key):
     load_and_validate(None, [*BASE, *extra])  # valid without use_torch_fsdp2
@@ -70,6 +68,19 @@ def test_what_phase_one_does_not_build_is_refused_naming_the_key(extra, key):
     lines = [line for line in str(info.value).splitlines() if "use_torch_fsdp2" in line]
     assert len(lines) == 1 and lines[0].strip().removeprefix("- ").startswith(key), str(info.value)
     assert NOT_BUILT in lines[0] or "FSDP2 shards the optimizer state itself" in lines[0]
+
+
+def test_checkpoints_are_saved_and_resumed_but_not_in_the_background():
+    """Saving (trainer.save_freq) and resuming from a path are built (engines.megatron.fsdp2_checkpoint);
+    a background write is not, refused naming the role's key."""
+    load_and_validate(None, [*BASE, *ON, "trainer.save_freq=5", "trainer.resume_mode=resume_path",
+                             "trainer.resume_from_path=/ckpt/global_step_5"])
+    critic = ["critic.enable=true", "critic.megatron.use_torch_fsdp2=true",
+              "critic.megatron.use_distributed_optimizer=false"]
+    load_and_validate(None, [*BASE, *critic])
+    with pytest.raises(ConfigError,
+                       match="critic.checkpoint.async_save=true with critic.megatron.use_torch_fsdp2=true"):
+        load_and_validate(None, [*BASE, *critic, "critic.checkpoint.async_save=true"])
 
 
 def test_the_critic_is_checked_where_it_runs_and_a_forward_only_role_ignores_the_key(caplog):
@@ -85,6 +96,7 @@ def test_the_critic_is_checked_where_it_runs_and_a_forward_only_role_ignores_the
 
 def test_each_key_is_refused_once_with_every_problem_listed(caplog):
     with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as info:
-        load_and_validate(None, [*BASE, *ON, f"{ACTOR}.param_offload=true", "trainer.save_freq=2"])
+        load_and_validate(None, [*BASE, *ON, f"{ACTOR}.param_offload=true", f"{ACTOR}.qat.enable=true"])
     lines = [line for line in str(info.value).splitlines() if NOT_BUILT in line]
-    assert [line.strip()[2:].split(" ")[0] for line in lines] == [f"{ACTOR}.param_offload=true", "trainer.save_freq=2"]
+    assert [line.strip()[2:].split(" ")[0] for line in lines] == [f"{ACTOR}.param_offload=true",
+                                                                   f"{ACTOR}.qat.enable=true"]

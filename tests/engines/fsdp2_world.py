@@ -13,6 +13,7 @@ UPDATES = 3
 # CP2 with full recompute (each layer's forward again in the backward: FSDP2 gathers its weights again)
 LAYOUTS = {"dp2": (1, 1, 0.05, "float32", False), "tp2": (2, 1, 0.0, "float32", False),
            "cp2": (1, 2, 0.05, "float32", True), "dp2_bf16": (1, 1, 0.05, "bfloat16", False)}
+RESUMED = ("dp2", "tp2", "dp2_bf16")  # saved after update UPDATES - 1, resumed in a new engine
 
 
 def fsdp2_config(model_dir: str, world_size: int, tp: int, cp: int, clip_grad: float, dtype: str, recompute: bool,
@@ -81,7 +82,20 @@ def wd_mults(optimizer, names: dict) -> dict[str, float]:
     return out
 
 
-def _train(cfg, batch, fsdp2: bool) -> dict:
+def train_state(actor) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name: this rank's float32 shard ("param") and AdamW's state (`exp_avg`,
+    `exp_avg_sq` shards, `step`), cloned."""
+    out = {}
+    for name, param in actor.model_chunks[0].named_parameters():
+        state = actor.optimizer.optimizer.state.get(param, {})
+        out[name] = {"param": param.to_local().detach().clone(),
+                     **{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in state.items()}}
+    return out
+
+
+def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None) -> dict:
+    """UPDATES updates; with `ckpt`, the checkpoint saved there after update UPDATES - 1 (what it held:
+    "at_save")."""
     from megatron.core import parallel_state
 
     from megarl.engines.megatron.roles import ActorEngine
@@ -92,8 +106,16 @@ def _train(cfg, batch, fsdp2: bool) -> dict:
     scored = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
     result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-              "old_log_probs": mine["old_log_probs"], "pushed_initial": initial,
-              "metrics": [actor.update_policy(mine) for _ in range(UPDATES)]}
+              "old_log_probs": mine["old_log_probs"], "pushed_initial": initial, "metrics": []}
+    for update in range(UPDATES):
+        result["metrics"].append(actor.update_policy(mine))
+        if ckpt is not None and update == UPDATES - 2:
+            actor.save_checkpoint(ckpt)
+            if fsdp2:
+                result["at_save"] = {"pushed": pushed(actor), "state": train_state(actor), "updates": actor.updates,
+                                     "lr": [g["lr"] for g in actor.optimizer.param_groups]}
+    if ckpt is not None and fsdp2:
+        result["state"] = train_state(actor)
     result["scored_after"] = actor.compute_log_prob(mine, 1.0)
     result["params"] = whole_params(actor)
     names = {id(p): name for name, p in actor.model_chunks[0].named_parameters()}
@@ -113,7 +135,7 @@ def _train(cfg, batch, fsdp2: bool) -> dict:
         skipped = actor.update_policy(poisoned)["actor/skipped_updates"]
         result["poisoned"] = {"skipped": skipped, "unchanged": all(
             torch.equal(a, p.to_local()) for a, p in zip(before, actor.optimizer.params))}
-        for call in (lambda: actor.save_checkpoint("/nonexistent"), lambda: actor.offload()):
+        for call in (lambda: actor.offload(), lambda: actor.save_checkpoint("/nonexistent", background=True)):
             try:
                 call()
                 result.setdefault("refused", []).append(None)
@@ -122,23 +144,74 @@ def _train(cfg, batch, fsdp2: bool) -> dict:
     return result
 
 
-def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str]) -> dict:
+def _resume(cfg, batch, old_log_probs, ckpt: str, other_ckpt: str | None) -> dict:
+    """A new engine: with `other_ckpt` (a checkpoint of another TP size), its optimizer-state load
+    refused, its weights alone loaded (what the push then sends); then `ckpt` loaded (what it holds
+    right after: "loaded") and update UPDATES of the uninterrupted run."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    actor = ActorEngine(cfg)
+    mine = batch.chunk(actor.dp_size)[actor.dp_rank]
+    mine["old_log_probs"] = old_log_probs
+    out = {}
+    if other_ckpt is not None:
+        try:
+            actor.load_checkpoint(other_ckpt)
+            out["other_refused"] = None
+        except ValueError as exc:
+            out["other_refused"] = str(exc)
+        actor.load_checkpoint(other_ckpt, optimizer=False)
+        out["other_pushed"], out["other_updates"] = pushed(actor), actor.updates
+    actor.load_checkpoint(ckpt)
+    out["loaded"] = {"state": train_state(actor), "updates": actor.updates,
+                     "lr": [g["lr"] for g in actor.optimizer.param_groups]}
+    out["metrics"] = actor.update_policy(mine)
+    out["state"], out["params"] = train_state(actor), whole_params(actor)
+    return out
+
+
+def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str], ckpt_root: str) -> dict:
     """Each of `layouts` (names in LAYOUTS) with DDP then FSDP2: UPDATES PPO updates of one batch,
     then the metrics, log-probs after them, whole parameters, the push's tensors, and for FSDP2 the
-    shards."""
+    shards; the runs of RESUMED save a checkpoint under `ckpt_root` after update UPDATES - 1 (<layout>,
+    DDP's <layout>_ddp), and ("resume", layout) is a new engine's resume from FSDP2's (at TP2, after
+    trying dp2's)."""
     init_world(rank, world_size, port)
     batch = training_batch()
     out = {}
     for name in layouts:
         tp, cp, clip_grad, dtype, recompute = LAYOUTS[name]
         for fsdp2 in (False, True):
+            ckpt = f"{ckpt_root}/{name}{'' if fsdp2 else '_ddp'}" if name in RESUMED else None
             out[(name, fsdp2)] = _train(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, fsdp2),
-                                         batch, fsdp2)
+                                         batch, fsdp2, ckpt)
             reset_layout()
+    for name in [n for n in RESUMED if n in layouts]:
+        tp, cp, clip_grad, dtype, recompute = LAYOUTS[name]
+        other = f"{ckpt_root}/dp2" if name == "tp2" and "dp2" in layouts else None
+        out[("resume", name)] = _resume(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, True),
+                                        batch, out[(name, True)]["old_log_probs"], f"{ckpt_root}/{name}", other)
+        reset_layout()
     for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
         out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,
                                                       f"critic.megatron.use_torch_fsdp2={str(fsdp2).lower()}"), batch)
         reset_layout()
+    return out
+
+
+def fsdp2_dp1_resume(rank: int, world_size: int, port: int, model_dir: str, ckpt: str, old_log_probs) -> dict:
+    """One rank (DP1) resuming the dp2 layout's checkpoint `ckpt` (DCP reshards its two DP shards):
+    what it holds right after the load, then update UPDATES on the whole batch (its metrics, weights)."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    init_world(rank, world_size, port)
+    actor = ActorEngine(fsdp2_config(model_dir, 1, *LAYOUTS["dp2"], True))
+    batch = training_batch()
+    batch["old_log_probs"] = old_log_probs
+    actor.load_checkpoint(ckpt)
+    out = {"loaded": train_state(actor), "updates": actor.updates}
+    out["metrics"] = actor.update_policy(batch)
+    out["params"] = whole_params(actor)
     return out
 
 

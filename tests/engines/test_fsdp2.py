@@ -1,6 +1,7 @@
 """`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
 optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
-and DP2 in bfloat16 (fsdp2_world.py).
+and DP2 in bfloat16 (fsdp2_world.py); checkpoints saved after update UPDATES - 1 and resumed (bit for bit at
+the same layout, resharded to DP1, refused at another TP size) and exported to HF.
 
 Tolerance: FSDP2 reduce-scatters each micro-batch's gradient (megatron's DDP sums the micro-batches
 first, then all-reduces) and sums the gradient norm over shards, so at DP2 / CP2 the float32 results
@@ -11,12 +12,12 @@ for the reduce-scatter): within rel 2e-2, weights within one bf16 rounding."""
 import pytest
 import torch
 from engine_world import training_batch
-from fsdp2_world import LAYOUTS, UPDATES, fsdp2_config, fsdp2_world
+from fsdp2_world import LAYOUTS, RESUMED, UPDATES, fsdp2_config, fsdp2_dp1_resume, fsdp2_world
 
 from megarl.engines.megatron.fsdp2 import mesh_device_type
 from megarl.testing import run_gloo_workers
 
-pytestmark = pytest.mark.slow  # one 2-rank world, 8 engines: ~40 s on 2 cores
+pytestmark = pytest.mark.slow  # one 2-rank world, 14 engines, and a 1-rank one: ~50 s on 2 cores
 FP32 = [name for name, layout in LAYOUTS.items() if layout[3] == "float32"]
 LOSSES = ("actor/pg_loss", "actor/actor_loss", "actor/entropy", "actor/kl_loss", "actor/ppo_kl")
 
@@ -53,9 +54,15 @@ def hf_first_update(model_dir, batch, old_log_probs, cfg) -> tuple[float, float]
 
 
 @pytest.fixture(scope="module")
-def run(tiny_models):
-    """{(layout, fsdp2): [rank 0's result, rank 1's]}."""
-    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS)), timeout_s=400)
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models, ckpt_root):
+    """{(layout, fsdp2) or ("resume", layout): [rank 0's result, rank 1's]}."""
+    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS), str(ckpt_root)),
+                             timeout_s=400)
     return {key: [rank[key] for rank in ranks] for key in ranks[0]}
 
 
@@ -179,11 +186,108 @@ def test_a_non_finite_loss_on_one_rank_skips_the_update_everywhere(run):
             assert result["poisoned"] == {"skipped": 1.0, "unchanged": True}
 
 
-def test_checkpoints_and_offload_are_refused_naming_the_key(run):
+def test_offload_and_background_saves_are_refused_naming_the_key(run):
     for result in run[("dp2", True)]:
-        assert len(result["refused"]) == 2
-        assert all(m and m.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true:") and
-                   "not built yet with megatron.use_torch_fsdp2" in m for m in result["refused"])
+        offload, background = result["refused"]
+        assert offload and offload.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true:")
+        assert "not built yet with megatron.use_torch_fsdp2" in offload
+        assert background and background.startswith("actor_rollout_ref.actor.checkpoint.async_save=true with "
+                                                     "actor_rollout_ref.actor.megatron.use_torch_fsdp2=true")
+
+
+def _same(a: dict, b: dict) -> bool:
+    """{name: {part: tensor}} equal bit for bit, the same names and parts."""
+    return a.keys() == b.keys() and all(
+        a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a)
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_a_resumed_update_is_the_uninterrupted_runs_bit_for_bit(run, layout):
+    """Saved after update UPDATES - 1 and loaded into a new engine: its float32 shards and every AdamW
+    state tensor (exp_avg, exp_avg_sq, step) are those at the save, and update UPDATES gives the
+    uninterrupted run's metrics, shards, Adam state and gathered weights, bit for bit (the oracle: the
+    same engine going on without a checkpoint)."""
+    for full, resumed in zip(run[(layout, True)], run[("resume", layout)]):
+        at_save = full["at_save"]
+        assert at_save["updates"] == resumed["loaded"]["updates"] == UPDATES - 1
+        assert {n: set(parts) for n, parts in at_save["state"].items()} == {
+            n: {"param", "exp_avg", "exp_avg_sq", "step"} for n in at_save["state"]}
+        assert all(parts["step"].item() == UPDATES - 1 for parts in at_save["state"].values())
+        assert _same(resumed["loaded"]["state"], at_save["state"])
+        assert resumed["loaded"]["lr"] == at_save["lr"]
+        assert resumed["metrics"] == full["metrics"][-1]  # every metric, the lr and the grad norm included
+        assert _same(resumed["state"], full["state"])
+        assert not _same(full["state"], at_save["state"])  # the update changed them
+        assert resumed["params"].keys() == full["params"].keys()
+        assert all(torch.equal(resumed["params"][n], w) for n, w in full["params"].items())
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_the_saved_model_is_the_ddp_checkpoints_format_and_exports_to_the_pushed_weights(run, layout, ckpt_root,
+                                                                                          tiny_models, tmp_path):
+    """The model part: the same tensor keys, shapes and dtypes as megatron's DDP checkpoint of the same
+    layout and model dtype (megatron's own save, the oracle of the format); megarl's HF export of it
+    (`convert_torch_dist_to_hf`, as `megarl export`) read back with safetensors holds the tensors the
+    weight push sent at the save (`weights_for_sync`), bit for bit (the HF config's float32 of a bf16
+    checkpoint: exactly the bf16 values)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megarl.bridge.convert import convert_torch_dist_to_hf
+
+    def tensors(path) -> dict:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
+                if hasattr(m, "size") and not k.startswith("optimizer.")}
+
+    fsdp2 = tensors(ckpt_root / layout)
+    assert len(fsdp2) > 5 and fsdp2 == tensors(ckpt_root / f"{layout}_ddp")
+    model_dtype = torch.float32 if LAYOUTS[layout][3] == "float32" else torch.bfloat16
+    assert {dtype for _, dtype in fsdp2.values()} == {model_dtype}
+    convert_torch_dist_to_hf(ckpt_root / layout, tmp_path / "hf", hf_config_dir=tiny_models["qwen2"])
+    exported = {}
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(file))
+    pushed = run[(layout, True)][0]["at_save"]["pushed"]
+    assert len(pushed) > 10 and exported.keys() == pushed.keys()
+    for name, tensor in pushed.items():
+        assert tensor.dtype == model_dtype
+        assert torch.equal(exported[name].to(model_dtype), tensor) and torch.equal(exported[name], tensor.float()), name
+
+
+def test_another_tp_size_refuses_the_optimizer_state_naming_both_layouts_and_loads_the_weights(run, ckpt_root):
+    """dp2's checkpoint at TP2: the optimizer-state load is refused (ValueError naming the checkpoint and both
+    layouts); the weights alone load (megatron resharding), and the push sends dp2's weights at its save
+    bit for bit."""
+    for result in run[("resume", "tp2")]:
+        message = result["other_refused"]
+        assert message and message.startswith(f"{ckpt_root / 'dp2'}: ")
+        assert "'tensor_model_parallel_size': 1" in message and "'tensor_model_parallel_size': 2" in message
+        assert result["other_updates"] == UPDATES - 1
+    other, dp2 = run[("resume", "tp2")][0]["other_pushed"], run[("dp2", True)][0]["at_save"]["pushed"]
+    assert len(dp2) > 10 and other.keys() == dp2.keys()
+    assert all(torch.equal(other[n], t) for n, t in dp2.items())
+
+
+def test_a_dp1_resume_reshards_the_dp2_checkpoint(run, ckpt_root, tiny_models):
+    """One rank loads dp2's checkpoint (torch.distributed.checkpoint reshards it): its shards and Adam
+    moments are the two DP2 shards put together (DTensor's Shard(0) split: concatenated in rank
+    order), bit for bit; the next update on the whole batch is the uninterrupted DP2 run's within the
+    rounding of another reduction order (test_losses_and_grad_norms_equal_ddps' tolerance)."""
+    parts = sorted({r["dp_rank"]: r["old_log_probs"] for r in run[("dp2", True)]}.items())
+    one = run_gloo_workers(fsdp2_dp1_resume, 1, args=(str(tiny_models["qwen2"]), str(ckpt_root / "dp2"),
+                                                      torch.cat([p for _, p in parts])), timeout_s=200)[0]
+    assert one["updates"] == UPDATES - 1
+    first, second = (r["at_save"]["state"] for r in run[("dp2", True)])
+    whole = {n: {k: (first[n][k] if k == "step" else torch.cat([first[n][k], second[n][k]])) for k in first[n]}
+             for n in first}
+    assert _same(one["loaded"], whole)
+    full = run[("dp2", True)][0]
+    assert one["metrics"].keys() == full["metrics"][-1].keys()
+    for key in LOSSES + ("actor/grad_norm", "actor/lr"):
+        assert one["metrics"][key] == pytest.approx(full["metrics"][-1][key], **tolerance("dp2")), key
+    for name, weight in full["params"].items():
+        torch.testing.assert_close(one["params"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("backend,device", [("gloo", "cpu"), ("nccl", "cuda")])

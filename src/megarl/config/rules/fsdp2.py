@@ -9,9 +9,6 @@ from typing import Optional
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig, MegatronConfig
 
-NOT_BUILT = "not built yet with megatron.use_torch_fsdp2"
-
-
 def fsdp2_switch(megatron: MegatronConfig) -> Optional[str]:
     """The key that puts a trained role on megarl's FSDP2 (`megatron.<key>`): "use_torch_fsdp2", or verl's
     "use_megatron_fsdp" (Megatron-FSDP's ZeRO-3 sharding, which megarl runs with torch FSDP2:
@@ -21,12 +18,13 @@ def fsdp2_switch(megatron: MegatronConfig) -> Optional[str]:
     return "use_megatron_fsdp" if megatron.use_megatron_fsdp else None
 
 
-def _trained_roles(config: ExperimentConfig) -> list[tuple[str, object, object]]:
-    """(key, megatron config, optim config) of the roles that train with FSDP2 on."""
-    roles = [("actor_rollout_ref.actor", config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor.optim)]
+def _trained_roles(config: ExperimentConfig) -> list[tuple[str, object, object, object]]:
+    """(key, megatron config, optim config, checkpoint config) of the roles that train with FSDP2 on."""
+    actor = config.actor_rollout_ref.actor
+    roles = [("actor_rollout_ref.actor", actor.megatron, actor.optim, actor.checkpoint)]
     if config.critic.enable:
-        roles.append(("critic", config.critic.megatron, config.critic.optim))
-    return [(key, megatron, optim) for key, megatron, optim in roles if fsdp2_switch(megatron)]
+        roles.append(("critic", config.critic.megatron, config.critic.optim, config.critic.checkpoint))
+    return [role for role in roles if fsdp2_switch(role[1])]
 
 
 def megatron_fsdp_runs_as_fsdp2(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
@@ -42,7 +40,7 @@ def megatron_fsdp_runs_as_fsdp2(config: ExperimentConfig, sizes: DerivedSizes) -
     critic.enable, critic.megatron.use_megatron_fsdp, critic.megatron.use_torch_fsdp2,
     actor_rollout_ref.ref.megatron.use_megatron_fsdp, reward_model.megatron.use_megatron_fsdp
     """
-    for key, megatron, _ in _trained_roles(config):
+    for key, megatron, _, _ in _trained_roles(config):
         if fsdp2_switch(megatron) == "use_megatron_fsdp":
             yield (f"{key}.megatron.use_megatron_fsdp=true: megarl shards this role with PyTorch FSDP2 "
                    f"({key}.megatron.use_torch_fsdp2: parameters, gradients and AdamW state over the DP x CP ranks, "
@@ -61,15 +59,16 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
     parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no expert parallelism,
     no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no parameter /
     gradient / optimizer offload, no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
-    optimizer's), Adam only with no `optim.override_optimizer_config`, and no distributed checkpoint
-    saved (`trainer.save_freq`) or resumed from a path (`trainer.resume_mode=resume_path`). MoE models
-    are refused when the engine reads the model's config. A forward-only role ignores the key.
+    optimizer's), Adam only with no `optim.override_optimizer_config`, and no background checkpoint
+    write (`checkpoint.async_save`: its checkpoints are written in the foreground,
+    engines.megatron.fsdp2_checkpoint; saving and resuming are built). MoE models are refused when
+    the engine reads the model's config. A forward-only role ignores the key.
 
     Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
     critic.optim, actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora, critic.model.lora,
-    actor_rollout_ref.model.mtp, trainer.save_freq, trainer.resume_mode
+    actor_rollout_ref.model.mtp, actor_rollout_ref.actor.checkpoint, critic.checkpoint
     """
-    for key, megatron, optim in _trained_roles(config):
+    for key, megatron, optim, checkpoint in _trained_roles(config):
         m, switch = f"{key}.megatron", fsdp2_switch(megatron)
         why = f"with {m}.{switch}=true: not built yet with megatron.{switch}"
         # megatron-core's Megatron-FSDP requires the distributed optimizer flag, which verl sets with it
@@ -100,7 +99,6 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
             yield f"actor_rollout_ref.model.mtp.enable_train=true {why}"
         if config.actor_rollout_ref.model.dtype == "float16":
             yield f"actor_rollout_ref.model.dtype=float16 {why} (bfloat16 and float32 are)"
-        if config.trainer.save_freq > 0:
-            yield f"trainer.save_freq={config.trainer.save_freq} {why} (distributed checkpoints); set -1"
-        if config.trainer.resume_mode == "resume_path":
-            yield f"trainer.resume_mode=resume_path {why} (distributed checkpoints)"
+        if checkpoint.async_save:
+            yield (f"{key}.checkpoint.async_save=true {why} (its checkpoints are written in the foreground); set "
+                   "async_save=false")

@@ -19,7 +19,7 @@ from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_f
 from megarl.config.rules.fsdp2 import fsdp2_switch
 from megarl.config.transformer_overrides import role_overrides
 from megarl.data.batch import Batch
-from megarl.engines.megatron import checkpoint_io, fsdp2
+from megarl.engines.megatron import checkpoint_io, fsdp2, fsdp2_checkpoint
 from megarl.engines.megatron.expert_counts import ExpertCounter
 from megarl.engines.megatron.metrics import broadcast_from_last_stage, reduce_over_micro_batches
 from megarl.engines.megatron.model import (
@@ -458,24 +458,33 @@ class MegatronEngine:
         return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
 
     # ------------------------------------------------------------------ checkpoints
-    def _check_checkpointable(self) -> None:
-        if self.fsdp2:
-            raise NotImplementedError(f"{self.section}.megatron.use_torch_fsdp2=true: distributed checkpoints are not "
-                                      "built yet with megatron.use_torch_fsdp2 (the weight push and the HF export are)")
-
     def save_checkpoint(self, path: str | Path, optimizer: bool = True, background: bool = False) -> None:
         """Save model (+ optimizer + LR schedule where `optimizer`) as a `torch_dist` distributed
         checkpoint in the directory `path`. Every rank of the role calls it. Model and (non-distributed)
         optimizer state load at any TP/PP layout; the distributed optimizer's state needs the same TP/PP.
         `background`: return once the tensors are staged, the write going on in the background
-        (checkpoint_io.AsyncSaves) until `finish_saves` finalises it."""
-        self._check_checkpointable()
+        (checkpoint_io.AsyncSaves) until `finish_saves` finalises it. With FSDP2: the model in the same
+        format, the optimizer state beside it (fsdp2_checkpoint), written in the foreground."""
         self.offloader.check_onloaded()
+        if self.fsdp2:
+            if background:  # refused at config time too (config.rules.fsdp2)
+                raise NotImplementedError(f"{self.section}.checkpoint.async_save=true with "
+                                          f"{self.section}.megatron.use_torch_fsdp2=true: not built yet")
+            fsdp2_checkpoint.save(Path(path), self.model_chunks, self.optimizer if optimizer else None,
+                                  self.scheduler, self.updates, self.params_dtype, self._dp_cp_group())
+            return
         if background and self.async_saves is None:
             self.async_saves = checkpoint_io.AsyncSaves()
         checkpoint_io.save_checkpoint(Path(path), self.model_chunks, self.optimizer if optimizer else None,
                                       self.scheduler, self.updates, self.use_distributed_optimizer,
                                       self.async_saves if background else None)
+
+    @staticmethod
+    def _dp_cp_group():
+        """The DP x CP group (FSDP2's mesh)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def finish_saves(self, blocking: bool, timeout_s: float) -> bool:
         """Finalise the background writes of `save_checkpoint` that every rank finished; True when
@@ -486,11 +495,17 @@ class MegatronEngine:
     def load_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
         """Load what `save_checkpoint` saved (possibly at another TP/PP layout); `optimizer` False: the
         weights alone (a checkpoint saved without its optimizer), the optimizer and schedule kept as
-        they are. Every rank calls it."""
-        self._check_checkpointable()
+        they are. Every rank calls it. With FSDP2 (fsdp2_checkpoint): the optimizer state at the saved TP
+        and PP sizes only (any DP and CP sizes); the weights alone at any layout."""
         self.offloader.check_onloaded()
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{self.section}: checkpoint directory {path} does not exist")
+        if self.fsdp2:
+            group = self._dp_cp_group()
+            self.updates = (fsdp2_checkpoint.load(Path(path), self.model_chunks, self.optimizer, self.scheduler, group)
+                            if optimizer else
+                            fsdp2_checkpoint.load_weights(Path(path), self.model_chunks, self.params_dtype, group))
+            return
         self.updates = checkpoint_io.load_checkpoint(Path(path), self.model_chunks,
                                                      self.optimizer if optimizer else None, self.scheduler,
                                                      self.use_distributed_optimizer)

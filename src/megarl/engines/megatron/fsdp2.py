@@ -25,8 +25,9 @@ in place of megatron's DDP and optimizer.
 - Reading weights whole (`gathered`): every FSDP module unsharded, so `named_parameters()` give this
   rank's whole TP shards (the weight push, the HF export); resharded on exit.
 
-Phase 1: no pipeline parallelism, MoE, LoRA, QAT, MTP training, sequence parallelism, offload or
-distributed checkpoints (refused at config time: megarl.config.rules.fsdp2).
+Checkpoints: engines.megatron.fsdp2_checkpoint. Phase 1: no pipeline parallelism, MoE, LoRA, QAT, MTP
+training, sequence parallelism, offload or background checkpoint writes (refused at config time:
+megarl.config.rules.fsdp2).
 """
 from __future__ import annotations
 
