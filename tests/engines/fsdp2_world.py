@@ -105,7 +105,8 @@ def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None) -> dict:
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
-    result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+    result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "fsdp2": actor.fsdp2,
+              "use_distributed_optimizer": actor.use_distributed_optimizer,
               "old_log_probs": mine["old_log_probs"], "pushed_initial": initial, "metrics": []}
     for update in range(UPDATES):
         result["metrics"].append(actor.update_policy(mine))
@@ -186,6 +187,13 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
             out[(name, fsdp2)] = _train(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, fsdp2),
                                          batch, fsdp2, ckpt)
             reset_layout()
+    if "dp2" in layouts:  # verl's Megatron-FSDP key (megatron's distributed optimizer flag left on, as verl sets it)
+        tp, cp, clip_grad, dtype, recompute = LAYOUTS["dp2"]
+        out["verl_megatron_fsdp"] = _train(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, False,
+                                                        "actor_rollout_ref.actor.megatron.use_megatron_fsdp=true",
+                                                        "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"),
+                                           batch, False)
+        reset_layout()
     for name in [n for n in RESUMED if n in layouts]:
         tp, cp, clip_grad, dtype, recompute = LAYOUTS[name]
         other = f"{ckpt_root}/dp2" if name == "tp2" and "dp2" in layouts else None

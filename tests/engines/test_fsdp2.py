@@ -172,6 +172,16 @@ def test_a_critic_trains_as_with_ddp(run):
     assert fsdp[-1]["critic/vf_loss"] < fsdp[0]["critic/vf_loss"]
 
 
+def test_verls_megatron_fsdp_key_trains_the_fsdp2_path(run):
+    """`use_megatron_fsdp=true` (with megatron's distributed-optimizer flag on, as verl sets it) builds the FSDP2
+    engine, not megatron's DDP: its updates and push are `use_torch_fsdp2`'s bit for bit."""
+    for verl, torch_fsdp2, ddp in zip(run["verl_megatron_fsdp"], run[("dp2", True)], run[("dp2", False)]):
+        assert verl["fsdp2"] and not verl["use_distributed_optimizer"] and not ddp["fsdp2"]
+        assert verl["metrics"] == torch_fsdp2["metrics"]
+        assert verl["pushed"].keys() == torch_fsdp2["pushed"].keys()
+        assert all(torch.equal(verl["pushed"][k], torch_fsdp2["pushed"][k]) for k in verl["pushed"])
+
+
 def test_weight_decay_groups_are_megatrons(run):
     """No decay on biases and 1-D parameters: the FSDP2 AdamW's groups against megatron's optimizer's."""
     for layout in LAYOUTS:
