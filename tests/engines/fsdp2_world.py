@@ -171,6 +171,21 @@ def _resume(cfg, batch, old_log_probs, ckpt: str, other_ckpt: str | None) -> dic
     return out
 
 
+def _ddp_from_fsdp2(cfg, ckpt: str) -> dict:
+    """A megatron-DDP engine given an FSDP2 checkpoint: the refusal of its optimizer state (None: none), then
+    what the push sends once its weights alone are loaded."""
+    from megarl.engines.megatron.roles import ActorEngine
+
+    actor = ActorEngine(cfg)
+    try:
+        actor.load_checkpoint(ckpt)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    actor.load_checkpoint(ckpt, optimizer=False)
+    return {"refused": refused, "pushed": pushed(actor)}
+
+
 def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str], ckpt_root: str) -> dict:
     """Each of `layouts` (names in LAYOUTS) with DDP then FSDP2: UPDATES PPO updates of one batch,
     then the metrics, log-probs after them, whole parameters, the push's tensors, and for FSDP2 the
@@ -199,6 +214,11 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
         other = f"{ckpt_root}/dp2" if name == "tp2" and "dp2" in layouts else None
         out[("resume", name)] = _resume(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute, True),
                                         batch, out[(name, True)]["old_log_probs"], f"{ckpt_root}/{name}", other)
+        reset_layout()
+    if "dp2" in layouts:  # megatron's DDP given FSDP2's dp2 checkpoint: its optimizer state refused, its weights load
+        tp, cp, clip_grad, dtype, recompute = LAYOUTS["dp2"]
+        out["ddp_from_fsdp2"] = _ddp_from_fsdp2(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute,
+                                                             False), f"{ckpt_root}/dp2")
         reset_layout()
     for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
         out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,

@@ -182,6 +182,16 @@ def test_verls_megatron_fsdp_key_trains_the_fsdp2_path(run):
         assert all(torch.equal(verl["pushed"][k], torch_fsdp2["pushed"][k]) for k in verl["pushed"])
 
 
+def test_megatrons_ddp_refuses_an_fsdp2_checkpoints_optimizer_state_and_loads_its_weights(run):
+    """An FSDP2 checkpoint's model part is the DDP path's format (its weights load); its optimizer state is
+    FSDP2's, refused by name rather than failing inside megatron's load on missing optimizer keys."""
+    for ddp, fsdp2 in zip(run["ddp_from_fsdp2"], run[("dp2", True)]):
+        assert ddp["refused"] is not None and "is a megatron.use_torch_fsdp2 checkpoint" in ddp["refused"]
+        saved = fsdp2["at_save"]["pushed"]
+        assert ddp["pushed"].keys() == saved.keys()
+        assert all(torch.equal(ddp["pushed"][k], saved[k]) for k in saved)
+
+
 def test_weight_decay_groups_are_megatrons(run):
     """No decay on biases and 1-D parameters: the FSDP2 AdamW's groups against megatron's optimizer's."""
     for layout in LAYOUTS:

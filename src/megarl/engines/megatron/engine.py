@@ -506,6 +506,10 @@ class MegatronEngine:
                             if optimizer else
                             fsdp2_checkpoint.load_weights(Path(path), self.model_chunks, self.params_dtype, group))
             return
+        if optimizer and self.optimizer is not None and (Path(path) / fsdp2_checkpoint.STATE_DIR).is_dir():
+            raise ValueError(f"{self.section}: {path} is a megatron.use_torch_fsdp2 checkpoint: its optimizer state "
+                             f"is FSDP2's ({fsdp2_checkpoint.STATE_DIR}/), which megatron's optimizer cannot load; "
+                             "resume it with megatron.use_torch_fsdp2=true, or load its weights alone")
         self.updates = checkpoint_io.load_checkpoint(Path(path), self.model_chunks,
                                                      self.optimizer if optimizer else None, self.scheduler,
                                                      self.use_distributed_optimizer)
