@@ -223,10 +223,15 @@ def stage_params(arch: ModelArch, pp: int, stage_layers: int | None = None) -> i
     """Parameters of the largest pipeline stage (embedding on the first, output layer on the last),
     routed experts excluded (`stage_expert_params`); `stage_layers`: its layers (None: an even split)."""
     layers = (stage_layers or math.ceil(arch.num_layers / pp)) * dense_layer_params(arch)
-    embed = arch.vocab_size * arch.hidden_size
     if pp == 1:
-        return layers + embed * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
-    return layers + embed + arch.hidden_size  # first or last stage: one vocab matrix each
+        return layers + root_params(arch)
+    return layers + arch.vocab_size * arch.hidden_size + arch.hidden_size  # first or last stage: one vocab matrix each
+
+
+def root_params(arch: ModelArch) -> int:
+    """Parameters outside the decoder layers of a one-stage model: the embedding, the output layer
+    (none when tied) and the final norm."""
+    return arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
 
 
 def lora_params(arch: ModelArch, rank: int, targets, tp: int, pp: int, stage_layers: int | None = None) -> int:
@@ -379,7 +384,7 @@ def fsdp2_states(arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, params
     being gathered, with its float32 gradient before the reduce-scatter."""
     tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
     layer = dense_layer_params(arch) / tp
-    root = (arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size) / tp
+    root = root_params(arch) / tp
     return params * 16 / (dp * cp) + (root + layer) * DTYPE_BYTES[dtype] + layer * 4
 
 

@@ -176,12 +176,12 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
         if self.fsdp2:  # torch FSDP2 over DP x CP in place of megatron's DDP and optimizer (engines.megatron.fsdp2)
-            fsdp2.wrap_chunks(self.model_chunks, parallel_state.get_data_parallel_group(with_context_parallel=True),
+            fsdp2.wrap_chunks(self.model_chunks, self._dp_cp_group(),
                               self.params_dtype)
             self.optimizer = fsdp2.Fsdp2Optimizer(
                 self.model_chunks, lr=optim_cfg.lr, min_lr=optim_cfg.final_lr(), betas=tuple(optim_cfg.betas),
                 weight_decay=optim_cfg.weight_decay, clip_grad=optim_cfg.clip_grad,
-                dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                dp_cp_group=self._dp_cp_group(),
                 tp_group=parallel_state.get_tensor_model_parallel_group())
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
         elif optim_cfg is not None:
