@@ -1,7 +1,8 @@
 """`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
 optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
 and DP2 in bfloat16 (fsdp2_world.py); checkpoints saved after update UPDATES - 1 and resumed (bit for bit at
-the same layout, resharded to DP1, refused at another TP size) and exported to HF.
+the same layout, resharded to DP1, refused at another TP size) and exported to HF; an offload and onload between
+updates (the shards' hand-counted bytes moved, the next update an un-offloaded engine's bit for bit).
 
 Tolerance: FSDP2 reduce-scatters each micro-batch's gradient (megatron's DDP sums the micro-batches
 first, then all-reduces) and sums the gradient norm over shards, so at DP2 / CP2 the float32 results
@@ -206,13 +207,61 @@ def test_a_non_finite_loss_on_one_rank_skips_the_update_everywhere(run):
             assert result["poisoned"] == {"skipped": 1.0, "unchanged": True}
 
 
-def test_offload_and_background_saves_are_refused_naming_the_key(run):
+def test_background_saves_are_refused_naming_the_key(run):
     for result in run[("dp2", True)]:
-        offload, background = result["refused"]
-        assert offload and offload.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true:")
-        assert "not built yet with megatron.use_torch_fsdp2" in offload
+        background = result["refused"]
         assert background and background.startswith("actor_rollout_ref.actor.checkpoint.async_save=true with "
                                                      "actor_rollout_ref.actor.megatron.use_torch_fsdp2=true")
+
+
+def _shard_bytes(shapes: list, rank: int, mesh: int) -> dict:
+    """Hand count of one rank's bytes at DP `mesh`, from the parameters' global shapes (float32 all): FSDP2
+    pads every rank's shard of a parameter, and the gradient's, to the first rank's `ceil(rows / mesh)` rows
+    (torch.chunk's first chunk); the AdamW moments are `zeros_like` of the unpadded shard (this rank's
+    torch.chunk, DTensor's Shard(0) rule), and each parameter's `step` a float32 scalar (on a CPU engine, host
+    memory is the device: it moves too)."""
+    def rows(shape, index):
+        return len(range(index * -(-shape[0] // mesh), min(shape[0], (index + 1) * -(-shape[0] // mesh))))
+
+    def numel(shape, index):
+        return rows(shape, index) * int(torch.Size(shape[1:]).numel())
+
+    padded = sum(numel(shape, 0) * 4 for shape in shapes)
+    return {"params_bytes": padded, "grads_bytes": padded,
+            "optimizer_bytes": sum(2 * numel(shape, rank) * 4 + 4 for shape in shapes)}
+
+
+def test_offload_moves_the_shards_and_the_next_update_is_an_un_offloaded_engines_bit_for_bit(run):
+    """Offload and onload between updates 2 and 3 (after a forward-only pass, which leaves FSDP2's root
+    whole): the engine reshards first, so every parameter is its DTensor again with its local shard freed, as
+    are the gradients' and AdamW moments'; a forward is refused meanwhile; the bytes moved are the hand-counted
+    shard sizes (`_shard_bytes`), parameters and AdamW state copied, gradients dropped (they come back zero);
+    the shards and AdamW state come back bit for bit, also in two steps (gradients and optimizer before the
+    weight push, parameters after, as colocated placement does); and the update after it, the final shards,
+    AdamW state and push are those of the same engine that never offloaded (verl's use_megatron_fsdp key:
+    the oracle), bit for bit."""
+    assert LAYOUTS["dp2"][:2] == (1, 1)  # TP1, CP1: DP2 over the two ranks
+    for offloaded, never in zip(run[("dp2", True)], run["verl_megatron_fsdp"]):
+        trip = offloaded["offload"]
+        assert trip["root_whole_before"] and trip["freed"]
+        assert trip["refused_while_offloaded"] and "offloaded; call onload() first" in trip["refused_while_offloaded"]
+        counted = _shard_bytes([tuple(w.shape) for w in offloaded["params"].values()], offloaded["dp_rank"], 2)
+        full = trip["full"]
+        assert {k: full[k] for k in counted} == counted
+        assert full["bytes"] == counted["params_bytes"] + counted["optimizer_bytes"] == trip["onload"]["bytes"]
+        assert full["freed_bytes"] == sum(counted.values())
+        assert trip["restored"] and trip["grads_zeroed"]
+        first, second = trip["staged"]
+        assert trip["params_kept_for_the_push"]
+        assert (first["params_bytes"], first["grads_bytes"], first["optimizer_bytes"]) == (
+            0, counted["grads_bytes"], counted["optimizer_bytes"])
+        assert (second["params_bytes"], second["grads_bytes"], second["optimizer_bytes"]) == (
+            counted["params_bytes"], 0, 0)
+        assert trip["staged_onload"]["bytes"] == trip["onload"]["bytes"] and trip["staged_restored"]
+        assert offloaded["metrics"] == never["metrics"]  # the update after the offload included
+        assert _same(offloaded["state"], never["state"])
+        assert offloaded["pushed"].keys() == never["pushed"].keys()
+        assert all(torch.equal(offloaded["pushed"][k], never["pushed"][k]) for k in never["pushed"])
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -138,6 +138,14 @@ def test_fsdp2_shards_every_state_over_dp_and_keeps_the_root_and_a_layer_whole()
     role = _train_role("actor", arch, m, dp=2, dtype="bfloat16", seq=1024, micro=1, trains=True, offload=OffloadParts())
     assert role.states == int(params * 16 / 2 + (root + layer) / 4 * 2 + layer / 4 * 4)
     assert role.offloadable == 0
+    # offloaded (engines.megatron.offload): the shards, 4 bytes a parameter / DP for the weights and the gradients
+    # each, 8 for Adam's moments; the weights' part leaves after the push
+    offloaded = _train_role("actor", arch, m, dp=2, dtype="bfloat16", seq=1024, micro=1, trains=True,
+                            offload=OffloadParts(params=True, grads=True, optimizer=True))
+    assert (offloaded.offloadable, offloaded.offloadable_params) == (int(params * 16 / 2), int(params * 4 / 2))
+    staged = _train_role("actor", arch, m, dp=2, dtype="bfloat16", seq=1024, micro=1, trains=True,
+                         offload=OffloadParts(grads=True, optimizer=True))
+    assert (staged.offloadable, staged.offloadable_params) == (int(params * 12 / 2), 0)
     ddp = _train_role("actor", arch, MegatronConfig(tensor_model_parallel_size=4), dp=2, dtype="bfloat16", seq=1024,
                       micro=1, trains=True, offload=OffloadParts())
     assert ddp.states == int(params * 2 + params * 4 + params * 12 / 2)

@@ -300,9 +300,12 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     t = config.trainer
     devices = decide_devices(t.device, cuda_available, config.placement.mode, r.name, r.weight_sync_transport,
                              collective_timeout_s=config.actor_rollout_ref.nccl_timeout, nnodes=t.nnodes)
-    problems = optimizer_device_problems(devices.device, {
-        "actor_rollout_ref.actor": config.actor_rollout_ref.actor.optim.override_optimizer_config,
-        **({"critic": config.critic.optim.override_optimizer_config} if config.critic.enable else {})})
+    # a role on FSDP2 builds no megatron-core optimizer (config.rules.fsdp2 decides its overrides)
+    roles = (("actor_rollout_ref.actor", config.actor_rollout_ref.actor, True),
+             ("critic", config.critic, config.critic.enable))
+    megatron_optimizer = {section: cfg.optim.override_optimizer_config for section, cfg, on in roles
+                          if on and not (cfg.megatron.use_torch_fsdp2 or cfg.megatron.use_megatron_fsdp)}
+    problems = optimizer_device_problems(devices.device, megatron_optimizer)
     actor, ref = (config.actor_rollout_ref.actor.megatron.override_transformer_config,
                   config.actor_rollout_ref.ref.megatron.override_transformer_config)
     problems += fp8_device_problems(devices.device, {  # the reference named where its overrides are its own

@@ -357,8 +357,11 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     layer, layer_input = layer_activation_bytes(seq / cp, micro, arch.hidden_size, tp, sp, DTYPE_BYTES[dtype])
     acts = stage_activations(layers, pp, layer, layer_input, recompute) + logits
     labels = (recompute_label(recompute), activation_label(tp, cp, sp))
-    if fsdp2_switch(m) is not None:  # nothing offloadable: offload with FSDP2 is refused, as LoRA is
-        return RoleMemory(name, int(fsdp2_states(arch, m, dp, dtype, params)), 0, int(acts), None, 0, *labels)
+    if fsdp2_switch(m) is not None:  # an offload moves the float32 shards: 4 bytes a parameter each, 8 AdamW's
+        shard = params / (dp * m.context_parallel_size)
+        moved = shard * (4 * offload.params + 4 * offload.grads + 8 * offload.optimizer)
+        return RoleMemory(name, int(fsdp2_states(arch, m, dp, dtype, params)), int(moved), int(acts), None,
+                          int(shard * 4) if offload.params else 0, *labels)
     if trainable is not None:  # LoRA: the adapters' gradients and optimizer states, over DP
         params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
         dense_params, expert_params = trainable, 0

@@ -39,7 +39,7 @@ from megarl.config.rules.experts import (
     grouped_gemm_can_run,
     rollout_expert_parallel_fits_server,
 )
-from megarl.config.rules.fsdp2 import megatron_fsdp_runs_as_fsdp2, torch_fsdp2_fits
+from megarl.config.rules.fsdp2 import fsdp2_optimizer_override_warnings, megatron_fsdp_runs_as_fsdp2, torch_fsdp2_fits
 from megarl.config.rules.gpus import (
     batch_arithmetic,
     parallel_sizes_fit_training_gpus,
@@ -145,6 +145,7 @@ WARNING_RULES: list[Rule] = [
     checkpoint_without_extra,
     checkpoint_export_options,
     megatron_fsdp_runs_as_fsdp2,
+    fsdp2_optimizer_override_warnings,
     qat_warnings,
 ]
 

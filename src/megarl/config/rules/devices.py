@@ -22,6 +22,8 @@ def weight_sync_transport_fits_devices(config: ExperimentConfig, sizes: DerivedS
     Reads: trainer.device, placement.mode, actor_rollout_ref.rollout.name,
     actor_rollout_ref.rollout.weight_sync_transport, trainer.nnodes, actor_rollout_ref.nccl_timeout,
     actor_rollout_ref.actor.optim.override_optimizer_config, critic.optim.override_optimizer_config, critic.enable,
+    actor_rollout_ref.actor.megatron.use_torch_fsdp2, actor_rollout_ref.actor.megatron.use_megatron_fsdp,
+    critic.megatron.use_torch_fsdp2, critic.megatron.use_megatron_fsdp,
     actor_rollout_ref.actor.megatron.override_transformer_config, actor_rollout_ref.ref.megatron.override_transformer_config,
     critic.megatron.override_transformer_config, reward_model.enable, reward_model.megatron.override_transformer_config,
     global_profiler,

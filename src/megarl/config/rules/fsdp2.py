@@ -3,8 +3,8 @@ megatron's DDP and optimizer, megarl.engines.megatron.fsdp2) for the roles that 
 critic where it runs."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Iterator, Mapping
+from typing import Any, Optional
 
 from megarl.config.rules.common import DerivedSizes
 from megarl.config.schema import ExperimentConfig, MegatronConfig
@@ -53,13 +53,107 @@ def megatron_fsdp_runs_as_fsdp2(config: ExperimentConfig, sizes: DerivedSizes) -
                    "data parallelism (verl builds it with wrap_with_ddp=False too), so there is nothing to shard")
 
 
+# megatron-core OptimizerConfig fields (optimizer/optimizer_config.py, 0.16.1 and 0.19) that tune its host-side
+# optimizer step, the HybridDeviceOptimizer that optimizer_cpu_offload builds (optimizer/__init__.py), which FSDP2
+# does not run
+HOST_STEP_FIELDS = ("overlap_cpu_optimizer_d2h_h2d", "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads",
+                    "pin_cpu_params")
+# the precision-aware optimizer's dtypes (OptimizerConfig: "dtype of main grads / main params / exp_avg / exp_avg_sq
+# when enabling precision-aware-optimizer", torch.float32 by default; __post_init__ asserts float32 without it)
+PRECISION_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+FLOAT32_NAMES = ("float32", "fp32", "torch.float32")  # str(torch.float32) is "torch.float32"
+
+
+def fsdp2_optimizer_overrides(overrides: Mapping[str, Any], optimizer_offload: bool, role: str,
+                              switch: str) -> tuple[list[str], list[str]]:
+    """(warnings, refusals) for `<role>.optim.override_optimizer_config` (`overrides`) on a role trained with FSDP2
+    (`<role>.megatron.<switch>`), whose optimizer is torch's AdamW on the float32 shards on the device
+    (engines.megatron.fsdp2), its state moved to host memory between phases where `optimizer_offload`
+    (`<role>.megatron.optimizer_offload`, colocated placement). Each megatron-core OptimizerConfig field
+    (optimizer_config.py, quoted) is accepted where FSDP2 computes what it asks, with a warning where the
+    memory differs; refused, naming the key, where the numbers would differ:
+    - decoupled_weight_decay: "If true, decouples weight decay from the gradient update, equivalent to AdamW.
+      If false, original Adam update rule will be used": true is FSDP2's AdamW (accepted), false refused.
+    - optimizer_cpu_offload ("offload optimizer states tensor and compute to CPU") and
+      optimizer_offload_fraction ("the fraction of optimizer states to offload from GPU memory to CPU", read
+      only with optimizer_cpu_offload: optimizer/__init__.py; Megatron Lite's offload_fraction): fraction 1.0,
+      the whole state and step on the host, is nearest megatron.optimizer_offload (the state on the host
+      between phases, on the device in the step: the same AdamW): accepted with a warning where that key is on,
+      refused naming it where it is off; a fraction in (0, 1) (a part of the state on the host in the step)
+      refused; a fraction of 0 or one without optimizer_cpu_offload has no effect in megatron-core: a warning.
+    - HOST_STEP_FIELDS tune that host step: no effect, a warning.
+    - use_precision_aware_optimizer ("allows optimizer-related tensors (master_param, gradients and optimizer
+      states) to be set to lower precision", by PRECISION_DTYPE_FIELDS): with those float32, the defaults, the
+      tensors are float32 as FSDP2 keeps them: accepted with a warning; one at another dtype refused.
+    - any other field refused: FSDP2's AdamW reads megarl's own optim keys only."""
+    prefix, m = f"{role}.optim.override_optimizer_config", f"{role}.megatron"
+    why = f"with {m}.{switch}=true: not built yet with megatron.{switch}"
+    warnings, refusals = [], []
+    cpu_offload = bool(overrides.get("optimizer_cpu_offload", False))
+    for name, value in overrides.items():
+        key = f"{prefix}.{name}={value}"
+        if name == "decoupled_weight_decay":
+            if not value:
+                refusals.append(f"{key} {why}: the FSDP2 optimizer is AdamW (decoupled weight decay)")
+        elif name == "optimizer_offload_fraction":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                refusals.append(f"{key}: a fraction in [0, 1] of the optimizer state (megatron-core OptimizerConfig)")
+            elif not cpu_offload or value == 0.0:
+                warnings.append(f"{key} has no effect with {prefix}.optimizer_cpu_offload="
+                                f"{overrides.get('optimizer_cpu_offload', False)} (megatron-core offloads nothing)")
+            elif value < 1.0:
+                refusals.append(f"{key} {why}: a part of the optimizer state on the host in the step (1.0, the "
+                                f"whole state on the host between phases with {m}.optimizer_offload=true, is built)")
+            elif not optimizer_offload:
+                refusals.append(f"{key} {why}: the AdamW step on the host; set {m}.optimizer_offload=true to keep the "
+                                "AdamW state on the host between phases (the step runs on the device)")
+            else:
+                warnings.append(f"{key} with {prefix}.optimizer_cpu_offload=true and {m}.{switch}=true: the AdamW "
+                                f"state is on the host between phases ({m}.optimizer_offload=true) but on the device "
+                                "in the update (8 bytes per parameter / DP x CP more device memory than megatron-"
+                                "core's host step), and the step runs there: the same AdamW update, up to the "
+                                "rounding of another device's kernels")
+        elif name == "optimizer_cpu_offload":
+            if value and "optimizer_offload_fraction" not in overrides:
+                warnings.append(f"{key} has no effect with {prefix}.optimizer_offload_fraction=0.0, its default "
+                                "(megatron-core offloads nothing)")
+        elif name in HOST_STEP_FIELDS:
+            warnings.append(f"{key} has no effect with {m}.{switch}=true: it tunes megatron-core's host optimizer "
+                            "step, which the FSDP2 AdamW does not run")
+        elif name == "use_precision_aware_optimizer":
+            lower = [f for f in PRECISION_DTYPE_FIELDS if str(overrides.get(f, "float32")) not in FLOAT32_NAMES]
+            if value and not lower:
+                warnings.append(f"{key} with {m}.{switch}=true: its main parameters, gradients and optimizer states "
+                                f"are float32 ({', '.join(PRECISION_DTYPE_FIELDS)} default), as the FSDP2 AdamW "
+                                "keeps them: no effect")
+        elif name in PRECISION_DTYPE_FIELDS:
+            if str(value) not in FLOAT32_NAMES:
+                refusals.append(f"{key} {why}: the FSDP2 AdamW keeps its parameters, gradients and state in float32")
+        else:
+            refusals.append(f"{key} {why} (a megatron-core OptimizerConfig field; the FSDP2 AdamW reads megarl's "
+                            "optim keys only)")
+    return warnings, refusals
+
+
+def fsdp2_optimizer_override_warnings(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
+    """Warnings: the fields of `optim.override_optimizer_config` that a role trained with FSDP2 accepts with a
+    difference or with no effect (`fsdp2_optimizer_overrides`; its refusals: `torch_fsdp2_fits`).
+
+    Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
+    critic.optim
+    """
+    for key, megatron, optim, _ in _trained_roles(config):
+        yield from fsdp2_optimizer_overrides(optim.override_optimizer_config, megatron.optimizer_offload, key,
+                                             fsdp2_switch(megatron))[0]
+
+
 def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """A trained role with `megatron.use_torch_fsdp2=true` uses only what phase 1 builds (each refusal
     names its key): no distributed optimizer (FSDP2 shards the optimizer state itself), no pipeline
     parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no expert parallelism,
-    no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no parameter /
-    gradient / optimizer offload, no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
-    optimizer's), Adam only with no `optim.override_optimizer_config`, and no background checkpoint
+    no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no LoRA, QAT or
+    MTP training, no fp16 (megatron's loss scaler is its optimizer's), Adam only with the
+    `optim.override_optimizer_config` fields `fsdp2_optimizer_overrides` accepts, and no background checkpoint
     write (`checkpoint.async_save`: its checkpoints are written in the foreground,
     engines.megatron.fsdp2_checkpoint; saving and resuming are built). MoE models are refused when
     the engine reads the model's config. A forward-only role ignores the key.
@@ -81,16 +175,12 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
             yield f"{m}.expert_model_parallel_size={megatron.expert_model_parallel_size} {why} (MoE)"
         if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
             yield f"{m}.sequence_parallel=true {why}"
-        for part in ("param_offload", "grad_offload", "optimizer_offload"):
-            if getattr(megatron, part):
-                yield f"{m}.{part}=true {why}"
         if megatron.qat.enable:
             yield f"{m}.qat.enable=true {why}"
         if optim.optimizer != "adam":
             yield f"{key}.optim.optimizer={optim.optimizer} {why} (AdamW only)"
-        if optim.override_optimizer_config:
-            yield (f"{key}.optim.override_optimizer_config (sets {sorted(optim.override_optimizer_config)}) {why} "
-                   "(megatron-core OptimizerConfig fields; the FSDP2 AdamW reads megarl's optim keys only)")
+        yield from fsdp2_optimizer_overrides(optim.override_optimizer_config, megatron.optimizer_offload, key,
+                                             switch)[1]
         lora = config.actor_rollout_ref.model.lora if key.startswith("actor") else config.critic.model.lora
         if lora.rank > 0:
             yield f"{key.rsplit('.', 1)[0] if key.startswith('actor') else key}.model.lora.rank={lora.rank} {why}"

@@ -435,10 +435,13 @@ class MegatronEngine:
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
         """Move the chosen parts off the device (parameters and optimizer state to host memory;
         gradient buffers freed). Returns `Offloader.offload`'s {"bytes": copied to host,
-        "freed_bytes", "seconds", "params_bytes", "grads_bytes", "optimizer_bytes"}."""
+        "freed_bytes", "seconds", "params_bytes", "grads_bytes", "optimizer_bytes"}. With FSDP2 every
+        FSDP module is resharded first: the root stays whole after a forward-only pass
+        (`reshard_after_forward=False`), and resharding frees its all-gathered parameters and puts the
+        sharded DTensors back on the modules, whose local shards are what moves."""
         if self.fsdp2:
-            raise NotImplementedError(f"{self.section}.megatron.use_torch_fsdp2=true: offload is not built yet with "
-                                      "megatron.use_torch_fsdp2")
+            for module in fsdp2.fsdp_modules(self.model_chunks):
+                module.reshard()
         return self.offloader.offload(params=params, grads=grads, optimizer=optimizer)
 
     def onload(self) -> dict:

@@ -25,9 +25,11 @@ in place of megatron's DDP and optimizer.
 - Reading weights whole (`gathered`): every FSDP module unsharded, so `named_parameters()` give this
   rank's whole TP shards (the weight push, the HF export); resharded on exit.
 
-Checkpoints: engines.megatron.fsdp2_checkpoint. Phase 1: no pipeline parallelism, MoE, LoRA, QAT, MTP
-training, sequence parallelism, offload or background checkpoint writes (refused at config time:
-megarl.config.rules.fsdp2).
+Checkpoints: engines.megatron.fsdp2_checkpoint. Offload between phases (`MegatronEngine.offload`,
+engines.megatron.offload): every FSDP module resharded, then each parameter's, gradient's and AdamW
+moment's local shard moved. Not built: pipeline parallelism, MoE, LoRA, QAT, MTP training, sequence
+parallelism, background checkpoint writes, and the `optim.override_optimizer_config` fields this AdamW
+does not run (refused at config time: megarl.config.rules.fsdp2).
 """
 from __future__ import annotations
 

@@ -8,8 +8,12 @@ without copying and come back zeroed (they hold nothing between updates). On a C
 the "device" is host memory too: the same copies and frees happen, between two host buffers.
 
 `Offloader` does this for one engine: its model chunks, megatron's DDP buffers and the optimizer
-state, and it remembers which parts are offloaded. Parts may leave in steps (colocated, the
-gradients and optimizer state before the weight push, the parameters after it:
+state, and it remembers which parts are offloaded. With FSDP2 (engines.megatron.fsdp2) the
+parameters, their gradients and the AdamW moments are DTensors: what moves is each one's local
+shard (the storage of a parameter's or gradient's is FSDP2's padded shard, `ceil(rows / (DP x CP))`
+rows on every rank), and the engine reshards first (`MegatronEngine.offload`), so that no
+all-gathered parameter is left on the device. Parts may leave in steps (colocated, the gradients
+and optimizer state before the weight push, the parameters after it:
 `megarl.placement.colocated_memory`) and all come back together.
 """
 from __future__ import annotations
@@ -19,15 +23,23 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients, AdamW moments: a DTensor's own
+    `untyped_storage()` is no valid storage), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
-    """The distinct non-empty storages behind `tensors` that live on `device`'s type."""
+    """The distinct non-empty storages behind `tensors` (a DTensor's: its local shard's) that live on
+    `device`'s type."""
     seen, out = set(), []
     for t in tensors:
         if t is None or t.device.type != device.type:
             continue
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
@@ -92,8 +104,9 @@ def onload(record: OffloadedStorages, device: torch.device) -> dict:
 
 class Offloader:
     """Offload and onload of one engine's parameters (model chunks and DDP parameter buffers),
-    gradient buffers and optimizer state, on `device`. The optimizer state is looked up at each
-    `offload` (the optimizer creates it at its first step).
+    gradients (DDP buffers, or the parameters' own `.grad`: FSDP2's) and optimizer state, on
+    `device`. The optimizer state is looked up at each `offload` (the optimizer creates it at its
+    first step).
 
     Each storage belongs to exactly one part, the first of parameters, optimizer, gradients that
     uses it (`storages()`), and moves only with that part. So a storage two parts share moves
@@ -114,7 +127,7 @@ class Offloader:
         """(parameter, gradient, optimizer-state) storages on the device, each storage in one
         list only: parameters first, then optimizer state, then gradient buffers."""
         params = [p for chunk in self.model_chunks for p in chunk.parameters()]
-        grads = []
+        grads = [p.grad for p in params if p.grad is not None]  # FSDP2's shards; DDP's views of its buffers
         for chunk in self.ddp_chunks:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 params.append(buffer.param_data)
