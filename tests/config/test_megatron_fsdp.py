@@ -44,8 +44,8 @@ def test_verls_actor_key_runs_fsdp2_with_one_warning_on_every_device(device, cap
 
 
 @pytest.mark.parametrize("override, refused", [
-    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 with "
+    ("actor_rollout_ref.actor.optim.optimizer=sgd",
+     "actor_rollout_ref.actor.optim.optimizer=sgd with "
      "actor_rollout_ref.actor.megatron.use_megatron_fsdp=true: not built yet with megatron.use_megatron_fsdp"),
     ("actor_rollout_ref.actor.optim.optimizer=sgd",
      "actor_rollout_ref.actor.optim.optimizer=sgd with actor_rollout_ref.actor.megatron.use_megatron_fsdp=true"),

@@ -1,6 +1,6 @@
 """`<role>.megatron.use_torch_fsdp2` (megarl.config.rules.fsdp2): verl's Megatron Lite `impl_cfg.optimizer=fsdp2`
-maps to it, a trained role refuses what is not built, each message naming its key, and takes the offload keys and
-the `optim.override_optimizer_config` fields whose meaning FSDP2 runs (`fsdp2_optimizer_overrides`)."""
+maps to it, a trained role refuses what is not built, each message naming its key, and takes pipeline parallelism,
+the offload keys and the `optim.override_optimizer_config` fields whose meaning FSDP2 runs (`fsdp2_optimizer_overrides`)."""
 import logging
 
 import pytest
@@ -47,7 +47,6 @@ def test_megatron_lites_dist_opt_is_not_fsdp2():
 @pytest.mark.parametrize("extra, key", [
     ([f"{ACTOR}.use_distributed_optimizer=true"],
      f"{ACTOR}.use_distributed_optimizer=true with {ACTOR}.use_torch_fsdp2"),
-    ([f"{ACTOR}.pipeline_model_parallel_size=2"], f"{ACTOR}.pipeline_model_parallel_size=2"),
     ([f"{ACTOR}.expert_model_parallel_size=2"], f"{ACTOR}.expert_model_parallel_size=2"),
     ([f"{ACTOR}.tensor_model_parallel_size=2", f"{ACTOR}.sequence_parallel=true"], f"{ACTOR}.sequence_parallel=true"),
     ([f"{ACTOR}.qat.enable=true"], f"{ACTOR}.qat.enable=true"),
@@ -83,14 +82,26 @@ def test_checkpoints_are_saved_and_resumed_but_not_in_the_background():
 
 
 def test_the_critic_is_checked_where_it_runs_and_a_forward_only_role_ignores_the_key(caplog):
-    critic = ["critic.megatron.use_torch_fsdp2=true", "critic.megatron.pipeline_model_parallel_size=2"]
+    critic = ["critic.megatron.use_torch_fsdp2=true", "critic.optim.optimizer=sgd"]
     load_and_validate(None, [*BASE, *critic, "algorithm.adv_estimator=grpo"])  # the critic does not run
-    with pytest.raises(ConfigError, match=f"critic.megatron.pipeline_model_parallel_size=2 with "
+    with pytest.raises(ConfigError, match=f"critic.optim.optimizer=sgd with "
                                           f"critic.megatron.use_torch_fsdp2=true: {NOT_BUILT}"):
         load_and_validate(None, [*BASE, *critic, "critic.enable=true",
                                  "critic.megatron.use_distributed_optimizer=false"])
     load_and_validate(None, [*BASE, "actor_rollout_ref.ref.megatron.use_torch_fsdp2=true",
-                             "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2"])
+                             "actor_rollout_ref.ref.megatron.use_distributed_optimizer=true"])
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "critic"])
+@pytest.mark.parametrize("layout", [["pipeline_model_parallel_size=2"],
+                                    ["pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"]])
+def test_pipeline_parallelism_is_built(role, layout):
+    """PP (1F1B) and VPP (interleaved) with FSDP2 on a trained role (engines.megatron.fsdp2; checked against
+    megatron's DDP in tests/engines/test_fsdp2.py)."""
+    keys = [f"{role}.megatron.{k}" for k in ("use_torch_fsdp2=true", "use_distributed_optimizer=false", *layout)]
+    config = load_and_validate(None, [*BASE, "trainer.n_gpus_per_node=4", "critic.enable=true", *keys])
+    megatron = config.critic.megatron if role == "critic" else config.actor_rollout_ref.actor.megatron
+    assert megatron.use_torch_fsdp2 and megatron.pipeline_model_parallel_size == 2
 
 
 def test_each_key_is_refused_once_with_every_problem_listed(caplog):

@@ -1,6 +1,6 @@
 """Bodies of the FSDP2 engine checks (`megatron.use_torch_fsdp2`), run in spawned gloo processes: the
 same PPO updates with megatron's DDP (the oracle) and with FSDP2 (LAYOUTS: DP2, TP2, CP2 with full recompute, and
-DP2 in bfloat16; a critic at DP2), in one world."""
+DP2 in bfloat16; PP_LAYOUTS: two pipeline stages; a critic at DP2), in one world."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +14,11 @@ UPDATES = 3
 LAYOUTS = {"dp2": (1, 1, 0.05, "float32", False), "tp2": (2, 1, 0.0, "float32", False),
            "cp2": (1, 2, 0.05, "float32", True), "dp2_bf16": (1, 1, 0.05, "bfloat16", False)}
 RESUMED = ("dp2", "tp2", "dp2_bf16")  # saved after update UPDATES - 1, resumed in a new engine
+# name: (model, VPP) at PP2 (DP1, TP1, float32, optim.clip_grad 0.05) on 2 ranks: llama's untied output layer
+# under 1F1B; qwen2's tied embedding (the first stage's word embedding and the last stage's output layer, one
+# weight) under the interleaved schedule, two model chunks a stage
+PP_LAYOUTS = {"pp2": ("llama", None), "pp2_vpp2_tied": ("qwen2", 2)}
+PP_RESUMED = "pp2_vpp2_tied"  # saved after update UPDATES - 1 and resumed (after trying dp2's PP1 checkpoint)
 
 
 def fsdp2_config(model_dir: str, world_size: int, tp: int, cp: int, clip_grad: float, dtype: str, recompute: bool,
@@ -28,6 +33,22 @@ def fsdp2_config(model_dir: str, world_size: int, tp: int, cp: int, clip_grad: f
                   f"actor_rollout_ref.actor.megatron.use_torch_fsdp2={str(fsdp2).lower()}",
                   f"actor_rollout_ref.model.dtype={dtype}",
                   f"actor_rollout_ref.model.enable_gradient_checkpointing={str(recompute).lower()}", *extra)
+
+
+def pp_config(model_dir: str, vpp, fsdp2: bool):
+    """A PP_LAYOUTS config: 2 pipeline stages on 2 ranks, `vpp` virtual stages each (None: 1F1B)."""
+    pp_keys = [f"{s}.megatron.{key}" for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")
+               for key in ("pipeline_model_parallel_size=2",
+                           f"virtual_pipeline_model_parallel_size={'null' if vpp is None else vpp}")]
+    return fsdp2_config(model_dir, 2, 1, 1, 0.05, "float32", False, fsdp2, *pp_keys)
+
+
+def chunk_parameters(actor):
+    """(name, parameter) of every model chunk of this rank: megatron's local names, "<v>.<name>" in chunk
+    v > 0 (virtual pipeline stages)."""
+    for v, chunk in enumerate(actor.model_chunks):
+        for name, param in chunk.named_parameters():
+            yield (name if v == 0 else f"{v}.{name}"), param
 
 
 def pushed(actor) -> dict[str, torch.Tensor]:
@@ -56,7 +77,7 @@ def shards(actor) -> dict:
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     out = {}
-    for name, param in actor.model_chunks[0].named_parameters():
+    for name, param in chunk_parameters(actor):
         local = param.to_local().detach().clone()
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, local, group=group)
@@ -68,7 +89,7 @@ def shards(actor) -> dict:
 def whole_params(actor) -> dict[str, torch.Tensor]:
     """This rank's parameters (its TP shards) as plain tensors, gathered where FSDP2 shards them."""
     with actor.weights_for_sync():
-        return {name: p.detach().clone() for name, p in actor.model_chunks[0].named_parameters()}
+        return {name: p.detach().clone() for name, p in chunk_parameters(actor)}
 
 
 def wd_mults(optimizer, names: dict) -> dict[str, float]:
@@ -86,7 +107,7 @@ def train_state(actor) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter name: this rank's float32 shard ("param") and AdamW's state (`exp_avg`,
     `exp_avg_sq` shards, `step`), cloned."""
     out = {}
-    for name, param in actor.model_chunks[0].named_parameters():
+    for name, param in chunk_parameters(actor):
         state = actor.optimizer.optimizer.state.get(param, {})
         out[name] = {"param": param.to_local().detach().clone(),
                      **{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in state.items()}}
@@ -149,7 +170,10 @@ def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None, offload: bool = Fal
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
     result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "fsdp2": actor.fsdp2,
               "use_distributed_optimizer": actor.use_distributed_optimizer,
-              "old_log_probs": mine["old_log_probs"], "pushed_initial": initial, "metrics": []}
+              "old_log_probs": mine["old_log_probs"], "pushed_initial": initial, "metrics": [],
+              # the DDP hooks megatron's schedules call where the model config sets them
+              "schedule_hooks": [h for h in ("no_sync_func", "grad_sync_func", "finalize_model_grads_func")
+                                 if getattr(actor.transformer_config, h, None) is not None]}
     for update in range(UPDATES):
         result["metrics"].append(actor.update_policy(mine))
         if ckpt is not None and update == UPDATES - 2:
@@ -163,7 +187,7 @@ def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None, offload: bool = Fal
         result["state"] = train_state(actor)
     result["scored_after"] = actor.compute_log_prob(mine, 1.0)
     result["params"] = whole_params(actor)
-    names = {id(p): name for name, p in actor.model_chunks[0].named_parameters()}
+    names = {id(p): name for name, p in chunk_parameters(actor)}
     result["wd_mult"] = wd_mults(actor.optimizer, names)
     result["pushed"] = pushed(actor)
     if fsdp2:
@@ -229,12 +253,14 @@ def _ddp_from_fsdp2(cfg, ckpt: str) -> dict:
     return {"refused": refused, "pushed": pushed(actor)}
 
 
-def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str], ckpt_root: str) -> dict:
+def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str], ckpt_root: str,
+                models: dict) -> dict:
     """Each of `layouts` (names in LAYOUTS) with DDP then FSDP2: UPDATES PPO updates of one batch,
     then the metrics, log-probs after them, whole parameters, the push's tensors, and for FSDP2 the
     shards; the runs of RESUMED save a checkpoint under `ckpt_root` after update UPDATES - 1 (<layout>,
     DDP's <layout>_ddp), and ("resume", layout) is a new engine's resume from FSDP2's (at TP2, after
-    trying dp2's). FSDP2's dp2 run offloads and onloads after update UPDATES - 1; "verl_megatron_fsdp",
+    trying dp2's). The same for PP_LAYOUTS (`models`: {name: HF directory}), PP_RESUMED resumed after
+    trying dp2's checkpoint. FSDP2's dp2 run offloads and onloads after update UPDATES - 1; "verl_megatron_fsdp",
     the same engine under verl's key, never does."""
     init_world(rank, world_size, port)
     batch = training_batch()
@@ -264,6 +290,16 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
         out["ddp_from_fsdp2"] = _ddp_from_fsdp2(fsdp2_config(model_dir, world_size, tp, cp, clip_grad, dtype, recompute,
                                                              False), f"{ckpt_root}/dp2")
         reset_layout()
+    for name, (model, vpp) in PP_LAYOUTS.items():
+        for fsdp2 in (False, True):
+            ckpt = f"{ckpt_root}/{name}{'' if fsdp2 else '_ddp'}" if name == PP_RESUMED else None
+            out[(name, fsdp2)] = _train(pp_config(models[model], vpp, fsdp2), batch, fsdp2, ckpt)
+            reset_layout()
+    other = f"{ckpt_root}/dp2" if "dp2" in layouts else None
+    model, vpp = PP_LAYOUTS[PP_RESUMED]
+    out[("resume", PP_RESUMED)] = _resume(pp_config(models[model], vpp, True), batch,
+                                          out[(PP_RESUMED, True)]["old_log_probs"], f"{ckpt_root}/{PP_RESUMED}", other)
+    reset_layout()
     for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
         out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,
                                                       f"critic.megatron.use_torch_fsdp2={str(fsdp2).lower()}"), batch)

@@ -1,8 +1,10 @@
 """`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
 optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
-and DP2 in bfloat16 (fsdp2_world.py); checkpoints saved after update UPDATES - 1 and resumed (bit for bit at
-the same layout, resharded to DP1, refused at another TP size) and exported to HF; an offload and onload between
-updates (the shards' hand-counted bytes moved, the next update an un-offloaded engine's bit for bit).
+DP2 in bfloat16, and two pipeline stages (PP2, DP1: untied under 1F1B, a tied embedding under the
+interleaved schedule) (fsdp2_world.py); checkpoints saved after update UPDATES - 1 and resumed (bit for bit
+at the same layout, resharded to DP1, refused at another TP or PP size) and exported to HF; an offload and
+onload between updates (the shards' hand-counted bytes moved, the next update an un-offloaded engine's bit
+for bit).
 
 Tolerance: FSDP2 reduce-scatters each micro-batch's gradient (megatron's DDP sums the micro-batches
 first, then all-reduces) and sums the gradient norm over shards, so at DP2 / CP2 the float32 results
@@ -13,12 +15,13 @@ for the reduce-scatter): within rel 2e-2, weights within one bf16 rounding."""
 import pytest
 import torch
 from engine_world import training_batch
-from fsdp2_world import LAYOUTS, RESUMED, UPDATES, fsdp2_config, fsdp2_dp1_resume, fsdp2_world
+from fsdp2_world import (LAYOUTS, PP_LAYOUTS, PP_RESUMED, RESUMED, UPDATES, fsdp2_config, fsdp2_dp1_resume,
+                         fsdp2_world, pp_config)
 
 from megarl.engines.megatron.fsdp2 import mesh_device_type
 from megarl.testing import run_gloo_workers
 
-pytestmark = pytest.mark.slow  # one 2-rank world, 14 engines, and a 1-rank one: ~50 s on 2 cores
+pytestmark = pytest.mark.slow  # one 2-rank world, 19 engines, and a 1-rank one: ~60 s on 2 cores
 FP32 = [name for name, layout in LAYOUTS.items() if layout[3] == "float32"]
 LOSSES = ("actor/pg_loss", "actor/actor_loss", "actor/entropy", "actor/kl_loss", "actor/ppo_kl")
 
@@ -62,8 +65,9 @@ def ckpt_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(tiny_models, ckpt_root):
     """{(layout, fsdp2) or ("resume", layout): [rank 0's result, rank 1's]}."""
-    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS), str(ckpt_root)),
-                             timeout_s=400)
+    models = {name: str(tiny_models[name]) for name, _ in PP_LAYOUTS.values()}
+    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS), str(ckpt_root), models),
+                             timeout_s=500)
     return {key: [rank[key] for rank in ranks] for key in ranks[0]}
 
 
@@ -270,7 +274,7 @@ def _same(a: dict, b: dict) -> bool:
         a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a)
 
 
-@pytest.mark.parametrize("layout", RESUMED)
+@pytest.mark.parametrize("layout", RESUMED + (PP_RESUMED,))
 def test_a_resumed_update_is_the_uninterrupted_runs_bit_for_bit(run, layout):
     """Saved after update UPDATES - 1 and loaded into a new engine: its float32 shards and every AdamW
     state tensor (exp_avg, exp_avg_sq, step) are those at the save, and update UPDATES gives the
@@ -291,6 +295,29 @@ def test_a_resumed_update_is_the_uninterrupted_runs_bit_for_bit(run, layout):
         assert all(torch.equal(resumed["params"][n], w) for n, w in full["params"].items())
 
 
+def saved_tensors(path) -> dict:
+    """{key: (shape, dtype)} of a torch_dist checkpoint's model tensors (its metadata, read by torch)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
+            if hasattr(m, "size") and not k.startswith("optimizer.")}
+
+
+def hf_export(path, out, hf_config_dir) -> dict:
+    """megarl's HF export of the checkpoint `path` (`convert_torch_dist_to_hf`, as `megarl export`), read
+    back with safetensors: {HF name: tensor}."""
+    from safetensors.torch import load_file
+
+    from megarl.bridge.convert import convert_torch_dist_to_hf
+
+    convert_torch_dist_to_hf(path, out, hf_config_dir=hf_config_dir)
+    exported = {}
+    for file in out.glob("*.safetensors"):
+        exported.update(load_file(file))
+    return exported
+
+
 @pytest.mark.parametrize("layout", RESUMED)
 def test_the_saved_model_is_the_ddp_checkpoints_format_and_exports_to_the_pushed_weights(run, layout, ckpt_root,
                                                                                           tiny_models, tmp_path):
@@ -299,24 +326,11 @@ def test_the_saved_model_is_the_ddp_checkpoints_format_and_exports_to_the_pushed
     (`convert_torch_dist_to_hf`, as `megarl export`) read back with safetensors holds the tensors the
     weight push sent at the save (`weights_for_sync`), bit for bit (the HF config's float32 of a bf16
     checkpoint: exactly the bf16 values)."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megarl.bridge.convert import convert_torch_dist_to_hf
-
-    def tensors(path) -> dict:
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
-                if hasattr(m, "size") and not k.startswith("optimizer.")}
-
-    fsdp2 = tensors(ckpt_root / layout)
-    assert len(fsdp2) > 5 and fsdp2 == tensors(ckpt_root / f"{layout}_ddp")
+    fsdp2 = saved_tensors(ckpt_root / layout)
+    assert len(fsdp2) > 5 and fsdp2 == saved_tensors(ckpt_root / f"{layout}_ddp")
     model_dtype = torch.float32 if LAYOUTS[layout][3] == "float32" else torch.bfloat16
     assert {dtype for _, dtype in fsdp2.values()} == {model_dtype}
-    convert_torch_dist_to_hf(ckpt_root / layout, tmp_path / "hf", hf_config_dir=tiny_models["qwen2"])
-    exported = {}
-    for file in (tmp_path / "hf").glob("*.safetensors"):
-        exported.update(load_file(file))
+    exported = hf_export(ckpt_root / layout, tmp_path / "hf", tiny_models["qwen2"])
     pushed = run[(layout, True)][0]["at_save"]["pushed"]
     assert len(pushed) > 10 and exported.keys() == pushed.keys()
     for name, tensor in pushed.items():
@@ -357,6 +371,80 @@ def test_a_dp1_resume_reshards_the_dp2_checkpoint(run, ckpt_root, tiny_models):
         assert one["metrics"][key] == pytest.approx(full["metrics"][-1][key], **tolerance("dp2")), key
     for name, weight in full["params"].items():
         torch.testing.assert_close(one["params"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", PP_LAYOUTS)
+def test_pipeline_stages_train_as_with_ddp(run, layout):
+    """At PP2 megatron's schedule (1F1B; interleaved with VPP) runs the FSDP2 chunks with no DDP hooks,
+    each stage updating its own layers: the losses, gradient norms and learning rates, each stage's
+    gathered weights, the log-probs after the updates and each stage's pushed tensors are megatron
+    DDP's at the same layout (rel 1e-5); a tied embedding's two copies (the first stage's word
+    embedding, the last stage's output layer) stay equal, as DDP's; a non-finite loss skips the
+    update on both stages."""
+    for stage, (ddp, fsdp) in enumerate(zip(run[(layout, False)], run[(layout, True)])):
+        assert fsdp["fsdp2"] and not ddp["fsdp2"] and len(fsdp["metrics"]) == UPDATES
+        assert fsdp["schedule_hooks"] == [] and ddp["schedule_hooks"] == ["no_sync_func", "finalize_model_grads_func"]
+        for a, b in zip(ddp["metrics"], fsdp["metrics"]):
+            assert b["actor/lr"] == a["actor/lr"] and b["actor/skipped_updates"] == 0.0
+            for key in LOSSES + ("actor/grad_norm",):
+                assert b[key] == pytest.approx(a[key], **tolerance("dp2")), (stage, key, a[key], b[key])
+        assert fsdp["metrics"][-1]["actor/pg_loss"] < fsdp["metrics"][0]["actor/pg_loss"]
+        assert fsdp["params"].keys() == ddp["params"].keys()
+        assert ("embedding.word_embeddings.weight" in fsdp["params"]) == (stage == 0)
+        assert any(name.endswith("output_layer.weight") for name in fsdp["params"]) == (stage == 1)
+        for name, weight in ddp["params"].items():
+            torch.testing.assert_close(fsdp["params"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+        if ddp["scored_after"] is not None:
+            torch.testing.assert_close(fsdp["scored_after"]["log_probs"], ddp["scored_after"]["log_probs"],
+                                       rtol=1e-5, atol=1e-5)
+        assert len(ddp["pushed"]) > 5 and fsdp["pushed"].keys() == ddp["pushed"].keys()
+        for name, tensor in ddp["pushed"].items():
+            torch.testing.assert_close(fsdp["pushed"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        assert fsdp["poisoned"] == {"skipped": 1.0, "unchanged": True}
+    first, last = run[(PP_RESUMED, True)]  # the tied layout: its two copies after the updates
+    ddp_first, ddp_last = run[(PP_RESUMED, False)]
+    for stage0, stage1 in ((ddp_first, ddp_last), (first, last)):
+        assert torch.equal(stage0["params"]["embedding.word_embeddings.weight"],
+                           stage1["params"]["1.output_layer.weight"])
+
+
+def test_a_pipelines_first_update_is_hfs_loss_and_gradient_norm(run, tiny_models):
+    """The first update's gradient norm at PP2 with tied embeddings is HF's over the whole model: summed
+    over both stages, the tied embedding HF's one parameter, whose gradient is the sum of the two copies'
+    (the word embedding's and the output layer's, all-reduced) counted once."""
+    model, vpp = PP_LAYOUTS[PP_RESUMED]
+    cfg = pp_config(str(tiny_models[model]), vpp, True)
+    loss, norm = hf_first_update(tiny_models[model], training_batch(), run[(PP_RESUMED, True)][0]["old_log_probs"],
+                                 cfg)
+    first = run[(PP_RESUMED, True)][0]["metrics"][0]
+    assert first["actor/actor_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert first["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_a_pipelines_checkpoint_is_per_stage_exports_to_the_pushed_weights_and_refuses_another_pp_size(
+        run, ckpt_root, tiny_models, tmp_path):
+    """PP_RESUMED's checkpoint: the optimizer state in one DCP directory per TP rank and stage; the model
+    part megatron DDP's format at the same layout, its HF export what the two stages pushed at the save
+    (bit for bit); dp2's (PP1) optimizer state refused naming both layouts, its weights loaded at PP2
+    (megatron resharding) pushing dp2's weights at its save bit for bit. (The resume itself:
+    test_a_resumed_update_is_the_uninterrupted_runs_bit_for_bit.)"""
+    path = ckpt_root / PP_RESUMED
+    assert sorted(p.name for p in (path / "fsdp2_optimizer").iterdir()) == ["layout.json", "tp0_pp0", "tp0_pp1"]
+    fsdp2 = saved_tensors(path)
+    assert len(fsdp2) > 5 and fsdp2 == saved_tensors(ckpt_root / f"{PP_RESUMED}_ddp")
+    pushed = {name: t for rank in run[(PP_RESUMED, True)] for name, t in rank["at_save"]["pushed"].items()}
+    exported = hf_export(path, tmp_path / "hf", tiny_models[PP_LAYOUTS[PP_RESUMED][0]])
+    assert len(pushed) > 10 and exported.keys() == pushed.keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in pushed.items())
+    for result in run[("resume", PP_RESUMED)]:
+        message = result["other_refused"]
+        assert message and message.startswith(f"{ckpt_root / 'dp2'}: ")
+        assert "'pipeline_model_parallel_size': 1" in message and "'pipeline_model_parallel_size': 2" in message
+        assert result["other_updates"] == UPDATES - 1
+    other = {name: t for rank in run[("resume", PP_RESUMED)] for name, t in rank["other_pushed"].items()}
+    dp2 = run[("dp2", True)][0]["at_save"]["pushed"]
+    assert len(dp2) > 10 and other.keys() == dp2.keys()
+    assert all(torch.equal(other[n], t) for n, t in dp2.items())
 
 
 @pytest.mark.parametrize("backend,device", [("gloo", "cpu"), ("nccl", "cuda")])

@@ -380,11 +380,12 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
 
 def fsdp2_states(arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, params: float) -> float:
     """Bytes a GPU holds for a role trained with FSDP2 (`megatron.use_torch_fsdp2` / `use_megatron_fsdp`,
-    megarl.engines.megatron.fsdp2; one pipeline stage, dense: the rules refuse the rest), `params` its TP
-    rank's parameters: float32 shards over the DP x CP ranks of the parameters, their gradients and AdamW's
+    megarl.engines.megatron.fsdp2; dense: the rules refuse MoE), `params` its TP rank's parameters of its
+    pipeline stage: float32 shards over the DP x CP ranks of the parameters, their gradients and AdamW's
     two moments (16 bytes a parameter / (DP x CP)); whole, in the model's dtype, the root module (embedding,
-    output layer, final norm: FSDP2 keeps the root gathered after its forward) and the one transformer layer
-    being gathered, with its float32 gradient before the reduce-scatter."""
+    output layer, final norm: FSDP2 keeps the root gathered after its forward; with PP counted whole, a bound
+    of the first stage's embedding and the last stage's output layer) and the one transformer layer being
+    gathered, with its float32 gradient before the reduce-scatter."""
     tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
     layer = dense_layer_params(arch) / tp
     root = root_params(arch) / tp

@@ -148,9 +148,9 @@ def fsdp2_optimizer_override_warnings(config: ExperimentConfig, sizes: DerivedSi
 
 
 def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """A trained role with `megatron.use_torch_fsdp2=true` uses only what phase 1 builds (each refusal
-    names its key): no distributed optimizer (FSDP2 shards the optimizer state itself), no pipeline
-    parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no expert parallelism,
+    """A trained role with `megatron.use_torch_fsdp2=true` uses only what is built (each refusal names
+    its key; pipeline parallelism, with virtual stages and tied embeddings, is): no distributed optimizer
+    (FSDP2 shards the optimizer state itself), no expert parallelism,
     no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no LoRA, QAT or
     MTP training, no fp16 (megatron's loss scaler is its optimizer's), Adam only with the
     `optim.override_optimizer_config` fields `fsdp2_optimizer_overrides` accepts, and no background checkpoint
@@ -169,8 +169,6 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
         if megatron.use_distributed_optimizer and switch == "use_torch_fsdp2":
             yield (f"{m}.use_distributed_optimizer=true with {m}.use_torch_fsdp2=true: FSDP2 shards the optimizer "
                    "state itself; set use_distributed_optimizer=false")
-        if megatron.pipeline_model_parallel_size > 1:
-            yield f"{m}.pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} {why}"
         if megatron.expert_model_parallel_size > 1:
             yield f"{m}.expert_model_parallel_size={megatron.expert_model_parallel_size} {why} (MoE)"
         if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:

@@ -182,7 +182,8 @@ class MegatronEngine:
                 self.model_chunks, lr=optim_cfg.lr, min_lr=optim_cfg.final_lr(), betas=tuple(optim_cfg.betas),
                 weight_decay=optim_cfg.weight_decay, clip_grad=optim_cfg.clip_grad,
                 dp_cp_group=self._dp_cp_group(),
-                tp_group=parallel_state.get_tensor_model_parallel_group())
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                pp_group=parallel_state.get_pipeline_model_parallel_group())
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
         elif optim_cfg is not None:
             overlap = ddp_overlap(trains=True, dp_size=parallel_state.get_data_parallel_world_size(),
@@ -410,6 +411,8 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(micro_batches, head, forward_only=False)
+        if self.fsdp2:  # what megatron's finalize_model_grads does for DDP under PP: a tied embedding's sum
+            fsdp2.reduce_tied_embedding_grads(self.model_chunks)
         finite = grads_finite(self._local_grads(), self.device, self.section)
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

@@ -20,16 +20,24 @@ in place of megatron's DDP and optimizer.
   settings as megarl's megatron optimizer applies them (lr, betas, eps, weight decay none on biases
   and 1-D parameters, in a second group with `wd_mult` 0 for megatron's `OptimizerParamScheduler`);
   gradients clipped by the global norm, each TP-split gradient counted once per TP rank and each
-  TP-replicated one once (megatron's `param_is_not_tensor_parallel_duplicate`), as megatron's
+  TP-replicated one once (megatron's `param_is_not_tensor_parallel_duplicate`), summed over the
+  pipeline stages with a tied embedding counted once (megatron's `param_is_not_shared`), as megatron's
   `clip_grad_norm_fp32`.
+- Pipeline parallelism (1F1B, or interleaved with virtual stages): each stage's chunks are sharded
+  over that stage's DP x CP group, and megatron's schedules run them with no DDP hooks (the model
+  config's `no_sync_func` and `finalize_model_grads_func` stay unset: FSDP2 reduce-scatters each
+  micro-batch's gradient in its own backward). With tied embeddings (`share_embeddings_and_output_weights`)
+  the first stage's word embedding and the last stage's output layer are two copies of one weight:
+  `reduce_tied_embedding_grads` sums their gradients after the backward, as megatron's
+  `finalize_model_grads` does for DDP, so both take the same step.
 - Reading weights whole (`gathered`): every FSDP module unsharded, so `named_parameters()` give this
   rank's whole TP shards (the weight push, the HF export); resharded on exit.
 
 Checkpoints: engines.megatron.fsdp2_checkpoint. Offload between phases (`MegatronEngine.offload`,
 engines.megatron.offload): every FSDP module resharded, then each parameter's, gradient's and AdamW
-moment's local shard moved. Not built: pipeline parallelism, MoE, LoRA, QAT, MTP training, sequence
-parallelism, background checkpoint writes, and the `optim.override_optimizer_config` fields this AdamW
-does not run (refused at config time: megarl.config.rules.fsdp2).
+moment's local shard moved. Not built: MoE, LoRA, QAT, MTP training, sequence parallelism, background
+checkpoint writes, and the `optim.override_optimizer_config` fields this AdamW does not run (refused at
+config time: megarl.config.rules.fsdp2).
 """
 from __future__ import annotations
 
@@ -109,6 +117,26 @@ def local_grads(chunks: list) -> list[torch.Tensor]:
     return [p.grad.to_local() for chunk in chunks for p in chunk.parameters() if p.grad is not None]
 
 
+def reduce_tied_embedding_grads(chunks: list) -> None:
+    """Sum the gradient of a tied embedding over its two copies under pipeline parallelism: the
+    first stage's word embedding (`chunks[0]`) and the last stage's output layer (`chunks[-1]`),
+    all-reduced over megatron's embedding group (the first and last stage ranks of the same TP, DP
+    and CP ranks), as megatron-core's `finalize_model_grads` (`_allreduce_word_embedding_grads`)
+    does for DDP. Both copies are sharded alike over DP x CP (the same [vocab rows / TP, H] shape,
+    the same DP x CP rank in the group), so the local shards hold the same rows and are summed as
+    they are. A no-op without PP, without tied embeddings, or on a stage that holds neither."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    chunk = chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
+    if not chunk.share_embeddings_and_output_weights:
+        return
+    grad = chunk.shared_embedding_or_output_weight().grad
+    # a training backward always reaches both copies (the embedding's lookup, the head's logits)
+    dist.all_reduce(grad.to_local(), group=ps.get_embedding_group())
+
+
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """megatron's rule (optimizer/__init__.py get_standard_config_overrides, 0.16.1 and 0.19): no
     weight decay on biases and 1-D parameters (`param.shape` is the global shape of a DTensor)."""
@@ -122,7 +150,7 @@ class Fsdp2Optimizer:
     then no decay with `wd_mult` 0), which megatron's `OptimizerParamScheduler` sets."""
 
     def __init__(self, chunks: list, *, lr: float, min_lr: float, betas: tuple[float, float], weight_decay: float,
-                 clip_grad: float, dp_cp_group, tp_group):
+                 clip_grad: float, dp_cp_group, tp_group, pp_group):
         decay, no_decay = [], []
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -133,7 +161,7 @@ class Fsdp2Optimizer:
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=ADAM_EPS, weight_decay=weight_decay)
         self.params = decay + no_decay
         self.clip_grad = clip_grad
-        self.dp_cp_group, self.tp_group = dp_cp_group, tp_group
+        self.dp_cp_group, self.tp_group, self.pp_group = dp_cp_group, tp_group, pp_group
 
     @property
     def param_groups(self) -> list[dict]:
@@ -144,14 +172,18 @@ class Fsdp2Optimizer:
 
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient: squares of this rank's shards summed over DP x
-        CP, then over TP, a TP-replicated gradient counted on TP rank 0 only."""
+        CP, then over TP, a TP-replicated gradient counted on TP rank 0 only, then over the pipeline
+        stages, the last stage's copy of a tied embedding (megatron's `shared` mark) left out."""
         tp_rank = dist.get_rank(self.tp_group)
         total = torch.zeros((), dtype=torch.float32, device=self._device())
         for param in self.params:
-            if param.grad is not None and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+            if param.grad is None or getattr(param, "shared", False):
+                continue
+            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
                 total += param.grad.to_local().float().square().sum()
         dist.all_reduce(total, group=self.dp_cp_group)
         dist.all_reduce(total, group=self.tp_group)
+        dist.all_reduce(total, group=self.pp_group)
         return float(total.sqrt())
 
     @torch.no_grad()

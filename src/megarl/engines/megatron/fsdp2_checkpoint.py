@@ -8,16 +8,18 @@ the directory a megatron-DDP role's checkpoint would take, in two parts:
   conversion and a reference model read it as any megarl checkpoint; its weights load at any TP/PP
   layout (`load_weights`).
 - The training state, in the subdirectory `fsdp2_optimizer/tp<t>/` (one torch.distributed.checkpoint
-  (DCP) checkpoint per TP rank, written by that rank's DP x CP group): per parameter, by chunk and
-  name, its float32 main shard (`param`, the FSDP2 DTensor) and torch AdamW's state (`exp_avg`,
-  `exp_avg_sq` DTensors, `step`), plus `fsdp2_optimizer/layout.json` (the TP / PP / DP / CP sizes).
+  (DCP) checkpoint per TP rank, written by that rank's DP x CP group; with pipeline parallelism one per
+  TP rank and stage, `tp<t>_pp<p>/`, each stage's parameters under their local names): per parameter,
+  by chunk and name, its float32 main shard (`param`, the FSDP2 DTensor) and torch AdamW's state
+  (`exp_avg`, `exp_avg_sq` DTensors, `step`), plus `fsdp2_optimizer/layout.json` (the TP / PP / DP / CP
+  sizes).
 
 A resume with the optimizer (`load`) reads the parameters and Adam state from the DCP part and the
 schedule and count from the torch_dist part: at the same layout the next update is the uninterrupted
 run's bit for bit (tests/engines/test_fsdp2.py). At another DP or CP size DCP reshards the DTensor
 shards (the same values, each rank its new `Shard(0)` part); another TP or PP size is refused
-(ValueError naming the checkpoint and both layouts: the shards are of TP-split tensors), where a
-resume without the optimizer state (`load_weights`) still works."""
+(ValueError naming the checkpoint and both layouts: the shards are of TP-split tensors, by each stage's
+local names), where a resume without the optimizer state (`load_weights`) still works."""
 from __future__ import annotations
 
 import contextlib
@@ -47,10 +49,18 @@ def current_layout() -> dict[str, int]:
             "context_parallel_size": ps.get_context_parallel_world_size()}
 
 
+def state_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """The DCP part's directory of a TP rank and pipeline stage: "tp<t>", "tp<t>_pp<p>" with PP > 1
+    (each stage holds other parameters under the same local names)."""
+    return f"tp{tp_rank}" if pp_size == 1 else f"tp{tp_rank}_pp{pp_rank}"
+
+
 def _state_dir(path: Path) -> Path:
     from megatron.core import parallel_state as ps
 
-    return path / STATE_DIR / f"tp{ps.get_tensor_model_parallel_rank()}"
+    return path / STATE_DIR / state_dir_name(ps.get_tensor_model_parallel_rank(),
+                                             ps.get_pipeline_model_parallel_rank(),
+                                             ps.get_pipeline_model_parallel_world_size())
 
 
 @contextlib.contextmanager
