@@ -54,15 +54,16 @@ def megatron_fsdp_runs_as_fsdp2(config: ExperimentConfig, sizes: DerivedSizes) -
 
 
 def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
-    """A trained role with `megatron.use_torch_fsdp2=true` uses only what phase 1 builds (each refusal
+    """A trained role with `megatron.use_torch_fsdp2=true` uses only what FSDP2 builds (each refusal
     names its key): no distributed optimizer (FSDP2 shards the optimizer state itself), no pipeline
-    parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no expert parallelism,
-    no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no parameter /
-    gradient / optimizer offload, no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
-    optimizer's), Adam only with no `optim.override_optimizer_config`, and no background checkpoint
-    write (`checkpoint.async_save`: its checkpoints are written in the foreground,
-    engines.megatron.fsdp2_checkpoint; saving and resuming are built). MoE models are refused when
-    the engine reads the model's config. A forward-only role ignores the key.
+    parallelism (FSDP2 modules under megatron's pipeline schedules: not built), no sequence parallelism
+    (its norms' gradient all-reduce over TP is megatron DDP's), no parameter / gradient / optimizer
+    offload, no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its optimizer's), Adam
+    only with no `optim.override_optimizer_config`, and no background checkpoint write
+    (`checkpoint.async_save`: its checkpoints are written in the foreground,
+    engines.megatron.fsdp2_checkpoint; saving and resuming are built). MoE models train with expert
+    parallelism (the experts sharded over megatron's expert-DP group); one with a router expert bias is
+    refused when the engine reads the model's config. A forward-only role ignores the key.
 
     Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
     critic.optim, actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora, critic.model.lora,
@@ -77,8 +78,6 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
                    "state itself; set use_distributed_optimizer=false")
         if megatron.pipeline_model_parallel_size > 1:
             yield f"{m}.pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} {why}"
-        if megatron.expert_model_parallel_size > 1:
-            yield f"{m}.expert_model_parallel_size={megatron.expert_model_parallel_size} {why} (MoE)"
         if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
             yield f"{m}.sequence_parallel=true {why}"
         for part in ("param_offload", "grad_offload", "optimizer_offload"):
