@@ -24,6 +24,16 @@ def test_off_by_default_and_valid_when_on():
     assert config.actor_rollout_ref.actor.megatron.use_torch_fsdp2
 
 
+def test_expert_parallelism_is_built():
+    """Phase 2: EP > 1 trains with FSDP2 (the experts sharded over megatron's expert-DP group,
+    tests/engines/test_fsdp2.py), on the actor and on the critic."""
+    config = load_and_validate(None, [*BASE, *ON, f"{ACTOR}.expert_model_parallel_size=2"])
+    assert config.actor_rollout_ref.actor.megatron.expert_model_parallel_size == 2
+    load_and_validate(None, [*BASE, "critic.enable=true", "critic.megatron.use_torch_fsdp2=true",
+                             "critic.megatron.use_distributed_optimizer=false",
+                             "critic.megatron.expert_model_parallel_size=2"])
+
+
 @pytest.mark.parametrize("overrides", [
     [*MLITE, "+actor_rollout_ref.actor.engine.impl_cfg.optimizer=fsdp2"],
     # verl's SFT trainer: Megatron Lite's engine is the actor's
@@ -47,7 +57,6 @@ def test_megatron_lites_dist_opt_is_not_fsdp2():
 @pytest.mark.parametrize("extra, key", [
     ([f"{ACTOR}.use_distributed_optimizer=true"],
      f"{ACTOR}.use_distributed_optimizer=true with {ACTOR}.use_torch_fsdp2"),
-    ([f"{ACTOR}.expert_model_parallel_size=2"], f"{ACTOR}.expert_model_parallel_size=2"),
     ([f"{ACTOR}.tensor_model_parallel_size=2", f"{ACTOR}.sequence_parallel=true"], f"{ACTOR}.sequence_parallel=true"),
     ([f"{ACTOR}.qat.enable=true"], f"{ACTOR}.qat.enable=true"),
     (["actor_rollout_ref.actor.optim.optimizer=sgd"], "actor_rollout_ref.actor.optim.optimizer=sgd"),

@@ -1,6 +1,7 @@
 """Bodies of the FSDP2 engine checks (`megatron.use_torch_fsdp2`), run in spawned gloo processes: the
 same PPO updates with megatron's DDP (the oracle) and with FSDP2 (LAYOUTS: DP2, TP2, CP2 with full recompute, and
-DP2 in bfloat16; PP_LAYOUTS: two pipeline stages; a critic at DP2), in one world."""
+DP2 in bfloat16; PP_LAYOUTS: two pipeline stages; a critic at DP2; a tiny MoE at EP2 and EP1: MOE_LAYOUTS),
+in one world."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,11 @@ RESUMED = ("dp2", "tp2", "dp2_bf16")  # saved after update UPDATES - 1, resumed 
 # weight) under the interleaved schedule, two model chunks a stage
 PP_LAYOUTS = {"pp2": ("llama", None), "pp2_vpp2_tied": ("qwen2", 2)}
 PP_RESUMED = "pp2_vpp2_tied"  # saved after update UPDATES - 1 and resumed (after trying dp2's PP1 checkpoint)
+# a tiny Qwen3-MoE (8 experts, top 2) at DP2, float32, clipped, with megatron's load-balancing loss: name: EP size.
+# EP2: each rank 4 experts, expert DP 1; EP1: every expert on both ranks, sharded over expert DP 2. moe_ep2 replays
+# given routes (router_replay R3); both save after update UPDATES - 1 and resume.
+MOE_LAYOUTS = {"moe_ep2": 2, "moe_ep1": 1}
+MOE_REPLAYED = ("moe_ep2",)
 
 
 def fsdp2_config(model_dir: str, world_size: int, tp: int, cp: int, clip_grad: float, dtype: str, recompute: bool,
@@ -49,6 +55,20 @@ def chunk_parameters(actor):
     for v, chunk in enumerate(actor.model_chunks):
         for name, param in chunk.named_parameters():
             yield (name if v == 0 else f"{v}.{name}"), param
+def moe_config(model_dir: str, ep: int, fsdp2: bool, replay: bool):
+    return fsdp2_config(model_dir, 2, 1, 1, 0.05, "float32", False, fsdp2,
+                        *[f"actor_rollout_ref.{r}.megatron.expert_model_parallel_size={ep}" for r in ("actor", "ref")],
+                        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01",
+                        f"actor_rollout_ref.actor.router_replay.mode={'R3' if replay else 'disabled'}")
+
+
+def routed(batch, layers: int = 2, experts: int = 8, k: int = 2):
+    """`batch` with routes to replay (router_replay R3): for every token and layer k distinct random experts."""
+    g = torch.Generator().manual_seed(11)
+    for key, mask in (("prompt_routed_experts", "prompt_mask"), ("routed_experts", "response_mask")):
+        b, n = batch[mask].shape
+        batch[key] = torch.rand(b, n, layers, experts, generator=g).argsort(-1)[..., :k].to(torch.uint8)
+    return batch
 
 
 def pushed(actor) -> dict[str, torch.Tensor]:
@@ -254,14 +274,18 @@ def _ddp_from_fsdp2(cfg, ckpt: str) -> dict:
 
 
 def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: list[str], ckpt_root: str,
-                models: dict) -> dict:
+                models: dict, moe_dir: str | None = None, biased_moe_dir: str | None = None) -> dict:
     """Each of `layouts` (names in LAYOUTS) with DDP then FSDP2: UPDATES PPO updates of one batch,
     then the metrics, log-probs after them, whole parameters, the push's tensors, and for FSDP2 the
     shards; the runs of RESUMED save a checkpoint under `ckpt_root` after update UPDATES - 1 (<layout>,
     DDP's <layout>_ddp), and ("resume", layout) is a new engine's resume from FSDP2's (at TP2, after
     trying dp2's). The same for PP_LAYOUTS (`models`: {name: HF directory}), PP_RESUMED resumed after
     trying dp2's checkpoint. FSDP2's dp2 run offloads and onloads after update UPDATES - 1; "verl_megatron_fsdp",
-    the same engine under verl's key, never does."""
+    the same engine under verl's key, never does. With `moe_dir` (a tiny MoE model) also MOE_LAYOUTS (`_moe`);
+    with `biased_moe_dir` (an MoE whose router has an expert bias) the FSDP2 engine's refusal
+    ("expert_bias_refused", None: built)."""
+    from megarl.engines.megatron.roles import ActorEngine
+
     init_world(rank, world_size, port)
     batch = training_batch()
     out = {}
@@ -300,9 +324,37 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
     out[("resume", PP_RESUMED)] = _resume(pp_config(models[model], vpp, True), batch,
                                           out[(PP_RESUMED, True)]["old_log_probs"], f"{ckpt_root}/{PP_RESUMED}", other)
     reset_layout()
+    if moe_dir is not None:
+        out.update(_moe(model_dir=moe_dir, ckpt_root=ckpt_root, batch=batch))
+    if biased_moe_dir is not None:  # a router expert bias (its update is megatron DDP's finalize_model_grads)
+        try:
+            ActorEngine(moe_config(biased_moe_dir, 2, True, False))
+            out["expert_bias_refused"] = None
+        except ValueError as exc:
+            out["expert_bias_refused"] = str(exc)
+        reset_layout()
     for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
         out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,
                                                       f"critic.megatron.use_torch_fsdp2={str(fsdp2).lower()}"), batch)
+        reset_layout()
+    return out
+
+
+def _moe(model_dir: str, ckpt_root: str, batch) -> dict:
+    """Each of MOE_LAYOUTS with DDP then FSDP2 (as `fsdp2_world`, FSDP2's checkpoint under `ckpt_root`/<name>),
+    then ("resume", name): a new FSDP2 engine resumed from it, at EP1 after trying moe_ep2's checkpoint."""
+    out = {}
+    for name, ep in MOE_LAYOUTS.items():
+        mine = routed(batch.select(range(len(batch)))) if name in MOE_REPLAYED else batch
+        for fsdp2 in (False, True):
+            out[(name, fsdp2)] = _train(moe_config(model_dir, ep, fsdp2, name in MOE_REPLAYED), mine, fsdp2,
+                                        f"{ckpt_root}/{name}{'' if fsdp2 else '_ddp'}")
+            reset_layout()
+    for name, ep in MOE_LAYOUTS.items():
+        mine = routed(batch.select(range(len(batch)))) if name in MOE_REPLAYED else batch
+        other = f"{ckpt_root}/moe_ep2" if name == "moe_ep1" else None
+        out[("resume", name)] = _resume(moe_config(model_dir, ep, True, name in MOE_REPLAYED), mine,
+                                        out[(name, True)]["old_log_probs"], f"{ckpt_root}/{name}", other)
         reset_layout()
     return out
 

@@ -1,10 +1,10 @@
 """`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
 optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
-DP2 in bfloat16, and two pipeline stages (PP2, DP1: untied under 1F1B, a tied embedding under the
-interleaved schedule) (fsdp2_world.py); checkpoints saved after update UPDATES - 1 and resumed (bit for bit
-at the same layout, resharded to DP1, refused at another TP or PP size) and exported to HF; an offload and
-onload between updates (the shards' hand-counted bytes moved, the next update an un-offloaded engine's bit
-for bit).
+DP2 in bfloat16, two pipeline stages (PP2, DP1: untied under 1F1B, a tied embedding under the
+interleaved schedule) and a tiny MoE at EP2 (with routing replay) and EP1 (fsdp2_world.py); checkpoints
+saved after update UPDATES - 1 and resumed (bit for bit at the same layout, resharded to DP1, refused at
+another TP, PP or EP size) and exported to HF; an offload and onload between updates (the shards'
+hand-counted bytes moved, the next update an un-offloaded engine's bit for bit).
 
 Tolerance: FSDP2 reduce-scatters each micro-batch's gradient (megatron's DDP sums the micro-batches
 first, then all-reduces) and sums the gradient norm over shards, so at DP2 / CP2 the float32 results
@@ -15,14 +15,16 @@ for the reduce-scatter): within rel 2e-2, weights within one bf16 rounding."""
 import pytest
 import torch
 from engine_world import training_batch
-from fsdp2_world import (LAYOUTS, PP_LAYOUTS, PP_RESUMED, RESUMED, UPDATES, fsdp2_config, fsdp2_dp1_resume,
-                         fsdp2_world, pp_config)
+from fsdp2_world import (LAYOUTS, MOE_LAYOUTS, MOE_REPLAYED, PP_LAYOUTS, PP_RESUMED, RESUMED, UPDATES, fsdp2_config,
+                         fsdp2_dp1_resume, fsdp2_world, pp_config)
 
+from megarl.data.tiny_model import make_tiny_model
 from megarl.engines.megatron.fsdp2 import mesh_device_type
 from megarl.testing import run_gloo_workers
 
-pytestmark = pytest.mark.slow  # one 2-rank world, 19 engines, and a 1-rank one: ~60 s on 2 cores
+pytestmark = pytest.mark.slow  # one 2-rank world, 29 engines, and a 1-rank one: ~100 s on 2 cores
 FP32 = [name for name, layout in LAYOUTS.items() if layout[3] == "float32"]
+MOE = list(MOE_LAYOUTS)
 LOSSES = ("actor/pg_loss", "actor/actor_loss", "actor/entropy", "actor/kl_loss", "actor/ppo_kl")
 
 
@@ -63,10 +65,22 @@ def ckpt_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(tiny_models, ckpt_root):
-    """{(layout, fsdp2) or ("resume", layout): [rank 0's result, rank 1's]}."""
+def moe_models(tmp_path_factory):
+    """A tiny Qwen3-MoE (2 layers, 8 experts, top 2) and a tiny GLM-4-MoE (its routers with an expert bias)."""
+    root = tmp_path_factory.mktemp("fsdp2_moe")
+    return {"qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2,
+                                         intermediate=32, seed=3),
+            "glm4_moe": make_tiny_model("glm4_moe", root / "glm4_moe", layers=2, hidden=64, heads=4, kv_heads=2,
+                                        intermediate=32, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models, ckpt_root, moe_models):
+    """{(layout, fsdp2) or ("resume", layout): [rank 0's result, rank 1's]} (layouts: LAYOUTS, PP_LAYOUTS and
+    MOE_LAYOUTS)."""
     models = {name: str(tiny_models[name]) for name, _ in PP_LAYOUTS.values()}
-    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS), str(ckpt_root), models),
+    ranks = run_gloo_workers(fsdp2_world, 2, args=(str(tiny_models["qwen2"]), list(LAYOUTS), str(ckpt_root), models,
+                                                   str(moe_models["qwen3_moe"]), str(moe_models["glm4_moe"])),
                              timeout_s=500)
     return {key: [rank[key] for rank in ranks] for key in ranks[0]}
 
@@ -198,15 +212,16 @@ def test_megatrons_ddp_refuses_an_fsdp2_checkpoints_optimizer_state_and_loads_it
 
 
 def test_weight_decay_groups_are_megatrons(run):
-    """No decay on biases and 1-D parameters: the FSDP2 AdamW's groups against megatron's optimizer's."""
-    for layout in LAYOUTS:
+    """No decay on biases and 1-D parameters: the FSDP2 AdamW's groups against megatron's optimizer's (for the
+    MoE its dense and expert optimizers chained)."""
+    for layout in [*LAYOUTS, *MOE]:
         for ddp, fsdp in zip(run[(layout, False)], run[(layout, True)]):
             assert fsdp["wd_mult"] == ddp["wd_mult"]
             assert set(fsdp["wd_mult"].values()) == {0.0, 1.0}
 
 
 def test_a_non_finite_loss_on_one_rank_skips_the_update_everywhere(run):
-    for layout in LAYOUTS:
+    for layout in [*LAYOUTS, *MOE]:
         for result in run[(layout, True)]:
             assert result["poisoned"] == {"skipped": 1.0, "unchanged": True}
 
@@ -274,12 +289,13 @@ def _same(a: dict, b: dict) -> bool:
         a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a)
 
 
-@pytest.mark.parametrize("layout", RESUMED + (PP_RESUMED,))
+@pytest.mark.parametrize("layout", [*RESUMED, PP_RESUMED, *MOE])
 def test_a_resumed_update_is_the_uninterrupted_runs_bit_for_bit(run, layout):
     """Saved after update UPDATES - 1 and loaded into a new engine: its float32 shards and every AdamW
     state tensor (exp_avg, exp_avg_sq, step) are those at the save, and update UPDATES gives the
     uninterrupted run's metrics, shards, Adam state and gathered weights, bit for bit (the oracle: the
-    same engine going on without a checkpoint)."""
+    same engine going on without a checkpoint). MoE at EP2: each EP rank its own experts (saved under
+    the same local names)."""
     for full, resumed in zip(run[(layout, True)], run[("resume", layout)]):
         at_save = full["at_save"]
         assert at_save["updates"] == resumed["loaded"]["updates"] == UPDATES - 1
@@ -445,6 +461,112 @@ def test_a_pipelines_checkpoint_is_per_stage_exports_to_the_pushed_weights_and_r
     dp2 = run[("dp2", True)][0]["at_save"]["pushed"]
     assert len(dp2) > 10 and other.keys() == dp2.keys()
     assert all(torch.equal(other[n], t) for n, t in dp2.items())
+@pytest.mark.parametrize("layout", MOE)
+def test_moe_losses_grad_norms_and_weights_equal_ddps(run, layout):
+    """A tiny MoE (8 experts, top 2, megatron's load-balancing loss) at DP2, EP2 (expert DP 1) and EP1 (expert
+    DP 2): each update's losses and gradient norm (dense and expert gradients, each reduced over its own group)
+    are megatron's DDP and chained optimizer's; so are the weights after the updates (each rank's TP / EP
+    shards, experts included), the log-probs on them and the pushed HF tensors."""
+    ddp, fsdp = run[(layout, False)], run[(layout, True)]
+    for a, b in zip(ddp[0]["metrics"], fsdp[0]["metrics"]):
+        assert b["actor/skipped_updates"] == 0.0 and b["actor/lr"] == a["actor/lr"]
+        for key in LOSSES + ("actor/grad_norm",):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+    assert fsdp[0]["metrics"] == fsdp[1]["metrics"]
+    assert fsdp[0]["metrics"][-1]["actor/pg_loss"] < fsdp[0]["metrics"][0]["actor/pg_loss"]
+    for d, f in zip(ddp, fsdp):
+        experts = [n for n in d["params"] if ".mlp.experts." in n]
+        assert len(experts) == 2 * 2 * 8 // MOE_LAYOUTS[layout] and d["params"].keys() == f["params"].keys()
+        for name, weight in d["params"].items():
+            torch.testing.assert_close(f["params"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(f["scored_after"]["log_probs"], d["scored_after"]["log_probs"], rtol=1e-5,
+                                   atol=1e-5)
+        emits = MOE_LAYOUTS[layout] == 2 or d["dp_rank"] == 0  # at EP2 each EP rank emits its experts
+        assert len(d["pushed"]) > 10 if emits else d["pushed"] == {}
+        assert f["pushed"].keys() == d["pushed"].keys()
+        for name, tensor in d["pushed"].items():
+            torch.testing.assert_close(f["pushed"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", MOE)
+def test_moe_experts_are_sharded_over_expert_dp(run, layout):
+    """The experts' parameters are `Shard(0)` over megatron's expert-DP group (2 / EP ranks: the whole local
+    experts at EP2, half their rows at EP1), the rest over DP x CP (2 ranks); the local shard is torch's split."""
+    edp = 2 // MOE_LAYOUTS[layout]
+    for rank, result in enumerate(run[(layout, True)]):
+        for name, s in result["shards"].items():
+            mesh = edp if ".mlp.experts." in name else 2
+            assert s["shard0"] and s["mesh_size"] == mesh, (name, s["mesh_size"])
+            whole = result["params"][name]
+            part = torch.chunk(whole, mesh, dim=0)
+            index = rank if mesh == 2 else 0
+            assert torch.equal(s["local"], part[index] if index < len(part) else whole[:0]), name
+
+
+def test_moe_routing_replay_trains_as_with_ddp(run):
+    """moe_ep2 replays given routes (router_replay R3) in both engines: its log-probs and first gradient norm
+    differ from moe_ep1's own routing (so the routes were forced), and test_moe_losses_grad_norms_and_weights_equal_ddps
+    holds for it."""
+    (replayed,) = MOE_REPLAYED
+    (other,) = [n for n in MOE if n != replayed]
+    for a, b in zip(run[(replayed, True)], run[(other, True)]):
+        assert (a["old_log_probs"] - b["old_log_probs"]).abs().max() > 1e-3
+    first = run[(replayed, True)][0]["metrics"][0]["actor/grad_norm"]
+    assert first != pytest.approx(run[(other, True)][0]["metrics"][0]["actor/grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", MOE)
+def test_the_saved_moe_model_is_the_ddp_checkpoints_format_and_exports_to_the_pushed_weights(run, layout, ckpt_root,
+                                                                                            moe_models, tmp_path):
+    """The MoE's model part: megatron's DDP checkpoint's keys, shapes and dtypes (every expert, gathered over
+    expert DP and placed by EP rank); its HF export holds what the push sent at the save (all ranks' pushes
+    together: each EP rank its experts), bit for bit."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megarl.bridge.convert import convert_torch_dist_to_hf
+
+    def tensors(path) -> dict:  # megatron's chained optimizer's keys: "chained_<i>.optimizer..."
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
+                if hasattr(m, "size") and "optimizer." not in k}
+
+    saved = tensors(ckpt_root / layout)
+    assert len(saved) > 5 and saved == tensors(ckpt_root / f"{layout}_ddp")
+    convert_torch_dist_to_hf(ckpt_root / layout, tmp_path / "hf", hf_config_dir=moe_models["qwen3_moe"])
+    exported = {}
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(file))
+    pushed = {}
+    for result in run[(layout, True)]:
+        pushed.update(result["at_save"]["pushed"])
+    assert sum(".mlp.experts." in n for n in pushed) == 2 * 8 * 3 and pushed.keys() <= exported.keys()
+    assert all(torch.equal(exported[n], t) for n, t in pushed.items())
+
+
+def test_an_moe_with_a_router_expert_bias_is_refused_naming_the_key(run):
+    """megatron's DDP updates the routers' expert bias in finalize_model_grads (load balancing), which FSDP2
+    does not run: refused by name rather than left unchanged."""
+    for result in run["expert_bias_refused"]:
+        assert result and result.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true: ")
+        assert "router expert bias" in result and "not built yet with megatron.use_torch_fsdp2" in result
+
+
+def test_another_ep_size_refuses_the_optimizer_state_naming_both_layouts_and_loads_the_weights(run, ckpt_root):
+    """moe_ep2's checkpoint at EP1: the optimizer-state load is refused (ValueError naming the checkpoint and
+    both layouts: each EP rank saved its own experts); the weights alone load (megatron resharding the
+    experts), and the push sends moe_ep2's weights at its save (both EP ranks' together) bit for bit."""
+    for result in run[("resume", "moe_ep1")]:
+        message = result["other_refused"]
+        assert message and message.startswith(f"{ckpt_root / 'moe_ep2'}: ")
+        assert "'expert_model_parallel_size': 2" in message and "'expert_model_parallel_size': 1" in message
+        assert result["other_updates"] == UPDATES - 1
+    saved = {}
+    for result in run[("moe_ep2", True)]:
+        saved.update(result["at_save"]["pushed"])
+    other = run[("resume", "moe_ep1")][0]["other_pushed"]
+    assert len(saved) > 10 and other.keys() == saved.keys()
+    assert all(torch.equal(other[n], t) for n, t in saved.items())
 
 
 @pytest.mark.parametrize("backend,device", [("gloo", "cpu"), ("nccl", "cuda")])

@@ -149,14 +149,15 @@ def fsdp2_optimizer_override_warnings(config: ExperimentConfig, sizes: DerivedSi
 
 def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[str]:
     """A trained role with `megatron.use_torch_fsdp2=true` uses only what is built (each refusal names
-    its key; pipeline parallelism, with virtual stages and tied embeddings, is): no distributed optimizer
-    (FSDP2 shards the optimizer state itself), no expert parallelism,
-    no sequence parallelism (its norms' gradient all-reduce over TP is megatron DDP's), no LoRA, QAT or
-    MTP training, no fp16 (megatron's loss scaler is its optimizer's), Adam only with the
-    `optim.override_optimizer_config` fields `fsdp2_optimizer_overrides` accepts, and no background checkpoint
-    write (`checkpoint.async_save`: its checkpoints are written in the foreground,
-    engines.megatron.fsdp2_checkpoint; saving and resuming are built). MoE models are refused when
-    the engine reads the model's config. A forward-only role ignores the key.
+    its key; pipeline parallelism, with virtual stages and tied embeddings, is built, and MoE models with
+    expert parallelism, the experts sharded over megatron's expert-DP group): no distributed optimizer
+    (FSDP2 shards the optimizer state itself), no sequence parallelism (its norms' gradient all-reduce
+    over TP is megatron DDP's), no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
+    optimizer's), Adam only with the `optim.override_optimizer_config` fields `fsdp2_optimizer_overrides`
+    accepts, and no background checkpoint write (`checkpoint.async_save`: its checkpoints are written in
+    the foreground, engines.megatron.fsdp2_checkpoint; saving and resuming are built). An MoE with a
+    router expert bias is refused when the engine reads the model's config. A forward-only role ignores
+    the key.
 
     Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
     critic.optim, actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora, critic.model.lora,
@@ -169,8 +170,6 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
         if megatron.use_distributed_optimizer and switch == "use_torch_fsdp2":
             yield (f"{m}.use_distributed_optimizer=true with {m}.use_torch_fsdp2=true: FSDP2 shards the optimizer "
                    "state itself; set use_distributed_optimizer=false")
-        if megatron.expert_model_parallel_size > 1:
-            yield f"{m}.expert_model_parallel_size={megatron.expert_model_parallel_size} {why} (MoE)"
         if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
             yield f"{m}.sequence_parallel=true {why}"
         if megatron.qat.enable:

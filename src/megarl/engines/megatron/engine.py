@@ -110,10 +110,11 @@ class MegatronEngine:
             source = ModelSource.dist_checkpoint(megatron_cfg.dist_checkpointing_path,
                                                  f"{section}.megatron.dist_checkpointing_path", source.config_dir)
         self.arch = read_arch(source, override_config, model_key)
-        if self.fsdp2 and self.arch.moe is not None:
+        if self.fsdp2 and self.arch.moe is not None and self.arch.moe.expert_bias:
+            # megatron's DDP updates the routers' expert bias in finalize_model_grads, which FSDP2 does not run
             switch = fsdp2_switch(megatron_cfg)
-            raise ValueError(f"{section}.megatron.{switch}=true: {model_key} is an MoE model, not built yet "
-                             f"with megatron.{switch}")
+            raise ValueError(f"{section}.megatron.{switch}=true: {model_key} is an MoE model with a router expert "
+                             f"bias (its load-balancing update), not built yet with megatron.{switch}")
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
@@ -176,14 +177,16 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self._ddp_chunks = None
         if self.fsdp2:  # torch FSDP2 over DP x CP in place of megatron's DDP and optimizer (engines.megatron.fsdp2)
+            # an MoE model's experts: sharded over megatron's expert-DP group
+            experts = fsdp2.ExpertGroups.from_parallel_state() if self.arch.moe is not None else None
             fsdp2.wrap_chunks(self.model_chunks, self._dp_cp_group(),
-                              self.params_dtype)
+                              self.params_dtype, None if experts is None else experts.dp)
             self.optimizer = fsdp2.Fsdp2Optimizer(
                 self.model_chunks, lr=optim_cfg.lr, min_lr=optim_cfg.final_lr(), betas=tuple(optim_cfg.betas),
                 weight_decay=optim_cfg.weight_decay, clip_grad=optim_cfg.clip_grad,
                 dp_cp_group=self._dp_cp_group(),
                 tp_group=parallel_state.get_tensor_model_parallel_group(),
-                pp_group=parallel_state.get_pipeline_model_parallel_group())
+                pp_group=parallel_state.get_pipeline_model_parallel_group(), expert_groups=experts)
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, section)
         elif optim_cfg is not None:
             overlap = ddp_overlap(trains=True, dp_size=parallel_state.get_data_parallel_world_size(),
@@ -501,8 +504,8 @@ class MegatronEngine:
     def load_checkpoint(self, path: str | Path, optimizer: bool = True) -> None:
         """Load what `save_checkpoint` saved (possibly at another TP/PP layout); `optimizer` False: the
         weights alone (a checkpoint saved without its optimizer), the optimizer and schedule kept as
-        they are. Every rank calls it. With FSDP2 (fsdp2_checkpoint): the optimizer state at the saved TP
-        and PP sizes only (any DP and CP sizes); the weights alone at any layout."""
+        they are. Every rank calls it. With FSDP2 (fsdp2_checkpoint): the optimizer state at the saved TP,
+        PP and EP sizes only (any DP and CP sizes); the weights alone at any layout."""
         self.offloader.check_onloaded()
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{self.section}: checkpoint directory {path} does not exist")
@@ -510,7 +513,7 @@ class MegatronEngine:
             group = self._dp_cp_group()
             self.updates = (fsdp2_checkpoint.load(Path(path), self.model_chunks, self.optimizer, self.scheduler, group)
                             if optimizer else
-                            fsdp2_checkpoint.load_weights(Path(path), self.model_chunks, self.params_dtype, group))
+                            fsdp2_checkpoint.load_weights(Path(path), self.model_chunks, self.params_dtype))
             return
         if optimizer and self.optimizer is not None and (Path(path) / fsdp2_checkpoint.STATE_DIR).is_dir():
             raise ValueError(f"{self.section}: {path} is a megatron.use_torch_fsdp2 checkpoint: its optimizer state "

@@ -4,7 +4,10 @@ optimizer state sharded over the data-parallel x context-parallel ranks by torch
 in place of megatron's DDP and optimizer.
 
 - Wrap (`wrap_chunks`): `fully_shard` on each transformer layer, then on the chunk (the root, which
-  holds the embedding, the final norm and the output layer or value head). Each parameter's shard is
+  holds the embedding, the final norm and the output layer or value head). An MoE layer's experts
+  module is wrapped first, on its own, over megatron's expert-data-parallel group (`ExpertGroups`; the
+  router and shared experts stay with their layer, over DP x CP); its gradients are scaled as megatron's
+  DDP scales expert gradients (summed over expert DP, divided by DP x CP). Each parameter's shard is
   `Shard(0)` of a 1-D DeviceMesh over megatron's DP x CP group, kept in float32; under a bf16 model
   the forward and backward compute in bf16 (`MixedPrecisionPolicy.param_dtype`) and the gradients
   are reduce-scattered in float32 (as megatron's DDP with `grad_reduce_in_fp32`). The reduce-scatter
@@ -22,7 +25,8 @@ in place of megatron's DDP and optimizer.
   gradients clipped by the global norm, each TP-split gradient counted once per TP rank and each
   TP-replicated one once (megatron's `param_is_not_tensor_parallel_duplicate`), summed over the
   pipeline stages with a tied embedding counted once (megatron's `param_is_not_shared`), as megatron's
-  `clip_grad_norm_fp32`.
+  `clip_grad_norm_fp32`; an MoE's expert gradients reduced over their own groups and combined with the
+  dense ones, as megatron's `ChainedOptimizer` of a dense and an expert optimizer (`grad_norm`).
 - Pipeline parallelism (1F1B, or interleaved with virtual stages): each stage's chunks are sharded
   over that stage's DP x CP group, and megatron's schedules run them with no DDP hooks (the model
   config's `no_sync_func` and `finalize_model_grads_func` stay unset: FSDP2 reduce-scatters each
@@ -35,14 +39,15 @@ in place of megatron's DDP and optimizer.
 
 Checkpoints: engines.megatron.fsdp2_checkpoint. Offload between phases (`MegatronEngine.offload`,
 engines.megatron.offload): every FSDP module resharded, then each parameter's, gradient's and AdamW
-moment's local shard moved. Not built: MoE, LoRA, QAT, MTP training, sequence parallelism, background
-checkpoint writes, and the `optim.override_optimizer_config` fields this AdamW does not run (refused at
-config time: megarl.config.rules.fsdp2).
+moment's local shard moved. Not built: LoRA, QAT, MTP training, sequence parallelism, background
+checkpoint writes, the `optim.override_optimizer_config` fields this AdamW does not run (refused at
+config time: megarl.config.rules.fsdp2), and an MoE router's expert bias (its update runs in megatron
+DDP's finalize_model_grads; refused by the engine).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +59,22 @@ from megarl.engines.megatron.optim import ADAM_EPS
 # and the gradient-norm rule reads them
 MEGATRON_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                         "shared", "allreduce")
+SHARD_GROUP = "fsdp2_shard_group"  # the attribute holding each FSDP2 parameter's shard group (`shard_group`)
+
+
+class ExpertGroups(NamedTuple):
+    """megatron's expert process groups an MoE model's FSDP2 needs (parallel_state): `dp` the expert-
+    data-parallel group (the experts' FSDP2 mesh), `tp` expert TP, `tp_ep_pp` expert TP x EP x PP."""
+    dp: object
+    tp: object
+    tp_ep_pp: object
+
+    @classmethod
+    def from_parallel_state(cls) -> ExpertGroups:
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_expert_data_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                   ps.get_expert_tensor_model_pipeline_parallel_group())
 
 
 def mesh_device_type(backend: str) -> str:
@@ -69,25 +90,58 @@ def mesh_device_type(backend: str) -> str:
     return types[backend]
 
 
-def wrap_chunks(chunks: list, group, params_dtype: torch.dtype) -> None:
-    """`fully_shard` each chunk in place over the DP x CP `group` (module docstring): each
-    transformer layer, then the chunk. Parameters become float32 `Shard(0)` DTensors carrying
-    megatron's marks (MEGATRON_PARAM_ATTRS)."""
+def expert_modules(chunk) -> list:
+    """The experts modules (megatron's `SequentialMLP` / `TEGroupedMLP`, `layer.mlp.experts`) of the
+    chunk's MoE layers; [] for a dense model."""
+    return [layer.mlp.experts for layer in chunk.decoder.layers if getattr(layer.mlp, "experts", None) is not None]
+
+
+def wrap_chunks(chunks: list, group, params_dtype: torch.dtype, expert_group=None) -> None:
+    """`fully_shard` each chunk in place over the DP x CP `group` (module docstring): each MoE
+    layer's experts over the expert-DP `expert_group`, then each transformer layer, then the chunk.
+    Parameters become float32 `Shard(0)` DTensors carrying megatron's marks (MEGATRON_PARAM_ATTRS)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, mesh_device_type(str(dist.get_backend(group))))
     policy = MixedPrecisionPolicy(param_dtype=params_dtype, reduce_dtype=torch.float32)
+    expert_mesh = None if expert_group is None else DeviceMesh.from_group(
+        expert_group, mesh_device_type(str(dist.get_backend(expert_group))))
+    # the experts' inputs come from their layer in the compute dtype already; the routing probabilities
+    # keep megatron's dtype (a cast would round them where megatron's DDP does not)
+    expert_policy = MixedPrecisionPolicy(param_dtype=params_dtype, reduce_dtype=torch.float32,
+                                         cast_forward_inputs=False)
     for chunk in chunks:
         marks = {name: {a: getattr(p, a) for a in MEGATRON_PARAM_ATTRS if hasattr(p, a)}
                  for name, p in chunk.named_parameters()}
         chunk.float()  # float32 shards (megatron's main parameters); the forward computes in params_dtype
         for layer in chunk.decoder.layers:
+            experts = getattr(layer.mlp, "experts", None)  # an MoE layer's (`expert_modules`)
+            if experts is not None:
+                if expert_mesh is None:
+                    raise ValueError("megatron.use_torch_fsdp2: an MoE model's experts need the expert-DP group")
+                fully_shard(experts, mesh=expert_mesh, mp_policy=expert_policy, reshard_after_forward=True)
+                # megatron's DDP scales expert gradients by 1 / (DP x CP) and sums them over expert DP
+                # (distributed_data_parallel.py: expert_gradient_scaling_factor): each EP rank's experts
+                # saw the tokens of all EP ranks. Over several ranks: summed, then divided (gloo has no
+                # PREMUL_SUM); over one, torch 2.13 divides in its copy and would divide again after a
+                # forced sum (_fsdp_collectives.py foreach_reduce), so it is not forced there.
+                experts.set_gradient_divide_factor(float(dist.get_world_size(group)))
+                experts.set_force_sum_reduction_for_comms(dist.get_world_size(expert_group) > 1)
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
         fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        expert_params = {id(p) for m in expert_modules(chunk) for p in m.parameters()}
         for name, param in chunk.named_parameters():
             for attr, value in marks[name].items():
                 setattr(param, attr, value)
+            setattr(param, SHARD_GROUP, expert_group if id(param) in expert_params else group)
+
+
+def shard_group(param):
+    """The process group an FSDP2 parameter is sharded over (`wrap_chunks`): DP x CP, or expert DP for
+    an MoE layer's experts. Recorded at the wrap: a DTensor's mesh resolves its group by a registered
+    name, which megatron's groups need not have."""
+    return getattr(param, SHARD_GROUP)
 
 
 def fsdp_modules(chunks: list) -> list:
@@ -150,7 +204,7 @@ class Fsdp2Optimizer:
     then no decay with `wd_mult` 0), which megatron's `OptimizerParamScheduler` sets."""
 
     def __init__(self, chunks: list, *, lr: float, min_lr: float, betas: tuple[float, float], weight_decay: float,
-                 clip_grad: float, dp_cp_group, tp_group, pp_group):
+                 clip_grad: float, dp_cp_group, tp_group, pp_group, expert_groups: ExpertGroups | None = None):
         decay, no_decay = [], []
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -162,6 +216,11 @@ class Fsdp2Optimizer:
         self.params = decay + no_decay
         self.clip_grad = clip_grad
         self.dp_cp_group, self.tp_group, self.pp_group = dp_cp_group, tp_group, pp_group
+        self.expert_groups = expert_groups
+        # ids of the experts' parameters (sharded over expert DP; the rest over DP x CP)
+        self.expert_ids = {id(p) for chunk in chunks for m in expert_modules(chunk) for p in m.parameters()}
+        if self.expert_ids and expert_groups is None:
+            raise ValueError("megatron.use_torch_fsdp2: an MoE model's gradient norm needs the expert groups")
 
     @property
     def param_groups(self) -> list[dict]:
@@ -171,20 +230,35 @@ class Fsdp2Optimizer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def grad_norm(self) -> float:
-        """The L2 norm of the whole model's gradient: squares of this rank's shards summed over DP x
-        CP, then over TP, a TP-replicated gradient counted on TP rank 0 only, then over the pipeline
-        stages, the last stage's copy of a tied embedding (megatron's `shared` mark) left out."""
+        """The L2 norm of the whole model's gradient, as megatron's `ChainedOptimizer` of a dense and
+        an expert optimizer (optimizer/__init__.py: the experts' norm over the expert TP x EP x PP
+        group, clip_grads.py `get_grad_norm_fp32`, the two combined): the dense gradients' squares of
+        this rank's shards summed over DP x CP, then over TP, a TP-replicated gradient counted on TP
+        rank 0 only, then over the pipeline stages, the last stage's copy of a tied embedding
+        (megatron's `shared` mark) left out; the experts' summed over expert DP, then over expert TP x
+        EP x PP, an expert-TP-replicated one counted on expert-TP rank 0 only (megatron-core 0.19
+        `param_is_not_tensor_parallel_duplicate`)."""
         tp_rank = dist.get_rank(self.tp_group)
-        total = torch.zeros((), dtype=torch.float32, device=self._device())
+        etp_rank = dist.get_rank(self.expert_groups.tp) if self.expert_groups is not None else 0
+        dense = torch.zeros((), dtype=torch.float32, device=self._device())
+        experts = torch.zeros((), dtype=torch.float32, device=self._device())
         for param in self.params:
             if param.grad is None or getattr(param, "shared", False):
                 continue
-            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                total += param.grad.to_local().float().square().sum()
-        dist.all_reduce(total, group=self.dp_cp_group)
-        dist.all_reduce(total, group=self.tp_group)
-        dist.all_reduce(total, group=self.pp_group)
-        return float(total.sqrt())
+            is_expert = id(param) in self.expert_ids
+            if getattr(param, "tensor_model_parallel", False) or (etp_rank if is_expert else tp_rank) == 0:
+                square = param.grad.to_local().float().square().sum()
+                if is_expert:
+                    experts += square
+                else:
+                    dense += square
+        dist.all_reduce(dense, group=self.dp_cp_group)
+        dist.all_reduce(dense, group=self.tp_group)
+        dist.all_reduce(dense, group=self.pp_group)
+        if self.expert_groups is not None:  # on every rank of an MoE model, whether its stage has experts or not
+            dist.all_reduce(experts, group=self.expert_groups.dp)
+            dist.all_reduce(experts, group=self.expert_groups.tp_ep_pp)
+        return float((dense + experts).sqrt())
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:

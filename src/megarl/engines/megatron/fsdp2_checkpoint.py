@@ -11,15 +11,17 @@ the directory a megatron-DDP role's checkpoint would take, in two parts:
   (DCP) checkpoint per TP rank, written by that rank's DP x CP group; with pipeline parallelism one per
   TP rank and stage, `tp<t>_pp<p>/`, each stage's parameters under their local names): per parameter,
   by chunk and name, its float32 main shard (`param`, the FSDP2 DTensor) and torch AdamW's state
-  (`exp_avg`, `exp_avg_sq` DTensors, `step`), plus `fsdp2_optimizer/layout.json` (the TP / PP / DP / CP
-  sizes).
+  (`exp_avg`, `exp_avg_sq` DTensors, `step`), an MoE expert's keyed by its EP rank too (`_optimized`),
+  plus `fsdp2_optimizer/layout.json` (the TP / PP / DP / CP / EP / expert TP sizes).
 
 A resume with the optimizer (`load`) reads the parameters and Adam state from the DCP part and the
 schedule and count from the torch_dist part: at the same layout the next update is the uninterrupted
 run's bit for bit (tests/engines/test_fsdp2.py). At another DP or CP size DCP reshards the DTensor
-shards (the same values, each rank its new `Shard(0)` part); another TP or PP size is refused
-(ValueError naming the checkpoint and both layouts: the shards are of TP-split tensors, by each stage's
-local names), where a resume without the optimizer state (`load_weights`) still works."""
+shards (the same values, each rank its new `Shard(0)` part); another TP, PP, EP or expert-TP size is
+refused (ValueError naming the checkpoint and both layouts: the shards are of TP-split tensors, by each
+stage's local names, each EP rank's of its own experts), where a resume without the optimizer state
+(`load_weights`) still works. Each parameter is gathered over its own shard group (`fsdp2.shard_group`:
+DP x CP, or an expert's expert DP)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,13 +42,15 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW's per-parameter sta
 
 
 def current_layout() -> dict[str, int]:
-    """This process's megatron layout: {TP, PP, DP, CP size key: size}."""
+    """This process's megatron layout: {TP, PP, DP, CP, EP, expert TP size key: size}."""
     from megatron.core import parallel_state as ps
 
     return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(),
-            "context_parallel_size": ps.get_context_parallel_world_size()}
+            "context_parallel_size": ps.get_context_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
 
 
 def state_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -66,7 +70,7 @@ def _state_dir(path: Path) -> Path:
 @contextlib.contextmanager
 def _plain_parameters(chunks: list, make) -> Iterator[None]:
     """A context in which every FSDP2 parameter of the chunks is replaced, in its module, by the plain
-    tensor `make(dtensor)` (made in the modules' order, the same on every rank), restored on exit.
+    tensor `make(parameter)` (made in the modules' order, the same on every rank), restored on exit.
     megatron's `sharded_state_dict` then maps plain tensors, as for a DDP model: given the DTensors
     it would map their local shards, each with a TP layout's offsets (wrong for a `Shard(0)` split)."""
     from torch.distributed.tensor import DTensor
@@ -80,7 +84,7 @@ def _plain_parameters(chunks: list, make) -> Iterator[None]:
             for name, param in list(module._parameters.items()):
                 if isinstance(param, DTensor):
                     if id(param) not in made:
-                        made[id(param)] = make(param.detach())
+                        made[id(param)] = make(param)
                     swapped.append((module, name, param))
                     module._parameters[name] = made[id(param)]
     try:
@@ -107,33 +111,39 @@ def whole(param, group) -> torch.Tensor:
     return torch.cat(parts)[:rows]
 
 
-def _whole_model_state(chunks: list, dtype: torch.dtype, group) -> dict:
+def _whole_model_state(chunks: list, dtype: torch.dtype) -> dict:
     """The chunks' megatron sharded state dict (checkpoint_io keys) holding plain tensors: each
-    parameter all-gathered over the DP x CP `group` (a collective on every rank of it) in `dtype`."""
-    with _plain_parameters(chunks, lambda d: whole(d, group).to(dtype)):
+    parameter all-gathered over its shard group (a collective on every rank of it) in `dtype`."""
+    with _plain_parameters(chunks, lambda d: whole(d.detach(), fsdp2.shard_group(d)).to(dtype)):
         return model_sharded_state_dict(chunks)
 
 
+def _optimized(chunks: list, optimizer) -> dict:
+    """{key: parameter} of the parameters optimized: "<chunk>.<name>", an expert's "<chunk>.ep<EP
+    rank>.<name>" (its name is local to the EP rank: EP ranks hold other experts under the same names)."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    ids = {id(p) for p in optimizer.params}
+    return {(f"{v}.ep{ep_rank}.{name}" if id(param) in optimizer.expert_ids else f"{v}.{name}"): param
+            for v, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if id(param) in ids}
+
+
 def _train_state(chunks: list, optimizer, like: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """{"param" and each ADAM_KEYS: {"<chunk>.<name>": tensor}} of the parameters optimized: the
+    """{"param" and each ADAM_KEYS: {key (`_optimized`): tensor}} of the parameters optimized: the
     float32 DTensor shards and AdamW's state (the parameters without state yet: none). `like`: fresh
     tensors of the same kind to load into (the Adam state of every parameter)."""
     torch_state = optimizer.optimizer.state
     out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ("param",) + ADAM_KEYS}
-    ids = {id(p) for p in optimizer.params}
-    for v, chunk in enumerate(chunks):
-        for name, param in chunk.named_parameters():
-            if id(param) not in ids:
-                continue
-            key = f"{v}.{name}"
-            out["param"][key] = torch.empty_like(param.detach()) if like else param.detach()
-            state = torch_state.get(param, {})
-            for k in ADAM_KEYS:
-                if like:
-                    out[k][key] = (torch.zeros((), dtype=torch.float32) if k == "step"
-                                   else torch.zeros_like(param.detach()))
-                elif k in state:
-                    out[k][key] = state[k]
+    for key, param in _optimized(chunks, optimizer).items():
+        out["param"][key] = torch.empty_like(param.detach()) if like else param.detach()
+        state = torch_state.get(param, {})
+        for k in ADAM_KEYS:
+            if like:
+                out[k][key] = (torch.zeros((), dtype=torch.float32) if k == "step"
+                               else torch.zeros_like(param.detach()))
+            elif k in state:
+                out[k][key] = state[k]
     return out
 
 
@@ -147,7 +157,7 @@ def save(path: Path, chunks: list, optimizer, scheduler, updates: int, dtype: to
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = _whole_model_state(chunks, dtype, group)
+    state = _whole_model_state(chunks, dtype)
     if optimizer is not None:
         state["scheduler"] = scheduler.state_dict()
     state["engine"] = {"updates": updates}
@@ -163,16 +173,18 @@ def save(path: Path, chunks: list, optimizer, scheduler, updates: int, dtype: to
 
 
 def check_layout(path: Path) -> None:
-    """ValueError naming the checkpoint and both layouts where its TP or PP size is not this
-    process's (its DP and CP sizes may differ: DCP reshards)."""
+    """ValueError naming the checkpoint and both layouts where its TP, PP, EP or expert TP size is not
+    this process's (its DP and CP sizes may differ: DCP reshards). A layout saved before the expert
+    sizes were recorded (a dense model's) is checked on TP and PP."""
     saved = json.loads((path / STATE_DIR / LAYOUT_FILE).read_text())
     now = current_layout()
-    fixed = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    if any(saved[k] != now[k] for k in fixed):
+    fixed = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+             "expert_tensor_parallel_size")
+    if any(saved.get(k, now[k]) != now[k] for k in fixed):
         raise ValueError(f"{path}: this megatron.use_torch_fsdp2 checkpoint's optimizer state was saved at layout "
-                         f"{saved} and cannot load at {now}: its shards are of TP/PP-split tensors (only the DP and "
-                         "CP sizes may change); load it without the optimizer state (the weights alone) or at its "
-                         "TP and PP sizes")
+                         f"{saved} and cannot load at {now}: its shards are of TP/PP/EP-split tensors (only the DP "
+                         "and CP sizes may change); load it without the optimizer state (the weights alone) or at "
+                         "its TP, PP and EP sizes")
 
 
 def load(path: Path, chunks: list, optimizer, scheduler, group) -> int:
@@ -194,8 +206,7 @@ def load(path: Path, chunks: list, optimizer, scheduler, group) -> int:
                for k, tensors in _train_state(chunks, optimizer, like=True).items()}
     request = {k: v for k, v in request.items() if v}
     dcp.load(request, checkpoint_id=str(state_dir), process_group=group)
-    ids = {id(p) for p in optimizer.params}
-    names = {f"{v}.{name}": p for v, chunk in enumerate(chunks) for name, p in chunk.named_parameters() if id(p) in ids}
+    names = _optimized(chunks, optimizer)
     if set(request["param"]) != set(names):
         raise ValueError(f"{path}: the parameters in {STATE_DIR} are not the model's (differing: "
                          f"{sorted(set(request['param']) ^ set(names))[:5]})")
@@ -213,10 +224,10 @@ def load(path: Path, chunks: list, optimizer, scheduler, group) -> int:
     return common["engine"]["updates"]
 
 
-def load_weights(path: Path, chunks: list, dtype: torch.dtype, group) -> int:
+def load_weights(path: Path, chunks: list, dtype: torch.dtype) -> int:
     """Load the model weights of a `torch_dist` checkpoint (this path's or a DDP role's, at any TP/PP
     layout: megatron resharding) into the FSDP2 shards: each parameter read whole in `dtype` (the
-    model's, as saved), this rank's rows of it (`whole`'s rule, over the DP x CP `group`) copied into
+    model's, as saved), this rank's rows of it (`whole`'s rule, over its `fsdp2.shard_group`) copied into
     its float32 shard. Returns the saved update count. Every rank calls it."""
     from megatron.core import dist_checkpointing
 
@@ -225,12 +236,13 @@ def load_weights(path: Path, chunks: list, dtype: torch.dtype, group) -> int:
         request = model_sharded_state_dict(chunks)
     request["engine"] = {"updates": 0}
     loaded = dist_checkpointing.load(request, str(path))
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
     with torch.no_grad():
         for key, chunk in zip([k for k in request if k.startswith("model")], chunks):
             for name, param in chunk.named_parameters():
                 if name not in loaded[key]:
                     raise ValueError(f"{path}: no weight {name!r} in the checkpoint's {key}")
+                group = fsdp2.shard_group(param)
+                rank, size = dist.get_rank(group), dist.get_world_size(group)
                 piece = -(-param.shape[0] // size)
                 param.to_local().copy_(loaded[key][name][rank * piece:(rank + 1) * piece])
     return loaded["engine"]["updates"]
