@@ -62,6 +62,18 @@ def moe_config(model_dir: str, ep: int, fsdp2: bool, replay: bool):
                         f"actor_rollout_ref.actor.router_replay.mode={'R3' if replay else 'disabled'}")
 
 
+# megatron's expert-bias update rate (megatron's default) set on the biased MoE's built TransformerConfig, which
+# megatron's update reads at each step: megarl pins it to 0 (bridge.moe: the bias stays HF's, an override is
+# refused), where the update leaves the bias as it is and a comparison could not fail
+BIAS_RATE = 1e-3
+
+
+def expert_biases(actor) -> dict[str, torch.Tensor]:
+    """{buffer name: a clone} of the routers' `expert_bias` buffers of this rank's chunks ({} without)."""
+    return {f"{v}.{name}": b.detach().clone() for v, chunk in enumerate(actor.model_chunks)
+            for name, b in chunk.named_buffers() if name.endswith(".router.expert_bias")}
+
+
 def routed(batch, layers: int = 2, experts: int = 8, k: int = 2):
     """`batch` with routes to replay (router_replay R3): for every token and layer k distinct random experts."""
     g = torch.Generator().manual_seed(11)
@@ -176,21 +188,26 @@ def offload_round_trip(actor, mine) -> dict:
     return out
 
 
-def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None, offload: bool = False) -> dict:
+def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None, offload: bool = False, bias_rate: float = 0.0) -> dict:
     """UPDATES updates; with `ckpt`, the checkpoint saved there after update UPDATES - 1 (what it held:
-    "at_save"); with `offload`, `offload_round_trip` after update UPDATES - 1 ("offload")."""
+    "at_save"); with `offload`, `offload_round_trip` after update UPDATES - 1 ("offload"); `bias_rate`: the
+    routers' expert-bias update rate set on the model's TransformerConfig (BIAS_RATE)."""
     from megatron.core import parallel_state
 
     from megarl.engines.megatron.roles import ActorEngine
 
     actor = ActorEngine(cfg)
+    if bias_rate:
+        actor.transformer_config.moe_router_bias_update_rate = bias_rate
     initial = pushed(actor)  # before any forward (FSDP2's lazy initialisation not run yet)
+    initial_bias = expert_biases(actor)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
     result = {"dp_rank": actor.dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "fsdp2": actor.fsdp2,
               "use_distributed_optimizer": actor.use_distributed_optimizer,
               "old_log_probs": mine["old_log_probs"], "pushed_initial": initial, "metrics": [],
+              "expert_bias_initial": initial_bias,
               # the DDP hooks megatron's schedules call where the model config sets them
               "schedule_hooks": [h for h in ("no_sync_func", "grad_sync_func", "finalize_model_grads_func")
                                  if getattr(actor.transformer_config, h, None) is not None]}
@@ -210,20 +227,25 @@ def _train(cfg, batch, fsdp2: bool, ckpt: str | None = None, offload: bool = Fal
     names = {id(p): name for name, p in chunk_parameters(actor)}
     result["wd_mult"] = wd_mults(actor.optimizer, names)
     result["pushed"] = pushed(actor)
+    result["expert_bias"] = expert_biases(actor)
+    if fsdp2 or initial_bias:
+        # a non-finite loss on one rank: every rank skips the update, the shards unchanged; the expert bias
+        # (with DDP too: megatron's order) still moves by the skipped update's routing
+        poisoned = mine.select(range(len(mine)))
+        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+            poisoned["advantages"] = torch.full_like(poisoned["advantages"], float("nan"))
+        before = [p.to_local().clone() for p in actor.optimizer.params] if fsdp2 else None
+        skipped = actor.update_policy(poisoned)["actor/skipped_updates"]
+        result["poisoned"] = {"skipped": skipped, "unchanged": fsdp2 and all(
+            torch.equal(a, p.to_local()) for a, p in zip(before, actor.optimizer.params))}
+        if initial_bias:
+            result["poisoned"]["expert_bias"] = expert_biases(actor)
     if fsdp2:
         result["shards"] = shards(actor)
         result["adam_state_shapes"] = {  # (parameter's local shape, its Adam moments' local shapes)
             names[id(p)]: (tuple(p.to_local().shape), tuple(tuple(v.to_local().shape) for k, v in
                                                             actor.optimizer.optimizer.state[p].items() if k != "step"))
             for p in actor.optimizer.params}
-        # a non-finite loss on one rank: every rank skips the update, the shards unchanged
-        poisoned = mine.select(range(len(mine)))
-        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-            poisoned["advantages"] = torch.full_like(poisoned["advantages"], float("nan"))
-        before = [p.to_local().clone() for p in actor.optimizer.params]
-        skipped = actor.update_policy(poisoned)["actor/skipped_updates"]
-        result["poisoned"] = {"skipped": skipped, "unchanged": all(
-            torch.equal(a, p.to_local()) for a, p in zip(before, actor.optimizer.params))}
         try:
             actor.save_checkpoint("/nonexistent", background=True)
             result["refused"] = None
@@ -282,10 +304,8 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
     trying dp2's). The same for PP_LAYOUTS (`models`: {name: HF directory}), PP_RESUMED resumed after
     trying dp2's checkpoint. FSDP2's dp2 run offloads and onloads after update UPDATES - 1; "verl_megatron_fsdp",
     the same engine under verl's key, never does. With `moe_dir` (a tiny MoE model) also MOE_LAYOUTS (`_moe`);
-    with `biased_moe_dir` (an MoE whose router has an expert bias) the FSDP2 engine's refusal
-    ("expert_bias_refused", None: built)."""
-    from megarl.engines.megatron.roles import ActorEngine
-
+    with `biased_moe_dir` (an MoE whose routers have an expert bias, updated at BIAS_RATE) ("biased_moe", fsdp2)
+    at EP2 with DDP then FSDP2, each also a skipped (non-finite) update after the UPDATES ones."""
     init_world(rank, world_size, port)
     batch = training_batch()
     out = {}
@@ -326,13 +346,11 @@ def fsdp2_world(rank: int, world_size: int, port: int, model_dir: str, layouts: 
     reset_layout()
     if moe_dir is not None:
         out.update(_moe(model_dir=moe_dir, ckpt_root=ckpt_root, batch=batch))
-    if biased_moe_dir is not None:  # a router expert bias (its update is megatron DDP's finalize_model_grads)
-        try:
-            ActorEngine(moe_config(biased_moe_dir, 2, True, False))
-            out["expert_bias_refused"] = None
-        except ValueError as exc:
-            out["expert_bias_refused"] = str(exc)
-        reset_layout()
+    if biased_moe_dir is not None:  # a router expert bias (megatron DDP updates it in finalize_model_grads)
+        for fsdp2 in (False, True):
+            out[("biased_moe", fsdp2)] = _train(moe_config(biased_moe_dir, 2, fsdp2, False), batch, fsdp2,
+                                                 bias_rate=BIAS_RATE)
+            reset_layout()
     for fsdp2 in (False, True):  # a critic at DP2 (its value head read inside the forward step, as the output layer)
         out[("critic", fsdp2)] = _train_critic(config(model_dir, world_size, 1, 1, None, model_dir,
                                                       f"critic.megatron.use_torch_fsdp2={str(fsdp2).lower()}"), batch)

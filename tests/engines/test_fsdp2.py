@@ -1,7 +1,8 @@
 """`megatron.use_torch_fsdp2` on real megatron-core (CPU, gloo, 2 ranks), against megatron's own DDP and
 optimizer (the oracle) on the same PPO updates, at DP2, TP2 (DP1) and CP2 (DP1, full recompute) in float32,
 DP2 in bfloat16, two pipeline stages (PP2, DP1: untied under 1F1B, a tied embedding under the
-interleaved schedule) and a tiny MoE at EP2 (with routing replay) and EP1 (fsdp2_world.py); checkpoints
+interleaved schedule), a tiny MoE at EP2 (with routing replay) and EP1, and a tiny GLM-4-MoE whose routers'
+expert bias megatron updates, at EP2 (fsdp2_world.py); checkpoints
 saved after update UPDATES - 1 and resumed (bit for bit at the same layout, resharded to DP1, refused at
 another TP, PP or EP size) and exported to HF; an offload and onload between updates (the shards'
 hand-counted bytes moved, the next update an un-offloaded engine's bit for bit).
@@ -544,12 +545,30 @@ def test_the_saved_moe_model_is_the_ddp_checkpoints_format_and_exports_to_the_pu
     assert all(torch.equal(exported[n], t) for n, t in pushed.items())
 
 
-def test_an_moe_with_a_router_expert_bias_is_refused_naming_the_key(run):
-    """megatron's DDP updates the routers' expert bias in finalize_model_grads (load balancing), which FSDP2
-    does not run: refused by name rather than left unchanged."""
-    for result in run["expert_bias_refused"]:
-        assert result and result.startswith("actor_rollout_ref.actor.megatron.use_torch_fsdp2=true: ")
-        assert "router expert bias" in result and "not built yet with megatron.use_torch_fsdp2" in result
+def test_an_moe_routers_expert_bias_moves_as_with_ddp(run):
+    """A tiny GLM-4-MoE (its routers with an expert bias, megatron's update at rate 1e-3) at EP2 DP2: after
+    UPDATES updates each router's expert bias is megatron DDP's (its finalize_model_grads update) bit for bit
+    on both ranks, and has moved from its initial value; the losses and gradient norms are DDP's. A following
+    update with a non-finite loss is skipped in both, and still moves the bias as DDP's does (megatron
+    updates it in the schedule, before the optimizer step that is skipped). The counts are sums of whole
+    numbers and the update adds sign x rate, so equal routings give equal biases exactly."""
+    ddp, fsdp = run[("biased_moe", False)], run[("biased_moe", True)]
+    for a, b in zip(ddp[0]["metrics"], fsdp[0]["metrics"]):
+        assert b["actor/skipped_updates"] == 0.0 and b["actor/lr"] == a["actor/lr"]
+        for key in LOSSES + ("actor/grad_norm",):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+    for d, f in zip(ddp, fsdp):
+        # one MoE layer (the first is dense: first_k_dense_replace 1), its router's bias over the 8 experts
+        assert len(d["expert_bias"]) == 1 and f["expert_bias"].keys() == d["expert_bias"].keys()
+        for name, bias in d["expert_bias"].items():
+            assert bias.shape == (8,) and not torch.equal(bias, d["expert_bias_initial"][name]), name
+            assert torch.equal(f["expert_bias_initial"][name], d["expert_bias_initial"][name]), name
+            assert torch.equal(f["expert_bias"][name], bias), (name, f["expert_bias"][name], bias)
+        assert d["poisoned"]["skipped"] == f["poisoned"]["skipped"] == 1.0 and f["poisoned"]["unchanged"]
+        for name, bias in d["poisoned"]["expert_bias"].items():
+            assert not torch.equal(bias, d["expert_bias"][name]), name
+            assert torch.equal(f["poisoned"]["expert_bias"][name], bias), name
+    assert all(torch.equal(fsdp[0]["expert_bias"][n], b) for n, b in fsdp[1]["expert_bias"].items())
 
 
 def test_another_ep_size_refuses_the_optimizer_state_naming_both_layouts_and_loads_the_weights(run, ckpt_root):

@@ -155,9 +155,8 @@ def torch_fsdp2_fits(config: ExperimentConfig, sizes: DerivedSizes) -> Iterator[
     over TP is megatron DDP's), no LoRA, QAT or MTP training, no fp16 (megatron's loss scaler is its
     optimizer's), Adam only with the `optim.override_optimizer_config` fields `fsdp2_optimizer_overrides`
     accepts, and no background checkpoint write (`checkpoint.async_save`: its checkpoints are written in
-    the foreground, engines.megatron.fsdp2_checkpoint; saving and resuming are built). An MoE with a
-    router expert bias is refused when the engine reads the model's config. A forward-only role ignores
-    the key.
+    the foreground, engines.megatron.fsdp2_checkpoint; saving and resuming are built; an MoE router's
+    expert bias is updated as megatron's DDP does). A forward-only role ignores the key.
 
     Reads: actor_rollout_ref.actor.megatron, critic.megatron, critic.enable, actor_rollout_ref.actor.optim,
     critic.optim, actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora, critic.model.lora,

@@ -110,11 +110,6 @@ class MegatronEngine:
             source = ModelSource.dist_checkpoint(megatron_cfg.dist_checkpointing_path,
                                                  f"{section}.megatron.dist_checkpointing_path", source.config_dir)
         self.arch = read_arch(source, override_config, model_key)
-        if self.fsdp2 and self.arch.moe is not None and self.arch.moe.expert_bias:
-            # megatron's DDP updates the routers' expert bias in finalize_model_grads, which FSDP2 does not run
-            switch = fsdp2_switch(megatron_cfg)
-            raise ValueError(f"{section}.megatron.{switch}=true: {model_key} is an MoE model with a router expert "
-                             f"bias (its load-balancing update), not built yet with megatron.{switch}")
         if value_head and source.kind != "hf":
             raise NotImplementedError(f"{model_key}: a critic is built from an HF checkpoint (an LM or a reward model)")
         self.vocab_rows = vocab_rows_of(source, self.arch, self.layout.tp)
@@ -414,8 +409,10 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(micro_batches, head, forward_only=False)
-        if self.fsdp2:  # what megatron's finalize_model_grads does for DDP under PP: a tied embedding's sum
+        if self.fsdp2:  # what megatron's finalize_model_grads does for DDP: under PP a tied embedding's sum; the
+            # routers' expert bias, before the optimizer step and also when it is skipped
             fsdp2.reduce_tied_embedding_grads(self.model_chunks)
+            fsdp2.update_router_expert_bias(self.model_chunks, self.transformer_config)
         finite = grads_finite(self._local_grads(), self.device, self.section)
         grad_norm = self.optimizer.step()[1] if finite else None  # a non-finite update is skipped
         metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

@@ -34,6 +34,12 @@ in place of megatron's DDP and optimizer.
   the first stage's word embedding and the last stage's output layer are two copies of one weight:
   `reduce_tied_embedding_grads` sums their gradients after the backward, as megatron's
   `finalize_model_grads` does for DDP, so both take the same step.
+- An MoE router's expert bias (DeepSeek-V3 / GLM-4-MoE `e_score_correction_bias`, megatron's
+  `moe_router_enable_expert_bias`): `update_router_expert_bias` runs megatron's own update after the
+  backward, before the optimizer step and whether that step is skipped or not, as `finalize_model_grads`
+  does for DDP (megarl pins `moe_router_bias_update_rate` to 0, bridge.moe, so the bias stays HF's; the
+  routers' token counts are zeroed each step all the same). The bias and the counts are buffers, which
+  FSDP2 leaves whole and unsharded.
 - Reading weights whole (`gathered`): every FSDP module unsharded, so `named_parameters()` give this
   rank's whole TP shards (the weight push, the HF export); resharded on exit.
 
@@ -41,8 +47,7 @@ Checkpoints: engines.megatron.fsdp2_checkpoint. Offload between phases (`Megatro
 engines.megatron.offload): every FSDP module resharded, then each parameter's, gradient's and AdamW
 moment's local shard moved. Not built: LoRA, QAT, MTP training, sequence parallelism, background
 checkpoint writes, the `optim.override_optimizer_config` fields this AdamW does not run (refused at
-config time: megarl.config.rules.fsdp2), and an MoE router's expert bias (its update runs in megatron
-DDP's finalize_model_grads; refused by the engine).
+config time: megarl.config.rules.fsdp2).
 """
 from __future__ import annotations
 
@@ -189,6 +194,23 @@ def reduce_tied_embedding_grads(chunks: list) -> None:
     grad = chunk.shared_embedding_or_output_weight().grad
     # a training backward always reaches both copies (the embedding's lookup, the head's logits)
     dist.all_reduce(grad.to_local(), group=ps.get_embedding_group())
+
+
+def update_router_expert_bias(chunks: list, config) -> None:
+    """What megatron-core's `finalize_model_grads` does to the routers after the backward (0.16.1 and 0.19,
+    distributed/finalize_model_grads.py), with its own functions, which read the chunks' modules and the
+    model `config` and need no DDP: where `config.moe_router_enable_expert_bias`, each router's
+    `expert_bias` [experts] moves by `moe_router_bias_update_rate` toward balance
+    (`_update_router_expert_bias`: the routers' `local_tokens_per_expert` summed over TP x DP x CP, bias +=
+    sign(mean count - count) x rate, moe_utils.py `get_updated_expert_bias`); then the token counts are
+    zeroed (and megatron's global aux-loss trackers reset: `reset_model_temporary_tensors`). Every rank of
+    the TP x DP x CP group calls it (an all-reduce where the chunks hold an expert bias)."""
+    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                reset_model_temporary_tensors)
+
+    if config.moe_router_enable_expert_bias:
+        _update_router_expert_bias(chunks, config)
+    reset_model_temporary_tensors(config, chunks)
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
