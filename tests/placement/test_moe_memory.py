@@ -45,6 +45,29 @@ def test_experts_are_split_over_expert_parallel_ranks(arch):
     assert role.states == int(params * 2 + params * 4 + optimizer)
 
 
+def test_fsdp2_shards_the_experts_over_expert_dp(arch):
+    """Qwen3-30B-A3B with FSDP2 at TP 1, EP 4, DP 8 (8 GPUs; megarl.engines.megatron.fsdp2 shards the experts
+    over megatron's expert-DP group, TP x DP / (EP x ETP) = 2 ranks, the rest over DP = 8), by hand from
+    config.json: an expert is gate, up [768, 2048] and down [2048, 768], 128 a layer, 48 layers; a GPU holds
+    32 experts a layer (EP 4) in halves over expert DP 2, and 16 bytes each of its shards' parameters;
+    the root (untied embedding and head [151936, 2048], final norm) and one layer whole in bf16: the layer's
+    attention, norms and router, and its 32 experts."""
+    from megarl.placement.memory import fsdp2_states
+
+    expert = 3 * 2048 * 768
+    experts = 48 * 128 * expert
+    dense = total_params(arch) - experts
+    root = 2 * 151936 * 2048 + 2048
+    layer = (dense - root) / 48 + 32 * expert  # one layer outside its experts, and this rank's experts of it
+    m = MegatronConfig(expert_model_parallel_size=4, use_torch_fsdp2=True)
+    shards = dense / 8 + experts / 4 / 2
+    assert fsdp2_states(arch, m, 8, "bfloat16", dense, experts / 4) == shards * 16 + (root + layer) * 2 + layer * 4
+    role = _train_role("actor", arch, m, dp=8, dtype="bfloat16", seq=1024, micro=1, trains=True,
+                       offload=OffloadParts(params=True, grads=True, optimizer=True))
+    assert role.states == int(shards * 16 + (root + layer) * 2 + layer * 4)
+    assert (role.offloadable, role.offloadable_params) == (int(shards * 16), int(shards * 4))
+
+
 def test_a_rollout_server_gpu_holds_whole_experts_at_ep_and_the_same_bytes(arch):
     """SGLang 0.5.23, a server of TP 4: the dense part / 4; at EP e, 128 / e whole experts per layer
     (fused_moe_triton/layer.py: num_local_experts = E / ep_size), each over MoE TP = 4 / e GPUs

@@ -358,10 +358,10 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
     acts = stage_activations(layers, pp, layer, layer_input, recompute) + logits
     labels = (recompute_label(recompute), activation_label(tp, cp, sp))
     if fsdp2_switch(m) is not None:  # an offload moves the float32 shards: 4 bytes a parameter each, 8 AdamW's
-        shard = params / (dp * m.context_parallel_size)
+        shard = fsdp2_shard_params(m, dp, dense_params, expert_params)
         moved = shard * (4 * offload.params + 4 * offload.grads + 8 * offload.optimizer)
-        return RoleMemory(name, int(fsdp2_states(arch, m, dp, dtype, params)), int(moved), int(acts), None,
-                          int(shard * 4) if offload.params else 0, *labels)
+        return RoleMemory(name, int(fsdp2_states(arch, m, dp, dtype, dense_params, expert_params)), int(moved),
+                          int(acts), None, int(shard * 4) if offload.params else 0, *labels)
     if trainable is not None:  # LoRA: the adapters' gradients and optimizer states, over DP
         params, weight_bytes = trainable, (params + trainable) * DTYPE_BYTES[dtype]
         dense_params, expert_params = trainable, 0
@@ -378,18 +378,32 @@ def _train_role(name: str, arch: ModelArch, m: MegatronConfig, dp: int, dtype: s
                       int(weight_bytes) if offload.params else 0, *labels)
 
 
-def fsdp2_states(arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, params: float) -> float:
-    """Bytes a GPU holds for a role trained with FSDP2 (`megatron.use_torch_fsdp2` / `use_megatron_fsdp`,
-    megarl.engines.megatron.fsdp2; dense: the rules refuse MoE), `params` its TP rank's parameters of its
-    pipeline stage: float32 shards over the DP x CP ranks of the parameters, their gradients and AdamW's
-    two moments (16 bytes a parameter / (DP x CP)); whole, in the model's dtype, the root module (embedding,
-    output layer, final norm: FSDP2 keeps the root gathered after its forward; with PP counted whole, a bound
-    of the first stage's embedding and the last stage's output layer) and the one transformer layer being
-    gathered, with its float32 gradient before the reduce-scatter."""
+def fsdp2_shard_params(m: MegatronConfig, dp: int, dense_params: float, expert_params: float) -> float:
+    """Parameters of a GPU's FSDP2 shards (megarl.engines.megatron.fsdp2): `dense_params` (its TP rank's, of its
+    pipeline stage) sharded over the DP x CP ranks, `expert_params` (its EP x ETP rank's routed experts) over
+    megatron's expert-DP ranks, TP x CP x DP / (EP x ETP)."""
     tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
-    layer = dense_layer_params(arch) / tp
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    return dense_params / (dp * cp) + expert_params / max(1, tp * cp * dp // (ep * etp))
+
+
+def fsdp2_states(arch: ModelArch, m: MegatronConfig, dp: int, dtype: str, dense_params: float,
+                 expert_params: float = 0.0) -> float:
+    """Bytes a GPU holds for a role trained with FSDP2 (`megatron.use_torch_fsdp2` / `use_megatron_fsdp`,
+    megarl.engines.megatron.fsdp2), `dense_params` its TP rank's parameters of its pipeline stage outside the
+    routed experts, `expert_params` its EP x ETP rank's experts: the float32 shards of the parameters, their
+    gradients and AdamW's two moments (16 bytes a parameter of `fsdp2_shard_params`); whole, in the model's
+    dtype, the root module (embedding, output layer, final norm: FSDP2 keeps the root gathered after its
+    forward; with PP counted whole, a bound of the first stage's embedding and the last stage's output layer)
+    and the one transformer layer being gathered (an MoE layer: its non-expert part and its experts module,
+    this rank's EP x ETP share), with its float32 gradient before the reduce-scatter."""
+    tp = m.tensor_model_parallel_size
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    experts = expert_layer_params(arch, arch.moe.num_experts) if arch.moe else 0
+    layer = dense_layer_params(arch) / tp + experts / (ep * etp)
     root = root_params(arch) / tp
-    return params * 16 / (dp * cp) + (root + layer) * DTYPE_BYTES[dtype] + layer * 4
+    shard = fsdp2_shard_params(m, dp, dense_params, expert_params)
+    return shard * 16 + (root + layer) * DTYPE_BYTES[dtype] + layer * 4
 
 
 def _lora_trainable(arch: ModelArch, lora, megatron_cfg) -> int | None:
