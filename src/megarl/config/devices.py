@@ -20,6 +20,7 @@ from typing import Literal, Optional
 from megarl.config.errors import ConfigError
 from megarl.config.fp8_training import DEFAULT_RECIPE, fp8_device_problem, fp8_format
 from megarl.config.profiler import profiler_device_problem
+from megarl.config.rules.fsdp2 import fsdp2_switch
 from megarl.config.schema import ExperimentConfig
 
 TRANSPORT_KEY = "actor_rollout_ref.rollout.weight_sync_transport"
@@ -304,7 +305,7 @@ def devices_from_config(config: ExperimentConfig, cuda_available: bool) -> Devic
     roles = (("actor_rollout_ref.actor", config.actor_rollout_ref.actor, True),
              ("critic", config.critic, config.critic.enable))
     megatron_optimizer = {section: cfg.optim.override_optimizer_config for section, cfg, on in roles
-                          if on and not (cfg.megatron.use_torch_fsdp2 or cfg.megatron.use_megatron_fsdp)}
+                          if on and fsdp2_switch(cfg.megatron) is None}
     problems = optimizer_device_problems(devices.device, megatron_optimizer)
     actor, ref = (config.actor_rollout_ref.actor.megatron.override_transformer_config,
                   config.actor_rollout_ref.ref.megatron.override_transformer_config)

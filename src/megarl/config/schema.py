@@ -281,9 +281,10 @@ class MegatronConfig:
     # role in place of megatron's DDP and optimizer: parameters (float32), gradients and AdamW state sharded by
     # torch's fully_shard over the DP x CP ranks (each transformer layer, then the model chunk), clipped by the
     # global gradient norm (megarl.engines.megatron.fsdp2; with PP / VPP each stage over its own DP x CP ranks).
-    # Needs use_distributed_optimizer=false. Not built yet with MoE / EP > 1, sequence parallelism, LoRA, QAT,
-    # MTP training, fp16, SGD, the optim.override_optimizer_config fields it does not run or background checkpoint
-    # writes (megarl.config.rules.fsdp2). Offload moves the shards. No effect on a forward-only role.
+    # MoE experts over megatron's expert-DP group. Needs use_distributed_optimizer=false. Not built yet with
+    # sequence parallelism, LoRA, QAT, MTP training, fp16, SGD, the optim.override_optimizer_config fields it does
+    # not run or background checkpoint writes (megarl.config.rules.fsdp2). Offload moves the shards. No effect on
+    # a forward-only role.
     use_torch_fsdp2: bool = False
     # megatron-core `TransformerConfig` fields set on top of megarl's own (verl's key), e.g. activation
     # recompute: recompute_granularity (full | selective), recompute_method (uniform | block, full only),
