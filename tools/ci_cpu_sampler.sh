@@ -2,11 +2,11 @@
 # Every INTERVAL seconds, one line to LOG: seconds since the start, the cores busy on average over the
 # interval (from /proc/stat: user+nice+system+irq+softirq jiffies over elapsed jiffies) and the load
 # averages. `.ci/run` starts it and stops it by its PID.
-# usage: tools/ci_cpu_sampler.sh LOG [INTERVAL]
+# usage: tools/ci_cpu_sampler.sh LOG [INTERVAL] [START_EPOCH_S]  (seconds counted from START_EPOCH_S, default now)
 set -u
 log=$1; interval=${2:-30}
 hz=$(getconf CLK_TCK)
-start=$(date +%s)
+start=${3:-$(date +%s)}
 read -r _ u n s _ _ q sq _ < /proc/stat; busy0=$((u + n + s + q + sq)); t0=$(date +%s%N)
 echo "# seconds  busy-cores  load(1m 5m 15m)   ($(nproc) cores)" >>"$log"
 while sleep "$interval"; do
