@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 COMPARED = ("actor/", "reward/", "response_length/", "advantages/", "async/staleness")
 STEPS = 3
+PARTIAL_STEPS = 2  # the partial-rollout runs: rollout 1, cut by step 0's push, is trained at step 2
 
 
 class Recorder:
@@ -83,19 +84,30 @@ def new_trainer(trainer, trainer_keys: dict, **async_training):
     return RLTrainer(config, trainer.cluster, trainer.tokenizer, trainer.score_fn)
 
 
-def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly(split_cluster):
-    cluster, trainer, out = split_cluster
+@pytest.fixture(scope="module")
+def one_step_off_run(split_cluster):
+    """The fixture's one_step_off trainer fit for STEPS steps (a checkpoint at every step), once, for
+    the tests that resume from it: (the rollouts it generated as `spy_on_rollouts` records them,
+    its rows, the uids of the batches it trained)."""
+    _, trainer, _ = split_cluster
     seen = spy_on_rollouts(trainer)
+    uids = record_takes(trainer, lambda batch, metrics: list(batch["uid"]))
     tracker = Recorder()
     trainer.fit(tracker)
+    return seen, tracker.rows, uids
+
+
+def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly(split_cluster, one_step_off_run):
+    cluster, trainer, out = split_cluster
+    seen, rows, _ = one_step_off_run
     # Rollout j (step j+1's batch) came from the weights of step j-1 (rollouts 0 and 1 from the
     # initial ones): the servers say so, and every sample of a batch from one version (the
     # push waited for the generation in flight).
     assert [(index, version) for index, version, _ in seen] == [(0, 0), (1, 0), (2, 1)]
     assert [labels for _, _, labels in seen] == [{"default"}, {"default"}, {"1"}]
-    assert [tracker.rows[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
-    assert all(tracker.rows[s]["timing/generate_hidden_s"] >= 0 for s in (1, 2, 3))
+    assert [rows[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    assert all(rows[s]["timing/generate_hidden_s"] >= 0 for s in (1, 2, 3))
 
     # Resume from step 1's checkpoint: it holds rollout 1, generated with the weights of step 0,
     # which no checkpoint holds; steps 2 and 3 are those of the uninterrupted run.
@@ -109,7 +121,7 @@ def test_one_step_off_generates_step_k_plus_1_with_weights_k_and_resumes_exactly
     assert sorted(again.rows) == [2, 3]
     assert [(index, version) for index, version, _ in seen_after] == [(2, 1)]
     for step in (2, 3):
-        assert compared(again.rows[step]) == up_to_last_bits(tracker.rows[step]), f"step {step} differs"
+        assert compared(again.rows[step]) == up_to_last_bits(rows[step]), f"step {step} differs"
 
 
 def stopped_by_sigterm(run, index: int) -> tuple:
@@ -139,17 +151,16 @@ def stopped_by_sigterm(run, index: int) -> tuple:
     return uids, rows, resume_dir
 
 
-def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninterrupted_batches(split_cluster):
+def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninterrupted_batches(
+        split_cluster, one_step_off_run):
     """A real SIGTERM to this process while the producer generates rollout 2 and step 2 trains
     (the test_resume_e2e path, in process: a subprocess run costs minutes of start-up here): the
     step finishes, the push waits for rollout 2, the checkpoint holds it, and the resumed run
-    trains step 3 on it. Steps 2 and 3 (metrics and uids) equal an uninterrupted run's."""
+    trains step 3 on it. Steps 2 and 3 (metrics and uids) equal the uninterrupted run's
+    (`one_step_off_run`, whose step 1 checkpoint the stopped run starts from)."""
     cluster, trainer, out = split_cluster
-    reference = new_trainer(trainer, {"experiment_name": "sigterm_reference"})
-    expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
-    expected = Recorder()
-    reference.fit(expected)
-    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "sigterm_reference"))[1]
+    _, expected_rows, expected_uids = one_step_off_run
+    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "grpo"))[1]
 
     keys = {"experiment_name": "sigterm", "save_freq": -1, "resume_mode": "auto"}  # only the stop's checkpoint
     stopped = new_trainer(trainer, keys)
@@ -164,26 +175,57 @@ def test_one_step_off_stopped_by_sigterm_mid_generation_resumes_with_the_uninter
     resumed.fit(second)
     assert sorted(second.rows) == [3]
     assert uids + uids_after == expected_uids[1:]
-    assert compared(first.rows[2]) == up_to_last_bits(expected.rows[2])
-    assert compared(second.rows[3]) == up_to_last_bits(expected.rows[3])
+    assert compared(first.rows[2]) == up_to_last_bits(expected_rows[2])
+    assert compared(second.rows[3]) == up_to_last_bits(expected_rows[3])
 
 
-def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster):
-    cluster, trainer, out = split_cluster
-    keys = {"total_training_steps": 4, "experiment_name": "fully_async"}
-    run = new_trainer(trainer, keys, mode="fully_async", max_staleness=2)
+FULLY_ASYNC = {"total_training_steps": 4, "experiment_name": "fully_async"}
+
+
+def pinned(run):
+    """`run` with its schedule pinned (`fill_window`: each push waits until every rollout the gate
+    allows has run, as when generation outpaces training): rollout j from version max(0, j - K)."""
+    run.producer.rollouts.fill_window = True
+    return run
+
+
+@pytest.fixture(scope="module")
+def fully_async_run(split_cluster):
+    """A fully_async run (max_staleness 2, 4 steps, a checkpoint at every step) with its schedule
+    pinned, once, for the tests below: (the rollouts it generated as `spy_on_rollouts` records
+    them, their samples' (tokens, log-probs) by index, its rows, the uids of the batches it trained)."""
+    _, trainer, _ = split_cluster
+    run = pinned(new_trainer(trainer, FULLY_ASYNC, mode="fully_async", max_staleness=2))
     seen = spy_on_rollouts(run)
+    samples, generate = {}, run.producer.rollouts._generate
+
+    def keeping(index, version, prompt_indices, partial=None):
+        rollout = generate(index, version, prompt_indices, *([] if partial is None else [partial]))
+        samples[index] = [(s.token_ids, s.logprobs) for per_prompt in rollout.samples for s in per_prompt]
+        return rollout
+
+    run.producer.rollouts._generate = keeping
+    uids = record_takes(run, lambda batch, metrics: list(batch["uid"]))
     tracker = Recorder()
     run.fit(tracker)
-    staleness = [tracker.rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)]
-    assert max(staleness) <= 2 and all(tracker.rows[s]["async/dropped_samples"] == 0 for s in (1, 2, 3, 4))
+    return seen, samples, tracker.rows, uids
+
+
+def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exactly(split_cluster, fully_async_run):
+    """On the pinned run (`fully_async_run`): every rollout the gate allows is generated before a
+    push, so the gate is met at its bound (a gate that let one more start would show staleness 3)."""
+    cluster, trainer, out = split_cluster
+    seen, _, rows, _ = fully_async_run
+    staleness = [rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)]
+    assert max(staleness) <= 2 and all(rows[s]["async/dropped_samples"] == 0 for s in (1, 2, 3, 4))
     # The gate: rollout j started at a version of at least j - 2; trained at version j.
     assert all(version >= index - 2 for index, version, _ in seen)
     assert staleness == [float(i - v) for i, v, _ in seen[:4]]
 
-    # Resumed from step 2's checkpoint, the batches it had generated are trained exactly as in
-    # the uninterrupted run (which versions generate the later ones depends on timings).
-    resumed = new_trainer(trainer, keys, mode="fully_async", max_staleness=2)
+    # Resumed (the schedule not pinned) from step 2's checkpoint, the batches it had generated are
+    # trained exactly as in the uninterrupted run (which versions generate the later ones depends on
+    # timings).
+    resumed = new_trainer(trainer, FULLY_ASYNC, mode="fully_async", max_staleness=2)
     resumed.load_state_dict(cluster.load_checkpoint(dict(complete_checkpoints(out / "megarl-tiny" / "fully_async"))[2]))
     buffered = [(r.index, r.version) for r in resumed.producer.rollouts.ready]
     assert buffered and buffered == [(i, v) for i, v, _ in seen if i in dict(buffered)]
@@ -192,45 +234,27 @@ def test_fully_async_never_trains_past_max_staleness_and_resumes_its_buffer_exac
     assert sorted(again.rows) == [3, 4]
     for index, _ in buffered:
         step = index + 1
-        assert compared(again.rows[step]) == up_to_last_bits(tracker.rows[step]), f"step {step} differs"
+        assert compared(again.rows[step]) == up_to_last_bits(rows[step]), f"step {step} differs"
 
 
-def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(split_cluster):
+def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(split_cluster, fully_async_run):
     """fully_async (max_staleness 2) stopped by a real SIGTERM while the producer generates rollout
     3 and step 1 trains: the step finishes, the push waits for rollout 3, and the checkpoint holds
     the buffer (rollouts 2 and 3: their tokens, rollout log-probs and versions 0 and 1, weights no
     checkpoint holds). The resumed run trains steps 3 and 4 on them: batches and losses equal an
-    uninterrupted run's.
+    uninterrupted run's (`fully_async_run`, whose step 1 checkpoint the stopped run starts from).
 
     Which version generates a rollout after the checkpoint depends on timing in fully_async (two
-    uninterrupted runs may differ there), so both runs pin the schedule with `fill_window` (each
-    push waits until every rollout the gate allows has run, as when generation outpaces
-    training): rollout j from version max(0, j - 2) in every run. What is exact by design is what
-    the checkpoint holds: every rollout generated and not yet trained, trained as it would have been."""
+    uninterrupted runs may differ there), so both runs pin the schedule with `fill_window`:
+    rollout j from version max(0, j - 2) in every run. What is exact by design is what the
+    checkpoint holds: every rollout generated and not yet trained, trained as it would have been."""
     cluster, trainer, out = split_cluster
+    seen, generated, expected_rows, expected_uids = fully_async_run
+    assert [(index, version) for index, version, _ in seen] == [(0, 0), (1, 0), (2, 0), (3, 1)]
+    assert [expected_rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "fully_async"))[1]
 
-    def pinned(run):
-        run.producer.rollouts.fill_window = True
-        return run
-
-    keys = {"total_training_steps": 4, "experiment_name": "fully_async_sigterm_reference"}
-    reference = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
-    generated, generate = {}, reference.producer.rollouts._generate
-
-    def keeping(index, version, prompt_indices, partial=None):
-        rollout = generate(index, version, prompt_indices, partial)
-        generated[index] = (version, [(s.token_ids, s.logprobs) for per_prompt in rollout.samples for s in per_prompt])
-        return rollout
-
-    reference.producer.rollouts._generate = keeping
-    expected_uids = record_takes(reference, lambda batch, metrics: list(batch["uid"]))
-    expected = Recorder()
-    reference.fit(expected)
-    assert [(index, version) for index, (version, _) in sorted(generated.items())] == [(0, 0), (1, 0), (2, 0), (3, 1)]
-    assert [expected.rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
-    step_1 = dict(complete_checkpoints(out / "megarl-tiny" / "fully_async_sigterm_reference"))[1]
-
-    keys = {**keys, "experiment_name": "fully_async_sigterm", "save_freq": -1, "resume_mode": "auto"}
+    keys = {**FULLY_ASYNC, "experiment_name": "fully_async_sigterm", "save_freq": -1, "resume_mode": "auto"}
     stopped = pinned(new_trainer(trainer, keys, mode="fully_async", max_staleness=2))
     stopped.load_state_dict(cluster.load_checkpoint(step_1))
     assert [(r.index, r.version) for r in stopped.producer.rollouts.ready] == [(1, 0), (2, 0)]
@@ -241,15 +265,15 @@ def test_fully_async_stopped_by_sigterm_resumes_with_the_uninterrupted_batches(s
     assert [(r.index, r.version) for r in resumed.producer.rollouts.ready] == [(2, 0), (3, 1)]
     for r in resumed.producer.rollouts.ready:  # the samples themselves, as the uninterrupted run generated them
         tokens, logprobs = zip(*[(s.token_ids, s.logprobs) for per_prompt in r.samples for s in per_prompt])
-        assert list(tokens) == [t for t, _ in generated[r.index][1]]
-        assert sum(logprobs, []) == pytest.approx(sum((lp for _, lp in generated[r.index][1]), []), abs=1e-5)
+        assert list(tokens) == [t for t, _ in generated[r.index]]
+        assert sum(logprobs, []) == pytest.approx(sum((lp for _, lp in generated[r.index]), []), abs=1e-5)
     uids_after = record_takes(resumed, lambda batch, metrics: list(batch["uid"]))
     second = Recorder()
     resumed.fit(second)
     assert sorted(second.rows) == [3, 4]
     assert uids + uids_after == expected_uids[1:]
     for step, row in ((2, first.rows[2]), (3, second.rows[3]), (4, second.rows[4])):
-        assert compared(row) == up_to_last_bits(expected.rows[step]), f"step {step} differs"
+        assert compared(row) == up_to_last_bits(expected_rows[step]), f"step {step} differs"
 
 
 def kill_once_busy(control, pid: int, timeout_s: float = 60.0) -> None:
@@ -358,7 +382,7 @@ def partial_run(trainer, monkeypatch, name: str, data=None, **trainer_keys):
     c = trainer.config
     config = replace(c, data=data or c.data, actor_rollout_ref=replace(c.actor_rollout_ref, rollout=replace(
         c.actor_rollout_ref.rollout, response_length=64)))
-    keys = {"total_training_steps": STEPS, "experiment_name": name, "save_freq": -1, **trainer_keys}
+    keys = {"total_training_steps": PARTIAL_STEPS, "experiment_name": name, "save_freq": -1, **trainer_keys}
     return rl.RLTrainer(replace(config, trainer=replace(c.trainer, **keys),
                                 async_training=replace(c.async_training, mode="fully_async", max_staleness=1,
                                                        partial_rollout=True)),
@@ -406,7 +430,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
         run.fit(tracker)
     finally:
         fleet.pause_generation, fleet.client.continue_aborted = pause, False
-    assert len(pauses) == STEPS  # every push paused the servers
+    assert len(pauses) == PARTIAL_STEPS  # every push paused the servers
     batch, metrics = trained[1]
     crossing = [v for v in batch["weight_versions"] if len(set(v)) > 1]
     pushed = str(int(tracker.rows[1]["sync/weight_version"]))  # step 0's push, the one that interrupted
@@ -420,7 +444,7 @@ def test_fully_async_partial_rollout_continues_a_generation_across_a_push(split_
     for row, s in enumerate(samples):  # the correction's rollout log-probs are the servers' own, per token
         assert len(s.logprobs) == len(s.token_ids) == len(batch["weight_versions"][row])
         assert batch["rollout_log_probs"][row, :len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
-    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2))
 
 
 def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_check(split_cluster, monkeypatch):
@@ -472,13 +496,14 @@ def test_partial_rollout_push_tolerates_a_server_dying_after_the_dead_server_che
         fleet.client.continue_aborted, fleet.client.max_retries, fleet.max_restarts = False, 5, max_restarts
     now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
-    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
-    assert paused == [False, True, True]  # step 0's push found the server dead; the later ones paused
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2)) == 1
+    assert paused == [False, True]  # step 0's push found the server dead; the next one paused
     assert (1, True) in resumed  # rollout 1 was cut short and finished after the restart
     sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
     n = run.config.actor_rollout_ref.rollout.n
-    assert trained == [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
-    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    assert trained == [[f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)]
+                       for step in range(PARTIAL_STEPS)]
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2))
 
 
 def test_validation_beside_a_continued_partial_rollout_runs_outside_the_pause_window(split_cluster, monkeypatch):
@@ -644,12 +669,12 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
         del workers.call
     now = fleet.workers.call(RolloutWorker.status, timeout_s=30)[0]
     assert now["running"] and now["pid"] != victim["pid"] and fleet.restarts[0] == restarts_before + 1
-    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2, 3)) == 1
-    assert paused == [True, True, True] and len(pushes) == STEPS + 1  # step 0 pushed twice
+    assert sum(tracker.rows[s]["faults/rollout_server_restarts"] for s in (1, 2)) == 1
+    assert paused == [True, True] and len(pushes) == PARTIAL_STEPS + 1  # step 0 pushed twice
     sampler = EpochSampler.from_config(run.config.data, len(run.train_data))
     n = run.config.actor_rollout_ref.rollout.n
     assert [uids for uids, _, _ in trained] == [
-        [f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(STEPS)]
+        [f"s{step}-{p}" for p in sampler.next_batch() for _ in range(n)] for step in range(PARTIAL_STEPS)]
     # rollout 1 (trained at step 2): the weights it started with, then the pushed ones, never others
     pushed = str(int(tracker.rows[1]["sync/weight_version"]))
     _, versions, metrics = trained[1]
@@ -657,4 +682,4 @@ def test_partial_rollout_server_killed_during_the_push_after_the_pause_is_restar
     crossing = [row for row, v in enumerate(versions) if len(set(v)) > 1]  # continued from their tokens
     assert crossing and metrics["async/partial_rollouts"] == len(crossing)
     assert metrics["rollout/retried_requests"] == len({row // n for row in crossing})  # sent again: counted
-    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    assert all(tracker.rows[s]["actor/grad_norm"] > 0 for s in (1, 2))

@@ -1,9 +1,10 @@
 """On-policy distillation end to end on CPU (configs/tiny/opd.yaml): `python -m megarl.trainer.main_ppo`
 with a Megatron teacher on the actor's logical GPU, and with an SGLang teacher (a CPU-engine server
-started here, stopped by its PID). The teacher is the tiny model's architecture with other weights
-(seed 1) and the same character tokenizer; pure OPD, one response per prompt, three steps, sampled
-at temperature 0.7: the reverse KL is at OPD's temperature (1) on both sides all the same
-(megarl.algos.opd), which takes the student a pass of its own."""
+started here once for this module's SGLang-teacher runs, stopped by its PID). The teacher is the tiny
+model's architecture with other weights (seed 1) and the same character tokenizer; pure OPD, one
+response per prompt, two steps (the second after an update), sampled at temperature 0.7: the reverse
+KL is at OPD's temperature (1) on both sides all the same (megarl.algos.opd), which takes the student a
+pass of its own."""
 import json
 import math
 import sys
@@ -16,7 +17,7 @@ from megarl.rollout.launch import cpu_server_command
 from megarl.rollout.process import ServerProcess, start_on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 3
+STEPS = 2
 ROLLOUT_TEMPERATURE = 0.7
 
 pytestmark = pytest.mark.slow
@@ -57,13 +58,19 @@ def run_opd(run_to_completion, tiny_assets: Path, teacher: Path, out: Path, *ove
     return train
 
 
-def start_teacher_server(teacher: Path, out: Path) -> ServerProcess:
-    """The teacher served by a CPU-engine server (stopped by the caller)."""
+@pytest.fixture(scope="module")
+def teacher_server(teacher, tmp_path_factory) -> ServerProcess:
+    """The teacher served by a CPU-engine server, for every SGLang-teacher run here (the server keeps
+    no state between requests); stopped by its PID at the module's end."""
+    out = tmp_path_factory.mktemp("teacher_server")
+
     def server_on(port):
         return ServerProcess("teacher", cpu_server_command(str(teacher), port, num_threads=1),
                              f"http://127.0.0.1:{port}", log_path=str(out / "teacher.log"), startup_timeout_s=120)
 
-    return start_on_a_free_port(server_on, "127.0.0.1")
+    server = start_on_a_free_port(server_on, "127.0.0.1")
+    yield server
+    server.stop(timeout_s=15)
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +79,9 @@ def megatron_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
 
 
 @pytest.fixture(scope="module")
-def sglang_run(tiny_assets, teacher, tmp_path_factory, run_to_completion):
-    out = tmp_path_factory.mktemp("opd_sglang")
-    server = start_teacher_server(teacher, out)
-    (out / "run").mkdir()
-    try:
-        return run_opd(run_to_completion, tiny_assets, teacher, out / "run", "distillation.type=sglang",
-                       f"distillation.teacher.url={server.url}")
-    finally:
-        server.stop(timeout_s=15)
+def sglang_run(tiny_assets, teacher, teacher_server, tmp_path_factory, run_to_completion):
+    return run_opd(run_to_completion, tiny_assets, teacher, tmp_path_factory.mktemp("opd_sglang"),
+                   "distillation.type=sglang", f"distillation.teacher.url={teacher_server.url}")
 
 
 def test_megatron_teacher(megatron_run):
@@ -121,17 +122,12 @@ def test_forward_kl_topk_trains_on_the_distillation_loss_alone(topk_megatron_run
 
 
 def test_forward_kl_topk_from_an_sglang_teacher_matches_the_megatron_teachers_first_step(
-        topk_megatron_run, tiny_assets, teacher, tmp_path, run_to_completion):
+        topk_megatron_run, tiny_assets, teacher, teacher_server, tmp_path, run_to_completion):
     """The same loss with the teacher behind a server (`RolloutClient.score_top_k`, SGLang's
     `top_logprobs_num`), one step: the same responses as the Megatron teacher's run's step 1, and the
     same top-k from the server's input top log-probs as from the Megatron head, so the same loss."""
-    server = start_teacher_server(teacher, tmp_path)
-    (tmp_path / "run").mkdir()
-    try:
-        (row,) = train_rows(run_to_completion, tiny_assets, teacher, tmp_path / "run", 1, *TOPK,
-                            "distillation.type=sglang", f"distillation.teacher.url={server.url}")
-    finally:
-        server.stop(timeout_s=15)
+    (row,) = train_rows(run_to_completion, tiny_assets, teacher, tmp_path, 1, *TOPK,
+                        "distillation.type=sglang", f"distillation.teacher.url={teacher_server.url}")
     assert row["opd/coverage"] == 1.0 and row["actor/grad_norm"] > 0
     for key in ("actor/distillation_loss", "opd/teacher_log_prob_mean"):
         assert row[key] == pytest.approx(topk_megatron_run[0][key], abs=1e-4), key
