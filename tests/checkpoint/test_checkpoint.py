@@ -98,33 +98,44 @@ def test_controller_state_is_loaded_without_unpickling_arbitrary_objects(tmp_pat
 
 
 def test_sigkill_at_random_moments_never_leaves_a_corrupt_checkpoint_to_resume_from(tmp_path):
-    """The writer is killed 8 times at random moments (often mid-write, sometimes mid-prune); each
+    """A writer is killed 8 times at random moments (often mid-write, sometimes mid-prune); each
     time the checkpoint resume would pick is complete and consistent, and the next writer goes on
-    from it."""
+    from it. The writers are forked by one process (writer.py), so the imports are paid once."""
     root = tmp_path / "p" / "e"
     rng = random.Random(0)
     step, killed_mid_write = 1, 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    for _ in range(8):
-        writer = subprocess.Popen([sys.executable, str(WRITER), str(root), str(step), "2"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        watchdog = threading.Timer(120, writer.kill)  # bounds the wait for "ready"
-        watchdog.start()
-        ready = writer.stdout.readline()  # printed after the imports
+    forker = subprocess.Popen([sys.executable, str(WRITER), str(root), "2"], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(300, forker.kill)  # bounds the waits below
+    watchdog.start()
+    writer = None
+    try:
+        ready = forker.stdout.readline()  # printed after the imports
+        assert ready.strip() == "ready", forker.stderr.read() if forker.poll() is not None else ready
+        for _ in range(8):
+            forker.stdin.write(f"{step}\n")
+            forker.stdin.flush()
+            writer = int(forker.stdout.readline())  # this writer's pid: it is writing from now on
+            time.sleep(rng.uniform(0.05, 0.5))
+            os.kill(writer, signal.SIGKILL)
+            assert forker.stdout.readline().strip() == "reaped", forker.stderr.read()
+            writer = None
+            killed_mid_write += bool(list(root.glob("*.tmp-*")))
+            resume = checkpoint.find_resume_dir(config_for(tmp_path))
+            if resume is None:
+                continue  # killed before the first checkpoint
+            state = checkpoint.load_controller_state(resume)
+            payload = (resume / "actor" / "payload.bin").read_bytes()
+            assert hashlib.sha256(payload).hexdigest() == state["sha"], f"{resume} is inconsistent"
+            assert (root / "latest").read_text().strip() in {p.name for _, p in checkpoint.complete_checkpoints(root)}
+            step = state["step"] + 1
+    finally:
         watchdog.cancel()
-        assert ready.strip() == "ready", writer.stderr.read() if writer.poll() is not None else ready
-        time.sleep(rng.uniform(0.05, 0.5))
-        writer.send_signal(signal.SIGKILL)
-        writer.communicate(timeout=30)
-        killed_mid_write += bool(list(root.glob("*.tmp-*")))
-        resume = checkpoint.find_resume_dir(config_for(tmp_path))
-        if resume is None:
-            continue  # killed before the first checkpoint
-        state = checkpoint.load_controller_state(resume)
-        payload = (resume / "actor" / "payload.bin").read_bytes()
-        assert hashlib.sha256(payload).hexdigest() == state["sha"], f"{resume} is inconsistent"
-        assert (root / "latest").read_text().strip() in {p.name for _, p in checkpoint.complete_checkpoints(root)}
-        step = state["step"] + 1
+        if writer is not None:  # a failure above left it writing
+            os.kill(writer, signal.SIGKILL)
+        forker.communicate(timeout=30)  # closes its stdin: it ends
+    assert forker.returncode == 0
     assert step > 5, "the writer never got far: the kills came too early to test anything"
     assert killed_mid_write >= 1, "no kill landed during a checkpoint write"
 
