@@ -3,12 +3,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tqdm
-
-# No tqdm monitor thread: a progress bar (transformers' save_pretrained, the converter's) leaves one
-# running, and with a second Python thread alive run_gloo_workers spawns its ranks, each importing
-# torch and megatron again (megarl.testing.gloo_start_method), instead of forking them.
-tqdm.tqdm.monitor_interval = 0
 
 # the helper modules next to this file are imported by name, also by spawned gloo workers
 sys.path.insert(0, str(Path(__file__).parent))

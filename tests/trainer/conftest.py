@@ -1,6 +1,5 @@
 """Shared fixtures of the end-to-end trainer tests: one tiny model and one synthetic dataset per
-test session. (test_rl_e2e.py builds its own with its module fixture `tiny`, which takes precedence
-there; it could use `tiny_assets` instead.)"""
+test session."""
 import contextlib
 import os
 import sys
