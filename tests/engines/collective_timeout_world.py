@@ -26,8 +26,9 @@ def timeout_world(rank: int, world_size: int, port: int, model_dir: str, nccl_ti
     """The role's world as a training worker joins it (`TrainWorker.init_process_group`) and
     megatron's groups as the engine builds them (`RefEngine`); then rank 1 never enters a
     collective (it waits on the store, alive, until rank 0 is done) while rank 0 all-reduces on
-    megatron's tensor-parallel group and on the world. Rank 0 returns, per group, (seconds until
-    the all-reduce returned, its error or None)."""
+    megatron's tensor-parallel group and on the world, both at once (each group's bound runs on its
+    own, so the two waits overlap). Rank 0 returns, per group, (seconds from the start until its
+    all-reduce's wait returned, its error or None)."""
     from megatron.core import parallel_state
 
     from megarl.engines.megatron.roles import RefEngine
@@ -45,10 +46,14 @@ def timeout_world(rank: int, world_size: int, port: int, model_dir: str, nccl_ti
         store.wait(["rank 0 done"], datetime.timedelta(seconds=120))
         return {}
     results = {}
-    for name, group in (("tensor_model_parallel", parallel_state.get_tensor_model_parallel_group()), ("world", None)):
-        start, error = time.monotonic(), None
+    start = time.monotonic()
+    works = {name: dist.all_reduce(torch.ones(1), group=group, async_op=True)
+             for name, group in (("tensor_model_parallel", parallel_state.get_tensor_model_parallel_group()),
+                                 ("world", None))}
+    for name, work in works.items():
+        error = None
         try:
-            dist.all_reduce(torch.ones(1), group=group)
+            work.wait()
         except Exception as e:  # gloo raises when the group's timeout passes
             error = f"{type(e).__name__}: {e}"
         results[name] = (time.monotonic() - start, error)

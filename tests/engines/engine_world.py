@@ -109,9 +109,9 @@ def local_state(engine) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ world A
+# (model, TP, PP, VPP) on 4 ranks (TRAINING_WORLD_LAYOUTS on 2); qwen2_verl: see model_config
 LAYOUTS = [("qwen2", 2, 1, None), ("qwen2", 1, 2, None), ("qwen2", 2, 2, None), ("qwen2", 1, 2, 2),
-           ("llama", 2, 2, None), ("qwen2_mcore", 2, 1, None),
-           ("qwen2_verl", 1, 2, None)]  # (model, TP, PP, VPP) on 4 ranks; qwen2_verl: see model_config
+           ("llama", 2, 2, None), ("qwen2_mcore", 2, 1, None), ("qwen2_verl", 1, 2, None)]
 
 
 def model_config(models: dict, name: str) -> tuple:
@@ -123,14 +123,26 @@ def model_config(models: dict, name: str) -> tuple:
         f"actor_rollout_ref.{role}.megatron.{key}" for role in ("actor", "ref") for key in (
             "use_dist_checkpointing=true", f"dist_checkpointing_path={models['qwen2_verl_dist']}"))
 TEMPERATURE = 0.7
+# LAYOUTS that the 2-rank training world scores (at DP1, half the processes of the 4-rank world): qwen2's
+# with actors it builds anyway, before they train or load a checkpoint (its TP2 actor, its TP1 x PP2 one),
+# the torch_dist ones with actors of their own; the key of their results there
+TRAINING_WORLD_LAYOUTS = {("qwen2", 2, 1, None): "tp2", ("qwen2", 1, 2, None): "resumed",
+                          ("qwen2_mcore", 2, 1, None): "qwen2_mcore", ("qwen2_verl", 1, 2, None): "qwen2_verl"}
+
+
+def score_layout(actor) -> dict:
+    """A LAYOUTS check's scoring: the actor's slice of ragged_batch(8), log-probs and entropies at TEMPERATURE."""
+    batch = ragged_batch(8)
+    scored = actor.compute_log_prob(batch.chunk(actor.dp_size)[actor.dp_rank], TEMPERATURE, with_entropy=True)
+    return {"output_rank": actor.is_output_rank, "dp_rank": actor.dp_rank, "scored": scored}
 
 
 TRAINED_LAYOUTS = [("qwen2", 2, 2, None), ("qwen2", 1, 2, 2)]  # 1F1B at DP1, interleaved at DP2
 
 
 def layouts_world(rank: int, world_size: int, port: int, models: dict) -> dict:
-    """Log-probs and entropies at every layout of LAYOUTS (each DP rank scores its slice of one
-    ragged batch). At TRAINED_LAYOUTS also two PPO updates on the same data, and at TP2 x PP2 the
+    """Log-probs and entropies at every layout of LAYOUTS but TRAINING_WORLD_LAYOUTS (each DP rank scores
+    its slice of one ragged batch). At TRAINED_LAYOUTS also two PPO updates on the same data, and at TP2 x PP2 the
     step-0 invariant: reference log-probs equal the actor's exactly."""
     from megarl.engines.megatron.roles import ActorEngine, RefEngine
 
@@ -139,6 +151,8 @@ def layouts_world(rank: int, world_size: int, port: int, models: dict) -> dict:
     batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
     out = {"scores": {}, "output_ranks": {}, "updates": {}}
     for layout in LAYOUTS:
+        if layout in TRAINING_WORLD_LAYOUTS:
+            continue
         name, tp, pp, vpp = layout
         model_dir, extra = model_config(models, name)
         cfg = config(model_dir, world_size, tp, pp, vpp, None,
@@ -196,15 +210,17 @@ def built_with(engine) -> dict:
                         for k in ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather")}}
 
 
-def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
+def _train_actor(cfg, batch, checkpoint_dir=None, score=False) -> dict:
+    """`score`: "layout_scores", `score_layout` of the fresh actor, too."""
     from megarl.engines.megatron.roles import ActorEngine
 
     actor = ActorEngine(cfg)
+    layout_scores = score_layout(actor) if score else None
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     scored = actor.compute_log_prob(mine, 1.0)
     mine["old_log_probs"] = share_in_replica(scored and scored["log_probs"])
     result = {"old_log_probs": scored and scored["log_probs"], "dp_rank": actor.dp_rank, "metrics": [],
-              "built_with": built_with(actor)}
+              "built_with": built_with(actor), "layout_scores": layout_scores}
     for update in range(1, UPDATES + 1):
         result["metrics"].append(actor.update_policy(mine))
         if update == SAVE_AFTER and checkpoint_dir is not None:
@@ -232,16 +248,19 @@ def _train_actor(cfg, batch, checkpoint_dir=None) -> dict:
     return result
 
 
-def _resume(cfg, batch, checkpoint_dir, old_log_probs) -> dict:
+def _resume(cfg, batch, checkpoint_dir, old_log_probs, score=False) -> dict:
     """A fresh actor loaded from `checkpoint_dir`, trained for the remaining updates.
-    `old_log_probs`: this rank's slice, or (DP1) the whole batch's."""
+    `old_log_probs`: this rank's slice, or (DP1) the whole batch's. `score`: "layout_scores",
+    `score_layout` of the actor before it loads the checkpoint (the HF weights), too."""
     from megarl.engines.megatron.roles import ActorEngine
 
     actor = ActorEngine(cfg)
+    layout_scores = score_layout(actor) if score else None
     actor.load_checkpoint(checkpoint_dir)
     mine = batch.chunk(actor.dp_size)[actor.dp_rank]
     mine["old_log_probs"] = share_in_replica(old_log_probs)
-    result = {"updates": actor.updates, "metrics": [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)]}
+    result = {"updates": actor.updates, "metrics": [actor.update_policy(mine) for _ in range(UPDATES - SAVE_AFTER)],
+              "layout_scores": layout_scores}
     # A non-finite loss on one rank: every rank skips the update and the weights stay as they were.
     poisoned = mine.select(range(len(mine)))
     if actor.dp_rank == 0:
@@ -259,8 +278,9 @@ def training_world(rank: int, world_size: int, port: int, models: dict, checkpoi
     """The same PPO updates at TP1 (DP2, distributed optimizer, fixed micro-batches) and at TP2
     (DP1, token-budget micro-batches), each with offload/onload and a checkpoint after update 2;
     the TP1 checkpoint resumed at TP1, the TP2 one at TP1 x PP2; critics from the actor and from a
-    reward model."""
-    from megarl.engines.megatron.roles import CriticEngine
+    reward model. The TP2 and TP1 x PP2 actors score their TRAINING_WORLD_LAYOUTS first; actors of
+    the torch_dist models score theirs."""
+    from megarl.engines.megatron.roles import ActorEngine, CriticEngine
 
     init_world(rank, world_size, port)
     batch = training_batch()
@@ -274,12 +294,12 @@ def training_world(rank: int, world_size: int, port: int, models: dict, checkpoi
     out["tp2"] = _train_actor(
         config(models["qwen2"], world_size, 2, 1, None, None, *ACTOR_LOSS,
                "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=30"),
-        batch, checkpoint_dir)
+        batch, checkpoint_dir, score=True)
     reset_layout()
 
     # TP2 ran at DP1: rank 0 has all old log-probs
     out["resumed"] = _resume(config(models["qwen2"], world_size, 1, 2, None, None, *ACTOR_LOSS), batch, checkpoint_dir,
-                             share_in_world(out["tp2"]["old_log_probs"]))
+                             share_in_world(out["tp2"]["old_log_probs"]), score=True)
     reset_layout()
 
     for name in ("qwen2", "qwen2_rm"):
@@ -294,6 +314,13 @@ def training_world(rank: int, world_size: int, port: int, models: dict, checkpoi
         }
         del critic
         reset_layout()
+    for (name, tp, pp, vpp), key in TRAINING_WORLD_LAYOUTS.items():
+        if key == name:  # a model of its own
+            model_dir, extra = model_config(models, name)
+            actor = ActorEngine(config(model_dir, world_size, tp, pp, vpp, None, *extra))
+            out[key] = {"layout_scores": score_layout(actor)}
+            del actor
+            reset_layout()
     return out
 
 

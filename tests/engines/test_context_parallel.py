@@ -39,6 +39,12 @@ def run(tiny_models, reward_model, moe_dir, tmp_path_factory):  # noqa: F811
                             args=(tiny_models, str(reward_model), str(moe_dir), str(checkpoint)), timeout_s=600)
 
 
+@pytest.fixture(scope="module")
+def hf_qwen2(tiny_models):
+    """HF's (log-probs, entropies) of training_batch() at TEMPERATURE: the oracle of several tests, computed once."""
+    return hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)[:2]
+
+
 def _whole(run, case, role, key, part):
     """`key`'s `part` over the whole batch: each DP replica's output rank, in DP order (`role` None:
     the case holds the role's results itself)."""
@@ -77,8 +83,8 @@ def test_only_cp_rank_0_emits_the_weights_and_they_are_cp1s(run):
         torch.testing.assert_close(cp2[0][name], cp1[name], rtol=0, atol=1e-5)
 
 
-def test_cp2_log_probs_equal_hf_and_cp1(run, tiny_models):
-    hf_log_probs, hf_entropy, _ = hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)
+def test_cp2_log_probs_equal_hf_and_cp1(run, hf_qwen2):
+    hf_log_probs, hf_entropy = hf_qwen2
     for case in ("cp1", "cp2"):
         close(_whole(run, case, "actor", "scored", "log_probs"), hf_log_probs)
         close(_whole(run, case, "actor", "scored", "entropy"), hf_entropy)
@@ -147,8 +153,8 @@ def test_a_moe_actor_at_cp2_equals_cp1(run, moe_dir, replay, layout):  # noqa: F
 
 
 # ---------------------------------------------------------------------------------- packed sequences
-def test_packed_sequences_at_cp1_and_cp2_score_as_hf_and_step_as_padded_cp1(run, tiny_models):
-    hf_log_probs, hf_entropy, _ = hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)
+def test_packed_sequences_at_cp1_and_cp2_score_as_hf_and_step_as_padded_cp1(run, hf_qwen2):
+    hf_log_probs, hf_entropy = hf_qwen2
     for case in ("cp1_packed", "cp2_packed"):
         for rank in run:
             actor = rank[case]["actor"]
@@ -190,24 +196,30 @@ def odd_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hf_odd(odd_model):
+    """HF's (log-probs, entropies) of training_batch() at TEMPERATURE by the odd-shaped model, computed once."""
+    return hf_reference(odd_model, training_batch(), TEMPERATURE)[:2]
+
+
+@pytest.fixture(scope="module")
 def tp2_cp2_run(tiny_models, odd_model):
     return run_gloo_workers(tp2_cp2_world, 4, args=(tiny_models, str(odd_model)), timeout_s=600)
 
 
 @pytest.mark.parametrize("case", [case[0] for case in ODD_CASES])
-def test_an_odd_shaped_gqa_model_scores_as_hf_at_tp2_sp_cp2_and_tp2_cp2(tp2_cp2_run, odd_model, case):
-    hf_log_probs, hf_entropy, _ = hf_reference(odd_model, training_batch(), TEMPERATURE)
+def test_an_odd_shaped_gqa_model_scores_as_hf_at_tp2_sp_cp2_and_tp2_cp2(tp2_cp2_run, hf_odd, case):
+    hf_log_probs, hf_entropy = hf_odd
     assert tp2_cp2_run[0][case]["sequence_layout"] == ("packed" if "packed" in case else "padded")
     close(_whole(tp2_cp2_run, case, None, "scored", "log_probs"), hf_log_probs)
     close(_whole(tp2_cp2_run, case, None, "scored", "entropy"), hf_entropy)
 
 
 @pytest.mark.parametrize("case", ["tp2_cp2_sp", "tp2_cp2_packed", "tp2_cp2_sp_packed"])
-def test_tp2_cp2_scores_as_hf_and_steps_as_tp1(tp2_cp2_run, tiny_models, case):
+def test_tp2_cp2_scores_as_hf_and_steps_as_tp1(tp2_cp2_run, hf_qwen2, case):
     """4 ranks: TP2 x CP2, padded with sequence parallelism (sequences padded to a multiple of 4, each
     rank holding half of them and splitting that over TP) and packed without and with it, against
     TP1 at DP4."""
-    hf_log_probs, hf_entropy, _ = hf_reference(tiny_models["qwen2"], training_batch(), TEMPERATURE)
+    hf_log_probs, hf_entropy = hf_qwen2
     assert [rank[case]["output_rank"] for rank in tp2_cp2_run] == [True, False, False, False]
     assert tp2_cp2_run[0][case]["sequence_layout"] == ("packed" if "packed" in case else "padded")
     assert all(n % 2 == 0 for rank in tp2_cp2_run for n in rank[case]["input_lengths"])

@@ -1,10 +1,12 @@
 """The megatron engine on real megatron-core (CPU, gloo), checked against HF transformers in fp32.
 
 Two process worlds run once for the module (engine_world.py): four ranks score one ragged batch
-at TP2, PP2, TP2 x PP2, PP2 x VPP2 (and an untied llama at TP2 x PP2, and the bridge's torch_dist
-conversion at TP2), train at TP2 x PP2 and PP2 x VPP2, and check the step-0 invariant; two ranks
-train the same PPO updates at TP1 and TP2, offload and checkpoint, resume at TP1 and TP1 x PP2,
-and train critics. The tests compare what the ranks returned.
+at TP2 x PP2, PP2 x VPP2 (and an untied llama at TP2 x PP2), train at TP2 x PP2 and PP2 x VPP2, and
+check the step-0 invariant; two ranks score the same batch at TP2 and PP2 (TRAINING_WORLD_LAYOUTS:
+qwen2 with the actors they build anyway, before they train or load a checkpoint; the bridge's
+torch_dist conversion at TP2 and verl's torch_dist weights at PP2), train the same PPO updates at
+TP1 and TP2, offload and checkpoint, resume at TP1 and TP1 x PP2, and train critics. The tests
+compare what the ranks returned.
 """
 import pytest
 import torch
@@ -14,6 +16,7 @@ from engine_world import (
     SAVE_AFTER,
     TEMPERATURE,
     TRAINED_LAYOUTS,
+    TRAINING_WORLD_LAYOUTS,
     UPDATES,
     config,
     layouts_world,
@@ -29,7 +32,7 @@ from megarl.bridge import ParallelLayout, WeightMap, arch_from_hf_config, load_h
 from megarl.testing import run_gloo_workers
 from megarl.engines.megatron.model import padded_vocab
 
-pytestmark = pytest.mark.slow  # two megatron worlds for the module (4 and 2 processes): 70-80 s on 2 cores
+pytestmark = pytest.mark.slow  # two megatron worlds for the module (4 and 2 processes): ~60 s on 2 cores
 
 
 def hf_reference(model_dir, batch, temperature=1.0):
@@ -62,18 +65,37 @@ def layouts_run(tiny_models):
     return run_gloo_workers(layouts_world, 4, args=(tiny_models,), timeout_s=500)
 
 
+@pytest.fixture(scope="module")
+def hf_layout_reference(tiny_models):
+    """name -> hf_reference of ragged_batch(8) at TEMPERATURE by HF model `name`, computed once for the
+    layouts that share it."""
+    found = {}
+
+    def of(name):
+        if name not in found:
+            found[name] = hf_reference(tiny_models[name], ragged_batch(8), TEMPERATURE)
+        return found[name]
+
+    return of
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay[0]}-TP{lay[1]}-PP{lay[2]}-VPP{lay[3] or 1}")
-def test_log_probs_and_entropy_equal_hf(layout, layouts_run, tiny_models):
+def test_log_probs_and_entropy_equal_hf(layout, layouts_run, training_run, hf_layout_reference):
     name, tp, pp, _ = layout
-    scores = {dp: s for rank in layouts_run for (lay, dp), s in rank["scores"].items() if lay == layout}
-    assert sorted(scores) == list(range(4 // (tp * pp)))  # one output rank per DP replica
-    assert sum(rank["output_ranks"][layout] for rank in layouts_run) == len(scores)
+    if layout in TRAINING_WORLD_LAYOUTS:  # scored in the 2-rank world
+        ranks = [rank[TRAINING_WORLD_LAYOUTS[layout]]["layout_scores"] for rank in training_run]
+        scores = {r["dp_rank"]: r["scored"] for r in ranks if r["scored"] is not None}
+        world, output_ranks = 2, sum(r["output_rank"] for r in ranks)
+    else:
+        scores = {dp: s for rank in layouts_run for (lay, dp), s in rank["scores"].items() if lay == layout}
+        world, output_ranks = 4, sum(rank["output_ranks"][layout] for rank in layouts_run)
+    assert sorted(scores) == list(range(world // (tp * pp)))  # one output rank per DP replica
+    assert output_ranks == len(scores)
     batch = ragged_batch(8)
     log_probs = torch.cat([scores[dp]["log_probs"] for dp in sorted(scores)])
     entropy = torch.cat([scores[dp]["entropy"] for dp in sorted(scores)])
     # a torch_dist model is checked against its HF source
-    hf_dir = tiny_models[name.removesuffix("_mcore").removesuffix("_verl")]
-    hf_log_probs, hf_entropy, _ = hf_reference(hf_dir, batch, TEMPERATURE)
+    hf_log_probs, hf_entropy, _ = hf_layout_reference(name.removesuffix("_mcore").removesuffix("_verl"))
     close(log_probs, hf_log_probs)
     close(entropy, hf_entropy)
     padding = ~batch["response_mask"].bool()

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from engine_world import ragged_batch
 from megarl.data.tiny_model import make_tiny_model
 from megarl.testing import run_gloo_workers
-from mtp_engine_world import EH_PROJ, mtp_cp_world, mtp_pp_world, mtp_world
+from mtp_engine_world import EH_PROJ, mtp_one_rank_world, mtp_two_rank_world
 
-pytestmark = pytest.mark.slow  # two actor engines in one gloo process, twice
+pytestmark = pytest.mark.slow  # a 1-rank world (6 actor engines) and a 2-rank one (4), once for the module
 
 L = 2  # a dense and an MoE decoder layer; the MTP layer (HF layer 2) is an MoE layer
 FACTOR = 0.1  # verl's default mtp_loss_scaling_factor
@@ -90,13 +90,37 @@ def oracle_mtp_loss(hf, own: dict, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return loss.detach(), grad
 
 
-def test_mtp_training_adds_the_scaled_mtp_loss_and_keeps_the_policy(checkpoint):
-    model_dir, hf, own = checkpoint
-    batch = ragged_batch(8, seed=4)
-    (out,) = run_gloo_workers(mtp_world, 1, args=(str(model_dir), batch, []), timeout_s=400)
-    assert torch.equal(out["with_mtp"], out["plain"])  # the main head's log-probs, bit for bit
-    assert EH_PROJ not in out["plain_names"]
-    loss, grad = oracle_mtp_loss(hf, own, batch)
+BATCH_SEED = 4
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    """`oracle_mtp_loss` of the batch every world trains on (ragged_batch(8, seed=BATCH_SEED))."""
+    _, hf, own = checkpoint
+    return oracle_mtp_loss(hf, own, ragged_batch(8, seed=BATCH_SEED))
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint):
+    """mtp_one_rank_world's result: the plain actor, the policy update, detach_encoder, the SFT step, CP 1."""
+    (out,) = run_gloo_workers(mtp_one_rank_world, 1, args=(str(checkpoint[0]), ragged_batch(8, seed=BATCH_SEED)),
+                              timeout_s=400)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint):
+    """mtp_two_rank_world's results of ranks 0 and 1: PP 2, then CP 2."""
+    return run_gloo_workers(mtp_two_rank_world, 2, args=(str(checkpoint[0]), ragged_batch(8, seed=BATCH_SEED)),
+                            timeout_s=400)
+
+
+def test_mtp_training_adds_the_scaled_mtp_loss_and_keeps_the_policy(checkpoint, one_rank, oracle):
+    model_dir, _, _ = checkpoint
+    out = one_rank["policy"]
+    assert torch.equal(out["with_mtp"], one_rank["plain"])  # the main head's log-probs, bit for bit
+    assert EH_PROJ not in one_rank["plain_names"]
+    loss, grad = oracle
     reported = out["metrics"]["actor/mtp_1_loss"]
     print(f"MTP loss: reported {reported:.6f}, oracle {loss.item():.6f}; "
           f"max |grad - factor x oracle grad| {(out['grads'][EH_PROJ] - FACTOR * grad).abs().max().item():.2e}")
@@ -113,35 +137,28 @@ def test_mtp_training_adds_the_scaled_mtp_loss_and_keeps_the_policy(checkpoint):
     assert set(out["pushed_names"]) == {n for n in on_disk if not n.startswith(f"model.layers.{L}.")}
 
 
-def test_detach_encoder_keeps_the_mtp_loss_out_of_the_decoder(checkpoint):
-    model_dir, hf, own = checkpoint
-    batch = ragged_batch(8, seed=4)
-    (out,) = run_gloo_workers(mtp_world, 1, args=(str(model_dir), batch,
-                                                  ["actor_rollout_ref.model.mtp.detach_encoder=true"]), timeout_s=400)
-    _, grad = oracle_mtp_loss(hf, own, batch)
+def test_detach_encoder_keeps_the_mtp_loss_out_of_the_decoder(one_rank, oracle):
+    out = one_rank["detach_encoder"]
+    _, grad = oracle
     torch.testing.assert_close(out["grads"][EH_PROJ], FACTOR * grad, rtol=1e-4, atol=1e-7)
     decoder = [g for name, g in out["grads"].items() if name.startswith(("decoder.", "embedding."))]
     assert all(torch.count_nonzero(g) == 0 for g in decoder)
 
 
-def test_an_sft_step_adds_the_mtp_loss_too(checkpoint):
+def test_an_sft_step_adds_the_mtp_loss_too(one_rank, oracle):
     """verl's SFT with model.mtp.enable_train: the MTP loss beside the NLL, which does not reach eh_proj."""
-    model_dir, hf, own = checkpoint
-    batch = ragged_batch(8, seed=4)
-    (out,) = run_gloo_workers(mtp_world, 1, args=(str(model_dir), batch, [], True), timeout_s=400)
-    loss, grad = oracle_mtp_loss(hf, own, batch)
+    out = one_rank["sft"]
+    loss, grad = oracle
     assert out["metrics"]["sft/mtp_1_loss"] == pytest.approx(loss.item(), rel=1e-5)
     torch.testing.assert_close(out["grads"][EH_PROJ], FACTOR * grad, rtol=1e-4, atol=1e-7)
 
 
-def test_pipeline_stages_train_the_mtp_layer_on_the_last(checkpoint):
+def test_pipeline_stages_train_the_mtp_layer_on_the_last(two_ranks, oracle):
     """PP 2: megatron builds the MTP block on the last stage with a copy of the embedding, whose gradient it
     all-reduces with the first stage's (finalize_model_grads); the push sends the embedding once."""
-    model_dir, hf, own = checkpoint
-    batch = ragged_batch(8, seed=4)
-    first, last = run_gloo_workers(mtp_pp_world, 2, args=(str(model_dir), batch), timeout_s=400)
+    first, last = (rank["pp"] for rank in two_ranks)
     assert torch.equal(last["with_mtp"], last["plain"])
-    loss, grad = oracle_mtp_loss(hf, own, batch)
+    loss, grad = oracle
     assert last["metrics"]["actor/mtp_1_loss"] == first["metrics"]["actor/mtp_1_loss"] == pytest.approx(loss.item(),
                                                                                                        rel=1e-5)
     assert EH_PROJ not in first["grads"]
@@ -153,17 +170,14 @@ def test_pipeline_stages_train_the_mtp_layer_on_the_last(checkpoint):
     assert len(pushed) == len(set(pushed)) and "model.embed_tokens.weight" in pushed
 
 
-def test_context_parallelism_trains_the_mtp_layer_as_one_rank(checkpoint):
+def test_context_parallelism_trains_the_mtp_layer_as_one_rank(one_rank, two_ranks, oracle):
     """CP 2 (megatron's chunk layout: rank r holds chunks r and 3 - r of every sequence, megatron's roll_tensor
     rolls across their boundaries): each CP rank's MTP loss is normalised by the whole micro-batch's tokens
     (megarl.engines.megatron.mtp.cp_token_normaliser), so the reported loss, the eh_proj gradient and every
     other parameter's gradient equal CP 1's, padded and packed (each packed sequence padded to 4 positions
     there), and the oracle's."""
-    model_dir, hf, own = checkpoint
-    batch = ragged_batch(8, seed=4)
-    (one,) = run_gloo_workers(mtp_cp_world, 1, args=(str(model_dir), batch, 1), timeout_s=400)
-    two = run_gloo_workers(mtp_cp_world, 2, args=(str(model_dir), batch, 2), timeout_s=400)
-    loss, grad = oracle_mtp_loss(hf, own, batch)
+    one, two = one_rank["cp"], [rank["cp"] for rank in two_ranks]
+    loss, grad = oracle
     for layout in ("padded", "packed"):
         (metrics1, grads1), (metrics2, grads2) = one[layout], two[0][layout]
         print(f"{layout}: MTP loss CP1 {metrics1['actor/mtp_1_loss']:.6f}, CP2 {metrics2['actor/mtp_1_loss']:.6f}, "
