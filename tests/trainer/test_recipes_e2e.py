@@ -2,7 +2,8 @@
 algorithm that algorithm actually happened in the loop.
 
 One Ray session serves all recipes; each recipe brings up its own cluster (real megatron-core on
-gloo, CPU-engine rollout servers behind the router), runs one `RLTrainer.train_step` and is
+gloo, CPU-engine rollout servers behind the router; the four estimators whose clusters would be the
+same share one: `TestEstimatorsShareOneCluster`), runs one `RLTrainer.train_step` and is
 inspected through the step's metrics and the batch the actor was updated on (captured on its way
 into `EngineGroup.update` or `update_and_compute`). The algorithm tests run the recipes' own small
 layout (one logical GPU: TP=1, one server); the tests of what a layout changes (a critic at TP=2,
@@ -13,6 +14,7 @@ The reward is this file's `first_char_is_digit`: about one response in five of t
 starts with a digit, so groups of four responses are a mix of informative groups and groups whose
 responses all score the same, which the group estimators and DAPO's filter must tell apart.
 """
+import dataclasses
 import math
 import os
 import random
@@ -67,26 +69,42 @@ class StepRecord:
     values_after: torch.Tensor | None = None  # PPO: the critic's values of the batch after its update
 
 
-def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1) -> StepRecord:
-    """Bring up configs/tiny/<name>.yaml's cluster on the `tiny_assets` model and data, run
-    `steps` train_steps (metrics: the last one's), tear it down."""
+def recipe_config(name: str, tiny: Path, out: Path, *overrides: str):
+    """configs/tiny/<name>.yaml on the `tiny_assets` model and data, writing under `out`."""
     paths = [f"actor_rollout_ref.model.path={tiny / 'model'}", f"data.train_files={tiny / 'data/train.parquet'}",
              f"data.val_files={tiny / 'data/val.parquet'}", f"trainer.default_local_dir={out}"]
-    config = load_and_validate(REPO / f"configs/tiny/{name}.yaml", [*paths, *overrides])
+    return load_and_validate(REPO / f"configs/tiny/{name}.yaml", [*paths, *overrides])
+
+
+def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1,
+               cluster: Cluster | None = None) -> StepRecord:
+    """Bring up configs/tiny/<name>.yaml's cluster on the `tiny_assets` model and data, run
+    `steps` train_steps (metrics: the last one's), tear it down. With `cluster` (a shared one, see
+    `TestEstimatorsShareOneCluster`): the steps run on it, left up."""
+    config = recipe_config(name, tiny, out, *overrides)
     tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
-    cluster = Cluster(config)
+    shared = cluster is not None
+    if shared:
+        differing = config_differences(config, cluster.config)
+        assert differing <= CLUSTER_BLIND, f"{name}: the shared cluster's config differs in {differing - CLUSTER_BLIND}"
+    else:
+        cluster = Cluster(config)
+    restore = []
     try:
         trainer = RLTrainer(config, cluster, tokenizer, first_char_is_digit)
         record = StepRecord(config, {})
-        _capture_updates(cluster.actor, record.actor_batches)
+        restore.append(_capture_updates(cluster.actor, record.actor_batches))
         if cluster.critic is not None:
-            _capture_updates(cluster.critic, record.critic_batches)
+            restore.append(_capture_updates(cluster.critic, record.critic_batches))
         for _ in range(steps):
             record.metrics = trainer.train_step()
         if cluster.critic is not None and record.critic_batches:
             record.values_after = cluster.critic.compute_values(record.critic_batches[0])["values"]
     finally:
-        cluster.shutdown()
+        for undo in restore:
+            undo()
+        if not shared:
+            cluster.shutdown()
     for key, value in record.metrics.items():
         assert math.isfinite(value), f"{name}: {key}={value}"
     assert len(record.actor_batches) == steps, f"{name}: the actor was updated {len(record.actor_batches)} times"
@@ -95,11 +113,40 @@ def run_recipe(name: str, tiny: Path, out: Path, *overrides: str, steps: int = 1
     return record
 
 
-def _capture_updates(group, sink: list) -> None:
+# The keys in which a recipe's config may differ from a shared cluster's: the estimator, read by the
+# controller (RLTrainer) alone, never by Cluster or its workers (of algorithm.*, they read
+# rollout_correction, dpo, and use_kl_in_reward for the placement of a reference), and where logs go
+# (trainer.default_local_dir / experiment_name: the servers' log directory).
+CLUSTER_BLIND = {"algorithm.adv_estimator", "trainer.experiment_name", "trainer.default_local_dir"}
+
+
+def config_differences(a, b) -> set[str]:
+    """The dotted keys whose values differ between two configs."""
+    def flat(tree, prefix=""):
+        if not isinstance(tree, dict):
+            return {prefix[:-1]: tree}
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    fa, fb = flat(dataclasses.asdict(a)), flat(dataclasses.asdict(b))
+    return {key for key in fa.keys() | fb.keys() if fa.get(key) != fb.get(key)}
+
+
+def _capture_updates(group, sink: list):
     """Record the batch of each update (an actor whose update makes its old log-probs gets them
-    in the recorded batch from the controller right after)."""
-    for name in ("update", "update_and_compute"):
+    in the recorded batch from the controller right after); returns the undo."""
+    names = ("update", "update_and_compute")
+    own = {name: group.__dict__[name] for name in names if name in group.__dict__}
+    for name in names:
         setattr(group, name, _recording(getattr(group, name), sink))
+
+    def undo():
+        for name in names:
+            if name in own:
+                setattr(group, name, own[name])
+            else:
+                delattr(group, name)
+
+    return undo
 
 
 def _recording(update, sink: list):
@@ -250,60 +297,75 @@ def test_dapo_filter_clip_higher_and_overlong(ray_session, tiny_assets, tmp_path
     assert_token_ratio_identity(m, "dapo")
 
 
-def test_rloo_baseline_leaves_the_sample_out(ray_session, tiny_assets, tmp_path):
-    run = run_recipe("rloo", tiny_assets, tmp_path)
-    batch = run.actor_batches[0]
-    assert "critic/kl" in run.metrics  # KL as a reward penalty
-    adv = per_response(batch["advantages"], batch["response_mask"])
-    scores = seq_rewards(batch)
-    assert informative(batch), "no group had different scores: the check would be vacuous"
-    for g in groups(batch["uid"]):
-        for i in g:
-            others = [scores[j] for j in g if j != i]
-            expected = scores[i] - sum(others) / len(others)
-            assert abs(adv[i].item() - expected.item()) < TOL, (i, adv[i], expected)
+@pytest.fixture(scope="class")
+def shared(ray_session, tiny_assets, tmp_path_factory):
+    """configs/tiny/rloo.yaml's cluster, up while the tests of one class run (torn down before the
+    next tests, which need the Ray session's GPUs)."""
+    cluster = Cluster(recipe_config("rloo", tiny_assets, tmp_path_factory.mktemp("estimators")))
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
 
 
-def test_remax_greedy_baseline(ray_session, tiny_assets, tmp_path):
-    run = run_recipe("remax", tiny_assets, tmp_path)
-    batch, m = run.actor_batches[0], run.metrics
-    assert "reward_baselines" in batch
-    baselines = batch["reward_baselines"]
-    assert baselines.shape == (len(batch),)
-    for g in groups(batch["uid"]):  # one greedy response per prompt
-        assert torch.all(baselines[g] == baselines[g[0]])
-    assert abs(m["reward/remax_baseline_mean"] - baselines.mean().item()) < TOL
-    mask = batch["response_mask"].bool()
-    expected = reversed_cumsum(batch["token_level_rewards"], mask) - baselines.double()[:, None]
-    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=TOL)
+class TestEstimatorsShareOneCluster:
+    """RLOO, ReMax, REINFORCE++ and REINFORCE++ with a baseline: recipes that differ from each other only
+    in what the controller reads (the estimator; `CLUSTER_BLIND`, checked by run_recipe), so
+    their clusters would be the same: one serves the four tests (a cluster start is ~13 s, a step
+    ~0.3 s), each running its own recipe's RLTrainer on it. Each test's checks are of its own batch
+    against its own scores and rewards, whatever the policy the previous tests' updates left."""
 
+    def test_rloo_baseline_leaves_the_sample_out(self, shared, tiny_assets, tmp_path):
+        run = run_recipe("rloo", tiny_assets, tmp_path, cluster=shared)
+        batch = run.actor_batches[0]
+        assert "critic/kl" in run.metrics  # KL as a reward penalty
+        adv = per_response(batch["advantages"], batch["response_mask"])
+        scores = seq_rewards(batch)
+        assert informative(batch), "no group had different scores: the check would be vacuous"
+        for g in groups(batch["uid"]):
+            for i in g:
+                others = [scores[j] for j in g if j != i]
+                expected = scores[i] - sum(others) / len(others)
+                assert abs(adv[i].item() - expected.item()) < TOL, (i, adv[i], expected)
 
-def test_reinforce_pp_whitens_over_the_batch(ray_session, tiny_assets, tmp_path):
-    run = run_recipe("reinforce_pp", tiny_assets, tmp_path)
-    batch = run.actor_batches[0]
-    mask = batch["response_mask"].bool()
-    expected = whiten(reversed_cumsum(batch["token_level_rewards"], mask), mask)
-    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
-    adv = batch["advantages"][mask]
-    assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-3
+    def test_remax_greedy_baseline(self, shared, tiny_assets, tmp_path):
+        run = run_recipe("remax", tiny_assets, tmp_path, cluster=shared)
+        batch, m = run.actor_batches[0], run.metrics
+        assert "reward_baselines" in batch
+        baselines = batch["reward_baselines"]
+        assert baselines.shape == (len(batch),)
+        for g in groups(batch["uid"]):  # one greedy response per prompt
+            assert torch.all(baselines[g] == baselines[g[0]])
+        assert abs(m["reward/remax_baseline_mean"] - baselines.mean().item()) < TOL
+        mask = batch["response_mask"].bool()
+        expected = reversed_cumsum(batch["token_level_rewards"], mask) - baselines.double()[:, None]
+        assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=TOL)
 
+    def test_reinforce_pp_whitens_over_the_batch(self, shared, tiny_assets, tmp_path):
+        run = run_recipe("reinforce_pp", tiny_assets, tmp_path, cluster=shared)
+        batch = run.actor_batches[0]
+        mask = batch["response_mask"].bool()
+        expected = whiten(reversed_cumsum(batch["token_level_rewards"], mask), mask)
+        assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
+        adv = batch["advantages"][mask]
+        assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-3
 
-def test_reinforce_pp_baseline_centres_per_group_then_whitens(ray_session, tiny_assets, tmp_path):
-    run = run_recipe("reinforce_pp_baseline", tiny_assets, tmp_path)
-    batch = run.actor_batches[0]
-    mask = batch["response_mask"].bool()
-    scores = seq_rewards(batch)
-    centred = torch.zeros_like(scores)
-    degenerate = torch.zeros(len(batch), dtype=torch.bool)
-    for g in groups(batch["uid"]):
-        if len({scores[i].item() for i in g}) > 1:
-            centred[g] = scores[g] - scores[g].mean()
-        else:
-            degenerate[g] = True
-    assert not degenerate.all(), "no group had different scores: the check would be vacuous"
-    expected = whiten(torch.where(mask, centred[:, None], 0.0), mask)
-    expected = torch.where(degenerate[:, None], 0.0, expected)
-    assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
+    def test_reinforce_pp_baseline_centres_per_group_then_whitens(self, shared, tiny_assets, tmp_path):
+        run = run_recipe("reinforce_pp_baseline", tiny_assets, tmp_path, cluster=shared)
+        batch = run.actor_batches[0]
+        mask = batch["response_mask"].bool()
+        scores = seq_rewards(batch)
+        centred = torch.zeros_like(scores)
+        degenerate = torch.zeros(len(batch), dtype=torch.bool)
+        for g in groups(batch["uid"]):
+            if len({scores[i].item() for i in g}) > 1:
+                centred[g] = scores[g] - scores[g].mean()
+            else:
+                degenerate[g] = True
+        assert not degenerate.all(), "no group had different scores: the check would be vacuous"
+        expected = whiten(torch.where(mask, centred[:, None], 0.0), mask)
+        expected = torch.where(degenerate[:, None], 0.0, expected)
+        assert torch.allclose(batch["advantages"].double()[mask], expected[mask], atol=1e-4)
 
 
 RC = "algorithm.rollout_correction"
@@ -406,11 +468,14 @@ def test_bypass_mode_uses_the_rollouts_log_probs_and_corrects_in_the_loss(ray_se
 # ------------------------------------------------------------------------------ agent episodes
 @pytest.fixture(scope="module")
 def sft_model(tiny_assets, tmp_path_factory) -> Path:
-    """The tiny model after a short SFT on the addition task (plain HF training, 480 steps of 128
-    examples, lr 1e-3; 20-100 s on 2 cores), half of the examples in the calculator's second-turn
-    form (question, a wrong answer, the tool's hint, the question again -> the answer), so that
-    episodes often succeed in their second turn (sampled at temperature 1: ~40% right first answers,
-    ~45% right second answers, measured). Test setup, not under test."""
+    """The tiny model after a short SFT on the addition task (plain HF training on one thread, 240
+    steps of 128 examples, lr 2e-3; ~30 core-seconds), half of the examples in the calculator's
+    second-turn form (question, a wrong answer, the tool's hint, the question again -> the answer),
+    so that some episodes succeed in their second turn: sampled at temperature 1, ~5% right first
+    answers and ~6% right second answers, 14-19 second-turn successes in 256 episodes (the test's two
+    steps of 16 x 8) over three sampling seeds and two SFT seeds (measured by HF sampling of the
+    episode's two calls; 480 steps at lr 1e-3 gave ~60 for twice the time, 120 steps or lr 3e-3 ~3).
+    Test setup, not under test."""
     from transformers import AutoModelForCausalLM
 
     from megarl.data.synthetic import TASKS, distinct_examples
@@ -424,24 +489,29 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
     def chars(text: str) -> list[int]:
         return tokenizer.convert_tokens_to_ids(list(text))
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    for step in range(480):
-        rows = []
-        for k, (question, answer) in enumerate(examples[(step * 128) % 4096:][:128]):
-            prompt = [tokenizer.bos_token_id, *chars(question)]
-            if k % 2:  # as calculator.py's second call renders it (the tiny chat template)
-                prompt += [*chars(str(wrong_answers.randrange(10, 200))), tokenizer.eos_token_id,
-                           *chars("?" + answer[0] + question)]
-            target = [*chars(answer), tokenizer.eos_token_id]
-            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in rows])
-        trained = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])[:, 1:]
-        log_probs = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(log_probs * trained).sum() / trained.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small gains little from a second thread, which costs core time
+    try:
+        for step in range(240):
+            rows = []
+            for k, (question, answer) in enumerate(examples[(step * 128) % 4096:][:128]):
+                prompt = [tokenizer.bos_token_id, *chars(question)]
+                if k % 2:  # as calculator.py's second call renders it (the tiny chat template)
+                    prompt += [*chars(str(wrong_answers.randrange(10, 200))), tokenizer.eos_token_id,
+                               *chars("?" + answer[0] + question)]
+                target = [*chars(answer), tokenizer.eos_token_id]
+                rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
+            width = max(len(ids) for ids, _ in rows)
+            ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in rows])
+            trained = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])[:, 1:]
+            log_probs = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+            loss = -(log_probs * trained).sum() / trained.sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("sft") / "model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
