@@ -96,14 +96,36 @@ FORK_PRELOADED_MODULES = ("megatron.core.models.gpt.gpt_model", "megatron.core.o
                           "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "transformers")
 
 
-def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_threads: int) -> str:
+def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_threads: int, os_threads: int,
+                      os_threads_at_import: int) -> str:
     """How `run_gloo_workers` starts its ranks: "fork" when forking this process is safe (each rank
     then skips re-importing torch and megatron, about 8 s of CPU per rank), else "spawn". Fork is
     unsafe when CUDA is initialised (PyTorch's multiprocessing notes: "The CUDA runtime does not
     support the fork start method"), when this process is in a process group (the children would
-    share its sockets), or when other Python threads run (Python's `os.fork` documentation: a lock
-    held by another thread stays locked forever in the child)."""
-    return "fork" if not cuda_initialized and not dist_initialized and python_threads == 1 else "spawn"
+    share its sockets), when other Python threads run (Python's `os.fork` documentation: a lock held
+    by another thread stays locked forever in the child), and once a native thread pool has started
+    (`os_threads`, the OS's count, above `os_threads_at_import`, its count when this module was
+    imported, torch's own start-up thread included): GNU OpenMP (libgomp) is not fork-safe, a child
+    that enters a parallel region after the parent started its pool waits forever (seen: a forked
+    rank stuck in libgomp under MKL's vmsCos, torch for Python 3.12, after the test process had
+    computed in torch on two threads)."""
+    safe = (not cuda_initialized and not dist_initialized and python_threads == 1
+            and os_threads <= os_threads_at_import)
+    return "fork" if safe else "spawn"
+
+
+def os_thread_count() -> int:
+    """This process's threads as the OS counts them (Linux: /proc/self/task): Python's and native
+    ones (OpenMP's pool, gloo's); where /proc is missing, Python's alone."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+OS_THREADS_AT_IMPORT = os_thread_count()  # after torch's import (above), before any of its thread pools
 
 
 def lost_master_port(error_text: str) -> bool:
@@ -139,7 +161,7 @@ def run_gloo_workers(
 
     if start_method is None:
         start_method = gloo_start_method(torch.cuda.is_initialized(), dist.is_available() and dist.is_initialized(),
-                                         threading.active_count())
+                                         threading.active_count(), os_thread_count(), OS_THREADS_AT_IMPORT)
     if start_method == "fork":  # imported once here, inherited by every rank
         for module in FORK_PRELOADED_MODULES:
             importlib.import_module(module)

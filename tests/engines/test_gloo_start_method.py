@@ -12,13 +12,30 @@ from megarl.net import free_port as real_free_port
 
 
 def test_fork_only_without_cuda_a_process_group_or_other_threads():
-    assert gloo_start_method(cuda_initialized=False, dist_initialized=False, python_threads=1) == "fork"
+    assert gloo_start_method(False, False, python_threads=1, os_threads=2, os_threads_at_import=2) == "fork"
     # "The CUDA runtime does not support the fork start method" (PyTorch's multiprocessing notes)
-    assert gloo_start_method(cuda_initialized=True, dist_initialized=False, python_threads=1) == "spawn"
+    assert gloo_start_method(True, False, python_threads=1, os_threads=2, os_threads_at_import=2) == "spawn"
     # the children would share this process's process-group sockets
-    assert gloo_start_method(cuda_initialized=False, dist_initialized=True, python_threads=1) == "spawn"
+    assert gloo_start_method(False, True, python_threads=1, os_threads=2, os_threads_at_import=2) == "spawn"
     # another thread's locks stay locked forever in the child (Python's os.fork documentation)
-    assert gloo_start_method(cuda_initialized=False, dist_initialized=False, python_threads=2) == "spawn"
+    assert gloo_start_method(False, False, python_threads=2, os_threads=3, os_threads_at_import=2) == "spawn"
+    # a native pool (libgomp's) started since the import: a child entering a parallel region hangs
+    assert gloo_start_method(False, False, python_threads=1, os_threads=4, os_threads_at_import=2) == "spawn"
+
+
+def test_a_parallel_torch_op_makes_the_worlds_spawn():
+    """A fresh interpreter: fork right after the import. After a parallel torch op on two threads the
+    OS lists torch's intra-op pool (OpenMP's workers), which Python's `threading` does not see: the
+    worlds spawn (a rank forked beside such a pool hung in libgomp)."""
+    import subprocess
+    import sys
+
+    probe = ("import threading, torch; from megarl import testing as t; "
+             "decide = lambda: t.gloo_start_method(False, False, threading.active_count(), t.os_thread_count(), "
+             "t.OS_THREADS_AT_IMPORT); before = decide(); "
+             "torch.set_num_threads(2); torch.rand(512, 512).cos().sum(); print(before, decide(), threading.active_count())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.split() == ["fork", "spawn", "1"], out
 
 
 # A master port lost to another process between `free_port` and rank 0's bind (seen in CI, where
