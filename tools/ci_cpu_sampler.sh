@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every INTERVAL seconds, one line to LOG: seconds since the start, the cores busy on average over the
-# interval (from /proc/stat: user+nice+system+irq+softirq jiffies over elapsed jiffies) and the load
+# interval (from /proc/stat: user+nice+system+irq+softirq jiffies, over the interval's seconds times CLK_TCK) and the load
 # averages. `.ci/run` starts it and stops it by its PID.
 # usage: tools/ci_cpu_sampler.sh LOG [INTERVAL] [START_EPOCH_S]  (seconds counted from START_EPOCH_S, default now)
 set -u
