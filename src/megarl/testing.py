@@ -3,13 +3,12 @@ benchmarks (tools/bench). Nothing in the product imports it.
 
 `init_gloo_model_parallel()` starts torch.distributed on gloo and megatron's `parallel_state` for
 one rank of a TP x PP (x VPP) layout, the CPU shims applied first (`engines.megatron.cpu.shims`);
-`run_gloo_workers()` spawns those ranks as local processes on a free 127.0.0.1 port and fails with
+`run_gloo_workers()` starts those ranks as local processes on a free 127.0.0.1 port and fails with
 the traceback of a rank that fails.
 """
 from __future__ import annotations
 
 import datetime
-import importlib
 import logging
 import os
 import tempfile
@@ -73,11 +72,12 @@ def _initialize_parallel_state(tp: int, pp: int, vpp: Optional[int], seed: int) 
     model_parallel_cuda_manual_seed(seed)
 
 
-def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple) -> None:
+def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple,
+            environ: dict) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.clear()  # the caller's environment at the call (a forkserver's child inherits the server's)
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores, as under torchrun
     try:
         result = fn(rank, world_size, port, *args)
@@ -90,42 +90,11 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
             dist.destroy_process_group()
 
 
-# what a gloo rank of the engines imports (megatron-core's model, optimizer, DDP and schedules; HF's
-# model classes), imported by the parent before it forks the ranks
-FORK_PRELOADED_MODULES = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
-                          "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "transformers")
-
-
-def gloo_start_method(cuda_initialized: bool, dist_initialized: bool, python_threads: int, os_threads: int,
-                      os_threads_at_import: int) -> str:
-    """How `run_gloo_workers` starts its ranks: "fork" when forking this process is safe (each rank
-    then skips re-importing torch and megatron, about 8 s of CPU per rank), else "spawn". Fork is
-    unsafe when CUDA is initialised (PyTorch's multiprocessing notes: "The CUDA runtime does not
-    support the fork start method"), when this process is in a process group (the children would
-    share its sockets), when other Python threads run (Python's `os.fork` documentation: a lock held
-    by another thread stays locked forever in the child), and once a native thread pool has started
-    (`os_threads`, the OS's count, above `os_threads_at_import`, its count when this module was
-    imported, torch's own start-up thread included): GNU OpenMP (libgomp) is not fork-safe, a child
-    that enters a parallel region after the parent started its pool waits forever (seen: a forked
-    rank stuck in libgomp under MKL's vmsCos, torch for Python 3.12, after the test process had
-    computed in torch on two threads)."""
-    safe = (not cuda_initialized and not dist_initialized and python_threads == 1
-            and os_threads <= os_threads_at_import)
-    return "fork" if safe else "spawn"
-
-
-def os_thread_count() -> int:
-    """This process's threads as the OS counts them (Linux: /proc/self/task): Python's and native
-    ones (OpenMP's pool, gloo's); where /proc is missing, Python's alone."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        import threading
-
-        return threading.active_count()
-
-
-OS_THREADS_AT_IMPORT = os_thread_count()  # after torch's import (above), before any of its thread pools
+# what a gloo rank imports (this harness, megatron-core's model, optimizer, DDP and schedules; HF's model
+# classes): the forkserver imports them once, and every rank it forks has them
+FORKSERVER_PRELOADED_MODULES = ("megarl.testing", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+                                "megatron.core.distributed", "megatron.core.pipeline_parallel",
+                                "megatron.core.dist_checkpointing", "transformers")
 
 
 def lost_master_port(error_text: str) -> bool:
@@ -141,7 +110,7 @@ MASTER_PORT_ATTEMPTS = 3
 
 
 def run_gloo_workers(
-    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: Optional[str] = None
+    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, start_method: str = "forkserver"
 ) -> list:
     """Run `fn(rank, world_size, master_port, *args)` in `world_size` new processes and return
     their results in rank order (each must be picklable by `torch.save`).
@@ -150,21 +119,28 @@ def run_gloo_workers(
     world_size, master_port, ...)`. A rank that raises makes this raise
     `torch.multiprocessing.ProcessRaisedException` carrying that rank's traceback (the other ranks
     are terminated); ranks still running after `timeout_s` seconds are killed and a
-    `TimeoutError` is raised. `start_method` None: fork when it is safe (`gloo_start_method`), else spawn.
+    `TimeoutError` is raised. Each rank runs in the caller's environment (`os.environ`) at the call.
+
+    `start_method` "forkserver" (the default): Python's forkserver, started by exec on the first call
+    and kept for the process's life, imports `FORKSERVER_PRELOADED_MODULES` once and forks every
+    rank. A rank so starts in well under a second instead of re-importing torch and megatron (about
+    7 s of CPU a rank under spawn), and as safely as under spawn: the server is single-threaded and
+    never computes (Python's multiprocessing docs, "forkserver"), where forking the caller itself is
+    unsafe once it initialised CUDA ("The CUDA runtime does not support the fork start method",
+    PyTorch's multiprocessing notes), joined a process group (the children would share its sockets),
+    runs other threads (Python's `os.fork` documentation: another thread's lock stays locked in the
+    child) or started a GNU OpenMP pool (libgomp is not fork-safe: a rank forked after the test
+    process computed in torch on two threads hung in libgomp under MKL's vmsCos). "fork" and "spawn"
+    are there for callers that need them.
     A master port lost to another process before rank 0 bound it (`lost_master_port`) starts the
     ranks again on a new one, up to `MASTER_PORT_ATTEMPTS` times in all.
     """
-    import threading
+    import multiprocessing
 
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    if start_method is None:
-        start_method = gloo_start_method(torch.cuda.is_initialized(), dist.is_available() and dist.is_initialized(),
-                                         threading.active_count(), os_thread_count(), OS_THREADS_AT_IMPORT)
-    if start_method == "fork":  # imported once here, inherited by every rank
-        for module in FORK_PRELOADED_MODULES:
-            importlib.import_module(module)
+    if start_method == "forkserver":  # effective until the server starts (on the first call): later calls repeat it
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOADED_MODULES))
     name = getattr(fn, "__name__", fn)
     log.info("running %s in %d gloo rank(s), started by %s", name, world_size, start_method)
     attempt = 1
@@ -186,7 +162,7 @@ def _run_ranks(fn: Callable, world_size: int, port: int, args: tuple, timeout_s:
 
     with tempfile.TemporaryDirectory(prefix="megarl-gloo-") as result_dir:
         context = mp.start_processes(
-            _worker, args=(fn, world_size, port, result_dir, args), nprocs=world_size, join=False,
+            _worker, args=(fn, world_size, port, result_dir, args, dict(os.environ)), nprocs=world_size, join=False,
             start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-# the helper modules next to this file are imported by name, also by spawned gloo workers
+# the helper modules next to this file are imported by name, also by gloo workers
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_hf import VARIANTS, write_checkpoint

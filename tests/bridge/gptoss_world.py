@@ -1,4 +1,4 @@
-"""The body of the gpt-oss bridge checks: 4 spawned gloo processes running real megatron-core
+"""The body of the gpt-oss bridge checks: 4 gloo processes running real megatron-core
 layers (CPU). For each layout the bridge-converted `torch_dist` checkpoint is loaded with the
 engine's loader into `GPTModel` chunks built twice, once with megatron's own local attention
 (`DotProductAttention`: `SoftmaxOne` sinks, `FusedScaleMaskSoftmax` windows) and once with megarl's

@@ -1,4 +1,4 @@
-"""The body of the real megatron-core checks: runs in 4 spawned gloo processes (CPU shims on).
+"""The body of the real megatron-core checks: runs in 4 gloo processes (CPU shims on).
 
 One world is reused for every layout (parallel_state is re-initialised in place), so the cost of
 starting processes and importing megatron is paid once. Each rank asserts what it can check

@@ -1,4 +1,4 @@
-"""The body of the MoE bridge checks: 4 spawned gloo processes running real megatron-core MoE
+"""The body of the MoE bridge checks: 4 gloo processes running real megatron-core MoE
 layers (SequentialMLP, alltoall dispatcher, CPU shims of engines/megatron/cpu/moe_shims.py).
 
 First, what megatron's MoE layers save: the keys and global shapes of a stock `GPTModel`'s

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-# engine_world.py is imported by name, also by the spawned gloo workers
+# engine_world.py is imported by name, also by the gloo workers
 sys.path.insert(0, str(Path(__file__).parent))
 
 from megarl.bridge.convert import HF_ASSETS_DIR, convert_hf_to_torch_dist  # noqa: E402

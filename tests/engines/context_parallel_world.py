@@ -1,4 +1,4 @@
-"""Body of the context-parallelism check, run in spawned gloo processes (2 ranks).
+"""Body of the context-parallelism check, run in gloo processes (2 ranks).
 
 The same actor and critic at CP1 (DP2) and at CP2 (DP1, megarl's CPU reference CP attention): the
 actor scores the batch (log-probs and entropies), takes one PPO update with a KL loss and an

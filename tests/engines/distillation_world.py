@@ -1,4 +1,4 @@
-"""Body of the distillation-loss engine check (test_distillation_engine.py), run in spawned gloo
+"""Body of the distillation-loss engine check (test_distillation_engine.py), run in gloo
 processes (2 ranks, TP=2: the vocabulary split over the ranks).
 
 The teacher (`TeacherEngine.compute_teacher_top_k`) scores a batch's responses with its top-k

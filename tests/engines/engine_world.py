@@ -1,4 +1,4 @@
-"""Bodies of the real megatron-core engine checks, run in spawned gloo processes.
+"""Bodies of the real megatron-core engine checks, run in gloo processes.
 
 Each world is started once and runs several layouts in turn (megatron's parallel state is
 destroyed and re-initialised between engines), because starting processes and importing

@@ -1,4 +1,4 @@
-"""Bodies of the FSDP2 engine checks (`megatron.use_torch_fsdp2`), run in spawned gloo processes: the
+"""Bodies of the FSDP2 engine checks (`megatron.use_torch_fsdp2`), run in gloo processes: the
 same PPO updates with megatron's DDP (the oracle) and with FSDP2 (LAYOUTS: DP2, TP2, CP2 with full recompute, and
 DP2 in bfloat16; PP_LAYOUTS: two pipeline stages; a critic at DP2; a tiny MoE at EP2 and EP1: MOE_LAYOUTS),
 in one world."""

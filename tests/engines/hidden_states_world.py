@@ -1,4 +1,4 @@
-"""Body of the hidden-states model check, run in one spawned gloo process (see engine_world.py)."""
+"""Body of the hidden-states model check, run in one gloo process (see engine_world.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""The body of the MoE engine check: 2 spawned gloo processes, an actor and a reference engine of
+"""The body of the MoE engine check: 2 gloo processes, an actor and a reference engine of
 a tiny Qwen3-MoE at TP1 / EP2 (each rank holds 4 of the 8 experts of every layer, DP 2) and its
 weight-sync resharder; the actor's checkpoint after two updates and its log-probs on those weights;
 then an actor at TP2 / EP1 (each expert split over the TP ranks), started from the bridge's

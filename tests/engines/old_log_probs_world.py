@@ -1,4 +1,4 @@
-"""Body of the old-log-probs-in-update check, run in spawned gloo processes (2 ranks).
+"""Body of the old-log-probs-in-update check, run in gloo processes (2 ranks).
 
 Per layout, two actors from the same checkpoint take the same two steps: one as the controller
 did before (`compute_log_prob`, then `update_policy` with those old log-probs), one with

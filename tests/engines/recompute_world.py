@@ -1,4 +1,4 @@
-"""Body of the activation-recompute check, run in spawned gloo processes (2 ranks, TP1 x PP2: two
+"""Body of the activation-recompute check, run in gloo processes (2 ranks, TP1 x PP2: two
 layers per stage).
 
 Per case the same actor takes the same step from the same checkpoint: old log-probs, then one PPO

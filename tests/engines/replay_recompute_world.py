@@ -1,4 +1,4 @@
-"""Body of the routing-replay-with-recompute check, run in 2 spawned gloo processes (TP1 x PP2, a
+"""Body of the routing-replay-with-recompute check, run in 2 gloo processes (TP1 x PP2, a
 tiny 4-layer Qwen3-MoE: two layers per stage, or one per chunk with VPP=2).
 
 Per case the same actor takes the same step from the same checkpoint with routing replay (R3) on

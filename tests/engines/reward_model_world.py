@@ -1,4 +1,4 @@
-"""Body of the reward-model engine check, run in spawned gloo processes (see engine_world.py)."""
+"""Body of the reward-model engine check, run in gloo processes (see engine_world.py)."""
 from __future__ import annotations
 
 from engine_world import config, init_world, ragged_batch, reset_layout

@@ -1,4 +1,4 @@
-"""Body of the sequence-parallelism check, run in spawned gloo processes (2 ranks, TP2, DP1).
+"""Body of the sequence-parallelism check, run in gloo processes (2 ranks, TP2, DP1).
 
 The same actor and the same critic take the same step from the same HF checkpoint at TP2 without
 and with `sequence_parallel`: the actor scores the batch (log-probs and entropies, temperature

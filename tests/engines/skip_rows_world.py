@@ -1,4 +1,4 @@
-"""Body of the zero-advantage-row check, run in spawned gloo processes (2 ranks: DP 2, or PP 2 x VPP 2).
+"""Body of the zero-advantage-row check, run in gloo processes (2 ranks: DP 2, or PP 2 x VPP 2).
 
 Per case, actors from the same checkpoint take the same update on the same batch, one with
 `actor_rollout_ref.actor.skip_zero_advantage_rows=false` (every row: the oracle) and one with

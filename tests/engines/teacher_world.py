@@ -1,4 +1,4 @@
-"""Body of the Megatron-teacher check, run in spawned gloo processes (2 ranks): an on-policy
+"""Body of the Megatron-teacher check, run in gloo processes (2 ranks): an on-policy
 distillation teacher (a llama, untied) at TP2 x DP1 and its student (a qwen2) at TP1 x DP2, one
 config, one world, one after the other as their worker groups would run them. Ranks return what
 their output ranks scored and the layouts they ran at."""

@@ -130,18 +130,14 @@ def test_shims_are_not_applied_when_cuda_is_available(monkeypatch):
 
 
 def run_all_scenarios() -> dict:
-    """The scenario with all shims, then without each one; each in 2 processes forked from this
-    one, which imports megatron but never applies a shim (so each world starts unpatched)."""
-    import megatron.core.distributed  # noqa: F401  (imported once here, inherited by every fork)
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-
+    """The scenario with all shims, then without each one; each in 2 processes forked by
+    `run_gloo_workers`' forkserver, which imported megatron but never applies a shim (so each world
+    starts unpatched)."""
     outcomes = {}
     for left_out in [None, *SHIMS]:
         shims = [s for s in SHIMS if s != left_out]
         try:
-            losses = testing.run_gloo_workers(scenario, 2, args=(shims,), timeout_s=120, start_method="fork")
+            losses = testing.run_gloo_workers(scenario, 2, args=(shims,), timeout_s=120)
             outcomes[left_out or "all"] = {"loss": losses[1]}
         except Exception as e:  # a rank's failure, with its traceback
             outcomes[left_out or "all"] = {"error": str(e)}

@@ -40,8 +40,7 @@ def test_one_chunk_and_checkpointed_chunks_give_plain_pytorchs_values_and_gradie
     from megarl.engines.megatron.heads import KEPT_LOGITS_ELEMENTS
 
     assert N * PADDED <= KEPT_LOGITS_ELEMENTS  # the one chunk is kept, not recomputed
-    # spawned: a forked rank hangs in its first OpenMP region when this process ran one before the fork
-    (result,) = run_gloo_workers(heads_world, 1, timeout_s=120, start_method="spawn")
+    (result,) = run_gloo_workers(heads_world, 1, timeout_s=120)
     hidden, weight, targets, c1, c2 = inputs()
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     log_p = torch.log_softmax(h @ w[:VOCAB].t() / TEMPERATURE, -1)

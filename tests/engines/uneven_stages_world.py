@@ -1,4 +1,4 @@
-"""Body of the uneven-pipeline-stages check, run in spawned gloo processes.
+"""Body of the uneven-pipeline-stages check, run in gloo processes.
 
 `uneven_world` (2 ranks): the actor at PP1 (DP2), then at PP2 with megatron's uneven split
 (`num_layers_in_first_pipeline_stage=1`: layers [1, 3]; `num_layers_in_last_pipeline_stage=1`:

@@ -19,7 +19,7 @@ STREAM = [(0, 0), (2, 0), (2, 1), (2, 2)]
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_gloo_workers(relay_world, 4, timeout_s=120, start_method="fork")  # imports done: no 4 x 20 s
+    return run_gloo_workers(relay_world, 4, timeout_s=120)
 
 
 def check_entries(record: dict, server: int, emitter: int, index: int, pids: list[int]) -> None:
