@@ -2,14 +2,15 @@
 killed mid-batch that is restarted while the client retries its requests, losing nothing."""
 import os
 import signal
+import socket
 import threading
 
 import pytest
 import torch
 
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.control import ServerControl
-from megarl.rollout.process import ProcessMonitor
+from megarl.rollout.control import ServerControl, ServerError
+from megarl.rollout.process import ProcessMonitor, ServerStartError, start_on_a_free_port
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
 
@@ -43,6 +44,41 @@ def router(servers, tmp_path_factory, helpers):
 
 def finished_requests(server):
     return ServerControl(server.url, api_key=KEY).server_info()["internal_states"][0]["num_finished_requests"]
+
+
+def test_a_router_whose_port_was_taken_starts_again_on_other_ports(servers, tmp_path, helpers):
+    """The rollout fleet's router start (`start_on_a_free_port` over `Router`): its first port is one
+    another process listens on, and sglang-router's log says so ("Address already in use (os error
+    98)"); it starts again on new ports and registers its workers. A start that fails for another
+    reason (a worker that never becomes healthy) is not retried, and leaves no router running."""
+    ports, log = [], tmp_path / "router.log"
+
+    def router_on(port, workers=tuple(s.url for s in servers)):
+        ports.append(port if ports else taken.getsockname()[1])
+        return Router(list(workers), ports[-1], prometheus_port=helpers.free_port("127.0.0.1"), api_key=KEY,
+                      log_path=str(log), ready_timeout_s=60)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        router = start_on_a_free_port(router_on, "127.0.0.1")
+    try:
+        assert len(ports) == 2 and ports[0] != ports[1] and router.url == f"http://127.0.0.1:{ports[1]}"
+        assert sorted(router.worker_urls(healthy_only=True)) == sorted(s.url for s in servers)
+    finally:
+        router.stop(timeout_s=15)
+    assert "address already in use" in log.read_text().lower()
+
+    ports.clear()
+    nobody = f"http://127.0.0.1:{helpers.free_port('127.0.0.1')}"  # no server listens there
+    with pytest.raises(ServerError, match="timed out after 3 s waiting for all initial workers healthy"):
+        start_on_a_free_port(lambda port: Router([nobody], ports.append(port) or port,
+                                                 prometheus_port=helpers.free_port("127.0.0.1"),
+                                                 log_path=str(tmp_path / "nobody.log"), ready_timeout_s=3),
+                             "127.0.0.1")
+    assert len(ports) == 1
+    with pytest.raises(OSError):  # the router that did not start was stopped
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
 
 
 def test_router_spreads_a_batch_and_logprobs_match_hf(router, servers, tiny_hf, helpers):

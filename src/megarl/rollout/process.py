@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 from megarl.net import free_port
 from megarl.rollout.control import ServerControl, ServerError
@@ -100,10 +100,15 @@ def says_port_taken(log_text: str) -> bool:
     return "address already in use" in log_text.lower()
 
 
-def start_on_a_free_port(make: Callable[[int], "ServerProcess"], host: str, attempts: int = 3) -> "ServerProcess":
+Server = TypeVar("Server")  # a ServerProcess, or a Router
+
+
+def start_on_a_free_port(make: Callable[[int], Server], host: str, attempts: int = 3) -> Server:
     """Build a server with `make(port)` on a port of `host` that was free a moment ago, and start it.
     A free port is only free until someone binds it: when another process (a client's ephemeral
-    source port, another server) took it first, start again on a new port, at most `attempts` times."""
+    source port, another server) took it first, start again on a new port, at most `attempts` times.
+    The server: a `ServerProcess`, or what starts one and names it the same way (`name`, `url`,
+    `start()` raising `ServerStartError`: megarl.rollout.router.Router)."""
     for _ in range(attempts - 1):
         server = make(free_port(host))
         try:

@@ -34,8 +34,13 @@ class Router:
         health_check_interval_s: int = 5,
         log_path: Optional[str] = None,
         startup_timeout_s: float = 60.0,
+        ready_timeout_s: float = 60.0,
     ):
+        """`startup_timeout_s`: for the process to answer; `ready_timeout_s`: then for every
+        initial worker to be registered and healthy (`start`)."""
+        self.name = "sglang-router"
         self.url = f"http://{host}:{port}"
+        self.ready_timeout_s = ready_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.initial_workers = [u.rstrip("/") for u in worker_urls]
         command = router_command(
@@ -49,13 +54,20 @@ class Router:
             health_check_interval_s=health_check_interval_s,
         )
         self.process = ServerProcess(
-            "sglang-router", command, self.url, log_path=log_path, startup_timeout_s=startup_timeout_s
+            self.name, command, self.url, log_path=log_path, startup_timeout_s=startup_timeout_s
         )
 
-    def start(self, timeout_s: float = 60.0) -> None:
-        """Start the router and wait until every initial worker is registered and healthy."""
+    def start(self, timeout_s: Optional[float] = None) -> None:
+        """Start the router and wait until every initial worker is registered and healthy (for
+        `timeout_s` seconds; None: `ready_timeout_s`). Raises `ServerStartError` (`port_taken` when
+        another process bound one of its ports first: `process.start_on_a_free_port` starts again)."""
         self.process.start()
-        self._wait_for(lambda urls: set(self.initial_workers) <= urls, timeout_s, "all initial workers healthy")
+        try:
+            self._wait_for(lambda urls: set(self.initial_workers) <= urls,
+                           self.ready_timeout_s if timeout_s is None else timeout_s, "all initial workers healthy")
+        except BaseException:  # nobody holds a router that did not start: stopped here
+            self.process.stop()
+            raise
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.process.stop(timeout_s)

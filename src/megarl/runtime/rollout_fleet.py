@@ -46,7 +46,7 @@ from megarl.rollout.client import RolloutClient, RolloutRequestError, RolloutRes
 from megarl.rollout.control import ServerControl, ServerError, on_each
 from megarl.rollout.launch import MultiNode
 from megarl.rollout.metrics import summarize
-from megarl.rollout.process import exit_description
+from megarl.rollout.process import exit_description, start_on_a_free_port
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
 from megarl.runtime.routing import routed_experts_layout
@@ -162,9 +162,10 @@ class RolloutFleet:
                 raise RolloutServerLost(f"the rollout servers did not start ({self._startup_bound()}): {e}") from None
             self.urls = [urls[ranks[0]] for ranks in self.members]
             # The router runs on the driver's node and listens on loopback: only this client calls it.
-            self.router = Router(self.urls, free_port("127.0.0.1"), prometheus_port=free_port("127.0.0.1"),
-                                 api_key=api_key, log_path=str(logs / "sglang-router.log"))
-            self.router.start(timeout_s=120)
+            # Its ports were free a moment ago; one bound by another process first: new ports.
+            self.router = start_on_a_free_port(
+                lambda port: Router(self.urls, port, prometheus_port=free_port("127.0.0.1"), api_key=api_key,
+                                    log_path=str(logs / "sglang-router.log"), ready_timeout_s=120), "127.0.0.1")
         except BaseException:
             self.shutdown()
             raise
