@@ -10,7 +10,7 @@ import torch
 
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.control import ServerControl, ServerError
-from megarl.rollout.process import ProcessMonitor, ServerStartError, start_on_a_free_port
+from megarl.rollout.process import ProcessMonitor, start_on_a_free_port
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.router import Router
 
